@@ -1,0 +1,165 @@
+//! The HTTP side: streaming OpenAI requests, closed loop.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use tokio::sync::Mutex;
+
+use crate::stats::{summarize, RunResult};
+use crate::RunArgs;
+
+pub async fn wait_ready(url: &str, limit: Duration) -> anyhow::Result<()> {
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Ok(r) = client.get(format!("{url}/debug/engines")).send().await {
+            if let Ok(v) = r.json::<serde_json::Value>().await {
+                if v["engines"].as_array().is_some_and(|a| !a.is_empty()) {
+                    return Ok(());
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("{url} not ready within {limit:?}")
+}
+
+/// `(sum, count)` of `pdmesh_engine_step_seconds` from a Prometheus text page.
+pub async fn scrape_step_seconds(url: &str) -> Option<(f64, f64)> {
+    let text = reqwest::get(url).await.ok()?.text().await.ok()?;
+    let find = |name: &str| {
+        text.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().last()).and_then(|v| v.parse::<f64>().ok())
+    };
+    Some((find("pdmesh_engine_step_seconds_sum")?, find("pdmesh_engine_step_seconds_count")?))
+}
+
+#[derive(Default)]
+struct Samples {
+    e2e: Vec<f64>,
+    ttft: Vec<f64>,
+    itl: Vec<f64>,
+    tokens: u64,
+    errors: usize,
+}
+
+/// Closed loop: `concurrency` workers each send requests back to back until `requests` were
+/// sent. Prompts are `prompt_tokens` synthetic bytes (one token each for the synthetic model).
+pub async fn run_tokens(url: &str, concurrency: usize, requests: usize, prompt_tokens: usize, max_tokens: u32) -> anyhow::Result<RunResult> {
+    let prompt = move |i: usize| -> String { (0..prompt_tokens).map(|j| (b'a' + ((i + j) % 26) as u8) as char).collect() };
+    run_closed_loop(url, concurrency, requests, max_tokens, Arc::new(prompt)).await
+}
+
+pub async fn run_load(a: &RunArgs) -> anyhow::Result<RunResult> {
+    let words = a.prompt_words;
+    let prompt = move |i: usize| -> String {
+        (0..words).map(|j| format!("word{}", (i * 7 + j) % 97)).collect::<Vec<_>>().join(" ")
+    };
+    run_closed_loop(&a.url, a.concurrency, a.requests, a.max_tokens, Arc::new(prompt)).await
+}
+
+async fn run_closed_loop(
+    url: &str,
+    concurrency: usize,
+    requests: usize,
+    max_tokens: u32,
+    prompt: Arc<dyn Fn(usize) -> String + Send + Sync>,
+) -> anyhow::Result<RunResult> {
+    let client = reqwest::Client::builder().pool_max_idle_per_host(concurrency.max(1)).build()?;
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let samples = Arc::new(Mutex::new(Samples::default()));
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let (client, next, samples, prompt) = (client.clone(), next.clone(), samples.clone(), prompt.clone());
+        let endpoint = format!("{url}/v1/completions");
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                if i >= requests {
+                    return;
+                }
+                let body = serde_json::json!({
+                    "prompt": prompt(i), "max_tokens": max_tokens, "temperature": 0,
+                    "stream": true, "ignore_eos": true,
+                });
+                let start = Instant::now();
+                let res = one_stream(&client, &endpoint, &body, start).await;
+                let mut s = samples.lock().await;
+                match res {
+                    Ok((ttft, itls, n)) => {
+                        s.e2e.push(start.elapsed().as_secs_f64() * 1000.0);
+                        if let Some(t) = ttft {
+                            s.ttft.push(t);
+                        }
+                        s.itl.extend(itls);
+                        s.tokens += n;
+                    }
+                    Err(_) => s.errors += 1,
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let s = samples.lock().await;
+    let e2e = summarize(&s.e2e);
+    Ok(RunResult {
+        concurrency,
+        requests,
+        errors: s.errors,
+        wall_s: wall,
+        requests_per_s: (requests - s.errors) as f64 / wall,
+        output_tokens_per_s: s.tokens as f64 / wall,
+        e2e_mean_ms: e2e.mean_ms,
+        e2e,
+        ttft: summarize(&s.ttft),
+        itl: summarize(&s.itl),
+        step_mean_ms: f64::NAN,
+    })
+}
+
+/// One streaming request: (TTFT ms, inter-token gaps ms, output chunks with text).
+async fn one_stream(
+    client: &reqwest::Client,
+    url: &str,
+    body: &serde_json::Value,
+    start: Instant,
+) -> anyhow::Result<(Option<f64>, Vec<f64>, u64)> {
+    let r = client.post(url).json(body).send().await?;
+    if !r.status().is_success() {
+        anyhow::bail!("status {}", r.status());
+    }
+    let mut stream = r.bytes_stream();
+    let mut buf = String::new();
+    let mut ttft = None;
+    let mut last = start;
+    let mut itl = Vec::new();
+    let mut n = 0u64;
+    while let Some(chunk) = stream.next().await {
+        buf.push_str(&String::from_utf8_lossy(&chunk?));
+        while let Some(pos) = buf.find("\n\n") {
+            let event: String = buf.drain(..pos + 2).collect();
+            let Some(data) = event.trim().strip_prefix("data: ") else { continue };
+            if data == "[DONE]" {
+                return Ok((ttft, itl, n));
+            }
+            let v: serde_json::Value = serde_json::from_str(data)?;
+            if v.get("error").is_some() {
+                anyhow::bail!("error event: {data}");
+            }
+            if v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
+                let now = Instant::now();
+                match ttft {
+                    None => ttft = Some(now.duration_since(start).as_secs_f64() * 1000.0),
+                    Some(_) => itl.push(now.duration_since(last).as_secs_f64() * 1000.0),
+                }
+                last = now;
+                n += 1;
+            }
+        }
+    }
+    Ok((ttft, itl, n))
+}

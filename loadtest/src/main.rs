@@ -1,0 +1,152 @@
+//! `pdmesh-load`: drive an OpenAI-compatible server with streaming requests and report
+//! latency and throughput; `overhead` measures what the mesh adds over the same engine and
+//! executor called in-process.
+
+mod client;
+mod inprocess;
+mod stats;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "pdmesh-load", version, about = "Load generator and benchmarks for pdmesh")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Closed-loop load against a running server.
+    Run(RunArgs),
+    /// Mesh overhead: the same engine and synthetic executor in-process versus through the
+    /// mesh (started here with `pdmesh up`), at several concurrencies.
+    Overhead(OverheadArgs),
+}
+
+#[derive(Args, Clone)]
+pub struct RunArgs {
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub url: String,
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    #[arg(long, default_value_t = 64)]
+    pub requests: usize,
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: u32,
+    /// Prompt length in words (synthetic prompts).
+    #[arg(long, default_value_t = 32)]
+    pub prompt_words: usize,
+    /// Write the JSON report here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+#[derive(Args, Clone)]
+struct OverheadArgs {
+    /// Concurrent streams to measure at.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,256")]
+    concurrency: Vec<usize>,
+    /// Requests per measurement (at least 4 × concurrency are sent).
+    #[arg(long, default_value_t = 512)]
+    requests: usize,
+    #[arg(long, default_value_t = 16)]
+    max_tokens: u32,
+    #[arg(long, default_value_t = 32)]
+    prompt_tokens: usize,
+    /// The pdmesh binary (default: next to this one).
+    #[arg(long)]
+    pdmesh: Option<PathBuf>,
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    match cli.command {
+        Cmd::Run(a) => rt.block_on(async {
+            let report = client::run_load(&a).await?;
+            println!("{}", serde_json::to_string_pretty(&report)?);
+            if let Some(out) = &a.out {
+                std::fs::write(out, serde_json::to_string_pretty(&report)?)?;
+            }
+            Ok(())
+        }),
+        Cmd::Overhead(a) => rt.block_on(overhead(a)),
+    }
+}
+
+async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
+    let pdmesh = match &a.pdmesh {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?.with_file_name("pdmesh"),
+    };
+    let run_dir = std::env::temp_dir().join(format!("pdmesh-overhead-{}", std::process::id()));
+    std::fs::create_dir_all(&run_dir)?;
+    let port = 18900 + (std::process::id() % 500) as u16;
+    let base = 26000 + (std::process::id() % 500) as u16 * 10;
+    let topo = format!(
+        "run_dir = {:?}\n[[nodes]]\nname = \"main\"\nhttp_port = {port}\nbase_port = {base}\n[nodes.model]\nkind = \"synthetic\"\n[nodes.engine]\nnum_blocks = 16384\nmax_num_seqs = 512\nmax_num_batched_tokens = 8192\nmax_model_len = 4096\n",
+        run_dir.display().to_string()
+    );
+    let topo_path = run_dir.join("overhead.toml");
+    std::fs::write(&topo_path, topo)?;
+    let mut up = tokio::process::Command::new(&pdmesh)
+        .arg("up")
+        .arg("--topology")
+        .arg(&topo_path)
+        .env("PDMESH_RUN_DIR", &run_dir)
+        .env("RUST_LOG", "warn")
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", pdmesh.display()))?;
+    let url = format!("http://127.0.0.1:{port}");
+    client::wait_ready(&url, Duration::from_secs(60)).await?;
+    let engine_metrics = format!("http://127.0.0.1:{}/metrics", base + 110);
+
+    let mut rows = Vec::new();
+    for &c in &a.concurrency {
+        let n = a.requests.max(4 * c);
+        let base_run = inprocess::run(c, n, a.prompt_tokens, a.max_tokens);
+        let before = client::scrape_step_seconds(&engine_metrics).await.unwrap_or_default();
+        let mesh_run = client::run_tokens(&url, c, n, a.prompt_tokens, a.max_tokens).await?;
+        let after = client::scrape_step_seconds(&engine_metrics).await.unwrap_or_default();
+        let mesh_step_ms = if after.1 > before.1 { 1000.0 * (after.0 - before.0) / (after.1 - before.1) } else { f64::NAN };
+        let row = serde_json::json!({
+            "concurrency": c,
+            "requests": n,
+            "inprocess": base_run,
+            "mesh": mesh_run,
+            "mesh_step_ms": mesh_step_ms,
+            "added_latency_per_request_ms": mesh_run.e2e_mean_ms - base_run.e2e_mean_ms,
+            "added_latency_per_step_ms": mesh_step_ms - base_run.step_mean_ms,
+        });
+        eprintln!("{}", serde_json::to_string(&row)?);
+        rows.push(row);
+    }
+    // requests/s for 1-token requests
+    let n1 = a.requests.max(256);
+    let base1 = inprocess::run(64, n1, a.prompt_tokens, 1);
+    let mesh1 = client::run_tokens(&url, 64, n1, a.prompt_tokens, 1).await?;
+    let report = serde_json::json!({
+        "rows": rows,
+        "one_token_requests": {"concurrency": 64, "requests": n1, "inprocess_rps": base1.requests_per_s, "mesh_rps": mesh1.requests_per_s},
+    });
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    if let Some(out) = &a.out {
+        std::fs::write(out, serde_json::to_string_pretty(&report)?)?;
+    }
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(up.id().unwrap_or(0) as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(20), up.wait()).await;
+    let _ = std::fs::remove_dir_all(&run_dir);
+    Ok(())
+}

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Run every test of the workspace: unit, in-process integration, and process-level mesh
+# tests. Release profile: the model tests need optimised code, and one profile means one build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+# The model tests need the GGUF file; fetch it (idempotent, verified by sha256).
+if [[ "${PDMESH_SKIP_MODEL_TESTS:-0}" != "1" ]]; then
+  export PDMESH_MODEL_PATH="${PDMESH_MODEL_PATH:-$(scripts/fetch-model.sh)}"
+fi
+cargo build --release --workspace --all-targets
+# Test binaries start whole meshes; two at a time is what a 2-core machine sustains.
+cargo test --release --workspace -- --test-threads="${PDMESH_TEST_THREADS:-2}"

@@ -1,0 +1,57 @@
+//! The connector decisions, behind one trait.
+
+use pdmesh_protocol::{FinishedStatus, KvConnectorMetadata, KvConnectorOutput, KvTransferParams};
+
+/// vLLM's scheduler-side connector surface. Calls arrive in the order the engine makes them
+/// within a step; every method is total (unknown ids are counted by the implementation, never
+/// a panic).
+pub trait KvConnectorScheduler: Send {
+    /// `(count, load_async)`: tokens beyond `num_computed_tokens` that can come from outside;
+    /// `None` = cannot decide yet.
+    fn get_num_new_matched_tokens(
+        &mut self,
+        request_id: &str,
+        num_prompt_tokens: u32,
+        num_computed_tokens: u32,
+        params: Option<&KvTransferParams>,
+    ) -> (Option<u32>, bool);
+    fn update_state_after_alloc(&mut self, request_id: &str, block_ids: &[u32], num_external_tokens: u32);
+    /// Called exactly once per step; drains what the calls since the last step enqueued.
+    fn build_connector_meta(&mut self, step_id: u64) -> KvConnectorMetadata;
+    /// `(delay_free, params for the decode side)`; `true` hands the blocks to the connector.
+    fn request_finished(
+        &mut self,
+        request_id: &str,
+        status: FinishedStatus,
+        block_ids: &[u32],
+        params: Option<&KvTransferParams>,
+    ) -> (bool, Option<KvTransferParams>);
+    fn update_connector_output(&mut self, output: &KvConnectorOutput);
+}
+
+/// No KV transfer: nothing comes from outside, nothing is held.
+#[derive(Debug, Default)]
+pub struct NoopConnector {
+    calls: u64,
+}
+
+impl KvConnectorScheduler for NoopConnector {
+    fn get_num_new_matched_tokens(&mut self, _: &str, _: u32, _: u32, _: Option<&KvTransferParams>) -> (Option<u32>, bool) {
+        self.calls += 1;
+        (Some(0), false)
+    }
+    fn update_state_after_alloc(&mut self, _: &str, _: &[u32], _: u32) {
+        self.calls += 1;
+    }
+    fn build_connector_meta(&mut self, _: u64) -> KvConnectorMetadata {
+        self.calls += 1;
+        KvConnectorMetadata::default()
+    }
+    fn request_finished(&mut self, _: &str, _: FinishedStatus, _: &[u32], _: Option<&KvTransferParams>) -> (bool, Option<KvTransferParams>) {
+        self.calls += 1;
+        (false, None)
+    }
+    fn update_connector_output(&mut self, _: &KvConnectorOutput) {
+        self.calls += 1;
+    }
+}

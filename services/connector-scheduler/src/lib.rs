@@ -1,0 +1,121 @@
+//! connector-scheduler: the scheduler side of the KV connector (vLLM's
+//! `KVConnectorBase_V1` scheduler role), in its own process.
+//!
+//! engine-core sends batches of [`ConnectorCall`]s each step and gets one
+//! [`ConnectorReply`] per call. The decisions live behind the [`KvConnectorScheduler`] trait:
+//! [`NoopConnector`] for colocated serving (no KV transfer); the P/D connector implements the
+//! same trait.
+
+pub mod connector;
+
+pub use connector::{KvConnectorScheduler, NoopConnector};
+
+use actix::prelude::*;
+use pdmesh_config::{Service, Topology};
+use pdmesh_protocol::{ConnectorCall, ConnectorReply, Message};
+use pdmesh_transport::{bind_router, RouterEvent, RouterHandle};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ConnectorSchedulerError {
+    #[error("config: {0}")]
+    Config(#[from] pdmesh_config::ConfigError),
+    #[error("rank {rank} is outside dp_size {dp_size}")]
+    BadRank { rank: u32, dp_size: u32 },
+    #[error("transport: {0}")]
+    Transport(#[from] pdmesh_transport::TransportError),
+    #[error("ops server: {0}")]
+    Ops(String),
+}
+
+/// The actor answering connector calls for one engine rank.
+pub struct ConnectorSchedulerActor {
+    connector: Box<dyn KvConnectorScheduler>,
+    router: Option<RouterHandle>,
+}
+
+impl Actor for ConnectorSchedulerActor {
+    type Context = Context<Self>;
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct SetRouter(RouterHandle);
+
+impl Handler<SetRouter> for ConnectorSchedulerActor {
+    type Result = ();
+    fn handle(&mut self, m: SetRouter, _: &mut Context<Self>) {
+        self.router = Some(m.0);
+    }
+}
+
+impl Handler<RouterEvent> for ConnectorSchedulerActor {
+    type Result = ();
+    fn handle(&mut self, ev: RouterEvent, _: &mut Context<Self>) {
+        let RouterEvent::Message { peer, envelope } = ev else { return };
+        let reply = match &envelope.body {
+            Message::ConnectorCalls(calls) => {
+                Message::ConnectorReplies(calls.iter().cloned().map(|c| dispatch(self.connector.as_mut(), c)).collect())
+            }
+            Message::Ping => Message::Pong,
+            Message::Hello(h) => {
+                tracing::info!(service = ?h.service, rank = h.rank, pid = h.pid, "peer connected");
+                return;
+            }
+            other => {
+                tracing::warn!(kind = other.kind(), "unexpected message");
+                return;
+            }
+        };
+        if let Some(r) = &self.router {
+            let _ = r.send(&peer, envelope.reply(reply));
+        }
+    }
+}
+
+/// Apply one call to the connector.
+pub fn dispatch(c: &mut dyn KvConnectorScheduler, call: ConnectorCall) -> ConnectorReply {
+    match call {
+        ConnectorCall::GetNumNewMatchedTokens { request_id, num_prompt_tokens, num_computed_tokens, kv_transfer_params } => {
+            let (count, load_async) =
+                c.get_num_new_matched_tokens(&request_id, num_prompt_tokens, num_computed_tokens, kv_transfer_params.as_ref());
+            ConnectorReply::MatchedTokens { count, load_async }
+        }
+        ConnectorCall::UpdateStateAfterAlloc { request_id, block_ids, num_external_tokens } => {
+            c.update_state_after_alloc(&request_id, &block_ids, num_external_tokens);
+            ConnectorReply::Ack
+        }
+        ConnectorCall::BuildConnectorMeta { step_id } => ConnectorReply::Meta(c.build_connector_meta(step_id)),
+        ConnectorCall::RequestFinished { request_id, status, block_ids, kv_transfer_params } => {
+            let (delay_free, kv_transfer_params) =
+                c.request_finished(&request_id, status, &block_ids, kv_transfer_params.as_ref());
+            ConnectorReply::Finished { delay_free, kv_transfer_params }
+        }
+        ConnectorCall::UpdateConnectorOutput(out) => {
+            c.update_connector_output(&out);
+            ConnectorReply::Ack
+        }
+    }
+}
+
+/// Start the connector-scheduler of `rank` on `node` inside the current actix System.
+pub async fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<ConnectorSchedulerActor>, ConnectorSchedulerError> {
+    let node = topology.node(node_name)?;
+    if rank >= node.dp_size {
+        return Err(ConnectorSchedulerError::BadRank { rank, dp_size: node.dp_size });
+    }
+    let eps = node.endpoints(&topology.run_dir);
+    let Some(ep) = eps.connector_scheduler.get(rank as usize) else {
+        return Err(ConnectorSchedulerError::BadRank { rank, dp_size: node.dp_size });
+    };
+    let health = pdmesh_telemetry::ops::Health::default();
+    let port = node.metrics_port(Service::ConnectorScheduler, rank);
+    pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
+        .map_err(|e| ConnectorSchedulerError::Ops(format!("port {port}: {e}")))?;
+    let actor = ConnectorSchedulerActor { connector: Box::new(NoopConnector::default()), router: None }.start();
+    let router = bind_router(&ep.bind, actor.clone().recipient()).await?;
+    actor.do_send(SetRouter(router));
+    health.set_ready(true);
+    tracing::info!(endpoint = %ep.bind, rank, "connector-scheduler ready");
+    Ok(actor)
+}

@@ -1,0 +1,143 @@
+//! connector-worker: owns one rank's KV-cache memory and runs the model executor (vLLM's GPU
+//! worker + model runner + the worker side of the KV connector).
+//!
+//! - [`ExecutorActor`] runs on its own OS thread (an actix `SyncArbiter`), because a forward
+//!   pass is CPU-bound and must not stall the socket actor.
+//! - [`WorkerActor`] binds the ROUTER engine-core talks to, answers `WorkerInfoQuery`, and
+//!   forwards `ExecuteStep` to the executor thread.
+
+pub mod executor_actor;
+pub mod metrics;
+
+pub use executor_actor::{ExecutorActor, ExecutorFactory, RunStep};
+
+use actix::prelude::*;
+use pdmesh_config::{Service, Topology};
+use pdmesh_model_api::ModelFacts;
+use pdmesh_protocol::{ErrorClass, Message, WireError, WorkerInfo};
+use pdmesh_transport::{bind_router, RouterEvent, RouterHandle};
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum WorkerError {
+    #[error("config: {0}")]
+    Config(#[from] pdmesh_config::ConfigError),
+    #[error("rank {rank} is outside dp_size {dp_size}")]
+    BadRank { rank: u32, dp_size: u32 },
+    #[error("transport: {0}")]
+    Transport(#[from] pdmesh_transport::TransportError),
+    #[error("model: {0}")]
+    Model(String),
+    #[error("ops server: {0}")]
+    Ops(String),
+}
+
+/// The socket side of the worker.
+pub struct WorkerActor {
+    executor: Addr<ExecutorActor>,
+    info: WorkerInfo,
+    router: Option<RouterHandle>,
+}
+
+impl Actor for WorkerActor {
+    type Context = Context<Self>;
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct SetRouter(RouterHandle);
+
+impl Handler<SetRouter> for WorkerActor {
+    type Result = ();
+    fn handle(&mut self, m: SetRouter, _: &mut Context<Self>) {
+        self.router = Some(m.0);
+    }
+}
+
+impl Handler<RouterEvent> for WorkerActor {
+    type Result = ();
+    fn handle(&mut self, ev: RouterEvent, ctx: &mut Context<Self>) {
+        let RouterEvent::Message { peer, envelope } = ev else { return };
+        let Some(router) = self.router.clone() else { return };
+        match &envelope.body {
+            Message::WorkerInfoQuery => {
+                let _ = router.send(&peer, envelope.reply(Message::WorkerInfo(self.info.clone())));
+            }
+            Message::Ping => {
+                let _ = router.send(&peer, envelope.reply(Message::Pong));
+            }
+            Message::ExecuteStep(step) => {
+                let fut = self.executor.send(RunStep(step.clone()));
+                ctx.spawn(
+                    async move {
+                        let body = match fut.await {
+                            Ok(Ok(out)) => Message::StepResult(out),
+                            Ok(Err(e)) => Message::Error(WireError::new(ErrorClass::Internal, e)),
+                            Err(e) => Message::Error(WireError::new(ErrorClass::Unavailable, format!("executor thread: {e}"))),
+                        };
+                        let _ = router.send(&peer, envelope.reply(body));
+                    }
+                    .into_actor(self),
+                );
+            }
+            Message::Hello(h) => tracing::info!(service = ?h.service, rank = h.rank, pid = h.pid, "peer connected"),
+            other => tracing::warn!(kind = other.kind(), "unexpected message"),
+        }
+    }
+}
+
+/// Start the connector-worker of `rank` on `node`, running the executor that `factory`
+/// builds (on the executor thread) over a KV cache of the node's configured size.
+pub async fn run(
+    topology: &Topology,
+    node_name: &str,
+    rank: u32,
+    factory: ExecutorFactory,
+    facts: ModelFacts,
+) -> Result<Addr<WorkerActor>, WorkerError> {
+    let node = topology.node(node_name)?;
+    if rank >= node.dp_size {
+        return Err(WorkerError::BadRank { rank, dp_size: node.dp_size });
+    }
+    let eps = node.endpoints(&topology.run_dir);
+    let Some(ep) = eps.connector_worker.get(rank as usize) else {
+        return Err(WorkerError::BadRank { rank, dp_size: node.dp_size });
+    };
+    let health = pdmesh_telemetry::ops::Health::default();
+    let port = node.metrics_port(Service::ConnectorWorker, rank);
+    pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
+        .map_err(|e| WorkerError::Ops(format!("port {port}: {e}")))?;
+
+    let spec = pdmesh_model_api::KvCacheSpec {
+        num_layers: facts.num_layers,
+        num_blocks: node.engine.num_blocks,
+        block_size: node.engine.block_size,
+        num_kv_heads: facts.num_kv_heads,
+        head_dim: facts.head_dim,
+    };
+    let max_model_len = if node.engine.max_model_len == 0 {
+        facts.max_model_len
+    } else {
+        node.engine.max_model_len.min(facts.max_model_len)
+    };
+    let info = WorkerInfo {
+        model_name: facts.name.clone(),
+        num_blocks: spec.num_blocks,
+        block_size: spec.block_size,
+        num_layers: spec.num_layers,
+        num_kv_heads: spec.num_kv_heads,
+        head_dim: spec.head_dim,
+        max_model_len,
+        vocab_size: facts.vocab_size,
+        eos_token_ids: facts.eos_token_ids.clone(),
+        bytes_per_block: spec.bytes_per_block(),
+    };
+    metrics::KV_CACHE_BYTES.set((spec.bytes_per_block() * u64::from(spec.num_blocks)) as i64);
+    let executor = executor_actor::start(factory, spec);
+    let actor = WorkerActor { executor, info, router: None }.start();
+    let router = bind_router(&ep.bind, actor.clone().recipient()).await?;
+    actor.do_send(SetRouter(router));
+    health.set_ready(true);
+    tracing::info!(endpoint = %ep.bind, rank, kv_bytes = spec.bytes_per_block() * u64::from(spec.num_blocks), "connector-worker ready");
+    Ok(actor)
+}

@@ -1,0 +1,359 @@
+//! dp-lb: the data-parallel load balancer between a node's frontend and its engine ranks
+//! (vLLM's `DPLBAsyncMPClient`, as its own process).
+//!
+//! - Requests go to the rank pinned by `X-data-parallel-rank`, else to the least-loaded live
+//!   rank by vLLM's score `4 × waiting + running` ([`policy`]), using the load each rank
+//!   reports after its steps plus what was sent since.
+//! - Aborts go to the rank that owns the request; unknown ids are counted.
+//! - Engine outputs (PULL) are forwarded to the frontend (PUSH).
+//! - When a rank's connection drops, its in-flight requests end at once with an
+//!   `unavailable` error instead of hanging, and new requests avoid it.
+
+pub mod metrics;
+pub mod policy;
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use actix::prelude::*;
+use pdmesh_config::{Service, Topology};
+use pdmesh_protocol::{
+    EngineOutput, EngineOutputBatch, Envelope, ErrorClass, FinishReason, MeshStats, Message, WireError,
+};
+use pdmesh_transport::{bind_pull, bind_router, connect_push, PeerId, PullEvent, PushHandle, RouterEvent, RouterHandle};
+use thiserror::Error;
+
+use crate::metrics as m;
+use crate::policy::RankLoad;
+
+#[derive(Debug, Error)]
+pub enum DpLbError {
+    #[error("config: {0}")]
+    Config(#[from] pdmesh_config::ConfigError),
+    #[error("transport: {0}")]
+    Transport(#[from] pdmesh_transport::TransportError),
+    #[error("ops server: {0}")]
+    Ops(String),
+}
+
+/// How long a stats fan-out waits for the ranks.
+const STATS_TIMEOUT: Duration = Duration::from_millis(1000);
+
+struct StatsGather {
+    frontend_peer: PeerId,
+    request: Envelope,
+    waiting: Vec<u32>,
+    collected: MeshStats,
+}
+
+/// The dp-lb actor.
+pub struct DpLb {
+    dp_size: u32,
+    ranks: Vec<RankLoad>,
+    /// ZeroMQ identity of each connected rank.
+    rank_peers: HashMap<PeerId, u32>,
+    in_flight: HashMap<String, u32>,
+    frontend: Option<RouterHandle>,
+    engines: Option<RouterHandle>,
+    outputs: Option<PushHandle>,
+    stats: HashMap<u64, StatsGather>,
+    next_corr: u64,
+    health: pdmesh_telemetry::ops::Health,
+}
+
+impl Actor for DpLb {
+    type Context = Context<Self>;
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Wire {
+    frontend: RouterHandle,
+    engines: RouterHandle,
+    outputs: PushHandle,
+}
+
+impl Handler<Wire> for DpLb {
+    type Result = ();
+    fn handle(&mut self, w: Wire, _: &mut Context<Self>) {
+        self.frontend = Some(w.frontend);
+        self.engines = Some(w.engines);
+        self.outputs = Some(w.outputs);
+    }
+}
+
+/// Events from the frontend-facing ROUTER.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct FromFrontend(RouterEvent);
+
+/// Events from the engine-facing ROUTER.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct FromEngines(RouterEvent);
+
+impl Handler<FromFrontend> for DpLb {
+    type Result = ();
+    fn handle(&mut self, FromFrontend(ev): FromFrontend, ctx: &mut Context<Self>) {
+        let RouterEvent::Message { peer, envelope } = ev else { return };
+        match &envelope.body {
+            Message::AddRequest(req) => {
+                let reply = self.route(req.clone(), &envelope);
+                if let Some(f) = &self.frontend {
+                    let _ = f.send(&peer, envelope.reply(reply));
+                }
+            }
+            Message::Abort(a) => {
+                for id in &a.request_ids {
+                    match self.in_flight.get(id) {
+                        Some(&rank) => self.send_to_rank(rank, Envelope::new(Message::Abort(pdmesh_protocol::AbortRequests { request_ids: vec![id.clone()] })).with_request_id(id.clone()).with_trace(envelope.trace.clone())),
+                        None => m::UNKNOWN_IDS.inc(),
+                    }
+                }
+            }
+            Message::StatsQuery => self.gather_stats(peer, envelope, ctx),
+            Message::Ping => {
+                if let Some(f) = &self.frontend {
+                    let _ = f.send(&peer, envelope.reply(Message::Pong));
+                }
+            }
+            Message::Hello(h) => tracing::info!(service = ?h.service, pid = h.pid, "frontend connected"),
+            other => tracing::warn!(kind = other.kind(), "unexpected message from frontend"),
+        }
+    }
+}
+
+impl DpLb {
+    fn route(&mut self, req: pdmesh_protocol::EngineRequest, env: &Envelope) -> Message {
+        let rank = match req.data_parallel_rank {
+            Some(r) if r >= self.dp_size => {
+                m::ROUTED.with_label_values(&["bad_rank"]).inc();
+                return Message::Error(WireError::new(
+                    ErrorClass::InvalidRequest,
+                    format!("data parallel rank {r} is out of range [0, {})", self.dp_size),
+                ));
+            }
+            Some(r) => {
+                if !self.ranks.get(r as usize).is_some_and(|l| l.connected) {
+                    m::ROUTED.with_label_values(&["unavailable"]).inc();
+                    return Message::Error(WireError::new(ErrorClass::Unavailable, format!("unavailable: engine rank {r} is not connected")));
+                }
+                r
+            }
+            None => match policy::least_loaded(&self.ranks) {
+                Some(r) => r,
+                None => {
+                    m::ROUTED.with_label_values(&["unavailable"]).inc();
+                    return Message::Error(WireError::new(ErrorClass::Unavailable, "unavailable: no engine rank is connected (engine-core down or restarting)"));
+                }
+            },
+        };
+        let id = req.request_id.clone();
+        if self.in_flight.contains_key(&id) {
+            return Message::Error(WireError::new(ErrorClass::InvalidRequest, format!("request id {id:?} is already in flight")));
+        }
+        if let Some(l) = self.ranks.get_mut(rank as usize) {
+            l.pending += 1;
+        }
+        self.in_flight.insert(id.clone(), rank);
+        m::IN_FLIGHT.set(self.in_flight.len() as i64);
+        m::ROUTED.with_label_values(&[&rank.to_string()]).inc();
+        self.send_to_rank(rank, Envelope::new(Message::AddRequest(req)).with_request_id(id).with_trace(env.trace.clone()));
+        Message::Ack
+    }
+
+    fn send_to_rank(&self, rank: u32, env: Envelope) {
+        let Some(engines) = &self.engines else { return };
+        if let Some((peer, _)) = self.rank_peers.iter().find(|(_, &r)| r == rank) {
+            let _ = engines.send(peer, env);
+        }
+    }
+
+    fn gather_stats(&mut self, peer: PeerId, request: Envelope, ctx: &mut Context<Self>) {
+        let corr = self.next_corr;
+        self.next_corr += 1;
+        let live: Vec<u32> = self.rank_peers.values().copied().collect();
+        let unreachable: Vec<u32> = (0..self.dp_size).filter(|r| !live.contains(r)).collect();
+        for &rank in &live {
+            self.send_to_rank(rank, Envelope::new(Message::StatsQuery).with_corr(corr));
+        }
+        self.stats.insert(
+            corr,
+            StatsGather {
+                frontend_peer: peer,
+                request,
+                waiting: live,
+                collected: MeshStats { engines: vec![], unreachable_ranks: unreachable },
+            },
+        );
+        self.maybe_finish_stats(corr, false);
+        ctx.run_later(STATS_TIMEOUT, move |act, _| act.maybe_finish_stats(corr, true));
+    }
+
+    fn maybe_finish_stats(&mut self, corr: u64, timed_out: bool) {
+        let done = self.stats.get(&corr).is_some_and(|g| g.waiting.is_empty() || timed_out);
+        if !done {
+            return;
+        }
+        if let Some(mut g) = self.stats.remove(&corr) {
+            g.collected.unreachable_ranks.extend(g.waiting.iter().copied());
+            g.collected.unreachable_ranks.sort_unstable();
+            g.collected.engines.sort_by_key(|e| e.engine_rank);
+            if let Some(f) = &self.frontend {
+                let _ = f.send(&g.frontend_peer, g.request.reply(Message::StatsReply(g.collected)));
+            }
+        }
+    }
+
+    /// A rank went away: end its in-flight requests with an error now.
+    fn rank_lost(&mut self, rank: u32) {
+        if let Some(l) = self.ranks.get_mut(rank as usize) {
+            *l = RankLoad::default();
+        }
+        let lost: Vec<String> = self.in_flight.iter().filter(|(_, &r)| r == rank).map(|(id, _)| id.clone()).collect();
+        tracing::error!(rank, in_flight = lost.len(), "engine rank lost; failing its in-flight requests");
+        m::RANKS_UP.set(self.ranks.iter().filter(|l| l.connected).count() as i64);
+        if lost.is_empty() {
+            return;
+        }
+        let outputs = lost
+            .iter()
+            .map(|id| EngineOutput {
+                request_id: id.clone(),
+                new_token_ids: vec![],
+                new_logprobs: None,
+                finish_reason: Some(FinishReason::Error),
+                stop_token_id: None,
+                kv_transfer_params: None,
+                num_external_tokens: 0,
+                error: Some(format!("unavailable: engine rank {rank} stopped while serving this request")),
+            })
+            .collect();
+        for id in &lost {
+            self.in_flight.remove(id);
+        }
+        m::IN_FLIGHT.set(self.in_flight.len() as i64);
+        m::FAILED_BY_RANK_LOSS.inc_by(lost.len() as u64);
+        if let Some(o) = &self.outputs {
+            let _ = o.send(Envelope::new(Message::EngineOutputs(EngineOutputBatch { engine_rank: rank, outputs })));
+        }
+    }
+}
+
+impl Handler<FromEngines> for DpLb {
+    type Result = ();
+    fn handle(&mut self, FromEngines(ev): FromEngines, _: &mut Context<Self>) {
+        match ev {
+            RouterEvent::PeerDisconnected { peer } => {
+                if let Some(rank) = self.rank_peers.remove(&peer) {
+                    self.rank_lost(rank);
+                    self.health.set_ready(!self.rank_peers.is_empty());
+                }
+            }
+            RouterEvent::Message { peer, envelope } => match envelope.body {
+                Message::Hello(h) => {
+                    if h.rank >= self.dp_size {
+                        tracing::error!(rank = h.rank, "engine with a rank outside dp_size connected; ignored");
+                        return;
+                    }
+                    // A restarted rank: forget the old connection of the same rank.
+                    self.rank_peers.retain(|_, r| *r != h.rank);
+                    self.rank_peers.insert(peer, h.rank);
+                    if let Some(l) = self.ranks.get_mut(h.rank as usize) {
+                        *l = RankLoad { connected: true, ..Default::default() };
+                    }
+                    m::RANKS_UP.set(self.ranks.iter().filter(|l| l.connected).count() as i64);
+                    self.health.set_ready(true);
+                    tracing::info!(rank = h.rank, pid = h.pid, "engine rank connected");
+                }
+                Message::LoadReport(r) => {
+                    if let Some(l) = self.ranks.get_mut(r.engine_rank as usize) {
+                        l.waiting = r.num_waiting;
+                        l.running = r.num_running;
+                        l.pending = 0;
+                    }
+                }
+                Message::StatsReply(s) => {
+                    let corr = envelope.corr;
+                    if let Some(g) = self.stats.get_mut(&corr) {
+                        for e in s.engines {
+                            g.waiting.retain(|r| *r != e.engine_rank);
+                            g.collected.engines.push(e);
+                        }
+                        self.maybe_finish_stats(corr, false);
+                    }
+                }
+                other => tracing::warn!(kind = other.kind(), "unexpected message from engine"),
+            },
+        }
+    }
+}
+
+impl Handler<PullEvent> for DpLb {
+    type Result = ();
+    fn handle(&mut self, ev: PullEvent, _: &mut Context<Self>) {
+        if let Message::EngineOutputs(batch) = &ev.envelope.body {
+            for o in &batch.outputs {
+                if o.finish_reason.is_some() {
+                    self.in_flight.remove(&o.request_id);
+                }
+            }
+            m::IN_FLIGHT.set(self.in_flight.len() as i64);
+        }
+        if let Some(o) = &self.outputs {
+            if o.send(ev.envelope).is_err() {
+                m::OUTPUTS_DROPPED.inc();
+            }
+        }
+    }
+}
+
+/// Forwarders so that two ROUTERs can feed one actor with distinguishable events.
+struct Tag<F>(Addr<DpLb>, F);
+impl<F: Fn(RouterEvent) -> M + Unpin + 'static, M: actix::Message<Result = ()> + Send + 'static> Actor for Tag<F, >
+where
+    DpLb: Handler<M>,
+{
+    type Context = Context<Self>;
+}
+impl<F: Fn(RouterEvent) -> M + Unpin + 'static, M: actix::Message<Result = ()> + Send + 'static> Handler<RouterEvent> for Tag<F>
+where
+    DpLb: Handler<M>,
+{
+    type Result = ();
+    fn handle(&mut self, ev: RouterEvent, _: &mut Context<Self>) {
+        self.0.do_send((self.1)(ev));
+    }
+}
+
+/// Start the dp-lb of `node` inside the current actix System.
+pub async fn run(topology: &Topology, node_name: &str) -> Result<Addr<DpLb>, DpLbError> {
+    let node = topology.node(node_name)?;
+    let eps = node.endpoints(&topology.run_dir);
+    let health = pdmesh_telemetry::ops::Health::default();
+    let port = node.metrics_port(Service::DpLb, 0);
+    pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
+        .map_err(|e| DpLbError::Ops(format!("port {port}: {e}")))?;
+    let actor = DpLb {
+        dp_size: node.dp_size,
+        ranks: vec![RankLoad::default(); node.dp_size as usize],
+        rank_peers: HashMap::new(),
+        in_flight: HashMap::new(),
+        frontend: None,
+        engines: None,
+        outputs: None,
+        stats: HashMap::new(),
+        next_corr: 1,
+        health,
+    }
+    .start();
+    let fe_tag = Tag(actor.clone(), FromFrontend).start();
+    let en_tag = Tag(actor.clone(), FromEngines).start();
+    let frontend = bind_router(&eps.dplb_frontend.bind, fe_tag.recipient()).await?;
+    let engines = bind_router(&eps.dplb_engines.bind, en_tag.recipient()).await?;
+    bind_pull(&eps.dplb_outputs.bind, actor.clone().recipient()).await?;
+    let outputs = connect_push(&eps.frontend_outputs.connect);
+    actor.do_send(Wire { frontend, engines, outputs });
+    tracing::info!(frontend = %eps.dplb_frontend.bind, engines = %eps.dplb_engines.bind, dp_size = node.dp_size, "dp-lb ready");
+    Ok(actor)
+}

@@ -1,0 +1,502 @@
+//! The engine-core actor and its step loop.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use pdmesh_config::{NodeConfig, Topology};
+use pdmesh_protocol::{
+    ConnectorCall, ConnectorReply, EngineOutput, EngineOutputBatch, EngineRequest, Envelope, FinishReason, Hello,
+    KvConnectorMetadata, KvConnectorOutput, MeshStats, Message, ModelRunnerOutput, SchedulerOutput, ServiceKind,
+    WorkerInfo,
+};
+use pdmesh_transport::{connect_dealer, connect_push, LinkConfig, LinkEvent, LinkHandle, PushHandle, TransportError};
+use thiserror::Error;
+
+use crate::metrics as m;
+use crate::scheduler::{Scheduler, SchedulerConfig};
+
+#[derive(Debug, Error)]
+pub enum EngineError {
+    #[error("config: {0}")]
+    Config(#[from] pdmesh_config::ConfigError),
+    #[error("rank {rank} is outside dp_size {dp_size}")]
+    BadRank { rank: u32, dp_size: u32 },
+    #[error("ops server: {0}")]
+    Ops(String),
+}
+
+/// Time allowed for one connector-scheduler round trip.
+const CONNECTOR_TIMEOUT: Duration = Duration::from_secs(10);
+/// Tick interval when only connector work (held blocks) is pending.
+const IDLE_CONNECTOR_TICK: Duration = Duration::from_millis(2);
+
+/// Everything one step needs besides the scheduler.
+#[derive(Clone)]
+struct Peers {
+    /// Connected only once the worker is ready, so the dp-lb never routes to a rank that
+    /// cannot run a step yet.
+    dplb: Option<LinkHandle>,
+    outputs: PushHandle,
+    connector: LinkHandle,
+    worker: LinkHandle,
+}
+
+/// Inputs that arrived between steps; applied at the start of the next step, as vLLM's
+/// engine core drains its input queue.
+#[derive(Default)]
+struct Inbox {
+    adds: Vec<EngineRequest>,
+    aborts: Vec<String>,
+}
+
+struct State {
+    rank: u32,
+    sched: Scheduler,
+    inbox: Inbox,
+    step_id: u64,
+    step_timeout: Duration,
+}
+
+/// The engine-core actor of one rank.
+pub struct EngineCore {
+    state: Rc<RefCell<State>>,
+    peers: Option<Peers>,
+    stepping: bool,
+    worker_info: Option<WorkerInfo>,
+    health: pdmesh_telemetry::ops::Health,
+    node: NodeConfig,
+    run_dir: std::path::PathBuf,
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Tick;
+
+impl Actor for EngineCore {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        let rank = self.state.borrow().rank;
+        let eps = self.node.endpoints(&self.run_dir);
+        let me = ctx.address();
+        let pid = std::process::id();
+        let hello = |service| Envelope::new(Message::Hello(Hello { service, rank, pid }));
+        let (Some(conn_ep), Some(worker_ep)) =
+            (eps.connector_scheduler.get(rank as usize), eps.connector_worker.get(rank as usize))
+        else {
+            tracing::error!(rank, "no endpoints for this rank");
+            System::current().stop_with_code(2);
+            return;
+        };
+        let connector = connect_dealer(
+            LinkConfig::new(&conn_ep.connect).identity(format!("engine-{rank}")).hello(hello(ServiceKind::EngineCore)),
+            me.clone().recipient(),
+        );
+        let worker = connect_dealer(
+            LinkConfig::new(&worker_ep.connect).identity(format!("engine-{rank}")).hello(hello(ServiceKind::EngineCore)),
+            me.clone().recipient(),
+        );
+        let outputs = connect_push(&eps.dplb_outputs.connect);
+        self.peers = Some(Peers { dplb: None, outputs, connector, worker });
+    }
+}
+
+impl EngineCore {
+    fn query_worker_info(&mut self, ctx: &mut Context<Self>) {
+        let Some(peers) = self.peers.clone() else { return };
+        let fut = async move { peers.worker.call(Envelope::new(Message::WorkerInfoQuery), Duration::from_secs(30)).await };
+        ctx.spawn(fut.into_actor(self).map(|res, act, ctx| match res {
+            Ok(Envelope { body: Message::WorkerInfo(info), .. }) => {
+                let cfg = act.state.borrow().sched.config().clone();
+                if info.block_size != cfg.block_size || info.num_blocks != cfg.num_blocks {
+                    tracing::error!(?info, "worker KV geometry differs from the engine's configuration");
+                    System::current().stop_with_code(2);
+                    return;
+                }
+                tracing::info!(model = %info.model_name, num_blocks = info.num_blocks, "worker ready");
+                act.worker_info = Some(info);
+                act.connect_dplb(ctx);
+                act.update_health();
+            }
+            other => {
+                tracing::warn!(?other, "worker info not available yet; retrying");
+                ctx.run_later(Duration::from_millis(200), |act, ctx| act.query_worker_info(ctx));
+            }
+        }));
+    }
+
+    fn connect_dplb(&mut self, ctx: &mut Context<Self>) {
+        let Some(peers) = self.peers.as_mut() else { return };
+        if peers.dplb.is_some() {
+            return;
+        }
+        let rank = self.state.borrow().rank;
+        let eps = self.node.endpoints(&self.run_dir);
+        let hello = Envelope::new(Message::Hello(Hello { service: ServiceKind::EngineCore, rank, pid: std::process::id() }));
+        peers.dplb = Some(connect_dealer(
+            LinkConfig::new(&eps.dplb_engines.connect).identity(format!("engine-{rank}")).hello(hello),
+            ctx.address().recipient(),
+        ));
+    }
+
+    fn update_health(&self) {
+        let ready = self.worker_info.is_some()
+            && self.peers.as_ref().is_some_and(|p| p.dplb.as_ref().is_some_and(LinkHandle::is_up) && p.connector.is_up() && p.worker.is_up());
+        self.health.set_ready(ready);
+    }
+
+    fn kick(&mut self, ctx: &mut Context<Self>) {
+        if self.stepping {
+            return;
+        }
+        let Some(peers) = self.peers.clone() else { return };
+        self.stepping = true;
+        let state = self.state.clone();
+        ctx.spawn(run_step(state, peers).into_actor(self).map(|more, act, ctx| {
+            act.stepping = false;
+            match more {
+                StepNext::Now => ctx.notify(Tick),
+                StepNext::Soon => {
+                    ctx.notify_later(Tick, IDLE_CONNECTOR_TICK);
+                }
+                StepNext::Idle => {}
+            }
+        }));
+    }
+}
+
+impl Handler<Tick> for EngineCore {
+    type Result = ();
+    fn handle(&mut self, _: Tick, ctx: &mut Context<Self>) {
+        self.kick(ctx);
+    }
+}
+
+impl Handler<LinkEvent> for EngineCore {
+    type Result = ();
+    fn handle(&mut self, ev: LinkEvent, ctx: &mut Context<Self>) {
+        match ev {
+            LinkEvent::Up { endpoint } => {
+                tracing::info!(%endpoint, "connected");
+                let is_worker = self.peers.as_ref().is_some_and(|p| p.worker.endpoint() == endpoint);
+                if is_worker && self.worker_info.is_none() {
+                    self.query_worker_info(ctx);
+                }
+                self.update_health();
+            }
+            LinkEvent::Down { endpoint } => {
+                tracing::warn!(%endpoint, "peer down");
+                self.update_health();
+            }
+            LinkEvent::Message { envelope, .. } => self.on_message(envelope, ctx),
+        }
+    }
+}
+
+impl EngineCore {
+    fn on_message(&mut self, env: Envelope, ctx: &mut Context<Self>) {
+        match env.body {
+            Message::AddRequest(req) => {
+                tracing::debug!(request_id = %req.request_id, trace_id = %pdmesh_telemetry::trace::trace_id(&env.trace), "add request");
+                self.state.borrow_mut().inbox.adds.push(req);
+                self.kick(ctx);
+            }
+            Message::Abort(a) => {
+                self.state.borrow_mut().inbox.aborts.extend(a.request_ids);
+                self.kick(ctx);
+            }
+            Message::StatsQuery => {
+                let st = self.state.borrow();
+                let stats = st.sched.stats(st.rank);
+                drop(st);
+                if let Some(dplb) = self.peers.as_ref().and_then(|p| p.dplb.as_ref()) {
+                    let _ = dplb.send(env.reply(Message::StatsReply(MeshStats { engines: vec![stats], unreachable_ranks: vec![] })));
+                }
+            }
+            Message::Ping => {
+                if let Some(dplb) = self.peers.as_ref().and_then(|p| p.dplb.as_ref()) {
+                    let _ = dplb.send(env.reply(Message::Pong));
+                }
+            }
+            other => {
+                tracing::warn!(kind = other.kind(), "unexpected message");
+            }
+        }
+    }
+}
+
+enum StepNext {
+    Now,
+    Soon,
+    Idle,
+}
+
+/// One engine step. The scheduler is borrowed only between awaits.
+async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
+    let started = Instant::now();
+    // ---- 1. inputs
+    let mut outputs: Vec<EngineOutput> = Vec::new();
+    {
+        let mut st = state.borrow_mut();
+        let inbox = std::mem::take(&mut st.inbox);
+        for req in inbox.adds {
+            let id = req.request_id.clone();
+            if let Err(e) = st.sched.add_request(req) {
+                m::REJECTED.inc();
+                tracing::warn!(request_id = %id, error = %e, "request refused");
+                outputs.push(error_output(&id, format!("invalid request: {e}")));
+            }
+        }
+        if !inbox.aborts.is_empty() {
+            let before = st.sched.counters().unknown_ids;
+            st.sched.abort_requests(&inbox.aborts);
+            m::UNKNOWN_IDS.inc_by(st.sched.counters().unknown_ids - before);
+        }
+    }
+
+    // ---- 2. connector: how many tokens can come from outside
+    let queries = state.borrow().sched.match_queries();
+    if !queries.is_empty() {
+        let ids: Vec<String> = queries
+            .iter()
+            .filter_map(|c| match c {
+                ConnectorCall::GetNumNewMatchedTokens { request_id, .. } => Some(request_id.clone()),
+                _ => None,
+            })
+            .collect();
+        let replies = connector_call(&peers.connector, queries).await;
+        let mut st = state.borrow_mut();
+        for (i, id) in ids.iter().enumerate() {
+            match replies.as_ref().ok().and_then(|r| r.get(i)) {
+                Some(ConnectorReply::MatchedTokens { count, load_async }) => st.sched.apply_match(id, *count, *load_async),
+                // Connector unreachable: no external tokens, compute locally.
+                _ => st.sched.apply_match(id, Some(0), false),
+            }
+        }
+    }
+
+    // ---- 3. schedule; 4. tell the connector what was allocated and what finished; meta
+    let (schedule, step_id) = {
+        let mut st = state.borrow_mut();
+        st.step_id += 1;
+        (st.sched.schedule(), st.step_id)
+    };
+    let finishing = state.borrow_mut().sched.finishing_calls();
+    let mut calls = schedule.alloc_calls.clone();
+    calls.extend(finishing.iter().cloned());
+    calls.push(ConnectorCall::BuildConnectorMeta { step_id });
+    let replies = connector_call(&peers.connector, calls).await;
+    let meta = {
+        let mut st = state.borrow_mut();
+        let offset = schedule.alloc_calls.len();
+        apply_finished_replies(&mut st.sched, &finishing, replies.as_ref().ok().map(|r| r.get(offset..).unwrap_or(&[])));
+        match replies.as_ref().ok().and_then(|r| r.last()) {
+            Some(ConnectorReply::Meta(meta)) => meta.clone(),
+            _ => KvConnectorMetadata::default(),
+        }
+    };
+
+    // ---- 5. run the step on the worker
+    let chunks = schedule.chunks;
+    let mut kv_output = KvConnectorOutput::default();
+    let has_connector_work = state.borrow().sched.has_requests();
+    if !chunks.is_empty() || !meta.is_empty() || has_connector_work {
+        let timeout = state.borrow().step_timeout;
+        let step = SchedulerOutput {
+            step_id,
+            chunks: chunks.clone(),
+            finished_request_ids: schedule.finished_request_ids,
+            kv_connector_metadata: meta,
+        };
+        let res = peers.worker.call(Envelope::new(Message::ExecuteStep(step)), timeout).await;
+        let mut st = state.borrow_mut();
+        match res {
+            Ok(Envelope { body: Message::StepResult(out), .. }) => {
+                st.sched.update_from_output(&chunks, &out);
+                kv_output = out.kv_connector_output;
+            }
+            Ok(Envelope { body: Message::Error(e), .. }) => {
+                m::STEP_FAILURES.with_label_values(&["connector-worker"]).inc();
+                tracing::error!(error = %e.message, "worker failed the step");
+                st.sched.fail_requests(&Scheduler::ids_of(&chunks), &format!("worker error: {}", e.message));
+            }
+            Ok(other) => {
+                m::STEP_FAILURES.with_label_values(&["connector-worker"]).inc();
+                tracing::error!(kind = other.body.kind(), "unexpected worker answer");
+                st.sched.fail_requests(&Scheduler::ids_of(&chunks), "internal: unexpected worker answer");
+            }
+            Err(e) => {
+                m::STEP_FAILURES.with_label_values(&["connector-worker"]).inc();
+                tracing::error!(error = %e, "worker unreachable; failing the step's requests");
+                st.sched.fail_requests(&Scheduler::ids_of(&chunks), &unavailable("connector-worker", &e));
+            }
+        }
+        m::STEPS.inc();
+        m::SCHEDULED_TOKENS.inc_by(u64::from(schedule.num_scheduled_tokens));
+    }
+
+    // ---- 6. request_finished for what finished in this step; the worker's connector output
+    let finishing = state.borrow_mut().sched.finishing_calls();
+    let mut calls = finishing.clone();
+    if !kv_output.is_empty() {
+        calls.push(ConnectorCall::UpdateConnectorOutput(kv_output.clone()));
+    }
+    if !calls.is_empty() {
+        let replies = connector_call(&peers.connector, calls).await;
+        let mut st = state.borrow_mut();
+        apply_finished_replies(&mut st.sched, &finishing, replies.as_ref().ok().map(Vec::as_slice));
+    }
+    {
+        let mut st = state.borrow_mut();
+        let before = st.sched.counters().unknown_ids;
+        st.sched.update_from_kv_output(&kv_output);
+        m::UNKNOWN_IDS.inc_by(st.sched.counters().unknown_ids - before);
+    }
+
+    // ---- 7. outputs and load
+    let (next, rank) = {
+        let mut st = state.borrow_mut();
+        outputs.extend(st.sched.take_outputs());
+        publish_gauges(&st.sched);
+        let next = if st.sched.has_unfinished_requests() || !st.inbox.adds.is_empty() || !st.inbox.aborts.is_empty() {
+            StepNext::Now
+        } else if st.sched.has_requests() {
+            StepNext::Soon
+        } else {
+            StepNext::Idle
+        };
+        (next, st.rank)
+    };
+    for o in &outputs {
+        if let Some(r) = o.finish_reason {
+            m::FINISHED.with_label_values(&[r.as_str()]).inc();
+        }
+    }
+    if !outputs.is_empty() {
+        let batch = Envelope::new(Message::EngineOutputs(EngineOutputBatch { engine_rank: rank, outputs }));
+        if let Err(e) = peers.outputs.send(batch) {
+            tracing::warn!(error = %e, "outputs not delivered: dp-lb unavailable");
+        }
+    }
+    let load = {
+        let st = state.borrow();
+        pdmesh_protocol::EngineLoadReport {
+            engine_rank: st.rank,
+            num_waiting: st.sched.num_waiting(),
+            num_running: st.sched.num_running(),
+            kv: st.sched.kv_usage(),
+        }
+    };
+    if let Some(dplb) = &peers.dplb {
+        let _ = dplb.send(Envelope::new(Message::LoadReport(load)));
+    }
+    m::STEP_SECONDS.observe(started.elapsed().as_secs_f64());
+    next
+}
+
+fn publish_gauges(s: &Scheduler) {
+    let kv = s.kv_usage();
+    m::NUM_WAITING.set(i64::from(s.num_waiting()));
+    m::NUM_RUNNING.set(i64::from(s.num_running()));
+    m::KV_FREE.set(i64::from(kv.free_blocks));
+    m::KV_USED.set(i64::from(kv.used_blocks));
+    m::KV_HELD.set(i64::from(kv.held_blocks));
+    m::REQUEST_FINISHED_CALLS.reset();
+    m::REQUEST_FINISHED_CALLS.inc_by(s.counters().request_finished_calls);
+    m::PREEMPTIONS.reset();
+    m::PREEMPTIONS.inc_by(s.counters().preemptions);
+}
+
+fn unavailable(peer: &str, e: &TransportError) -> String {
+    format!("unavailable: {peer}: {e}")
+}
+
+fn error_output(id: &str, message: String) -> EngineOutput {
+    EngineOutput {
+        request_id: id.to_string(),
+        new_token_ids: vec![],
+        new_logprobs: None,
+        finish_reason: Some(FinishReason::Error),
+        stop_token_id: None,
+        kv_transfer_params: None,
+        num_external_tokens: 0,
+        error: Some(message),
+    }
+}
+
+/// Apply `request_finished` answers; without answers (connector unreachable) free at once.
+fn apply_finished_replies(sched: &mut Scheduler, calls: &[ConnectorCall], replies: Option<&[ConnectorReply]>) {
+    for (i, call) in calls.iter().enumerate() {
+        let ConnectorCall::RequestFinished { request_id, .. } = call else { continue };
+        match replies.and_then(|r| r.get(i)) {
+            Some(ConnectorReply::Finished { delay_free, kv_transfer_params }) => {
+                sched.apply_finished(request_id, *delay_free, kv_transfer_params.clone())
+            }
+            _ => sched.apply_finished(request_id, false, None),
+        }
+    }
+}
+
+/// One batched round trip to the connector-scheduler.
+async fn connector_call(link: &LinkHandle, calls: Vec<ConnectorCall>) -> Result<Vec<ConnectorReply>, TransportError> {
+    let n = calls.len();
+    let res = link.call(Envelope::new(Message::ConnectorCalls(calls)), CONNECTOR_TIMEOUT).await;
+    match res {
+        Ok(Envelope { body: Message::ConnectorReplies(r), .. }) if r.len() == n => Ok(r),
+        Ok(other) => {
+            m::STEP_FAILURES.with_label_values(&["connector-scheduler"]).inc();
+            tracing::error!(kind = other.body.kind(), "unexpected connector answer");
+            Err(TransportError::Codec("unexpected connector answer".into()))
+        }
+        Err(e) => {
+            m::STEP_FAILURES.with_label_values(&["connector-scheduler"]).inc();
+            tracing::warn!(error = %e, "connector-scheduler call failed");
+            Err(e)
+        }
+    }
+}
+
+/// Start the engine-core of `rank` on `node` inside the current actix System.
+pub fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<EngineCore>, EngineError> {
+    let node = topology.node(node_name)?.clone();
+    if rank >= node.dp_size {
+        return Err(EngineError::BadRank { rank, dp_size: node.dp_size });
+    }
+    let e = &node.engine;
+    let max_model_len = if e.max_model_len == 0 { 4096 } else { e.max_model_len };
+    let cfg = SchedulerConfig {
+        block_size: e.block_size,
+        num_blocks: e.num_blocks,
+        max_num_seqs: e.max_num_seqs,
+        max_num_batched_tokens: e.max_num_batched_tokens,
+        max_model_len,
+    };
+    let health = pdmesh_telemetry::ops::Health::default();
+    let port = node.metrics_port(pdmesh_config::Service::EngineCore, rank);
+    pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
+        .map_err(|err| EngineError::Ops(format!("port {port}: {err}")))?;
+    let state = State {
+        rank,
+        sched: Scheduler::new(cfg),
+        inbox: Inbox::default(),
+        step_id: 0,
+        step_timeout: Duration::from_millis(e.step_timeout_ms),
+    };
+    let actor = EngineCore {
+        state: Rc::new(RefCell::new(state)),
+        peers: None,
+        stepping: false,
+        worker_info: None,
+        health,
+        node,
+        run_dir: topology.run_dir.clone(),
+    };
+    Ok(actor.start())
+}
+
+/// Outputs of a step that the worker did not run, for tests.
+pub fn empty_output(step_id: u64) -> ModelRunnerOutput {
+    ModelRunnerOutput { step_id, ..Default::default() }
+}

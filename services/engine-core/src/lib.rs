@@ -1,0 +1,16 @@
+//! engine-core: one data-parallel rank's scheduler and step loop (vLLM's `EngineCore`).
+//!
+//! - [`scheduler`]: the continuous-batching scheduler over a paged block pool (pure state
+//!   machine, unit- and property-tested).
+//! - [`block_pool`], [`request`]: blocks with generations; requests with vLLM's statuses.
+//! - [`engine`]: the actor that owns the scheduler, takes requests and aborts from the dp-lb,
+//!   calls the connector-scheduler and connector-worker over ZeroMQ each step, and streams
+//!   outputs back.
+
+pub mod block_pool;
+pub mod engine;
+pub mod metrics;
+pub mod request;
+pub mod scheduler;
+
+pub use engine::{run, EngineError};

@@ -1,0 +1,140 @@
+//! A request inside the engine, with vLLM's status names.
+
+use std::time::Instant;
+
+use pdmesh_protocol::{EngineRequest, FinishReason, FinishedStatus, KvTransferParams, SamplingParams, TokenLogprobs};
+
+/// vLLM's `RequestStatus`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestStatus {
+    Waiting,
+    WaitingForRemoteKvs,
+    Running,
+    Preempted,
+    FinishedStopped,
+    FinishedLengthCapped,
+    FinishedAborted,
+    FinishedIgnored,
+    FinishedError,
+}
+
+impl RequestStatus {
+    pub fn is_finished(self) -> bool {
+        matches!(
+            self,
+            RequestStatus::FinishedStopped
+                | RequestStatus::FinishedLengthCapped
+                | RequestStatus::FinishedAborted
+                | RequestStatus::FinishedIgnored
+                | RequestStatus::FinishedError
+        )
+    }
+
+    pub fn finish_reason(self) -> Option<FinishReason> {
+        match self {
+            RequestStatus::FinishedStopped => Some(FinishReason::Stop),
+            RequestStatus::FinishedLengthCapped | RequestStatus::FinishedIgnored => Some(FinishReason::Length),
+            RequestStatus::FinishedAborted => Some(FinishReason::Abort),
+            RequestStatus::FinishedError => Some(FinishReason::Error),
+            _ => None,
+        }
+    }
+
+    pub fn finished_status(self) -> Option<FinishedStatus> {
+        match self {
+            RequestStatus::FinishedStopped => Some(FinishedStatus::Stopped),
+            RequestStatus::FinishedLengthCapped => Some(FinishedStatus::LengthCapped),
+            RequestStatus::FinishedAborted => Some(FinishedStatus::Aborted),
+            RequestStatus::FinishedIgnored => Some(FinishedStatus::Ignored),
+            RequestStatus::FinishedError => Some(FinishedStatus::Error),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestStatus::Waiting => "waiting",
+            RequestStatus::WaitingForRemoteKvs => "waiting_for_remote_kvs",
+            RequestStatus::Running => "running",
+            RequestStatus::Preempted => "preempted",
+            RequestStatus::FinishedStopped => "finished_stopped",
+            RequestStatus::FinishedLengthCapped => "finished_length_capped",
+            RequestStatus::FinishedAborted => "finished_aborted",
+            RequestStatus::FinishedIgnored => "finished_ignored",
+            RequestStatus::FinishedError => "finished_error",
+        }
+    }
+}
+
+/// The connector's answer to `get_num_new_matched_tokens`, cached until the request is
+/// scheduled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectorMatch {
+    pub external_tokens: u32,
+    pub load_async: bool,
+}
+
+#[derive(Debug)]
+pub struct Request {
+    pub id: String,
+    pub prompt: Vec<u32>,
+    pub output: Vec<u32>,
+    pub output_logprobs: Vec<TokenLogprobs>,
+    pub sampling: SamplingParams,
+    pub eos_token_ids: Vec<u32>,
+    pub kv_transfer_params: Option<KvTransferParams>,
+    pub status: RequestStatus,
+    pub num_computed_tokens: u32,
+    pub block_ids: Vec<u32>,
+    pub num_preemptions: u32,
+    pub connector_match: Option<ConnectorMatch>,
+    pub num_external_tokens: u32,
+    pub stop_token_id: Option<u32>,
+    pub error: Option<String>,
+    pub arrived: Instant,
+    /// When the request finished (for held-block age).
+    pub finished_at: Option<Instant>,
+    /// Index into `output` of the first token not yet sent to the client.
+    pub emitted: usize,
+}
+
+impl Request {
+    pub fn new(req: EngineRequest) -> Self {
+        Self {
+            id: req.request_id,
+            prompt: req.prompt_token_ids,
+            output: Vec::new(),
+            output_logprobs: Vec::new(),
+            sampling: req.sampling,
+            eos_token_ids: req.eos_token_ids,
+            kv_transfer_params: req.kv_transfer_params,
+            status: RequestStatus::Waiting,
+            num_computed_tokens: 0,
+            block_ids: Vec::new(),
+            num_preemptions: 0,
+            connector_match: None,
+            num_external_tokens: 0,
+            stop_token_id: None,
+            error: None,
+            arrived: Instant::now(),
+            finished_at: None,
+            emitted: 0,
+        }
+    }
+
+    pub fn num_tokens(&self) -> u32 {
+        (self.prompt.len() + self.output.len()) as u32
+    }
+
+    pub fn token_at(&self, pos: usize) -> Option<u32> {
+        if pos < self.prompt.len() {
+            self.prompt.get(pos).copied()
+        } else {
+            self.output.get(pos - self.prompt.len()).copied()
+        }
+    }
+
+    pub fn tokens(&self, from: u32, to: u32) -> Vec<u32> {
+        (from as usize..to as usize).filter_map(|p| self.token_at(p)).collect()
+    }
+}

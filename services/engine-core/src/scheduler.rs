@@ -1,0 +1,629 @@
+//! The continuous-batching scheduler of one engine rank (vLLM V1's `Scheduler`), as a pure
+//! state machine: no I/O, no clock beyond `Instant` for ages, so every race window can be
+//! driven from unit and property tests.
+//!
+//! One engine step, as the engine actor drives it:
+//! 1. [`Scheduler::add_request`] / [`Scheduler::abort_requests`] for the inputs that arrived.
+//! 2. [`Scheduler::match_queries`] → connector `get_num_new_matched_tokens` →
+//!    [`Scheduler::apply_match`].
+//! 3. [`Scheduler::schedule`]: running requests first (decode and chunked prefill), then
+//!    waiting ones, under the token budget; preemption (recompute) when blocks run out.
+//! 4. The worker runs the step → [`Scheduler::update_from_output`] (stop checks).
+//! 5. [`Scheduler::finishing_calls`] → connector `request_finished` (exactly once per
+//!    request) → [`Scheduler::apply_finished`]: free now, or hold for a remote reader.
+//! 6. [`Scheduler::update_from_kv_output`]: `finished_sending` frees held blocks,
+//!    `finished_recving` promotes requests waiting for remote KV.
+//!
+//! Ids that the scheduler does not track (late aborts, duplicate notices) are counted, never
+//! asserted (rule R2).
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Instant;
+
+use pdmesh_protocol::{
+    ConnectorCall, EngineOutput, EngineRequest, EngineStats, HeldRequest, KvConnectorOutput, KvTransferParams,
+    KvUsage, ModelRunnerOutput, ScheduledChunk,
+};
+
+use crate::block_pool::BlockPool;
+use crate::request::{ConnectorMatch, Request, RequestStatus};
+
+/// Sizing of one rank's scheduler.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub block_size: u32,
+    pub num_blocks: u32,
+    pub max_num_seqs: u32,
+    pub max_num_batched_tokens: u32,
+    pub max_model_len: u32,
+}
+
+/// Why a request was refused at admission.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdmissionError {
+    #[error("request id {0:?} is already in use")]
+    DuplicateId(String),
+    #[error("prompt is empty")]
+    EmptyPrompt,
+    #[error("prompt of {prompt} tokens does not fit max_model_len {max}")]
+    TooLong { prompt: u32, max: u32 },
+    #[error("prompt needs {needed} KV blocks but the cache has {total}")]
+    TooManyBlocks { needed: u32, total: u32 },
+}
+
+/// What one call to [`Scheduler::schedule`] produced.
+#[derive(Debug, Default)]
+pub struct Schedule {
+    pub chunks: Vec<ScheduledChunk>,
+    /// `update_state_after_alloc` calls for requests that got blocks this step.
+    pub alloc_calls: Vec<ConnectorCall>,
+    pub finished_request_ids: Vec<String>,
+    pub num_scheduled_tokens: u32,
+}
+
+/// Counters exported as metrics and in [`EngineStats`].
+#[derive(Debug, Default, Clone)]
+pub struct SchedulerCounters {
+    pub steps: u64,
+    pub finished_requests: u64,
+    pub request_finished_calls: u64,
+    pub unknown_ids: u64,
+    pub preemptions: u64,
+    pub duplicate_aborts: u64,
+}
+
+/// A finished request whose blocks the connector holds for a remote reader.
+#[derive(Debug)]
+struct Held {
+    blocks: Vec<u32>,
+    since: Instant,
+}
+
+#[derive(Debug)]
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pool: BlockPool,
+    requests: HashMap<String, Request>,
+    waiting: VecDeque<String>,
+    running: Vec<String>,
+    /// Finished, `request_finished` not called yet.
+    finishing: Vec<String>,
+    /// Finished; the connector owns the blocks until `finished_sending`.
+    held: HashMap<String, Held>,
+    /// Aborted while a remote READ may still write into its blocks: freed on
+    /// `finished_recving`.
+    free_on_recv: HashMap<String, Vec<u32>>,
+    finished_recving: HashSet<String>,
+    finished_since_last_step: Vec<String>,
+    outputs: Vec<EngineOutput>,
+    counters: SchedulerCounters,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        Self {
+            pool: BlockPool::new(cfg.num_blocks),
+            cfg,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            finishing: Vec::new(),
+            held: HashMap::new(),
+            free_on_recv: HashMap::new(),
+            finished_recving: HashSet::new(),
+            finished_since_last_step: Vec::new(),
+            outputs: Vec::new(),
+            counters: SchedulerCounters::default(),
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn counters(&self) -> &SchedulerCounters {
+        &self.counters
+    }
+
+    fn blocks_for(&self, tokens: u32) -> u32 {
+        tokens.div_ceil(self.cfg.block_size)
+    }
+
+    /// Admit a request into the waiting queue.
+    pub fn add_request(&mut self, req: EngineRequest) -> Result<(), AdmissionError> {
+        if self.requests.contains_key(&req.request_id) {
+            return Err(AdmissionError::DuplicateId(req.request_id));
+        }
+        let prompt = req.prompt_token_ids.len() as u32;
+        if prompt == 0 {
+            return Err(AdmissionError::EmptyPrompt);
+        }
+        if prompt >= self.cfg.max_model_len {
+            return Err(AdmissionError::TooLong { prompt, max: self.cfg.max_model_len });
+        }
+        let needed = self.blocks_for(prompt + 1);
+        if needed > self.pool.num_blocks() {
+            return Err(AdmissionError::TooManyBlocks { needed, total: self.pool.num_blocks() });
+        }
+        let id = req.request_id.clone();
+        self.requests.insert(id.clone(), Request::new(req));
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Abort requests (client disconnect, stop string). Unknown and already-finished ids are
+    /// skipped and counted (vLLM #25067): an abort never calls `request_finished` a second
+    /// time and never frees blocks held for a remote reader. Returns the ids really aborted.
+    pub fn abort_requests(&mut self, ids: &[String]) -> Vec<String> {
+        let mut aborted = Vec::new();
+        for id in ids {
+            let Some(req) = self.requests.get(id) else {
+                self.counters.unknown_ids += 1;
+                tracing::debug!(request_id = %id, "abort for an unknown request");
+                continue;
+            };
+            if req.status.is_finished() {
+                self.counters.duplicate_aborts += 1;
+                tracing::debug!(request_id = %id, "abort for an already finished request ignored");
+                continue;
+            }
+            self.finish(id, RequestStatus::FinishedAborted);
+            aborted.push(id.clone());
+        }
+        aborted
+    }
+
+    /// Fail requests with finish reason `error` (e.g. the worker could not run their step).
+    pub fn fail_requests(&mut self, ids: &[String], reason: &str) {
+        for id in ids {
+            if let Some(req) = self.requests.get_mut(id) {
+                if !req.status.is_finished() {
+                    req.error = Some(reason.to_string());
+                    self.finish(id, RequestStatus::FinishedError);
+                }
+            }
+        }
+    }
+
+    /// Move a live request to a finished status and queue its `request_finished` call. The
+    /// only place a status becomes finished, so the call happens exactly once.
+    fn finish(&mut self, id: &str, status: RequestStatus) {
+        let Some(req) = self.requests.get_mut(id) else { return };
+        if req.status.is_finished() {
+            return;
+        }
+        let was_receiving = req.status == RequestStatus::WaitingForRemoteKvs && !self.finished_recving.contains(id);
+        req.status = status;
+        req.finished_at = Some(Instant::now());
+        self.running.retain(|r| r != id);
+        self.waiting.retain(|r| r != id);
+        self.finished_recving.remove(id);
+        if was_receiving && !req.block_ids.is_empty() {
+            // A READ may still be writing into these blocks: keep them until the worker
+            // reports the receive settled.
+            self.free_on_recv.insert(id.to_string(), std::mem::take(&mut req.block_ids));
+        }
+        self.counters.finished_requests += 1;
+        self.finishing.push(id.to_string());
+        self.finished_since_last_step.push(id.to_string());
+    }
+
+    /// `get_num_new_matched_tokens` calls for waiting requests the connector has not been
+    /// asked about yet.
+    pub fn match_queries(&self) -> Vec<ConnectorCall> {
+        self.waiting
+            .iter()
+            .filter_map(|id| self.requests.get(id))
+            .filter(|r| r.connector_match.is_none() && r.status != RequestStatus::WaitingForRemoteKvs)
+            .map(|r| ConnectorCall::GetNumNewMatchedTokens {
+                request_id: r.id.clone(),
+                num_prompt_tokens: r.prompt.len() as u32,
+                num_computed_tokens: r.num_computed_tokens,
+                kv_transfer_params: r.kv_transfer_params.clone(),
+            })
+            .collect()
+    }
+
+    /// Record the connector's answer (`count: None` = ask again next step).
+    pub fn apply_match(&mut self, id: &str, count: Option<u32>, load_async: bool) {
+        match self.requests.get_mut(id) {
+            Some(req) if !req.status.is_finished() => {
+                if let Some(c) = count {
+                    // The last prompt token is always computed locally (it yields the logits).
+                    let max_ext = (req.prompt.len() as u32).saturating_sub(req.num_computed_tokens);
+                    req.connector_match = Some(ConnectorMatch { external_tokens: c.min(max_ext), load_async });
+                }
+            }
+            _ => self.counters.unknown_ids += 1,
+        }
+    }
+
+    /// Choose what runs in the next step.
+    pub fn schedule(&mut self) -> Schedule {
+        let mut out = Schedule { finished_request_ids: std::mem::take(&mut self.finished_since_last_step), ..Default::default() };
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let bs = self.cfg.block_size;
+        let mut preempted_any = false;
+
+        // ---- running requests first
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i].clone();
+            let Some(req) = self.requests.get(&id) else {
+                self.running.remove(i);
+                continue;
+            };
+            let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
+            if num_new == 0 {
+                i += 1;
+                continue;
+            }
+            let need = self.blocks_for(req.num_computed_tokens + num_new).saturating_sub(req.block_ids.len() as u32);
+            let mut self_preempted = false;
+            let new_blocks = loop {
+                if let Some(b) = self.pool.allocate(need) {
+                    break b;
+                }
+                // Out of blocks: preempt the lowest-priority running request (the last).
+                let victim_idx = self.running.len() - 1;
+                let victim = self.running[victim_idx].clone();
+                self.preempt(&victim);
+                preempted_any = true;
+                if victim_idx == i {
+                    self_preempted = true;
+                    break Vec::new();
+                }
+            };
+            if self_preempted {
+                break;
+            }
+            let Some(req) = self.requests.get_mut(&id) else { break };
+            req.block_ids.extend(new_blocks);
+            let chunk = Self::chunk_for(req, num_new);
+            budget -= num_new;
+            out.num_scheduled_tokens += num_new;
+            out.chunks.push(chunk);
+            i += 1;
+        }
+
+        // ---- then waiting requests (not in a step that had to preempt)
+        if !preempted_any {
+            let mut skipped: VecDeque<String> = VecDeque::new();
+            while let Some(id) = self.waiting.pop_front() {
+                if self.running.len() as u32 >= self.cfg.max_num_seqs || budget == 0 {
+                    self.waiting.push_front(id);
+                    break;
+                }
+                let Some(req) = self.requests.get_mut(&id) else { continue };
+                if req.status == RequestStatus::WaitingForRemoteKvs {
+                    if !self.finished_recving.remove(&id) {
+                        skipped.push_back(id);
+                        continue;
+                    }
+                    // KV arrived: count the loaded tokens as computed, except the last prompt
+                    // token, which is recomputed to produce logits.
+                    let loaded = (req.block_ids.len() as u32 * bs).min(req.num_external_tokens);
+                    let mut computed = loaded.min(req.num_tokens());
+                    if computed >= req.num_tokens() {
+                        computed = req.num_tokens().saturating_sub(1);
+                    }
+                    req.num_computed_tokens = computed;
+                    req.status = if req.num_preemptions > 0 { RequestStatus::Preempted } else { RequestStatus::Waiting };
+                }
+                let Some(m) = req.connector_match else {
+                    skipped.push_back(id);
+                    continue;
+                };
+                if req.num_computed_tokens == 0 && req.block_ids.is_empty() && m.load_async && m.external_tokens > 0 {
+                    // Remote prefill: blocks for the whole prompt, then wait for the KV.
+                    let need = (req.prompt.len() as u32).div_ceil(bs);
+                    let Some(blocks) = self.pool.allocate(need) else {
+                        self.waiting.push_front(id);
+                        break;
+                    };
+                    let Some(req) = self.requests.get_mut(&id) else { break };
+                    req.block_ids = blocks.clone();
+                    req.num_external_tokens = m.external_tokens;
+                    req.status = RequestStatus::WaitingForRemoteKvs;
+                    out.alloc_calls.push(ConnectorCall::UpdateStateAfterAlloc {
+                        request_id: id.clone(),
+                        block_ids: blocks,
+                        num_external_tokens: m.external_tokens,
+                    });
+                    skipped.push_back(id);
+                    continue;
+                }
+                let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
+                let first_alloc = req.block_ids.is_empty();
+                let need = (req.num_computed_tokens + num_new).div_ceil(bs).saturating_sub(req.block_ids.len() as u32);
+                let Some(blocks) = self.pool.allocate(need) else {
+                    self.waiting.push_front(id);
+                    break;
+                };
+                let Some(req) = self.requests.get_mut(&id) else { break };
+                req.block_ids.extend(blocks);
+                if first_alloc {
+                    out.alloc_calls.push(ConnectorCall::UpdateStateAfterAlloc {
+                        request_id: id.clone(),
+                        block_ids: req.block_ids.clone(),
+                        num_external_tokens: 0,
+                    });
+                }
+                req.status = RequestStatus::Running;
+                let chunk = Self::chunk_for(req, num_new);
+                budget -= num_new;
+                out.num_scheduled_tokens += num_new;
+                out.chunks.push(chunk);
+                self.running.push(id);
+            }
+            // Skipped requests keep their place at the head of the queue.
+            while let Some(id) = skipped.pop_back() {
+                self.waiting.push_front(id);
+            }
+        }
+        if !out.chunks.is_empty() {
+            self.counters.steps += 1;
+        }
+        out
+    }
+
+    fn chunk_for(req: &Request, num_new: u32) -> ScheduledChunk {
+        let start = req.num_computed_tokens;
+        ScheduledChunk {
+            request_id: req.id.clone(),
+            token_ids: req.tokens(start, start + num_new),
+            start_pos: start,
+            block_ids: req.block_ids.clone(),
+            sample: start + num_new == req.num_tokens(),
+            sampling: req.sampling.clone(),
+            output_index: req.output.len() as u32,
+        }
+    }
+
+    /// Preempt (recompute): free the blocks and requeue at the head of the waiting queue.
+    fn preempt(&mut self, id: &str) {
+        self.running.retain(|r| r != id);
+        if let Some(req) = self.requests.get_mut(id) {
+            let blocks = std::mem::take(&mut req.block_ids);
+            req.num_computed_tokens = 0;
+            req.num_preemptions += 1;
+            req.status = RequestStatus::Preempted;
+            req.connector_match = Some(ConnectorMatch { external_tokens: 0, load_async: false });
+            self.pool.free(&blocks);
+            self.counters.preemptions += 1;
+            self.waiting.push_front(id.to_string());
+        }
+    }
+
+    /// Apply the worker's sampled tokens for the chunks of the step it ran.
+    pub fn update_from_output(&mut self, scheduled: &[ScheduledChunk], output: &ModelRunnerOutput) {
+        for chunk in scheduled {
+            match self.requests.get_mut(&chunk.request_id) {
+                Some(req) if !req.status.is_finished() => {
+                    req.num_computed_tokens = chunk.start_pos + chunk.token_ids.len() as u32;
+                }
+                _ => {}
+            }
+        }
+        for s in &output.sampled {
+            let Some(req) = self.requests.get_mut(&s.request_id) else {
+                self.counters.unknown_ids += 1;
+                continue;
+            };
+            if req.status.is_finished() {
+                self.counters.unknown_ids += 1;
+                continue;
+            }
+            req.output.push(s.token_id);
+            if let Some(lp) = &s.logprobs {
+                req.output_logprobs.push(lp.clone());
+            }
+            let stop = if !req.sampling.ignore_eos && req.eos_token_ids.contains(&s.token_id) {
+                req.stop_token_id = Some(s.token_id);
+                Some(RequestStatus::FinishedStopped)
+            } else if req.sampling.stop_token_ids.contains(&s.token_id) {
+                req.stop_token_id = Some(s.token_id);
+                Some(RequestStatus::FinishedStopped)
+            } else if req.output.len() as u32 >= req.sampling.max_tokens || req.num_tokens() >= self.cfg.max_model_len {
+                Some(RequestStatus::FinishedLengthCapped)
+            } else {
+                None
+            };
+            match stop {
+                Some(status) => {
+                    let id = req.id.clone();
+                    self.finish(&id, status);
+                }
+                None => {
+                    let out = Self::take_new_output(req);
+                    self.outputs.push(out);
+                }
+            }
+        }
+    }
+
+    fn take_new_output(req: &mut Request) -> EngineOutput {
+        let new_tokens = req.output.get(req.emitted..).map(<[u32]>::to_vec).unwrap_or_default();
+        let new_logprobs = req.output_logprobs.get(req.emitted..).map(<[_]>::to_vec).filter(|v| !v.is_empty());
+        req.emitted = req.output.len();
+        EngineOutput {
+            request_id: req.id.clone(),
+            new_token_ids: new_tokens,
+            new_logprobs,
+            finish_reason: None,
+            stop_token_id: None,
+            kv_transfer_params: None,
+            num_external_tokens: req.num_external_tokens,
+            error: None,
+        }
+    }
+
+    /// The `request_finished` calls owed for requests that finished since the last call.
+    /// Each request appears here exactly once in its life.
+    pub fn finishing_calls(&mut self) -> Vec<ConnectorCall> {
+        let ids = std::mem::take(&mut self.finishing);
+        let mut calls = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(req) = self.requests.get(&id) {
+                self.counters.request_finished_calls += 1;
+                calls.push(ConnectorCall::RequestFinished {
+                    request_id: id.clone(),
+                    status: req.status.finished_status().unwrap_or(pdmesh_protocol::FinishedStatus::Aborted),
+                    block_ids: req.block_ids.clone(),
+                    kv_transfer_params: req.kv_transfer_params.clone(),
+                });
+            }
+        }
+        calls
+    }
+
+    /// Apply the connector's answer to `request_finished`: free the blocks now, or hold them
+    /// for a remote reader until `finished_sending`. Emits the request's final output.
+    pub fn apply_finished(&mut self, id: &str, delay_free: bool, params: Option<KvTransferParams>) {
+        let Some(mut req) = self.requests.remove(id) else {
+            self.counters.unknown_ids += 1;
+            return;
+        };
+        let mut out = Self::take_new_output(&mut req);
+        out.finish_reason = req.status.finish_reason();
+        out.stop_token_id = req.stop_token_id;
+        out.kv_transfer_params = params;
+        out.error = req.error.clone();
+        self.outputs.push(out);
+        let blocks = std::mem::take(&mut req.block_ids);
+        if self.free_on_recv.contains_key(id) {
+            // Blocks already parked until the receive settles; keep the request record there.
+            return;
+        }
+        if delay_free && !blocks.is_empty() {
+            self.held.insert(id.to_string(), Held { blocks, since: req.finished_at.unwrap_or_else(Instant::now) });
+        } else {
+            self.pool.free(&blocks);
+        }
+    }
+
+    /// Apply the worker's connector output.
+    pub fn update_from_kv_output(&mut self, kv: &KvConnectorOutput) {
+        for id in &kv.finished_sending {
+            match self.held.remove(id) {
+                Some(h) => {
+                    self.pool.free(&h.blocks);
+                }
+                None => {
+                    self.counters.unknown_ids += 1;
+                    tracing::warn!(request_id = %id, "finished_sending for a request that holds no blocks");
+                }
+            }
+        }
+        for id in &kv.finished_recving {
+            if let Some(blocks) = self.free_on_recv.remove(id) {
+                self.pool.free(&blocks);
+                continue;
+            }
+            match self.requests.get(id) {
+                Some(req) if req.status == RequestStatus::WaitingForRemoteKvs => {
+                    self.finished_recving.insert(id.clone());
+                }
+                _ => {
+                    self.counters.unknown_ids += 1;
+                    tracing::warn!(request_id = %id, "finished_recving for a request not waiting for KV");
+                }
+            }
+        }
+    }
+
+    /// Outputs ready for the clients.
+    pub fn take_outputs(&mut self) -> Vec<EngineOutput> {
+        std::mem::take(&mut self.outputs)
+    }
+
+    /// Whether the engine loop must keep ticking: live requests, owed connector calls, or
+    /// blocks held or parked for the connector (whose release arrives through steps).
+    pub fn has_requests(&self) -> bool {
+        !self.waiting.is_empty()
+            || !self.running.is_empty()
+            || !self.finishing.is_empty()
+            || !self.held.is_empty()
+            || !self.free_on_recv.is_empty()
+    }
+
+    /// Whether there is compute to do (as opposed to only connector work).
+    pub fn has_unfinished_requests(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn num_waiting(&self) -> u32 {
+        self.waiting.len() as u32
+    }
+
+    pub fn num_running(&self) -> u32 {
+        self.running.len() as u32
+    }
+
+    pub fn kv_usage(&self) -> KvUsage {
+        let held: usize = self.held.values().map(|h| h.blocks.len()).sum::<usize>()
+            + self.free_on_recv.values().map(Vec::len).sum::<usize>();
+        let total = self.pool.num_blocks();
+        let free = self.pool.num_free();
+        KvUsage {
+            total_blocks: total,
+            free_blocks: free,
+            used_blocks: total.saturating_sub(free).saturating_sub(held as u32),
+            held_blocks: held as u32,
+            leased_blocks: 0,
+        }
+    }
+
+    /// Requests whose blocks the connector holds, with their age.
+    pub fn held_requests(&self) -> Vec<HeldRequest> {
+        let now = Instant::now();
+        let mut v: Vec<HeldRequest> = self
+            .held
+            .iter()
+            .map(|(id, h)| HeldRequest {
+                request_id: id.clone(),
+                blocks: h.blocks.len() as u32,
+                age_s: now.duration_since(h.since).as_secs_f64(),
+                state: "held".into(),
+            })
+            .chain(self.free_on_recv.iter().map(|(id, b)| HeldRequest {
+                request_id: id.clone(),
+                blocks: b.len() as u32,
+                age_s: 0.0,
+                state: "aborted_while_receiving".into(),
+            }))
+            .collect();
+        v.sort_by(|a, b| a.request_id.cmp(&b.request_id));
+        v
+    }
+
+    pub fn stats(&self, engine_rank: u32) -> EngineStats {
+        EngineStats {
+            engine_rank,
+            num_waiting: self.num_waiting(),
+            num_running: self.num_running(),
+            kv: self.kv_usage(),
+            held_requests: self.held_requests(),
+            steps: self.counters.steps,
+            finished_requests: self.counters.finished_requests,
+            request_finished_calls: self.counters.request_finished_calls,
+            unknown_ids: self.counters.unknown_ids,
+            preemptions: self.counters.preemptions,
+        }
+    }
+
+    /// Block generation, for block references handed to remote readers.
+    pub fn block_generation(&self, block: u32) -> Option<u64> {
+        self.pool.generation(block)
+    }
+
+    /// Blocks the pool refused to free twice (must stay 0; asserted in tests).
+    pub fn double_frees(&self) -> u64 {
+        self.pool.double_frees()
+    }
+
+    /// Ids of the requests in a chunk list (for failing a step).
+    pub fn ids_of(chunks: &[ScheduledChunk]) -> Vec<String> {
+        chunks.iter().map(|c| c.request_id.clone()).collect()
+    }
+}

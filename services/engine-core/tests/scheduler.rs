@@ -1,0 +1,215 @@
+//! Scheduler state machine: batching, chunked prefill, preemption, aborts (R2), accounting (R5).
+
+use pdmesh_engine_core::scheduler::{Scheduler, SchedulerConfig};
+use pdmesh_protocol::{
+    ConnectorCall, EngineRequest, FinishReason, KvConnectorOutput, KvTransferParams, ModelRunnerOutput, SampledToken,
+    SamplingParams, ScheduledChunk,
+};
+
+fn cfg(num_blocks: u32, budget: u32) -> SchedulerConfig {
+    SchedulerConfig { block_size: 4, num_blocks, max_num_seqs: 8, max_num_batched_tokens: budget, max_model_len: 256 }
+}
+
+fn req(id: &str, prompt_len: usize, max_tokens: u32) -> EngineRequest {
+    EngineRequest {
+        request_id: id.into(),
+        prompt_token_ids: (0..prompt_len as u32).map(|i| 10 + i).collect(),
+        sampling: SamplingParams { max_tokens, temperature: 0.0, ..Default::default() },
+        eos_token_ids: vec![2],
+        arrival_unix_ms: 0,
+        kv_transfer_params: None,
+        data_parallel_rank: None,
+    }
+}
+
+/// Answer every connector query like the no-op connector, run `schedule`, and apply the
+/// `request_finished` answers (never delay).
+fn step(s: &mut Scheduler, token: u32) -> Vec<ScheduledChunk> {
+    for call in s.match_queries() {
+        if let ConnectorCall::GetNumNewMatchedTokens { request_id, .. } = call {
+            s.apply_match(&request_id, Some(0), false);
+        }
+    }
+    let sched = s.schedule();
+    finish_calls(s, false);
+    let sampled = sched
+        .chunks
+        .iter()
+        .filter(|c| c.sample)
+        .map(|c| SampledToken { request_id: c.request_id.clone(), token_id: token, logprobs: None })
+        .collect();
+    s.update_from_output(&sched.chunks, &ModelRunnerOutput { step_id: 0, sampled, ..Default::default() });
+    finish_calls(s, false);
+    check_accounting(s);
+    sched.chunks
+}
+
+fn finish_calls(s: &mut Scheduler, delay: bool) -> Vec<String> {
+    let mut ids = Vec::new();
+    for call in s.finishing_calls() {
+        if let ConnectorCall::RequestFinished { request_id, .. } = call {
+            s.apply_finished(&request_id, delay, None);
+            ids.push(request_id);
+        }
+    }
+    ids
+}
+
+fn check_accounting(s: &Scheduler) {
+    let kv = s.kv_usage();
+    assert_eq!(kv.free_blocks + kv.used_blocks + kv.held_blocks, kv.total_blocks, "every block has one owner: {kv:?}");
+    assert_eq!(s.double_frees(), 0);
+}
+
+#[test]
+fn requests_run_to_max_tokens_and_free_their_blocks() {
+    let mut s = Scheduler::new(cfg(64, 64));
+    s.add_request(req("a", 5, 3)).unwrap();
+    s.add_request(req("b", 9, 2)).unwrap();
+    let first = step(&mut s, 7);
+    assert_eq!(first.len(), 2, "both prefills batched in one step");
+    assert!(first.iter().all(|c| c.sample));
+    step(&mut s, 7);
+    let outs = s.take_outputs();
+    let b_final = outs.iter().find(|o| o.request_id == "b" && o.finish_reason.is_some()).unwrap();
+    assert_eq!(b_final.finish_reason, Some(FinishReason::Length));
+    step(&mut s, 7);
+    assert!(!s.has_requests());
+    assert_eq!(s.kv_usage().free_blocks, 64);
+    assert_eq!(s.counters().request_finished_calls, 2);
+}
+
+#[test]
+fn eos_and_stop_token_ids_stop() {
+    let mut s = Scheduler::new(cfg(64, 64));
+    s.add_request(req("a", 3, 10)).unwrap();
+    step(&mut s, 2); // eos
+    let outs = s.take_outputs();
+    assert_eq!(outs.last().unwrap().finish_reason, Some(FinishReason::Stop));
+    assert_eq!(outs.last().unwrap().stop_token_id, Some(2));
+    let mut r = req("b", 3, 10);
+    r.sampling.ignore_eos = true;
+    r.sampling.stop_token_ids = vec![9];
+    s.add_request(r).unwrap();
+    step(&mut s, 2);
+    assert!(s.take_outputs().iter().all(|o| o.finish_reason.is_none()), "eos ignored");
+    step(&mut s, 9);
+    assert_eq!(s.take_outputs().last().unwrap().finish_reason, Some(FinishReason::Stop));
+}
+
+#[test]
+fn chunked_prefill_respects_the_token_budget() {
+    let mut s = Scheduler::new(cfg(64, 8));
+    s.add_request(req("a", 20, 1)).unwrap();
+    let c1 = step(&mut s, 5);
+    assert_eq!(c1[0].token_ids.len(), 8);
+    assert!(!c1[0].sample, "a partial prefill does not sample");
+    let c2 = step(&mut s, 5);
+    assert_eq!((c2[0].start_pos, c2[0].token_ids.len()), (8, 8));
+    let c3 = step(&mut s, 5);
+    assert_eq!((c3[0].start_pos, c3[0].token_ids.len(), c3[0].sample), (16, 4, true));
+    assert_eq!(s.take_outputs().last().unwrap().finish_reason, Some(FinishReason::Length));
+}
+
+#[test]
+fn decode_runs_alongside_new_prefills() {
+    let mut s = Scheduler::new(cfg(64, 10));
+    s.add_request(req("a", 4, 5)).unwrap();
+    step(&mut s, 5);
+    s.add_request(req("b", 12, 5)).unwrap();
+    let c = step(&mut s, 5);
+    // decode of a first (1 token), then b's prefill chunk fills the rest of the budget
+    assert_eq!(c[0].request_id, "a");
+    assert_eq!(c[0].token_ids, vec![5]);
+    assert_eq!(c[1].request_id, "b");
+    assert_eq!(c[1].token_ids.len(), 9);
+}
+
+#[test]
+fn preemption_frees_blocks_and_recomputes() {
+    // 4 blocks of 4 tokens: two requests of 7 prompt tokens each need 2 blocks, then grow.
+    let mut s = Scheduler::new(cfg(4, 64));
+    s.add_request(req("a", 7, 6)).unwrap();
+    s.add_request(req("b", 7, 6)).unwrap();
+    step(&mut s, 5); // both prefilled: 8 tokens -> 2 blocks each, pool empty
+    step(&mut s, 5); // decode position 7: still 2 blocks each
+    step(&mut s, 5); // both need a third block at position 8: b is preempted
+    assert!(s.counters().preemptions >= 1);
+    for _ in 0..30 {
+        step(&mut s, 5);
+        if !s.has_requests() {
+            break;
+        }
+    }
+    assert!(!s.has_requests(), "both complete despite preemption");
+    assert_eq!(s.kv_usage().free_blocks, 4);
+    let outs = s.take_outputs();
+    for id in ["a", "b"] {
+        let tokens: usize = outs.iter().filter(|o| o.request_id == id).map(|o| o.new_token_ids.len()).sum();
+        assert_eq!(tokens, 6, "{id} produced exactly max_tokens tokens, none lost or duplicated by preemption");
+    }
+}
+
+#[test]
+fn abort_frees_blocks_and_calls_request_finished_once() {
+    let mut s = Scheduler::new(cfg(16, 64));
+    s.add_request(req("a", 9, 100)).unwrap();
+    step(&mut s, 5);
+    assert!(s.kv_usage().used_blocks > 0);
+    assert_eq!(s.abort_requests(&["a".into()]), vec!["a".to_string()]);
+    // a second abort, an abort of an unknown id: skipped and counted, nothing else
+    assert!(s.abort_requests(&["a".into(), "zzz".into()]).is_empty());
+    finish_calls(&mut s, false);
+    assert_eq!(s.kv_usage().free_blocks, 16);
+    assert_eq!(s.counters().request_finished_calls, 1);
+    assert_eq!(s.counters().unknown_ids, 1);
+    let outs = s.take_outputs();
+    assert_eq!(outs.last().unwrap().finish_reason, Some(FinishReason::Abort));
+    // the abort after it finished did not reach request_finished again
+    assert!(s.finishing_calls().is_empty());
+    check_accounting(&s);
+}
+
+#[test]
+fn abort_after_finish_never_frees_held_blocks() {
+    // P side: the connector holds the blocks (delay_free = true) for a remote reader.
+    let mut s = Scheduler::new(cfg(16, 64));
+    let mut r = req("p", 9, 1);
+    r.kv_transfer_params = Some(KvTransferParams { do_remote_decode: Some(true), ..Default::default() });
+    s.add_request(r).unwrap();
+    for call in s.match_queries() {
+        if let ConnectorCall::GetNumNewMatchedTokens { request_id, .. } = call {
+            s.apply_match(&request_id, Some(0), false);
+        }
+    }
+    let sched = s.schedule();
+    let sampled = vec![SampledToken { request_id: "p".into(), token_id: 5, logprobs: None }];
+    s.update_from_output(&sched.chunks, &ModelRunnerOutput { step_id: 1, sampled, ..Default::default() });
+    finish_calls(&mut s, true);
+    assert_eq!(s.kv_usage().held_blocks, 3);
+    // the client's abort races the end of prefill: a no-op
+    assert!(s.abort_requests(&["p".into()]).is_empty());
+    assert!(s.finishing_calls().is_empty(), "request_finished is not called a second time");
+    assert_eq!(s.kv_usage().held_blocks, 3, "held blocks stay held");
+    check_accounting(&s);
+    assert!(s.has_requests(), "held blocks keep the engine ticking");
+    // the reader is done: finished_sending frees; a duplicate is counted, not a double free
+    let done = KvConnectorOutput { finished_sending: vec!["p".into()], ..Default::default() };
+    s.update_from_kv_output(&done);
+    s.update_from_kv_output(&done);
+    assert_eq!(s.kv_usage().free_blocks, 16);
+    // the late abort and the duplicate finished_sending are both counted as unknown ids
+    assert_eq!(s.counters().unknown_ids, 2);
+    assert_eq!(s.counters().request_finished_calls, 1);
+    check_accounting(&s);
+}
+
+#[test]
+fn admission_refuses_bad_requests() {
+    let mut s = Scheduler::new(cfg(4, 64));
+    assert!(s.add_request(req("a", 0, 1)).is_err());
+    assert!(s.add_request(req("b", 300, 1)).is_err());
+    assert!(s.add_request(req("c", 20, 1)).is_err(), "needs more blocks than exist");
+    s.add_request(req("d", 3, 1)).unwrap();
+    assert!(s.add_request(req("d", 3, 1)).is_err(), "duplicate id");
+}

@@ -1,0 +1,301 @@
+//! Errors of the frontend.
+//!
+//! [`ApiError`] is every way an API request can fail. Its HTTP status, its OpenAI `type`, its
+//! `param` and its metric label are decided here and nowhere else; handlers only pick the
+//! variant. Errors from other processes arrive as a [`WireError`] class or a
+//! [`TransportError`] and are mapped here too. [`FrontendError`] is why the service could not
+//! start or stopped abnormally.
+
+use actix_web::error::JsonPayloadError;
+use actix_web::http::StatusCode;
+use actix_web::{HttpResponse, ResponseError};
+use pdmesh_protocol::{ErrorClass, WireError};
+use pdmesh_transport::TransportError;
+use serde::Serialize;
+use thiserror::Error;
+
+use crate::metrics::REQUEST_ERRORS_TOTAL;
+
+/// Why an API request was refused or failed.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum ApiError {
+    /// A parameter is invalid (400). `param` names the offending field when there is one.
+    #[error("{message}")]
+    InvalidRequest { message: String, param: Option<String> },
+    /// Prompt plus completion do not fit the model's context (400).
+    #[error("{message}")]
+    ContextLength { message: String, param: &'static str },
+    /// The body is not JSON or does not have the expected shape (400).
+    #[error("{0}")]
+    InvalidJson(String),
+    /// The chat template could not render the messages (400).
+    #[error("{0}")]
+    Template(String),
+    /// The `model` field names a model this server does not serve (404).
+    #[error("The model `{0}` does not exist.")]
+    ModelNotFound(String),
+    /// Something named in the request does not exist in the mesh (404).
+    #[error("{0}")]
+    NotFound(String),
+    /// The body is larger than the frontend accepts (413).
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    /// The client's `X-Request-Id` names a request that is still in flight (400): outputs
+    /// are routed by id, so two live requests cannot share one.
+    #[error("request id `{0}` is already used by a request in flight")]
+    DuplicateRequestId(String),
+    /// The engine side is down, restarting or refused for lack of capacity (503).
+    #[error("{0}")]
+    Unavailable(String),
+    /// The engine side did not answer in time (504).
+    #[error("{0}")]
+    Timeout(String),
+    /// A bug or an unexpected answer inside the mesh (500).
+    #[error("{0}")]
+    Internal(String),
+    /// The mesh accepted the request and then failed it (`finish_reason = error`) (500).
+    #[error("{0}")]
+    EngineFailed(String),
+}
+
+/// The OpenAI error object (`{"error": {...}}`), as vLLM returns it: `code` is the HTTP
+/// status.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// The inner object of an [`ErrorBody`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ErrorDetail {
+    pub message: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: u16,
+}
+
+impl ApiError {
+    /// A 400 about one parameter.
+    pub fn invalid(message: impl Into<String>, param: &str) -> Self {
+        ApiError::InvalidRequest { message: message.into(), param: Some(param.to_string()) }
+    }
+
+    /// A 400 not tied to one parameter.
+    pub fn invalid_request(message: impl Into<String>) -> Self {
+        ApiError::InvalidRequest { message: message.into(), param: None }
+    }
+
+    /// The HTTP status of this error.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::InvalidRequest { .. }
+            | ApiError::ContextLength { .. }
+            | ApiError::InvalidJson(_)
+            | ApiError::Template(_)
+            | ApiError::DuplicateRequestId(_) => StatusCode::BAD_REQUEST,
+            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::Internal(_) | ApiError::EngineFailed(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The OpenAI `type` field. 400s use OpenAI's `invalid_request_error`; the others use
+    /// vLLM's names (`NotFoundError`, ...), which clients of vLLM already match on.
+    pub fn error_type(&self) -> &'static str {
+        match self.status() {
+            StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => "invalid_request_error",
+            StatusCode::NOT_FOUND => "NotFoundError",
+            StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
+            StatusCode::GATEWAY_TIMEOUT => "TimeoutError",
+            _ => "InternalServerError",
+        }
+    }
+
+    /// The OpenAI `param` field.
+    pub fn param(&self) -> Option<String> {
+        match self {
+            ApiError::InvalidRequest { param, .. } => param.clone(),
+            ApiError::ContextLength { param, .. } => Some((*param).to_string()),
+            ApiError::ModelNotFound(_) => Some("model".to_string()),
+            ApiError::Template(_) => Some("messages".to_string()),
+            _ => None,
+        }
+    }
+
+    /// Label of `pdmesh_frontend_request_errors_total`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ApiError::InvalidRequest { .. } => "invalid_request",
+            ApiError::ContextLength { .. } => "context_length",
+            ApiError::InvalidJson(_) => "invalid_json",
+            ApiError::Template(_) => "template",
+            ApiError::ModelNotFound(_) => "model_not_found",
+            ApiError::NotFound(_) => "not_found",
+            ApiError::PayloadTooLarge(_) => "payload_too_large",
+            ApiError::DuplicateRequestId(_) => "duplicate_request_id",
+            ApiError::Unavailable(_) => "unavailable",
+            ApiError::Timeout(_) => "timeout",
+            ApiError::Internal(_) => "internal",
+            ApiError::EngineFailed(_) => "engine_error",
+        }
+    }
+
+    /// The OpenAI error body.
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: ErrorDetail {
+                message: self.to_string(),
+                kind: self.error_type(),
+                param: self.param(),
+                code: self.status().as_u16(),
+            },
+        }
+    }
+
+    /// Count the error and log it: client mistakes at `info`, mesh trouble at `warn`/`error`.
+    /// Called once per failed request, wherever the error is rendered (JSON or SSE).
+    pub fn record(&self) {
+        REQUEST_ERRORS_TOTAL.with_label_values(&[self.kind()]).inc();
+        let status = self.status().as_u16();
+        match status {
+            500.. if matches!(self, ApiError::Internal(_)) => {
+                tracing::error!(status, kind = self.kind(), error = %self, "request failed")
+            }
+            500.. => tracing::warn!(status, kind = self.kind(), error = %self, "request failed"),
+            _ => tracing::info!(status, kind = self.kind(), error = %self, "request refused"),
+        }
+    }
+
+    /// Map an error answer of the dp-lb: the class decides the status.
+    pub fn from_wire(err: WireError) -> Self {
+        match err.class {
+            ErrorClass::InvalidRequest => ApiError::invalid_request(err.message),
+            ErrorClass::NotFound => ApiError::NotFound(err.message),
+            ErrorClass::Unavailable => ApiError::Unavailable(err.message),
+            ErrorClass::Timeout => ApiError::Timeout(err.message),
+            ErrorClass::Internal => ApiError::Internal(err.message),
+        }
+    }
+
+    /// A socket-level failure talking to the dp-lb: the engine is unreachable (503).
+    pub fn from_transport(err: &TransportError) -> Self {
+        ApiError::Unavailable(format!("engine unavailable: {err}"))
+    }
+
+    /// A request the mesh failed after accepting it (`finish_reason = error`): 503 when the
+    /// mesh says it was a capacity or liveness problem (message starts with "unavailable"),
+    /// 500 otherwise.
+    pub fn from_engine_failure(message: Option<&str>) -> Self {
+        let message = message.unwrap_or("the engine failed the request");
+        if message.trim_start().to_ascii_lowercase().starts_with("unavailable") {
+            ApiError::Unavailable(message.to_string())
+        } else {
+            ApiError::EngineFailed(message.to_string())
+        }
+    }
+
+    /// Map a body extraction failure (actix-web's `JsonConfig::error_handler`).
+    pub fn from_json_error(err: &JsonPayloadError) -> Self {
+        match err {
+            JsonPayloadError::OverflowKnownLength { length, limit } => ApiError::PayloadTooLarge(format!(
+                "request body of {length} bytes is larger than the limit of {limit} bytes"
+            )),
+            JsonPayloadError::Overflow { limit } => {
+                ApiError::PayloadTooLarge(format!("request body is larger than the limit of {limit} bytes"))
+            }
+            JsonPayloadError::ContentType => ApiError::InvalidJson("the request body must be JSON".to_string()),
+            JsonPayloadError::Deserialize(e) => ApiError::InvalidJson(format!("invalid request body: {e}")),
+            other => ApiError::InvalidJson(format!("cannot read the request body: {other}")),
+        }
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        self.status()
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        HttpResponse::build(self.status()).json(self.body())
+    }
+}
+
+/// Why the frontend could not start, or stopped abnormally.
+#[derive(Debug, Error)]
+pub enum FrontendError {
+    #[error(transparent)]
+    Config(#[from] pdmesh_config::ConfigError),
+    #[error("invalid frontend options: {0}")]
+    Options(String),
+    #[error("cannot bind the engine output socket: {0}")]
+    OutputSocket(#[source] TransportError),
+    #[error("cannot bind the HTTP server on {addr}: {source}")]
+    HttpBind {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("HTTP server failed: {0}")]
+    Server(#[source] std::io::Error),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_and_types_are_mapped_in_one_place() {
+        let cases: Vec<(ApiError, u16, &str)> = vec![
+            (ApiError::invalid("bad", "temperature"), 400, "invalid_request_error"),
+            (ApiError::ContextLength { message: "long".into(), param: "max_tokens" }, 400, "invalid_request_error"),
+            (ApiError::InvalidJson("x".into()), 400, "invalid_request_error"),
+            (ApiError::Template("x".into()), 400, "invalid_request_error"),
+            (ApiError::ModelNotFound("m".into()), 404, "NotFoundError"),
+            (ApiError::PayloadTooLarge("x".into()), 413, "invalid_request_error"),
+            (ApiError::Unavailable("x".into()), 503, "ServiceUnavailableError"),
+            (ApiError::Timeout("x".into()), 504, "TimeoutError"),
+            (ApiError::Internal("x".into()), 500, "InternalServerError"),
+            (ApiError::EngineFailed("x".into()), 500, "InternalServerError"),
+        ];
+        for (err, status, kind) in cases {
+            assert_eq!(err.status().as_u16(), status, "{err:?}");
+            assert_eq!(err.error_type(), kind, "{err:?}");
+            let body = serde_json::to_value(err.body()).unwrap();
+            assert_eq!(body["error"]["code"], status);
+            assert_eq!(body["error"]["type"], kind);
+            assert!(body["error"]["message"].is_string());
+            assert!(body["error"].get("param").is_some());
+        }
+    }
+
+    #[test]
+    fn model_not_found_reads_like_vllm() {
+        let body = serde_json::to_value(ApiError::ModelNotFound("gpt-x".into()).body()).unwrap();
+        assert_eq!(body["error"]["message"], "The model `gpt-x` does not exist.");
+        assert_eq!(body["error"]["type"], "NotFoundError");
+        assert_eq!(body["error"]["param"], "model");
+    }
+
+    #[test]
+    fn wire_classes_map_to_statuses() {
+        let s = |c| ApiError::from_wire(WireError::new(c, "m")).status().as_u16();
+        assert_eq!(s(ErrorClass::InvalidRequest), 400);
+        assert_eq!(s(ErrorClass::NotFound), 404);
+        assert_eq!(s(ErrorClass::Unavailable), 503);
+        assert_eq!(s(ErrorClass::Timeout), 504);
+        assert_eq!(s(ErrorClass::Internal), 500);
+        let t = ApiError::from_transport(&TransportError::PeerGone("ipc://x".into()));
+        assert_eq!(t.status().as_u16(), 503);
+        assert!(t.to_string().starts_with("engine unavailable: "));
+    }
+
+    #[test]
+    fn engine_failures_split_by_message() {
+        assert_eq!(ApiError::from_engine_failure(Some("unavailable: rank 0 died")).status().as_u16(), 503);
+        assert_eq!(ApiError::from_engine_failure(Some("KV load failed")).status().as_u16(), 500);
+        assert_eq!(ApiError::from_engine_failure(None).status().as_u16(), 500);
+    }
+}

@@ -1,0 +1,316 @@
+//! The life of one generation request after validation, shared by completions and chat:
+//! submit to the engine, then either collect the whole answer or stream it
+//! ([`crate::stream`]). [`RequestGuard`] ties the engine request to the HTTP request: when the
+//! handler (or the SSE body) is dropped before the request finished, the engine request is
+//! aborted, and every accepted request records exactly one finish reason.
+
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use actix::Addr;
+use actix_web::http::header::HeaderValue;
+use actix_web::HttpResponse;
+use pdmesh_model_api::TextCodec;
+use pdmesh_protocol::{EngineRequest, KvTransferParams, TraceContext};
+
+use crate::engine_client::{next_ticket, Abort, AbortReason, EngineClient, OutputReceiver, Submit};
+use crate::error::ApiError;
+use crate::headers::{RequestMeta, REQUEST_ID};
+use crate::metrics::{E2E, FINISH_REASONS_TOTAL, GENERATION_TOKENS_TOTAL, IN_FLIGHT, ITL, PROMPT_TOKENS_TOTAL, TTFT};
+use crate::openai::{
+    ChatChoice, ChatCompletionResponse, ChatMessageOut, CompletionChoice, CompletionResponse, KvParamsField, Usage,
+    UsageField,
+};
+use crate::output::{chat_logprobs, completion_logprobs, Finish, OutputProcessor, TokenLogprob};
+use crate::server::AppState;
+use crate::validation::ValidatedParams;
+
+/// Which OpenAI API a request came through (decides only the response shapes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Completion,
+    Chat,
+}
+
+/// Everything needed to shape the response of one request.
+#[derive(Debug, Clone)]
+pub struct ResponseSettings {
+    pub api: Api,
+    /// The engine request id (`X-Request-Id`).
+    pub request_id: String,
+    pub created: u64,
+    pub model: String,
+    pub stop: Vec<String>,
+    pub include_stop_str_in_output: bool,
+    pub eos_token_ids: Vec<u32>,
+    pub logprobs: Option<u32>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub prompt_tokens: u32,
+}
+
+impl ResponseSettings {
+    /// The `id` of the response body: `cmpl-<request id>` / `chatcmpl-<request id>` (vLLM).
+    pub fn response_id(&self) -> String {
+        match self.api {
+            Api::Completion => format!("cmpl-{}", self.request_id),
+            Api::Chat => format!("chatcmpl-{}", self.request_id),
+        }
+    }
+}
+
+/// A validated request, ready to submit.
+#[derive(Debug)]
+pub struct Prepared {
+    pub settings: ResponseSettings,
+    pub request: EngineRequest,
+    pub trace: TraceContext,
+    pub arrival: Instant,
+}
+
+/// Seconds since the Unix epoch (0 if the clock is before it).
+pub fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn unix_now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// Assemble the engine request and the response settings of a validated request.
+pub fn prepare(
+    api: Api,
+    meta: RequestMeta,
+    params: ValidatedParams,
+    prompt_token_ids: Vec<u32>,
+    max_tokens: u32,
+    state: &AppState,
+    arrival: Instant,
+) -> Prepared {
+    let mut sampling = params.sampling;
+    sampling.max_tokens = max_tokens;
+    let settings = ResponseSettings {
+        api,
+        request_id: meta.request_id.clone(),
+        created: unix_now(),
+        model: state.options.served_model_name.clone(),
+        stop: params.stop,
+        include_stop_str_in_output: params.include_stop_str_in_output,
+        eos_token_ids: state.options.eos_token_ids.clone(),
+        logprobs: sampling.logprobs,
+        stream: params.stream,
+        include_usage: params.include_usage,
+        prompt_tokens: u32::try_from(prompt_token_ids.len()).unwrap_or(u32::MAX),
+    };
+    let request = EngineRequest {
+        request_id: meta.request_id,
+        prompt_token_ids,
+        sampling,
+        eos_token_ids: state.options.eos_token_ids.clone(),
+        arrival_unix_ms: unix_now_ms(),
+        kv_transfer_params: params.kv_transfer_params,
+        data_parallel_rank: meta.data_parallel_rank,
+    };
+    Prepared { settings, request, trace: meta.trace, arrival }
+}
+
+/// Ties an accepted engine request to its HTTP request (see the module docs).
+pub struct RequestGuard {
+    client: Addr<EngineClient>,
+    request_id: String,
+    ticket: u64,
+    arrival: Instant,
+    last_tokens_at: Option<Instant>,
+    finished: bool,
+}
+
+impl RequestGuard {
+    fn new(client: Addr<EngineClient>, request_id: String, ticket: u64, arrival: Instant) -> Self {
+        IN_FLIGHT.inc();
+        Self { client, request_id, ticket, arrival, last_tokens_at: None, finished: false }
+    }
+
+    /// Record the arrival of `n` new tokens (TTFT for the first, inter-token latency after).
+    pub fn on_tokens(&mut self, n: u32) {
+        if n == 0 {
+            return;
+        }
+        GENERATION_TOKENS_TOTAL.inc_by(u64::from(n));
+        let now = Instant::now();
+        match self.last_tokens_at {
+            None => TTFT.observe(now.duration_since(self.arrival).as_secs_f64()),
+            Some(t) => ITL.observe(now.duration_since(t).as_secs_f64()),
+        }
+        self.last_tokens_at = Some(now);
+    }
+
+    /// The request is over for the client; `reason` is the finish reason label.
+    pub fn finish(&mut self, reason: &str) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        FINISH_REASONS_TOTAL.with_label_values(&[reason]).inc();
+        E2E.observe(self.arrival.elapsed().as_secs_f64());
+    }
+
+    /// Abort the engine request now (it is still running but nobody needs its output).
+    pub fn abort_now(&self, reason: AbortReason) {
+        self.client.do_send(Abort { request_id: self.request_id.clone(), ticket: self.ticket, reason });
+    }
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        if !self.finished {
+            tracing::info!(request_id = %self.request_id, "client went away; aborting the request");
+            self.finish("abort");
+            self.abort_now(AbortReason::ClientDisconnect);
+        }
+        IN_FLIGHT.dec();
+    }
+}
+
+/// An engine request the dp-lb accepted.
+pub struct Accepted {
+    pub settings: ResponseSettings,
+    pub outputs: OutputReceiver,
+    pub guard: RequestGuard,
+}
+
+/// Submit to the engine; errors are the mesh's refusals (before admission).
+pub async fn submit(state: &AppState, prepared: Prepared) -> Result<Accepted, ApiError> {
+    let Prepared { settings, request, trace, arrival } = prepared;
+    let ticket = next_ticket();
+    let outputs =
+        state.client.send(Submit { request, trace, ticket }).await.map_err(|e| {
+            ApiError::Unavailable(format!("engine unavailable: the engine client is not running ({e})"))
+        })??;
+    PROMPT_TOKENS_TOTAL.inc_by(u64::from(settings.prompt_tokens));
+    let guard = RequestGuard::new(state.client.clone(), settings.request_id.clone(), ticket, arrival);
+    Ok(Accepted { settings, outputs, guard })
+}
+
+/// Answer an accepted request: an SSE stream, or the whole response once it finished.
+pub async fn respond(state: &AppState, accepted: Accepted) -> Result<HttpResponse, ApiError> {
+    let Accepted { settings, outputs, guard } = accepted;
+    if settings.stream {
+        Ok(crate::stream::respond(state.codec.clone(), settings, outputs, guard))
+    } else {
+        collect(&*state.codec, settings, outputs, guard).await
+    }
+}
+
+/// Wait for the whole output of a non-streaming request.
+async fn collect(
+    codec: &dyn TextCodec,
+    settings: ResponseSettings,
+    mut outputs: OutputReceiver,
+    mut guard: RequestGuard,
+) -> Result<HttpResponse, ApiError> {
+    let mut processor = OutputProcessor::new(
+        codec,
+        settings.stop.clone(),
+        settings.include_stop_str_in_output,
+        settings.eos_token_ids.clone(),
+        settings.logprobs,
+    );
+    let mut text = String::new();
+    let mut logprobs: Vec<TokenLogprob> = Vec::new();
+    let (finish, kv_transfer_params) = loop {
+        let Some(output) = outputs.recv().await else {
+            guard.finish("error");
+            return Err(ApiError::Unavailable(
+                "engine unavailable: the output stream closed before the request finished".into(),
+            ));
+        };
+        let delta = match processor.process(&output) {
+            Ok(delta) => delta,
+            Err(e) => {
+                guard.abort_now(AbortReason::OutputError);
+                guard.finish("error");
+                return Err(e);
+            }
+        };
+        guard.on_tokens(delta.new_tokens);
+        text.push_str(&delta.text);
+        logprobs.extend(delta.logprobs);
+        if let Some(finish) = delta.finish {
+            if !delta.engine_finished {
+                guard.abort_now(AbortReason::StopString);
+            }
+            break (finish, delta.kv_transfer_params);
+        }
+    };
+    guard.finish(finish.as_str());
+    match finish {
+        Finish::Error(message) => return Err(ApiError::from_engine_failure(message.as_deref())),
+        Finish::Abort => return Err(ApiError::Unavailable("unavailable: the engine aborted the request".into())),
+        Finish::Stop(_) | Finish::Length => {}
+    }
+    let usage = Usage::new(settings.prompt_tokens, processor.completion_tokens());
+    let mut response = match settings.api {
+        Api::Completion => {
+            HttpResponse::Ok().json(completion_body(&settings, text, &logprobs, &finish, usage, kv_transfer_params))
+        }
+        Api::Chat => HttpResponse::Ok().json(chat_body(&settings, text, &logprobs, &finish, usage, kv_transfer_params)),
+    };
+    set_request_id(&mut response, &settings.request_id);
+    Ok(response)
+}
+
+fn completion_body(
+    settings: &ResponseSettings,
+    text: String,
+    logprobs: &[TokenLogprob],
+    finish: &Finish,
+    usage: Usage,
+    kv_transfer_params: Option<KvTransferParams>,
+) -> CompletionResponse {
+    CompletionResponse {
+        id: settings.response_id(),
+        object: "text_completion",
+        created: settings.created,
+        model: settings.model.clone(),
+        choices: vec![CompletionChoice {
+            index: 0,
+            text,
+            logprobs: settings.logprobs.map(|_| completion_logprobs(logprobs)),
+            finish_reason: Some(finish.as_str()),
+            stop_reason: finish.stop_reason(),
+        }],
+        usage: UsageField::Set(usage),
+        kv_transfer_params: KvParamsField::from_option(kv_transfer_params),
+    }
+}
+
+fn chat_body(
+    settings: &ResponseSettings,
+    text: String,
+    logprobs: &[TokenLogprob],
+    finish: &Finish,
+    usage: Usage,
+    kv_transfer_params: Option<KvTransferParams>,
+) -> ChatCompletionResponse {
+    ChatCompletionResponse {
+        id: settings.response_id(),
+        object: "chat.completion",
+        created: settings.created,
+        model: settings.model.clone(),
+        choices: vec![ChatChoice {
+            index: 0,
+            message: ChatMessageOut { role: "assistant", content: text },
+            logprobs: settings.logprobs.map(|_| chat_logprobs(logprobs)),
+            finish_reason: Some(finish.as_str()),
+            stop_reason: finish.stop_reason(),
+        }],
+        usage,
+        kv_transfer_params: KvParamsField::from_option(kv_transfer_params),
+    }
+}
+
+/// Put `X-Request-Id` on a response.
+pub fn set_request_id(response: &mut HttpResponse, request_id: &str) {
+    if let Ok(value) = HeaderValue::from_str(request_id) {
+        response.headers_mut().insert(actix_web::http::header::HeaderName::from_static(REQUEST_ID), value);
+    }
+}

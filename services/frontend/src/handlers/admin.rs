@@ -1,0 +1,163 @@
+//! Everything that is not generation: `/v1/models`, `/health`, `/debug/kv`,
+//! `/debug/engines`, and the 404 for unknown routes.
+
+use actix_web::{web, HttpResponse};
+use pdmesh_protocol::{EngineStats, MeshStats};
+use serde::Serialize;
+
+use crate::engine_client::Stats;
+use crate::error::ApiError;
+use crate::handlers::error_response;
+use crate::headers::new_request_id;
+use crate::openai::{ModelCard, ModelList};
+use crate::server::AppState;
+
+/// `GET /v1/models`: the one served model.
+pub async fn models(state: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: state.options.served_model_name.clone(),
+            object: "model",
+            created: state.started,
+            owned_by: "pdmesh",
+            max_model_len: state.options.max_model_len,
+        }],
+    })
+}
+
+/// `GET /health`: 200 while the link to the dp-lb is up, 503 otherwise (so a load balancer
+/// in front stops sending requests that would fail).
+pub async fn health(state: web::Data<AppState>) -> HttpResponse {
+    if state.link.is_up() {
+        HttpResponse::Ok().finish()
+    } else {
+        let e = ApiError::Unavailable(format!(
+            "engine unavailable: not connected to the dp-lb at {}",
+            state.link.endpoint()
+        ));
+        HttpResponse::ServiceUnavailable().json(e.body())
+    }
+}
+
+/// A request held by a connector, with the rank that holds it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HeldRequestView {
+    pub engine_rank: u32,
+    pub request_id: String,
+    pub blocks: u32,
+    pub age_s: f64,
+    pub state: String,
+}
+
+/// `GET /debug/kv`: KV block ownership summed over the ranks that answered.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct KvDebug {
+    pub free_blocks: u64,
+    pub used_blocks: u64,
+    pub held_blocks: u64,
+    pub leased_blocks: u64,
+    pub total_blocks: u64,
+    pub held_requests: Vec<HeldRequestView>,
+    pub ranks: Vec<EngineStats>,
+    pub unreachable_ranks: Vec<u32>,
+}
+
+impl KvDebug {
+    pub fn from_stats(stats: MeshStats) -> Self {
+        let sum = |f: fn(&EngineStats) -> u32| stats.engines.iter().map(|e| u64::from(f(e))).sum::<u64>();
+        let held_requests = stats
+            .engines
+            .iter()
+            .flat_map(|e| {
+                e.held_requests.iter().map(|h| HeldRequestView {
+                    engine_rank: e.engine_rank,
+                    request_id: h.request_id.clone(),
+                    blocks: h.blocks,
+                    age_s: h.age_s,
+                    state: h.state.clone(),
+                })
+            })
+            .collect();
+        Self {
+            free_blocks: sum(|e| e.kv.free_blocks),
+            used_blocks: sum(|e| e.kv.used_blocks),
+            held_blocks: sum(|e| e.kv.held_blocks),
+            leased_blocks: sum(|e| e.kv.leased_blocks),
+            total_blocks: sum(|e| e.kv.total_blocks),
+            held_requests,
+            ranks: stats.engines,
+            unreachable_ranks: stats.unreachable_ranks,
+        }
+    }
+}
+
+async fn mesh_stats(state: &AppState) -> Result<MeshStats, ApiError> {
+    state
+        .client
+        .send(Stats)
+        .await
+        .map_err(|e| ApiError::Unavailable(format!("engine unavailable: the engine client is not running ({e})")))?
+}
+
+/// `GET /debug/kv`.
+pub async fn debug_kv(state: web::Data<AppState>) -> HttpResponse {
+    match mesh_stats(&state).await {
+        Ok(stats) => HttpResponse::Ok().json(KvDebug::from_stats(stats)),
+        Err(e) => error_response(e, &new_request_id()),
+    }
+}
+
+/// `GET /debug/engines`: the dp-lb's `MeshStats` as is.
+pub async fn debug_engines(state: web::Data<AppState>) -> HttpResponse {
+    match mesh_stats(&state).await {
+        Ok(stats) => HttpResponse::Ok().json(stats),
+        Err(e) => error_response(e, &new_request_id()),
+    }
+}
+
+/// Unknown routes: the OpenAI error body with 404.
+pub async fn not_found(req: actix_web::HttpRequest) -> HttpResponse {
+    let e = ApiError::NotFound(format!("no route for {} {}", req.method(), req.path()));
+    HttpResponse::NotFound().json(e.body())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdmesh_protocol::{HeldRequest, KvUsage};
+
+    #[test]
+    fn kv_debug_sums_ranks() {
+        let rank = |r: u32, free: u32, held: u32| EngineStats {
+            engine_rank: r,
+            kv: KvUsage {
+                total_blocks: 100,
+                free_blocks: free,
+                used_blocks: 100 - free - held,
+                held_blocks: held,
+                leased_blocks: 0,
+            },
+            held_requests: if held > 0 {
+                vec![HeldRequest { request_id: format!("h{r}"), blocks: held, age_s: 1.5, state: "held".into() }]
+            } else {
+                vec![]
+            },
+            ..Default::default()
+        };
+        let stats = MeshStats { engines: vec![rank(0, 90, 4), rank(1, 80, 0)], unreachable_ranks: vec![2] };
+        let v = serde_json::to_value(KvDebug::from_stats(stats)).unwrap();
+        assert_eq!(v["total_blocks"], 200);
+        assert_eq!(v["free_blocks"], 170);
+        assert_eq!(v["held_blocks"], 4);
+        assert_eq!(v["used_blocks"], 26);
+        assert_eq!(v["leased_blocks"], 0);
+        assert_eq!(
+            v["held_requests"][0],
+            serde_json::json!({"engine_rank": 0, "request_id": "h0", "blocks": 4, "age_s": 1.5, "state": "held"})
+        );
+        assert_eq!(v["ranks"].as_array().unwrap().len(), 2);
+        assert_eq!(v["ranks"][1]["engine_rank"], 1);
+        assert_eq!(v["unreachable_ranks"], serde_json::json!([2]));
+    }
+}

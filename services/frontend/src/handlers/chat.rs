@@ -1,0 +1,77 @@
+//! `POST /v1/chat/completions`.
+
+use std::time::Instant;
+
+use actix_web::{web, HttpRequest, HttpResponse};
+
+use crate::error::ApiError;
+use crate::generate::{prepare, Api, Prepared};
+use crate::handlers::completions::remote_prefill;
+use crate::handlers::serve;
+use crate::headers::RequestMeta;
+use crate::openai::ChatCompletionRequest;
+use crate::server::AppState;
+use crate::validation::{
+    chat_logprobs, chat_messages, check_model, render_chat, resolve_max_tokens, validate_params, MaxTokensDefault,
+    SamplingInput,
+};
+
+/// The handler.
+pub async fn chat_completions(
+    req: HttpRequest,
+    body: web::Json<ChatCompletionRequest>,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let arrival = Instant::now();
+    let body = body.into_inner();
+    let remote_prefill = remote_prefill(body.kv_transfer_params.as_ref());
+    serve(&req, &state, Api::Chat, remote_prefill, move |meta, state| validate(body, meta, state, arrival)).await
+}
+
+fn validate(
+    body: ChatCompletionRequest,
+    meta: RequestMeta,
+    state: &AppState,
+    arrival: Instant,
+) -> Result<Prepared, ApiError> {
+    check_model(body.model.as_deref(), &state.options.served_model_name)?;
+    let vocab = state.vocab_size();
+    // `max_completion_tokens` supersedes the deprecated `max_tokens` (vLLM's precedence).
+    let (max_tokens, max_tokens_param) = match body.max_completion_tokens {
+        Some(m) => (Some(m), "max_completion_tokens"),
+        None => (body.max_tokens, "max_tokens"),
+    };
+    let input = SamplingInput {
+        max_tokens,
+        max_tokens_param,
+        temperature: body.temperature,
+        top_p: body.top_p,
+        top_k: body.top_k,
+        seed: body.seed,
+        stop: body.stop.as_ref(),
+        stop_token_ids: body.stop_token_ids.as_deref(),
+        ignore_eos: body.ignore_eos,
+        include_stop_str_in_output: body.include_stop_str_in_output,
+        logprobs: chat_logprobs(body.logprobs, body.top_logprobs)?,
+        n: body.n,
+        stream: body.stream,
+        stream_options: body.stream_options.as_ref(),
+        presence_penalty: body.presence_penalty,
+        frequency_penalty: body.frequency_penalty,
+        repetition_penalty: body.repetition_penalty,
+        logit_bias: body.logit_bias.as_ref(),
+        min_tokens: body.min_tokens,
+        kv_transfer_params: body.kv_transfer_params.as_ref(),
+    };
+    let params = validate_params(&input, vocab)?;
+    let messages = chat_messages(&body.messages)?;
+    let prompt = render_chat(&*state.codec, &messages, vocab)?;
+    let max_tokens = resolve_max_tokens(
+        u32::try_from(prompt.len()).unwrap_or(u32::MAX),
+        params.requested_max_tokens,
+        MaxTokensDefault::RestOfContext,
+        state.options.max_model_len,
+        "messages",
+    )?;
+    Ok(prepare(Api::Chat, meta, params, prompt, max_tokens, state, arrival))
+}

@@ -1,0 +1,85 @@
+//! `POST /v1/completions`.
+
+use std::time::Instant;
+
+use actix_web::{web, HttpRequest, HttpResponse};
+
+use crate::error::ApiError;
+use crate::generate::{prepare, Api, Prepared};
+use crate::handlers::serve;
+use crate::headers::RequestMeta;
+use crate::openai::CompletionRequest;
+use crate::server::AppState;
+use crate::validation::{
+    check_model, completion_logprobs, completion_prompt, kv_transfer_params, resolve_max_tokens, validate_params,
+    MaxTokensDefault, SamplingInput, DEFAULT_COMPLETION_MAX_TOKENS,
+};
+
+/// The handler.
+pub async fn completions(
+    req: HttpRequest,
+    body: web::Json<CompletionRequest>,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let arrival = Instant::now();
+    let body = body.into_inner();
+    let remote_prefill = remote_prefill(body.kv_transfer_params.as_ref());
+    serve(&req, &state, Api::Completion, remote_prefill, move |meta, state| validate(body, meta, state, arrival)).await
+}
+
+/// Whether a body asks for the decode leg of a P/D pair (judged before validation, so that
+/// a refusal for any reason is known to strand P's blocks).
+pub(crate) fn remote_prefill(value: Option<&serde_json::Value>) -> bool {
+    kv_transfer_params(value).ok().flatten().is_some_and(|p| p.wants_remote_prefill())
+}
+
+fn validate(
+    body: CompletionRequest,
+    meta: RequestMeta,
+    state: &AppState,
+    arrival: Instant,
+) -> Result<Prepared, ApiError> {
+    check_model(body.model.as_deref(), &state.options.served_model_name)?;
+    if body.echo == Some(true) {
+        return Err(ApiError::invalid("`echo` is not supported by this server.", "echo"));
+    }
+    if body.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid("`suffix` is not supported by this server.", "suffix"));
+    }
+    if let Some(b) = body.best_of.filter(|&b| b != 1) {
+        return Err(ApiError::invalid(format!("best_of must be 1, got {b}."), "best_of"));
+    }
+    let vocab = state.vocab_size();
+    let input = SamplingInput {
+        max_tokens: body.max_tokens,
+        max_tokens_param: "max_tokens",
+        temperature: body.temperature,
+        top_p: body.top_p,
+        top_k: body.top_k,
+        seed: body.seed,
+        stop: body.stop.as_ref(),
+        stop_token_ids: body.stop_token_ids.as_deref(),
+        ignore_eos: body.ignore_eos,
+        include_stop_str_in_output: body.include_stop_str_in_output,
+        logprobs: completion_logprobs(body.logprobs)?,
+        n: body.n,
+        stream: body.stream,
+        stream_options: body.stream_options.as_ref(),
+        presence_penalty: body.presence_penalty,
+        frequency_penalty: body.frequency_penalty,
+        repetition_penalty: body.repetition_penalty,
+        logit_bias: body.logit_bias.as_ref(),
+        min_tokens: body.min_tokens,
+        kv_transfer_params: body.kv_transfer_params.as_ref(),
+    };
+    let params = validate_params(&input, vocab)?;
+    let prompt = completion_prompt(body.prompt.as_ref(), &*state.codec, vocab)?;
+    let max_tokens = resolve_max_tokens(
+        u32::try_from(prompt.len()).unwrap_or(u32::MAX),
+        params.requested_max_tokens,
+        MaxTokensDefault::Fixed(DEFAULT_COMPLETION_MAX_TOKENS),
+        state.options.max_model_len,
+        "prompt",
+    )?;
+    Ok(prepare(Api::Completion, meta, params, prompt, max_tokens, state, arrival))
+}

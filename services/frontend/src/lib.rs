@@ -1,0 +1,98 @@
+//! pdmesh frontend: the OpenAI-compatible HTTP API in front of one node's mesh (vLLM's API
+//! server process).
+//!
+//! It validates and tokenises requests, submits them to the node's DP load balancer over a
+//! ZeroMQ DEALER link, receives the engine outputs on a PULL socket, detokenises them,
+//! applies stop strings, and answers as JSON or server-sent events. It never talks to an
+//! engine rank directly.
+//!
+//! ```text
+//!  HTTP ─▶ handlers ─▶ validation ─▶ generate::submit ─▶ EngineClient ──DEALER──▶ dp-lb
+//!                                       │                   ▲
+//!            JSON ◀─ generate::collect ◀┤                   └──PULL◀── EngineOutputs
+//!            SSE  ◀─ stream::run       ◀┘   (per-request channel, routed by request id)
+//! ```
+//!
+//! Map of the modules:
+//! - [`server`]: the handlers' shared state, the actix-web `App` (routes, body limit, request
+//!   metrics) and start-up.
+//! - [`handlers`]: one module per endpoint group; generation requests share `handlers::serve`.
+//! - [`validation`]: OpenAI fields → engine parameters, or a 400/404 naming the field.
+//! - [`headers`]: `X-Request-Id`, `X-data-parallel-rank`, W3C trace context.
+//! - [`engine_client`]: the actor owning the dp-lb link and the request-id → channel table.
+//! - [`generate`]: submit, collect, and the guard that aborts abandoned requests.
+//! - [`output`]: incremental detokenisation, stop strings with hold-back, logprobs.
+//! - [`stream`]: SSE framing, chunk shapes, the streaming task.
+//! - [`openai`]: request and response types.
+//! - [`error`]: [`ApiError`] (HTTP status / OpenAI type mapping in one place) and
+//!   [`FrontendError`].
+//! - [`metrics`]: metric names and definitions.
+//!
+//! Not done here (see the module docs where relevant): `n > 1`, `echo`, penalties and
+//! `logit_bias` (refused with 400), and the pre-admission rejection notice to P for
+//! remote-prefill requests (vLLM #41269), for which the wire has no message yet.
+
+pub mod engine_client;
+pub mod error;
+pub mod generate;
+pub mod handlers;
+pub mod headers;
+pub mod metrics;
+pub mod openai;
+pub mod output;
+pub mod server;
+pub mod stream;
+pub mod validation;
+
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+
+pub use error::{ApiError, FrontendError};
+
+/// Facts about the served model that the frontend needs to validate requests. They come from
+/// the model (the caller loads or asks for them) rather than from the topology, so that the
+/// frontend refuses exactly what the engine could not serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FrontendOptions {
+    /// The `model` name clients must use (`/v1/models` lists it); requests naming another
+    /// model get a 404.
+    pub served_model_name: String,
+    /// Longest prompt + completion, in tokens; longer requests get a 400.
+    pub max_model_len: u32,
+    /// Token ids at or above it are refused (0: use the codec's vocabulary size).
+    pub vocab_size: u32,
+    /// End-of-sequence ids, put on every engine request (honoured unless `ignore_eos`).
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl FrontendOptions {
+    /// Refuse options that would make every request fail in a confusing way.
+    pub fn validate(&self) -> Result<(), FrontendError> {
+        if self.served_model_name.is_empty() {
+            return Err(FrontendError::Options("served_model_name must not be empty".into()));
+        }
+        if self.max_model_len == 0 {
+            return Err(FrontendError::Options("max_model_len must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Run the frontend of node `node_name` until the actix System stops or the HTTP server is
+/// told to stop (SIGINT/SIGTERM: actix-web's own signal handling, then a graceful drain of up
+/// to [`server::SHUTDOWN_TIMEOUT_S`] seconds). Must be called inside an actix System
+/// (`actix_rt::System` / `#[actix_web::main]`).
+pub async fn run(
+    topology: pdmesh_config::Topology,
+    node_name: String,
+    codec: Arc<dyn pdmesh_model_api::TextCodec>,
+    options: FrontendOptions,
+) -> Result<(), FrontendError> {
+    let started = server::start(&topology, &node_name, codec, options).await?;
+    tracing::info!(node = %node_name, addrs = ?started.addrs, "frontend listening");
+    started.server.await.map_err(FrontendError::Server)?;
+    tracing::info!(node = %node_name, "frontend stopped");
+    Ok(())
+}

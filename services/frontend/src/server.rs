@@ -1,0 +1,153 @@
+//! Wiring: the shared state of the handlers, the actix-web `App` (routes, body limits,
+//! request metrics), and start-up (engine client, output socket, HTTP listener).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use actix::Addr;
+use actix_web::body::MessageBody;
+use actix_web::dev::{Server, Service, ServiceFactory, ServiceRequest, ServiceResponse};
+use actix_web::http::header::HeaderName;
+use actix_web::{web, App, HttpServer, ResponseError};
+use pdmesh_config::Topology;
+use pdmesh_model_api::TextCodec;
+use pdmesh_transport::{bind_pull, LinkHandle};
+
+use crate::engine_client::EngineClient;
+use crate::error::{ApiError, FrontendError};
+use crate::generate::unix_now;
+use crate::handlers;
+use crate::headers::REQUEST_ID;
+use crate::metrics::HTTP_REQUESTS_TOTAL;
+use crate::FrontendOptions;
+
+/// Largest accepted request body (413 above).
+pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
+/// How long in-flight requests get to finish once the server is told to stop.
+pub const SHUTDOWN_TIMEOUT_S: u64 = 10;
+
+/// What every handler needs; one instance shared by all HTTP workers.
+pub struct AppState {
+    pub client: Addr<EngineClient>,
+    /// The DEALER link, read by `/health`.
+    pub link: LinkHandle,
+    pub codec: Arc<dyn TextCodec>,
+    pub options: FrontendOptions,
+    /// Unix seconds at start (`created` of `/v1/models`).
+    pub started: u64,
+}
+
+impl AppState {
+    pub fn new(
+        client: Addr<EngineClient>,
+        link: LinkHandle,
+        codec: Arc<dyn TextCodec>,
+        options: FrontendOptions,
+    ) -> Self {
+        Self { client, link, codec, options, started: unix_now() }
+    }
+
+    /// The vocabulary size used to bound token ids: the configured one, else the codec's.
+    pub fn vocab_size(&self) -> u32 {
+        if self.options.vocab_size > 0 {
+            self.options.vocab_size
+        } else {
+            self.codec.vocab_size()
+        }
+    }
+}
+
+/// Body limits and the OpenAI error body for malformed JSON. The content type is not
+/// required: `curl -d` clients send none or a form type, and vLLM accepts them.
+pub fn json_config() -> web::JsonConfig {
+    web::JsonConfig::default().limit(MAX_BODY_BYTES).content_type_required(false).error_handler(|err, req| {
+        let api = ApiError::from_json_error(&err);
+        api.record();
+        let mut response = api.error_response();
+        if let Some(id) = req.headers().get(REQUEST_ID) {
+            response.headers_mut().insert(HeaderName::from_static(REQUEST_ID), id.clone());
+        }
+        actix_web::error::InternalError::from_response(err, response).into()
+    })
+}
+
+/// The application: every route, with a middleware counting requests by route and status.
+pub fn app(
+    state: web::Data<AppState>,
+) -> App<
+    impl ServiceFactory<
+        ServiceRequest,
+        Config = (),
+        Response = ServiceResponse<impl MessageBody>,
+        Error = actix_web::Error,
+        InitError = (),
+    >,
+> {
+    App::new()
+        .app_data(state)
+        .app_data(json_config())
+        .wrap_fn(|req, srv| {
+            let fut = srv.call(req);
+            async move {
+                let result = fut.await;
+                match &result {
+                    Ok(res) => {
+                        let endpoint = res.request().match_pattern().unwrap_or_else(|| "unmatched".to_string());
+                        HTTP_REQUESTS_TOTAL.with_label_values(&[&endpoint, res.status().as_str()]).inc();
+                    }
+                    Err(e) => {
+                        let status = e.as_response_error().status_code();
+                        HTTP_REQUESTS_TOTAL.with_label_values(&["unknown", status.as_str()]).inc();
+                    }
+                }
+                result
+            }
+        })
+        .service(web::resource("/v1/completions").route(web::post().to(handlers::completions::completions)))
+        .service(web::resource("/v1/chat/completions").route(web::post().to(handlers::chat::chat_completions)))
+        .service(web::resource("/v1/models").route(web::get().to(handlers::admin::models)))
+        .service(web::resource("/health").route(web::get().to(handlers::admin::health)))
+        .service(web::resource("/metrics").route(web::get().to(pdmesh_telemetry::metrics::metrics_handler)))
+        .service(web::resource("/debug/kv").route(web::get().to(handlers::admin::debug_kv)))
+        .service(web::resource("/debug/engines").route(web::get().to(handlers::admin::debug_engines)))
+        .default_service(web::to(handlers::admin::not_found))
+}
+
+/// A running frontend: the HTTP server future and the addresses it listens on.
+pub struct Started {
+    pub server: Server,
+    pub addrs: Vec<SocketAddr>,
+    pub state: web::Data<AppState>,
+}
+
+/// Start the engine client, bind the output socket and the HTTP listener. Must run inside
+/// an actix System.
+pub async fn start(
+    topology: &Topology,
+    node_name: &str,
+    codec: Arc<dyn TextCodec>,
+    options: FrontendOptions,
+) -> Result<Started, FrontendError> {
+    options.validate()?;
+    crate::metrics::init();
+    let node = topology.node(node_name)?;
+    let endpoints = node.endpoints(&topology.run_dir);
+    let (client, link) = EngineClient::start(endpoints.dplb_frontend.connect.clone());
+    let outputs = bind_pull(&endpoints.frontend_outputs.bind, client.clone().recipient())
+        .await
+        .map_err(FrontendError::OutputSocket)?;
+    tracing::info!(dp_lb = %endpoints.dplb_frontend.connect, %outputs, "engine client started");
+    let state = web::Data::new(AppState::new(client, link, codec, options));
+    let app_state = state.clone();
+    let addr = format!("{}:{}", node.http_host, node.http_port);
+    let server = HttpServer::new(move || app(app_state.clone()))
+        .shutdown_timeout(SHUTDOWN_TIMEOUT_S)
+        // A client that closes its side is gone (no HTTP client half-closes and then reads):
+        // end the connection so the handler or SSE body is dropped and the request aborted,
+        // even while no token is being written.
+        .h1_allow_half_closed(false)
+        .bind((node.http_host.as_str(), node.http_port))
+        .map_err(|source| FrontendError::HttpBind { addr, source })?;
+    let addrs = server.addrs();
+    Ok(Started { server: server.run(), addrs, state })
+}

@@ -1,0 +1,364 @@
+//! Server-sent events: framing, the chunk shapes of both APIs, and the task that turns one
+//! request's engine outputs into an SSE body.
+//!
+//! The body is fed through a bounded channel by a task that owns the request's
+//! [`RequestGuard`]. When the client disconnects, actix-web drops the body, the channel
+//! closes, the task notices at once (it waits on the channel's closure as well as on the
+//! engine) and drops the guard, which aborts the engine request.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use actix_web::HttpResponse;
+use bytes::Bytes;
+use futures::StreamExt;
+use pdmesh_model_api::TextCodec;
+use serde::Serialize;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::engine_client::{AbortReason, OutputReceiver};
+use crate::error::ApiError;
+use crate::generate::{Api, RequestGuard, ResponseSettings};
+use crate::openai::{
+    ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice, CompletionResponse, KvParamsField, Usage,
+    UsageField,
+};
+use crate::output::{chat_logprobs, completion_logprobs, Finish, OutputProcessor, TokenLogprob};
+
+/// Chunks buffered between the generation task and a slow client.
+const BODY_BUFFER: usize = 64;
+
+/// One SSE event carrying `value` as JSON: `data: {...}\n\n`.
+pub fn sse_data<T: Serialize>(value: &T) -> Bytes {
+    match serde_json::to_vec(value) {
+        Ok(json) => {
+            let mut buf = Vec::with_capacity(json.len() + 8);
+            buf.extend_from_slice(b"data: ");
+            buf.extend_from_slice(&json);
+            buf.extend_from_slice(b"\n\n");
+            Bytes::from(buf)
+        }
+        Err(e) => {
+            // Our own types always serialise; if one does not, say so in-band.
+            tracing::error!(error = %e, "cannot serialise an SSE event");
+            sse_data(&ApiError::Internal(format!("cannot serialise a chunk: {e}")).body())
+        }
+    }
+}
+
+/// The terminating event.
+pub fn sse_done() -> Bytes {
+    Bytes::from_static(b"data: [DONE]\n\n")
+}
+
+/// An error event (`data: {"error": {...}}`) followed by `data: [DONE]`.
+pub fn sse_error(error: &ApiError) -> Bytes {
+    let mut buf = sse_data(&error.body()).to_vec();
+    buf.extend_from_slice(&sse_done());
+    Bytes::from(buf)
+}
+
+/// Builds the chunks of one streamed response.
+pub struct ChunkFormatter {
+    api: Api,
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    logprobs: bool,
+}
+
+impl ChunkFormatter {
+    pub fn new(settings: &ResponseSettings) -> Self {
+        Self {
+            api: settings.api,
+            id: settings.response_id(),
+            created: settings.created,
+            model: settings.model.clone(),
+            include_usage: settings.include_usage,
+            logprobs: settings.logprobs.is_some(),
+        }
+    }
+
+    fn usage_placeholder(&self) -> UsageField {
+        if self.include_usage {
+            UsageField::Null
+        } else {
+            UsageField::Absent
+        }
+    }
+
+    /// The first chat chunk: `delta: {"role": "assistant", "content": ""}`.
+    pub fn role_chunk(&self) -> Bytes {
+        sse_data(&ChatCompletionChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: self.model.clone(),
+            choices: vec![ChatChunkChoice {
+                index: 0,
+                delta: ChatDelta { role: Some("assistant"), content: Some(String::new()) },
+                logprobs: None,
+                finish_reason: None,
+                stop_reason: None,
+            }],
+            usage: self.usage_placeholder(),
+        })
+    }
+
+    /// A chunk with new text (possibly empty) and, on the last one, the finish reason.
+    pub fn delta_chunk(&self, text: String, logprobs: &[TokenLogprob], finish: Option<&Finish>) -> Bytes {
+        match self.api {
+            Api::Completion => sse_data(&CompletionResponse {
+                id: self.id.clone(),
+                object: "text_completion",
+                created: self.created,
+                model: self.model.clone(),
+                choices: vec![CompletionChoice {
+                    index: 0,
+                    text,
+                    logprobs: self.logprobs.then(|| completion_logprobs(logprobs)),
+                    finish_reason: finish.map(Finish::as_str),
+                    stop_reason: finish.and_then(Finish::stop_reason),
+                }],
+                usage: self.usage_placeholder(),
+                kv_transfer_params: KvParamsField::Absent,
+            }),
+            Api::Chat => sse_data(&ChatCompletionChunk {
+                id: self.id.clone(),
+                object: "chat.completion.chunk",
+                created: self.created,
+                model: self.model.clone(),
+                choices: vec![ChatChunkChoice {
+                    index: 0,
+                    delta: ChatDelta { role: None, content: (!text.is_empty()).then_some(text) },
+                    logprobs: self.logprobs.then(|| chat_logprobs(logprobs)),
+                    finish_reason: finish.map(Finish::as_str),
+                    stop_reason: finish.and_then(Finish::stop_reason),
+                }],
+                usage: self.usage_placeholder(),
+            }),
+        }
+    }
+
+    /// The usage chunk sent after the last one with `stream_options.include_usage`.
+    pub fn usage_chunk(&self, usage: Usage) -> Bytes {
+        match self.api {
+            Api::Completion => sse_data(&CompletionResponse {
+                id: self.id.clone(),
+                object: "text_completion",
+                created: self.created,
+                model: self.model.clone(),
+                choices: vec![],
+                usage: UsageField::Set(usage),
+                kv_transfer_params: KvParamsField::Absent,
+            }),
+            Api::Chat => sse_data(&ChatCompletionChunk {
+                id: self.id.clone(),
+                object: "chat.completion.chunk",
+                created: self.created,
+                model: self.model.clone(),
+                choices: vec![],
+                usage: UsageField::Set(usage),
+            }),
+        }
+    }
+}
+
+/// Start streaming one accepted request: spawn the generation task and answer with the SSE
+/// response that reads from it.
+pub fn respond(
+    codec: Arc<dyn TextCodec>,
+    settings: ResponseSettings,
+    rx: OutputReceiver,
+    guard: RequestGuard,
+) -> HttpResponse {
+    let (tx, body_rx) = mpsc::channel::<Bytes>(BODY_BUFFER);
+    let request_id = settings.request_id.clone();
+    let span = tracing::Span::current();
+    actix_web::rt::spawn(tracing::Instrument::instrument(run(codec, settings, rx, guard, tx), span));
+    let body = ReceiverStream::new(body_rx).map(Ok::<Bytes, Infallible>);
+    let mut response = HttpResponse::Ok();
+    response
+        .content_type("text/event-stream")
+        .insert_header(("Cache-Control", "no-cache"))
+        .insert_header(("X-Accel-Buffering", "no"));
+    if let Ok(value) = actix_web::http::header::HeaderValue::from_str(&request_id) {
+        response.insert_header((crate::headers::REQUEST_ID, value));
+    }
+    response.streaming(body)
+}
+
+/// The generation task of one streamed request. Returns when the request is over, or as
+/// soon as the client is gone (the guard then aborts the engine request).
+async fn run(
+    codec: Arc<dyn TextCodec>,
+    settings: ResponseSettings,
+    mut rx: OutputReceiver,
+    mut guard: RequestGuard,
+    tx: mpsc::Sender<Bytes>,
+) {
+    let fmt = ChunkFormatter::new(&settings);
+    let mut processor = OutputProcessor::new(
+        &*codec,
+        settings.stop.clone(),
+        settings.include_stop_str_in_output,
+        settings.eos_token_ids.clone(),
+        settings.logprobs,
+    );
+    if settings.api == Api::Chat && tx.send(fmt.role_chunk()).await.is_err() {
+        return;
+    }
+    loop {
+        let output = tokio::select! {
+            biased;
+            _ = tx.closed() => {
+                tracing::info!("client disconnected mid-stream");
+                return;
+            }
+            output = rx.recv() => output,
+        };
+        let Some(output) = output else {
+            guard.finish("error");
+            let e = ApiError::Unavailable(
+                "engine unavailable: the output stream closed before the request finished".into(),
+            );
+            send_error(&tx, e).await;
+            return;
+        };
+        let delta = match processor.process(&output) {
+            Ok(delta) => delta,
+            Err(e) => {
+                guard.abort_now(AbortReason::OutputError);
+                guard.finish("error");
+                send_error(&tx, e).await;
+                return;
+            }
+        };
+        guard.on_tokens(delta.new_tokens);
+        let chunk = match &delta.finish {
+            None if delta.text.is_empty() && delta.logprobs.is_empty() => continue,
+            None => fmt.delta_chunk(delta.text, &delta.logprobs, None),
+            Some(Finish::Error(message)) => {
+                guard.finish("error");
+                send_error(&tx, ApiError::from_engine_failure(message.as_deref())).await;
+                return;
+            }
+            Some(Finish::Abort) => {
+                // The mesh gave up on the request: the stream just ends.
+                guard.finish("abort");
+                if !delta.text.is_empty() {
+                    let _ = tx.send(fmt.delta_chunk(delta.text, &delta.logprobs, None)).await;
+                }
+                return;
+            }
+            Some(finish) => {
+                if !delta.engine_finished {
+                    guard.abort_now(AbortReason::StopString);
+                }
+                guard.finish(finish.as_str());
+                let mut last = fmt.delta_chunk(delta.text, &delta.logprobs, Some(finish)).to_vec();
+                if settings.include_usage {
+                    last.extend_from_slice(
+                        &fmt.usage_chunk(Usage::new(settings.prompt_tokens, processor.completion_tokens())),
+                    );
+                }
+                last.extend_from_slice(&sse_done());
+                let _ = tx.send(Bytes::from(last)).await;
+                return;
+            }
+        };
+        if tx.send(chunk).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn send_error(tx: &mpsc::Sender<Bytes>, error: ApiError) {
+    error.record();
+    let _ = tx.send(sse_error(&error)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(api: Api, include_usage: bool, logprobs: Option<u32>) -> ResponseSettings {
+        ResponseSettings {
+            api,
+            request_id: "r1".into(),
+            created: 7,
+            model: "m".into(),
+            stop: vec![],
+            include_stop_str_in_output: false,
+            eos_token_ids: vec![],
+            logprobs,
+            stream: true,
+            include_usage,
+            prompt_tokens: 3,
+        }
+    }
+
+    fn parse(event: &Bytes) -> Vec<serde_json::Value> {
+        let text = std::str::from_utf8(event).unwrap();
+        assert!(text.ends_with("\n\n"), "{text:?}");
+        text.split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let data = e.strip_prefix("data: ").unwrap_or_else(|| panic!("not an SSE data line: {e:?}"));
+                if data == "[DONE]" {
+                    serde_json::Value::String("[DONE]".into())
+                } else {
+                    serde_json::from_str(data).unwrap()
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn framing() {
+        assert_eq!(&sse_data(&serde_json::json!({"a": 1}))[..], b"data: {\"a\":1}\n\n");
+        assert_eq!(&sse_done()[..], b"data: [DONE]\n\n");
+        let events = parse(&sse_error(&ApiError::Unavailable("unavailable: x".into())));
+        assert_eq!(events.len(), 2);
+        assert_eq!(events[0]["error"]["code"], 503);
+        assert_eq!(events[0]["error"]["message"], "unavailable: x");
+        assert_eq!(events[1], "[DONE]");
+    }
+
+    #[test]
+    fn completion_chunks() {
+        let f = ChunkFormatter::new(&settings(Api::Completion, false, None));
+        let c = &parse(&f.delta_chunk("hi".into(), &[], None))[0];
+        assert_eq!(c["id"], "cmpl-r1");
+        assert_eq!(c["object"], "text_completion");
+        assert_eq!(c["created"], 7);
+        assert_eq!(c["model"], "m");
+        assert_eq!(c["choices"][0]["text"], "hi");
+        assert!(c["choices"][0]["finish_reason"].is_null());
+        assert!(c["choices"][0]["logprobs"].is_null());
+        assert!(c.get("usage").is_none(), "no usage field without include_usage");
+        let c = &parse(&f.delta_chunk(String::new(), &[], Some(&Finish::Length)))[0];
+        assert_eq!(c["choices"][0]["finish_reason"], "length");
+    }
+
+    #[test]
+    fn chat_chunks_and_usage() {
+        let f = ChunkFormatter::new(&settings(Api::Chat, true, Some(0)));
+        let role = &parse(&f.role_chunk())[0];
+        assert_eq!(role["object"], "chat.completion.chunk");
+        assert_eq!(role["id"], "chatcmpl-r1");
+        assert_eq!(role["choices"][0]["delta"], serde_json::json!({"role": "assistant", "content": ""}));
+        assert!(role["usage"].is_null() && role.get("usage").is_some());
+        let c = &parse(&f.delta_chunk("x".into(), &[], None))[0];
+        assert_eq!(c["choices"][0]["delta"], serde_json::json!({"content": "x"}));
+        assert_eq!(c["choices"][0]["logprobs"], serde_json::json!({"content": []}));
+        let last = &parse(&f.delta_chunk(String::new(), &[], Some(&Finish::Stop(None))))[0];
+        assert_eq!(last["choices"][0]["delta"], serde_json::json!({}));
+        assert_eq!(last["choices"][0]["finish_reason"], "stop");
+        let u = &parse(&f.usage_chunk(Usage::new(3, 2)))[0];
+        assert_eq!(u["choices"], serde_json::json!([]));
+        assert_eq!(u["usage"], serde_json::json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}));
+    }
+}

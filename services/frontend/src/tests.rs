@@ -1,0 +1,631 @@
+//! In-process tests of the whole frontend over real ZeroMQ sockets, against a scripted fake
+//! dp-lb that speaks the frontend ⇄ dp-lb contract (ROUTER for calls, PUSH for outputs).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actix::prelude::*;
+use actix_web::http::StatusCode;
+use actix_web::{test, web};
+use bytes::Bytes;
+use pdmesh_config::Topology;
+use pdmesh_protocol::{
+    EngineOutput, EngineOutputBatch, EngineRequest, EngineStats, Envelope, ErrorClass, FinishReason, KvTransferParams,
+    KvUsage, MeshStats, Message as WireMessage, WireError,
+};
+use pdmesh_synthetic_executor::SyntheticTextCodec;
+use pdmesh_transport::{bind_router, connect_push, PushHandle, RouterEvent, RouterHandle};
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::server::{app, start, AppState};
+use crate::FrontendOptions;
+
+/// What the fake dp-lb does with one `AddRequest`.
+struct Script {
+    reply: Option<WireMessage>,
+    outputs: Vec<EngineOutput>,
+}
+
+type ScriptFn = Box<dyn Fn(&EngineRequest) -> Script + Send>;
+
+fn output(id: &str, text: &str, finish: Option<FinishReason>) -> EngineOutput {
+    EngineOutput {
+        request_id: id.to_string(),
+        new_token_ids: text.bytes().map(u32::from).collect(),
+        new_logprobs: None,
+        finish_reason: finish,
+        stop_token_id: None,
+        kv_transfer_params: None,
+        num_external_tokens: 0,
+        error: None,
+    }
+}
+
+struct FakeLb {
+    router: RouterHandle,
+    push: PushHandle,
+    script: ScriptFn,
+    seen: Arc<Mutex<Vec<Envelope>>>,
+}
+
+impl Actor for FakeLb {
+    type Context = Context<Self>;
+}
+
+impl Handler<RouterEvent> for FakeLb {
+    type Result = ();
+
+    fn handle(&mut self, event: RouterEvent, _ctx: &mut Self::Context) {
+        let RouterEvent::Message { peer, envelope } = event else { return };
+        self.seen.lock().unwrap().push(envelope.clone());
+        match &envelope.body {
+            WireMessage::AddRequest(req) => {
+                let script = (self.script)(req);
+                if let Some(reply) = script.reply {
+                    self.router.send(&peer, envelope.reply(reply)).unwrap();
+                }
+                for o in script.outputs {
+                    let batch = EngineOutputBatch { engine_rank: 0, outputs: vec![o] };
+                    self.push.send(Envelope::new(WireMessage::EngineOutputs(batch))).unwrap();
+                }
+            }
+            WireMessage::StatsQuery => {
+                let stats = MeshStats {
+                    engines: vec![EngineStats {
+                        engine_rank: 0,
+                        kv: KvUsage {
+                            total_blocks: 10,
+                            free_blocks: 7,
+                            used_blocks: 3,
+                            held_blocks: 0,
+                            leased_blocks: 0,
+                        },
+                        ..Default::default()
+                    }],
+                    unreachable_ranks: vec![],
+                };
+                self.router.send(&peer, envelope.reply(WireMessage::StatsReply(stats))).unwrap();
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Push an arbitrary batch to the frontend.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct PushOutputs(Vec<EngineOutput>);
+
+impl Handler<PushOutputs> for FakeLb {
+    type Result = ();
+    fn handle(&mut self, msg: PushOutputs, _ctx: &mut Self::Context) {
+        let batch = EngineOutputBatch { engine_rank: 0, outputs: msg.0 };
+        self.push.send(Envelope::new(WireMessage::EngineOutputs(batch))).unwrap();
+    }
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct StopLb;
+
+impl Handler<StopLb> for FakeLb {
+    type Result = ();
+    fn handle(&mut self, _msg: StopLb, ctx: &mut Self::Context) {
+        ctx.stop();
+    }
+}
+
+struct Harness {
+    state: web::Data<AppState>,
+    lb: Addr<FakeLb>,
+    seen: Arc<Mutex<Vec<Envelope>>>,
+    addr: SocketAddr,
+    run_dir: PathBuf,
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.run_dir);
+    }
+}
+
+const MODEL: &str = "pdmesh-synthetic";
+
+async fn harness(script: impl Fn(&EngineRequest) -> Script + Send + 'static) -> Harness {
+    let run_dir = std::env::temp_dir().join(format!("pdmesh-fe-{}", uuid::Uuid::new_v4().simple()));
+    let topology = Topology::from_toml(&format!(
+        "run_dir = {:?}\n[[nodes]]\nname = \"main\"\nhttp_port = 0\n",
+        run_dir.display().to_string()
+    ))
+    .unwrap();
+    let endpoints = topology.nodes[0].endpoints(&topology.run_dir);
+    // the fake dp-lb binds first, as the real one does
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let ctx = Context::<FakeLb>::new();
+    let router = bind_router(&endpoints.dplb_frontend.bind, ctx.address().recipient()).await.unwrap();
+    let options = FrontendOptions {
+        served_model_name: MODEL.into(),
+        max_model_len: 64,
+        vocab_size: 257,
+        eos_token_ids: vec![256],
+    };
+    let started = start(&topology, "main", Arc::new(SyntheticTextCodec), options).await.unwrap();
+    let push = connect_push(&endpoints.frontend_outputs.connect);
+    let lb = ctx.run(FakeLb { router, push: push.clone(), script: Box::new(script), seen: seen.clone() });
+    let addr = started.addrs[0];
+    actix_web::rt::spawn(started.server);
+    let state = started.state;
+    for _ in 0..500 {
+        if state.link.is_up() && push.is_up() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(state.link.is_up() && push.is_up(), "sockets did not connect");
+    Harness { state, lb, seen, addr, run_dir }
+}
+
+/// Answer every request with Ack and then `text` in one-byte outputs, the last one finishing
+/// with `finish`.
+fn generates(text: &'static str, finish: Option<FinishReason>) -> impl Fn(&EngineRequest) -> Script + Send + 'static {
+    move |req| {
+        let n = text.len();
+        let outputs = text
+            .char_indices()
+            .map(|(i, c)| output(&req.request_id, &c.to_string(), if i + 1 == n { finish } else { None }))
+            .collect();
+        Script { reply: Some(WireMessage::Ack), outputs }
+    }
+}
+
+async fn call(h: &Harness, path: &str, body: Value, headers: &[(&str, &str)]) -> (StatusCode, Option<String>, Bytes) {
+    let app = test::init_service(app(h.state.clone())).await;
+    let mut req = test::TestRequest::post().uri(path).set_json(body);
+    for (k, v) in headers {
+        req = req.insert_header((*k, *v));
+    }
+    let res = test::call_service(&app, req.to_request()).await;
+    let status = res.status();
+    let id = res.headers().get("x-request-id").map(|v| v.to_str().unwrap().to_string());
+    (status, id, test::read_body(res).await)
+}
+
+async fn get(h: &Harness, path: &str) -> (StatusCode, Bytes) {
+    let app = test::init_service(app(h.state.clone())).await;
+    let res = test::call_service(&app, test::TestRequest::get().uri(path).to_request()).await;
+    (res.status(), test::read_body(res).await)
+}
+
+fn json_of(body: &Bytes) -> Value {
+    serde_json::from_slice(body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(body)))
+}
+
+fn sse_events(body: &Bytes) -> Vec<Value> {
+    let text = std::str::from_utf8(body).unwrap();
+    text.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let data = e.strip_prefix("data: ").unwrap_or_else(|| panic!("bad event {e:?}"));
+            if data == "[DONE]" {
+                Value::String("[DONE]".into())
+            } else {
+                serde_json::from_str(data).unwrap()
+            }
+        })
+        .collect()
+}
+
+fn added(h: &Harness) -> Vec<Envelope> {
+    h.seen.lock().unwrap().iter().filter(|e| matches!(e.body, WireMessage::AddRequest(_))).cloned().collect()
+}
+
+async fn wait_for_abort(h: &Harness, id: &str) -> bool {
+    for _ in 0..300 {
+        let aborted = h.seen.lock().unwrap().iter().any(|e| match &e.body {
+            WireMessage::Abort(a) => a.request_ids.iter().any(|r| r == id),
+            _ => false,
+        });
+        if aborted {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    false
+}
+
+#[actix_web::test]
+async fn completion_round_trip_follows_the_contract() {
+    let h = harness(|req| {
+        let mut last = output(&req.request_id, "ld", Some(FinishReason::Length));
+        last.kv_transfer_params = Some(KvTransferParams {
+            do_remote_prefill: Some(true),
+            remote_block_ids: Some(vec![4, 5]),
+            ..Default::default()
+        });
+        Script { reply: Some(WireMessage::Ack), outputs: vec![output(&req.request_id, "hello wor", None), last] }
+    })
+    .await;
+    let traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let (status, id, body) = call(
+        &h,
+        "/v1/completions",
+        json!({"model": MODEL, "prompt": "hi", "max_tokens": 11, "temperature": 0,
+               "kv_transfer_params": {"do_remote_decode": true}}),
+        &[("X-Request-Id", "req-1"), ("traceparent", traceparent), ("X-data-parallel-rank", "1")],
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(id.as_deref(), Some("req-1"));
+    let v = json_of(&body);
+    assert_eq!(v["id"], "cmpl-req-1");
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["model"], MODEL);
+    assert_eq!(v["choices"][0]["text"], "hello world");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"], json!({"prompt_tokens": 2, "completion_tokens": 11, "total_tokens": 13}));
+    assert_eq!(v["kv_transfer_params"]["do_remote_prefill"], true);
+    assert_eq!(v["kv_transfer_params"]["remote_block_ids"], json!([4, 5]));
+
+    let sent = added(&h);
+    assert_eq!(sent.len(), 1);
+    assert_eq!(sent[0].request_id.as_deref(), Some("req-1"));
+    assert_eq!(pdmesh_telemetry::trace::trace_id(&sent[0].trace), "0af7651916cd43dd8448eb211c80319c");
+    let WireMessage::AddRequest(req) = &sent[0].body else { unreachable!() };
+    assert_eq!(req.request_id, "req-1");
+    assert_eq!(req.prompt_token_ids, vec![104, 105]);
+    assert_eq!(req.sampling.max_tokens, 11);
+    assert_eq!(req.sampling.temperature, 0.0);
+    assert_eq!(req.eos_token_ids, vec![256]);
+    assert_eq!(req.data_parallel_rank, Some(1));
+    assert!(req.kv_transfer_params.as_ref().unwrap().wants_remote_decode());
+    assert!(h.seen.lock().unwrap().iter().any(|e| matches!(e.body, WireMessage::Hello(_))));
+
+    // an output for an id nobody waits for is counted, not an error
+    let before = crate::metrics::UNKNOWN_OUTPUTS.get();
+    h.lb.send(PushOutputs(vec![output("nobody", "x", None)])).await.unwrap();
+    for _ in 0..300 {
+        if crate::metrics::UNKNOWN_OUTPUTS.get() > before {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(crate::metrics::UNKNOWN_OUTPUTS.get() > before);
+}
+
+#[actix_web::test]
+async fn stop_string_cuts_and_aborts() {
+    let h = harness(generates("foo STOP bar", None)).await;
+    let (status, _, body) = call(
+        &h,
+        "/v1/completions",
+        json!({"prompt": "x", "max_tokens": 50, "stop": ["STOP"]}),
+        &[("x-request-id", "s1")],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let v = json_of(&body);
+    assert_eq!(v["choices"][0]["text"], "foo ");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert_eq!(v["choices"][0]["stop_reason"], "STOP");
+    assert!(wait_for_abort(&h, "s1").await, "the engine request must be aborted");
+}
+
+#[actix_web::test]
+async fn chat_streams_with_role_content_finish_usage_done() {
+    let h = harness(generates("hi there", Some(FinishReason::Stop))).await;
+    let (status, id, body) = call(
+        &h,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "yo"}], "stream": true,
+               "stream_options": {"include_usage": true}, "max_completion_tokens": 20}),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(id.unwrap().len(), 32);
+    let events = sse_events(&body);
+    assert_eq!(events[0]["choices"][0]["delta"], json!({"role": "assistant", "content": ""}));
+    let text: String = events
+        .iter()
+        .filter_map(|e| e["choices"].get(0).and_then(|c| c["delta"]["content"].as_str()).map(str::to_string))
+        .collect();
+    assert_eq!(text, "hi there");
+    let n = events.len();
+    assert_eq!(events[n - 1], "[DONE]");
+    assert_eq!(events[n - 2]["choices"], json!([]));
+    assert_eq!(events[n - 2]["usage"]["completion_tokens"], 8);
+    assert_eq!(events[n - 3]["choices"][0]["finish_reason"], "stop");
+    assert!(events.iter().all(|e| e == "[DONE]" || e["object"] == "chat.completion.chunk"));
+    let WireMessage::AddRequest(req) = &added(&h)[0].body else { unreachable!() };
+    assert_eq!(req.sampling.max_tokens, 20);
+}
+
+#[actix_web::test]
+async fn streaming_stop_string_is_held_back() {
+    let h = harness(generates("ab<e>cd", None)).await;
+    let (status, _, body) =
+        call(&h, "/v1/completions", json!({"prompt": "x", "stream": true, "stop": "<e>"}), &[("x-request-id", "hb")])
+            .await;
+    assert_eq!(status, 200);
+    let events = sse_events(&body);
+    let texts: Vec<&str> = events.iter().filter_map(|e| e["choices"].get(0)?["text"].as_str()).collect();
+    assert_eq!(texts.concat(), "ab");
+    assert!(texts.iter().all(|t| !t.contains('<')), "{texts:?}");
+    assert_eq!(events[events.len() - 2]["choices"][0]["finish_reason"], "stop");
+    assert!(wait_for_abort(&h, "hb").await);
+}
+
+#[actix_web::test]
+async fn refusals_and_failures_map_to_statuses() {
+    let h = harness(|req| match req.prompt_token_ids.first().copied() {
+        Some(1) => Script {
+            reply: Some(WireMessage::Error(WireError::new(ErrorClass::Unavailable, "no rank"))),
+            outputs: vec![],
+        },
+        Some(2) => Script {
+            reply: Some(WireMessage::Error(WireError::new(ErrorClass::InvalidRequest, "rank 9 out of range"))),
+            outputs: vec![],
+        },
+        _ => {
+            let mut o = output(&req.request_id, "", Some(FinishReason::Error));
+            o.error = Some(
+                if req.prompt_token_ids.first() == Some(&3) { "unavailable: rank died" } else { "KV load failed" }
+                    .into(),
+            );
+            Script { reply: Some(WireMessage::Ack), outputs: vec![output(&req.request_id, "ab", None), o] }
+        }
+    })
+    .await;
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": [1]}), &[]).await;
+    assert_eq!(s, 503);
+    assert_eq!(json_of(&b)["error"]["message"], "no rank");
+    let (s, _, _) = call(&h, "/v1/completions", json!({"prompt": [2]}), &[("x-data-parallel-rank", "9")]).await;
+    assert_eq!(s, 400);
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": [3]}), &[]).await;
+    assert_eq!(s, 503, "{}", String::from_utf8_lossy(&b));
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": [4]}), &[]).await;
+    assert_eq!(s, 500);
+    assert_eq!(json_of(&b)["error"]["message"], "KV load failed");
+    // streaming: the text so far, then an error event and [DONE]
+    let (s, _, b) =
+        call(&h, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "q"}], "stream": true}), &[])
+            .await;
+    assert_eq!(s, 200);
+    let events = sse_events(&b);
+    let n = events.len();
+    assert_eq!(events[n - 1], "[DONE]");
+    assert_eq!(events[n - 2]["error"]["code"], 500);
+    assert_eq!(events[n - 2]["error"]["message"], "KV load failed");
+}
+
+#[actix_web::test]
+async fn validation_errors_have_the_openai_shape() {
+    let h = harness(generates("x", Some(FinishReason::Length))).await;
+    let check = |status: StatusCode, body: &Bytes, want: u16, kind: &str| {
+        assert_eq!(status.as_u16(), want, "{}", String::from_utf8_lossy(body));
+        let v = json_of(body);
+        assert_eq!(v["error"]["type"], kind, "{v}");
+        assert_eq!(v["error"]["code"], want);
+        assert!(v["error"]["message"].is_string() && v["error"].get("param").is_some());
+    };
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x", "model": "nope"}), &[]).await;
+    check(s, &b, 404, "NotFoundError");
+    assert_eq!(json_of(&b)["error"]["message"], "The model `nope` does not exist.");
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x", "temperature": 3}), &[]).await;
+    check(s, &b, 400, "invalid_request_error");
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x", "temperature": "hot"}), &[]).await;
+    check(s, &b, 400, "invalid_request_error");
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x", "n": 2}), &[]).await;
+    check(s, &b, 400, "invalid_request_error");
+    let (s, id, b) =
+        call(&h, "/v1/completions", json!({"prompt": "x"}), &[("x-request-id", "v1"), ("x-data-parallel-rank", "one")])
+            .await;
+    check(s, &b, 400, "invalid_request_error");
+    assert_eq!(id.as_deref(), Some("v1"));
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x".repeat(60), "max_tokens": 10}), &[]).await;
+    check(s, &b, 400, "invalid_request_error");
+    assert!(json_of(&b)["error"]["message"]
+        .as_str()
+        .unwrap()
+        .starts_with("This model's maximum context length is 64 tokens."));
+    let (s, _, b) =
+        call(&h, "/v1/chat/completions", json!({"messages": [{"role": "wizard", "content": "x"}]}), &[]).await;
+    check(s, &b, 400, "invalid_request_error");
+    let (s, _, b) = call(&h, "/v1/chat/completions", json!({"messages": []}), &[]).await;
+    check(s, &b, 400, "invalid_request_error");
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x", "echo": true}), &[]).await;
+    check(s, &b, 400, "invalid_request_error");
+
+    // malformed JSON and oversized bodies go through JsonConfig's error handler
+    let app = test::init_service(app(h.state.clone())).await;
+    let req = test::TestRequest::post().uri("/v1/completions").set_payload("{not json").to_request();
+    let res = test::call_service(&app, req).await;
+    let s = res.status();
+    check(s, &test::read_body(res).await, 400, "invalid_request_error");
+    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(crate::server::MAX_BODY_BYTES));
+    let req = test::TestRequest::post()
+        .uri("/v1/completions")
+        .insert_header(("content-type", "application/json"))
+        .set_payload(big)
+        .to_request();
+    let res = test::call_service(&app, req).await;
+    let s = res.status();
+    check(s, &test::read_body(res).await, 413, "invalid_request_error");
+    assert!(added(&h).is_empty(), "nothing invalid reaches the engine");
+}
+
+#[actix_web::test]
+async fn concurrent_requests_get_their_own_outputs() {
+    let h = harness(|req| {
+        // echo the prompt back
+        let text: String = req.prompt_token_ids.iter().map(|&t| t as u8 as char).collect();
+        let n = text.len();
+        let outputs = text
+            .char_indices()
+            .map(|(i, c)| output(&req.request_id, &c.to_string(), (i + 1 == n).then_some(FinishReason::Length)))
+            .collect();
+        Script { reply: Some(WireMessage::Ack), outputs }
+    })
+    .await;
+    let app = test::init_service(app(h.state.clone())).await;
+    let calls = (0..24).map(|i| {
+        let prompt = format!("prompt number {i}");
+        let req = test::TestRequest::post()
+            .uri("/v1/completions")
+            .set_json(json!({"prompt": prompt, "stream": i % 2 == 0}))
+            .to_request();
+        let app = &app;
+        async move {
+            let res = test::call_service(app, req).await;
+            assert_eq!(res.status(), 200);
+            let body = test::read_body(res).await;
+            let text = if i % 2 == 0 {
+                sse_events(&body)
+                    .iter()
+                    .filter_map(|e| e["choices"].get(0)?["text"].as_str().map(str::to_string))
+                    .collect()
+            } else {
+                json_of(&body)["choices"][0]["text"].as_str().unwrap().to_string()
+            };
+            assert_eq!(text, prompt);
+        }
+    });
+    futures::future::join_all(calls).await;
+    let n = h.state.client.send(crate::engine_client::InFlightCount).await.unwrap();
+    assert_eq!(n, 0);
+}
+
+#[actix_web::test]
+async fn duplicate_in_flight_id_is_refused() {
+    let h = harness(|_| Script { reply: Some(WireMessage::Ack), outputs: vec![] }).await;
+    let app = test::init_service(app(h.state.clone())).await;
+    let first = test::TestRequest::post()
+        .uri("/v1/completions")
+        .insert_header(("x-request-id", "dup"))
+        .set_json(json!({"prompt": "x"}))
+        .to_request();
+    let second = async {
+        for _ in 0..300 {
+            if h.state.client.send(crate::engine_client::InFlightCount).await.unwrap() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "y"}), &[("x-request-id", "dup")]).await;
+        assert_eq!(s, 400, "{}", String::from_utf8_lossy(&b));
+        h.lb.send(PushOutputs(vec![output("dup", "z", Some(FinishReason::Length))])).await.unwrap();
+    };
+    let (res, ()) = futures::join!(test::call_service(&app, first), second);
+    assert_eq!(res.status(), 200);
+    assert_eq!(json_of(&test::read_body(res).await)["choices"][0]["text"], "z");
+}
+
+#[actix_web::test]
+async fn link_down_fails_requests_in_flight_and_health() {
+    let h = harness(|req| Script { reply: Some(WireMessage::Ack), outputs: vec![output(&req.request_id, "a", None)] })
+        .await;
+    let (s, _) = get(&h, "/health").await;
+    assert_eq!(s, 200);
+    let (s, b) = get(&h, "/debug/kv").await;
+    assert_eq!(s, 200);
+    let kv = json_of(&b);
+    assert_eq!(kv["total_blocks"], 10);
+    assert_eq!(kv["free_blocks"], 7);
+    assert_eq!(kv["held_requests"], json!([]));
+    assert_eq!(kv["ranks"][0]["engine_rank"], 0);
+    let (s, b) = get(&h, "/debug/engines").await;
+    assert_eq!(s, 200);
+    assert_eq!(json_of(&b)["engines"][0]["kv"]["used_blocks"], 3);
+    let (s, b) = get(&h, "/v1/models").await;
+    assert_eq!(s, 200);
+    let m = json_of(&b);
+    assert_eq!(m["data"][0]["id"], MODEL);
+    assert_eq!(m["data"][0]["max_model_len"], 64);
+    assert_eq!(m["data"][0]["owned_by"], "pdmesh");
+
+    let app = test::init_service(app(h.state.clone())).await;
+    let hanging = test::TestRequest::post().uri("/v1/completions").set_json(json!({"prompt": "x"})).to_request();
+    let streaming =
+        test::TestRequest::post().uri("/v1/completions").set_json(json!({"prompt": "x", "stream": true})).to_request();
+    let kill = async {
+        while added(&h).len() < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // let the Acks and the first outputs arrive: the requests are then being generated
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        h.lb.send(StopLb).await.unwrap();
+    };
+    let run = async {
+        let (a, b) = futures::join!(test::call_service(&app, hanging), test::call_service(&app, streaming));
+        (a.status(), b.status(), test::read_body(a).await, test::read_body(b).await)
+    };
+    let ((sa, sb, ba, bb), ()) = tokio::time::timeout(Duration::from_secs(10), async { futures::join!(run, kill) })
+        .await
+        .expect("requests in flight must end when the link goes down");
+    assert_eq!(sa, 503, "{}", String::from_utf8_lossy(&ba));
+    let message = json_of(&ba)["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.starts_with("unavailable: lost the connection to the dp-lb"), "{message}");
+    assert_eq!(sb, 200);
+    let events = sse_events(&bb);
+    assert_eq!(events[events.len() - 2]["error"]["code"], 503);
+    assert_eq!(events[events.len() - 1], "[DONE]");
+    let (s, b) = get(&h, "/health").await;
+    assert_eq!(s, 503);
+    assert_eq!(json_of(&b)["error"]["code"], 503);
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x"}), &[]).await;
+    assert_eq!(s, 503);
+    assert!(json_of(&b)["error"]["message"].as_str().unwrap().starts_with("engine unavailable: "));
+}
+
+/// Send a raw HTTP/1.1 POST and return the connection.
+async fn raw_post(addr: SocketAddr, request_id: &str, body: &Value) -> tokio::net::TcpStream {
+    let body = body.to_string();
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nX-Request-Id: {request_id}\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body.as_bytes()).await.unwrap();
+    conn
+}
+
+#[actix_web::test]
+async fn client_disconnect_aborts_the_engine_request() {
+    // the engine produces a little and then nothing: only the closed connection can tell
+    let h =
+        harness(|req| Script { reply: Some(WireMessage::Ack), outputs: vec![output(&req.request_id, "abc", None)] })
+            .await;
+    let mut conn = raw_post(h.addr, "gone", &json!({"prompt": "x", "stream": true, "max_tokens": 30})).await;
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("data: ") {
+        let n = tokio::time::timeout(Duration::from_secs(5), conn.read(&mut buf)).await.unwrap().unwrap();
+        assert!(n > 0, "connection closed early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&seen).to_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(head.contains("x-request-id: gone") && head.contains("text/event-stream"), "{head}");
+    drop(conn);
+    assert!(wait_for_abort(&h, "gone").await, "a disconnect mid-stream must abort the engine request");
+
+    // non-streaming: the handler is waiting for the end when the client leaves
+    let conn = raw_post(h.addr, "gone-too", &json!({"prompt": "x", "max_tokens": 30})).await;
+    while added(&h).len() < 2 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(conn);
+    assert!(wait_for_abort(&h, "gone-too").await, "a non-streaming disconnect must abort the engine request");
+    for _ in 0..300 {
+        if h.state.client.send(crate::engine_client::InFlightCount).await.unwrap() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(h.state.client.send(crate::engine_client::InFlightCount).await.unwrap(), 0);
+}

@@ -1,0 +1,587 @@
+//! Input validation: OpenAI request fields → engine parameters, or an [`ApiError`] naming the
+//! field. Pure functions (no I/O), so every refusal is unit-tested here.
+//!
+//! Order, as in vLLM: model name (404) first, then the sampling fields, then the prompt
+//! (render / tokenise), then the context length, which needs the prompt's token count.
+
+use pdmesh_model_api::{ChatMessage, TextCodec, TextError};
+use pdmesh_protocol::{KvTransferParams, SamplingParams};
+use serde_json::Value;
+
+use crate::error::ApiError;
+use crate::openai::{ChatMessageIn, StreamOptions};
+
+/// Most stop strings a request may carry (OpenAI's limit).
+pub const MAX_STOP_STRINGS: usize = 4;
+/// Most top alternatives per token (vLLM's default `max_logprobs`).
+pub const MAX_LOGPROBS: i64 = 20;
+/// `max_tokens` of a completion request that names none (OpenAI's and vLLM's default).
+pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
+
+/// The fields that completions and chat share, borrowed from either request type.
+#[derive(Debug, Clone, Default)]
+pub struct SamplingInput<'a> {
+    pub max_tokens: Option<i64>,
+    /// Which field `max_tokens` came from, for error messages.
+    pub max_tokens_param: &'static str,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub seed: Option<i64>,
+    pub stop: Option<&'a Value>,
+    pub stop_token_ids: Option<&'a [i64]>,
+    pub ignore_eos: Option<bool>,
+    pub include_stop_str_in_output: Option<bool>,
+    /// Already validated by [`completion_logprobs`] or [`chat_logprobs`].
+    pub logprobs: Option<u32>,
+    pub n: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<&'a StreamOptions>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub logit_bias: Option<&'a serde_json::Map<String, Value>>,
+    pub min_tokens: Option<i64>,
+    pub kv_transfer_params: Option<&'a Value>,
+}
+
+/// Validated parameters of a generation request (the prompt comes separately).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidatedParams {
+    /// Engine sampling parameters; `max_tokens` is settled by [`resolve_max_tokens`].
+    pub sampling: SamplingParams,
+    /// `max_tokens` as the client gave it (validated ≥ 1).
+    pub requested_max_tokens: Option<u32>,
+    pub stop: Vec<String>,
+    pub include_stop_str_in_output: bool,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub kv_transfer_params: Option<KvTransferParams>,
+}
+
+impl ValidatedParams {
+    /// Whether this request is the decode leg of a P/D pair (P holds blocks for it).
+    pub fn wants_remote_prefill(&self) -> bool {
+        self.kv_transfer_params.as_ref().is_some_and(KvTransferParams::wants_remote_prefill)
+    }
+}
+
+/// 404 unless `requested` is absent, empty, or the served model name.
+pub fn check_model(requested: Option<&str>, served: &str) -> Result<(), ApiError> {
+    match requested {
+        None => Ok(()),
+        Some(m) if m.is_empty() || m == served => Ok(()),
+        Some(m) => Err(ApiError::ModelNotFound(m.to_string())),
+    }
+}
+
+/// Completions `logprobs` (an integer 0..=20) → number of top alternatives.
+pub fn completion_logprobs(logprobs: Option<i64>) -> Result<Option<u32>, ApiError> {
+    match logprobs {
+        None => Ok(None),
+        Some(n) if (0..=MAX_LOGPROBS).contains(&n) => Ok(Some(n as u32)),
+        Some(n) => Err(ApiError::invalid(format!("logprobs must be in [0, {MAX_LOGPROBS}], got {n}."), "logprobs")),
+    }
+}
+
+/// Chat `logprobs` (bool) + `top_logprobs` (0..=20) → number of top alternatives.
+pub fn chat_logprobs(logprobs: Option<bool>, top_logprobs: Option<i64>) -> Result<Option<u32>, ApiError> {
+    if let Some(t) = top_logprobs {
+        if !(0..=MAX_LOGPROBS).contains(&t) {
+            return Err(ApiError::invalid(
+                format!("top_logprobs must be in [0, {MAX_LOGPROBS}], got {t}."),
+                "top_logprobs",
+            ));
+        }
+        if t > 0 && logprobs != Some(true) {
+            return Err(ApiError::invalid(
+                "when using `top_logprobs`, `logprobs` must be set to true.",
+                "top_logprobs",
+            ));
+        }
+    }
+    Ok(if logprobs == Some(true) { Some(top_logprobs.unwrap_or(0) as u32) } else { None })
+}
+
+fn unsupported(field: &str) -> ApiError {
+    ApiError::invalid(format!("`{field}` is not supported by this server."), field)
+}
+
+/// Validate the shared sampling fields. `vocab_size` bounds stop token ids.
+pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<ValidatedParams, ApiError> {
+    let n = input.n.unwrap_or(1);
+    if n != 1 {
+        return Err(ApiError::invalid(format!("n must be 1 (one choice per request is supported), got {n}."), "n"));
+    }
+    let temperature = input.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(format!("temperature must be in [0, 2], got {temperature}."), "temperature"));
+    }
+    let top_p = input.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid(format!("top_p must be in (0, 1], got {top_p}."), "top_p"));
+    }
+    let top_k = match input.top_k.unwrap_or(0) {
+        -1 | 0 => 0,
+        k if k >= 1 => u32::try_from(k).unwrap_or(u32::MAX),
+        k => {
+            return Err(ApiError::invalid(format!("top_k must be -1 or 0 (disable), or at least 1, got {k}."), "top_k"))
+        }
+    };
+    let requested_max_tokens = match input.max_tokens {
+        None => None,
+        Some(m) if m >= 1 => Some(u32::try_from(m).unwrap_or(u32::MAX)),
+        Some(m) => {
+            let p = input.max_tokens_param;
+            return Err(ApiError::invalid(format!("{p} must be at least 1, got {m}."), p));
+        }
+    };
+    if input.presence_penalty.is_some_and(|p| p != 0.0) {
+        return Err(unsupported("presence_penalty"));
+    }
+    if input.frequency_penalty.is_some_and(|p| p != 0.0) {
+        return Err(unsupported("frequency_penalty"));
+    }
+    if input.repetition_penalty.is_some_and(|p| p != 1.0) {
+        return Err(unsupported("repetition_penalty"));
+    }
+    if input.logit_bias.is_some_and(|b| !b.is_empty()) {
+        return Err(unsupported("logit_bias"));
+    }
+    if input.min_tokens.is_some_and(|m| m > 0) {
+        return Err(unsupported("min_tokens"));
+    }
+    let stream = input.stream.unwrap_or(false);
+    if input.stream_options.is_some() && !stream {
+        return Err(ApiError::invalid("Stream options can only be defined when `stream=True`.", "stream_options"));
+    }
+    let include_usage = input.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+    let stop = stop_strings(input.stop)?;
+    let stop_token_ids = match input.stop_token_ids {
+        None => Vec::new(),
+        Some(ids) => token_ids(ids, vocab_size, "stop_token_ids")?,
+    };
+    let kv_transfer_params = kv_transfer_params(input.kv_transfer_params)?;
+    Ok(ValidatedParams {
+        sampling: SamplingParams {
+            temperature: temperature as f32,
+            top_p: top_p as f32,
+            top_k,
+            // Any 64-bit integer is a valid seed; negative ones keep their bits.
+            seed: input.seed.map(|s| s as u64),
+            max_tokens: requested_max_tokens.unwrap_or(DEFAULT_COMPLETION_MAX_TOKENS),
+            stop_token_ids,
+            ignore_eos: input.ignore_eos.unwrap_or(false),
+            logprobs: input.logprobs,
+        },
+        requested_max_tokens,
+        stop,
+        include_stop_str_in_output: input.include_stop_str_in_output.unwrap_or(false),
+        stream,
+        include_usage,
+        kv_transfer_params,
+    })
+}
+
+/// `stop`: null, a string, or an array of at most [`MAX_STOP_STRINGS`] non-empty strings.
+pub fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let list = match stop {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s.clone()),
+                _ => Err(ApiError::invalid("`stop` must be a string or an array of strings.", "stop")),
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(_) => return Err(ApiError::invalid("`stop` must be a string or an array of strings.", "stop")),
+    };
+    if list.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::invalid(
+            format!("`stop` may hold at most {MAX_STOP_STRINGS} strings, got {}.", list.len()),
+            "stop",
+        ));
+    }
+    if list.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop strings must not be empty.", "stop"));
+    }
+    Ok(list)
+}
+
+/// Token ids in `0..vocab_size`.
+fn token_ids(ids: &[i64], vocab_size: u32, param: &str) -> Result<Vec<u32>, ApiError> {
+    ids.iter()
+        .map(|&id| match u32::try_from(id) {
+            Ok(t) if t < vocab_size => Ok(t),
+            _ => Err(ApiError::invalid(
+                format!("Token id {id} is out of vocabulary (vocabulary size {vocab_size})."),
+                param,
+            )),
+        })
+        .collect()
+}
+
+/// `kv_transfer_params`: null or an object of vLLM's fields.
+pub fn kv_transfer_params(value: Option<&Value>) -> Result<Option<KvTransferParams>, ApiError> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(v @ Value::Object(_)) => serde_json::from_value::<KvTransferParams>(v.clone())
+            .map(Some)
+            .map_err(|e| ApiError::invalid(format!("invalid kv_transfer_params: {e}"), "kv_transfer_params")),
+        Some(_) => Err(ApiError::invalid("kv_transfer_params must be an object.", "kv_transfer_params")),
+    }
+}
+
+fn text_error(e: TextError) -> ApiError {
+    match e {
+        TextError::Template(m) => ApiError::Template(format!("chat template error: {m}")),
+        TextError::Tokenizer(m) => ApiError::invalid(format!("cannot tokenise the input: {m}"), "prompt"),
+    }
+}
+
+/// The completions `prompt`: a string, `[string]`, `[ids...]` or `[[ids...]]` → token ids.
+/// Batches (several prompts) are refused: one request is one engine request here.
+pub fn completion_prompt(prompt: Option<&Value>, codec: &dyn TextCodec, vocab_size: u32) -> Result<Vec<u32>, ApiError> {
+    let shape_error =
+        || ApiError::invalid("prompt must be a string, an array of one string, or an array of token ids.", "prompt");
+    let batch_error = || ApiError::invalid("batched prompts are not supported; send one prompt per request.", "prompt");
+    let empty_error = || ApiError::invalid("The prompt cannot be empty.", "prompt");
+    let tokens = match prompt {
+        None | Some(Value::Null) => return Err(ApiError::invalid("prompt is required.", "prompt")),
+        Some(Value::String(s)) => {
+            if s.is_empty() {
+                return Err(empty_error());
+            }
+            codec.encode(s).map_err(text_error)?
+        }
+        Some(Value::Array(items)) => match items.as_slice() {
+            [] => return Err(empty_error()),
+            [Value::String(s)] => {
+                if s.is_empty() {
+                    return Err(empty_error());
+                }
+                codec.encode(s).map_err(text_error)?
+            }
+            [Value::Array(inner)] => ids_of(inner, vocab_size).ok_or_else(shape_error)??,
+            items if items.iter().all(Value::is_number) => ids_of(items, vocab_size).ok_or_else(shape_error)??,
+            items if items.iter().all(|v| v.is_string() || v.is_array()) => return Err(batch_error()),
+            _ => return Err(shape_error()),
+        },
+        Some(_) => return Err(shape_error()),
+    };
+    if tokens.is_empty() {
+        return Err(empty_error());
+    }
+    Ok(tokens)
+}
+
+/// Token ids from JSON numbers: `None` if one is not an integer, `Some(Err)` if one is out
+/// of the vocabulary.
+fn ids_of(items: &[Value], vocab_size: u32) -> Option<Result<Vec<u32>, ApiError>> {
+    let ids: Option<Vec<i64>> = items.iter().map(Value::as_i64).collect();
+    ids.map(|ids| token_ids(&ids, vocab_size, "prompt"))
+}
+
+/// Chat messages → the codec's messages. Content may be a string, null, or an array of text
+/// parts (joined with newlines, as vLLM does); other part types are refused.
+pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages must not be empty.", "messages"));
+    }
+    messages
+        .iter()
+        .map(|m| {
+            let content = match &m.content {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => {
+                    let texts = parts
+                        .iter()
+                        .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                            (Some("text"), Some(t)) => Ok(t),
+                            (Some(other), _) if other != "text" => Err(ApiError::invalid(
+                                format!("only text content parts are supported, got `{other}`."),
+                                "messages",
+                            )),
+                            _ => Err(ApiError::invalid(
+                                "a content part must be {\"type\": \"text\", \"text\": \"...\"}.",
+                                "messages",
+                            )),
+                        })
+                        .collect::<Result<Vec<_>, _>>()?;
+                    texts.join("\n")
+                }
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        "message content must be a string or an array of text parts.",
+                        "messages",
+                    ))
+                }
+            };
+            Ok(ChatMessage { role: m.role.clone(), content })
+        })
+        .collect()
+}
+
+/// Render chat messages with the model's template (a template error is the client's: 400).
+pub fn render_chat(codec: &dyn TextCodec, messages: &[ChatMessage], vocab_size: u32) -> Result<Vec<u32>, ApiError> {
+    let text = codec.render_chat(messages).map_err(text_error)?;
+    let tokens = codec.encode(&text).map_err(text_error)?;
+    if tokens.is_empty() {
+        return Err(ApiError::invalid("The rendered prompt is empty.", "messages"));
+    }
+    if let Some(&bad) = tokens.iter().find(|&&t| t >= vocab_size) {
+        return Err(ApiError::Internal(format!("the tokenizer produced token id {bad} outside the vocabulary")));
+    }
+    Ok(tokens)
+}
+
+/// What `max_tokens` means when the client gives none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaxTokensDefault {
+    /// Completions: 16.
+    Fixed(u32),
+    /// Chat: whatever the context leaves after the prompt (vLLM).
+    RestOfContext,
+}
+
+/// Settle `max_tokens` against the context: 400 (vLLM's wording) when the prompt alone fills
+/// it, or prompt + completion exceed it. `prompt_param` is `"prompt"` or `"messages"`.
+pub fn resolve_max_tokens(
+    prompt_len: u32,
+    requested: Option<u32>,
+    default: MaxTokensDefault,
+    max_model_len: u32,
+    prompt_param: &'static str,
+) -> Result<u32, ApiError> {
+    if prompt_len >= max_model_len {
+        return Err(ApiError::ContextLength {
+            message: format!(
+                "This model's maximum context length is {max_model_len} tokens. However, your request has \
+                 {prompt_len} input tokens. Please reduce the length of the input {prompt_param}."
+            ),
+            param: prompt_param,
+        });
+    }
+    let max_tokens = match (requested, default) {
+        (Some(m), _) => m,
+        (None, MaxTokensDefault::Fixed(m)) => m,
+        (None, MaxTokensDefault::RestOfContext) => max_model_len - prompt_len,
+    };
+    let total = u64::from(prompt_len) + u64::from(max_tokens);
+    if total > u64::from(max_model_len) {
+        return Err(ApiError::ContextLength {
+            message: format!(
+                "This model's maximum context length is {max_model_len} tokens. However, you requested \
+                 {total} tokens ({prompt_len} in the messages, {max_tokens} in the completion). Please reduce \
+                 the length of the messages or completion."
+            ),
+            param: "max_tokens",
+        });
+    }
+    Ok(max_tokens)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdmesh_synthetic_executor::SyntheticTextCodec;
+    use serde_json::json;
+
+    const VOCAB: u32 = 257;
+
+    /// Every refusal is a 400 `invalid_request_error` naming `param`.
+    fn assert_400(r: Result<impl std::fmt::Debug, ApiError>, param: &str) {
+        let e = r.expect_err("must be refused");
+        assert_eq!(e.status().as_u16(), 400, "{e:?}");
+        let body = serde_json::to_value(e.body()).unwrap();
+        assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+        assert_eq!(body["error"]["param"], param, "{body}");
+        assert_eq!(body["error"]["code"], 400);
+        assert!(!body["error"]["message"].as_str().unwrap().is_empty());
+    }
+
+    fn base() -> SamplingInput<'static> {
+        SamplingInput { max_tokens_param: "max_tokens", ..Default::default() }
+    }
+
+    #[test]
+    fn defaults_are_openai_defaults() {
+        let p = validate_params(&base(), VOCAB).unwrap();
+        assert_eq!(p.sampling.temperature, 1.0);
+        assert_eq!(p.sampling.top_p, 1.0);
+        assert_eq!(p.sampling.top_k, 0);
+        assert_eq!(p.sampling.max_tokens, 16);
+        assert!(p.stop.is_empty() && !p.stream && !p.include_usage && p.kv_transfer_params.is_none());
+    }
+
+    #[test]
+    fn bad_sampling_params_are_400_naming_the_field() {
+        assert_400(validate_params(&SamplingInput { temperature: Some(-0.1), ..base() }, VOCAB), "temperature");
+        assert_400(validate_params(&SamplingInput { temperature: Some(2.5), ..base() }, VOCAB), "temperature");
+        assert_400(validate_params(&SamplingInput { top_p: Some(0.0), ..base() }, VOCAB), "top_p");
+        assert_400(validate_params(&SamplingInput { top_p: Some(1.5), ..base() }, VOCAB), "top_p");
+        assert_400(validate_params(&SamplingInput { top_k: Some(-2), ..base() }, VOCAB), "top_k");
+        assert_400(validate_params(&SamplingInput { max_tokens: Some(0), ..base() }, VOCAB), "max_tokens");
+        assert_400(
+            validate_params(
+                &SamplingInput { max_tokens: Some(-1), max_tokens_param: "max_completion_tokens", ..base() },
+                VOCAB,
+            ),
+            "max_completion_tokens",
+        );
+        assert_400(validate_params(&SamplingInput { n: Some(2), ..base() }, VOCAB), "n");
+        assert_400(
+            validate_params(&SamplingInput { presence_penalty: Some(0.5), ..base() }, VOCAB),
+            "presence_penalty",
+        );
+        let sids = [5i64, 300];
+        assert_400(validate_params(&SamplingInput { stop_token_ids: Some(&sids), ..base() }, VOCAB), "stop_token_ids");
+        let opts = StreamOptions { include_usage: Some(true) };
+        assert_400(validate_params(&SamplingInput { stream_options: Some(&opts), ..base() }, VOCAB), "stream_options");
+        let kv = json!("nope");
+        assert_400(
+            validate_params(&SamplingInput { kv_transfer_params: Some(&kv), ..base() }, VOCAB),
+            "kv_transfer_params",
+        );
+        let kv = json!({"remote_port": "high"});
+        assert_400(
+            validate_params(&SamplingInput { kv_transfer_params: Some(&kv), ..base() }, VOCAB),
+            "kv_transfer_params",
+        );
+    }
+
+    #[test]
+    fn good_params_map_to_the_engine() {
+        let stop = json!(["\n", "END"]);
+        let sids = [7i64];
+        let kv = json!({"do_remote_prefill": true, "remote_block_ids": [1, 2], "remote_engine_id": null});
+        let opts = StreamOptions { include_usage: Some(true) };
+        let p = validate_params(
+            &SamplingInput {
+                max_tokens: Some(5),
+                temperature: Some(0.0),
+                top_p: Some(0.5),
+                top_k: Some(-1),
+                seed: Some(-1),
+                stop: Some(&stop),
+                stop_token_ids: Some(&sids),
+                ignore_eos: Some(true),
+                logprobs: Some(3),
+                stream: Some(true),
+                stream_options: Some(&opts),
+                kv_transfer_params: Some(&kv),
+                ..base()
+            },
+            VOCAB,
+        )
+        .unwrap();
+        assert_eq!(p.sampling.max_tokens, 5);
+        assert_eq!(p.sampling.temperature, 0.0);
+        assert_eq!(p.sampling.top_k, 0);
+        assert_eq!(p.sampling.seed, Some(u64::MAX));
+        assert_eq!(p.sampling.stop_token_ids, vec![7]);
+        assert!(p.sampling.ignore_eos);
+        assert_eq!(p.sampling.logprobs, Some(3));
+        assert_eq!(p.stop, vec!["\n".to_string(), "END".to_string()]);
+        assert!(p.stream && p.include_usage);
+        assert!(p.wants_remote_prefill());
+        assert_eq!(p.kv_transfer_params.unwrap().remote_block_ids, Some(vec![1, 2]));
+    }
+
+    #[test]
+    fn stop_shapes() {
+        assert_eq!(stop_strings(Some(&json!("x"))).unwrap(), vec!["x".to_string()]);
+        assert!(stop_strings(Some(&Value::Null)).unwrap().is_empty());
+        assert_400(stop_strings(Some(&json!(["a", "b", "c", "d", "e"]))), "stop");
+        assert_400(stop_strings(Some(&json!([""]))), "stop");
+        assert_400(stop_strings(Some(&json!([1]))), "stop");
+        assert_400(stop_strings(Some(&json!(3))), "stop");
+    }
+
+    #[test]
+    fn logprobs_ranges() {
+        assert_eq!(completion_logprobs(Some(0)).unwrap(), Some(0));
+        assert_eq!(completion_logprobs(Some(20)).unwrap(), Some(20));
+        assert_400(completion_logprobs(Some(21)), "logprobs");
+        assert_400(completion_logprobs(Some(-1)), "logprobs");
+        assert_eq!(chat_logprobs(Some(true), None).unwrap(), Some(0));
+        assert_eq!(chat_logprobs(Some(true), Some(5)).unwrap(), Some(5));
+        assert_eq!(chat_logprobs(Some(false), None).unwrap(), None);
+        assert_400(chat_logprobs(Some(true), Some(21)), "top_logprobs");
+        assert_400(chat_logprobs(None, Some(2)), "top_logprobs");
+    }
+
+    #[test]
+    fn model_check() {
+        assert!(check_model(None, "m").is_ok());
+        assert!(check_model(Some(""), "m").is_ok());
+        assert!(check_model(Some("m"), "m").is_ok());
+        let e = check_model(Some("other"), "m").unwrap_err();
+        assert_eq!(e.status().as_u16(), 404);
+        assert_eq!(e.error_type(), "NotFoundError");
+    }
+
+    #[test]
+    fn prompt_shapes() {
+        let c = SyntheticTextCodec;
+        assert_eq!(completion_prompt(Some(&json!("hi")), &c, VOCAB).unwrap(), vec![104, 105]);
+        assert_eq!(completion_prompt(Some(&json!(["hi"])), &c, VOCAB).unwrap(), vec![104, 105]);
+        assert_eq!(completion_prompt(Some(&json!([1, 2, 3])), &c, VOCAB).unwrap(), vec![1, 2, 3]);
+        assert_eq!(completion_prompt(Some(&json!([[1, 2]])), &c, VOCAB).unwrap(), vec![1, 2]);
+        assert_400(completion_prompt(Some(&json!("")), &c, VOCAB), "prompt");
+        assert_400(completion_prompt(Some(&json!([])), &c, VOCAB), "prompt");
+        assert_400(completion_prompt(Some(&json!([""])), &c, VOCAB), "prompt");
+        assert_400(completion_prompt(None, &c, VOCAB), "prompt");
+        assert_400(completion_prompt(Some(&json!(["a", "b"])), &c, VOCAB), "prompt");
+        assert_400(completion_prompt(Some(&json!([[1], [2]])), &c, VOCAB), "prompt");
+        assert_400(completion_prompt(Some(&json!([1, 257])), &c, VOCAB), "prompt");
+        assert_400(completion_prompt(Some(&json!([1, -1])), &c, VOCAB), "prompt");
+        assert_400(completion_prompt(Some(&json!([1.5])), &c, VOCAB), "prompt");
+        assert_400(completion_prompt(Some(&json!({"a": 1})), &c, VOCAB), "prompt");
+        assert_400(completion_prompt(Some(&json!([1, "a"])), &c, VOCAB), "prompt");
+    }
+
+    #[test]
+    fn chat_content_shapes() {
+        let msg = |content: Value| ChatMessageIn { role: "user".into(), content: Some(content), name: None };
+        let m = chat_messages(&[msg(json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]))]).unwrap();
+        assert_eq!(m[0].content, "a\nb");
+        let m = chat_messages(&[ChatMessageIn { role: "assistant".into(), content: None, name: None }]).unwrap();
+        assert_eq!(m[0].content, "");
+        assert_400(chat_messages(&[]), "messages");
+        assert_400(chat_messages(&[msg(json!([{"type": "image_url", "image_url": {}}]))]), "messages");
+        assert_400(chat_messages(&[msg(json!([{"text": "no type"}]))]), "messages");
+        assert_400(chat_messages(&[msg(json!(5))]), "messages");
+        // a template error is a 400 invalid_request_error
+        let c = SyntheticTextCodec;
+        let bad = [ChatMessage { role: "wizard".into(), content: "x".into() }];
+        let e = render_chat(&c, &bad, VOCAB).unwrap_err();
+        assert_eq!(e.status().as_u16(), 400);
+        assert_eq!(e.error_type(), "invalid_request_error");
+    }
+
+    #[test]
+    fn context_length() {
+        use MaxTokensDefault::*;
+        assert_eq!(resolve_max_tokens(10, Some(5), Fixed(16), 100, "prompt").unwrap(), 5);
+        assert_eq!(resolve_max_tokens(10, None, Fixed(16), 100, "prompt").unwrap(), 16);
+        assert_eq!(resolve_max_tokens(10, None, RestOfContext, 100, "messages").unwrap(), 90);
+        assert_eq!(resolve_max_tokens(10, Some(90), Fixed(16), 100, "prompt").unwrap(), 90);
+        let e = resolve_max_tokens(10, Some(91), Fixed(16), 100, "prompt").unwrap_err();
+        assert_eq!(e.status().as_u16(), 400);
+        assert_eq!(e.param().as_deref(), Some("max_tokens"));
+        assert_eq!(
+            e.to_string(),
+            "This model's maximum context length is 100 tokens. However, you requested 101 tokens \
+             (10 in the messages, 91 in the completion). Please reduce the length of the messages or completion."
+        );
+        let e = resolve_max_tokens(100, Some(1), Fixed(16), 100, "messages").unwrap_err();
+        assert_eq!(e.param().as_deref(), Some("messages"));
+        assert!(e.to_string().contains("100 input tokens"));
+        let e = resolve_max_tokens(120, None, RestOfContext, 100, "prompt").unwrap_err();
+        assert_eq!(e.param().as_deref(), Some("prompt"));
+        assert!(resolve_max_tokens(1, Some(u32::MAX), Fixed(16), 100, "prompt").is_err());
+    }
+}

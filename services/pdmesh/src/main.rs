@@ -1,0 +1,139 @@
+//! `pdmesh`: one binary for every service of the mesh, plus `pdmesh up` to start a whole mesh.
+
+mod model;
+mod up;
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::{Args, Parser, Subcommand};
+use pdmesh_config::{env, Topology};
+
+#[derive(Parser)]
+#[command(name = "pdmesh", version, about = "A service mesh for disaggregated prefill/decode LLM serving")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Clone)]
+struct ServiceArgs {
+    /// Topology file (default: the built-in mesh).
+    #[arg(long, env = env::TOPOLOGY)]
+    topology: Option<PathBuf>,
+    /// Node of the topology this process belongs to.
+    #[arg(long, default_value = "main")]
+    node: String,
+    /// Data-parallel rank (engine-core, connector-scheduler, connector-worker).
+    #[arg(long, default_value_t = 0)]
+    rank: u32,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start a whole mesh from a topology file as child processes.
+    Up(up::UpArgs),
+    /// The OpenAI-compatible HTTP frontend of a node.
+    Frontend(ServiceArgs),
+    /// The data-parallel load balancer of a node.
+    DpLb(ServiceArgs),
+    /// One engine-core rank (scheduler + step loop).
+    EngineCore(ServiceArgs),
+    /// The KV connector, scheduler side, of one rank.
+    ConnectorScheduler(ServiceArgs),
+    /// The KV cache and model executor of one rank.
+    ConnectorWorker(ServiceArgs),
+}
+
+fn load_topology(path: &Option<PathBuf>) -> anyhow::Result<Topology> {
+    let mut topo = match path {
+        Some(p) => Topology::load(p)?,
+        None => Topology::default_mesh()?,
+    };
+    if let Some(dir) = env::get(env::RUN_DIR) {
+        topo.run_dir = PathBuf::from(dir);
+    }
+    Ok(topo)
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Up(args) => up::run(args),
+        Command::Frontend(a) => serve("frontend", a, |topo, a| async move {
+            let node = topo.node(&a.node)?.clone();
+            let loaded = model::load_text(&node).context("loading the tokenizer")?;
+            pdmesh_frontend::run(topo, a.node.clone(), loaded.codec, loaded.options).await?;
+            Ok(())
+        }),
+        Command::DpLb(a) => serve("dp-lb", a, |topo, a| async move {
+            pdmesh_dp_lb::run(&topo, &a.node).await?;
+            wait_for_shutdown().await;
+            Ok(())
+        }),
+        Command::EngineCore(a) => serve("engine-core", a, |topo, a| async move {
+            pdmesh_engine_core::run(&topo, &a.node, a.rank)?;
+            wait_for_shutdown().await;
+            Ok(())
+        }),
+        Command::ConnectorScheduler(a) => serve("connector-scheduler", a, |topo, a| async move {
+            pdmesh_connector_scheduler::run(&topo, &a.node, a.rank).await?;
+            wait_for_shutdown().await;
+            Ok(())
+        }),
+        Command::ConnectorWorker(a) => serve("connector-worker", a, |topo, a| async move {
+            let node = topo.node(&a.node)?.clone();
+            let (facts, factory) = model::executor_factory(&node).context("preparing the model")?;
+            pdmesh_connector_worker::run(&topo, &a.node, a.rank, factory, facts).await?;
+            wait_for_shutdown().await;
+            Ok(())
+        }),
+    }
+}
+
+/// Run one service inside an actix System until SIGINT/SIGTERM (or its parent `pdmesh up`
+/// going away).
+fn serve<F, Fut>(name: &'static str, args: ServiceArgs, f: F) -> anyhow::Result<()>
+where
+    F: FnOnce(Topology, ServiceArgs) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>> + 'static,
+{
+    pdmesh_telemetry::init(name);
+    let topo = load_topology(&args.topology)?;
+    let system = actix_rt::System::new();
+    let res = system.block_on(async move {
+        tokio::spawn(watch_parent());
+        f(topo, args).await
+    });
+    if let Err(e) = &res {
+        tracing::error!(service = name, error = %format!("{e:#}"), "service failed");
+    }
+    res
+}
+
+/// Resolve on SIGINT or SIGTERM.
+async fn wait_for_shutdown() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let Ok(mut term) = signal(SignalKind::terminate()) else {
+        let _ = tokio::signal::ctrl_c().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutting down");
+}
+
+/// Children of `pdmesh up` exit when their parent is gone (even after a kill -9 of `up`),
+/// so a crashed supervisor never leaves a half mesh holding ports.
+async fn watch_parent() {
+    let Some(expected) = std::env::var("PDMESH_PARENT_PID").ok().and_then(|p| p.parse::<u32>().ok()) else { return };
+    loop {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        if std::os::unix::process::parent_id() != expected {
+            tracing::warn!("parent pdmesh up is gone; exiting");
+            std::process::exit(3);
+        }
+    }
+}

@@ -1,0 +1,173 @@
+//! Test support: start a real mesh with `pdmesh up` on private ports and a private run dir,
+//! talk to it over HTTP, read its process table, stop it.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+static NEXT: AtomicU16 = AtomicU16::new(0);
+
+/// A running mesh; stopped (SIGTERM, then kill) on drop.
+pub struct Mesh {
+    pub up: Child,
+    pub run_dir: PathBuf,
+    pub http_port: u16,
+    pub base_port: u16,
+}
+
+/// Ports unique to this test process and this mesh.
+fn ports() -> (u16, u16) {
+    let k = NEXT.fetch_add(1, Ordering::SeqCst);
+    let slot = (std::process::id() % 50) as u16 * 8 + k;
+    (18000 + slot, 22000 + slot * 150 % 40000)
+}
+
+impl Mesh {
+    /// Start a one-node mesh. `node_extra` is appended to the node's TOML table, `sections`
+    /// after it (e.g. `[nodes.model]` overrides).
+    pub fn start(node_extra: &str, sections: &str, up_args: &[&str]) -> Mesh {
+        let (http_port, base_port) = ports();
+        let run_dir = std::env::temp_dir().join(format!("pdmesh-test-{}-{}", std::process::id(), http_port));
+        let _ = std::fs::remove_dir_all(&run_dir);
+        std::fs::create_dir_all(&run_dir).unwrap();
+        let topo = format!(
+            "run_dir = {run:?}\n[[nodes]]\nname = \"main\"\nhttp_port = {http_port}\nbase_port = {base_port}\n{node_extra}\n{sections}\n",
+            run = run_dir.display().to_string(),
+        );
+        let path = run_dir.join("test-topology.toml");
+        std::fs::write(&path, topo).unwrap();
+        let up = Command::new(env!("CARGO_BIN_EXE_pdmesh"))
+            .arg("up")
+            .arg("--topology")
+            .arg(&path)
+            .args(up_args)
+            .env("PDMESH_RUN_DIR", &run_dir)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(run_dir.join("up.log")).unwrap())
+            .spawn()
+            .unwrap();
+        let mesh = Mesh { up, run_dir, http_port, base_port };
+        mesh.wait_ready();
+        mesh
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.http_port, path)
+    }
+
+    fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let client = reqwest::blocking::Client::new();
+        while Instant::now() < deadline {
+            if let Ok(r) = client.get(self.url("/health")).send() {
+                if r.status().is_success() {
+                    // the engine ranks must be connected too
+                    if let Ok(r) = client.get(self.url("/debug/engines")).send() {
+                        if let Ok(v) = r.json::<serde_json::Value>() {
+                            if v["unreachable_ranks"].as_array().is_some_and(|a| a.is_empty())
+                                && v["engines"].as_array().is_some_and(|a| !a.is_empty())
+                            {
+                                return;
+                            }
+                        }
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("mesh not ready in 60 s; logs in {}", self.run_dir.display());
+    }
+
+    /// The process table written by `pdmesh up`.
+    pub fn processes(&self) -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(self.run_dir.join("mesh.json")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        v["processes"].as_array().unwrap().clone()
+    }
+
+    pub fn pid_of(&self, service: &str, rank: u32) -> i32 {
+        self.processes()
+            .iter()
+            .find(|p| p["service"] == service && p["rank"] == rank)
+            .and_then(|p| p["pid"].as_i64())
+            .unwrap() as i32
+    }
+
+    pub fn kill9(&self, service: &str, rank: u32) {
+        let pid = self.pid_of(service, rank);
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+    }
+
+    /// `GET /debug/kv` as JSON.
+    pub fn kv(&self) -> serde_json::Value {
+        reqwest::blocking::get(self.url("/debug/kv")).unwrap().json().unwrap()
+    }
+
+    /// Wait until `cond` holds on `/debug/kv`, or fail with the last value.
+    pub fn wait_kv(&self, what: &str, cond: impl Fn(&serde_json::Value) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut last = serde_json::Value::Null;
+        while Instant::now() < deadline {
+            last = self.kv();
+            if cond(&last) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("{what}: never true; last /debug/kv = {last}");
+    }
+
+    /// All log text of the mesh's processes.
+    pub fn logs(&self) -> String {
+        let mut all = String::new();
+        if let Ok(dir) = std::fs::read_dir(self.run_dir.join("logs")) {
+            for e in dir.flatten() {
+                all.push_str(&std::fs::read_to_string(e.path()).unwrap_or_default());
+            }
+        }
+        all
+    }
+
+    /// SIGTERM `pdmesh up` and wait for a clean exit.
+    pub fn stop(mut self) -> std::process::ExitStatus {
+        let pid = nix::unistd::Pid::from_raw(self.up.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(Some(s)) = self.up.try_wait() {
+                let _ = std::fs::remove_dir_all(&self.run_dir);
+                return s;
+            }
+            if Instant::now() > deadline {
+                let _ = self.up.kill();
+                panic!("pdmesh up did not stop in 30 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        if let Ok(None) = self.up.try_wait() {
+            let pid = nix::unistd::Pid::from_raw(self.up.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let deadline = Instant::now() + Duration::from_secs(15);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = self.up.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = self.up.kill();
+        }
+    }
+}
+
+/// Parse an SSE body into its `data:` payloads.
+pub fn sse_events(body: &str) -> Vec<String> {
+    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+}

@@ -1,0 +1,17 @@
+//! Every `PDMESH_*` environment variable, as documented constants (`docs/CONFIG.md`).
+
+/// Path of the topology file (`pdmesh up` and every service).
+pub const TOPOLOGY: &str = "PDMESH_TOPOLOGY";
+/// Directory for `ipc://` sockets (overrides the topology's `run_dir`).
+pub const RUN_DIR: &str = "PDMESH_RUN_DIR";
+/// GGUF model file (overrides an empty `model.path`).
+pub const MODEL_PATH: &str = "PDMESH_MODEL_PATH";
+/// Directory where `scripts/fetch-model.sh` puts models.
+pub const MODEL_DIR: &str = "PDMESH_MODEL_DIR";
+/// `json` for JSON log lines.
+pub const LOG_FORMAT: &str = "PDMESH_LOG_FORMAT";
+
+/// Read a variable, treating empty as unset.
+pub fn get(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}

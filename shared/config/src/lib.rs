@@ -1,0 +1,459 @@
+//! The topology file: which nodes make up a mesh, what each runs, and where every socket is.
+//!
+//! One TOML file describes the whole mesh; every service process reads it and picks its own
+//! part by node name and rank (`pdmesh engine-core --topology mesh.toml --node p --rank 0`).
+//! Every knob has a working default. Layering: defaults < TOML < `PDMESH_*` environment
+//! (see [`env`]) < command-line flags. Cross-field checks run in [`Topology::validate`] so a
+//! bad file fails at start-up with a clear message.
+
+pub mod env;
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+/// The default local mesh that `pdmesh up` starts when no topology is given.
+pub const DEFAULT_TOPOLOGY: &str = include_str!("../../../deploy/topology/default.toml");
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read topology {path}: {reason}")]
+    Read { path: String, reason: String },
+    #[error("invalid topology: {0}")]
+    Parse(String),
+    #[error("invalid topology: {0}")]
+    Invalid(String),
+    #[error("no node named {0:?} in the topology")]
+    UnknownNode(String),
+}
+
+/// A whole mesh.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Topology {
+    /// Where `ipc://` sockets live (one sub-directory per node).
+    #[serde(default = "default_run_dir")]
+    pub run_dir: PathBuf,
+    pub nodes: Vec<NodeConfig>,
+}
+
+fn default_run_dir() -> PathBuf {
+    std::env::temp_dir().join("pdmesh")
+}
+
+/// What a node is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeRole {
+    /// Prefill and decode on the same node (no KV transfer).
+    Colocated,
+    /// Prefills, holds KV blocks for a remote decoder.
+    Prefill,
+    /// Pulls KV blocks from a prefill node, then decodes.
+    Decode,
+    /// Only a frontend, proxying each request to a prefill then a decode node.
+    Router,
+}
+
+/// How the services of one node reach each other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SocketTransport {
+    Ipc,
+    Tcp,
+}
+
+/// One node: a frontend, a dp-lb, and per data-parallel rank an engine-core, a
+/// connector-scheduler and a connector-worker.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    pub name: String,
+    #[serde(default = "default_role")]
+    pub role: NodeRole,
+    /// Address the frontend's HTTP server binds.
+    #[serde(default = "default_http_host")]
+    pub http_host: String,
+    #[serde(default = "default_http_port")]
+    pub http_port: u16,
+    /// Number of engine-core ranks behind the dp-lb.
+    #[serde(default = "one")]
+    pub dp_size: u32,
+    #[serde(default = "default_transport")]
+    pub transport: SocketTransport,
+    /// tcp: address services bind (0.0.0.0 in containers).
+    #[serde(default = "default_http_host")]
+    pub bind_host: String,
+    /// tcp: first of the node's internal ports (see [`NodeConfig::endpoints`]).
+    #[serde(default = "default_base_port")]
+    pub base_port: u16,
+    /// tcp: host name per service, when services run on different hosts (containers).
+    #[serde(default)]
+    pub hosts: ServiceHosts,
+    #[serde(default)]
+    pub model: ModelConfig,
+    #[serde(default)]
+    pub engine: EngineConfig,
+    /// Router only: the frontends of prefill and decode nodes (`http://host:port`).
+    #[serde(default)]
+    pub router: RouterConfig,
+}
+
+fn default_role() -> NodeRole {
+    NodeRole::Colocated
+}
+fn default_http_host() -> String {
+    "127.0.0.1".into()
+}
+fn default_http_port() -> u16 {
+    8000
+}
+fn one() -> u32 {
+    1
+}
+fn default_transport() -> SocketTransport {
+    SocketTransport::Ipc
+}
+fn default_base_port() -> u16 {
+    7100
+}
+
+/// Per-service host names for tcp across hosts. `{rank}` is replaced by the rank.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServiceHosts {
+    pub frontend: Option<String>,
+    pub dp_lb: Option<String>,
+    pub engine_core: Option<String>,
+    pub connector_scheduler: Option<String>,
+    pub connector_worker: Option<String>,
+}
+
+/// Which model the connector-workers run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// `synthetic` (tests, load tests) or `gguf` (a real model).
+    #[serde(default = "default_model_kind")]
+    pub kind: ModelKind,
+    /// Name served in the OpenAI API (`model` field). Empty: derived from the model.
+    #[serde(default)]
+    pub name: String,
+    /// GGUF file. Empty: `PDMESH_MODEL_PATH`, then the default cache location.
+    #[serde(default)]
+    pub path: String,
+    /// Synthetic executor: microseconds of simulated compute per scheduled token.
+    #[serde(default)]
+    pub per_token_cost_us: u64,
+    /// Synthetic executor: microseconds of simulated compute per step.
+    #[serde(default)]
+    pub per_step_cost_us: u64,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            kind: ModelKind::Synthetic,
+            name: String::new(),
+            path: String::new(),
+            per_token_cost_us: 0,
+            per_step_cost_us: 0,
+        }
+    }
+}
+
+fn default_model_kind() -> ModelKind {
+    ModelKind::Synthetic
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelKind {
+    Synthetic,
+    Gguf,
+}
+
+/// Scheduler and KV-cache sizing (vLLM's names and meanings).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineConfig {
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    /// KV-cache blocks per rank.
+    #[serde(default = "default_num_blocks")]
+    pub num_blocks: u32,
+    #[serde(default = "default_max_num_seqs")]
+    pub max_num_seqs: u32,
+    /// Token budget of one step (prefill chunks + decode tokens).
+    #[serde(default = "default_max_batched")]
+    pub max_num_batched_tokens: u32,
+    /// Longest prompt + output; 0: the model's own limit.
+    #[serde(default)]
+    pub max_model_len: u32,
+    /// Worker step timeout in milliseconds (a hung worker fails the step instead of the engine).
+    #[serde(default = "default_step_timeout_ms")]
+    pub step_timeout_ms: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: default_block_size(),
+            num_blocks: default_num_blocks(),
+            max_num_seqs: default_max_num_seqs(),
+            max_num_batched_tokens: default_max_batched(),
+            max_model_len: 0,
+            step_timeout_ms: default_step_timeout_ms(),
+        }
+    }
+}
+
+fn default_block_size() -> u32 {
+    16
+}
+fn default_num_blocks() -> u32 {
+    2048
+}
+fn default_max_num_seqs() -> u32 {
+    256
+}
+fn default_max_batched() -> u32 {
+    2048
+}
+fn default_step_timeout_ms() -> u64 {
+    60_000
+}
+
+/// The router role's upstreams.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouterConfig {
+    #[serde(default)]
+    pub prefill: Vec<String>,
+    #[serde(default)]
+    pub decode: Vec<String>,
+}
+
+/// The services of a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Service {
+    Frontend,
+    DpLb,
+    EngineCore,
+    ConnectorScheduler,
+    ConnectorWorker,
+}
+
+impl Service {
+    pub const ALL: [Service; 5] =
+        [Service::Frontend, Service::DpLb, Service::EngineCore, Service::ConnectorScheduler, Service::ConnectorWorker];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Service::Frontend => "frontend",
+            Service::DpLb => "dp-lb",
+            Service::EngineCore => "engine-core",
+            Service::ConnectorScheduler => "connector-scheduler",
+            Service::ConnectorWorker => "connector-worker",
+        }
+    }
+
+    /// Whether the node runs one of these per data-parallel rank.
+    pub fn per_rank(self) -> bool {
+        matches!(self, Service::EngineCore | Service::ConnectorScheduler | Service::ConnectorWorker)
+    }
+}
+
+/// A socket address: what the owner binds and what peers connect to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    pub bind: String,
+    pub connect: String,
+}
+
+/// Every internal endpoint of a node.
+#[derive(Debug, Clone)]
+pub struct NodeEndpoints {
+    /// dp-lb ROUTER that the frontend's DEALER connects to.
+    pub dplb_frontend: Endpoint,
+    /// dp-lb ROUTER that each engine-core's DEALER connects to.
+    pub dplb_engines: Endpoint,
+    /// dp-lb PULL for engine outputs.
+    pub dplb_outputs: Endpoint,
+    /// frontend PULL for outputs forwarded by the dp-lb.
+    pub frontend_outputs: Endpoint,
+    /// per rank: connector-scheduler ROUTER.
+    pub connector_scheduler: Vec<Endpoint>,
+    /// per rank: connector-worker ROUTER.
+    pub connector_worker: Vec<Endpoint>,
+}
+
+impl NodeConfig {
+    fn host_of(&self, configured: &Option<String>, rank: u32) -> String {
+        configured
+            .as_ref()
+            .map(|h| h.replace("{rank}", &rank.to_string()))
+            .unwrap_or_else(|| if self.bind_host == "0.0.0.0" { "127.0.0.1".into() } else { self.bind_host.clone() })
+    }
+
+    fn endpoint(&self, run_dir: &Path, name: &str, port_offset: u16, host: String) -> Endpoint {
+        match self.transport {
+            SocketTransport::Ipc => {
+                let path = run_dir.join(&self.name).join(format!("{name}.sock"));
+                let e = format!("ipc://{}", path.display());
+                Endpoint { bind: e.clone(), connect: e }
+            }
+            SocketTransport::Tcp => {
+                let port = self.base_port.saturating_add(port_offset);
+                Endpoint { bind: format!("tcp://{}:{port}", self.bind_host), connect: format!("tcp://{host}:{port}") }
+            }
+        }
+    }
+
+    /// Internal endpoints. tcp ports: base+0 dp-lb (frontend side), +1 dp-lb (engine side),
+    /// +2 dp-lb outputs, +3 frontend outputs, +10+2r connector-scheduler r,
+    /// +11+2r connector-worker r.
+    pub fn endpoints(&self, run_dir: &Path) -> NodeEndpoints {
+        let lb = self.host_of(&self.hosts.dp_lb, 0);
+        let fe = self.host_of(&self.hosts.frontend, 0);
+        NodeEndpoints {
+            dplb_frontend: self.endpoint(run_dir, "dplb-frontend", 0, lb.clone()),
+            dplb_engines: self.endpoint(run_dir, "dplb-engines", 1, lb.clone()),
+            dplb_outputs: self.endpoint(run_dir, "dplb-outputs", 2, lb),
+            frontend_outputs: self.endpoint(run_dir, "frontend-outputs", 3, fe),
+            connector_scheduler: (0..self.dp_size)
+                .map(|r| {
+                    let h = self.host_of(&self.hosts.connector_scheduler, r);
+                    self.endpoint(run_dir, &format!("connector-scheduler-{r}"), 10 + 2 * r as u16, h)
+                })
+                .collect(),
+            connector_worker: (0..self.dp_size)
+                .map(|r| {
+                    let h = self.host_of(&self.hosts.connector_worker, r);
+                    self.endpoint(run_dir, &format!("connector-worker-{r}"), 11 + 2 * r as u16, h)
+                })
+                .collect(),
+        }
+    }
+
+    /// HTTP port of a service's `/metrics` (and `/health`) server. The frontend serves them
+    /// on its API port; the others on base+100+… so every port of a node is predictable.
+    pub fn metrics_port(&self, service: Service, rank: u32) -> u16 {
+        let r = rank as u16;
+        match service {
+            Service::Frontend => self.http_port,
+            Service::DpLb => self.base_port.saturating_add(100),
+            Service::EngineCore => self.base_port.saturating_add(110 + 3 * r),
+            Service::ConnectorScheduler => self.base_port.saturating_add(111 + 3 * r),
+            Service::ConnectorWorker => self.base_port.saturating_add(112 + 3 * r),
+        }
+    }
+}
+
+impl Topology {
+    /// Parse and validate TOML text.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let topo: Topology = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        topo.validate()?;
+        Ok(topo)
+    }
+
+    /// Read, parse and validate a file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::Read { path: path.display().to_string(), reason: e.to_string() })?;
+        Self::from_toml(&text)
+    }
+
+    /// The built-in default mesh.
+    pub fn default_mesh() -> Result<Self, ConfigError> {
+        Self::from_toml(DEFAULT_TOPOLOGY)
+    }
+
+    pub fn node(&self, name: &str) -> Result<&NodeConfig, ConfigError> {
+        self.nodes.iter().find(|n| n.name == name).ok_or_else(|| ConfigError::UnknownNode(name.to_string()))
+    }
+
+    /// Cross-field checks.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |m: String| Err(ConfigError::Invalid(m));
+        if self.nodes.is_empty() {
+            return invalid("at least one node is needed".into());
+        }
+        let mut names = std::collections::BTreeSet::new();
+        let mut http = std::collections::BTreeSet::new();
+        for n in &self.nodes {
+            if n.name.is_empty() || !n.name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
+                return invalid(format!("node name {:?} must be non-empty [A-Za-z0-9_-]", n.name));
+            }
+            if !names.insert(n.name.clone()) {
+                return invalid(format!("two nodes are named {:?}", n.name));
+            }
+            if !http.insert((n.http_host.clone(), n.http_port)) {
+                return invalid(format!("node {:?}: HTTP port {} is used twice", n.name, n.http_port));
+            }
+            if n.dp_size == 0 || n.dp_size > 64 {
+                return invalid(format!("node {:?}: dp_size must be 1..=64", n.name));
+            }
+            let e = &n.engine;
+            if e.block_size == 0 || e.block_size > 1024 {
+                return invalid(format!("node {:?}: block_size must be 1..=1024", n.name));
+            }
+            if e.num_blocks < 2 {
+                return invalid(format!("node {:?}: num_blocks must be at least 2", n.name));
+            }
+            if e.max_num_seqs == 0 || e.max_num_batched_tokens == 0 {
+                return invalid(format!("node {:?}: max_num_seqs and max_num_batched_tokens must be positive", n.name));
+            }
+            if n.role == NodeRole::Router && (n.router.prefill.is_empty() || n.router.decode.is_empty()) {
+                return invalid(format!("router node {:?} needs router.prefill and router.decode upstreams", n.name));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_topology_is_valid() {
+        let t = Topology::default_mesh().unwrap();
+        assert!(!t.nodes.is_empty());
+        let n = &t.nodes[0];
+        assert_eq!(n.http_port, 8000);
+        let e = n.endpoints(&t.run_dir);
+        assert_eq!(e.connector_worker.len(), n.dp_size as usize);
+    }
+
+    #[test]
+    fn tcp_endpoints_follow_base_port() {
+        let t = Topology::from_toml(
+            r#"
+            [[nodes]]
+            name = "p"
+            transport = "tcp"
+            bind_host = "0.0.0.0"
+            base_port = 9000
+            dp_size = 2
+            hosts = { dp_lb = "p-lb", connector_worker = "p-worker-{rank}" }
+            "#,
+        )
+        .unwrap();
+        let e = t.nodes[0].endpoints(&t.run_dir);
+        assert_eq!(e.dplb_engines.bind, "tcp://0.0.0.0:9001");
+        assert_eq!(e.dplb_engines.connect, "tcp://p-lb:9001");
+        assert_eq!(e.connector_worker[1].connect, "tcp://p-worker-1:9013");
+    }
+
+    #[test]
+    fn bad_topologies_are_refused() {
+        assert!(Topology::from_toml("nodes = []").is_err());
+        assert!(Topology::from_toml("[[nodes]]\nname = \"a\"\ndp_size = 0").is_err());
+        assert!(Topology::from_toml("[[nodes]]\nname = \"a\"\n[[nodes]]\nname = \"a\"\nhttp_port = 1").is_err());
+        assert!(Topology::from_toml("[[nodes]]\nname = \"a\"\nbogus = 1").is_err());
+        assert!(Topology::from_toml("[[nodes]]\nname = \"r\"\nrole = \"router\"").is_err());
+    }
+}

@@ -1,0 +1,321 @@
+//! Sampling one token from a row of logits.
+//!
+//! Model-agnostic and pure Rust, so every [`crate::Executor`] samples the same way and the
+//! synthetic executor can reuse it. The rules:
+//!
+//! - `temperature` at or below [`GREEDY_TEMPERATURE`] is greedy: the argmax, ties broken towards
+//!   the lowest token id (so greedy output never depends on iteration order or threads).
+//! - Otherwise logits are divided by the temperature, truncated to the `top_k` most likely
+//!   tokens (`0` = off), then to the smallest most-likely set whose probability reaches `top_p`
+//!   (`1.0` = off), and one token is drawn from what is left.
+//! - With `seed: Some(s)` the draw uses a `StdRng` seeded from `mix(s, output_index)`, so a
+//!   request samples identically wherever (and in whatever batch) each of its steps runs;
+//!   without a seed the thread RNG is used.
+//! - `logprobs: Some(n)` reports the log-softmax of the *raw* logits (before temperature and
+//!   truncation, as vLLM and OpenAI do) for the sampled token and the `n` most likely tokens.
+//!
+//! Non-finite logits never panic: NaN is treated as `-inf`.
+
+use pdmesh_protocol::{SamplingParams, TokenLogprobs};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use thiserror::Error;
+
+/// Temperatures at or below this are treated as greedy (dividing by a tiny temperature would
+/// overflow to infinities and is greedy in effect anyway).
+pub const GREEDY_TEMPERATURE: f32 = 1e-5;
+
+/// Why a token could not be sampled.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum SamplingError {
+    #[error("cannot sample from an empty logits row")]
+    EmptyLogits,
+}
+
+/// The result of sampling one position.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token_id: u32,
+    /// Present when `params.logprobs` is `Some`.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// Sample one token from `logits` (one row, indexed by token id).
+///
+/// `output_index` is the number of tokens the request has generated so far; together with
+/// `params.seed` it makes seeded sampling reproducible.
+pub fn sample(logits: &[f32], params: &SamplingParams, output_index: u32) -> Result<Sampled, SamplingError> {
+    if logits.is_empty() {
+        return Err(SamplingError::EmptyLogits);
+    }
+    let token_id = if is_greedy(params) {
+        argmax(logits)
+    } else {
+        match params.seed {
+            Some(seed) => {
+                let mut rng = StdRng::seed_from_u64(mix_seed(seed, output_index));
+                sample_random(logits, params, &mut rng)
+            }
+            None => sample_random(logits, params, &mut rand::thread_rng()),
+        }
+    };
+    let logprobs = params.logprobs.map(|n| token_logprobs(logits, token_id, n as usize));
+    Ok(Sampled { token_id, logprobs })
+}
+
+/// Whether `params` asks for greedy decoding.
+pub fn is_greedy(params: &SamplingParams) -> bool {
+    // `!(t > eps)` also catches NaN temperatures.
+    !(params.temperature > GREEDY_TEMPERATURE)
+}
+
+/// Index of the largest logit; the lowest id wins ties; NaN never wins.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0usize;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &v) in logits.iter().enumerate() {
+        // strict `>`: an equal later value keeps the earlier (lower) id
+        if v > best_v {
+            best = i;
+            best_v = v;
+        }
+    }
+    best as u32
+}
+
+/// Derive one RNG seed from a request seed and an output position (splitmix64 finaliser on
+/// both, so neighbouring positions get unrelated streams).
+pub fn mix_seed(seed: u64, output_index: u32) -> u64 {
+    splitmix64(seed ^ splitmix64(u64::from(output_index).wrapping_add(0x9E37_79B9_7F4A_7C15)))
+}
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn clean(v: f32) -> f32 {
+    if v.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        v
+    }
+}
+
+/// Descending by value, then ascending by id: a total, deterministic order.
+fn by_value_desc(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+fn sample_random<R: Rng + ?Sized>(logits: &[f32], params: &SamplingParams, rng: &mut R) -> u32 {
+    let inv_t = 1.0 / f64::from(params.temperature);
+    let vocab = logits.len();
+    let top_k = params.top_k as usize;
+    let use_top_k = top_k > 0 && top_k < vocab;
+    let use_top_p = params.top_p < 1.0;
+
+    if !use_top_k && !use_top_p {
+        // Plain temperature sampling over the whole vocabulary, in id order: no sort needed.
+        let max = logits.iter().copied().map(clean).fold(f32::NEG_INFINITY, f32::max);
+        if max == f32::NEG_INFINITY {
+            return argmax(logits);
+        }
+        let weights: Vec<f64> =
+            logits.iter().map(|&v| ((f64::from(clean(v)) - f64::from(max)) * inv_t).exp()).collect();
+        return draw(&weights, rng).map_or_else(|| argmax(logits), |i| i as u32);
+    }
+
+    // Candidate set: (id, logit), most likely first.
+    let mut cands: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &v)| (i as u32, clean(v))).collect();
+    if use_top_k {
+        cands.select_nth_unstable_by(top_k - 1, by_value_desc);
+        cands.truncate(top_k);
+    }
+    cands.sort_unstable_by(by_value_desc);
+    let max = cands.first().map_or(f32::NEG_INFINITY, |c| c.1);
+    if max == f32::NEG_INFINITY {
+        return argmax(logits);
+    }
+    let mut weights: Vec<f64> = cands.iter().map(|c| ((f64::from(c.1) - f64::from(max)) * inv_t).exp()).collect();
+    if use_top_p {
+        let total: f64 = weights.iter().sum();
+        let target = f64::from(params.top_p.max(0.0)) * total;
+        let mut cum = 0.0;
+        let mut keep = weights.len();
+        for (i, w) in weights.iter().enumerate() {
+            cum += w;
+            if cum >= target {
+                keep = i + 1;
+                break;
+            }
+        }
+        weights.truncate(keep.max(1));
+    }
+    match draw(&weights, rng) {
+        Some(i) => cands.get(i).map_or_else(|| argmax(logits), |c| c.0),
+        None => argmax(logits),
+    }
+}
+
+/// Draw an index with probability proportional to `weights` (None when they sum to zero).
+fn draw<R: Rng + ?Sized>(weights: &[f64], rng: &mut R) -> Option<usize> {
+    let total: f64 = weights.iter().sum();
+    if !(total > 0.0) || !total.is_finite() {
+        return None;
+    }
+    let r = rng.gen::<f64>() * total;
+    let mut cum = 0.0;
+    let mut last_nonzero = None;
+    for (i, &w) in weights.iter().enumerate() {
+        if w > 0.0 {
+            last_nonzero = Some(i);
+        }
+        cum += w;
+        if r < cum {
+            return Some(i);
+        }
+    }
+    // rounding left r just above the final cumulative sum
+    last_nonzero
+}
+
+/// Log-softmax of the raw logits for `token` and the `n` most likely tokens.
+pub fn token_logprobs(logits: &[f32], token: u32, n: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().map(clean).fold(f32::NEG_INFINITY, f32::max);
+    let lse = if max == f32::NEG_INFINITY {
+        0.0
+    } else {
+        let sum: f64 = logits.iter().map(|&v| (f64::from(clean(v)) - f64::from(max)).exp()).sum();
+        f64::from(max) + sum.ln()
+    };
+    let lp = |v: f32| (f64::from(clean(v)) - lse) as f32;
+    let logprob = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&v| lp(v));
+    let n = n.min(logits.len());
+    let top = if n == 0 {
+        Vec::new()
+    } else {
+        let mut all: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &v)| (i as u32, clean(v))).collect();
+        if n < all.len() {
+            all.select_nth_unstable_by(n - 1, by_value_desc);
+            all.truncate(n);
+        }
+        all.sort_unstable_by(by_value_desc);
+        all.into_iter().map(|(i, v)| (i, lp(v))).collect()
+    };
+    TokenLogprobs { logprob, top }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32, top_k: u32, top_p: f32, seed: Option<u64>) -> SamplingParams {
+        SamplingParams { temperature, top_k, top_p, seed, ..SamplingParams::default() }
+    }
+
+    fn logits() -> Vec<f32> {
+        // a peaked but not degenerate distribution over 64 ids; max at 17
+        (0..64).map(|i| -((i as f32 - 17.0).abs()) * 0.3).collect()
+    }
+
+    #[test]
+    fn greedy_is_argmax_with_lowest_id_on_ties() {
+        let l = vec![0.5, 2.0, -1.0, 2.0, 1.0];
+        let s = sample(&l, &params(0.0, 0, 1.0, None), 0).unwrap();
+        assert_eq!(s.token_id, 1);
+        assert!(s.logprobs.is_none());
+        assert_eq!(sample(&logits(), &params(0.0, 0, 1.0, None), 3).unwrap().token_id, 17);
+    }
+
+    #[test]
+    fn nan_never_wins_and_empty_is_an_error() {
+        let l = vec![f32::NAN, 1.0, f32::NAN];
+        assert_eq!(sample(&l, &params(0.0, 0, 1.0, None), 0).unwrap().token_id, 1);
+        assert_eq!(sample(&l, &params(1.0, 0, 1.0, Some(1)), 0).unwrap().token_id, 1);
+        assert_eq!(sample(&[], &params(0.0, 0, 1.0, None), 0), Err(SamplingError::EmptyLogits));
+    }
+
+    #[test]
+    fn top_k_one_equals_greedy() {
+        let l = logits();
+        for i in 0..50 {
+            let s = sample(&l, &params(1.5, 1, 1.0, None), i).unwrap();
+            assert_eq!(s.token_id, 17);
+        }
+    }
+
+    #[test]
+    fn tiny_top_p_is_argmax() {
+        let l = logits();
+        for i in 0..50 {
+            assert_eq!(sample(&l, &params(1.0, 0, 1e-6, Some(9)), i).unwrap().token_id, 17);
+        }
+    }
+
+    #[test]
+    fn seeded_sampling_is_reproducible_and_varies_with_position() {
+        let l = logits();
+        let p = params(1.0, 0, 1.0, Some(42));
+        let a: Vec<u32> = (0..64).map(|i| sample(&l, &p, i).unwrap().token_id).collect();
+        let b: Vec<u32> = (0..64).map(|i| sample(&l, &p, i).unwrap().token_id).collect();
+        assert_eq!(a, b);
+        // positions draw from different streams: not all the same token
+        assert!(a.iter().any(|&t| t != a[0]));
+        // another seed gives another sequence
+        let c: Vec<u32> = (0..64).map(|i| sample(&l, &params(1.0, 0, 1.0, Some(43)), i).unwrap().token_id).collect();
+        assert_ne!(a, c);
+        // the same holds with top-k and top-p on
+        let p = params(0.8, 10, 0.9, Some(7));
+        let d: Vec<u32> = (0..64).map(|i| sample(&l, &p, i).unwrap().token_id).collect();
+        let e: Vec<u32> = (0..64).map(|i| sample(&l, &p, i).unwrap().token_id).collect();
+        assert_eq!(d, e);
+    }
+
+    #[test]
+    fn top_k_restricts_support() {
+        let l = logits();
+        // the 3 most likely are 17, 16, 18
+        for i in 0..200 {
+            let t = sample(&l, &params(5.0, 3, 1.0, Some(3)), i).unwrap().token_id;
+            assert!([16, 17, 18].contains(&t), "{t}");
+        }
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution() {
+        // two tokens with probabilities ~0.73 / 0.27
+        let l = vec![1.0, 0.0];
+        let n = 4000;
+        let ones = (0..n).filter(|&i| sample(&l, &params(1.0, 0, 1.0, Some(5)), i).unwrap().token_id == 1).count();
+        let frac = ones as f64 / f64::from(n);
+        assert!((frac - 0.2689).abs() < 0.03, "{frac}");
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_and_ordered() {
+        let l = logits();
+        let p = SamplingParams { logprobs: Some(5), ..params(0.0, 0, 1.0, None) };
+        let s = sample(&l, &p, 0).unwrap();
+        let lp = s.logprobs.unwrap();
+        assert_eq!(lp.top.len(), 5);
+        assert_eq!(lp.top[0].0, 17);
+        assert!((lp.logprob - lp.top[0].1).abs() < 1e-6);
+        assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+        // ties (16 and 18 are equally likely) are ordered by id
+        assert_eq!(lp.top[1].0, 16);
+        assert_eq!(lp.top[2].0, 18);
+        // all logprobs of the full vocabulary sum to probability 1
+        let all = token_logprobs(&l, 0, l.len());
+        let total: f64 = all.top.iter().map(|(_, v)| f64::from(*v).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5, "{total}");
+        assert!(all.top.iter().all(|(_, v)| *v <= 0.0));
+        // logprobs ignore temperature
+        let hot = SamplingParams { logprobs: Some(1), ..params(3.0, 0, 1.0, Some(1)) };
+        let h = sample(&l, &hot, 0).unwrap().logprobs.unwrap();
+        assert!((h.top[0].1 - lp.top[0].1).abs() < 1e-6);
+        // n larger than the vocabulary is capped
+        assert_eq!(token_logprobs(&[0.0, 1.0], 1, 10).top.len(), 2);
+    }
+}

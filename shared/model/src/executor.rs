@@ -1,0 +1,424 @@
+//! [`LlamaExecutor`]: the llama forward pass over the worker's paged KV cache.
+//!
+//! One [`Executor::execute`] call runs one engine step:
+//!
+//! 1. validate every chunk (token ids, positions, block tables, cache geometry) so bad input is
+//!    an [`ExecutorError`], never a panic or a silent out-of-bounds write;
+//! 2. concatenate the tokens of all chunks into one `[n_tokens, hidden]` activation;
+//! 3. per layer: RMSNorm → Q/K/V (one batched matmul each over all tokens) → RoPE → write K/V
+//!    of every token into its `(block, slot)` → causal attention per request over its block
+//!    table → output projection → residual → RMSNorm → SiLU-gated MLP (batched) → residual;
+//! 4. final RMSNorm and the vocabulary projection only for the last token of each chunk that
+//!    samples, then [`pdmesh_model_api::sampling::sample`].
+//!
+//! The numerics follow candle-transformers' `quantized_llama` (the reference the tests compare
+//! against): the same RMSNorm formula, interleaved RoPE (`rope_i`, pairs `(2i, 2i+1)`, which is
+//! what GGUF llama weights are permuted for), softmax in f32, SiLU as `x / (1 + e^-x)`.
+//! Every row of every matmul is computed independently of the other rows, and attention only
+//! reads a request's own blocks, so a request's tokens do not depend on what it is batched
+//! with or how its prefill is chunked.
+
+use std::path::Path;
+
+use pdmesh_model_api::{sampling, Executor, ExecutorError, KvCache, ModelFacts};
+use pdmesh_protocol::{SampledToken, ScheduledChunk};
+
+use crate::attention;
+use crate::embedding::Embedding;
+use crate::error::ModelError;
+use crate::gguf::{sha256_file, GgufFile, LlamaConfig};
+use crate::linear::{Linear, LinearSet, MatmulCtx};
+use crate::pool::Schedule;
+use crate::ModelOptions;
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    /// Q, K, V (fused when possible).
+    qkv: LinearSet,
+    wo: LinearSet,
+    ffn_norm: Vec<f32>,
+    /// gate, up (fused when possible).
+    gate_up: LinearSet,
+    down: LinearSet,
+}
+
+/// Reusable activation buffers, kept across steps so a step allocates (almost) nothing.
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    last: Vec<f32>,
+    logits: Vec<f32>,
+}
+
+/// Where each token of a step comes from.
+struct TokenPlan {
+    /// Position of the token in its sequence.
+    pos: usize,
+    /// Index of its chunk in the step.
+    chunk: usize,
+}
+
+/// A llama-architecture GGUF model implementing [`Executor`].
+pub struct LlamaExecutor {
+    facts: ModelFacts,
+    cfg: LlamaConfig,
+    embedding: Embedding,
+    layers: Vec<Layer>,
+    out_norm: Vec<f32>,
+    output: LinearSet,
+    /// Thread pool, kernel choice and matmul buffers.
+    mm: MatmulCtx,
+    /// `cos`/`sin` of `pos * theta_i`, `[max_model_len][head_dim / 2]`.
+    rope_cos: Vec<f32>,
+    rope_sin: Vec<f32>,
+    scratch: Scratch,
+}
+
+impl std::fmt::Debug for LlamaExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LlamaExecutor").field("facts", &self.facts).field("cfg", &self.cfg).finish_non_exhaustive()
+    }
+}
+
+fn norm_weights(g: &mut GgufFile, name: &str, hidden: usize) -> Result<Vec<f32>, ModelError> {
+    let t = g.tensor_with_dims(name, &[hidden])?;
+    t.dequantize(&candle_core::Device::Cpu)
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(|e| ModelError::InvalidTensor { name: name.to_string(), reason: e.to_string() })
+}
+
+fn linear(g: &mut GgufFile, name: &str, rows: usize, cols: usize) -> Result<Linear, ModelError> {
+    let t = g.tensor_with_dims(name, &[rows, cols])?;
+    Linear::new(name, t)
+}
+
+/// Name of the model as served: the file name without `.gguf`.
+fn model_name(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
+        .unwrap_or_else(|| "model".to_string())
+}
+
+/// The effective max_model_len: the model's context length, capped by the caller.
+pub(crate) fn effective_max_len(context_length: u32, options: &ModelOptions) -> u32 {
+    match options.max_model_len {
+        Some(cap) if cap > 0 => cap.min(context_length),
+        _ => context_length,
+    }
+}
+
+impl LlamaExecutor {
+    /// Load the weights of the llama GGUF file at `path` (and hash the file for
+    /// [`ModelFacts::weights_id`]).
+    pub fn load(path: impl AsRef<Path>, options: &ModelOptions) -> Result<Self, ModelError> {
+        let path = path.as_ref();
+        let mut g = GgufFile::open(path)?;
+        let weights_id = sha256_file(path)?;
+        let eos_token_ids = crate::text::eos_token_ids(g.metadata())?;
+        Self::from_gguf(&mut g, options, weights_id, eos_token_ids)
+    }
+
+    pub(crate) fn from_gguf(
+        g: &mut GgufFile,
+        options: &ModelOptions,
+        weights_id: String,
+        eos_token_ids: Vec<u32>,
+    ) -> Result<Self, ModelError> {
+        let cfg = LlamaConfig::from_gguf(g)?;
+        let (hd, h, f) = (cfg.head_dim, cfg.hidden, cfg.ffn_dim);
+        let q_dim = cfg.n_heads * hd;
+        let kv_dim = cfg.n_kv_heads * hd;
+
+        let embd_q = g.tensor_with_dims("token_embd.weight", &[cfg.vocab_size, h])?;
+        let embedding = Embedding::new("token_embd.weight", &embd_q)?;
+        // Tied output projection when the file has no separate `output.weight`.
+        let output = LinearSet::single(if g.has_tensor("output.weight") {
+            linear(g, "output.weight", cfg.vocab_size, h)?
+        } else {
+            Linear::new("token_embd.weight", embd_q)?
+        });
+        let out_norm = norm_weights(g, "output_norm.weight", h)?;
+
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let p = format!("blk.{i}");
+            layers.push(Layer {
+                attn_norm: norm_weights(g, &format!("{p}.attn_norm.weight"), h)?,
+                qkv: LinearSet::new(vec![
+                    linear(g, &format!("{p}.attn_q.weight"), q_dim, h)?,
+                    linear(g, &format!("{p}.attn_k.weight"), kv_dim, h)?,
+                    linear(g, &format!("{p}.attn_v.weight"), kv_dim, h)?,
+                ]),
+                wo: LinearSet::single(linear(g, &format!("{p}.attn_output.weight"), h, q_dim)?),
+                ffn_norm: norm_weights(g, &format!("{p}.ffn_norm.weight"), h)?,
+                gate_up: LinearSet::new(vec![
+                    linear(g, &format!("{p}.ffn_gate.weight"), f, h)?,
+                    linear(g, &format!("{p}.ffn_up.weight"), f, h)?,
+                ]),
+                down: LinearSet::single(linear(g, &format!("{p}.ffn_down.weight"), h, f)?),
+            });
+        }
+
+        let max_model_len = effective_max_len(cfg.context_length, options);
+        let (rope_cos, rope_sin) = rope_tables(hd, cfg.rope_base, max_model_len as usize);
+        let facts = ModelFacts {
+            name: model_name(&g.path),
+            num_layers: cfg.n_layers as u32,
+            num_kv_heads: cfg.n_kv_heads as u32,
+            head_dim: hd as u32,
+            vocab_size: cfg.vocab_size as u32,
+            max_model_len,
+            eos_token_ids,
+            weights_id,
+        };
+        tracing::info!(name = %facts.name, layers = cfg.n_layers, hidden = h, heads = cfg.n_heads,
+            kv_heads = cfg.n_kv_heads, vocab = cfg.vocab_size, max_model_len, "loaded llama GGUF model");
+        let mm = MatmulCtx::new(crate::pool::default_threads());
+        tracing::info!(threads = mm.pool.n_threads(), kernels = ?mm.imp, "model compute");
+        Ok(Self { facts, cfg, embedding, layers, out_norm, output, mm, rope_cos, rope_sin, scratch: Scratch::default() })
+    }
+
+    /// Override the served model name (defaults to the file name without `.gguf`).
+    pub fn set_name(&mut self, name: impl Into<String>) {
+        self.facts.name = name.into();
+    }
+
+    /// The logits (`[n_sampled, vocab]`, in chunk order) of the chunks that sampled in the last
+    /// [`Executor::execute`] call: for diagnostics and tests (e.g. comparing with a reference).
+    pub fn last_logits(&self) -> &[f32] {
+        &self.scratch.logits
+    }
+
+    /// The hyper-parameters read from the file.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// Check a step before touching the cache; returns the per-token plan.
+    fn plan(&self, kv: &KvCache, chunks: &[ScheduledChunk]) -> Result<Vec<TokenPlan>, ExecutorError> {
+        let spec = *kv.spec();
+        if spec.num_layers as usize != self.cfg.n_layers
+            || spec.num_kv_heads as usize != self.cfg.n_kv_heads
+            || spec.head_dim as usize != self.cfg.head_dim
+            || spec.block_size == 0
+        {
+            return Err(ExecutorError::Model(format!(
+                "KV cache geometry {spec:?} does not fit the model ({} layers, {} kv heads, head_dim {})",
+                self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim
+            )));
+        }
+        let bs = spec.block_size as usize;
+        let vocab = self.cfg.vocab_size as u32;
+        let max_len = self.facts.max_model_len as usize;
+        let mut plan = Vec::with_capacity(chunks.iter().map(|c| c.token_ids.len()).sum());
+        for (ci, c) in chunks.iter().enumerate() {
+            if c.token_ids.is_empty() {
+                if c.sample {
+                    return Err(ExecutorError::Model(format!("request {}: empty chunk cannot sample", c.request_id)));
+                }
+                continue;
+            }
+            if let Some(&token) = c.token_ids.iter().find(|&&t| t >= vocab) {
+                return Err(ExecutorError::TokenOutOfRange { token, vocab });
+            }
+            let start = c.start_pos as usize;
+            let end = start + c.token_ids.len();
+            if end > max_len {
+                return Err(ExecutorError::Model(format!(
+                    "request {}: position {} is beyond max_model_len {max_len}",
+                    c.request_id,
+                    end - 1
+                )));
+            }
+            let needed = end.div_ceil(bs);
+            if c.block_ids.len() < needed {
+                return Err(ExecutorError::BlockTableTooShort { request_id: c.request_id.clone(), pos: (end - 1) as u32 });
+            }
+            for &b in c.block_ids.iter().take(needed) {
+                kv.check_block(b)?;
+            }
+            plan.extend((start..end).map(|pos| TokenPlan { pos, chunk: ci }));
+        }
+        Ok(plan)
+    }
+
+    fn forward(&mut self, kv: &mut KvCache, chunks: &[ScheduledChunk], plan: &[TokenPlan]) -> Result<Vec<SampledToken>, ExecutorError> {
+        let Self { cfg, embedding, layers, out_norm, output, mm, rope_cos, rope_sin, scratch: s, .. } = self;
+        let n = plan.len();
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
+        let group = nh / nkv;
+        let kv_dim = nkv * hd;
+        let bs = kv.spec().block_size as usize;
+        // as candle: `att / sqrt(hd)` is an affine op with the f64 factor cast to f32
+        let scale = (1.0 / (hd as f64).sqrt()) as f32;
+
+        // Embeddings of all tokens of the step, in chunk order.
+        s.x.clear();
+        s.x.resize(n * h, 0.0);
+        let ids = chunks.iter().flat_map(|c| c.token_ids.iter().copied());
+        for (row, id) in s.x.chunks_exact_mut(h).zip(ids) {
+            embedding.row_into(id as usize, row);
+        }
+
+        for (li, layer) in layers.iter().enumerate() {
+            // ---- attention
+            rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, &mut s.h);
+            layer.qkv.forward(&s.h, n, mm, &mut [&mut s.q, &mut s.k, &mut s.v])?;
+            for (t, tp) in plan.iter().enumerate() {
+                let cos = rope_cos.get(tp.pos * hd / 2..(tp.pos + 1) * hd / 2).unwrap_or(&[]);
+                let sin = rope_sin.get(tp.pos * hd / 2..(tp.pos + 1) * hd / 2).unwrap_or(&[]);
+                for head in s.q[t * nh * hd..(t + 1) * nh * hd].chunks_exact_mut(hd) {
+                    rope_interleaved(head, cos, sin);
+                }
+                for head in s.k[t * kv_dim..(t + 1) * kv_dim].chunks_exact_mut(hd) {
+                    rope_interleaved(head, cos, sin);
+                }
+            }
+
+            let (kc, vc) = kv.layer_kv_mut(li);
+            // Write K/V of every token into its slot (the plan checked block ids and tables).
+            for (t, tp) in plan.iter().enumerate() {
+                let c = &chunks[tp.chunk];
+                let block = c.block_ids[tp.pos / bs] as usize;
+                let off = (block * bs + tp.pos % bs) * kv_dim;
+                kc[off..off + kv_dim].copy_from_slice(&s.k[t * kv_dim..(t + 1) * kv_dim]);
+                vc[off..off + kv_dim].copy_from_slice(&s.v[t * kv_dim..(t + 1) * kv_dim]);
+            }
+            let (kc, vc) = (&*kc, &*vc);
+            // Causal attention of each token over its own request's positions 0..=pos, one
+            // (token, head) per work item; interleaved because later tokens attend further.
+            s.attn.clear();
+            s.attn.resize(n * nh * hd, 0.0);
+            let q = &s.q;
+            let ok = mm.pool.par_chunks_mut(&mut s.attn, hd, Schedule::Interleaved, |item, out| {
+                let (t, head) = (item / nh, item % nh);
+                let tp = &plan[t];
+                let c = &chunks[tp.chunk];
+                let g = head / group;
+                let key_off = |j: usize| ((c.block_ids[j / bs] as usize * bs + j % bs) * nkv + g) * hd;
+                attention::with_scores(tp.pos + 1, |scores| {
+                    attention::attend_head(&q[item * hd..(item + 1) * hd], kc, vc, key_off, scale, scores, out);
+                });
+            });
+            if !ok {
+                return Err(ExecutorError::Model("attention worker panicked".into()));
+            }
+            layer.wo.forward(&s.attn, n, mm, &mut [&mut s.proj])?;
+            add_in_place(&mut s.x, &s.proj);
+
+            // ---- MLP
+            rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, &mut s.h);
+            layer.gate_up.forward(&s.h, n, mm, &mut [&mut s.gate, &mut s.up])?;
+            for (g, u) in s.gate.iter_mut().zip(&s.up) {
+                *g = silu(*g) * u;
+            }
+            layer.down.forward(&s.gate, n, mm, &mut [&mut s.proj])?;
+            add_in_place(&mut s.x, &s.proj);
+        }
+
+        // ---- logits for the last token of every sampling chunk
+        let mut sampling_chunks = Vec::new();
+        s.last.clear();
+        let mut row_start = 0usize;
+        for c in chunks {
+            let len = c.token_ids.len();
+            if c.sample && len > 0 {
+                let last = row_start + len - 1;
+                s.last.extend_from_slice(&s.x[last * h..(last + 1) * h]);
+                sampling_chunks.push(c);
+            }
+            row_start += len;
+        }
+        if sampling_chunks.is_empty() {
+            s.logits.clear();
+            return Ok(Vec::new());
+        }
+        let m = sampling_chunks.len();
+        rms_norm(&s.last, out_norm, cfg.rms_eps, &mut s.h);
+        output.forward(&s.h, m, mm, &mut [&mut s.logits])?;
+        let vocab = cfg.vocab_size;
+        let mut out = Vec::with_capacity(m);
+        for (c, row) in sampling_chunks.iter().zip(s.logits.chunks_exact(vocab)) {
+            let sampled = sampling::sample(row, &c.sampling, c.output_index).map_err(|e| ExecutorError::Model(e.to_string()))?;
+            out.push(SampledToken { request_id: c.request_id.clone(), token_id: sampled.token_id, logprobs: sampled.logprobs });
+        }
+        Ok(out)
+    }
+}
+
+impl Executor for LlamaExecutor {
+    fn facts(&self) -> &ModelFacts {
+        &self.facts
+    }
+
+    fn execute(&mut self, kv: &mut KvCache, chunks: &[ScheduledChunk]) -> Result<Vec<SampledToken>, ExecutorError> {
+        let plan = self.plan(kv, chunks)?;
+        if plan.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.forward(kv, chunks, &plan)
+    }
+}
+
+// ---- element-wise pieces (numerics mirror candle's ops used by quantized_llama) -------------
+
+/// `cos`/`sin` tables for positions `0..max_len`: `theta_i = base^(-2i/d)`, angle = `pos * theta_i`,
+/// computed in f32 exactly as candle-transformers' `precomput_freqs_cis`.
+fn rope_tables(head_dim: usize, base: f32, max_len: usize) -> (Vec<f32>, Vec<f32>) {
+    let theta: Vec<f32> = (0..head_dim).step_by(2).map(|i| 1f32 / base.powf(i as f32 / head_dim as f32)).collect();
+    let mut cos = Vec::with_capacity(max_len * theta.len());
+    let mut sin = Vec::with_capacity(max_len * theta.len());
+    for pos in 0..max_len {
+        for &t in &theta {
+            let a = pos as f32 * t;
+            cos.push(a.cos());
+            sin.push(a.sin());
+        }
+    }
+    (cos, sin)
+}
+
+/// Interleaved RoPE (candle `rope_i`): rotate pairs `(x[2i], x[2i+1])` by angle `i`.
+fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for ((pair, &c), &s) in x.chunks_exact_mut(2).zip(cos).zip(sin) {
+        let (x0, x1) = (pair[0], pair[1]);
+        pair[0] = x0 * c - x1 * s;
+        pair[1] = x0 * s + x1 * c;
+    }
+}
+
+/// Row-wise RMSNorm as candle's `rms_norm`: `x / sqrt(mean(x²) + eps) * w`.
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
+    let d = w.len();
+    out.clear();
+    out.resize(x.len(), 0.0);
+    for (xr, or) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let sum2: f32 = xr.iter().map(|v| v * v).sum();
+        let m = (sum2 / d as f32 + eps).sqrt();
+        for ((o, &v), &a) in or.iter_mut().zip(xr).zip(w) {
+            *o = v / m * a;
+        }
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn add_in_place(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+
+

@@ -1,0 +1,295 @@
+//! Opening a GGUF file: header, typed metadata access, the llama hyper-parameters and the
+//! weights id.
+//!
+//! Parsing is candle's `gguf_file::Content`, which bounds-checks every length in the header
+//! against the file size, so a corrupt or truncated file is an error, never a huge allocation or
+//! a panic. Everything here maps candle's stringly errors onto [`ModelError`] variants.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{BufReader, Read};
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::QTensor;
+use candle_core::Device;
+use sha2::{Digest, Sha256};
+
+use crate::error::ModelError;
+
+/// An opened GGUF file: its parsed header and a reader positioned anywhere.
+pub(crate) struct GgufFile {
+    pub path: PathBuf,
+    pub content: Content,
+    reader: BufReader<File>,
+}
+
+impl std::fmt::Debug for GgufFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufFile").field("path", &self.path).finish_non_exhaustive()
+    }
+}
+
+fn open_file(path: &Path) -> Result<File, ModelError> {
+    File::open(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => ModelError::NotFound { path: path.to_path_buf() },
+        _ => ModelError::Io { path: path.to_path_buf(), source: e },
+    })
+}
+
+impl GgufFile {
+    /// Open `path` and parse the GGUF header (metadata and tensor table; no tensor data).
+    pub fn open(path: &Path) -> Result<Self, ModelError> {
+        let file = open_file(path)?;
+        if file.metadata().map(|m| m.is_dir()).unwrap_or(false) {
+            return Err(ModelError::InvalidGguf { path: path.to_path_buf(), reason: "is a directory".into() });
+        }
+        let mut reader = BufReader::new(file);
+        let content = Content::read(&mut reader)
+            .map_err(|e| ModelError::InvalidGguf { path: path.to_path_buf(), reason: e.to_string() })?;
+        Ok(Self { path: path.to_path_buf(), content, reader })
+    }
+
+    pub fn metadata(&self) -> &HashMap<String, Value> {
+        &self.content.metadata
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    /// Shape of a tensor as candle reports it: `[rows (out), cols (in)]` for a matrix.
+    pub fn tensor_dims(&self, name: &str) -> Result<Vec<usize>, ModelError> {
+        self.content
+            .tensor_infos
+            .get(name)
+            .map(|t| t.shape.dims().to_vec())
+            .ok_or_else(|| ModelError::MissingTensor { name: name.to_string() })
+    }
+
+    /// Read one tensor's data.
+    pub fn tensor(&mut self, name: &str) -> Result<QTensor, ModelError> {
+        if !self.has_tensor(name) {
+            return Err(ModelError::MissingTensor { name: name.to_string() });
+        }
+        self.content
+            .tensor(&mut self.reader, name, &Device::Cpu)
+            .map_err(|e| ModelError::InvalidTensor { name: name.to_string(), reason: e.to_string() })
+    }
+
+    /// Read a tensor and check its shape.
+    pub fn tensor_with_dims(&mut self, name: &str, dims: &[usize]) -> Result<QTensor, ModelError> {
+        let got = self.tensor_dims(name)?;
+        if got != dims {
+            return Err(ModelError::InvalidTensor {
+                name: name.to_string(),
+                reason: format!("shape {got:?}, expected {dims:?}"),
+            });
+        }
+        self.tensor(name)
+    }
+}
+
+/// Hex sha256 of a file, streamed in 1 MiB pieces (the model is ~100 MB; it is never held in
+/// memory twice).
+pub fn sha256_file(path: &Path) -> Result<String, ModelError> {
+    let mut file = open_file(path)?;
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = file.read(&mut buf).map_err(|e| ModelError::Io { path: path.to_path_buf(), source: e })?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(buf.get(..n).unwrap_or(&[]));
+    }
+    Ok(hasher.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+// ---- typed metadata access -------------------------------------------------------------
+
+fn invalid(key: &str, reason: impl Into<String>) -> ModelError {
+    ModelError::InvalidMetadata { key: key.to_string(), reason: reason.into() }
+}
+
+pub(crate) fn md_get<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<&'a Value, ModelError> {
+    md.get(key).ok_or_else(|| ModelError::MissingMetadata { key: key.to_string() })
+}
+
+/// Any integer-typed value as u64 (GGUF writers differ in the integer width they use).
+fn value_u64(v: &Value) -> Option<u64> {
+    match v {
+        Value::U8(x) => Some(u64::from(*x)),
+        Value::U16(x) => Some(u64::from(*x)),
+        Value::U32(x) => Some(u64::from(*x)),
+        Value::U64(x) => Some(*x),
+        Value::I8(x) => u64::try_from(*x).ok(),
+        Value::I16(x) => u64::try_from(*x).ok(),
+        Value::I32(x) => u64::try_from(*x).ok(),
+        Value::I64(x) => u64::try_from(*x).ok(),
+        _ => None,
+    }
+}
+
+fn value_i64(v: &Value) -> Option<i64> {
+    match v {
+        Value::I8(x) => Some(i64::from(*x)),
+        Value::I16(x) => Some(i64::from(*x)),
+        Value::I32(x) => Some(i64::from(*x)),
+        Value::I64(x) => Some(*x),
+        other => value_u64(other).and_then(|x| i64::try_from(x).ok()),
+    }
+}
+
+pub(crate) fn md_u32(md: &HashMap<String, Value>, key: &str) -> Result<u32, ModelError> {
+    let v = md_get(md, key)?;
+    value_u64(v)
+        .and_then(|x| u32::try_from(x).ok())
+        .ok_or_else(|| invalid(key, format!("expected an unsigned 32-bit integer, got {v:?}")))
+}
+
+pub(crate) fn md_u32_opt(md: &HashMap<String, Value>, key: &str) -> Result<Option<u32>, ModelError> {
+    if md.contains_key(key) {
+        md_u32(md, key).map(Some)
+    } else {
+        Ok(None)
+    }
+}
+
+pub(crate) fn md_f32(md: &HashMap<String, Value>, key: &str) -> Result<f32, ModelError> {
+    match md_get(md, key)? {
+        Value::F32(x) => Ok(*x),
+        Value::F64(x) => Ok(*x as f32),
+        other => Err(invalid(key, format!("expected a float, got {other:?}"))),
+    }
+}
+
+pub(crate) fn md_bool_opt(md: &HashMap<String, Value>, key: &str) -> Option<bool> {
+    match md.get(key) {
+        Some(Value::Bool(b)) => Some(*b),
+        _ => None,
+    }
+}
+
+pub(crate) fn md_str<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<&'a str, ModelError> {
+    match md_get(md, key)? {
+        Value::String(s) => Ok(s.as_str()),
+        other => Err(invalid(key, format!("expected a string, got {:?}", other.value_type()))),
+    }
+}
+
+pub(crate) fn md_str_array<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<Vec<&'a str>, ModelError> {
+    match md_get(md, key)? {
+        Value::Array(items) => items
+            .iter()
+            .map(|v| match v {
+                Value::String(s) => Ok(s.as_str()),
+                other => Err(invalid(key, format!("expected strings, got {:?}", other.value_type()))),
+            })
+            .collect(),
+        other => Err(invalid(key, format!("expected an array, got {:?}", other.value_type()))),
+    }
+}
+
+pub(crate) fn md_int_array(md: &HashMap<String, Value>, key: &str) -> Result<Vec<i64>, ModelError> {
+    match md_get(md, key)? {
+        Value::Array(items) => items
+            .iter()
+            .map(|v| value_i64(v).ok_or_else(|| invalid(key, format!("expected integers, got {:?}", v.value_type()))))
+            .collect(),
+        other => Err(invalid(key, format!("expected an array, got {:?}", other.value_type()))),
+    }
+}
+
+// ---- llama hyper-parameters ------------------------------------------------------------
+
+/// The llama hyper-parameters the forward pass needs, read from `llama.*` metadata and
+/// cross-checked against tensor shapes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    pub n_layers: usize,
+    pub hidden: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn_dim: usize,
+    pub vocab_size: usize,
+    pub rms_eps: f32,
+    pub rope_base: f32,
+    /// `llama.context_length`: the longest sequence the model was trained for.
+    pub context_length: u32,
+}
+
+/// Check `general.architecture` before anything else, so a non-llama model gets a clear error
+/// instead of a confusing "missing key llama.block_count".
+pub(crate) fn check_architecture(md: &HashMap<String, Value>) -> Result<(), ModelError> {
+    let arch = md_str(md, "general.architecture")?;
+    if arch != "llama" {
+        return Err(ModelError::UnsupportedArchitecture { arch: arch.to_string() });
+    }
+    Ok(())
+}
+
+impl LlamaConfig {
+    pub(crate) fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
+        let md = g.metadata();
+        check_architecture(md)?;
+        let n_layers = md_u32(md, "llama.block_count")? as usize;
+        let hidden = md_u32(md, "llama.embedding_length")? as usize;
+        let n_heads = md_u32(md, "llama.attention.head_count")? as usize;
+        let n_kv_heads = md_u32_opt(md, "llama.attention.head_count_kv")?.map_or(n_heads, |v| v as usize);
+        let rms_eps = md_f32(md, "llama.attention.layer_norm_rms_epsilon")?;
+        let rope_base = if md.contains_key("llama.rope.freq_base") { md_f32(md, "llama.rope.freq_base")? } else { 10_000.0 };
+        let context_length = md_u32(md, "llama.context_length")?;
+
+        if n_layers == 0 || hidden == 0 || n_heads == 0 || n_kv_heads == 0 {
+            return Err(invalid("llama.*", "block_count, embedding_length and head counts must be positive"));
+        }
+        if hidden % n_heads != 0 {
+            return Err(invalid("llama.attention.head_count", format!("{n_heads} does not divide {hidden}")));
+        }
+        if n_heads % n_kv_heads != 0 {
+            return Err(invalid("llama.attention.head_count_kv", format!("{n_kv_heads} does not divide {n_heads}")));
+        }
+        let head_dim = hidden / n_heads;
+        if head_dim % 2 != 0 {
+            return Err(invalid("llama.attention.head_count", format!("odd head_dim {head_dim}")));
+        }
+        if let Some(rope_dim) = md_u32_opt(md, "llama.rope.dimension_count")? {
+            if rope_dim as usize != head_dim {
+                return Err(invalid("llama.rope.dimension_count", format!("{rope_dim} != head_dim {head_dim} (partial RoPE is not supported)")));
+            }
+        }
+        if md_u32_opt(md, "llama.expert_count")?.unwrap_or(0) > 1 {
+            return Err(ModelError::UnsupportedArchitecture { arch: "llama (mixture of experts)".into() });
+        }
+        if let Ok(kind) = md_str(md, "llama.rope.scaling.type") {
+            if kind != "none" {
+                return Err(invalid("llama.rope.scaling.type", format!("RoPE scaling {kind:?} is not supported")));
+            }
+        }
+        if g.has_tensor("rope_freqs.weight") {
+            return Err(ModelError::UnsupportedArchitecture { arch: "llama with rope_freqs (llama-3.1 RoPE scaling)".into() });
+        }
+        let embd = g.tensor_dims("token_embd.weight")?;
+        let vocab_size = match embd.as_slice() {
+            [v, h] if *h == hidden => *v,
+            other => {
+                return Err(ModelError::InvalidTensor {
+                    name: "token_embd.weight".into(),
+                    reason: format!("shape {other:?}, expected [vocab, {hidden}]"),
+                })
+            }
+        };
+        let ffn_dim = match g.tensor_dims("blk.0.ffn_gate.weight")?.as_slice() {
+            [f, h] if *h == hidden => *f,
+            other => {
+                return Err(ModelError::InvalidTensor {
+                    name: "blk.0.ffn_gate.weight".into(),
+                    reason: format!("shape {other:?}, expected [ffn, {hidden}]"),
+                })
+            }
+        };
+        Ok(Self { n_layers, hidden, n_heads, n_kv_heads, head_dim, ffn_dim, vocab_size, rms_eps, rope_base, context_length })
+    }
+}

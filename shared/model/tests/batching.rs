@@ -1,0 +1,56 @@
+//! Batch invariance: a request's greedy tokens do not depend on what it is batched with or on
+//! how its prefill is split into chunks across steps.
+
+mod common;
+
+use pdmesh_model_api::{ChatMessage, TextCodec};
+
+const N_NEW: usize = 24;
+
+#[test]
+fn greedy_tokens_do_not_depend_on_batching_or_chunking() {
+    let Some((mut exec, codec)) = common::load() else { return };
+    let texts = [
+        "Tell me a short story about a robot who learns to paint.",
+        "What is 17 times 23?",
+        "List three colours.",
+        "Explain photosynthesis in one sentence.",
+        "Who wrote Hamlet?",
+        "Translate 'good morning' into French.",
+        "Why is the sky blue?",
+        "Give me a name for a cat.",
+    ];
+    let prompts: Vec<Vec<u32>> = texts
+        .iter()
+        .map(|t| codec.encode(&codec.render_chat(&[ChatMessage { role: "user".into(), content: (*t).into() }]).unwrap()).unwrap())
+        .collect();
+    let blocks_per_req = 8u32; // block_size 16: 128 positions each
+    let mut kv = common::kv_cache(&exec, blocks_per_req * 8, 16);
+
+    // 1. alone, whole prompt in one chunk
+    let mut alone = vec![common::Req::new("a", prompts[0].clone(), 0, blocks_per_req)];
+    common::run(&mut exec, &mut kv, &mut alone, N_NEW, usize::MAX);
+
+    // 2. batched with 7 others in the same steps (request 0 uses different blocks this time)
+    let mut batch: Vec<common::Req> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| common::Req::new(&format!("b{i}"), p.clone(), ((i as u32 + 3) % 8) * blocks_per_req, blocks_per_req))
+        .collect();
+    common::run(&mut exec, &mut kv, &mut batch, N_NEW, usize::MAX);
+
+    // 3. prefill split into chunks of 5 tokens across steps, batched with the others
+    let mut chunked: Vec<common::Req> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| common::Req::new(&format!("c{i}"), p.clone(), i as u32 * blocks_per_req, blocks_per_req))
+        .collect();
+    common::run(&mut exec, &mut kv, &mut chunked, N_NEW, 5);
+
+    eprintln!("alone: {:?}", codec.decode(&alone[0].generated).unwrap());
+    assert_eq!(batch[0].generated, alone[0].generated, "batched with 7 others");
+    assert_eq!(chunked[0].generated, alone[0].generated, "prefill in chunks of 5");
+    for i in 1..8 {
+        assert_eq!(chunked[i].generated, batch[i].generated, "request {i}: chunked vs batched");
+    }
+}

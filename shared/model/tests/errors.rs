@@ -1,0 +1,114 @@
+//! Bad files and bad steps give typed errors, never panics.
+
+mod common;
+
+use std::io::Write;
+
+use pdmesh_model::{GgufTextCodec, LlamaExecutor, ModelError, ModelOptions};
+use pdmesh_model_api::{Executor, ExecutorError};
+use pdmesh_protocol::ScheduledChunk;
+
+fn temp_file(name: &str, bytes: &[u8]) -> std::path::PathBuf {
+    let p = std::env::temp_dir().join(format!("pdmesh-model-test-{}-{name}", std::process::id()));
+    std::fs::File::create(&p).unwrap().write_all(bytes).unwrap();
+    p
+}
+
+#[test]
+fn missing_file_is_not_found() {
+    let p = std::path::Path::new("/nonexistent/dir/model.gguf");
+    let e = LlamaExecutor::load(p, &ModelOptions::default()).unwrap_err();
+    assert!(matches!(e, ModelError::NotFound { .. }), "{e:?}");
+    assert!(e.to_string().contains("fetch-model.sh"));
+    let e = GgufTextCodec::load(p, &ModelOptions::default()).unwrap_err();
+    assert!(matches!(e, ModelError::NotFound { .. }), "{e:?}");
+    assert!(matches!(pdmesh_model::load_gguf(p, &ModelOptions::default()), Err(ModelError::NotFound { .. })));
+}
+
+#[test]
+fn random_bytes_are_not_gguf() {
+    // deterministic pseudo-random bytes
+    let mut x = 0x1234_5678_u32;
+    let bytes: Vec<u8> = (0..100_000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        })
+        .collect();
+    let p = temp_file("random.gguf", &bytes);
+    let e = pdmesh_model::load_gguf(&p, &ModelOptions::default()).unwrap_err();
+    assert!(matches!(e, ModelError::InvalidGguf { .. }), "{e:?}");
+    // a GGUF magic followed by garbage is still rejected cleanly
+    let mut b = b"GGUF\x03\x00\x00\x00".to_vec();
+    b.extend_from_slice(&bytes);
+    let p2 = temp_file("magic.gguf", &b);
+    let e = pdmesh_model::load_gguf(&p2, &ModelOptions::default()).unwrap_err();
+    assert!(matches!(e, ModelError::InvalidGguf { .. }), "{e:?}");
+    let _ = std::fs::remove_file(p);
+    let _ = std::fs::remove_file(p2);
+}
+
+#[test]
+fn truncated_model_is_an_error() {
+    let Some(path) = common::model_path() else { return };
+    let bytes = std::fs::read(&path).unwrap();
+    let p = temp_file("truncated.gguf", &bytes[..bytes.len() / 2]);
+    let e = pdmesh_model::load_gguf(&p, &ModelOptions::default()).unwrap_err();
+    assert!(matches!(e, ModelError::InvalidTensor { .. } | ModelError::InvalidGguf { .. }), "{e:?}");
+    let _ = std::fs::remove_file(p);
+}
+
+#[test]
+fn bad_steps_are_errors() {
+    let Some((mut exec, _codec)) = common::load() else { return };
+    let mut kv = common::kv_cache(&exec, 4, 16);
+    let chunk = |tokens: Vec<u32>, start: u32, blocks: Vec<u32>| ScheduledChunk {
+        request_id: "r".into(),
+        token_ids: tokens,
+        start_pos: start,
+        block_ids: blocks,
+        sample: true,
+        sampling: common::greedy(),
+        output_index: 0,
+    };
+    let e = exec.execute(&mut kv, &[chunk(vec![1, 2, 3], 0, vec![9])]).unwrap_err();
+    assert!(matches!(e, ExecutorError::BlockOutOfRange { block: 9, .. }), "{e:?}");
+    let e = exec.execute(&mut kv, &[chunk(vec![1, 2, 3], 15, vec![0])]).unwrap_err();
+    assert!(matches!(e, ExecutorError::BlockTableTooShort { pos: 17, .. }), "{e:?}");
+    let e = exec.execute(&mut kv, &[chunk(vec![1, 49152], 0, vec![0])]).unwrap_err();
+    assert!(matches!(e, ExecutorError::TokenOutOfRange { token: 49152, .. }), "{e:?}");
+    let e = exec.execute(&mut kv, &[chunk(vec![], 0, vec![0])]).unwrap_err();
+    assert!(matches!(e, ExecutorError::Model(_)), "{e:?}");
+    let e = exec.execute(&mut kv, &[chunk(vec![1], 1 << 20, vec![0])]).unwrap_err();
+    assert!(matches!(e, ExecutorError::Model(_)), "{e:?}");
+    // a cache of the wrong geometry
+    let mut wrong = pdmesh_model_api::KvCache::new_heap(pdmesh_model_api::KvCacheSpec {
+        num_layers: 2,
+        num_blocks: 4,
+        block_size: 16,
+        num_kv_heads: 3,
+        head_dim: 64,
+    });
+    assert!(exec.execute(&mut wrong, &[chunk(vec![1], 0, vec![0])]).is_err());
+    // nothing to do is fine
+    assert!(exec.execute(&mut kv, &[]).unwrap().is_empty());
+    // and the executor still works after all that
+    let ok = exec.execute(&mut kv, &[chunk(vec![1, 2, 3], 0, vec![0])]).unwrap();
+    assert_eq!(ok.len(), 1);
+}
+
+#[test]
+fn facts_describe_the_model() {
+    let Some((exec, _)) = common::load() else { return };
+    let f = exec.facts();
+    assert_eq!((f.num_layers, f.num_kv_heads, f.head_dim, f.vocab_size), (30, 3, 64, 49152));
+    assert_eq!(f.max_model_len, 8192);
+    assert_eq!(f.eos_token_ids, vec![2]);
+    assert_eq!(f.weights_id, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53");
+    assert_eq!(f.name, "SmolLM2-135M-Instruct.Q4_1");
+    let p = common::model_path().unwrap();
+    let capped = LlamaExecutor::load(&p, &ModelOptions { max_model_len: Some(1024) }).unwrap();
+    assert_eq!(capped.facts().max_model_len, 1024);
+}

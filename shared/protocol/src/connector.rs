@@ -1,0 +1,104 @@
+//! The KV connector surface between engine-core and connector-scheduler (vLLM's
+//! `KVConnectorBase_V1` scheduler side), and the per-step metadata/output that flows through
+//! the worker.
+
+use serde::{Deserialize, Serialize};
+
+use crate::kv::KvTransferParams;
+
+/// Status of a request when it finished, as the connector needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishedStatus {
+    Stopped,
+    LengthCapped,
+    Aborted,
+    Ignored,
+    Error,
+}
+
+/// One connector call. Calls are batched per step phase to keep round trips low.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ConnectorCall {
+    /// How many prompt tokens beyond `num_computed_tokens` can come from outside, and whether
+    /// they load asynchronously.
+    GetNumNewMatchedTokens {
+        request_id: String,
+        num_prompt_tokens: u32,
+        num_computed_tokens: u32,
+        kv_transfer_params: Option<KvTransferParams>,
+    },
+    /// Blocks were allocated for the request; `num_external_tokens` of them will be loaded.
+    UpdateStateAfterAlloc { request_id: String, block_ids: Vec<u32>, num_external_tokens: u32 },
+    /// Build the metadata for the step about to run (exactly once per step).
+    BuildConnectorMeta { step_id: u64 },
+    /// The request finished; may the scheduler free its blocks now?
+    RequestFinished {
+        request_id: String,
+        status: FinishedStatus,
+        block_ids: Vec<u32>,
+        kv_transfer_params: Option<KvTransferParams>,
+    },
+    /// The worker's connector output of the last step.
+    UpdateConnectorOutput(KvConnectorOutput),
+}
+
+/// The answer to one [`ConnectorCall`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ConnectorReply {
+    /// `None` count: cannot decide yet; try again next step.
+    MatchedTokens { count: Option<u32>, load_async: bool },
+    Meta(KvConnectorMetadata),
+    Finished { delay_free: bool, kv_transfer_params: Option<KvTransferParams> },
+    Ack,
+    /// The call could not be applied (logged and counted by the connector).
+    Rejected { reason: String },
+}
+
+/// A receive the worker must perform (D side).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RecvRequest {
+    pub request_id: String,
+    pub local_block_ids: Vec<u32>,
+    pub params: KvTransferParams,
+}
+
+/// Per-step connector metadata (vLLM's `NixlConnectorMetadata`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvConnectorMetadata {
+    #[serde(default)]
+    pub reqs_to_recv: Vec<RecvRequest>,
+    /// `(request_id, hold deadline in ms since the Unix epoch)` for P's held requests.
+    #[serde(default)]
+    pub reqs_to_send: Vec<(String, u64)>,
+    #[serde(default)]
+    pub reqs_in_batch: Vec<String>,
+    #[serde(default)]
+    pub reqs_not_processed: Vec<String>,
+}
+
+impl KvConnectorMetadata {
+    pub fn is_empty(&self) -> bool {
+        self.reqs_to_recv.is_empty()
+            && self.reqs_to_send.is_empty()
+            && self.reqs_in_batch.is_empty()
+            && self.reqs_not_processed.is_empty()
+    }
+}
+
+/// What the worker's connector reports after a step.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvConnectorOutput {
+    #[serde(default)]
+    pub finished_sending: Vec<String>,
+    #[serde(default)]
+    pub finished_recving: Vec<String>,
+    #[serde(default)]
+    pub invalid_block_ids: Vec<u32>,
+}
+
+impl KvConnectorOutput {
+    pub fn is_empty(&self) -> bool {
+        self.finished_sending.is_empty() && self.finished_recving.is_empty() && self.invalid_block_ids.is_empty()
+    }
+}

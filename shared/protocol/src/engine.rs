@@ -1,0 +1,177 @@
+//! Messages between the frontend, the DP load balancer and the engine-core ranks.
+
+use serde::{Deserialize, Serialize};
+
+use crate::kv::{HeldRequest, KvTransferParams, KvUsage};
+
+/// Sampling parameters as the engine and the worker need them. Stop *strings* are the
+/// frontend's business (they need detokenised text); stop *token ids* are the engine's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 1.0 means no nucleus truncation.
+    pub top_p: f32,
+    /// 0 means no top-k truncation.
+    pub top_k: u32,
+    /// Per-request seed; `None` means the worker's own randomness.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Maximum number of tokens to generate.
+    pub max_tokens: u32,
+    /// Extra token ids that end generation (besides EOS unless `ignore_eos`).
+    #[serde(default)]
+    pub stop_token_ids: Vec<u32>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Number of top alternatives to return with each sampled token (OpenAI `logprobs`).
+    #[serde(default)]
+    pub logprobs: Option<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            max_tokens: 16,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        }
+    }
+}
+
+/// A request as the engine sees it: already tokenised.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineRequest {
+    pub request_id: String,
+    pub prompt_token_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// End-of-sequence ids of the model (honoured unless `sampling.ignore_eos`).
+    #[serde(default)]
+    pub eos_token_ids: Vec<u32>,
+    /// Milliseconds since the Unix epoch when the frontend accepted the request.
+    #[serde(default)]
+    pub arrival_unix_ms: u64,
+    #[serde(default)]
+    pub kv_transfer_params: Option<KvTransferParams>,
+    /// Pin to one data-parallel rank (`X-data-parallel-rank`).
+    #[serde(default)]
+    pub data_parallel_rank: Option<u32>,
+}
+
+/// Abort requests by id. Unknown ids are counted by the receiver, never an error.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AbortRequests {
+    pub request_ids: Vec<String>,
+}
+
+/// Why a request stopped, with vLLM's/OpenAI's names on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// EOS, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` or the model's length limit.
+    Length,
+    /// Aborted by the client or by the mesh.
+    Abort,
+    /// Failed inside the mesh (e.g. `kv_load_failure_policy = fail`).
+    Error,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
+        }
+    }
+}
+
+/// Top alternatives for one sampled position.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprobs {
+    /// Log-probability of the sampled token.
+    pub logprob: f32,
+    /// `(token_id, logprob)` of the most likely tokens, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// New tokens (and possibly the end) of one request, from one engine step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineOutput {
+    pub request_id: String,
+    pub new_token_ids: Vec<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub new_logprobs: Option<Vec<TokenLogprobs>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finish_reason: Option<FinishReason>,
+    /// The stop token id that ended the request, when one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_token_id: Option<u32>,
+    /// Params for the decode side, set on P's final output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_transfer_params: Option<KvTransferParams>,
+    /// Prompt tokens that were not computed locally (loaded from a remote KV cache).
+    #[serde(default)]
+    pub num_external_tokens: u32,
+    /// Human-readable detail when `finish_reason` is `Error`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// All outputs of one engine step of one rank.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EngineOutputBatch {
+    pub engine_rank: u32,
+    pub outputs: Vec<EngineOutput>,
+}
+
+/// A rank's load, for the DP load balancer (vLLM scores a rank 4 × waiting + running).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineLoadReport {
+    pub engine_rank: u32,
+    pub num_waiting: u32,
+    pub num_running: u32,
+    pub kv: KvUsage,
+}
+
+/// Statistics of one engine rank, for `/debug/kv` and the tests.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineStats {
+    pub engine_rank: u32,
+    pub num_waiting: u32,
+    pub num_running: u32,
+    pub kv: KvUsage,
+    #[serde(default)]
+    pub held_requests: Vec<HeldRequest>,
+    /// Engine steps run since start.
+    #[serde(default)]
+    pub steps: u64,
+    /// Requests that reached a finished state since start.
+    #[serde(default)]
+    pub finished_requests: u64,
+    /// Times `request_finished` was called on the connector (exactly once per request).
+    #[serde(default)]
+    pub request_finished_calls: u64,
+    /// Aborts and outputs naming ids the engine does not track.
+    #[serde(default)]
+    pub unknown_ids: u64,
+    #[serde(default)]
+    pub preemptions: u64,
+}
+
+/// Statistics over every rank behind one dp-lb. A rank that did not answer is listed in
+/// `unreachable_ranks`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MeshStats {
+    pub engines: Vec<EngineStats>,
+    #[serde(default)]
+    pub unreachable_ranks: Vec<u32>,
+}

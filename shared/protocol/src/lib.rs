@@ -1,0 +1,155 @@
+//! Every message that crosses a process boundary in pdmesh.
+//!
+//! This crate owns the wire: one [`Envelope`] type that carries a protocol version, the W3C
+//! trace context, the request id a message concerns and a correlation id for request/reply,
+//! around one [`Message`] body. Bodies are plain serde types encoded as MessagePack with named
+//! fields (`rmp_serde::to_vec_named`), so readers can tolerate appended fields (see
+//! `docs/PROTOCOL.md`). There is no I/O here: sockets live in `pdmesh-transport`.
+//!
+//! Map of the modules:
+//! - [`envelope`]: the envelope, the version check and the codec (`encode` / `decode`).
+//! - [`engine`]: frontend ⇄ dp-lb ⇄ engine-core: add request, abort, outputs, load reports.
+//! - [`step`]: engine-core ⇄ connector-worker: the per-step schedule and its model output.
+//! - [`connector`]: engine-core ⇄ connector-scheduler: the KV connector calls.
+//! - [`kv`]: `kv_transfer_params` and KV accounting shared by the others.
+
+pub mod connector;
+pub mod engine;
+pub mod envelope;
+pub mod kv;
+pub mod step;
+
+pub use connector::*;
+pub use engine::*;
+pub use envelope::*;
+pub use kv::*;
+pub use step::*;
+
+use serde::{Deserialize, Serialize};
+
+/// The body of an [`Envelope`]. Externally tagged (`{"AddRequest": {...}}`) so a reader that
+/// meets a kind it does not know gets a typed decode error instead of a wrong value.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Message {
+    // ---- frontend -> dp-lb -> engine-core
+    /// A new request for an engine.
+    AddRequest(EngineRequest),
+    /// Abort these requests (client disconnect, stop string reached in the frontend, ...).
+    Abort(AbortRequests),
+    /// A process introduces itself on a connection (engine rank to dp-lb, frontend to dp-lb).
+    Hello(Hello),
+    /// Ask for current statistics (frontend -> dp-lb, dp-lb -> each engine rank).
+    StatsQuery,
+    /// Answer to [`Message::StatsQuery`].
+    StatsReply(MeshStats),
+
+    // ---- engine-core -> dp-lb -> frontend
+    /// Outputs of one engine step, streamed.
+    EngineOutputs(EngineOutputBatch),
+    /// A rank's load, reported after steps (dp-lb scores ranks with it).
+    LoadReport(EngineLoadReport),
+
+    // ---- engine-core <-> connector-worker
+    /// Ask the worker for its KV cache geometry and model facts.
+    WorkerInfoQuery,
+    /// Answer to [`Message::WorkerInfoQuery`].
+    WorkerInfo(WorkerInfo),
+    /// Run one engine step.
+    ExecuteStep(SchedulerOutput),
+    /// The result of one engine step.
+    StepResult(ModelRunnerOutput),
+
+    // ---- engine-core <-> connector-scheduler
+    /// A batch of connector calls, answered in order by [`Message::ConnectorReplies`].
+    ConnectorCalls(Vec<ConnectorCall>),
+    /// Answers to [`Message::ConnectorCalls`], one per call, same order.
+    ConnectorReplies(Vec<ConnectorReply>),
+
+    // ---- generic
+    /// A call was accepted (e.g. the dp-lb forwarded an `AddRequest` to a live rank).
+    Ack,
+    /// Liveness probe; answered with [`Message::Pong`].
+    Ping,
+    /// Answer to [`Message::Ping`].
+    Pong,
+    /// A request could not be served; carries a class that crosses processes.
+    Error(WireError),
+}
+
+impl Message {
+    /// A short static name for logs and metric labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Message::AddRequest(_) => "add_request",
+            Message::Abort(_) => "abort",
+            Message::Hello(_) => "hello",
+            Message::StatsQuery => "stats_query",
+            Message::StatsReply(_) => "stats_reply",
+            Message::EngineOutputs(_) => "engine_outputs",
+            Message::LoadReport(_) => "load_report",
+            Message::WorkerInfoQuery => "worker_info_query",
+            Message::WorkerInfo(_) => "worker_info",
+            Message::ExecuteStep(_) => "execute_step",
+            Message::StepResult(_) => "step_result",
+            Message::ConnectorCalls(_) => "connector_calls",
+            Message::ConnectorReplies(_) => "connector_replies",
+            Message::Ack => "ack",
+            Message::Ping => "ping",
+            Message::Pong => "pong",
+            Message::Error(_) => "error",
+        }
+    }
+}
+
+/// Which kind of process is on the other end of a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ServiceKind {
+    Frontend,
+    DpLb,
+    EngineCore,
+    ConnectorScheduler,
+    ConnectorWorker,
+}
+
+/// First message on a connection, so the bound side knows who connected.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hello {
+    pub service: ServiceKind,
+    /// Data-parallel rank for engine-side services; 0 otherwise.
+    #[serde(default)]
+    pub rank: u32,
+    /// Process id, so operators can match a connection to a process.
+    #[serde(default)]
+    pub pid: u32,
+}
+
+/// The error classes that cross process boundaries. The frontend maps them to HTTP statuses
+/// in one place; everyone else only propagates them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorClass {
+    /// The caller sent something invalid (400).
+    InvalidRequest,
+    /// The named thing does not exist (404).
+    NotFound,
+    /// A process the request needs is down or restarting (503).
+    Unavailable,
+    /// A bug or an unexpected failure inside the mesh (500).
+    Internal,
+    /// The request ran past a deadline (504).
+    Timeout,
+}
+
+/// An error answer on the wire.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WireError {
+    pub class: ErrorClass,
+    pub message: String,
+}
+
+impl WireError {
+    pub fn new(class: ErrorClass, message: impl Into<String>) -> Self {
+        Self { class, message: message.into() }
+    }
+}

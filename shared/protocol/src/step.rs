@@ -1,0 +1,80 @@
+//! One engine step, between engine-core and connector-worker.
+//!
+//! The schedule is self-contained: every scheduled request carries the token ids to compute,
+//! its position and its whole block table. The worker therefore keeps no per-request state
+//! across steps, which keeps a worker restart from corrupting anything (the engine simply sees
+//! the step fail) and costs a few hundred bytes per request per step.
+
+use serde::{Deserialize, Serialize};
+
+use crate::connector::{KvConnectorMetadata, KvConnectorOutput};
+use crate::engine::{SamplingParams, TokenLogprobs};
+
+/// The tokens of one request to run in this step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScheduledChunk {
+    pub request_id: String,
+    /// Token ids to compute now: a prefill chunk, or the one last sampled token for decode.
+    pub token_ids: Vec<u32>,
+    /// Position of `token_ids[0]` in the sequence (= tokens already in the KV cache).
+    pub start_pos: u32,
+    /// The request's KV blocks, in sequence order, covering at least `start_pos + len`.
+    pub block_ids: Vec<u32>,
+    /// Sample a token after this chunk (false for a prefill chunk that is not the last).
+    pub sample: bool,
+    pub sampling: SamplingParams,
+    /// Number of tokens generated so far; with a seed, the sampler derives its randomness from
+    /// `(seed, output_index)` so a request samples the same way wherever it runs.
+    #[serde(default)]
+    pub output_index: u32,
+}
+
+/// What engine-core asks connector-worker to do in one step.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SchedulerOutput {
+    pub step_id: u64,
+    pub chunks: Vec<ScheduledChunk>,
+    /// Requests finished since the last step (the worker drops any per-request state).
+    #[serde(default)]
+    pub finished_request_ids: Vec<String>,
+    /// Connector metadata built by connector-scheduler for this step.
+    #[serde(default)]
+    pub kv_connector_metadata: KvConnectorMetadata,
+}
+
+/// A token sampled for one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SampledToken {
+    pub request_id: String,
+    pub token_id: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// The result of one step.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ModelRunnerOutput {
+    pub step_id: u64,
+    pub sampled: Vec<SampledToken>,
+    #[serde(default)]
+    pub kv_connector_output: KvConnectorOutput,
+    /// Microseconds the executor spent in the forward pass (for metrics and benchmarks).
+    #[serde(default)]
+    pub execute_us: u64,
+}
+
+/// Geometry of a worker's KV cache and facts about its model, read by engine-core at start.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    pub model_name: String,
+    pub num_blocks: u32,
+    pub block_size: u32,
+    pub num_layers: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    pub max_model_len: u32,
+    pub vocab_size: u32,
+    pub eos_token_ids: Vec<u32>,
+    /// Bytes of KV cache per block over all layers (K and V).
+    pub bytes_per_block: u64,
+}

@@ -1,0 +1,122 @@
+//! One-way streams: PUSH (connect, reconnecting) → PULL (bind).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::{Message as ActixMessage, Recipient};
+use futures::StreamExt;
+use pdmesh_protocol::Envelope;
+use tokio::sync::mpsc;
+use zeromq::{PullSocket, PushSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::metrics::{DECODE_ERRORS, RECEIVED, RECONNECTS, SENT, SEND_ERRORS};
+use crate::{prepare_ipc_endpoint, TransportError};
+
+/// A message that arrived on a PULL socket.
+#[derive(Debug, ActixMessage)]
+#[rtype(result = "()")]
+pub struct PullEvent {
+    pub envelope: Envelope,
+}
+
+/// Bind a PULL socket; every decoded message goes to `sink`.
+pub async fn bind_pull(endpoint: &str, sink: Recipient<PullEvent>) -> Result<String, TransportError> {
+    prepare_ipc_endpoint(endpoint);
+    let mut socket = PullSocket::new();
+    let bound = socket.bind(endpoint).await.map_err(|e| TransportError::Bind(endpoint.to_string(), e.to_string()))?;
+    let label = bound.to_string();
+    let ret = label.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok(msg) = socket.recv().await else { continue };
+            RECEIVED.with_label_values(&[&label]).inc();
+            let Some(frame) = msg.into_vec().pop() else { continue };
+            match Envelope::decode(&frame) {
+                Ok(envelope) => sink.do_send(PullEvent { envelope }),
+                Err(e) => {
+                    DECODE_ERRORS.with_label_values(&[&label]).inc();
+                    tracing::warn!(endpoint = %label, error = %e, "dropping undecodable frame");
+                }
+            }
+        }
+    });
+    Ok(ret)
+}
+
+/// Handle to a reconnecting PUSH socket.
+#[derive(Clone, Debug)]
+pub struct PushHandle {
+    endpoint: Arc<str>,
+    tx: mpsc::UnboundedSender<Envelope>,
+    up: Arc<AtomicBool>,
+}
+
+impl PushHandle {
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Acquire)
+    }
+
+    /// Queue a message. While the peer is down messages are dropped and counted: a stream's
+    /// consumer that restarts has lost its state anyway, and callers learn of the outage from
+    /// their control link.
+    pub fn send(&self, envelope: Envelope) -> Result<(), TransportError> {
+        if !self.is_up() {
+            SEND_ERRORS.with_label_values(&[&self.endpoint]).inc();
+            return Err(TransportError::Unavailable(self.endpoint.to_string()));
+        }
+        self.tx.send(envelope).map_err(|_| TransportError::Closed)
+    }
+}
+
+/// Start a PUSH socket that connects to `endpoint` and reconnects when its peer restarts.
+pub fn connect_push(endpoint: &str) -> PushHandle {
+    let (tx, mut rx) = mpsc::unbounded_channel::<Envelope>();
+    let up = Arc::new(AtomicBool::new(false));
+    let handle = PushHandle { endpoint: Arc::from(endpoint), tx, up: up.clone() };
+    let endpoint = endpoint.to_string();
+    tokio::spawn(async move {
+        let mut first = true;
+        loop {
+            let mut socket = PushSocket::new();
+            let mut monitor = socket.monitor();
+            loop {
+                let connect = socket.connect(&endpoint);
+                tokio::pin!(connect);
+                let ok = loop {
+                    tokio::select! {
+                        res = &mut connect => break res.is_ok(),
+                        out = rx.recv() => if out.is_none() { return },
+                    }
+                };
+                if ok {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            if !first {
+                RECONNECTS.with_label_values(&[&endpoint]).inc();
+            }
+            first = false;
+            up.store(true, Ordering::Release);
+            loop {
+                tokio::select! {
+                    out = rx.recv() => {
+                        let Some(env) = out else { return };
+                        let Ok(bytes) = env.encode() else { continue };
+                        match tokio::time::timeout(Duration::from_secs(5), socket.send(ZmqMessage::from(bytes))).await {
+                            Ok(Ok(())) => SENT.with_label_values(&[&endpoint]).inc(),
+                            _ => { SEND_ERRORS.with_label_values(&[&endpoint]).inc(); break; }
+                        }
+                    }
+                    ev = monitor.next() => {
+                        if matches!(ev, Some(SocketEvent::Disconnected(_)) | None) { break; }
+                    }
+                }
+            }
+            up.store(false, Ordering::Release);
+            tracing::warn!(%endpoint, "push stream down; reconnecting");
+        }
+    });
+    handle
+}
