@@ -418,10 +418,8 @@ impl Scheduler {
             if let Some(lp) = &s.logprobs {
                 req.output_logprobs.push(lp.clone());
             }
-            let stop = if !req.sampling.ignore_eos && req.eos_token_ids.contains(&s.token_id) {
-                req.stop_token_id = Some(s.token_id);
-                Some(RequestStatus::FinishedStopped)
-            } else if req.sampling.stop_token_ids.contains(&s.token_id) {
+            let is_eos = !req.sampling.ignore_eos && req.eos_token_ids.contains(&s.token_id);
+            let stop = if is_eos || req.sampling.stop_token_ids.contains(&s.token_id) {
                 req.stop_token_id = Some(s.token_id);
                 Some(RequestStatus::FinishedStopped)
             } else if req.output.len() as u32 >= req.sampling.max_tokens || req.num_tokens() >= self.cfg.max_model_len {

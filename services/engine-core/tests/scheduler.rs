@@ -1,4 +1,5 @@
 //! Scheduler state machine: batching, chunked prefill, preemption, aborts (R2), accounting (R5).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use pdmesh_engine_core::scheduler::{Scheduler, SchedulerConfig};
 use pdmesh_protocol::{

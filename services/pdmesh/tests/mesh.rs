@@ -1,5 +1,6 @@
 //! The mesh as users run it: `pdmesh up` starts five real processes per node that talk
 //! MessagePack over ZeroMQ; these tests drive it over HTTP (synthetic executor).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
 

@@ -12,18 +12,21 @@
 //! - [`step`]: engine-core ⇄ connector-worker: the per-step schedule and its model output.
 //! - [`connector`]: engine-core ⇄ connector-scheduler: the KV connector calls.
 //! - [`kv`]: `kv_transfer_params` and KV accounting shared by the others.
+//! - [`transfer`]: the KV transfer agent's side channel and TCP data-plane framing.
 
 pub mod connector;
 pub mod engine;
 pub mod envelope;
 pub mod kv;
 pub mod step;
+pub mod transfer;
 
 pub use connector::*;
 pub use engine::*;
 pub use envelope::*;
 pub use kv::*;
 pub use step::*;
+pub use transfer::*;
 
 use serde::{Deserialize, Serialize};
 
@@ -74,6 +77,28 @@ pub enum Message {
     Pong,
     /// A request could not be served; carries a class that crosses processes.
     Error(WireError),
+
+    // ---- KV transfer agent: D's connector-worker -> P's side channel (see [`transfer`])
+    /// Ask a producer agent for its [`AgentMetadata`] (the handshake).
+    XferGetMetadata,
+    /// Answer to [`Message::XferGetMetadata`].
+    XferMetadata(AgentMetadata),
+    /// Ask for a read lease on one request's held blocks.
+    XferLease(XferLeaseRequest),
+    /// The lease is granted.
+    XferLeaseGranted(XferLeaseGranted),
+    /// The lease (or a TCP block read) is refused.
+    XferLeaseRefused(XferLeaseRefused),
+    /// Reading under a lease is done; answered with [`Message::Ack`] while the lease held.
+    XferReadDone(XferReadDone),
+    /// Keep these held requests alive; answered with [`Message::Ack`].
+    XferHeartbeat(XferHeartbeat),
+    /// The consumer will never read this request; answered with [`Message::Ack`].
+    XferGiveUp(XferGiveUp),
+    /// TCP data plane: read blocks under a lease.
+    XferReadBlocks(XferReadBlocks),
+    /// TCP data plane: the raw block bytes follow.
+    XferReadReady(XferReadReady),
 }
 
 impl Message {
@@ -97,6 +122,16 @@ impl Message {
             Message::Ping => "ping",
             Message::Pong => "pong",
             Message::Error(_) => "error",
+            Message::XferGetMetadata => "xfer_get_metadata",
+            Message::XferMetadata(_) => "xfer_metadata",
+            Message::XferLease(_) => "xfer_lease",
+            Message::XferLeaseGranted(_) => "xfer_lease_granted",
+            Message::XferLeaseRefused(_) => "xfer_lease_refused",
+            Message::XferReadDone(_) => "xfer_read_done",
+            Message::XferHeartbeat(_) => "xfer_heartbeat",
+            Message::XferGiveUp(_) => "xfer_give_up",
+            Message::XferReadBlocks(_) => "xfer_read_blocks",
+            Message::XferReadReady(_) => "xfer_read_ready",
         }
     }
 }

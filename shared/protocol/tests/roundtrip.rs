@@ -1,4 +1,5 @@
 //! Every message round-trips through the codec; random or foreign bytes give typed errors.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use pdmesh_protocol::*;
 use proptest::prelude::*;
@@ -135,7 +136,64 @@ fn every_message() -> Vec<Message> {
         Message::Ping,
         Message::Pong,
         Message::Error(WireError::new(ErrorClass::Unavailable, "engine down")),
+        Message::XferGetMetadata,
+        Message::XferMetadata(agent_metadata(TransferBackend::Shm { path: "/dev/shm/pdmesh-kv-p-0".into() })),
+        Message::XferMetadata(agent_metadata(TransferBackend::Tcp { host: "10.0.0.1".into(), port: 5700 })),
+        Message::XferLease(XferLeaseRequest {
+            p_request_id: "cmpl-1".into(),
+            block_ids: vec![1, 2, 3],
+            block_generations: vec![7, 7, 8],
+            consumer: "d-0/0".into(),
+        }),
+        Message::XferLeaseGranted(XferLeaseGranted { lease_id: u64::MAX - 1, lease_ttl_ms: 10_000 }),
+        Message::XferLeaseRefused(XferLeaseRefused {
+            reason: LeaseRefusalReason::GenerationMismatch,
+            detail: "block 2: held generation 9".into(),
+        }),
+        Message::XferReadDone(XferReadDone { p_request_id: "cmpl-1".into(), lease_id: 3, consumer: "d-0/0".into() }),
+        Message::XferHeartbeat(XferHeartbeat { p_request_ids: vec!["a".into(), "b".into()], consumer: "d".into() }),
+        Message::XferGiveUp(XferGiveUp {
+            p_request_id: "cmpl-1".into(),
+            reason: "rejected".into(),
+            consumer: "d".into(),
+            lease_id: Some(3),
+        }),
+        Message::XferGiveUp(XferGiveUp { p_request_id: "x".into(), reason: String::new(), consumer: String::new(), lease_id: None }),
+        Message::XferReadBlocks(XferReadBlocks { p_request_id: "cmpl-1".into(), lease_id: 3, block_ids: vec![3, 1] }),
+        Message::XferReadReady(XferReadReady { blocks: 2, bytes: 2 * 737_280 }),
     ]
+}
+
+fn agent_metadata(backend: TransferBackend) -> AgentMetadata {
+    AgentMetadata {
+        engine_id: "p-0".into(),
+        agent_name: "0f6b-1234".into(),
+        rank: 1,
+        backend,
+        layout: KV_LAYOUT.into(),
+        num_layers: 30,
+        num_blocks: 512,
+        block_size: 16,
+        num_kv_heads: 3,
+        head_dim: 64,
+        dtype: KV_DTYPE_F32.into(),
+        bytes_per_block: 737_280,
+        compat_hash: "ab".repeat(32),
+        protocol_version: TRANSFER_VERSION,
+    }
+}
+
+#[test]
+fn unknown_lease_refusal_reason_reads_as_other() {
+    // A newer producer may refuse for a reason this build does not know.
+    #[derive(serde::Serialize)]
+    struct NewerRefusal {
+        reason: &'static str,
+        detail: &'static str,
+    }
+    let bytes = rmp_serde::to_vec_named(&NewerRefusal { reason: "quota_exceeded", detail: "d" }).unwrap_or_default();
+    let back: Result<XferLeaseRefused, _> = rmp_serde::from_slice(&bytes);
+    assert!(matches!(&back, Ok(r) if r.reason == LeaseRefusalReason::Other), "{back:?}");
 }
 
 #[test]

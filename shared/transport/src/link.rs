@@ -51,6 +51,8 @@ impl LinkConfig {
 }
 
 /// What a link tells its owner actor.
+/// Messages dominate the traffic, so the envelope stays inline (no extra allocation).
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, ActixMessage)]
 #[rtype(result = "()")]
 pub enum LinkEvent {

@@ -1,4 +1,5 @@
 //! Real sockets: request/reply, a peer that restarts, in-flight calls answered with an error.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::Duration;
 

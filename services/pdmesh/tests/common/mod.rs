@@ -1,6 +1,6 @@
 //! Test support: start a real mesh with `pdmesh up` on private ports and a private run dir,
 //! talk to it over HTTP, read its process table, stop it.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
