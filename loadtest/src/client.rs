@@ -65,7 +65,7 @@ async fn run_closed_loop(
     max_tokens: u32,
     prompt: Arc<dyn Fn(usize) -> String + Send + Sync>,
 ) -> anyhow::Result<RunResult> {
-    let client = reqwest::Client::builder().pool_max_idle_per_host(concurrency.max(1)).build()?;
+    let client = reqwest::Client::builder().tcp_nodelay(true).pool_max_idle_per_host(concurrency.max(1)).build()?;
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let samples = Arc::new(Mutex::new(Samples::default()));
     let t0 = Instant::now();

@@ -7,8 +7,10 @@
 //! same trait.
 
 pub mod connector;
+pub mod pd;
 
 pub use connector::{KvConnectorScheduler, NoopConnector};
+pub use pd::{PdConnector, ProducerIdentity};
 
 use actix::prelude::*;
 use pdmesh_config::{Service, Topology};
@@ -112,7 +114,19 @@ pub async fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr
     let port = node.metrics_port(Service::ConnectorScheduler, rank);
     pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
         .map_err(|e| ConnectorSchedulerError::Ops(format!("port {port}: {e}")))?;
-    let actor = ConnectorSchedulerActor { connector: Box::new(NoopConnector::default()), router: None }.start();
+    let connector: Box<dyn KvConnectorScheduler> = match &node.kv_transfer {
+        None => Box::new(NoopConnector::default()),
+        Some(kv) => {
+            let producer = kv.kv_role.produces().then(|| ProducerIdentity {
+                engine_id: if kv.engine_id.is_empty() { node.name.clone() } else { kv.engine_id.clone() },
+                side_channel_host: kv.side_channel_host.clone(),
+                side_channel_port: kv.side_channel_port.saturating_add(rank as u16),
+                dp_rank: rank,
+            });
+            Box::new(PdConnector::new(producer, kv.kv_role.consumes(), kv.hold_duration()))
+        }
+    };
+    let actor = ConnectorSchedulerActor { connector, router: None }.start();
     let router = bind_router(&ep.bind, actor.clone().recipient()).await?;
     actor.do_send(SetRouter(router));
     health.set_ready(true);

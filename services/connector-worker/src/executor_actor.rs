@@ -9,8 +9,18 @@ use pdmesh_protocol::{ModelRunnerOutput, SchedulerOutput};
 
 use crate::metrics as m;
 
-/// Builds the executor on the executor thread (a model is loaded where it runs).
+/// The executor, handed over to the executor thread once (`SyncArbiter` wants a factory).
 pub type ExecutorFactory = Arc<dyn Fn() -> Result<Box<dyn Executor>, String> + Send + Sync>;
+
+/// A factory that hands over one already-built executor (a model is loaded once, before the
+/// service binds its socket, so a load error fails start-up with a clear message).
+pub fn once(executor: Box<dyn Executor>) -> ExecutorFactory {
+    let slot = std::sync::Mutex::new(Some(executor));
+    Arc::new(move || match slot.lock() {
+        Ok(mut s) => s.take().ok_or_else(|| "executor already taken (executor thread restarted)".to_string()),
+        Err(_) => Err("executor slot poisoned".to_string()),
+    })
+}
 
 /// Run one step.
 #[derive(Message)]

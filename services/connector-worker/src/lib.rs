@@ -9,7 +9,7 @@
 pub mod executor_actor;
 pub mod metrics;
 
-pub use executor_actor::{ExecutorActor, ExecutorFactory, RunStep};
+pub use executor_actor::{once, ExecutorActor, ExecutorFactory, RunStep};
 
 use actix::prelude::*;
 use pdmesh_config::{Service, Topology};

@@ -146,6 +146,9 @@ pub async fn start(
         // end the connection so the handler or SSE body is dropped and the request aborted,
         // even while no token is being written.
         .h1_allow_half_closed(false)
+        // Tokens are small writes: without TCP_NODELAY, Nagle holds each one until the
+        // client's (delayed, ~40 ms) ACK of the previous write on a kept-alive connection.
+        .tcp_nodelay(true)
         .bind((node.http_host.as_str(), node.http_port))
         .map_err(|source| FrontendError::HttpBind { addr, source })?;
     let addrs = server.addrs();

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::bail;
+use anyhow::{bail, Context as _};
 use pdmesh_config::{ModelKind, NodeConfig};
 use pdmesh_connector_worker::ExecutorFactory;
 use pdmesh_model_api::{ModelFacts, TextCodec};
@@ -51,8 +51,50 @@ pub fn load_text(node: &NodeConfig) -> anyhow::Result<LoadedText> {
                 },
             })
         }
-        ModelKind::Gguf => bail!("the gguf model kind is not available in this build"),
+        ModelKind::Gguf => {
+            let path = gguf_path(node)?;
+            let codec = pdmesh_model::GgufTextCodec::load(&path, &gguf_options(node))
+                .with_context(|| format!("loading the tokenizer of {}", path.display()))?;
+            let max_model_len = effective_max_len(node, codec.max_model_len());
+            let eos = codec.eos_token_ids().to_vec();
+            let vocab = pdmesh_model_api::TextCodec::vocab_size(&codec);
+            Ok(LoadedText {
+                codec: Arc::new(codec),
+                options: pdmesh_frontend::FrontendOptions {
+                    served_model_name: served_name(node, &path),
+                    max_model_len,
+                    vocab_size: vocab,
+                    eos_token_ids: eos,
+                },
+            })
+        }
     }
+}
+
+/// The GGUF file of a node: `model.path`, else `PDMESH_MODEL_PATH`, else the fetch cache.
+fn gguf_path(node: &NodeConfig) -> anyhow::Result<std::path::PathBuf> {
+    let path = if node.model.path.is_empty() {
+        pdmesh_model::default_model_path()
+    } else {
+        std::path::PathBuf::from(&node.model.path)
+    };
+    if !path.exists() {
+        bail!("model file {} not found: run scripts/fetch-model.sh, or set model.path / PDMESH_MODEL_PATH", path.display());
+    }
+    Ok(path)
+}
+
+fn gguf_options(node: &NodeConfig) -> pdmesh_model::ModelOptions {
+    pdmesh_model::ModelOptions { max_model_len: (node.engine.max_model_len > 0).then_some(node.engine.max_model_len) }
+}
+
+/// The name served as `model`: `model.name`, else the file name without `.gguf` and quant.
+fn served_name(node: &NodeConfig, path: &std::path::Path) -> String {
+    if !node.model.name.is_empty() {
+        return node.model.name.clone();
+    }
+    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    stem.split('.').next().unwrap_or(&stem).to_string()
 }
 
 pub fn executor_factory(node: &NodeConfig) -> anyhow::Result<(ModelFacts, ExecutorFactory)> {
@@ -63,6 +105,15 @@ pub fn executor_factory(node: &NodeConfig) -> anyhow::Result<(ModelFacts, Execut
             let factory: ExecutorFactory = Arc::new(move || Ok(Box::new(SyntheticExecutor::new(cfg.clone())) as _));
             Ok((facts, factory))
         }
-        ModelKind::Gguf => bail!("the gguf model kind is not available in this build"),
+        ModelKind::Gguf => {
+            let path = gguf_path(node)?;
+            let started = std::time::Instant::now();
+            let ex = pdmesh_model::LlamaExecutor::load(&path, &gguf_options(node))
+                .with_context(|| format!("loading {}", path.display()))?;
+            let mut facts = pdmesh_model_api::Executor::facts(&ex).clone();
+            facts.name = served_name(node, &path);
+            tracing::info!(model = %facts.name, layers = facts.num_layers, load_ms = started.elapsed().as_millis() as u64, "model loaded");
+            Ok((facts, pdmesh_connector_worker::once(Box::new(ex))))
+        }
     }
 }

@@ -97,6 +97,120 @@ pub struct NodeConfig {
     /// Router only: the frontends of prefill and decode nodes (`http://host:port`).
     #[serde(default)]
     pub router: RouterConfig,
+    /// KV transfer (vLLM's `kv_transfer_config`); absent on colocated nodes.
+    #[serde(default)]
+    pub kv_transfer: Option<KvTransferConfig>,
+}
+
+/// vLLM's `kv_transfer_config`, with pdmesh's transfer knobs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvTransferConfig {
+    /// Connector implementation: `PdConnector` (pdmesh's NIXL-like connector).
+    #[serde(default = "default_connector")]
+    pub kv_connector: String,
+    pub kv_role: KvRole,
+    /// Identity of this engine for remote peers; empty: `<node name>`.
+    #[serde(default)]
+    pub engine_id: String,
+    #[serde(default)]
+    pub kv_load_failure_policy: KvLoadFailurePolicy,
+    /// Transfer backend: `shm` (same host) or `tcp` (across hosts).
+    #[serde(default)]
+    pub backend: TransferBackendKind,
+    /// Address peers use to reach this node's side channel (handshake, leases, notices).
+    #[serde(default = "default_side_host")]
+    pub side_channel_host: String,
+    /// Side-channel port of rank 0; rank r uses `side_channel_port + r`.
+    #[serde(default = "default_side_port")]
+    pub side_channel_port: u16,
+    /// tcp backend: block-read port of rank 0; rank r uses `+ r`.
+    #[serde(default = "default_data_port")]
+    pub data_port: u16,
+    /// How long P holds blocks for a reader: a lease extended by D's heartbeats
+    /// (`kv_lease_duration_s`), or vLLM's older fixed timeout (`abort_request_timeout_s`).
+    #[serde(default)]
+    pub hold_mode: HoldMode,
+    #[serde(default = "default_lease_s")]
+    pub kv_lease_duration_s: u64,
+    #[serde(default = "default_abort_timeout_s")]
+    pub abort_request_timeout_s: u64,
+    /// Free-form extra settings (vLLM's `kv_connector_extra_config`).
+    #[serde(default)]
+    pub kv_connector_extra_config: std::collections::BTreeMap<String, String>,
+}
+
+fn default_connector() -> String {
+    "PdConnector".into()
+}
+fn default_side_host() -> String {
+    "127.0.0.1".into()
+}
+fn default_side_port() -> u16 {
+    5600
+}
+fn default_data_port() -> u16 {
+    5700
+}
+fn default_lease_s() -> u64 {
+    30
+}
+fn default_abort_timeout_s() -> u64 {
+    480
+}
+
+impl KvTransferConfig {
+    /// The hold deadline P starts with when a request finishes.
+    pub fn hold_duration(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(match self.hold_mode {
+            HoldMode::Lease => self.kv_lease_duration_s,
+            HoldMode::Fixed => self.abort_request_timeout_s,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvRole {
+    KvProducer,
+    KvConsumer,
+    KvBoth,
+}
+
+impl KvRole {
+    pub fn produces(self) -> bool {
+        matches!(self, KvRole::KvProducer | KvRole::KvBoth)
+    }
+    pub fn consumes(self) -> bool {
+        matches!(self, KvRole::KvConsumer | KvRole::KvBoth)
+    }
+}
+
+/// What D does when loading remote KV fails (vLLM's names; vLLM's default is `fail`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvLoadFailurePolicy {
+    /// Prefill the missing tokens locally; same output as a successful transfer.
+    Recompute,
+    /// End the request with finish reason `error`.
+    #[default]
+    Fail,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransferBackendKind {
+    #[default]
+    Shm,
+    Tcp,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HoldMode {
+    #[default]
+    Lease,
+    Fixed,
 }
 
 fn default_role() -> NodeRole {

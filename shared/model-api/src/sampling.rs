@@ -65,8 +65,8 @@ pub fn sample(logits: &[f32], params: &SamplingParams, output_index: u32) -> Res
 
 /// Whether `params` asks for greedy decoding.
 pub fn is_greedy(params: &SamplingParams) -> bool {
-    // `!(t > eps)` also catches NaN temperatures.
-    !(params.temperature > GREEDY_TEMPERATURE)
+    // NaN temperatures are greedy too.
+    params.temperature.is_nan() || params.temperature <= GREEDY_TEMPERATURE
 }
 
 /// Index of the largest logit; the lowest id wins ties; NaN never wins.
@@ -162,7 +162,7 @@ fn sample_random<R: Rng + ?Sized>(logits: &[f32], params: &SamplingParams, rng: 
 /// Draw an index with probability proportional to `weights` (None when they sum to zero).
 fn draw<R: Rng + ?Sized>(weights: &[f64], rng: &mut R) -> Option<usize> {
     let total: f64 = weights.iter().sum();
-    if !(total > 0.0) || !total.is_finite() {
+    if total.is_nan() || total <= 0.0 || !total.is_finite() {
         return None;
     }
     let r = rng.gen::<f64>() * total;

@@ -28,7 +28,6 @@ use crate::embedding::Embedding;
 use crate::error::ModelError;
 use crate::gguf::{sha256_file, GgufFile, LlamaConfig};
 use crate::linear::{Linear, LinearSet, MatmulCtx};
-use crate::pool::Schedule;
 use crate::ModelOptions;
 
 struct Layer {
@@ -295,11 +294,11 @@ impl LlamaExecutor {
             }
             let (kc, vc) = (&*kc, &*vc);
             // Causal attention of each token over its own request's positions 0..=pos, one
-            // (token, head) per work item; interleaved because later tokens attend further.
+            // (token, head) per work item (claimed dynamically: later tokens attend further).
             s.attn.clear();
             s.attn.resize(n * nh * hd, 0.0);
             let q = &s.q;
-            let ok = mm.pool.par_chunks_mut(&mut s.attn, hd, Schedule::Interleaved, |item, out| {
+            let ok = mm.pool.par_chunks_mut(&mut s.attn, hd, |item, out| {
                 let (t, head) = (item / nh, item % nh);
                 let tp = &plan[t];
                 let c = &chunks[tp.chunk];

@@ -245,14 +245,14 @@ impl LlamaConfig {
         if n_layers == 0 || hidden == 0 || n_heads == 0 || n_kv_heads == 0 {
             return Err(invalid("llama.*", "block_count, embedding_length and head counts must be positive"));
         }
-        if hidden % n_heads != 0 {
+        if !hidden.is_multiple_of(n_heads) {
             return Err(invalid("llama.attention.head_count", format!("{n_heads} does not divide {hidden}")));
         }
-        if n_heads % n_kv_heads != 0 {
+        if !n_heads.is_multiple_of(n_kv_heads) {
             return Err(invalid("llama.attention.head_count_kv", format!("{n_kv_heads} does not divide {n_heads}")));
         }
         let head_dim = hidden / n_heads;
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             return Err(invalid("llama.attention.head_count", format!("odd head_dim {head_dim}")));
         }
         if let Some(rope_dim) = md_u32_opt(md, "llama.rope.dimension_count")? {

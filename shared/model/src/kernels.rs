@@ -30,7 +30,7 @@
 
 use half::f16;
 
-use crate::pool::{Pool, Schedule};
+use crate::pool::{Pool, SendPtr};
 
 /// Values per quantization block (Q4_1, Q8_0 and activation blocks alike).
 pub const QK: usize = 32;
@@ -48,10 +48,11 @@ pub enum Impl {
 }
 
 impl Impl {
-    /// The best implementation for this CPU (`PDMESH_FORCE_SCALAR=1` forces the portable one).
+    /// The best implementation for this CPU (`PDMESH_MODEL_KERNELS=scalar` forces the portable
+    /// one).
     pub fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
-        if std::env::var("PDMESH_FORCE_SCALAR").as_deref() != Ok("1")
+        if std::env::var("PDMESH_MODEL_KERNELS").as_deref() != Ok("scalar")
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
         {
@@ -95,7 +96,7 @@ impl QActs {
             let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
             let mut sum = 0i32;
             for (q, &v) in qb.iter_mut().zip(xb) {
-                let r = (v * inv).round() as i8;
+                let r = round_half_away(v * inv) as i8;
                 *q = r;
                 sum += i32::from(r);
             }
@@ -103,6 +104,19 @@ impl QActs {
             *d = d16.to_f32();
             *s = (f16::from_f32(sum as f32) * d16).to_f32();
         }
+    }
+}
+
+/// `x.round()` (half away from zero, as candle uses) without the libm call, so the loop
+/// vectorises: truncate, then step away from zero when the dropped fraction is ≥ 0.5. Exact for
+/// every finite f32 (the subtraction of the truncated part is exact).
+#[inline]
+fn round_half_away(x: f32) -> f32 {
+    let t = x.trunc();
+    if (x - t).abs() >= 0.5 {
+        t + 1f32.copysign(x)
+    } else {
+        t
     }
 }
 
@@ -140,7 +154,7 @@ pub struct PackedQ8_0 {
 impl PackedQ4_1 {
     /// Repack raw GGUF Q4_1 blocks (20 bytes: f16 d, f16 m, 16 bytes of nibbles), row-major.
     pub fn from_gguf_bytes(bytes: &[u8], rows: usize, k: usize) -> Option<Self> {
-        if k % QK != 0 || bytes.len() != rows * (k / QK) * 20 {
+        if !k.is_multiple_of(QK) || bytes.len() != rows * (k / QK) * 20 {
             return None;
         }
         let nb = k / QK;
@@ -164,7 +178,7 @@ impl PackedQ4_1 {
 impl PackedQ8_0 {
     /// Repack raw GGUF Q8_0 blocks (34 bytes: f16 d, 32 × i8), row-major.
     pub fn from_gguf_bytes(bytes: &[u8], rows: usize, k: usize) -> Option<Self> {
-        if k % QK != 0 || bytes.len() != rows * (k / QK) * 34 {
+        if !k.is_multiple_of(QK) || bytes.len() != rows * (k / QK) * 34 {
             return None;
         }
         let nb = k / QK;
@@ -244,30 +258,30 @@ impl Packed {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShapeError(pub String);
 
-/// `out_t[rows, m] = W · actsᵀ` (transposed output: one row of `m` values per weight row),
-/// computed on `pool`, split over 8-row groups.
-pub fn matmul_t(w: &Packed, acts: &QActs, out_t: &mut [f32], imp: Impl, pool: &Pool) -> Result<(), ShapeError> {
+/// `out[m, rows] = acts · Wᵀ`, computed on `pool`, one 8-row group per work item.
+pub fn matmul(w: &Packed, acts: &QActs, out: &mut [f32], imp: Impl, pool: &Pool) -> Result<(), ShapeError> {
     let (rows, k, m) = (w.rows(), w.k(), acts.rows);
-    if acts.k != k || out_t.len() != rows * m || acts.qs.len() != m * k || k % QK != 0 {
-        return Err(ShapeError(format!("matmul [{rows}x{k}] x acts [{m}x{}] into {} values", acts.k, out_t.len())));
+    if acts.k != k || out.len() != rows * m || acts.qs.len() != m * k || k % QK != 0 {
+        return Err(ShapeError(format!("matmul [{rows}x{k}] x acts [{m}x{}] into {} values", acts.k, out.len())));
     }
     if m == 0 || rows == 0 {
         return Ok(());
     }
-    let ok = pool.par_chunks_mut(out_t, GROUP * m, Schedule::Contiguous, |g, chunk| {
-        let nr = chunk.len() / m;
+    let dst = SendPtr(out.as_mut_ptr());
+    let ok = pool.for_each(rows.div_ceil(GROUP), &|g| {
+        let nr = (rows - g * GROUP).min(GROUP);
         let mut t0 = 0;
         while t0 < m {
             let nt = (m - t0).min(TILE_T);
+            let tile = Tile { g, nr, t0, nt, rows, out: dst.get() };
             match imp {
-                Impl::Scalar => scalar_group(w, acts, g, nr, t0, nt, chunk),
+                // SAFETY: see `Tile`: group g < groups, t0 + nt ≤ m, out holds m·rows values;
+                // each group writes only its own columns, so work items never overlap.
+                Impl::Scalar => unsafe { scalar_group(w, acts, &tile) },
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `Impl::Avx2` is only constructed after detecting AVX2 and FMA.
-                // Group `g` exists (chunks of GROUP·m values of an out_t of rows·m values) and
-                // its packed data is complete (padding rows are zero-filled at packing);
-                // tokens t0..t0+nt ≤ m; `chunk` holds nr·m values with nr ≤ GROUP; acts holds
-                // m·k values (checked above).
-                Impl::Avx2 => unsafe { avx2::group(w, acts, g, nr, t0, nt, chunk) },
+                // SAFETY: as above, and `Impl::Avx2` is only constructed after detecting AVX2
+                // and FMA; packed groups are complete (padding rows are zero-filled).
+                Impl::Avx2 => unsafe { avx2::group(w, acts, &tile) },
             }
             t0 += nt;
         }
@@ -279,10 +293,29 @@ pub fn matmul_t(w: &Packed, acts: &QActs, out_t: &mut [f32], imp: Impl, pool: &P
     }
 }
 
-/// The portable path: candle's scalar `vec_dot` formulas for one group of rows.
-fn scalar_group(w: &Packed, a: &QActs, g: usize, nr: usize, t0: usize, nt: usize, out: &mut [f32]) {
-    let (m, k) = (a.rows, a.k);
+/// One unit of kernel work: weight rows `g·8 .. g·8+nr` × tokens `t0 .. t0+nt`, written to
+/// `out[t·rows + row]`.
+///
+/// Invariants the kernels rely on: `g < rows.div_ceil(8)`, `nr = min(8, rows − g·8)`,
+/// `nt ≤ 4`, `t0 + nt ≤ acts.rows`, and `out` points to `acts.rows · rows` writable values
+/// that no other thread writes in these columns.
+struct Tile {
+    g: usize,
+    nr: usize,
+    t0: usize,
+    nt: usize,
+    rows: usize,
+    out: *mut f32,
+}
+
+/// The portable path: candle's scalar `vec_dot` formulas for one tile.
+///
+/// # Safety
+/// The [`Tile`] invariants.
+unsafe fn scalar_group(w: &Packed, a: &QActs, tile: &Tile) {
+    let k = a.k;
     let nb = k / QK;
+    let Tile { g, nr, t0, nt, rows, out } = *tile;
     for r in 0..nr {
         for tok in t0..t0 + nt {
             let aq = &a.qs[tok * k..(tok + 1) * k];
@@ -305,7 +338,8 @@ fn scalar_group(w: &Packed, a: &QActs, g: usize, nr: usize, t0: usize, nt: usize
                     }
                 }
             }
-            out[r * m + tok] = sumf;
+            // SAFETY: tok < m and g·8 + r < rows (Tile invariants).
+            unsafe { *out.add(tok * rows + g * GROUP + r) = sumf };
         }
     }
 }
@@ -314,26 +348,26 @@ fn scalar_group(w: &Packed, a: &QActs, g: usize, nr: usize, t0: usize, nt: usize
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Packed, PackedQ4_1, PackedQ8_0, QActs, GROUP, QK};
+    use super::{Packed, PackedQ4_1, PackedQ8_0, QActs, Tile, GROUP, QK};
 
-    /// One 8-row group × tokens `t0..t0+nt` (`nt ≤ 4`) into `out` (`[nr][m]`).
+    /// One [`Tile`] with the AVX2 kernels.
     ///
     /// # Safety
-    /// AVX2 and FMA must be available; group `g` must exist in `w`; `t0 + nt ≤ a.rows`;
-    /// `a` must hold `a.rows · w.k` values; `out.len() ≥ nr · a.rows`, `nr ≤ 8`.
+    /// AVX2 and FMA must be available, `a` must hold `a.rows · w.k` values, and the [`Tile`]
+    /// invariants must hold.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn group(w: &Packed, a: &QActs, g: usize, nr: usize, t0: usize, nt: usize, out: &mut [f32]) {
+    pub(super) unsafe fn group(w: &Packed, a: &QActs, tile: &Tile) {
         // SAFETY (all arms): the preconditions are forwarded unchanged.
         unsafe {
-            match (w, nt) {
-                (Packed::Q4_1(w), 4) => q4_1_group::<4>(w, a, g, nr, t0, out),
-                (Packed::Q4_1(w), 3) => q4_1_group::<3>(w, a, g, nr, t0, out),
-                (Packed::Q4_1(w), 2) => q4_1_group::<2>(w, a, g, nr, t0, out),
-                (Packed::Q4_1(w), 1) => q4_1_group::<1>(w, a, g, nr, t0, out),
-                (Packed::Q8_0(w), 4) => q8_0_group::<4>(w, a, g, nr, t0, out),
-                (Packed::Q8_0(w), 3) => q8_0_group::<3>(w, a, g, nr, t0, out),
-                (Packed::Q8_0(w), 2) => q8_0_group::<2>(w, a, g, nr, t0, out),
-                (Packed::Q8_0(w), 1) => q8_0_group::<1>(w, a, g, nr, t0, out),
+            match (w, tile.nt) {
+                (Packed::Q4_1(w), 4) => q4_1_group::<4>(w, a, tile),
+                (Packed::Q4_1(w), 3) => q4_1_group::<3>(w, a, tile),
+                (Packed::Q4_1(w), 2) => q4_1_group::<2>(w, a, tile),
+                (Packed::Q4_1(w), 1) => q4_1_group::<1>(w, a, tile),
+                (Packed::Q8_0(w), 4) => q8_0_group::<4>(w, a, tile),
+                (Packed::Q8_0(w), 3) => q8_0_group::<3>(w, a, tile),
+                (Packed::Q8_0(w), 2) => q8_0_group::<2>(w, a, tile),
+                (Packed::Q8_0(w), 1) => q8_0_group::<1>(w, a, tile),
                 _ => {}
             }
         }
@@ -370,15 +404,17 @@ mod avx2 {
     /// # Safety
     /// As [`group`] with `nt = T`.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn q4_1_group<const T: usize>(w: &PackedQ4_1, a: &QActs, g: usize, nr: usize, t0: usize, out: &mut [f32]) {
-        let (k, m) = (a.k, a.rows);
+    unsafe fn q4_1_group<const T: usize>(w: &PackedQ4_1, a: &QActs, tile: &Tile) {
+        let k = a.k;
+        let Tile { g, nr, t0, rows, out, .. } = *tile;
         let nb = k / QK;
         let mask = _mm_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); T];
         // SAFETY: group g has nb blocks of GROUP rows: qs has 16 bytes, d/m one f32 per (block,
         // row), so every offset below is < (g+1)·nb·GROUP·{16,1}; token rows t0..t0+T < m, so
-        // activation offsets are < m·k (qs) and < m·nb (d, s). All loads are unaligned loads.
+        // activation offsets are < m·k (qs) and < m·nb (d, s); output offsets are
+        // (t0+t)·rows + g·8 + r with r < nr (Tile invariants). Loads/stores are unaligned.
         unsafe {
             let wq = w.qs.as_ptr().add(g * nb * GROUP * 16);
             let wd = w.d.as_ptr().add(g * nb * GROUP);
@@ -409,10 +445,15 @@ mod avx2 {
                 }
             }
             for (t, acc_t) in acc.iter().enumerate() {
-                let mut lanes = [0f32; GROUP];
-                _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_t);
-                for (r, &v) in lanes.iter().enumerate().take(nr) {
-                    *out.get_unchecked_mut(r * m + t0 + t) = v;
+                let dst = out.add((t0 + t) * rows + g * GROUP);
+                if nr == GROUP {
+                    _mm256_storeu_ps(dst, *acc_t);
+                } else {
+                    let mut lanes = [0f32; GROUP];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_t);
+                    for (r, &v) in lanes.iter().enumerate().take(nr) {
+                        *dst.add(r) = v;
+                    }
                 }
             }
         }
@@ -421,8 +462,9 @@ mod avx2 {
     /// # Safety
     /// As [`group`] with `nt = T`.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn q8_0_group<const T: usize>(w: &PackedQ8_0, a: &QActs, g: usize, nr: usize, t0: usize, out: &mut [f32]) {
-        let (k, m) = (a.k, a.rows);
+    unsafe fn q8_0_group<const T: usize>(w: &PackedQ8_0, a: &QActs, tile: &Tile) {
+        let k = a.k;
+        let Tile { g, nr, t0, rows, out, .. } = *tile;
         let nb = k / QK;
         let ones = _mm256_set1_epi16(1);
         // SAFETY: as in `q4_1_group`, with 32 weight bytes per (block, row).
@@ -455,7 +497,7 @@ mod avx2 {
                 for (r, acc_r) in acc.iter().enumerate() {
                     if r0 + r < nr {
                         for (t, v) in acc_r.iter().enumerate() {
-                            *out.get_unchecked_mut((r0 + r) * m + t0 + t) = hsum_f32(*v);
+                            *out.add((t0 + t) * rows + g * GROUP + r0 + r) = hsum_f32(*v);
                         }
                     }
                 }
@@ -520,15 +562,8 @@ mod tests {
         let (rows, k) = (w.rows(), w.k());
         let mut a = QActs::default();
         a.quantize(x, m, k);
-        let mut out_t = vec![0f32; rows * m];
-        matmul_t(w, &a, &mut out_t, imp, pool).unwrap();
-        // back to [m, rows]
         let mut out = vec![0f32; m * rows];
-        for r in 0..rows {
-            for t in 0..m {
-                out[t * rows + r] = out_t[r * m + t];
-            }
-        }
+        matmul(w, &a, &mut out, imp, pool).unwrap();
         out
     }
 
@@ -610,12 +645,23 @@ mod tests {
     }
 
     #[test]
+    fn rounding_matches_std() {
+        for i in -3000..3000 {
+            let x = i as f32 * 0.0625 + 0.001 * (i % 7) as f32;
+            assert_eq!(round_half_away(x), x.round(), "{x}");
+        }
+        for x in [0.5f32, -0.5, 1.5, -1.5, 2.5, 126.5, -127.49999, 0.49999997, -0.0] {
+            assert_eq!(round_half_away(x).to_bits(), x.round().to_bits(), "{x}");
+        }
+    }
+
+    #[test]
     fn bad_shapes_are_errors() {
         let w = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&q4_1_bytes(8, 64, 1), 8, 64).unwrap());
         let mut a = QActs::default();
         a.quantize(&acts(2, 32, 1), 2, 32);
         let mut out = vec![0f32; 16];
-        assert!(matmul_t(&w, &a, &mut out, Impl::detect(), &Pool::new(1)).is_err());
+        assert!(matmul(&w, &a, &mut out, Impl::detect(), &Pool::new(1)).is_err());
         assert!(PackedQ4_1::from_gguf_bytes(&[0u8; 19], 1, 32).is_none());
     }
 }

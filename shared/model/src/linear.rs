@@ -40,13 +40,12 @@ pub(crate) struct MatmulCtx {
     pub pool: Pool,
     pub imp: Impl,
     acts: QActs,
-    out_t: Vec<f32>,
     fused: Vec<f32>,
 }
 
 impl MatmulCtx {
     pub fn new(threads: usize) -> Self {
-        Self { pool: Pool::new(threads), imp: Impl::detect(), acts: QActs::default(), out_t: Vec::new(), fused: Vec::new() }
+        Self { pool: Pool::new(threads), imp: Impl::detect(), acts: QActs::default(), fused: Vec::new() }
     }
 }
 
@@ -61,8 +60,11 @@ impl Linear {
             [r, c] => (*r, *c),
             other => return Err(bad(format!("expected a matrix, got {other:?}"))),
         };
+        // PDMESH_MODEL_KERNELS=candle: use candle's QMatMul for everything (same bits, slower;
+        // for comparisons and as an escape hatch).
+        let candle_only = std::env::var("PDMESH_MODEL_KERNELS").as_deref() == Ok("candle");
         let packed = match qt.dtype() {
-            GgmlDType::Q4_1 | GgmlDType::Q8_0 => {
+            GgmlDType::Q4_1 | GgmlDType::Q8_0 if !candle_only => {
                 let raw = qt.data().map_err(|e| bad(e.to_string()))?;
                 match qt.dtype() {
                     GgmlDType::Q4_1 => PackedQ4_1::from_gguf_bytes(&raw, rows, cols).map(Packed::Q4_1),
@@ -101,18 +103,7 @@ impl Linear {
         out.clear();
         out.resize(m * rows, 0.0);
         match self {
-            Linear::Packed(p) => {
-                ctx.out_t.clear();
-                ctx.out_t.resize(rows * m, 0.0);
-                kernels::matmul_t(p, &ctx.acts, &mut ctx.out_t, ctx.imp, &ctx.pool).map_err(|e| model_err(e.0))?;
-                // [rows, m] -> [m, rows]
-                for (r, col) in ctx.out_t.chunks_exact(m).enumerate() {
-                    for (t, &v) in col.iter().enumerate() {
-                        out[t * rows + r] = v;
-                    }
-                }
-                Ok(())
-            }
+            Linear::Packed(p) => kernels::matmul(p, &ctx.acts, out, ctx.imp, &ctx.pool).map_err(|e| model_err(e.0)),
             Linear::Candle { cols, qmm, .. } => {
                 let xt = Tensor::from_slice(x, (m, *cols), &Device::Cpu).map_err(model_err)?;
                 let y = qmm.forward(&xt).and_then(|y| y.flatten_all()).and_then(|y| y.to_vec1::<f32>()).map_err(model_err)?;

@@ -1,63 +1,63 @@
 //! A tiny persistent thread pool for the forward pass.
 //!
-//! Why not `std::thread::scope` per matmul: a decode step runs ~250 parallel regions
-//! (7 matmuls and attention in each of 30 layers); spawning and joining threads for each costs
+//! Why not `std::thread::scope` per matmul: a decode step runs ~150 parallel regions (four
+//! matmuls and attention in each of 30 layers); spawning and joining threads for each costs
 //! tens of microseconds, a sizeable share of a ~6 ms step. Here `n - 1` workers live as long as
 //! the executor, spin briefly after each job (the next region usually follows within
 //! microseconds) and then sleep on a condvar, so an idle worker burns no CPU.
 //!
-//! The calling thread takes part as thread 0. A job is a borrowed closure; the pool hands it to
-//! the workers by erasing its lifetime, which is sound because [`Pool::run`] does not return
-//! until every worker has finished with it (that is the one `unsafe` idea here).
+//! Work is claimed dynamically (an atomic counter over work items) and a worker only *joins* a
+//! job while it is still open. So when the machine is oversubscribed and a worker is not
+//! scheduled in time, the calling thread (thread 0) simply does all the items itself and never
+//! waits for a worker that has not started; it waits only for items a worker actually claimed.
+//! Results never depend on which thread ran an item.
+//!
+//! A job is a borrowed closure; the pool shows it to the workers by erasing its lifetime,
+//! which is sound because [`Pool::for_each`] does not return before the job is closed and no
+//! worker that joined it is still running (that is the one `unsafe` idea here).
 
 #![allow(unsafe_code)]
 
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How long an idle worker spins for the next job before it sleeps.
-const SPIN: Duration = Duration::from_micros(300);
+const SPIN: Duration = Duration::from_micros(200);
 
-type Job = dyn Fn(usize) + Sync;
+/// `state` layout: job sequence number in the high 32 bits, an "open" flag at bit 31, and the
+/// number of workers inside the job in the low 31 bits.
+const OPEN: u64 = 1 << 31;
+const ACTIVE_MASK: u64 = OPEN - 1;
+
+type Job = dyn Fn() + Sync;
 
 struct Shared {
-    /// The current job, valid while `pending > 0` for the workers' epoch.
+    /// The current job; valid while the state says "open" or any worker is active.
     job: UnsafeCell<Option<*const Job>>,
-    epoch: AtomicUsize,
-    pending: AtomicUsize,
+    state: AtomicU64,
     sleepers: AtomicUsize,
     shutdown: AtomicBool,
-    panicked: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
 }
 
-// SAFETY: `job` is written only by the owning thread while no worker reads it (between jobs,
-// when `pending == 0`), and read by workers only after observing the new epoch (Acquire),
-// which happens-after the write (Release/SeqCst on `epoch`). The pointee is `Sync`.
+// SAFETY: `job` is written only by the pool's owner while no worker can read it (no job is
+// open and no worker is active), and read by a worker only after it joined an open job, which
+// the owner waits for before touching `job` again. The pointee is `Sync`.
 unsafe impl Sync for Shared {}
 // SAFETY: as above; the raw pointer is only dereferenced under that protocol.
 unsafe impl Send for Shared {}
-
-/// How [`Pool::par_chunks_mut`] assigns chunks to threads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Schedule {
-    /// Thread `i` gets the `i`-th contiguous range of chunks (uniform work; no false sharing).
-    Contiguous,
-    /// Chunk `c` goes to thread `c % n` (work that grows along the data, like causal attention).
-    Interleaved,
-}
 
 /// A fixed set of threads that run one job at a time.
 pub struct Pool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     n_threads: usize,
-    /// Serialises `run` (the pool is shared by reference; one job at a time).
+    /// Serialises jobs (the pool is used through `&self`).
     run_lock: Mutex<()>,
 }
 
@@ -82,18 +82,16 @@ impl Pool {
     pub fn new(n_threads: usize) -> Self {
         let shared = Arc::new(Shared {
             job: UnsafeCell::new(None),
-            epoch: AtomicUsize::new(0),
-            pending: AtomicUsize::new(0),
+            state: AtomicU64::new(0),
             sleepers: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
-            panicked: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
         });
         let mut workers = Vec::new();
         for tid in 1..n_threads.max(1) {
             let s = Arc::clone(&shared);
-            match std::thread::Builder::new().name(format!("pdmesh-model-{tid}")).spawn(move || worker(&s, tid)) {
+            match std::thread::Builder::new().name(format!("pdmesh-model-{tid}")).spawn(move || worker(&s)) {
                 Ok(h) => workers.push(h),
                 Err(e) => {
                     tracing::warn!(error = %e, "could not spawn model worker thread; running with fewer threads");
@@ -109,90 +107,107 @@ impl Pool {
         self.n_threads
     }
 
-    /// Run `f(thread_index)` on every thread of the pool (the caller is thread 0) and wait for
-    /// all of them. Returns false if `f` panicked on some thread.
-    pub fn run(&self, f: &(dyn Fn(usize) + Sync)) -> bool {
-        if self.workers.is_empty() {
-            return catch_unwind(AssertUnwindSafe(|| f(0))).is_ok();
+    /// Call `f(item)` for every `item` in `0..n_items`, spread over the pool's threads in
+    /// claims of consecutive items. Returns false if `f` panicked.
+    pub fn for_each(&self, n_items: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
+        if n_items == 0 {
+            return true;
         }
+        // ~8 claims per thread: few enough atomics, small enough to balance uneven items
+        let unit = (n_items / (8 * self.n_threads)).max(1);
+        let next = AtomicUsize::new(0);
+        let panicked = AtomicBool::new(false);
+        let body = || {
+            let r = catch_unwind(AssertUnwindSafe(|| loop {
+                let start = next.fetch_add(unit, Ordering::Relaxed);
+                if start >= n_items {
+                    break;
+                }
+                for item in start..(start + unit).min(n_items) {
+                    f(item);
+                }
+            }));
+            if r.is_err() {
+                panicked.store(true, Ordering::Relaxed);
+            }
+        };
+        if self.workers.is_empty() || n_items == 1 {
+            body();
+        } else {
+            self.run(&body);
+        }
+        !panicked.load(Ordering::Relaxed)
+    }
+
+    /// Publish `job`, run it on this thread too, close it, and wait for the workers in it.
+    fn run(&self, job: &(dyn Fn() + Sync)) {
         let _one_at_a_time = self.run_lock.lock().unwrap_or_else(|p| p.into_inner());
         let s = &*self.shared;
-        // SAFETY: erase the borrow's lifetime so workers can see it. No worker touches it after
-        // `pending` reaches 0, and we do not return before that, so it never outlives `f`.
-        let erased: *const Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Job>(f) };
-        // SAFETY: no job is in flight (pending == 0, see the wait below), so no worker reads `job`.
+        // SAFETY: erase the borrow's lifetime so workers can see it. Workers only read it after
+        // joining the open job, and we do not return before the job is closed and no worker
+        // is active, so it never outlives `job`.
+        let erased: *const Job = unsafe { std::mem::transmute::<&(dyn Fn() + Sync), &'static Job>(job) };
+        // SAFETY: no job is open and no worker is active (see the end of this function).
         unsafe { *s.job.get() = Some(erased) };
-        s.pending.store(self.workers.len(), Ordering::SeqCst);
-        s.epoch.fetch_add(1, Ordering::SeqCst);
+        let seq = (s.state.load(Ordering::SeqCst) >> 32).wrapping_add(1) & 0xFFFF_FFFF;
+        s.state.store((seq << 32) | OPEN, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = s.lock.lock().unwrap_or_else(|p| p.into_inner());
             s.wake.notify_all();
         }
-        let ok_here = catch_unwind(AssertUnwindSafe(|| f(0))).is_ok();
+        job();
+        // Close: late workers will no longer join.
+        let closed = s.state.fetch_and(!OPEN, Ordering::SeqCst) & !OPEN;
+        // Wait for the workers that joined (they are running items they claimed).
+        let mut active = closed & ACTIVE_MASK;
         let mut spins = 0u32;
-        while s.pending.load(Ordering::Acquire) > 0 {
+        while active > 0 {
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 {
+            if spins.is_multiple_of(256) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
             }
+            active = s.state.load(Ordering::Acquire) & ACTIVE_MASK;
         }
-        // SAFETY: every worker finished the job (pending == 0).
+        // SAFETY: closed and no worker active: nobody can read `job` any more.
         unsafe { *s.job.get() = None };
-        let ok_workers = !s.panicked.swap(false, Ordering::SeqCst);
-        ok_here && ok_workers
     }
 
     /// Split `data` into chunks of `chunk` elements (the last may be shorter) and call
     /// `f(chunk_index, chunk)` for each, in parallel. Returns false if `f` panicked.
-    pub fn par_chunks_mut<T: Send>(
-        &self,
-        data: &mut [T],
-        chunk: usize,
-        schedule: Schedule,
-        f: impl Fn(usize, &mut [T]) + Sync,
-    ) -> bool {
+    pub fn par_chunks_mut<T: Send>(&self, data: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) -> bool {
         let chunk = chunk.max(1);
         let len = data.len();
-        let n_chunks = len.div_ceil(chunk);
-        let nt = self.n_threads.min(n_chunks).max(1);
         let base = SendPtr(data.as_mut_ptr());
-        let body = |tid: usize| {
-            if tid >= nt {
-                return;
-            }
-            let mut each = |c: usize| {
-                let start = c * chunk;
-                let end = (start + chunk).min(len);
-                // SAFETY: chunk `c` covers `start..end`, inside `data` (end ≤ len), and every
-                // chunk index is visited by exactly one thread, so the slices are disjoint;
-                // `data` is exclusively borrowed for the whole call.
-                let part = unsafe { std::slice::from_raw_parts_mut(base.get().add(start), end - start) };
-                f(c, part);
-            };
-            match schedule {
-                Schedule::Contiguous => (n_chunks * tid / nt..n_chunks * (tid + 1) / nt).for_each(&mut each),
-                Schedule::Interleaved => (tid..n_chunks).step_by(nt).for_each(&mut each),
-            }
-        };
-        self.run(&body)
+        self.for_each(len.div_ceil(chunk), &|c| {
+            let start = c * chunk;
+            let end = (start + chunk).min(len);
+            // SAFETY: chunk `c` covers `start..end` inside `data` (end ≤ len); `for_each` visits
+            // every chunk index exactly once, so the slices are disjoint; `data` is exclusively
+            // borrowed for the whole call.
+            let part = unsafe { std::slice::from_raw_parts_mut(base.get().add(start), end - start) };
+            f(c, part);
+        })
     }
 }
 
-struct SendPtr<T>(*mut T);
+/// A raw pointer that may be shared between the pool's threads (each writes disjoint parts).
+pub(crate) struct SendPtr<T>(pub *mut T);
 impl<T> SendPtr<T> {
-    fn get(&self) -> *mut T {
+    pub fn get(&self) -> *mut T {
         self.0
     }
 }
-// SAFETY: the pointer is only used to build disjoint sub-slices of a `&mut [T]` with `T: Send`.
+// SAFETY: only used to write disjoint elements of a `&mut [T]` (with `T: Send`) from the
+// pool's threads while the slice is exclusively borrowed.
 unsafe impl<T: Send> Sync for SendPtr<T> {}
 
 impl Drop for Pool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::SeqCst);
-        self.shared.epoch.fetch_add(1, Ordering::SeqCst);
+        // bump the sequence so spinning workers look again
+        self.shared.state.fetch_add(1 << 32, Ordering::SeqCst);
         {
             let _g = self.shared.lock.lock().unwrap_or_else(|p| p.into_inner());
             self.shared.wake.notify_all();
@@ -203,18 +218,19 @@ impl Drop for Pool {
     }
 }
 
-fn worker(s: &Shared, tid: usize) {
-    let mut seen = s.epoch.load(Ordering::SeqCst);
+fn worker(s: &Shared) {
+    // The sequence the pool was created with: a job published before this thread first ran
+    // is still joined if it is open.
+    let mut seen = 0u64;
     loop {
-        // Spin a little: the next job usually follows within microseconds.
         let start = Instant::now();
         let mut spins = 0u32;
-        while s.epoch.load(Ordering::Acquire) == seen {
+        while s.state.load(Ordering::Acquire) >> 32 == seen {
             spins = spins.wrapping_add(1);
-            if spins % 64 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(64) && start.elapsed() > SPIN {
                 let mut g = s.lock.lock().unwrap_or_else(|p| p.into_inner());
                 s.sleepers.fetch_add(1, Ordering::SeqCst);
-                while s.epoch.load(Ordering::SeqCst) == seen {
+                while s.state.load(Ordering::SeqCst) >> 32 == seen && !s.shutdown.load(Ordering::SeqCst) {
                     g = s.wake.wait(g).unwrap_or_else(|p| p.into_inner());
                 }
                 s.sleepers.fetch_sub(1, Ordering::SeqCst);
@@ -222,21 +238,31 @@ fn worker(s: &Shared, tid: usize) {
             }
             std::hint::spin_loop();
         }
-        seen = s.epoch.load(Ordering::Acquire);
         if s.shutdown.load(Ordering::SeqCst) {
             return;
         }
-        // SAFETY: a new epoch with pending > 0 means `job` holds a live pointer until we
-        // decrement `pending` (see `Pool::run`).
-        let job = unsafe { *s.job.get() };
-        if let Some(job) = job {
-            // SAFETY: as above, the closure outlives this call.
-            let f = unsafe { &*job };
-            if catch_unwind(AssertUnwindSafe(|| f(tid))).is_err() {
-                s.panicked.store(true, Ordering::SeqCst);
+        let mut st = s.state.load(Ordering::Acquire);
+        seen = st >> 32;
+        // Join only if this job is still open.
+        let joined = loop {
+            if st >> 32 != seen || st & OPEN == 0 {
+                break false;
             }
+            match s.state.compare_exchange_weak(st, st + 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break true,
+                Err(now) => st = now,
+            }
+        };
+        if joined {
+            // SAFETY: we joined an open job; the owner keeps the closure alive and `job` set
+            // until we leave (decrement below).
+            if let Some(job) = unsafe { *s.job.get() } {
+                // SAFETY: as above.
+                let f = unsafe { &*job };
+                f();
+            }
+            s.state.fetch_sub(1, Ordering::Release);
         }
-        s.pending.fetch_sub(1, Ordering::Release);
     }
 }
 
@@ -247,35 +273,45 @@ mod tests {
     #[test]
     fn every_chunk_once() {
         let pool = Pool::new(3);
-        for schedule in [Schedule::Contiguous, Schedule::Interleaved] {
-            for len in [0usize, 1, 7, 64, 1000] {
-                let mut v = vec![0u32; len];
-                assert!(pool.par_chunks_mut(&mut v, 7, schedule, |c, part| {
-                    for (i, x) in part.iter_mut().enumerate() {
-                        *x += (c * 7 + i) as u32 + 1;
-                    }
-                }));
-                assert!(v.iter().enumerate().all(|(i, &x)| x == i as u32 + 1));
-            }
+        for len in [0usize, 1, 7, 64, 1000] {
+            let mut v = vec![0u32; len];
+            assert!(pool.par_chunks_mut(&mut v, 7, |c, part| {
+                for (i, x) in part.iter_mut().enumerate() {
+                    *x += (c * 7 + i) as u32 + 1;
+                }
+            }));
+            assert!(v.iter().enumerate().all(|(i, &x)| x == i as u32 + 1));
         }
         // many small jobs in a row (the decode pattern)
         let mut v = vec![0u64; 64];
-        for _ in 0..2000 {
-            pool.par_chunks_mut(&mut v, 8, Schedule::Contiguous, |_, p| p.iter_mut().for_each(|x| *x += 1));
+        for _ in 0..5000 {
+            pool.par_chunks_mut(&mut v, 8, |_, p| p.iter_mut().for_each(|x| *x += 1));
         }
-        assert!(v.iter().all(|&x| x == 2000));
+        assert!(v.iter().all(|&x| x == 5000));
     }
 
     #[test]
-    fn a_panicking_job_is_reported() {
+    fn more_threads_than_cores_still_finish() {
+        let pool = Pool::new(16);
+        let sum = AtomicUsize::new(0);
+        for _ in 0..200 {
+            assert!(pool.for_each(100, &|i| {
+                sum.fetch_add(i, Ordering::Relaxed);
+            }));
+        }
+        assert_eq!(sum.load(Ordering::Relaxed), 200 * 4950);
+    }
+
+    #[test]
+    fn a_panicking_item_is_reported() {
         let pool = Pool::new(2);
-        let ok = pool.run(&|tid| {
-            if tid == 1 {
+        let ok = pool.for_each(64, &|i| {
+            if i == 40 {
                 std::panic::panic_any("boom");
             }
         });
         assert!(!ok);
         // and the pool keeps working
-        assert!(pool.run(&|_| {}));
+        assert!(pool.for_each(64, &|_| {}));
     }
 }

@@ -1,5 +1,6 @@
 //! Batch invariance: a request's greedy tokens do not depend on what it is batched with or on
 //! how its prefill is split into chunks across steps.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test/bench code: fail loudly
 
 mod common;
 

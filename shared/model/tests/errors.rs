@@ -1,4 +1,5 @@
 //! Bad files and bad steps give typed errors, never panics.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test/bench code: fail loudly
 
 mod common;
 

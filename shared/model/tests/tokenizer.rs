@@ -1,4 +1,5 @@
 //! The tokenizer and chat template rebuilt from GGUF metadata.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test/bench code: fail loudly
 
 mod common;
 

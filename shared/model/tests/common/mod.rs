@@ -1,5 +1,5 @@
 //! Shared helpers for the model tests: finding the model file and a tiny step scheduler.
-#![allow(dead_code)]
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test helpers: fail loudly
 
 use std::collections::HashMap;
 use std::path::PathBuf;

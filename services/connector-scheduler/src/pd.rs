@@ -1,0 +1,307 @@
+//! `PdConnector`: the scheduler side of pdmesh's P/D connector (vLLM's
+//! `NixlConnectorScheduler` semantics, across a process boundary).
+//!
+//! vLLM mutates the request's `kv_transfer_params` in place (e.g. clears `do_remote_prefill`
+//! the first time it is acted on). Here the params travel by value on every call, so the
+//! connector keeps its own per-request record of what it already acted on; that record is
+//! dropped in `request_finished`, which the engine calls exactly once per request.
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use pdmesh_protocol::{FinishedStatus, KvConnectorMetadata, KvConnectorOutput, KvTransferParams, RecvRequest};
+
+use crate::connector::KvConnectorScheduler;
+
+/// Where P's blocks can be read from: what goes into the params P returns.
+#[derive(Debug, Clone)]
+pub struct ProducerIdentity {
+    pub engine_id: String,
+    pub side_channel_host: String,
+    pub side_channel_port: u16,
+    pub dp_rank: u32,
+}
+
+/// Counters for the connector's decisions (exported as metrics by the service).
+#[derive(Debug, Default, Clone)]
+pub struct PdCounters {
+    pub remote_prefills: u64,
+    pub notify_only_recvs: u64,
+    pub invalid_params: u64,
+    pub holds_started: u64,
+    pub not_processed: u64,
+}
+
+#[derive(Debug, Default)]
+struct ReqState {
+    params: Option<KvTransferParams>,
+    /// `do_remote_prefill` was acted on (a receive was enqueued): never again.
+    remote_prefill_consumed: bool,
+}
+
+#[derive(Debug)]
+pub struct PdConnector {
+    producer: Option<ProducerIdentity>,
+    consumer: bool,
+    hold: Duration,
+    reqs: HashMap<String, ReqState>,
+    need_recv: Vec<RecvRequest>,
+    need_send: Vec<(String, u64)>,
+    in_batch: Vec<String>,
+    not_processed: Vec<String>,
+    pub counters: PdCounters,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// Params a consumer can act on: every `remote_*` field that a read needs is present.
+pub fn params_complete(p: &KvTransferParams) -> bool {
+    p.remote_engine_id.is_some()
+        && p.remote_request_id.is_some()
+        && p.remote_block_ids.is_some()
+        && p.remote_host.is_some()
+        && p.remote_port.is_some()
+}
+
+impl PdConnector {
+    /// `producer`: set on P (and `kv_both`); `consumer`: D (and `kv_both`); `hold`: the hold
+    /// deadline P starts with.
+    pub fn new(producer: Option<ProducerIdentity>, consumer: bool, hold: Duration) -> Self {
+        Self {
+            producer,
+            consumer,
+            hold,
+            reqs: HashMap::new(),
+            need_recv: Vec::new(),
+            need_send: Vec::new(),
+            in_batch: Vec::new(),
+            not_processed: Vec::new(),
+            counters: PdCounters::default(),
+        }
+    }
+
+    fn wants_remote_prefill(&self, id: &str) -> Option<&KvTransferParams> {
+        let st = self.reqs.get(id)?;
+        let p = st.params.as_ref()?;
+        (self.consumer && p.wants_remote_prefill() && !st.remote_prefill_consumed).then_some(p)
+    }
+}
+
+impl KvConnectorScheduler for PdConnector {
+    fn get_num_new_matched_tokens(
+        &mut self,
+        request_id: &str,
+        num_prompt_tokens: u32,
+        num_computed_tokens: u32,
+        params: Option<&KvTransferParams>,
+    ) -> (Option<u32>, bool) {
+        let st = self.reqs.entry(request_id.to_string()).or_default();
+        if st.params.is_none() {
+            st.params = params.cloned();
+        }
+        let Some(p) = self.wants_remote_prefill(request_id) else { return (Some(0), false) };
+        if !params_complete(p) {
+            self.counters.invalid_params += 1;
+            tracing::warn!(request_id, "do_remote_prefill without the remote_* fields: computing locally");
+            return (Some(0), false);
+        }
+        // The last prompt token is always computed locally (it yields the first logits); the
+        // engine enforces that when the load completes.
+        let count = num_prompt_tokens.saturating_sub(num_computed_tokens);
+        if count == 0 {
+            return (Some(0), false);
+        }
+        (Some(count), true)
+    }
+
+    fn update_state_after_alloc(&mut self, request_id: &str, block_ids: &[u32], num_external_tokens: u32) {
+        if let Some(p) = self.wants_remote_prefill(request_id).cloned() {
+            if params_complete(&p) {
+                self.counters.remote_prefills += 1;
+                let local = if num_external_tokens > 0 { block_ids.to_vec() } else { Vec::new() };
+                self.need_recv.push(RecvRequest { request_id: request_id.to_string(), local_block_ids: local, params: p });
+            }
+            if let Some(st) = self.reqs.get_mut(request_id) {
+                st.remote_prefill_consumed = true;
+            }
+        }
+        let decode_remotely = self
+            .reqs
+            .get(request_id)
+            .and_then(|s| s.params.as_ref())
+            .is_some_and(KvTransferParams::wants_remote_decode);
+        if self.producer.is_some() && decode_remotely {
+            self.in_batch.push(request_id.to_string());
+        }
+    }
+
+    fn build_connector_meta(&mut self, _step_id: u64) -> KvConnectorMetadata {
+        KvConnectorMetadata {
+            reqs_to_recv: std::mem::take(&mut self.need_recv),
+            reqs_to_send: std::mem::take(&mut self.need_send),
+            reqs_in_batch: std::mem::take(&mut self.in_batch),
+            reqs_not_processed: std::mem::take(&mut self.not_processed),
+        }
+    }
+
+    fn request_finished(
+        &mut self,
+        request_id: &str,
+        status: FinishedStatus,
+        block_ids: &[u32],
+        params: Option<&KvTransferParams>,
+    ) -> (bool, Option<KvTransferParams>) {
+        let st = self.reqs.remove(request_id).unwrap_or_default();
+        let Some(p) = st.params.or_else(|| params.cloned()) else { return (false, None) };
+
+        // D: finished before the receive was ever enqueued (abort while waiting, or a
+        // rejection): tell P it can free, with a notify-only receive (no local blocks).
+        if self.consumer && p.wants_remote_prefill() && !st.remote_prefill_consumed {
+            if params_complete(&p) {
+                self.counters.notify_only_recvs += 1;
+                self.need_recv.push(RecvRequest { request_id: request_id.to_string(), local_block_ids: Vec::new(), params: p });
+            } else {
+                self.counters.invalid_params += 1;
+            }
+            return (false, None);
+        }
+        if !p.wants_remote_decode() {
+            return (false, None);
+        }
+        let Some(producer) = &self.producer else { return (false, None) };
+        // P: only a normal end of prefill hands blocks to a reader.
+        if !matches!(status, FinishedStatus::LengthCapped | FinishedStatus::Stopped) {
+            self.counters.not_processed += 1;
+            self.not_processed.push(request_id.to_string());
+            return (false, None);
+        }
+        let delay = !block_ids.is_empty();
+        if delay {
+            self.counters.holds_started += 1;
+            self.need_send.push((request_id.to_string(), now_ms() + self.hold.as_millis() as u64));
+        }
+        let out = KvTransferParams {
+            do_remote_prefill: Some(true),
+            do_remote_decode: Some(false),
+            remote_engine_id: Some(producer.engine_id.clone()),
+            remote_request_id: Some(request_id.to_string()),
+            remote_block_ids: Some(block_ids.to_vec()),
+            remote_host: Some(producer.side_channel_host.clone()),
+            remote_port: Some(producer.side_channel_port),
+            tp_size: Some(1),
+            remote_block_generations: None,
+            remote_dp_rank: Some(producer.dp_rank),
+        };
+        (delay, Some(out))
+    }
+
+    fn update_connector_output(&mut self, _output: &KvConnectorOutput) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn producer() -> PdConnector {
+        PdConnector::new(
+            Some(ProducerIdentity {
+                engine_id: "p0".into(),
+                side_channel_host: "10.0.0.1".into(),
+                side_channel_port: 5600,
+                dp_rank: 0,
+            }),
+            false,
+            Duration::from_secs(30),
+        )
+    }
+
+    fn consumer() -> PdConnector {
+        PdConnector::new(None, true, Duration::from_secs(30))
+    }
+
+    fn remote_params() -> KvTransferParams {
+        KvTransferParams {
+            do_remote_prefill: Some(true),
+            remote_engine_id: Some("p0".into()),
+            remote_request_id: Some("req-1".into()),
+            remote_block_ids: Some(vec![4, 5, 6]),
+            remote_host: Some("10.0.0.1".into()),
+            remote_port: Some(5600),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn consumer_loads_async_once_then_reads_into_allocated_blocks() {
+        let mut c = consumer();
+        let p = remote_params();
+        assert_eq!(c.get_num_new_matched_tokens("r", 40, 0, Some(&p)), (Some(40), true));
+        c.update_state_after_alloc("r", &[1, 2, 3], 40);
+        let meta = c.build_connector_meta(1);
+        assert_eq!(meta.reqs_to_recv.len(), 1);
+        assert_eq!(meta.reqs_to_recv[0].local_block_ids, vec![1, 2, 3]);
+        // acted on once: a second query (e.g. after preemption) computes locally
+        assert_eq!(c.get_num_new_matched_tokens("r", 40, 0, Some(&p)), (Some(0), false));
+        assert!(c.build_connector_meta(2).reqs_to_recv.is_empty(), "metadata is drained each step");
+        // normal D finish after the transfer: no params, no delay, no extra receive
+        assert_eq!(c.request_finished("r", FinishedStatus::Stopped, &[1, 2, 3], Some(&p)), (false, None));
+        assert!(c.build_connector_meta(3).is_empty());
+    }
+
+    #[test]
+    fn abort_before_scheduling_enqueues_a_notify_only_receive() {
+        let mut c = consumer();
+        let p = remote_params();
+        assert_eq!(c.get_num_new_matched_tokens("r", 40, 0, Some(&p)), (Some(40), true));
+        // aborted while still waiting: never allocated
+        assert_eq!(c.request_finished("r", FinishedStatus::Aborted, &[], Some(&p)), (false, None));
+        let meta = c.build_connector_meta(1);
+        assert_eq!(meta.reqs_to_recv.len(), 1);
+        assert!(meta.reqs_to_recv[0].local_block_ids.is_empty(), "notify only, with P's request id");
+        assert_eq!(meta.reqs_to_recv[0].params.remote_request_id.as_deref(), Some("req-1"));
+    }
+
+    #[test]
+    fn missing_remote_fields_are_ignored_and_counted() {
+        let mut c = consumer();
+        let mut p = remote_params();
+        p.remote_block_ids = None;
+        assert_eq!(c.get_num_new_matched_tokens("r", 40, 0, Some(&p)), (Some(0), false));
+        c.update_state_after_alloc("r", &[1], 0);
+        assert!(c.build_connector_meta(1).reqs_to_recv.is_empty());
+        assert_eq!(c.counters.invalid_params, 1);
+    }
+
+    #[test]
+    fn producer_holds_blocks_and_returns_the_params_d_needs() {
+        let mut c = producer();
+        let p = KvTransferParams { do_remote_decode: Some(true), ..Default::default() };
+        assert_eq!(c.get_num_new_matched_tokens("r", 40, 0, Some(&p)), (Some(0), false));
+        c.update_state_after_alloc("r", &[7, 8, 9], 0);
+        assert_eq!(c.build_connector_meta(1).reqs_in_batch, vec!["r".to_string()]);
+        let (delay, out) = c.request_finished("r", FinishedStatus::LengthCapped, &[7, 8, 9], Some(&p));
+        assert!(delay);
+        let out = out.unwrap();
+        assert_eq!(out.do_remote_prefill, Some(true));
+        assert_eq!(out.remote_block_ids, Some(vec![7, 8, 9]));
+        assert_eq!(out.remote_request_id.as_deref(), Some("r"));
+        assert_eq!(out.remote_port, Some(5600));
+        let meta = c.build_connector_meta(2);
+        assert_eq!(meta.reqs_to_send.len(), 1);
+        assert!(meta.reqs_to_send[0].1 > now_ms() + 25_000, "hold deadline = now + lease");
+    }
+
+    #[test]
+    fn producer_abort_before_finish_frees_now() {
+        let mut c = producer();
+        let p = KvTransferParams { do_remote_decode: Some(true), ..Default::default() };
+        c.get_num_new_matched_tokens("r", 40, 0, Some(&p));
+        c.update_state_after_alloc("r", &[7], 0);
+        assert_eq!(c.request_finished("r", FinishedStatus::Aborted, &[7], Some(&p)), (false, None));
+        let meta = c.build_connector_meta(1);
+        assert_eq!(meta.reqs_not_processed, vec!["r".to_string()]);
+        assert!(meta.reqs_to_send.is_empty());
+    }
+}

@@ -1,0 +1,117 @@
+//! The real model through the mesh: SmolLM2-135M-Instruct (GGUF) served by five processes,
+//! checked against an independent reference (candle-transformers' `quantized_llama`).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::Duration;
+
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor};
+use common::{sse_events, Mesh};
+use pdmesh_model_api::{ChatMessage, TextCodec};
+use serde_json::{json, Value};
+
+fn model_path() -> Option<std::path::PathBuf> {
+    if std::env::var("PDMESH_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        eprintln!("PDMESH_SKIP_MODEL_TESTS=1: skipping");
+        return None;
+    }
+    let p = pdmesh_model::default_model_path();
+    assert!(p.is_file(), "model {} missing: run scripts/fetch-model.sh", p.display());
+    Some(p)
+}
+
+/// Greedy tokens from candle-transformers' own llama implementation.
+fn reference_greedy(path: &std::path::Path, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut file = std::fs::File::open(path).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut model =
+        candle_transformers::models::quantized_llama::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+    let argmax = |t: Tensor| -> u32 {
+        let v: Vec<f32> = t.squeeze(0).unwrap().to_vec1().unwrap();
+        let mut best = 0;
+        for (i, x) in v.iter().enumerate() {
+            if *x > v[best] {
+                best = i;
+            }
+        }
+        best as u32
+    };
+    let mut out = Vec::new();
+    let input = Tensor::new(prompt, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let mut next = argmax(model.forward(&input, 0).unwrap());
+    out.push(next);
+    for i in 0..n - 1 {
+        let input = Tensor::new(&[next], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        next = argmax(model.forward(&input, prompt.len() + i).unwrap());
+        out.push(next);
+    }
+    out
+}
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
+}
+
+fn post(mesh: &Mesh, path: &str, body: &Value) -> Value {
+    let r = client().post(mesh.url(path)).json(body).send().unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    r.json().unwrap()
+}
+
+fn streamed(mesh: &Mesh, path: &str, body: &Value) -> String {
+    let mut b = body.clone();
+    b["stream"] = json!(true);
+    let r = client().post(mesh.url(path)).json(&b).send().unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let mut text = String::new();
+    for e in sse_events(&r.text().unwrap()) {
+        if e == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap();
+        let c = &v["choices"][0];
+        text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or(""));
+    }
+    text
+}
+
+#[test]
+fn real_model_through_the_mesh_matches_the_reference() {
+    let Some(path) = model_path() else { return };
+    let codec = pdmesh_model::GgufTextCodec::load(&path, &pdmesh_model::ModelOptions::default()).unwrap();
+    let mesh = Mesh::start(
+        "",
+        &format!("[nodes.model]\nkind = \"gguf\"\npath = {:?}\n[nodes.engine]\nnum_blocks = 256\nmax_model_len = 2048\n", path.display().to_string()),
+        &[],
+    );
+
+    // completion: the model knows its geography
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0});
+    let v = post(&mesh, "/v1/completions", &body);
+    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(text.starts_with(" Paris"), "{text:?}");
+    let prompt_ids = codec.encode("The capital of France is").unwrap();
+    let reference = codec.decode(&reference_greedy(&path, &prompt_ids, 8)).unwrap();
+    assert_eq!(text, reference, "completion equals the reference greedy text");
+    assert_eq!(streamed(&mesh, "/v1/completions", &body), text, "streaming = non-streaming");
+
+    // chat: the model's own template (with its default system turn) and the reference answer
+    let chat = json!({"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24, "temperature": 0});
+    let v = post(&mesh, "/v1/chat/completions", &chat);
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let rendered = codec
+        .render_chat(&[ChatMessage { role: "user".into(), content: "What is the capital of France?".into() }])
+        .unwrap();
+    assert!(rendered.contains("<|im_start|>system"), "default system turn: {rendered}");
+    let chat_ids = codec.encode(&rendered).unwrap();
+    assert_eq!(v["usage"]["prompt_tokens"], chat_ids.len());
+    let mut ref_ids = reference_greedy(&path, &chat_ids, 24);
+    if let Some(stop) = ref_ids.iter().position(|t| codec.eos_token_ids().contains(t)) {
+        ref_ids.truncate(stop);
+    }
+    assert_eq!(answer, codec.decode(&ref_ids).unwrap(), "chat answer equals the reference greedy answer");
+    assert_eq!(streamed(&mesh, "/v1/chat/completions", &chat), answer, "streaming = non-streaming");
+    mesh.wait_kv("blocks free", |kv| kv["used_blocks"] == 0);
+}

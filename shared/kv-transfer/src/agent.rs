@@ -1,0 +1,331 @@
+//! P's transfer agent: the side channel (ZeroMQ ROUTER) that answers handshakes, lease
+//! requests and notices, and, for the `tcp` backend, the block server.
+//!
+//! The agent owns no lifecycle state: every lease decision and notice goes to the
+//! [`LeasePolicy`](crate::LeasePolicy) the connector-worker passes in (normally its
+//! [`HoldTable`](crate::HoldTable)), so the worker's step loop and the agent see one truth.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, MutexGuard};
+use std::time::{Duration, Instant};
+
+use pdmesh_model_api::KvCacheSpec;
+use pdmesh_protocol::{
+    AgentMetadata, Envelope, ErrorClass, LeaseRefusalReason, Message, TransferBackend, WireError, XferLeaseGranted,
+    XferLeaseRefused, KV_DTYPE_F32, KV_LAYOUT, TRANSFER_VERSION,
+};
+use tokio::task::JoinHandle;
+use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::error::AgentError;
+use crate::fault::FaultConfig;
+use crate::hold::{LeasePolicy, NoticeOutcome, SharedPolicy};
+use crate::layout::region_bytes;
+use crate::shm::ShmRegion;
+use crate::tcp;
+
+/// Which data plane P offers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BackendConfig {
+    /// Consumers on this host map the region file themselves.
+    Shm,
+    /// P serves block reads on `bind` (`host:port`, port 0 picks one); consumers connect to
+    /// `advertise_host` (default: the bound IP, which must then not be unspecified).
+    Tcp { bind: String, advertise_host: Option<String> },
+}
+
+/// How to start P's agent.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// This engine's id (D checks it against `remote_engine_id`).
+    pub engine_id: String,
+    /// Data-parallel rank of this engine.
+    pub rank: u32,
+    /// Side channel endpoint to bind: `tcp://host:port` (port 0 picks one) or `ipc://path`.
+    pub side_channel: String,
+    pub backend: BackendConfig,
+    /// [`crate::compat_hash`] of this engine's model and cache.
+    pub compat_hash: String,
+    pub faults: FaultConfig,
+}
+
+/// Counters of what the agent served (for metrics and tests).
+#[derive(Debug, Default)]
+pub struct AgentStats {
+    pub metadata_requests: AtomicU64,
+    pub leases_granted: AtomicU64,
+    pub leases_refused: AtomicU64,
+    pub read_done: AtomicU64,
+    pub read_done_rejected: AtomicU64,
+    pub heartbeats: AtomicU64,
+    pub give_ups: AtomicU64,
+    pub decode_errors: AtomicU64,
+    pub unexpected_messages: AtomicU64,
+    pub tcp_reads: AtomicU64,
+    pub tcp_reads_refused: AtomicU64,
+    pub tcp_bytes_sent: AtomicU64,
+    pub tcp_errors: AtomicU64,
+}
+
+impl AgentStats {
+    pub(crate) fn inc(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// What the side channel and the block server share.
+pub(crate) struct Served {
+    pub metadata: AgentMetadata,
+    pub policy: SharedPolicy,
+    pub faults: FaultConfig,
+    pub stats: Arc<AgentStats>,
+}
+
+impl Served {
+    /// The policy, even if a panic elsewhere poisoned the lock (its state is still the best
+    /// truth we have; refusing every lease forever would strand every block).
+    pub fn policy(&self) -> MutexGuard<'_, dyn LeasePolicy + 'static> {
+        self.policy.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// A running producer agent. Dropping it stops the side channel and the block server.
+#[derive(Debug)]
+pub struct TransferAgent {
+    metadata: AgentMetadata,
+    side_channel: String,
+    stats: Arc<AgentStats>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl TransferAgent {
+    /// Bind the side channel (and the block server for `tcp`) for the KV cache region at
+    /// `region_path` with geometry `spec`. Must run inside a tokio runtime (an actix System
+    /// is one); the agent's tasks are spawned on it.
+    pub async fn start(
+        config: AgentConfig,
+        region_path: &Path,
+        spec: KvCacheSpec,
+        policy: SharedPolicy,
+    ) -> Result<Self, AgentError> {
+        if config.engine_id.is_empty() {
+            return Err(AgentError::Config("engine_id is empty".into()));
+        }
+        let region = ShmRegion::open_readonly(region_path)?;
+        let need = region_bytes(&spec);
+        if region.len_bytes() < need {
+            return Err(AgentError::Config(format!(
+                "region {} holds {} bytes, the cache needs {need}",
+                region_path.display(),
+                region.len_bytes()
+            )));
+        }
+        let stats = Arc::new(AgentStats::default());
+        let mut block_server = None;
+        let backend = match &config.backend {
+            BackendConfig::Shm => TransferBackend::Shm { path: absolute(region_path).display().to_string() },
+            BackendConfig::Tcp { bind, advertise_host } => {
+                let bind_err = |e: std::io::Error| AgentError::Bind { endpoint: bind.clone(), reason: e.to_string() };
+                let listener = tokio::net::TcpListener::bind(bind).await.map_err(bind_err)?;
+                let local = listener.local_addr().map_err(bind_err)?;
+                let host = match advertise_host {
+                    Some(h) => h.clone(),
+                    None if local.ip().is_unspecified() => {
+                        return Err(AgentError::Config(format!("tcp bind {bind} is a wildcard; set advertise_host")))
+                    }
+                    None => local.ip().to_string(),
+                };
+                block_server = Some((listener, region));
+                TransferBackend::Tcp { host, port: local.port() }
+            }
+        };
+        let metadata = AgentMetadata {
+            engine_id: config.engine_id.clone(),
+            agent_name: format!("{}-{}", uuid::Uuid::new_v4(), std::process::id()),
+            rank: config.rank,
+            backend,
+            layout: KV_LAYOUT.to_string(),
+            num_layers: spec.num_layers,
+            num_blocks: spec.num_blocks,
+            block_size: spec.block_size,
+            num_kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+            dtype: KV_DTYPE_F32.to_string(),
+            bytes_per_block: spec.bytes_per_block(),
+            compat_hash: config.compat_hash.clone(),
+            protocol_version: TRANSFER_VERSION,
+        };
+        let served = Arc::new(Served { metadata: metadata.clone(), policy, faults: config.faults.clone(), stats: stats.clone() });
+
+        let mut socket = RouterSocket::new();
+        prepare_ipc(&config.side_channel);
+        let bound = socket
+            .bind(&config.side_channel)
+            .await
+            .map_err(|e| AgentError::Bind { endpoint: config.side_channel.clone(), reason: e.to_string() })?
+            .to_string();
+        let mut handles = vec![tokio::spawn(serve_side_channel(socket, served.clone()))];
+        if let Some((listener, region)) = block_server {
+            handles.push(tokio::spawn(tcp::serve_blocks(listener, Arc::new(region), spec, served.clone())));
+        }
+        tracing::info!(engine_id = %metadata.engine_id, side_channel = %bound, backend = ?metadata.backend, "transfer agent up");
+        Ok(Self { metadata, side_channel: bound, stats, tasks: handles })
+    }
+
+    /// The metadata this agent advertises (before any fault injection changes it on the wire).
+    pub fn metadata(&self) -> &AgentMetadata {
+        &self.metadata
+    }
+
+    /// The bound side channel endpoint (with the real port when 0 was asked).
+    pub fn side_channel_endpoint(&self) -> &str {
+        &self.side_channel
+    }
+
+    pub fn stats(&self) -> &AgentStats {
+        &self.stats
+    }
+}
+
+impl Drop for TransferAgent {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+fn prepare_ipc(endpoint: &str) {
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        let path = Path::new(path);
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let _ = std::fs::remove_file(path);
+    }
+}
+
+/// One task answers every side channel message in arrival order. Each answer takes
+/// microseconds (a policy call under its lock), so one task is plenty and keeps the policy's
+/// calls serial.
+async fn serve_side_channel(mut socket: RouterSocket, served: Arc<Served>) {
+    loop {
+        let msg = match socket.recv().await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "side channel socket closed");
+                return;
+            }
+        };
+        let mut frames = msg.into_vec();
+        if frames.len() < 2 {
+            AgentStats::inc(&served.stats.decode_errors);
+            continue;
+        }
+        let peer = frames.remove(0);
+        let Some(frame) = frames.pop() else { continue };
+        let reply = match Envelope::decode(&frame) {
+            Ok(env) => answer(&served, &env),
+            Err(e) => {
+                AgentStats::inc(&served.stats.decode_errors);
+                tracing::warn!(error = %e, "side channel: dropping undecodable frame");
+                continue;
+            }
+        };
+        let Some(bytes) = reply else { continue };
+        let mut out = ZmqMessage::from(bytes);
+        out.push_front(peer);
+        match tokio::time::timeout(Duration::from_secs(5), socket.send(out)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::debug!(error = %e, "side channel: peer gone before the answer"),
+            Err(_) => tracing::warn!("side channel: answer not accepted within 5 s"),
+        }
+    }
+}
+
+/// The encoded answer to one message, or `None` when nothing is to be sent.
+fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
+    let now = Instant::now();
+    let faults = &served.faults;
+    let stats = &served.stats;
+    let body = match &env.body {
+        Message::XferGetMetadata => {
+            AgentStats::inc(&stats.metadata_requests);
+            if faults.handshake_timeout {
+                tracing::warn!("fault injection: not answering a handshake");
+                return None;
+            }
+            let mut meta = served.metadata.clone();
+            if faults.compat_mismatch {
+                meta.compat_hash = format!("fault-injected-{}", meta.compat_hash);
+            }
+            if faults.engine_id_mismatch {
+                meta.engine_id = format!("{}-fault-injected", meta.engine_id);
+            }
+            let reply = env.reply(Message::XferMetadata(meta)).encode().ok()?;
+            if faults.undecodable_metadata {
+                // A frame cut in half: what a reader of another version or a corrupt link sees.
+                return Some(reply[..reply.len() / 2].to_vec());
+            }
+            return Some(reply);
+        }
+        Message::XferLease(req) => {
+            let decision = if faults.lease_refused {
+                Err(crate::hold::LeaseRefusal::new(LeaseRefusalReason::FaultInjected, "fault injection: lease_refused"))
+            } else {
+                served.policy().grant(&req.p_request_id, &req.block_ids, &req.block_generations, &req.consumer, now)
+            };
+            match decision {
+                Ok(grant) => {
+                    AgentStats::inc(&stats.leases_granted);
+                    Message::XferLeaseGranted(XferLeaseGranted {
+                        lease_id: grant.lease_id,
+                        lease_ttl_ms: grant.ttl.as_millis().try_into().unwrap_or(u64::MAX),
+                    })
+                }
+                Err(refusal) => {
+                    AgentStats::inc(&stats.leases_refused);
+                    tracing::info!(p_request_id = %req.p_request_id, consumer = %req.consumer, %refusal, "lease refused");
+                    Message::XferLeaseRefused(XferLeaseRefused { reason: refusal.reason, detail: refusal.detail })
+                }
+            }
+        }
+        Message::XferReadDone(n) => {
+            let outcome = served.policy().read_done(&n.p_request_id, n.lease_id, &n.consumer, now);
+            if outcome == NoticeOutcome::Released {
+                AgentStats::inc(&stats.read_done);
+                Message::Ack
+            } else {
+                // The lease did not hold until now: the reader must not trust its bytes.
+                AgentStats::inc(&stats.read_done_rejected);
+                Message::Error(WireError::new(
+                    ErrorClass::NotFound,
+                    format!("lease {} of {} is not active ({outcome:?})", n.lease_id, n.p_request_id),
+                ))
+            }
+        }
+        Message::XferHeartbeat(h) => {
+            AgentStats::inc(&stats.heartbeats);
+            served.policy().heartbeat(&h.p_request_ids, now);
+            Message::Ack
+        }
+        Message::XferGiveUp(g) => {
+            AgentStats::inc(&stats.give_ups);
+            let outcome = served.policy().give_up(&g.p_request_id, g.lease_id, &g.consumer, now);
+            tracing::info!(p_request_id = %g.p_request_id, reason = %g.reason, ?outcome, "consumer gave up");
+            Message::Ack
+        }
+        Message::Ping => Message::Pong,
+        other => {
+            AgentStats::inc(&stats.unexpected_messages);
+            tracing::warn!(kind = other.kind(), "side channel: unexpected message");
+            Message::Error(WireError::new(ErrorClass::InvalidRequest, format!("unexpected {}", other.kind())))
+        }
+    };
+    env.reply(body).encode().ok()
+}

@@ -1,0 +1,640 @@
+//! D's side: handshake with a producer's side channel, then lease, read, and notify.
+//!
+//! [`TransferClient::handshake`] connects to P's side channel, fetches and checks its
+//! [`AgentMetadata`] and sets up the data plane (maps P's region for `shm`, prepares a
+//! connection pool for `tcp`), giving a [`RemoteAgent`]. [`RemoteAgents`] caches one per
+//! remote engine and handshakes again after a failure instead of caching it (vLLM deletes its
+//! handshake future for the same reason).
+//!
+//! The read protocol for one request: [`RemoteAgent::lease`] (P checks the blocks are still
+//! held with the same generations), [`RemoteAgent::read_blocks`] (one-sided for `shm`, served
+//! for `tcp`), then [`RemoteAgent::read_done`], whose answer says whether the lease held until
+//! then — only then are the bytes known to be the ones P held.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdmesh_model_api::{KvCache, KvCacheSpec};
+use pdmesh_protocol::{
+    AgentMetadata, Envelope, Message, TransferBackend, XferGiveUp, XferHeartbeat, XferLeaseRequest, XferReadBlocks,
+    XferReadDone,
+};
+use tokio::sync::Mutex as AsyncMutex;
+use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::compat::check_geometry;
+use crate::error::{HandshakeError, TransferError};
+use crate::fault::FaultConfig;
+use crate::layout::{region_bytes, run_offset, SIDES};
+use crate::shm::{ShmReadOnly, ShmRegion};
+use crate::tcp::TcpReader;
+
+/// Default limit for a handshake (vLLM: 5000 ms).
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default limit for a lease or notice round trip.
+pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default limit for one block read.
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How D's side behaves.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Who reads (e.g. `"{engine_id}/{rank}"`); P logs it and binds leases to it.
+    pub consumer: String,
+    /// D's own cache geometry; a remote agent must match it.
+    pub local_spec: KvCacheSpec,
+    /// D's own [`crate::compat_hash`].
+    pub compat_hash: String,
+    pub handshake_timeout: Duration,
+    pub call_timeout: Duration,
+    pub read_timeout: Duration,
+    pub faults: FaultConfig,
+}
+
+impl ClientConfig {
+    pub fn new(consumer: impl Into<String>, local_spec: KvCacheSpec, compat_hash: impl Into<String>) -> Self {
+        Self {
+            consumer: consumer.into(),
+            local_spec,
+            compat_hash: compat_hash.into(),
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            call_timeout: DEFAULT_CALL_TIMEOUT,
+            read_timeout: DEFAULT_READ_TIMEOUT,
+            faults: FaultConfig::default(),
+        }
+    }
+}
+
+/// The side channel endpoint for `kv_transfer_params.remote_host` / `remote_port`.
+pub fn side_channel_endpoint(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("tcp://[{host}]:{port}")
+    } else {
+        format!("tcp://{host}:{port}")
+    }
+}
+
+/// Starts handshakes. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct TransferClient {
+    config: Arc<ClientConfig>,
+}
+
+impl TransferClient {
+    pub fn new(config: ClientConfig) -> Self {
+        Self { config: Arc::new(config) }
+    }
+
+    pub fn config(&self) -> &ClientConfig {
+        &self.config
+    }
+
+    /// Handshake with the side channel at `endpoint` and check that it is `expected_engine_id`
+    /// with a cache compatible with ours. Never waits longer than the handshake timeout.
+    pub async fn handshake(&self, endpoint: &str, expected_engine_id: &str) -> Result<RemoteAgent, HandshakeError> {
+        let timeout = self.config.handshake_timeout;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let link = match tokio::time::timeout_at(deadline, SideLink::connect(endpoint, timeout)).await {
+            Ok(r) => r?,
+            Err(_) => return Err(HandshakeError::Timeout(timeout)),
+        };
+        let reply = tokio::time::timeout_at(deadline, link.call(Message::XferGetMetadata)).await;
+        let meta = match reply {
+            Err(_) => {
+                return Err(HandshakeError::Timeout(timeout));
+            }
+            Ok(Err(LinkError::Undecodable(e))) => return Err(HandshakeError::UndecodableMetadata(e)),
+            Ok(Err(LinkError::Io(e))) => return Err(HandshakeError::Unreachable(e)),
+            Ok(Ok(Message::XferMetadata(meta))) => meta,
+            Ok(Ok(Message::Error(e))) => return Err(HandshakeError::Remote(e.message)),
+            Ok(Ok(other)) => {
+                return Err(HandshakeError::UndecodableMetadata(format!("expected xfer_metadata, got {}", other.kind())))
+            }
+        };
+        if meta.compat_hash != self.config.compat_hash {
+            return Err(HandshakeError::CompatMismatch {
+                local: self.config.compat_hash.clone(),
+                remote: meta.compat_hash,
+            });
+        }
+        if meta.engine_id != expected_engine_id {
+            return Err(HandshakeError::EngineIdMismatch {
+                expected: expected_engine_id.to_string(),
+                found: meta.engine_id,
+            });
+        }
+        check_geometry(&meta, &self.config.local_spec).map_err(HandshakeError::Incompatible)?;
+        let remote_spec = KvCacheSpec { num_blocks: meta.num_blocks, ..self.config.local_spec };
+        let data = match &meta.backend {
+            TransferBackend::Shm { path } => {
+                let region = ShmRegion::open_readonly(path)
+                    .map_err(|e| HandshakeError::Incompatible(format!("cannot map the producer's region: {e}")))?;
+                if region.len_bytes() < region_bytes(&remote_spec) {
+                    return Err(HandshakeError::Incompatible(format!(
+                        "region {path} holds {} bytes, {} advertised",
+                        region.len_bytes(),
+                        region_bytes(&remote_spec)
+                    )));
+                }
+                DataPlane::Shm(region)
+            }
+            TransferBackend::Tcp { host, port } => DataPlane::Tcp(TcpReader::new(host, *port)),
+        };
+        tracing::info!(endpoint, engine_id = %meta.engine_id, agent = %meta.agent_name, backend = ?meta.backend, "handshake done");
+        Ok(RemoteAgent {
+            endpoint: endpoint.to_string(),
+            remote_spec,
+            meta,
+            config: self.config.clone(),
+            link,
+            data,
+        })
+    }
+}
+
+/// What went wrong on the side channel link itself.
+#[derive(Debug)]
+enum LinkError {
+    Undecodable(String),
+    Io(String),
+}
+
+/// A DEALER connected to one producer's ROUTER. Calls are serialised (one in flight); replies
+/// are matched by correlation id, and late replies of timed-out calls are skipped.
+struct SideLink {
+    socket: AsyncMutex<DealerSocket>,
+    next_corr: AtomicU64,
+    healthy: AtomicBool,
+}
+
+impl std::fmt::Debug for SideLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SideLink").field("healthy", &self.healthy.load(Ordering::Relaxed)).finish_non_exhaustive()
+    }
+}
+
+impl SideLink {
+    async fn connect(endpoint: &str, timeout: Duration) -> Result<Self, HandshakeError> {
+        probe(endpoint).await?;
+        let mut options = SocketOptions::default();
+        options.connect_timeout(timeout);
+        let mut socket = DealerSocket::with_options(options);
+        socket.connect(endpoint).await.map_err(|e| HandshakeError::Unreachable(format!("{endpoint}: {e}")))?;
+        Ok(Self { socket: AsyncMutex::new(socket), next_corr: AtomicU64::new(1), healthy: AtomicBool::new(true) })
+    }
+
+    /// Send `body` and wait for its answer (no timeout here: callers bound it).
+    async fn call(&self, body: Message) -> Result<Message, LinkError> {
+        let mut socket = self.socket.lock().await;
+        let corr = self.next_corr.fetch_add(1, Ordering::Relaxed);
+        let bytes = Envelope::new(body).with_corr(corr).encode().map_err(|e| LinkError::Io(e.to_string()))?;
+        let result = async {
+            socket.send(ZmqMessage::from(bytes)).await.map_err(|e| LinkError::Io(e.to_string()))?;
+            loop {
+                let msg = socket.recv().await.map_err(|e| LinkError::Io(e.to_string()))?;
+                let Some(frame) = msg.into_vec().pop() else { continue };
+                match Envelope::decode(&frame) {
+                    Ok(env) if env.corr == corr => return Ok(env.body),
+                    Ok(env) => tracing::debug!(corr = env.corr, "skipping a late side channel answer"),
+                    Err(e) => return Err(LinkError::Undecodable(e.to_string())),
+                }
+            }
+        }
+        .await;
+        if result.is_err() {
+            self.healthy.store(false, Ordering::Release);
+        }
+        result
+    }
+}
+
+/// Tell "nothing listens there" (refused: `Unreachable`) apart from "listens but does not
+/// answer" (`Timeout`): the zeromq crate retries refused connects until its timeout.
+async fn probe(endpoint: &str) -> Result<(), HandshakeError> {
+    let unreachable = |e: std::io::Error| HandshakeError::Unreachable(format!("{endpoint}: {e}"));
+    if let Some(addr) = endpoint.strip_prefix("tcp://") {
+        drop(tokio::net::TcpStream::connect(addr).await.map_err(unreachable)?);
+        Ok(())
+    } else if let Some(path) = endpoint.strip_prefix("ipc://") {
+        drop(tokio::net::UnixStream::connect(path).await.map_err(unreachable)?);
+        Ok(())
+    } else {
+        Err(HandshakeError::Unreachable(format!("unsupported endpoint {endpoint:?} (tcp:// or ipc://)")))
+    }
+}
+
+#[derive(Debug)]
+enum DataPlane {
+    Shm(ShmReadOnly),
+    Tcp(TcpReader),
+}
+
+/// A producer agent D has handshaken with: its metadata, the side channel link, and the data
+/// plane. Share it (`Arc`) between requests; calls on it may run concurrently.
+#[derive(Debug)]
+pub struct RemoteAgent {
+    endpoint: String,
+    meta: AgentMetadata,
+    remote_spec: KvCacheSpec,
+    config: Arc<ClientConfig>,
+    link: SideLink,
+    data: DataPlane,
+}
+
+/// Permission from P to read one request's blocks until `expires_at`. Only [`RemoteAgent::lease`]
+/// makes one, so holding a `Lease` means P granted it.
+#[derive(Debug)]
+pub struct Lease {
+    agent_name: String,
+    p_request_id: String,
+    lease_id: u64,
+    block_ids: Vec<u32>,
+    expires_at: Instant,
+    done: AtomicBool,
+}
+
+impl Lease {
+    pub fn lease_id(&self) -> u64 {
+        self.lease_id
+    }
+    pub fn p_request_id(&self) -> &str {
+        &self.p_request_id
+    }
+    pub fn block_ids(&self) -> &[u32] {
+        &self.block_ids
+    }
+    /// When P will consider the lease over (by D's clock, measured from the request).
+    pub fn expires_at(&self) -> Instant {
+        self.expires_at
+    }
+}
+
+/// What a read moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadStats {
+    pub bytes: u64,
+    pub blocks: u32,
+    pub elapsed: Duration,
+}
+
+impl ReadStats {
+    /// Bytes per second.
+    pub fn bandwidth(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+impl RemoteAgent {
+    pub fn metadata(&self) -> &AgentMetadata {
+        &self.meta
+    }
+
+    pub fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// False once a side channel call failed or timed out: the producer may be gone or
+    /// restarted, so [`RemoteAgents`] handshakes again.
+    pub fn is_healthy(&self) -> bool {
+        self.link.healthy.load(Ordering::Acquire)
+    }
+
+    async fn call(&self, body: Message) -> Result<Message, TransferError> {
+        let timeout = self.config.call_timeout;
+        match tokio::time::timeout(timeout, self.link.call(body)).await {
+            Ok(Ok(m)) => Ok(m),
+            Ok(Err(LinkError::Io(e) | LinkError::Undecodable(e))) => Err(TransferError::SideChannel(e)),
+            Err(_) => {
+                self.link.healthy.store(false, Ordering::Release);
+                Err(TransferError::Timeout(timeout))
+            }
+        }
+    }
+
+    /// Ask P for a read lease on `block_ids` (with their `generations`, exactly as P handed
+    /// them out) of `p_request_id`.
+    pub async fn lease(&self, p_request_id: &str, block_ids: &[u32], generations: &[u64]) -> Result<Lease, TransferError> {
+        let asked = Instant::now();
+        let req = XferLeaseRequest {
+            p_request_id: p_request_id.to_string(),
+            block_ids: block_ids.to_vec(),
+            block_generations: generations.to_vec(),
+            consumer: self.config.consumer.clone(),
+        };
+        match self.call(Message::XferLease(req)).await? {
+            Message::XferLeaseGranted(g) => Ok(Lease {
+                agent_name: self.meta.agent_name.clone(),
+                p_request_id: p_request_id.to_string(),
+                lease_id: g.lease_id,
+                block_ids: block_ids.to_vec(),
+                // From when we asked: P's clock started no earlier, so we never overrun it.
+                expires_at: asked + Duration::from_millis(g.lease_ttl_ms),
+                done: AtomicBool::new(false),
+            }),
+            Message::XferLeaseRefused(r) => Err(TransferError::LeaseRefused { reason: r.reason, detail: r.detail }),
+            Message::Error(e) => Err(TransferError::SideChannel(e.message)),
+            other => Err(TransferError::SideChannel(format!("unexpected {} to a lease request", other.kind()))),
+        }
+    }
+
+    /// Copy remote blocks `remote_block_ids[i]` into local blocks `local_block_ids[i]`, every
+    /// layer's K and V. Refused without touching `local` unless `lease` (from this agent, not
+    /// yet done, not expired) covers every remote block; P refuses too for `tcp`. On any
+    /// error, treat the local blocks as invalid.
+    pub async fn read_blocks(
+        &self,
+        lease: &Lease,
+        remote_block_ids: &[u32],
+        local: &mut KvCache,
+        local_block_ids: &[u32],
+    ) -> Result<ReadStats, TransferError> {
+        let started = Instant::now();
+        self.check_read(lease, remote_block_ids, local, local_block_ids)?;
+        let faults = &self.config.faults;
+        if let Some(delay) = faults.delay_transfer {
+            tokio::time::sleep(delay).await;
+            if Instant::now() >= lease.expires_at {
+                return Err(TransferError::LeaseInvalid(format!("lease {} expired while delayed", lease.lease_id)));
+            }
+        }
+        if faults.transfer_setup_error {
+            return Err(TransferError::Setup("fault injection: transfer_setup_error".into()));
+        }
+        let total = remote_block_ids.len() as u64 * self.meta.bytes_per_block;
+        let stop_after = faults.transfer_midway.then_some(total / 2);
+        let read = match &self.data {
+            DataPlane::Shm(region) => {
+                copy_from_region(region, &self.remote_spec, remote_block_ids, local, local_block_ids, stop_after)
+            }
+            DataPlane::Tcp(reader) => {
+                let req = XferReadBlocks {
+                    p_request_id: lease.p_request_id.clone(),
+                    lease_id: lease.lease_id,
+                    block_ids: remote_block_ids.to_vec(),
+                };
+                let timeout = self.config.read_timeout;
+                match tokio::time::timeout(timeout, reader.read(&req, local, local_block_ids, stop_after)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(TransferError::Timeout(timeout)),
+                }
+            }
+        };
+        let bytes = read?;
+        Ok(ReadStats { bytes, blocks: remote_block_ids.len() as u32, elapsed: started.elapsed() })
+    }
+
+    fn check_read(&self, lease: &Lease, remote: &[u32], local: &KvCache, local_ids: &[u32]) -> Result<(), TransferError> {
+        if lease.agent_name != self.meta.agent_name {
+            return Err(TransferError::LeaseInvalid(format!("lease {} was granted by another agent", lease.lease_id)));
+        }
+        if lease.done.load(Ordering::Acquire) {
+            return Err(TransferError::LeaseInvalid(format!("lease {} is done", lease.lease_id)));
+        }
+        if Instant::now() >= lease.expires_at {
+            return Err(TransferError::LeaseInvalid(format!("lease {} has expired", lease.lease_id)));
+        }
+        if remote.len() != local_ids.len() {
+            return Err(TransferError::BadRequest(format!(
+                "{} remote blocks for {} local blocks",
+                remote.len(),
+                local_ids.len()
+            )));
+        }
+        if let Some(b) = remote.iter().find(|b| !lease.block_ids.contains(b)) {
+            return Err(TransferError::LeaseInvalid(format!("block {b} is not covered by lease {}", lease.lease_id)));
+        }
+        let num_blocks = self.meta.num_blocks;
+        if let Some(b) = remote.iter().find(|b| **b >= num_blocks) {
+            return Err(TransferError::BlockOutOfRange { which: "remote", block: *b, num_blocks });
+        }
+        let local_spec = *local.spec();
+        if let Some(b) = local_ids.iter().find(|b| **b >= local_spec.num_blocks) {
+            return Err(TransferError::BlockOutOfRange { which: "local", block: *b, num_blocks: local_spec.num_blocks });
+        }
+        // Same geometry as checked at handshake (only the block count may differ).
+        if local_spec != (KvCacheSpec { num_blocks: local_spec.num_blocks, ..self.remote_spec }) {
+            return Err(TransferError::BadRequest("local cache geometry differs from the handshake's".into()));
+        }
+        Ok(())
+    }
+
+    /// Tell P the read under `lease` is done. `Ok` means P confirms the lease held until now,
+    /// so the bytes read are the ones it held; [`TransferError::LeaseLost`] means they may not
+    /// be. Either way the lease can no longer be read under.
+    pub async fn read_done(&self, lease: &Lease) -> Result<(), TransferError> {
+        lease.done.store(true, Ordering::Release);
+        if self.config.faults.drop_read_done {
+            tracing::warn!(p_request_id = %lease.p_request_id, "fault injection: dropping read done");
+            return Ok(());
+        }
+        let notice = XferReadDone {
+            p_request_id: lease.p_request_id.clone(),
+            lease_id: lease.lease_id,
+            consumer: self.config.consumer.clone(),
+        };
+        match self.call(Message::XferReadDone(notice)).await? {
+            Message::Ack => Ok(()),
+            Message::Error(e) => Err(TransferError::LeaseLost(e.message)),
+            other => Err(TransferError::SideChannel(format!("unexpected {} to read done", other.kind()))),
+        }
+    }
+
+    /// Tell P that D will never read `p_request_id` (rejection, abort, failed load,
+    /// shutdown), ending `lease` if D holds one, so that P frees at once.
+    pub async fn give_up(&self, p_request_id: &str, reason: &str, lease: Option<&Lease>) -> Result<(), TransferError> {
+        if let Some(l) = lease {
+            l.done.store(true, Ordering::Release);
+        }
+        let notice = XferGiveUp {
+            p_request_id: p_request_id.to_string(),
+            reason: reason.to_string(),
+            consumer: self.config.consumer.clone(),
+            lease_id: lease.map(|l| l.lease_id),
+        };
+        self.expect_ack(Message::XferGiveUp(notice)).await
+    }
+
+    /// Keep P's holds of these requests alive while they wait on D.
+    pub async fn heartbeat(&self, p_request_ids: &[String]) -> Result<(), TransferError> {
+        let hb = XferHeartbeat { p_request_ids: p_request_ids.to_vec(), consumer: self.config.consumer.clone() };
+        self.expect_ack(Message::XferHeartbeat(hb)).await
+    }
+
+    async fn expect_ack(&self, body: Message) -> Result<(), TransferError> {
+        match self.call(body).await? {
+            Message::Ack => Ok(()),
+            Message::Error(e) => Err(TransferError::SideChannel(e.message)),
+            other => Err(TransferError::SideChannel(format!("unexpected {}", other.kind()))),
+        }
+    }
+}
+
+/// The one-sided `shm` read: copy each leased run out of P's mapping into the local block.
+///
+/// Layer-side major (unlike the tcp wire order): consecutive remote blocks of one layer side
+/// are adjacent in P's region, so the source is read as a few long streams, and blocks that
+/// are consecutive on both sides are copied as one span. Each copy is a memcpy.
+fn copy_from_region(
+    region: &ShmReadOnly,
+    remote_spec: &KvCacheSpec,
+    remote_ids: &[u32],
+    local: &mut KvCache,
+    local_ids: &[u32],
+    stop_after: Option<u64>,
+) -> Result<u64, TransferError> {
+    let per = remote_spec.floats_per_block();
+    let src = region.floats();
+    let spans = spans(remote_ids, local_ids);
+    let mut done = 0u64;
+    for layer in 0..remote_spec.num_layers {
+        for side in SIDES {
+            let src_base = run_offset(remote_spec, layer, side, 0) / std::mem::size_of::<f32>();
+            let dst_side = local.layer_mut(layer as usize, side);
+            for &(r, l, n) in &spans {
+                let bytes = (n * per * std::mem::size_of::<f32>()) as u64;
+                let midway = |detail: &str| TransferError::Midway { bytes_done: done, detail: detail.into() };
+                if stop_after.is_some_and(|s| done + bytes > s) {
+                    return Err(midway("fault injection: transfer_midway"));
+                }
+                let from = src_base + r as usize * per;
+                let s = src.get(from..from + n * per).ok_or_else(|| midway("block outside the mapped region"))?;
+                let to = l as usize * per;
+                let d = dst_side.get_mut(to..to + n * per).ok_or_else(|| midway("block outside the local cache"))?;
+                d.copy_from_slice(s);
+                done += bytes;
+            }
+        }
+    }
+    Ok(done)
+}
+
+/// Pair up remote and local block ids into `(remote start, local start, count)` spans of
+/// blocks consecutive on both sides.
+fn spans(remote_ids: &[u32], local_ids: &[u32]) -> Vec<(u32, u32, usize)> {
+    let mut out: Vec<(u32, u32, usize)> = Vec::new();
+    for (&r, &l) in remote_ids.iter().zip(local_ids) {
+        match out.last_mut() {
+            Some((r0, l0, n)) if r0.checked_add(*n as u32) == Some(r) && l0.checked_add(*n as u32) == Some(l) => *n += 1,
+            _ => out.push((r, l, 1)),
+        }
+    }
+    out
+}
+
+/// One [`RemoteAgent`] per remote engine, handshaken on first use. A failed handshake is not
+/// cached (the next call tries again), and an agent whose side channel failed is replaced.
+/// Concurrent first uses of one engine share one handshake.
+#[derive(Debug)]
+pub struct RemoteAgents {
+    client: TransferClient,
+    slots: std::sync::Mutex<HashMap<String, AgentSlot>>,
+}
+
+/// One engine's cached agent; the async lock makes concurrent first uses share a handshake.
+type AgentSlot = Arc<AsyncMutex<Option<Arc<RemoteAgent>>>>;
+
+impl RemoteAgents {
+    pub fn new(client: TransferClient) -> Self {
+        Self { client, slots: std::sync::Mutex::new(HashMap::new()) }
+    }
+
+    pub fn client(&self) -> &TransferClient {
+        &self.client
+    }
+
+    /// The agent for `engine_id` at `endpoint`, handshaking if there is none yet, if the cached
+    /// one is unhealthy, or if the engine moved to another endpoint.
+    pub async fn get(&self, engine_id: &str, endpoint: &str) -> Result<Arc<RemoteAgent>, HandshakeError> {
+        let slot = {
+            let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+            slots.entry(engine_id.to_string()).or_default().clone()
+        };
+        let mut slot = slot.lock().await;
+        if let Some(agent) = slot.as_ref() {
+            if agent.is_healthy() && agent.endpoint() == endpoint {
+                return Ok(agent.clone());
+            }
+        }
+        *slot = None;
+        let agent = Arc::new(self.client.handshake(endpoint, engine_id).await?);
+        *slot = Some(agent.clone());
+        Ok(agent)
+    }
+
+    /// Forget the agent of `engine_id` (e.g. after a read failed in a way that suggests P
+    /// restarted), so the next `get` handshakes again.
+    pub fn invalidate(&self, engine_id: &str) {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner()).remove(engine_id);
+    }
+
+    /// Engines with a cached agent slot.
+    pub fn engines(&self) -> Vec<String> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spans_merge_only_blocks_consecutive_on_both_sides() {
+        assert_eq!(spans(&[4, 5, 6, 9], &[0, 1, 2, 3]), vec![(4, 0, 3), (9, 3, 1)]);
+        assert_eq!(spans(&[1, 2], &[1, 0]), vec![(1, 1, 1), (2, 0, 1)]);
+        assert_eq!(spans(&[u32::MAX, 0], &[0, 1]), vec![(u32::MAX, 0, 1), (0, 1, 1)]);
+        assert!(spans(&[], &[]).is_empty());
+    }
+    use crate::agent::{AgentConfig, BackendConfig, TransferAgent};
+    use crate::hold::{HoldTable, SharedPolicy};
+    use pdmesh_protocol::LeaseRefusalReason;
+
+    /// D's own checks are bypassed with a forged lease: P's block server must still refuse
+    /// every block its lease does not cover (P decides, not the reader).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tcp_server_refuses_blocks_outside_the_lease_even_if_d_forges_one() {
+        let spec = KvCacheSpec { num_layers: 2, num_blocks: 8, block_size: 4, num_kv_heads: 1, head_dim: 8 };
+        let name = format!("pdmesh-test-{}", uuid::Uuid::new_v4());
+        let region = ShmRegion::create_for_spec(&name, &spec).unwrap();
+        let path = region.path().to_path_buf();
+        let _kv = region.into_kv_cache(spec).unwrap();
+        let table = Arc::new(std::sync::Mutex::new(HoldTable::default()));
+        let policy: SharedPolicy = table.clone();
+        let config = AgentConfig {
+            engine_id: "p".into(),
+            rank: 0,
+            side_channel: "tcp://127.0.0.1:0".into(),
+            backend: BackendConfig::Tcp { bind: "127.0.0.1:0".into(), advertise_host: None },
+            compat_hash: "h".into(),
+            faults: FaultConfig::default(),
+        };
+        let agent = TransferAgent::start(config, &path, spec, policy).await.unwrap();
+        table.lock().unwrap().hold("r", vec![1], vec![1], Instant::now() + Duration::from_secs(60));
+        let client = TransferClient::new(ClientConfig::new("d", spec, "h"));
+        let remote = client.handshake(agent.side_channel_endpoint(), "p").await.unwrap();
+        let lease = remote.lease("r", &[1], &[1]).await.unwrap();
+        let mut local = KvCache::new_heap(spec);
+        for forged_blocks in [vec![1, 2], vec![1, 7]] {
+            let forged = Lease {
+                agent_name: lease.agent_name.clone(),
+                p_request_id: "r".into(),
+                lease_id: lease.lease_id,
+                block_ids: forged_blocks.clone(),
+                expires_at: lease.expires_at,
+                done: AtomicBool::new(false),
+            };
+            let err = remote.read_blocks(&forged, &forged_blocks, &mut local, &[0, 1]).await.unwrap_err();
+            assert!(
+                matches!(err, TransferError::LeaseRefused { reason: LeaseRefusalReason::LeaseInvalid, .. }),
+                "{err:?}"
+            );
+        }
+        // Another request's id with this lease id: refused too.
+        let forged = Lease { p_request_id: "other".into(), done: AtomicBool::new(false), block_ids: vec![1], ..lease };
+        let err = remote.read_blocks(&forged, &[1], &mut local, &[0]).await.unwrap_err();
+        assert!(matches!(err, TransferError::LeaseRefused { .. }), "{err:?}");
+        assert!(local.as_slice().iter().all(|x| *x == 0.0));
+        assert_eq!(agent.stats().tcp_reads_refused.load(Ordering::Relaxed), 3);
+    }
+}

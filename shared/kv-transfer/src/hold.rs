@@ -1,0 +1,528 @@
+//! P's record of blocks held for remote readers, and the read-lease rules (LIFECYCLE.md R2, R5).
+//!
+//! The side channel asks a [`LeasePolicy`] whether D may read; the connector-worker decides.
+//! [`HoldTable`] is the implementation the worker uses: it knows which requests P holds
+//! (`hold`), hands out at most one read lease per request, and releases each request exactly
+//! once — on `read done`, `give up` or `abort` (at once when no lease is active, otherwise when
+//! the lease ends), or when its hold deadline or lease deadline passes (`expire`). Released
+//! requests are reported once through [`HoldTable::take_finished_sending`]; only then does the
+//! scheduler free their blocks, so a block is never freed twice and never freed while leased.
+//!
+//! Every method takes `now` (or a deadline) instead of reading a clock, so tests drive time.
+//! Unknown, duplicate or late notices are counted in [`HoldCounters`], never a panic.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pdmesh_protocol::LeaseRefusalReason;
+
+/// A granted read lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseGrant {
+    pub lease_id: u64,
+    /// Time left on the lease from the moment of the grant.
+    pub ttl: Duration,
+}
+
+/// Why a lease (or a read under one) is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("lease refused ({reason:?}): {detail}")]
+pub struct LeaseRefusal {
+    pub reason: LeaseRefusalReason,
+    pub detail: String,
+}
+
+impl LeaseRefusal {
+    pub fn new(reason: LeaseRefusalReason, detail: impl Into<String>) -> Self {
+        Self { reason, detail: detail.into() }
+    }
+}
+
+/// What became of a `read done`, `give up` or `abort`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoticeOutcome {
+    /// The request was released now (it is in the next `take_finished_sending`).
+    Released,
+    /// An active lease protects the blocks; the request is released when that lease ends.
+    Deferred,
+    /// The request was already released: a duplicate or late notice (counted).
+    AlreadyReleased,
+    /// The request is not known here (never held, or released long ago) (counted).
+    Unknown,
+    /// The request is held, but the notice names a lease that is not its active lease; nothing
+    /// changes (counted). For `read done` this means the read cannot be trusted.
+    StaleLease,
+    /// The request was already aborted and waits for its lease to end (counted).
+    AlreadyAborted,
+}
+
+/// The decision P's side channel delegates to the connector-worker. Calls come from the side
+/// channel's tasks, under a mutex ([`SharedPolicy`]), so they must be quick and never block.
+pub trait LeasePolicy: Send {
+    /// May `consumer` read exactly these blocks (ids and generations as P handed them out)?
+    fn grant(
+        &mut self,
+        p_request_id: &str,
+        block_ids: &[u32],
+        generations: &[u64],
+        consumer: &str,
+        now: Instant,
+    ) -> Result<LeaseGrant, LeaseRefusal>;
+
+    /// Is a read of `block_ids` under `lease_id` allowed right now? (The TCP backend asks
+    /// before it streams a single byte.)
+    fn check_read(&self, p_request_id: &str, lease_id: u64, block_ids: &[u32], now: Instant)
+        -> Result<(), LeaseRefusal>;
+
+    /// The consumer finished reading under `lease_id`. [`NoticeOutcome::Released`] means the
+    /// lease held until now, so what was read is what P held.
+    fn read_done(&mut self, p_request_id: &str, lease_id: u64, consumer: &str, now: Instant) -> NoticeOutcome;
+
+    /// The consumer will never read `p_request_id`.
+    fn give_up(&mut self, p_request_id: &str, lease_id: Option<u64>, consumer: &str, now: Instant) -> NoticeOutcome;
+
+    /// The consumer still intends to read these requests. Returns how many were extended.
+    fn heartbeat(&mut self, p_request_ids: &[String], now: Instant) -> usize;
+}
+
+/// How the side channel shares the policy with its owner.
+pub type SharedPolicy = Arc<Mutex<dyn LeasePolicy>>;
+
+/// Timing knobs of a [`HoldTable`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HoldTableConfig {
+    /// How long a lease lasts; a reader that neither finishes nor gives up within it loses the
+    /// blocks (they are released on the next `expire`).
+    pub lease_ttl: Duration,
+    /// A heartbeat sets the hold deadline to at least `now + heartbeat_extension`
+    /// (vLLM's `kv_lease_duration`, 30 s).
+    pub heartbeat_extension: Duration,
+}
+
+impl Default for HoldTableConfig {
+    fn default() -> Self {
+        Self { lease_ttl: Duration::from_secs(10), heartbeat_extension: Duration::from_secs(30) }
+    }
+}
+
+/// Counts of everything that happened, including the anomalies R2 asks to count, not crash on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HoldCounters {
+    pub holds: u64,
+    pub duplicate_holds: u64,
+    pub leases_granted: u64,
+    pub lease_regrants: u64,
+    pub leases_refused: u64,
+    pub reads_refused: u64,
+    pub read_done: u64,
+    pub duplicate_read_done: u64,
+    pub unknown_read_done: u64,
+    pub stale_read_done: u64,
+    pub aborts: u64,
+    pub aborts_deferred: u64,
+    pub duplicate_aborts: u64,
+    pub unknown_aborts: u64,
+    pub give_ups: u64,
+    pub give_ups_deferred: u64,
+    pub duplicate_give_ups: u64,
+    pub unknown_give_ups: u64,
+    pub heartbeats: u64,
+    pub unknown_heartbeats: u64,
+    pub expired_holds: u64,
+    pub expired_leases: u64,
+    pub released: u64,
+}
+
+/// One held request, for the debug endpoint and metrics (R5).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldInfo {
+    pub request_id: String,
+    pub blocks: usize,
+    pub age: Duration,
+    pub leased: bool,
+    pub aborted: bool,
+}
+
+#[derive(Debug, Clone)]
+struct ActiveLease {
+    lease_id: u64,
+    consumer: String,
+    deadline: Instant,
+}
+
+#[derive(Debug, Clone)]
+struct Hold {
+    seq: u64,
+    block_ids: Vec<u32>,
+    generations: Vec<u64>,
+    deadline: Instant,
+    held_since: Instant,
+    lease: Option<ActiveLease>,
+    /// Aborted or given up while someone else's lease was active: no new lease, released when
+    /// the lease ends.
+    aborted: bool,
+}
+
+/// How many released ids are remembered to tell a duplicate notice from an unknown one.
+const RECENT_RELEASED: usize = 16_384;
+
+/// P's held requests and their leases. See the module doc for the rules.
+#[derive(Debug)]
+pub struct HoldTable {
+    config: HoldTableConfig,
+    holds: HashMap<String, Hold>,
+    /// Insertion order, for the oldest-first sweep.
+    order: BTreeMap<u64, String>,
+    /// Active lease id → request id.
+    leases: HashMap<u64, String>,
+    next_seq: u64,
+    next_lease_id: u64,
+    finished: Vec<String>,
+    recent: VecDeque<String>,
+    recent_set: HashSet<String>,
+    counters: HoldCounters,
+}
+
+/// Why a request was released (for logs).
+#[derive(Debug, Clone, Copy)]
+enum Cause {
+    ReadDone,
+    GiveUp,
+    Abort,
+    HoldExpired,
+    LeaseExpired,
+}
+
+impl HoldTable {
+    pub fn new(config: HoldTableConfig) -> Self {
+        Self {
+            config,
+            holds: HashMap::new(),
+            order: BTreeMap::new(),
+            leases: HashMap::new(),
+            next_seq: 0,
+            // A random base: a lease id from before a restart never names a lease of this
+            // incarnation (a read also names its request, checked too).
+            next_lease_id: (rand::random::<u64>() >> 16).max(1),
+            finished: Vec::new(),
+            recent: VecDeque::new(),
+            recent_set: HashSet::new(),
+            counters: HoldCounters::default(),
+        }
+    }
+
+    pub fn config(&self) -> &HoldTableConfig {
+        &self.config
+    }
+
+    /// Record that P holds `block_ids` (with their `generations`) of `request_id` for a remote
+    /// reader until `deadline` (extended by heartbeats). Returns false (and counts) when the
+    /// request is already held: `request_finished` runs once per request, so that is a bug
+    /// upstream, and the first hold stands.
+    pub fn hold(&mut self, request_id: &str, block_ids: Vec<u32>, generations: Vec<u64>, deadline: Instant) -> bool {
+        if self.holds.contains_key(request_id) {
+            self.counters.duplicate_holds += 1;
+            tracing::warn!(request_id, "request already held; keeping the first hold");
+            return false;
+        }
+        if self.recent_set.remove(request_id) {
+            self.recent.retain(|r| r != request_id);
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.order.insert(seq, request_id.to_string());
+        self.holds.insert(
+            request_id.to_string(),
+            Hold {
+                seq,
+                block_ids,
+                generations,
+                deadline,
+                held_since: Instant::now(),
+                lease: None,
+                aborted: false,
+            },
+        );
+        self.counters.holds += 1;
+        true
+    }
+
+    /// The request was aborted on P (R2): released at once when no lease is active, else when
+    /// the lease ends (read done or expiry). A later lease request is refused.
+    pub fn abort(&mut self, request_id: &str) -> NoticeOutcome {
+        let Some(hold) = self.holds.get_mut(request_id) else {
+            return self.not_held(request_id, "abort");
+        };
+        if hold.aborted {
+            self.counters.duplicate_aborts += 1;
+            return NoticeOutcome::AlreadyAborted;
+        }
+        self.counters.aborts += 1;
+        if hold.lease.is_some() {
+            hold.aborted = true;
+            self.counters.aborts_deferred += 1;
+            NoticeOutcome::Deferred
+        } else {
+            self.release(request_id, Cause::Abort);
+            NoticeOutcome::Released
+        }
+    }
+
+    /// Release every hold whose deadline passed (no active lease) and every request whose
+    /// lease deadline passed, oldest hold first. Returns how many were released.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        let due: Vec<(String, Cause)> = self
+            .order
+            .values()
+            .filter_map(|id| {
+                let hold = self.holds.get(id)?;
+                match &hold.lease {
+                    Some(lease) if lease.deadline <= now => Some((id.clone(), Cause::LeaseExpired)),
+                    Some(_) => None,
+                    None if hold.deadline <= now => Some((id.clone(), Cause::HoldExpired)),
+                    None => None,
+                }
+            })
+            .collect();
+        for (id, cause) in &due {
+            match cause {
+                Cause::LeaseExpired => self.counters.expired_leases += 1,
+                _ => self.counters.expired_holds += 1,
+            }
+            self.release(id, *cause);
+        }
+        due.len()
+    }
+
+    /// Requests released since the last call, each exactly once, in release order.
+    pub fn take_finished_sending(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.finished)
+    }
+
+    pub fn counters(&self) -> &HoldCounters {
+        &self.counters
+    }
+
+    pub fn is_held(&self, request_id: &str) -> bool {
+        self.holds.contains_key(request_id)
+    }
+
+    /// The active lease of a held request.
+    pub fn lease_of(&self, request_id: &str) -> Option<u64> {
+        self.holds.get(request_id).and_then(|h| h.lease.as_ref()).map(|l| l.lease_id)
+    }
+
+    /// Number of held requests (leased or not).
+    pub fn len(&self) -> usize {
+        self.holds.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.holds.is_empty()
+    }
+
+    /// Blocks held for remote readers, leased ones included.
+    pub fn held_blocks(&self) -> usize {
+        self.holds.values().map(|h| h.block_ids.len()).sum()
+    }
+
+    /// Blocks under an active lease.
+    pub fn leased_blocks(&self) -> usize {
+        self.holds.values().filter(|h| h.lease.is_some()).map(|h| h.block_ids.len()).sum()
+    }
+
+    /// Held requests, oldest first.
+    pub fn held_requests(&self, now: Instant) -> Vec<HeldInfo> {
+        self.order
+            .values()
+            .filter_map(|id| {
+                let h = self.holds.get(id)?;
+                Some(HeldInfo {
+                    request_id: id.clone(),
+                    blocks: h.block_ids.len(),
+                    age: now.saturating_duration_since(h.held_since),
+                    leased: h.lease.is_some(),
+                    aborted: h.aborted,
+                })
+            })
+            .collect()
+    }
+
+    fn not_held(&mut self, request_id: &str, what: &'static str) -> NoticeOutcome {
+        let late = self.recent_set.contains(request_id);
+        let c = &mut self.counters;
+        let (dup, unknown) = match what {
+            "read_done" => (&mut c.duplicate_read_done, &mut c.unknown_read_done),
+            "give_up" => (&mut c.duplicate_give_ups, &mut c.unknown_give_ups),
+            _ => (&mut c.duplicate_aborts, &mut c.unknown_aborts),
+        };
+        if late {
+            *dup += 1;
+            tracing::debug!(request_id, what, "notice for an already released request");
+            NoticeOutcome::AlreadyReleased
+        } else {
+            *unknown += 1;
+            tracing::warn!(request_id, what, "notice for an unknown request");
+            NoticeOutcome::Unknown
+        }
+    }
+
+    fn release(&mut self, request_id: &str, cause: Cause) {
+        let Some(hold) = self.holds.remove(request_id) else { return };
+        self.order.remove(&hold.seq);
+        if let Some(lease) = &hold.lease {
+            self.leases.remove(&lease.lease_id);
+        }
+        tracing::debug!(request_id, ?cause, blocks = hold.block_ids.len(), "held blocks released");
+        self.counters.released += 1;
+        self.finished.push(request_id.to_string());
+        if self.recent_set.insert(request_id.to_string()) {
+            self.recent.push_back(request_id.to_string());
+            if self.recent.len() > RECENT_RELEASED {
+                if let Some(old) = self.recent.pop_front() {
+                    self.recent_set.remove(&old);
+                }
+            }
+        }
+    }
+
+    fn refuse(&mut self, reason: LeaseRefusalReason, detail: String) -> Result<LeaseGrant, LeaseRefusal> {
+        self.counters.leases_refused += 1;
+        Err(LeaseRefusal::new(reason, detail))
+    }
+}
+
+impl Default for HoldTable {
+    fn default() -> Self {
+        Self::new(HoldTableConfig::default())
+    }
+}
+
+impl LeasePolicy for HoldTable {
+    fn grant(
+        &mut self,
+        p_request_id: &str,
+        block_ids: &[u32],
+        generations: &[u64],
+        consumer: &str,
+        now: Instant,
+    ) -> Result<LeaseGrant, LeaseRefusal> {
+        let gone = |what: &str| format!("request {p_request_id} is {what}");
+        let Some(hold) = self.holds.get(p_request_id) else {
+            let what = if self.recent_set.contains(p_request_id) { "already released" } else { "not held" };
+            return self.refuse(LeaseRefusalReason::Gone, gone(what));
+        };
+        if hold.aborted {
+            return self.refuse(LeaseRefusalReason::Aborted, gone("aborted"));
+        }
+        if hold.block_ids != block_ids {
+            let detail = format!("held blocks {:?}, asked {:?}", hold.block_ids, block_ids);
+            return self.refuse(LeaseRefusalReason::BlockMismatch, detail);
+        }
+        if hold.generations != generations {
+            let detail = format!("held generations {:?}, asked {:?}", hold.generations, generations);
+            return self.refuse(LeaseRefusalReason::GenerationMismatch, detail);
+        }
+        if let Some(lease) = &hold.lease {
+            if lease.consumer == consumer && lease.deadline > now {
+                // The same reader asking again (its first answer was lost): same lease.
+                let grant = LeaseGrant { lease_id: lease.lease_id, ttl: lease.deadline - now };
+                self.counters.lease_regrants += 1;
+                return Ok(grant);
+            }
+            let detail = format!("leased to {}", lease.consumer);
+            return self.refuse(LeaseRefusalReason::AlreadyLeased, detail);
+        }
+        if hold.deadline <= now {
+            return self.refuse(LeaseRefusalReason::Gone, gone("past its hold deadline"));
+        }
+        let lease_id = self.next_lease_id;
+        self.next_lease_id = self.next_lease_id.wrapping_add(1).max(1);
+        let ttl = self.config.lease_ttl;
+        if let Some(hold) = self.holds.get_mut(p_request_id) {
+            hold.lease = Some(ActiveLease { lease_id, consumer: consumer.to_string(), deadline: now + ttl });
+        }
+        self.leases.insert(lease_id, p_request_id.to_string());
+        self.counters.leases_granted += 1;
+        Ok(LeaseGrant { lease_id, ttl })
+    }
+
+    fn check_read(&self, p_request_id: &str, lease_id: u64, block_ids: &[u32], now: Instant) -> Result<(), LeaseRefusal> {
+        let invalid = |detail: String| Err(LeaseRefusal::new(LeaseRefusalReason::LeaseInvalid, detail));
+        if self.leases.get(&lease_id).map(String::as_str) != Some(p_request_id) {
+            return invalid(format!("lease {lease_id} is not an active lease of {p_request_id}"));
+        }
+        let Some(hold) = self.holds.get(p_request_id) else {
+            return invalid(format!("request {p_request_id} is not held"));
+        };
+        match &hold.lease {
+            Some(l) if l.lease_id == lease_id && l.deadline > now => {}
+            _ => return invalid(format!("lease {lease_id} has expired")),
+        }
+        if let Some(b) = block_ids.iter().find(|b| !hold.block_ids.contains(b)) {
+            return invalid(format!("block {b} is not covered by lease {lease_id}"));
+        }
+        Ok(())
+    }
+
+    fn read_done(&mut self, p_request_id: &str, lease_id: u64, consumer: &str, _now: Instant) -> NoticeOutcome {
+        let Some(hold) = self.holds.get(p_request_id) else {
+            return self.not_held(p_request_id, "read_done");
+        };
+        if hold.lease.as_ref().map(|l| l.lease_id) != Some(lease_id) {
+            self.counters.stale_read_done += 1;
+            tracing::warn!(p_request_id, lease_id, consumer, "read done under a lease that is not active");
+            return NoticeOutcome::StaleLease;
+        }
+        self.counters.read_done += 1;
+        self.release(p_request_id, Cause::ReadDone);
+        NoticeOutcome::Released
+    }
+
+    fn give_up(&mut self, p_request_id: &str, lease_id: Option<u64>, consumer: &str, _now: Instant) -> NoticeOutcome {
+        let Some(hold) = self.holds.get_mut(p_request_id) else {
+            return self.not_held(p_request_id, "give_up");
+        };
+        match &hold.lease {
+            Some(active) if Some(active.lease_id) != lease_id => {
+                // Someone else's read is in flight: it must finish (or expire) before the
+                // blocks go.
+                if hold.aborted {
+                    self.counters.duplicate_give_ups += 1;
+                    return NoticeOutcome::AlreadyAborted;
+                }
+                hold.aborted = true;
+                self.counters.give_ups += 1;
+                self.counters.give_ups_deferred += 1;
+                tracing::debug!(p_request_id, consumer, "give up deferred until the active lease ends");
+                NoticeOutcome::Deferred
+            }
+            _ => {
+                self.counters.give_ups += 1;
+                self.release(p_request_id, Cause::GiveUp);
+                NoticeOutcome::Released
+            }
+        }
+    }
+
+    fn heartbeat(&mut self, p_request_ids: &[String], now: Instant) -> usize {
+        let mut extended = 0;
+        for id in p_request_ids {
+            match self.holds.get_mut(id) {
+                Some(hold) if !hold.aborted => {
+                    hold.deadline = hold.deadline.max(now + self.config.heartbeat_extension);
+                    self.counters.heartbeats += 1;
+                    extended += 1;
+                }
+                Some(_) => self.counters.heartbeats += 1,
+                None => self.counters.unknown_heartbeats += 1,
+            }
+        }
+        extended
+    }
+}
+
+#[cfg(test)]
+#[path = "hold_tests.rs"]
+mod tests;

@@ -1,0 +1,396 @@
+//! The `tcp` backend: P streams leased blocks from its region, D reads them straight into its
+//! local KV blocks.
+//!
+//! Framing, per connection (connections are kept and reused): D sends one length-prefixed
+//! (`u32` big-endian) [`Envelope`] with [`Message::XferReadBlocks`]; P answers one
+//! length-prefixed envelope — [`Message::XferReadReady`] followed by exactly `bytes` raw
+//! bytes, or [`Message::XferLeaseRefused`] / [`Message::Error`] and nothing else.
+//!
+//! P checks the lease with the policy before it sends a byte and then writes the runs straight
+//! from its mapping with vectored writes (no copy in user space); D reads into a small staging
+//! buffer and decodes into the destination blocks (one copy, at memcpy speed).
+
+use std::io::IoSlice;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pdmesh_model_api::{KvCache, KvCacheSpec};
+use pdmesh_protocol::{
+    Envelope, ErrorClass, LeaseRefusalReason, Message, WireError, XferLeaseRefused, XferReadBlocks, XferReadReady,
+};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinSet;
+
+use crate::agent::{AgentStats, Served};
+use crate::error::TransferError;
+use crate::layout::{le_bytes_to_f32, run_bytes, run_offset, wire_runs};
+use crate::shm::ShmReadOnly;
+
+/// Largest control frame accepted (a read of 100k blocks fits easily).
+const MAX_FRAME: usize = 16 << 20;
+/// D's staging buffer: big enough for few syscalls, small enough to stay in L2 while decoded.
+const STAGING: usize = 512 << 10;
+/// Runs handed to one `writev` (below every platform's IOV_MAX).
+const IOV_BATCH: usize = 512;
+/// Idle connections D keeps per remote agent.
+const MAX_IDLE: usize = 8;
+
+async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, env: &Envelope) -> std::io::Result<()> {
+    let bytes = env.encode().map_err(std::io::Error::other)?;
+    let len = u32::try_from(bytes.len()).map_err(std::io::Error::other)?;
+    let mut frame = Vec::with_capacity(4 + bytes.len());
+    frame.extend_from_slice(&len.to_be_bytes());
+    frame.extend_from_slice(&bytes);
+    w.write_all(&frame).await
+}
+
+/// `Ok(None)` on a clean end of stream before the frame.
+async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Option<Envelope>> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(e),
+    }
+    let len = u32::from_be_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(std::io::Error::other(format!("frame of {len} bytes exceeds {MAX_FRAME}")));
+    }
+    let mut buf = vec![0u8; len];
+    r.read_exact(&mut buf).await?;
+    Envelope::decode(&buf).map(Some).map_err(std::io::Error::other)
+}
+
+// ---- P: the block server ---------------------------------------------------------------------
+
+/// Accept connections until the agent drops this task; connection tasks live in a `JoinSet`
+/// owned here, so they stop with it.
+pub(crate) async fn serve_blocks(listener: TcpListener, region: Arc<ShmReadOnly>, spec: KvCacheSpec, served: Arc<Served>) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    conns.spawn(serve_connection(stream, region.clone(), spec, served.clone()));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "block server: accept failed");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+}
+
+async fn serve_connection(mut stream: TcpStream, region: Arc<ShmReadOnly>, spec: KvCacheSpec, served: Arc<Served>) {
+    let stats = &served.stats;
+    loop {
+        let env = match read_frame(&mut stream).await {
+            Ok(Some(env)) => env,
+            Ok(None) => return,
+            Err(e) => {
+                AgentStats::inc(&stats.tcp_errors);
+                tracing::debug!(error = %e, "block server: bad request frame");
+                return;
+            }
+        };
+        let Message::XferReadBlocks(req) = &env.body else {
+            AgentStats::inc(&stats.tcp_errors);
+            let err = Message::Error(WireError::new(ErrorClass::InvalidRequest, "expected xfer_read_blocks"));
+            let _ = write_frame(&mut stream, &env.reply(err)).await;
+            return;
+        };
+        AgentStats::inc(&stats.tcp_reads);
+        let checked = check_request(req, &spec, &served);
+        let runs = match checked {
+            Ok(()) => collect_runs(&region, &spec, &req.block_ids),
+            Err(refusal) => Err(refusal),
+        };
+        let runs = match runs {
+            Ok(runs) => runs,
+            Err(refusal) => {
+                AgentStats::inc(&stats.tcp_reads_refused);
+                tracing::info!(p_request_id = %req.p_request_id, lease_id = req.lease_id, %refusal.detail, "block read refused");
+                if write_frame(&mut stream, &env.reply(Message::XferLeaseRefused(refusal))).await.is_err() {
+                    return;
+                }
+                continue;
+            }
+        };
+        let bytes = (runs.len() * run_bytes(&spec)) as u64;
+        let ready = Message::XferReadReady(XferReadReady { blocks: req.block_ids.len() as u32, bytes });
+        let sent = async {
+            write_frame(&mut stream, &env.reply(ready)).await?;
+            write_runs(&mut stream, &runs).await
+        }
+        .await;
+        match sent {
+            Ok(()) => {
+                stats.tcp_bytes_sent.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+            }
+            Err(e) => {
+                AgentStats::inc(&stats.tcp_errors);
+                tracing::info!(p_request_id = %req.p_request_id, error = %e, "block read aborted by the reader");
+                return;
+            }
+        }
+    }
+}
+
+fn check_request(req: &XferReadBlocks, spec: &KvCacheSpec, served: &Served) -> Result<(), XferLeaseRefused> {
+    if let Some(b) = req.block_ids.iter().find(|b| **b >= spec.num_blocks) {
+        return Err(XferLeaseRefused {
+            reason: LeaseRefusalReason::LeaseInvalid,
+            detail: format!("block {b} is outside the cache ({} blocks)", spec.num_blocks),
+        });
+    }
+    served
+        .policy()
+        .check_read(&req.p_request_id, req.lease_id, &req.block_ids, Instant::now())
+        .map_err(|r| XferLeaseRefused { reason: r.reason, detail: r.detail })
+}
+
+/// The region's runs for `block_ids`, in wire order, borrowed from the mapping.
+fn collect_runs<'a>(region: &'a ShmReadOnly, spec: &KvCacheSpec, block_ids: &[u32]) -> Result<Vec<&'a [u8]>, XferLeaseRefused> {
+    let len = run_bytes(spec);
+    let bytes = region.bytes();
+    wire_runs(spec.num_layers, block_ids.len())
+        .map(|(layer, side, i)| {
+            let off = block_ids.get(i).map(|b| run_offset(spec, layer, side, *b));
+            off.and_then(|off| bytes.get(off..off + len)).ok_or_else(|| XferLeaseRefused {
+                reason: LeaseRefusalReason::LeaseInvalid,
+                detail: "block outside the mapped region".into(),
+            })
+        })
+        .collect()
+}
+
+/// Write every run with `writev`, up to [`IOV_BATCH`] runs per call, resuming partial writes.
+async fn write_runs(stream: &mut TcpStream, runs: &[&[u8]]) -> std::io::Result<()> {
+    for batch in runs.chunks(IOV_BATCH) {
+        let mut slices: Vec<IoSlice<'_>> = batch.iter().map(|r| IoSlice::new(r)).collect();
+        let mut pending = &mut slices[..];
+        while !pending.is_empty() {
+            let n = stream.write_vectored(pending).await?;
+            if n == 0 {
+                return Err(std::io::ErrorKind::WriteZero.into());
+            }
+            IoSlice::advance_slices(&mut pending, n);
+        }
+    }
+    Ok(())
+}
+
+// ---- D: the reader ---------------------------------------------------------------------------
+
+/// One reusable connection to a block server, with its staging buffer.
+#[derive(Debug)]
+struct Conn {
+    stream: TcpStream,
+    staging: Vec<u8>,
+}
+
+/// D's connections to one block server.
+#[derive(Debug)]
+pub(crate) struct TcpReader {
+    addr: String,
+    idle: Mutex<Vec<Conn>>,
+}
+
+/// Where a read failed, so the caller knows whether local blocks were touched.
+enum ReadFailure {
+    /// Before any data byte; `retry` when a pooled connection turned out dead.
+    Before { err: TransferError, retry: bool },
+    After(TransferError),
+}
+
+impl TcpReader {
+    pub(crate) fn new(host: &str, port: u16) -> Self {
+        let addr = if host.contains(':') && !host.starts_with('[') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
+        Self { addr, idle: Mutex::new(Vec::new()) }
+    }
+
+    fn take_idle(&self) -> Option<Conn> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()
+    }
+
+    fn put_idle(&self, conn: Conn) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < MAX_IDLE {
+            idle.push(conn);
+        }
+    }
+
+    async fn connect(&self) -> Result<Conn, TransferError> {
+        let stream = TcpStream::connect(&self.addr)
+            .await
+            .map_err(|e| TransferError::Setup(format!("connect {}: {e}", self.addr)))?;
+        let _ = stream.set_nodelay(true);
+        Ok(Conn { stream, staging: vec![0u8; STAGING] })
+    }
+
+    /// Read `req.block_ids` into `local_ids` of `local`. `stop_after` (fault injection) ends
+    /// the read, dropping the connection, once that many data bytes were taken.
+    pub(crate) async fn read(
+        &self,
+        req: &XferReadBlocks,
+        local: &mut KvCache,
+        local_ids: &[u32],
+        stop_after: Option<u64>,
+    ) -> Result<u64, TransferError> {
+        let (conn, pooled) = match self.take_idle() {
+            Some(c) => (c, true),
+            None => (self.connect().await?, false),
+        };
+        match self.read_on(conn, pooled, req, local, local_ids, stop_after).await {
+            Ok(n) => Ok(n),
+            Err(ReadFailure::Before { retry: true, .. }) => {
+                // The pooled connection was closed by P (restart, idle timeout): once more on a
+                // fresh one. Nothing was written locally.
+                let conn = self.connect().await?;
+                match self.read_on(conn, false, req, local, local_ids, stop_after).await {
+                    Ok(n) => Ok(n),
+                    Err(ReadFailure::Before { err, .. } | ReadFailure::After(err)) => Err(err),
+                }
+            }
+            Err(ReadFailure::Before { err, .. } | ReadFailure::After(err)) => Err(err),
+        }
+    }
+
+    async fn read_on(
+        &self,
+        mut conn: Conn,
+        pooled: bool,
+        req: &XferReadBlocks,
+        local: &mut KvCache,
+        local_ids: &[u32],
+        stop_after: Option<u64>,
+    ) -> Result<u64, ReadFailure> {
+        let before = |e: std::io::Error| ReadFailure::Before {
+            err: TransferError::Setup(format!("block server {}: {e}", self.addr)),
+            retry: pooled,
+        };
+        let env = Envelope::new(Message::XferReadBlocks(req.clone()));
+        write_frame(&mut conn.stream, &env).await.map_err(before)?;
+        let header = read_frame(&mut conn.stream)
+            .await
+            .map_err(before)?
+            .ok_or_else(|| before(std::io::ErrorKind::UnexpectedEof.into()))?;
+        let expected = (local_ids.len() * 2 * local.spec().num_layers as usize * run_bytes(local.spec())) as u64;
+        let bytes = match header.body {
+            Message::XferReadReady(r) if r.bytes == expected => r.bytes,
+            Message::XferReadReady(r) => {
+                let err = TransferError::SideChannel(format!("server announced {} bytes, {expected} expected", r.bytes));
+                return Err(ReadFailure::Before { err, retry: false });
+            }
+            Message::XferLeaseRefused(r) => {
+                self.put_idle(conn);
+                let err = TransferError::LeaseRefused { reason: r.reason, detail: r.detail };
+                return Err(ReadFailure::Before { err, retry: false });
+            }
+            Message::Error(e) => {
+                return Err(ReadFailure::Before { err: TransferError::SideChannel(e.message), retry: false });
+            }
+            other => {
+                let err = TransferError::SideChannel(format!("unexpected {} from block server", other.kind()));
+                return Err(ReadFailure::Before { err, retry: false });
+            }
+        };
+        let limit = stop_after.map_or(bytes, |s| s.min(bytes));
+        let done = receive_runs(&mut conn, local, local_ids, limit).await.map_err(ReadFailure::After)?;
+        if limit < bytes {
+            // Fault injection: the connection is dropped with bytes unread, which P sees as a
+            // reset mid-stream.
+            return Err(ReadFailure::After(TransferError::Midway {
+                bytes_done: done,
+                detail: "fault injection: transfer_midway".into(),
+            }));
+        }
+        self.put_idle(conn);
+        Ok(done)
+    }
+}
+
+/// Receive `limit` data bytes into the local runs, in wire order. Returns the bytes written.
+async fn receive_runs(conn: &mut Conn, local: &mut KvCache, local_ids: &[u32], limit: u64) -> Result<u64, TransferError> {
+    let spec = *local.spec();
+    let run_floats = spec.floats_per_block();
+    let mut runs = wire_runs(spec.num_layers, local_ids.len());
+    let mut current = None;
+    let mut run_pos = 0usize;
+    let mut filled = 0usize;
+    let mut remaining = limit as usize;
+    let mut written = 0u64;
+    let staging = &mut conn.staging;
+    while remaining > 0 {
+        let want = (staging.len() - filled).min(remaining);
+        let n = match conn.stream.read(&mut staging[filled..filled + want]).await {
+            Ok(0) => {
+                let detail = "block server closed the stream".to_string();
+                return Err(TransferError::Midway { bytes_done: written, detail });
+            }
+            Ok(n) => n,
+            Err(e) => return Err(TransferError::Midway { bytes_done: written, detail: e.to_string() }),
+        };
+        remaining -= n;
+        filled += n;
+        let usable = filled - filled % 4;
+        let mut pos = 0;
+        while pos < usable {
+            let (layer, side, i) = match current {
+                Some(c) => c,
+                None => match runs.next() {
+                    Some(c) => {
+                        current = Some(c);
+                        c
+                    }
+                    None => break,
+                },
+            };
+            let block = local_ids.get(i).copied().unwrap_or(u32::MAX);
+            let dst = local.block_mut(layer as usize, side, block).map_err(|e| TransferError::Midway {
+                bytes_done: written,
+                detail: e.to_string(),
+            })?;
+            let dst = dst.get_mut(run_pos..).unwrap_or_default();
+            let k = dst.len().min((usable - pos) / 4);
+            le_bytes_to_f32(&staging[pos..pos + 4 * k], &mut dst[..k]);
+            pos += 4 * k;
+            run_pos += k;
+            written += 4 * k as u64;
+            if run_pos == run_floats {
+                current = None;
+                run_pos = 0;
+            }
+        }
+        staging.copy_within(usable..filled, 0);
+        filled -= usable;
+    }
+    Ok(written)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn frames_round_trip_and_oversize_is_refused() {
+        let (mut a, mut b) = tokio::io::duplex(1 << 16);
+        let env = Envelope::new(Message::XferReadBlocks(XferReadBlocks {
+            p_request_id: "r".into(),
+            lease_id: 9,
+            block_ids: vec![1, 2],
+        }));
+        write_frame(&mut a, &env).await.unwrap();
+        assert_eq!(read_frame(&mut b).await.unwrap(), Some(env));
+        a.write_all(&(MAX_FRAME as u32 + 1).to_be_bytes()).await.unwrap();
+        assert!(read_frame(&mut b).await.is_err());
+        drop(a);
+        let (a2, mut b2) = tokio::io::duplex(16);
+        drop(a2);
+        assert_eq!(read_frame(&mut b2).await.unwrap(), None);
+    }
+}
