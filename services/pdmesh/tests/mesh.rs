@@ -263,3 +263,41 @@ fn a_restarted_worker_serves_again() {
     let up_log = std::fs::read_to_string(mesh.run_dir.join("up.log")).unwrap();
     assert!(up_log.contains("died"), "the death was reported");
 }
+
+#[test]
+fn data_parallel_ranks_pinned_by_header_and_balanced_without() {
+    let mesh = Mesh::start("dp_size = 2", "", &[]);
+    let procs = mesh.processes();
+    assert_eq!(procs.len(), 8, "frontend + dp-lb + 2 × (engine-core, connector-scheduler, connector-worker)");
+    for _ in 0..4 {
+        let r = client()
+            .post(mesh.url("/v1/completions"))
+            .header("X-data-parallel-rank", "1")
+            .json(&json!({"prompt": "pinned", "max_tokens": 2}))
+            .send()
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+    }
+    let engines = || -> Value { client().get(mesh.url("/debug/engines")).send().unwrap().json().unwrap() };
+    let v = engines();
+    assert_eq!(v["engines"][0]["finished_requests"], 0, "{v}");
+    assert_eq!(v["engines"][1]["finished_requests"], 4, "{v}");
+    // without the header, concurrent load goes to the least loaded rank: both get work
+    let url = mesh.url("/v1/completions");
+    let hs: Vec<_> = (0..16)
+        .map(|i| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                client().post(url).json(&json!({"prompt": format!("free {i}"), "max_tokens": 64})).send().unwrap().status().as_u16()
+            })
+        })
+        .collect();
+    for h in hs {
+        assert_eq!(h.join().unwrap(), 200);
+    }
+    let v = engines();
+    let r0 = v["engines"][0]["finished_requests"].as_u64().unwrap();
+    let r1 = v["engines"][1]["finished_requests"].as_u64().unwrap() - 4;
+    assert_eq!(r0 + r1, 16);
+    assert!(r0 > 0 && r1 > 0, "both ranks served unpinned requests: {r0} / {r1}");
+}

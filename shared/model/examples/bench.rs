@@ -94,7 +94,8 @@ fn main() {
     let reps: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(3);
     let path = default_model_path();
     let t = Instant::now();
-    let mut exec = LlamaExecutor::load(&path, &ModelOptions::default()).expect("load model (run scripts/fetch-model.sh)");
+    let mut exec =
+        LlamaExecutor::load(&path, &ModelOptions::default()).expect("load model (run scripts/fetch-model.sh)");
     println!("load: {:.0} ms ({})", t.elapsed().as_secs_f64() * 1e3, path.display());
     let f = exec.facts().clone();
     let mut kv = KvCache::new_heap(KvCacheSpec {
@@ -112,11 +113,46 @@ fn main() {
 
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     let rows = [
-        ("pp128", if only.is_empty() || "pp128".starts_with(&only) { measure(reps, 128.0, || prefill(&mut exec, &mut kv, 128)) } else { (vec![], vec![]) }),
-        ("pp512", if only.is_empty() || "pp512".starts_with(&only) { measure(reps, 512.0, || prefill(&mut exec, &mut kv, 512)) } else { (vec![], vec![]) }),
-        ("tg128 (batch 1)", if only.is_empty() || "tg128 (batch 1)".starts_with(&only) { measure(reps, 128.0, || decode(&mut exec, &mut kv, 1, 0, 128)) } else { (vec![], vec![]) }),
-        ("tg64 x 8", if only.is_empty() || "tg64 x 8".starts_with(&only) { measure(reps, 512.0, || decode(&mut exec, &mut kv, 8, 0, 64)) } else { (vec![], vec![]) }),
-        ("tg64 x 8, ctx 48", if only.is_empty() || "tg64 x 8, ctx 48".starts_with(&only) { measure(reps, 512.0, || decode(&mut exec, &mut kv, 8, 48, 64)) } else { (vec![], vec![]) }),
+        (
+            "pp128",
+            if only.is_empty() || "pp128".starts_with(&only) {
+                measure(reps, 128.0, || prefill(&mut exec, &mut kv, 128))
+            } else {
+                (vec![], vec![])
+            },
+        ),
+        (
+            "pp512",
+            if only.is_empty() || "pp512".starts_with(&only) {
+                measure(reps, 512.0, || prefill(&mut exec, &mut kv, 512))
+            } else {
+                (vec![], vec![])
+            },
+        ),
+        (
+            "tg128 (batch 1)",
+            if only.is_empty() || "tg128 (batch 1)".starts_with(&only) {
+                measure(reps, 128.0, || decode(&mut exec, &mut kv, 1, 0, 128))
+            } else {
+                (vec![], vec![])
+            },
+        ),
+        (
+            "tg64 x 8",
+            if only.is_empty() || "tg64 x 8".starts_with(&only) {
+                measure(reps, 512.0, || decode(&mut exec, &mut kv, 8, 0, 64))
+            } else {
+                (vec![], vec![])
+            },
+        ),
+        (
+            "tg64 x 8, ctx 48",
+            if only.is_empty() || "tg64 x 8, ctx 48".starts_with(&only) {
+                measure(reps, 512.0, || decode(&mut exec, &mut kv, 8, 48, 64))
+            } else {
+                (vec![], vec![])
+            },
+        ),
     ];
     println!("{:<18} {:>10} {:>14}   wall samples", "", "tok/s", "tok/cpu-s(t0)");
     for (name, (wall, cpu)) in rows {

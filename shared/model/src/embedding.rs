@@ -47,7 +47,8 @@ impl Embedding {
             other => return Err(bad(format!("expected a matrix, got {other:?}"))),
         };
         let dtype = qt.dtype();
-        let decodable = matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::F16 | GgmlDType::F32);
+        let decodable =
+            matches!(dtype, GgmlDType::Q8_0 | GgmlDType::Q4_0 | GgmlDType::Q4_1 | GgmlDType::F16 | GgmlDType::F32);
         let table = if decodable && hidden % dtype.block_size() == 0 {
             let row_bytes = hidden / dtype.block_size() * dtype.type_size();
             let bytes = qt.data().map_err(|e| bad(e.to_string()))?.into_owned();

@@ -182,7 +182,18 @@ impl LlamaExecutor {
             kv_heads = cfg.n_kv_heads, vocab = cfg.vocab_size, max_model_len, "loaded llama GGUF model");
         let mm = MatmulCtx::new(crate::pool::default_threads());
         tracing::info!(threads = mm.pool.n_threads(), kernels = ?mm.imp, "model compute");
-        Ok(Self { facts, cfg, embedding, layers, out_norm, output, mm, rope_cos, rope_sin, scratch: Scratch::default() })
+        Ok(Self {
+            facts,
+            cfg,
+            embedding,
+            layers,
+            out_norm,
+            output,
+            mm,
+            rope_cos,
+            rope_sin,
+            scratch: Scratch::default(),
+        })
     }
 
     /// Override the served model name (defaults to the file name without `.gguf`).
@@ -239,7 +250,10 @@ impl LlamaExecutor {
             }
             let needed = end.div_ceil(bs);
             if c.block_ids.len() < needed {
-                return Err(ExecutorError::BlockTableTooShort { request_id: c.request_id.clone(), pos: (end - 1) as u32 });
+                return Err(ExecutorError::BlockTableTooShort {
+                    request_id: c.request_id.clone(),
+                    pos: (end - 1) as u32,
+                });
             }
             for &b in c.block_ids.iter().take(needed) {
                 kv.check_block(b)?;
@@ -249,7 +263,12 @@ impl LlamaExecutor {
         Ok(plan)
     }
 
-    fn forward(&mut self, kv: &mut KvCache, chunks: &[ScheduledChunk], plan: &[TokenPlan]) -> Result<Vec<SampledToken>, ExecutorError> {
+    fn forward(
+        &mut self,
+        kv: &mut KvCache,
+        chunks: &[ScheduledChunk],
+        plan: &[TokenPlan],
+    ) -> Result<Vec<SampledToken>, ExecutorError> {
         let Self { cfg, embedding, layers, out_norm, output, mm, rope_cos, rope_sin, scratch: s, .. } = self;
         let n = plan.len();
         let (h, hd) = (cfg.hidden, cfg.head_dim);
@@ -347,8 +366,13 @@ impl LlamaExecutor {
         let vocab = cfg.vocab_size;
         let mut out = Vec::with_capacity(m);
         for (c, row) in sampling_chunks.iter().zip(s.logits.chunks_exact(vocab)) {
-            let sampled = sampling::sample(row, &c.sampling, c.output_index).map_err(|e| ExecutorError::Model(e.to_string()))?;
-            out.push(SampledToken { request_id: c.request_id.clone(), token_id: sampled.token_id, logprobs: sampled.logprobs });
+            let sampled =
+                sampling::sample(row, &c.sampling, c.output_index).map_err(|e| ExecutorError::Model(e.to_string()))?;
+            out.push(SampledToken {
+                request_id: c.request_id.clone(),
+                token_id: sampled.token_id,
+                logprobs: sampled.logprobs,
+            });
         }
         Ok(out)
     }
@@ -418,6 +442,3 @@ fn add_in_place(x: &mut [f32], y: &[f32]) {
         *a += b;
     }
 }
-
-
-

@@ -239,7 +239,8 @@ impl LlamaConfig {
         let n_heads = md_u32(md, "llama.attention.head_count")? as usize;
         let n_kv_heads = md_u32_opt(md, "llama.attention.head_count_kv")?.map_or(n_heads, |v| v as usize);
         let rms_eps = md_f32(md, "llama.attention.layer_norm_rms_epsilon")?;
-        let rope_base = if md.contains_key("llama.rope.freq_base") { md_f32(md, "llama.rope.freq_base")? } else { 10_000.0 };
+        let rope_base =
+            if md.contains_key("llama.rope.freq_base") { md_f32(md, "llama.rope.freq_base")? } else { 10_000.0 };
         let context_length = md_u32(md, "llama.context_length")?;
 
         if n_layers == 0 || hidden == 0 || n_heads == 0 || n_kv_heads == 0 {
@@ -257,7 +258,10 @@ impl LlamaConfig {
         }
         if let Some(rope_dim) = md_u32_opt(md, "llama.rope.dimension_count")? {
             if rope_dim as usize != head_dim {
-                return Err(invalid("llama.rope.dimension_count", format!("{rope_dim} != head_dim {head_dim} (partial RoPE is not supported)")));
+                return Err(invalid(
+                    "llama.rope.dimension_count",
+                    format!("{rope_dim} != head_dim {head_dim} (partial RoPE is not supported)"),
+                ));
             }
         }
         if md_u32_opt(md, "llama.expert_count")?.unwrap_or(0) > 1 {
@@ -269,7 +273,9 @@ impl LlamaConfig {
             }
         }
         if g.has_tensor("rope_freqs.weight") {
-            return Err(ModelError::UnsupportedArchitecture { arch: "llama with rope_freqs (llama-3.1 RoPE scaling)".into() });
+            return Err(ModelError::UnsupportedArchitecture {
+                arch: "llama with rope_freqs (llama-3.1 RoPE scaling)".into(),
+            });
         }
         let embd = g.tensor_dims("token_embd.weight")?;
         let vocab_size = match embd.as_slice() {
@@ -290,6 +296,17 @@ impl LlamaConfig {
                 })
             }
         };
-        Ok(Self { n_layers, hidden, n_heads, n_kv_heads, head_dim, ffn_dim, vocab_size, rms_eps, rope_base, context_length })
+        Ok(Self {
+            n_layers,
+            hidden,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ffn_dim,
+            vocab_size,
+            rms_eps,
+            rope_base,
+            context_length,
+        })
     }
 }

@@ -86,10 +86,8 @@ impl QActs {
         self.d.resize(rows * nb, 0.0);
         self.s.clear();
         self.s.resize(rows * nb, 0.0);
-        for ((xb, qb), (d, s)) in x
-            .chunks_exact(QK)
-            .zip(self.qs.chunks_exact_mut(QK))
-            .zip(self.d.iter_mut().zip(self.s.iter_mut()))
+        for ((xb, qb), (d, s)) in
+            x.chunks_exact(QK).zip(self.qs.chunks_exact_mut(QK)).zip(self.d.iter_mut().zip(self.s.iter_mut()))
         {
             let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
             let scale = amax / 127.0;
@@ -328,12 +326,14 @@ unsafe fn scalar_group(w: &Packed, a: &QActs, tile: &Tile) {
                     Packed::Q4_1(w) => {
                         let mut sumi = 0i32;
                         for (j, &byte) in w.qs[i * 16..i * 16 + 16].iter().enumerate() {
-                            sumi += i32::from(byte & 0x0F) * i32::from(aqb[j]) + i32::from(byte >> 4) * i32::from(aqb[j + 16]);
+                            sumi += i32::from(byte & 0x0F) * i32::from(aqb[j])
+                                + i32::from(byte >> 4) * i32::from(aqb[j + 16]);
                         }
                         sumf += sumi as f32 * w.d[i] * da + w.m[i] * a.s[tok * nb + b];
                     }
                     Packed::Q8_0(w) => {
-                        let sumi: i32 = w.qs[i * QK..i * QK + QK].iter().zip(aqb).map(|(&x, &y)| i32::from(x) * i32::from(y)).sum();
+                        let sumi: i32 =
+                            w.qs[i * QK..i * QK + QK].iter().zip(aqb).map(|(&x, &y)| i32::from(x) * i32::from(y)).sum();
                         sumf += sumi as f32 * w.d[i] * da;
                     }
                 }
@@ -544,11 +544,22 @@ mod tests {
     }
 
     fn acts(m: usize, k: usize, seed: u64) -> Vec<f32> {
-        bytes(m * k, seed).iter().enumerate().map(|(i, &b)| (f32::from(b) - 127.5) * 0.01 * (1.0 + (i % 13) as f32)).collect()
+        bytes(m * k, seed)
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| (f32::from(b) - 127.5) * 0.01 * (1.0 + (i % 13) as f32))
+            .collect()
     }
 
     /// candle's QMatMul on the same raw blocks: the reference our kernels must equal bitwise.
-    fn candle_matmul(dtype: candle_core::quantized::GgmlDType, raw: &[u8], rows: usize, k: usize, x: &[f32], m: usize) -> Vec<f32> {
+    fn candle_matmul(
+        dtype: candle_core::quantized::GgmlDType,
+        raw: &[u8],
+        rows: usize,
+        k: usize,
+        x: &[f32],
+        m: usize,
+    ) -> Vec<f32> {
         use candle_core::quantized::{QMatMul, QStorage, QTensor};
         use candle_core::{Device, Module, Tensor};
         let storage = QStorage::from_data(std::borrow::Cow::Borrowed(raw), &Device::Cpu, dtype).unwrap();

@@ -98,7 +98,13 @@ impl Linear {
 
     /// `out[m, rows] = x[m, cols] · Wᵀ`; `out` is resized. For packed weights, `ctx.acts` must
     /// already hold `x` quantized (see [`LinearSet::forward`]).
-    fn forward_quantized(&self, x: &[f32], m: usize, ctx: &mut MatmulCtx, out: &mut Vec<f32>) -> Result<(), ExecutorError> {
+    fn forward_quantized(
+        &self,
+        x: &[f32],
+        m: usize,
+        ctx: &mut MatmulCtx,
+        out: &mut Vec<f32>,
+    ) -> Result<(), ExecutorError> {
         let rows = self.rows();
         out.clear();
         out.resize(m * rows, 0.0);
@@ -106,9 +112,17 @@ impl Linear {
             Linear::Packed(p) => kernels::matmul(p, &ctx.acts, out, ctx.imp, &ctx.pool).map_err(|e| model_err(e.0)),
             Linear::Candle { cols, qmm, .. } => {
                 let xt = Tensor::from_slice(x, (m, *cols), &Device::Cpu).map_err(model_err)?;
-                let y = qmm.forward(&xt).and_then(|y| y.flatten_all()).and_then(|y| y.to_vec1::<f32>()).map_err(model_err)?;
+                let y = qmm
+                    .forward(&xt)
+                    .and_then(|y| y.flatten_all())
+                    .and_then(|y| y.to_vec1::<f32>())
+                    .map_err(model_err)?;
                 if y.len() != out.len() {
-                    return Err(model_err(format!("candle matmul returned {} values, expected {}", y.len(), out.len())));
+                    return Err(model_err(format!(
+                        "candle matmul returned {} values, expected {}",
+                        y.len(),
+                        out.len()
+                    )));
                 }
                 out.copy_from_slice(&y);
                 Ok(())
@@ -155,7 +169,13 @@ impl LinearSet {
     }
 
     /// `outs[i][m, rows_i] = x[m, cols] · W_iᵀ` for every part `i`.
-    pub fn forward(&self, x: &[f32], m: usize, ctx: &mut MatmulCtx, outs: &mut [&mut Vec<f32>]) -> Result<(), ExecutorError> {
+    pub fn forward(
+        &self,
+        x: &[f32],
+        m: usize,
+        ctx: &mut MatmulCtx,
+        outs: &mut [&mut Vec<f32>],
+    ) -> Result<(), ExecutorError> {
         let cols = self.cols();
         if x.len() != m * cols || outs.len() != self.parts.len() {
             return Err(model_err(format!("matmul input has {} values, expected {m}x{cols}", x.len())));

@@ -226,7 +226,10 @@ impl TextCodec for GgufTextCodec {
 
     fn decode(&self, ids: &[u32]) -> Result<String, TextError> {
         if let Some(&bad) = ids.iter().find(|&&id| id >= self.vocab_size) {
-            return Err(TextError::Tokenizer(format!("token id {bad} is outside the vocabulary ({})", self.vocab_size)));
+            return Err(TextError::Tokenizer(format!(
+                "token id {bad} is outside the vocabulary ({})",
+                self.vocab_size
+            )));
         }
         self.tokenizer.decode(ids, true).map_err(text_err)
     }

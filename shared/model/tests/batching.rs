@@ -23,7 +23,11 @@ fn greedy_tokens_do_not_depend_on_batching_or_chunking() {
     ];
     let prompts: Vec<Vec<u32>> = texts
         .iter()
-        .map(|t| codec.encode(&codec.render_chat(&[ChatMessage { role: "user".into(), content: (*t).into() }]).unwrap()).unwrap())
+        .map(|t| {
+            codec
+                .encode(&codec.render_chat(&[ChatMessage { role: "user".into(), content: (*t).into() }]).unwrap())
+                .unwrap()
+        })
         .collect();
     let blocks_per_req = 8u32; // block_size 16: 128 positions each
     let mut kv = common::kv_cache(&exec, blocks_per_req * 8, 16);
@@ -36,7 +40,9 @@ fn greedy_tokens_do_not_depend_on_batching_or_chunking() {
     let mut batch: Vec<common::Req> = prompts
         .iter()
         .enumerate()
-        .map(|(i, p)| common::Req::new(&format!("b{i}"), p.clone(), ((i as u32 + 3) % 8) * blocks_per_req, blocks_per_req))
+        .map(|(i, p)| {
+            common::Req::new(&format!("b{i}"), p.clone(), ((i as u32 + 3) % 8) * blocks_per_req, blocks_per_req)
+        })
         .collect();
     common::run(&mut exec, &mut kv, &mut batch, N_NEW, usize::MAX);
 

@@ -48,9 +48,7 @@ fn reference_greedy(path: &std::path::Path, prompt: &[u32], n_new: usize) -> (Ve
 
 fn prompts(codec: &pdmesh_model::GgufTextCodec) -> Vec<Vec<u32>> {
     let chat = |u: &str| {
-        codec
-            .encode(&codec.render_chat(&[ChatMessage { role: "user".into(), content: u.into() }]).unwrap())
-            .unwrap()
+        codec.encode(&codec.render_chat(&[ChatMessage { role: "user".into(), content: u.into() }]).unwrap()).unwrap()
     };
     vec![
         codec.encode("The capital of France is").unwrap(),
@@ -72,7 +70,9 @@ fn greedy_tokens_match_candle_reference() {
         let mut reqs = vec![common::Req::new("r", prompt.clone(), 0, 64)];
         // whole prompt in one chunk, then one token per step; keep our logits of every step
         let mut ours_logits = Vec::new();
-        common::run_with(&mut exec, &mut kv, &mut reqs, N_NEW, usize::MAX, |e| ours_logits.push(e.last_logits().to_vec()));
+        common::run_with(&mut exec, &mut kv, &mut reqs, N_NEW, usize::MAX, |e| {
+            ours_logits.push(e.last_logits().to_vec())
+        });
         let got = &reqs[0].generated;
         let first_diff = got.iter().zip(&want).position(|(a, b)| a != b);
         let note = first_diff.map(|p| {

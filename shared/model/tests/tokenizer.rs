@@ -57,12 +57,13 @@ fn chat_template_renders_default_system_turn() {
     let s = c.render_chat(&user).unwrap();
     assert!(s.starts_with("<|im_start|>system\n"), "{s:?}");
     assert!(s.contains("SmolLM"), "default system prompt: {s:?}");
-    assert!(s.ends_with("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"), "{s:?}");
+    assert!(
+        s.ends_with("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"),
+        "{s:?}"
+    );
 
-    let with_system = [
-        ChatMessage { role: "system".into(), content: "You are a concise assistant.".into() },
-        user[0].clone(),
-    ];
+    let with_system =
+        [ChatMessage { role: "system".into(), content: "You are a concise assistant.".into() }, user[0].clone()];
     let s = c.render_chat(&with_system).unwrap();
     assert_eq!(
         s,

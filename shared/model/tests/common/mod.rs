@@ -59,7 +59,13 @@ pub struct Req {
 impl Req {
     /// A request owning blocks `first_block..first_block + n_blocks`.
     pub fn new(id: &str, prompt: Vec<u32>, first_block: u32, n_blocks: u32) -> Self {
-        Self { id: id.into(), prompt, blocks: (first_block..first_block + n_blocks).collect(), generated: vec![], computed: 0 }
+        Self {
+            id: id.into(),
+            prompt,
+            blocks: (first_block..first_block + n_blocks).collect(),
+            generated: vec![],
+            computed: 0,
+        }
     }
 }
 
