@@ -2,7 +2,8 @@
 //! side by side in one run (interleaved per repetition, median reported):
 //! - `shm` (D copies leased blocks out of P's mapping) vs a plain `copy_from_slice` of the
 //!   same number of bytes between two heap buffers;
-//!   Ratios are the median of per-repetition ratios.
+//!   Ratios are the median of per-repetition ratios; caches are flushed before every
+//!   measurement.
 //! - `tcp` (lease-checked request, P streams from its mapping, D decodes into its blocks) vs
 //!   raw loopback TCP: a tokio `TcpStream` request/response moving the same byte count into a
 //!   plain buffer, on a kept-alive connection, like ours.
@@ -11,7 +12,7 @@
 //! bytes per block). Run:
 //!
 //! ```text
-//! cargo run --release -p pdmesh-kv-transfer --example bandwidth -- [--reps 15] [--blocks 1,16,32,256]
+//! cargo run --release -p pdmesh-kv-transfer --example bandwidth -- [--reps 15] [--blocks 1,16,32,256] [--scatter] [--dir /dev/shm]
 //! ```
 
 use std::error::Error;
@@ -30,6 +31,16 @@ use tokio::net::{TcpListener, TcpStream};
 type Res<T> = Result<T, Box<dyn Error>>;
 
 const GB: f64 = 1e9;
+
+/// Push every measured buffer out of the caches (the host's L3 is 105 MiB, larger than a
+/// 32-block transfer's source plus destination), so each measurement starts cold: what a
+/// transfer of blocks written some time ago meets, and the same start for every method.
+fn evict(scratch: &mut [u8]) {
+    for line in scratch.chunks_mut(64) {
+        line[0] = line[0].wrapping_add(1);
+    }
+    black_box(scratch);
+}
 
 fn median(mut xs: Vec<Duration>) -> Duration {
     xs.sort();
@@ -69,12 +80,18 @@ async fn main() -> Res<()> {
         .split(',')
         .map(|s| s.trim().parse())
         .collect::<Result<_, _>>()?;
+    let scatter = args.iter().any(|a| a == "--scatter");
     let max = sizes.iter().copied().max().unwrap_or(1);
     let spec = KvCacheSpec { num_layers: 30, num_blocks: max, block_size: 16, num_kv_heads: 3, head_dim: 64 };
     let bpb = spec.bytes_per_block() as usize;
 
     // ---- P: cache on a shm region, every block held, one agent per backend
-    let region = ShmRegion::create_for_spec(&format!("pdmesh-bench-{}", std::process::id()), &spec)?;
+    // `--dir D` puts the region in another tmpfs (e.g. one mounted with `huge=always`).
+    let name = format!("pdmesh-bench-{}", std::process::id());
+    let region = match arg("--dir") {
+        Some(dir) => ShmRegion::create_at(&std::path::Path::new(&dir).join(name), spec.total_floats() * 4)?,
+        None => ShmRegion::create_for_spec(&name, &spec)?,
+    };
     let path = region.path().to_path_buf();
     let mut p_kv = region.into_kv_cache(spec).map_err(|e| e.to_string())?;
     for (i, x) in p_kv.as_mut_slice().iter_mut().enumerate() {
@@ -85,10 +102,12 @@ async fn main() -> Res<()> {
         ..Default::default()
     })));
     let all: Vec<u32> = (0..max).collect();
-    table
-        .lock()
-        .map_err(|e| e.to_string())?
-        .hold("bench", all.clone(), vec![1; all.len()], Instant::now() + Duration::from_secs(3600));
+    table.lock().map_err(|e| e.to_string())?.hold(
+        "bench",
+        all.clone(),
+        vec![1; all.len()],
+        Instant::now() + Duration::from_secs(3600),
+    );
     let hash = CompatInputs::for_spec("bench", &spec).hash();
     let start = |backend| {
         let policy: SharedPolicy = table.clone();
@@ -124,8 +143,13 @@ async fn main() -> Res<()> {
     let mut raw = TcpStream::connect(raw_addr).await?;
     raw.set_nodelay(true)?;
     let mut raw_buf = vec![0u8; max as usize * bpb];
+    let mut scratch = vec![0u8; 256 << 20];
 
-    println!("geometry: 30 layers x 3 kv heads x 64 dims x 16 slots = {bpb} bytes/block; reps {reps} (median)");
+    println!(
+        "geometry: 30 layers x 3 kv heads x 64 dims x 16 slots = {bpb} bytes/block; reps {reps} (median); local ids {}; region {}",
+        if scatter { "reversed (--scatter)" } else { "ascending" },
+        path.display()
+    );
     println!(
         "| blocks | bytes | memcpy GB/s | shm GB/s | shm/memcpy | raw TCP GB/s | tcp GB/s | tcp/raw |\n\
          |---:|---:|---:|---:|---:|---:|---:|---:|"
@@ -133,21 +157,27 @@ async fn main() -> Res<()> {
     for &n in &sizes {
         let bytes = n as usize * bpb;
         let remote: Vec<u32> = (0..n).collect();
-        let local_ids: Vec<u32> = (0..n).rev().collect();
+        // Fresh D caches hand out ascending blocks (spans coalesce); `--scatter` reverses them,
+        // the worst case for the shm copy (one 12 KiB memcpy per run).
+        let local_ids: Vec<u32> = if scatter { (0..n).rev().collect() } else { (0..n).collect() };
         let (mut t_mem, mut t_shm, mut t_raw, mut t_tcp) = (vec![], vec![], vec![], vec![]);
         for rep in 0..reps + 2 {
+            evict(&mut scratch);
             let t = Instant::now();
             dst[..bytes].copy_from_slice(&src[..bytes]);
             black_box(&mut dst);
             let mem = t.elapsed();
 
+            evict(&mut scratch);
             let s = shm.read_blocks(&shm_lease, &remote, &mut local, &local_ids).await?.elapsed;
 
+            evict(&mut scratch);
             let t = Instant::now();
             raw_read(&mut raw, &mut raw_buf[..bytes]).await?;
             black_box(&mut raw_buf);
             let r = t.elapsed();
 
+            evict(&mut scratch);
             let c = tcp.read_blocks(&tcp_lease, &remote, &mut local, &local_ids).await?.elapsed;
             if rep >= 2 {
                 t_mem.push(mem);
@@ -160,7 +190,8 @@ async fn main() -> Res<()> {
         // Ratios are taken per repetition (the two measurements ran back to back, under the
         // same load), then the median: robust on a shared machine.
         let ratio = |ours: &[Duration], base: &[Duration]| {
-            let mut r: Vec<f64> = ours.iter().zip(base).map(|(o, b)| b.as_secs_f64() / o.as_secs_f64().max(1e-12)).collect();
+            let mut r: Vec<f64> =
+                ours.iter().zip(base).map(|(o, b)| b.as_secs_f64() / o.as_secs_f64().max(1e-12)).collect();
             r.sort_by(f64::total_cmp);
             r.get(r.len() / 2).copied().unwrap_or_default()
         };

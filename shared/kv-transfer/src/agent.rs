@@ -156,7 +156,12 @@ impl TransferAgent {
             compat_hash: config.compat_hash.clone(),
             protocol_version: TRANSFER_VERSION,
         };
-        let served = Arc::new(Served { metadata: metadata.clone(), policy, faults: config.faults.clone(), stats: stats.clone() });
+        let served = Arc::new(Served {
+            metadata: metadata.clone(),
+            policy,
+            faults: config.faults.clone(),
+            stats: stats.clone(),
+        });
 
         let mut socket = RouterSocket::new();
         prepare_ipc(&config.side_channel);
@@ -328,4 +333,18 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
         }
     };
     env.reply(body).encode().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[allow(dead_code)]
+    fn agent_and_start_are_send(agent: &TransferAgent, config: AgentConfig, policy: SharedPolicy) {
+        fn send_sync<T: Send + Sync>(_: &T) {}
+        fn send<T: Send>(_: T) {}
+        send_sync(agent);
+        let spec = KvCacheSpec { num_layers: 1, num_blocks: 1, block_size: 1, num_kv_heads: 1, head_dim: 1 };
+        send(TransferAgent::start(config, Path::new("/x"), spec, policy));
+    }
 }

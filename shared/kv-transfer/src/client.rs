@@ -110,7 +110,10 @@ impl TransferClient {
             Ok(Ok(Message::XferMetadata(meta))) => meta,
             Ok(Ok(Message::Error(e))) => return Err(HandshakeError::Remote(e.message)),
             Ok(Ok(other)) => {
-                return Err(HandshakeError::UndecodableMetadata(format!("expected xfer_metadata, got {}", other.kind())))
+                return Err(HandshakeError::UndecodableMetadata(format!(
+                    "expected xfer_metadata, got {}",
+                    other.kind()
+                )))
             }
         };
         if meta.compat_hash != self.config.compat_hash {
@@ -143,14 +146,7 @@ impl TransferClient {
             TransferBackend::Tcp { host, port } => DataPlane::Tcp(TcpReader::new(host, *port)),
         };
         tracing::info!(endpoint, engine_id = %meta.engine_id, agent = %meta.agent_name, backend = ?meta.backend, "handshake done");
-        Ok(RemoteAgent {
-            endpoint: endpoint.to_string(),
-            remote_spec,
-            meta,
-            config: self.config.clone(),
-            link,
-            data,
-        })
+        Ok(RemoteAgent { endpoint: endpoint.to_string(), remote_spec, meta, config: self.config.clone(), link, data })
     }
 }
 
@@ -315,7 +311,12 @@ impl RemoteAgent {
 
     /// Ask P for a read lease on `block_ids` (with their `generations`, exactly as P handed
     /// them out) of `p_request_id`.
-    pub async fn lease(&self, p_request_id: &str, block_ids: &[u32], generations: &[u64]) -> Result<Lease, TransferError> {
+    pub async fn lease(
+        &self,
+        p_request_id: &str,
+        block_ids: &[u32],
+        generations: &[u64],
+    ) -> Result<Lease, TransferError> {
         let asked = Instant::now();
         let req = XferLeaseRequest {
             p_request_id: p_request_id.to_string(),
@@ -385,7 +386,13 @@ impl RemoteAgent {
         Ok(ReadStats { bytes, blocks: remote_block_ids.len() as u32, elapsed: started.elapsed() })
     }
 
-    fn check_read(&self, lease: &Lease, remote: &[u32], local: &KvCache, local_ids: &[u32]) -> Result<(), TransferError> {
+    fn check_read(
+        &self,
+        lease: &Lease,
+        remote: &[u32],
+        local: &KvCache,
+        local_ids: &[u32],
+    ) -> Result<(), TransferError> {
         if lease.agent_name != self.meta.agent_name {
             return Err(TransferError::LeaseInvalid(format!("lease {} was granted by another agent", lease.lease_id)));
         }
@@ -409,9 +416,17 @@ impl RemoteAgent {
         if let Some(b) = remote.iter().find(|b| **b >= num_blocks) {
             return Err(TransferError::BlockOutOfRange { which: "remote", block: *b, num_blocks });
         }
+        let mut seen = std::collections::HashSet::with_capacity(local_ids.len());
+        if let Some(b) = local_ids.iter().find(|b| !seen.insert(**b)) {
+            return Err(TransferError::BadRequest(format!("local block {b} is named twice")));
+        }
         let local_spec = *local.spec();
         if let Some(b) = local_ids.iter().find(|b| **b >= local_spec.num_blocks) {
-            return Err(TransferError::BlockOutOfRange { which: "local", block: *b, num_blocks: local_spec.num_blocks });
+            return Err(TransferError::BlockOutOfRange {
+                which: "local",
+                block: *b,
+                num_blocks: local_spec.num_blocks,
+            });
         }
         // Same geometry as checked at handshake (only the block count may differ).
         if local_spec != (KvCacheSpec { num_blocks: local_spec.num_blocks, ..self.remote_spec }) {
@@ -516,7 +531,9 @@ fn spans(remote_ids: &[u32], local_ids: &[u32]) -> Vec<(u32, u32, usize)> {
     let mut out: Vec<(u32, u32, usize)> = Vec::new();
     for (&r, &l) in remote_ids.iter().zip(local_ids) {
         match out.last_mut() {
-            Some((r0, l0, n)) if r0.checked_add(*n as u32) == Some(r) && l0.checked_add(*n as u32) == Some(l) => *n += 1,
+            Some((r0, l0, n)) if r0.checked_add(*n as u32) == Some(r) && l0.checked_add(*n as u32) == Some(l) => {
+                *n += 1
+            }
             _ => out.push((r, l, 1)),
         }
     }
@@ -578,6 +595,23 @@ impl RemoteAgents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Compile-time check: the handles can be shared across threads and every call's future
+    /// can be spawned (`tokio::spawn`) or run inside an actor.
+    #[allow(dead_code)]
+    fn handles_and_futures_are_send(agent: &RemoteAgent, agents: &RemoteAgents, lease: &Lease, kv: &mut KvCache) {
+        fn send_sync<T: Send + Sync>(_: &T) {}
+        fn send<T: Send>(_: T) {}
+        send_sync(agent);
+        send_sync(agents);
+        send_sync(lease);
+        send(agents.get("e", "tcp://h:1"));
+        send(agent.lease("r", &[], &[]));
+        send(agent.read_blocks(lease, &[], kv, &[]));
+        send(agent.read_done(lease));
+        send(agent.give_up("r", "why", None));
+        send(agent.heartbeat(&[]));
+    }
 
     #[test]
     fn spans_merge_only_blocks_consecutive_on_both_sides() {

@@ -72,8 +72,13 @@ pub trait LeasePolicy: Send {
 
     /// Is a read of `block_ids` under `lease_id` allowed right now? (The TCP backend asks
     /// before it streams a single byte.)
-    fn check_read(&self, p_request_id: &str, lease_id: u64, block_ids: &[u32], now: Instant)
-        -> Result<(), LeaseRefusal>;
+    fn check_read(
+        &self,
+        p_request_id: &str,
+        lease_id: u64,
+        block_ids: &[u32],
+        now: Instant,
+    ) -> Result<(), LeaseRefusal>;
 
     /// The consumer finished reading under `lease_id`. [`NoticeOutcome::Released`] means the
     /// lease held until now, so what was read is what P held.
@@ -234,15 +239,7 @@ impl HoldTable {
         self.order.insert(seq, request_id.to_string());
         self.holds.insert(
             request_id.to_string(),
-            Hold {
-                seq,
-                block_ids,
-                generations,
-                deadline,
-                held_since: Instant::now(),
-                lease: None,
-                aborted: false,
-            },
+            Hold { seq, block_ids, generations, deadline, held_since: Instant::now(), lease: None, aborted: false },
         );
         self.counters.holds += 1;
         true
@@ -448,7 +445,13 @@ impl LeasePolicy for HoldTable {
         Ok(LeaseGrant { lease_id, ttl })
     }
 
-    fn check_read(&self, p_request_id: &str, lease_id: u64, block_ids: &[u32], now: Instant) -> Result<(), LeaseRefusal> {
+    fn check_read(
+        &self,
+        p_request_id: &str,
+        lease_id: u64,
+        block_ids: &[u32],
+        now: Instant,
+    ) -> Result<(), LeaseRefusal> {
         let invalid = |detail: String| Err(LeaseRefusal::new(LeaseRefusalReason::LeaseInvalid, detail));
         if self.leases.get(&lease_id).map(String::as_str) != Some(p_request_id) {
             return invalid(format!("lease {lease_id} is not an active lease of {p_request_id}"));

@@ -15,7 +15,13 @@ fn held(t: &mut HoldTable, id: &str, blocks: &[u32], now: Instant) {
     assert!(t.hold(id, blocks.to_vec(), vec![1; blocks.len()], now + 1000 * MS));
 }
 
-fn lease(t: &mut HoldTable, id: &str, blocks: &[u32], consumer: &str, now: Instant) -> Result<LeaseGrant, LeaseRefusal> {
+fn lease(
+    t: &mut HoldTable,
+    id: &str,
+    blocks: &[u32],
+    consumer: &str,
+    now: Instant,
+) -> Result<LeaseGrant, LeaseRefusal> {
     t.grant(id, blocks, &vec![1; blocks.len()], consumer, now)
 }
 
@@ -300,7 +306,12 @@ impl Harness {
                     .collect();
                 let id = format!("req-{}", self.ids.len());
                 self.ids.push(id.clone());
-                prop_assert!(self.t.hold(&id, ids.clone(), gens.clone(), self.now + Duration::from_millis(*deadline_ms)));
+                prop_assert!(self.t.hold(
+                    &id,
+                    ids.clone(),
+                    gens.clone(),
+                    self.now + Duration::from_millis(*deadline_ms)
+                ));
                 self.held.insert(id, (ids, gens));
             }
             Ev::Lease { req, consumer, stale } => {

@@ -32,15 +32,6 @@ pub(crate) fn wire_runs(num_layers: u32, num_blocks: usize) -> impl Iterator<Ite
     (0..num_blocks).flat_map(move |i| (0..num_layers).flat_map(move |l| SIDES.into_iter().map(move |s| (l, s, i))))
 }
 
-/// Decode little-endian f32 bytes into `dst` (`src.len() == 4 * dst.len()`). A plain loop the
-/// compiler turns into vector loads and stores, so this runs at memcpy speed without any
-/// reinterpreting cast.
-pub(crate) fn le_bytes_to_f32(src: &[u8], dst: &mut [f32]) {
-    for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
-        *d = f32::from_le_bytes([s[0], s[1], s[2], s[3]]);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,14 +77,5 @@ mod tests {
                 (1, KvSide::Value, 1),
             ]
         );
-    }
-
-    #[test]
-    fn le_decode_round_trips() {
-        let src: Vec<f32> = (0..37).map(|i| i as f32 * -1.25).collect();
-        let bytes: Vec<u8> = src.iter().flat_map(|f| f.to_le_bytes()).collect();
-        let mut dst = vec![0.0f32; 37];
-        le_bytes_to_f32(&bytes, &mut dst);
-        assert_eq!(src, dst);
     }
 }

@@ -17,7 +17,9 @@
 //! The wire types live in `pdmesh_protocol::transfer`.
 
 #[cfg(not(target_endian = "little"))]
-compile_error!("pdmesh-kv-transfer streams the cache's native f32 bytes as little-endian; big-endian hosts are not supported");
+compile_error!(
+    "pdmesh-kv-transfer streams the cache's native f32 bytes as little-endian; big-endian hosts are not supported"
+);
 
 pub mod agent;
 pub mod client;

@@ -80,12 +80,8 @@ impl ShmRegion {
         // A file left by a crashed previous incarnation is replaced, never reused: a reader
         // still mapping the old inode keeps seeing the old bytes, not ours.
         let _ = std::fs::remove_file(path);
-        let mut file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(path)
-            .map_err(io_err("create", path))?;
+        let mut file =
+            OpenOptions::new().read(true).write(true).create_new(true).open(path).map_err(io_err("create", path))?;
         let zeros = vec![0u8; 1 << 20];
         let mut left = len;
         while left > 0 {
@@ -181,13 +177,15 @@ impl ShmReadOnly {
         if len == 0 {
             return Err(ShmError::TooSmall { path: path.to_path_buf(), have: 0, need: 4 });
         }
-        if len % 4 != 0 {
+        if len & 3 != 0 {
+            // (not `is_multiple_of`: the workspace supports Rust 1.85)
             return Err(ShmError::Misaligned { path: path.to_path_buf() });
         }
         // SAFETY: the mapping is read-only on our side. The creator keeps the file at its size
         // for its lifetime and never truncates it; it may write blocks we are not leased (see
-        // the type's doc), and we read only leased ones.
-        let map = unsafe { MmapOptions::new().len(len).map(&file) }.map_err(io_err("map", path))?;
+        // the type's doc), and we read only leased ones. `populate` pre-faults the page tables
+        // here (handshake time) instead of in the middle of the first reads.
+        let map = unsafe { MmapOptions::new().len(len).populate().map(&file) }.map_err(io_err("map", path))?;
         Ok(Self { path: path.to_path_buf(), map })
     }
 
@@ -221,6 +219,19 @@ impl ShmReadOnly {
     }
 }
 
+/// The bytes of a run of KV floats, so the TCP data plane can receive a block straight into
+/// the local cache with no copy in user space (decoding through a staging buffer cost ~20% of
+/// loopback bandwidth, `docs/KV_TRANSFER.md`). It lives here because this is the crate's one
+/// module allowed `unsafe`. Native byte order: the crate refuses to build on big-endian hosts.
+pub(crate) fn floats_as_bytes_mut(floats: &mut [f32]) -> &mut [u8] {
+    let len = std::mem::size_of_val(floats);
+    // SAFETY: the pointer and length cover exactly the memory of `floats`, which the returned
+    // slice borrows mutably for its whole lifetime (no aliasing). u8 needs no alignment, and
+    // f32 has no padding and accepts any bit pattern, so every write through the bytes leaves
+    // valid floats behind.
+    unsafe { std::slice::from_raw_parts_mut(floats.as_mut_ptr().cast::<u8>(), len) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -243,6 +254,14 @@ mod tests {
         assert!(!path.exists());
         // The reader's mapping outlives the file.
         assert_eq!(ro.bytes()[28..32], 1.5f32.to_ne_bytes());
+    }
+
+    #[test]
+    fn float_bytes_view_writes_floats() {
+        let mut xs = [0.0f32; 3];
+        floats_as_bytes_mut(&mut xs)[4..8].copy_from_slice(&2.5f32.to_ne_bytes());
+        assert_eq!(xs, [0.0, 2.5, 0.0]);
+        assert_eq!(floats_as_bytes_mut(&mut xs).len(), 12);
     }
 
     #[test]

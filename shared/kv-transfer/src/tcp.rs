@@ -7,10 +7,10 @@
 //! bytes, or [`Message::XferLeaseRefused`] / [`Message::Error`] and nothing else.
 //!
 //! P checks the lease with the policy before it sends a byte and then writes the runs straight
-//! from its mapping with vectored writes (no copy in user space); D reads into a small staging
-//! buffer and decodes into the destination blocks (one copy, at memcpy speed).
+//! from its mapping with vectored writes; D receives straight into its local blocks with
+//! vectored reads. No byte is copied in user space on either side.
 
-use std::io::IoSlice;
+use std::io::{IoSlice, IoSliceMut};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -24,13 +24,11 @@ use tokio::task::JoinSet;
 
 use crate::agent::{AgentStats, Served};
 use crate::error::TransferError;
-use crate::layout::{le_bytes_to_f32, run_bytes, run_offset, wire_runs};
-use crate::shm::ShmReadOnly;
+use crate::layout::{run_bytes, run_offset, wire_runs};
+use crate::shm::{floats_as_bytes_mut, ShmReadOnly};
 
 /// Largest control frame accepted (a read of 100k blocks fits easily).
 const MAX_FRAME: usize = 16 << 20;
-/// D's staging buffer: big enough for few syscalls, small enough to stay in L2 while decoded.
-const STAGING: usize = 512 << 10;
 /// Runs handed to one `writev` (below every platform's IOV_MAX).
 const IOV_BATCH: usize = 512;
 /// Idle connections D keeps per remote agent.
@@ -66,7 +64,12 @@ async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Option<E
 
 /// Accept connections until the agent drops this task; connection tasks live in a `JoinSet`
 /// owned here, so they stop with it.
-pub(crate) async fn serve_blocks(listener: TcpListener, region: Arc<ShmReadOnly>, spec: KvCacheSpec, served: Arc<Served>) {
+pub(crate) async fn serve_blocks(
+    listener: TcpListener,
+    region: Arc<ShmReadOnly>,
+    spec: KvCacheSpec,
+    served: Arc<Served>,
+) {
     let mut conns = JoinSet::new();
     loop {
         tokio::select! {
@@ -154,7 +157,11 @@ fn check_request(req: &XferReadBlocks, spec: &KvCacheSpec, served: &Served) -> R
 }
 
 /// The region's runs for `block_ids`, in wire order, borrowed from the mapping.
-fn collect_runs<'a>(region: &'a ShmReadOnly, spec: &KvCacheSpec, block_ids: &[u32]) -> Result<Vec<&'a [u8]>, XferLeaseRefused> {
+fn collect_runs<'a>(
+    region: &'a ShmReadOnly,
+    spec: &KvCacheSpec,
+    block_ids: &[u32],
+) -> Result<Vec<&'a [u8]>, XferLeaseRefused> {
     let len = run_bytes(spec);
     let bytes = region.bytes();
     wire_runs(spec.num_layers, block_ids.len())
@@ -186,54 +193,55 @@ async fn write_runs(stream: &mut TcpStream, runs: &[&[u8]]) -> std::io::Result<(
 
 // ---- D: the reader ---------------------------------------------------------------------------
 
-/// One reusable connection to a block server, with its staging buffer.
-#[derive(Debug)]
-struct Conn {
-    stream: TcpStream,
-    staging: Vec<u8>,
-}
-
-/// D's connections to one block server.
+/// D's connections to one block server (kept alive between reads).
 #[derive(Debug)]
 pub(crate) struct TcpReader {
     addr: String,
-    idle: Mutex<Vec<Conn>>,
+    idle: Mutex<Vec<TcpStream>>,
 }
 
 /// Where a read failed, so the caller knows whether local blocks were touched.
 enum ReadFailure {
     /// Before any data byte; `retry` when a pooled connection turned out dead.
-    Before { err: TransferError, retry: bool },
+    Before {
+        err: TransferError,
+        retry: bool,
+    },
     After(TransferError),
 }
 
 impl TcpReader {
     pub(crate) fn new(host: &str, port: u16) -> Self {
-        let addr = if host.contains(':') && !host.starts_with('[') { format!("[{host}]:{port}") } else { format!("{host}:{port}") };
+        let addr = if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
         Self { addr, idle: Mutex::new(Vec::new()) }
     }
 
-    fn take_idle(&self) -> Option<Conn> {
+    fn take_idle(&self) -> Option<TcpStream> {
         self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()
     }
 
-    fn put_idle(&self, conn: Conn) {
+    fn put_idle(&self, stream: TcpStream) {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
         if idle.len() < MAX_IDLE {
-            idle.push(conn);
+            idle.push(stream);
         }
     }
 
-    async fn connect(&self) -> Result<Conn, TransferError> {
+    async fn connect(&self) -> Result<TcpStream, TransferError> {
         let stream = TcpStream::connect(&self.addr)
             .await
             .map_err(|e| TransferError::Setup(format!("connect {}: {e}", self.addr)))?;
         let _ = stream.set_nodelay(true);
-        Ok(Conn { stream, staging: vec![0u8; STAGING] })
+        Ok(stream)
     }
 
-    /// Read `req.block_ids` into `local_ids` of `local`. `stop_after` (fault injection) ends
-    /// the read, dropping the connection, once that many data bytes were taken.
+    /// Read `req.block_ids` into `local_ids` of `local` (distinct ids, checked by the caller).
+    /// `stop_after` (fault injection) ends the read, dropping the connection, once that many
+    /// data bytes were taken.
     pub(crate) async fn read(
         &self,
         req: &XferReadBlocks,
@@ -241,17 +249,17 @@ impl TcpReader {
         local_ids: &[u32],
         stop_after: Option<u64>,
     ) -> Result<u64, TransferError> {
-        let (conn, pooled) = match self.take_idle() {
-            Some(c) => (c, true),
+        let (stream, pooled) = match self.take_idle() {
+            Some(s) => (s, true),
             None => (self.connect().await?, false),
         };
-        match self.read_on(conn, pooled, req, local, local_ids, stop_after).await {
+        match self.read_on(stream, pooled, req, local, local_ids, stop_after).await {
             Ok(n) => Ok(n),
             Err(ReadFailure::Before { retry: true, .. }) => {
                 // The pooled connection was closed by P (restart, idle timeout): once more on a
                 // fresh one. Nothing was written locally.
-                let conn = self.connect().await?;
-                match self.read_on(conn, false, req, local, local_ids, stop_after).await {
+                let stream = self.connect().await?;
+                match self.read_on(stream, false, req, local, local_ids, stop_after).await {
                     Ok(n) => Ok(n),
                     Err(ReadFailure::Before { err, .. } | ReadFailure::After(err)) => Err(err),
                 }
@@ -262,7 +270,7 @@ impl TcpReader {
 
     async fn read_on(
         &self,
-        mut conn: Conn,
+        mut stream: TcpStream,
         pooled: bool,
         req: &XferReadBlocks,
         local: &mut KvCache,
@@ -274,20 +282,23 @@ impl TcpReader {
             retry: pooled,
         };
         let env = Envelope::new(Message::XferReadBlocks(req.clone()));
-        write_frame(&mut conn.stream, &env).await.map_err(before)?;
-        let header = read_frame(&mut conn.stream)
+        write_frame(&mut stream, &env).await.map_err(before)?;
+        let header = read_frame(&mut stream)
             .await
             .map_err(before)?
             .ok_or_else(|| before(std::io::ErrorKind::UnexpectedEof.into()))?;
-        let expected = (local_ids.len() * 2 * local.spec().num_layers as usize * run_bytes(local.spec())) as u64;
+        let spec = *local.spec();
+        let run = run_bytes(&spec);
+        let expected = (local_ids.len() * 2 * spec.num_layers as usize * run) as u64;
         let bytes = match header.body {
             Message::XferReadReady(r) if r.bytes == expected => r.bytes,
             Message::XferReadReady(r) => {
-                let err = TransferError::SideChannel(format!("server announced {} bytes, {expected} expected", r.bytes));
+                let err =
+                    TransferError::SideChannel(format!("server announced {} bytes, {expected} expected", r.bytes));
                 return Err(ReadFailure::Before { err, retry: false });
             }
             Message::XferLeaseRefused(r) => {
-                self.put_idle(conn);
+                self.put_idle(stream);
                 let err = TransferError::LeaseRefused { reason: r.reason, detail: r.detail };
                 return Err(ReadFailure::Before { err, retry: false });
             }
@@ -299,9 +310,13 @@ impl TcpReader {
                 return Err(ReadFailure::Before { err, retry: false });
             }
         };
-        let limit = stop_after.map_or(bytes, |s| s.min(bytes));
-        let done = receive_runs(&mut conn, local, local_ids, limit).await.map_err(ReadFailure::After)?;
-        if limit < bytes {
+        let mut runs = local_runs(local, local_ids).map_err(ReadFailure::After)?;
+        if let Some(limit) = stop_after.filter(|l| *l < bytes) {
+            runs.truncate(limit as usize / run);
+        }
+        let wanted = runs.len() * run;
+        let done = receive_into(&stream, runs).await.map_err(ReadFailure::After)?;
+        if (wanted as u64) < bytes {
             // Fault injection: the connection is dropped with bytes unread, which P sees as a
             // reset mid-stream.
             return Err(ReadFailure::After(TransferError::Midway {
@@ -309,67 +324,63 @@ impl TcpReader {
                 detail: "fault injection: transfer_midway".into(),
             }));
         }
-        self.put_idle(conn);
+        self.put_idle(stream);
         Ok(done)
     }
 }
 
-/// Receive `limit` data bytes into the local runs, in wire order. Returns the bytes written.
-async fn receive_runs(conn: &mut Conn, local: &mut KvCache, local_ids: &[u32], limit: u64) -> Result<u64, TransferError> {
+/// The bytes of every local run to fill, in wire order, as disjoint mutable slices of the
+/// cache (so the kernel can write into all of them with one `readv`).
+fn local_runs<'a>(local: &'a mut KvCache, local_ids: &[u32]) -> Result<Vec<&'a mut [u8]>, TransferError> {
     let spec = *local.spec();
-    let run_floats = spec.floats_per_block();
-    let mut runs = wire_runs(spec.num_layers, local_ids.len());
-    let mut current = None;
-    let mut run_pos = 0usize;
-    let mut filled = 0usize;
-    let mut remaining = limit as usize;
-    let mut written = 0u64;
-    let staging = &mut conn.staging;
-    while remaining > 0 {
-        let want = (staging.len() - filled).min(remaining);
-        let n = match conn.stream.read(&mut staging[filled..filled + want]).await {
-            Ok(0) => {
-                let detail = "block server closed the stream".to_string();
-                return Err(TransferError::Midway { bytes_done: written, detail });
-            }
-            Ok(n) => n,
-            Err(e) => return Err(TransferError::Midway { bytes_done: written, detail: e.to_string() }),
-        };
-        remaining -= n;
-        filled += n;
-        let usable = filled - filled % 4;
-        let mut pos = 0;
-        while pos < usable {
-            let (layer, side, i) = match current {
-                Some(c) => c,
-                None => match runs.next() {
-                    Some(c) => {
-                        current = Some(c);
-                        c
-                    }
-                    None => break,
-                },
-            };
-            let block = local_ids.get(i).copied().unwrap_or(u32::MAX);
-            let dst = local.block_mut(layer as usize, side, block).map_err(|e| TransferError::Midway {
-                bytes_done: written,
-                detail: e.to_string(),
-            })?;
-            let dst = dst.get_mut(run_pos..).unwrap_or_default();
-            let k = dst.len().min((usable - pos) / 4);
-            le_bytes_to_f32(&staging[pos..pos + 4 * k], &mut dst[..k]);
-            pos += 4 * k;
-            run_pos += k;
-            written += 4 * k as u64;
-            if run_pos == run_floats {
-                current = None;
-                run_pos = 0;
+    let len = run_bytes(&spec);
+    let bad = |detail: &str| TransferError::BadRequest(detail.to_string());
+    // (offset, wire position), sorted by offset, to carve the cache front to back.
+    let mut order: Vec<(usize, usize)> = wire_runs(spec.num_layers, local_ids.len())
+        .enumerate()
+        .map(|(pos, (layer, side, i))| (run_offset(&spec, layer, side, local_ids.get(i).copied().unwrap_or(0)), pos))
+        .collect();
+    order.sort_unstable();
+    let mut slots: Vec<Option<&'a mut [u8]>> = std::iter::repeat_with(|| None).take(order.len()).collect();
+    let mut rest = floats_as_bytes_mut(local.as_mut_slice());
+    let mut cursor = 0usize;
+    for (offset, pos) in order {
+        let skip = offset.checked_sub(cursor).ok_or_else(|| bad("local block ids repeat"))?;
+        if rest.len() < skip + len {
+            return Err(bad("local block outside the cache"));
+        }
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut(skip);
+        let (run, tail) = tail.split_at_mut(len);
+        rest = tail;
+        cursor = offset + len;
+        if let Some(slot) = slots.get_mut(pos) {
+            *slot = Some(run);
+        }
+    }
+    slots.into_iter().map(|s| s.ok_or_else(|| bad("run missing"))).collect()
+}
+
+/// Receive straight into `runs`, in order, with vectored reads of up to [`IOV_BATCH`] runs.
+async fn receive_into(stream: &TcpStream, mut runs: Vec<&mut [u8]>) -> Result<u64, TransferError> {
+    let mut done = 0u64;
+    for batch in runs.chunks_mut(IOV_BATCH) {
+        let mut slices: Vec<IoSliceMut<'_>> = batch.iter_mut().map(|r| IoSliceMut::new(r)).collect();
+        let mut pending = &mut slices[..];
+        while !pending.is_empty() {
+            let midway = |detail: String| TransferError::Midway { bytes_done: done, detail };
+            stream.readable().await.map_err(|e| midway(e.to_string()))?;
+            match stream.try_read_vectored(pending) {
+                Ok(0) => return Err(midway("block server closed the stream".into())),
+                Ok(n) => {
+                    done += n as u64;
+                    IoSliceMut::advance_slices(&mut pending, n);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(midway(e.to_string())),
             }
         }
-        staging.copy_within(usable..filled, 0);
-        filled -= usable;
     }
-    Ok(written)
+    Ok(done)
 }
 
 #[cfg(test)]

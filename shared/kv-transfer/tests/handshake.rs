@@ -79,10 +79,7 @@ async fn handshake_engine_id_mismatch_injected_and_real() {
     let p = producer(BackendConfig::Shm, "engine_id_mismatch", 4).await;
     let d = client_for(spec(4), "");
     let err = d.handshake(&p.endpoint(), "p-0").await.unwrap_err();
-    assert_eq!(
-        err,
-        HandshakeError::EngineIdMismatch { expected: "p-0".into(), found: "p-0-fault-injected".into() }
-    );
+    assert_eq!(err, HandshakeError::EngineIdMismatch { expected: "p-0".into(), found: "p-0-fault-injected".into() });
     let p = producer(BackendConfig::Shm, "", 4).await;
     let err = d.handshake(&p.endpoint(), "p-7").await.unwrap_err();
     assert_eq!(err, HandshakeError::EngineIdMismatch { expected: "p-7".into(), found: "p-0".into() });

@@ -117,6 +117,8 @@ async fn reads_outside_a_valid_lease_are_refused_and_touch_nothing() {
         assert!(matches!(err, TransferError::BlockOutOfRange { which: "local", .. }), "{name}: {err:?}");
         let err = agent.read_blocks(&lease, &[1, 2], &mut local, &[0]).await.unwrap_err();
         assert!(matches!(err, TransferError::BadRequest(_)), "{name}: {err:?}");
+        let err = agent.read_blocks(&lease, &[1, 2], &mut local, &[3, 3]).await.unwrap_err();
+        assert!(matches!(err, TransferError::BadRequest(_)), "{name}: {err:?}");
         // Expired: the reader's own clock refuses first.
         tokio::time::sleep(Duration::from_millis(350)).await;
         let err = agent.read_blocks(&lease, &[1], &mut local, &[0]).await.unwrap_err();

@@ -37,16 +37,17 @@ fn synthetic(n: usize, seed: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + seed * 104_729) % 40_000 + 100) as u32).collect()
 }
 
-/// Seconds to prefill `n` tokens in one chunk.
-fn prefill(exec: &mut LlamaExecutor, kv: &mut KvCache, n: usize) -> f64 {
+/// (wall, thread-CPU) seconds to prefill `n` tokens in one chunk.
+fn prefill(exec: &mut LlamaExecutor, kv: &mut KvCache, n: usize) -> (f64, f64) {
     let blocks: Vec<u32> = (0..(n as u32).div_ceil(BLOCK)).collect();
-    let t = Instant::now();
+    let (t, c) = (Instant::now(), thread_cpu());
     exec.execute(kv, &[chunk(0, synthetic(n, 1), 0, blocks)]).expect("prefill");
-    t.elapsed().as_secs_f64()
+    (t.elapsed().as_secs_f64(), thread_cpu() - c)
 }
 
-/// Seconds for `steps` decode steps of `batch` requests, each starting from `ctx` cached tokens.
-fn decode(exec: &mut LlamaExecutor, kv: &mut KvCache, batch: usize, ctx: usize, steps: usize) -> f64 {
+/// (wall, thread-CPU) seconds for `steps` decode steps of `batch` requests, each starting from
+/// `ctx` cached tokens (the context prefill is not timed).
+fn decode(exec: &mut LlamaExecutor, kv: &mut KvCache, batch: usize, ctx: usize, steps: usize) -> (f64, f64) {
     let per_req = ((ctx + steps) as u32).div_ceil(BLOCK);
     let blocks = |r: usize| -> Vec<u32> { (r as u32 * per_req..(r as u32 + 1) * per_req).collect() };
     if ctx > 0 {
@@ -54,7 +55,7 @@ fn decode(exec: &mut LlamaExecutor, kv: &mut KvCache, batch: usize, ctx: usize, 
         exec.execute(kv, &chunks).expect("context prefill");
     }
     let mut last: Vec<u32> = (0..batch).map(|r| 100 + r as u32).collect();
-    let t = Instant::now();
+    let (t, c) = (Instant::now(), thread_cpu());
     for s in 0..steps {
         let chunks: Vec<_> = (0..batch).map(|r| chunk(r, vec![last[r]], ctx + s, blocks(r))).collect();
         let out = exec.execute(kv, &chunks).expect("decode");
@@ -62,7 +63,7 @@ fn decode(exec: &mut LlamaExecutor, kv: &mut KvCache, batch: usize, ctx: usize, 
             *l = o.token_id;
         }
     }
-    t.elapsed().as_secs_f64()
+    (t.elapsed().as_secs_f64(), thread_cpu() - c)
 }
 
 /// CPU time of this thread in seconds (Linux), or 0.
@@ -74,13 +75,12 @@ fn thread_cpu() -> f64 {
 }
 
 /// Run `f` `reps` times; returns (wall tok/s samples, tok per thread-CPU-second samples).
-fn measure(reps: usize, tokens: f64, mut f: impl FnMut() -> f64) -> (Vec<f64>, Vec<f64>) {
+fn measure(reps: usize, tokens: f64, mut f: impl FnMut() -> (f64, f64)) -> (Vec<f64>, Vec<f64>) {
     let (mut wall, mut cpu) = (Vec::new(), Vec::new());
     for _ in 0..reps {
-        let c0 = thread_cpu();
-        let secs = f();
+        let (secs, cpu_secs) = f();
         wall.push(tokens / secs);
-        cpu.push(tokens / (thread_cpu() - c0).max(1e-9));
+        cpu.push(tokens / cpu_secs.max(1e-9));
     }
     (wall, cpu)
 }

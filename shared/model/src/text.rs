@@ -174,7 +174,8 @@ impl GgufTextCodec {
         })
     }
 
-    /// Ids that end generation (see [`eos_token_ids`] for the rule).
+    /// Ids that end generation: `tokenizer.ggml.eos_token_id`, plus `eot_token_id` /
+    /// `eom_token_id` when the file declares them (SmolLM2: `[2]`, `<|im_end|>`).
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.eos_token_ids
     }
