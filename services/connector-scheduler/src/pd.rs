@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use pdmesh_protocol::{FinishedStatus, KvConnectorMetadata, KvConnectorOutput, KvTransferParams, RecvRequest};
+use pdmesh_protocol::{FinishedStatus, KvConnectorMetadata, KvConnectorOutput, KvTransferParams, RecvRequest, SendRequest};
 
 use crate::connector::KvConnectorScheduler;
 
@@ -46,7 +46,7 @@ pub struct PdConnector {
     hold: Duration,
     reqs: HashMap<String, ReqState>,
     need_recv: Vec<RecvRequest>,
-    need_send: Vec<(String, u64)>,
+    need_send: Vec<SendRequest>,
     in_batch: Vec<String>,
     not_processed: Vec<String>,
     pub counters: PdCounters,
@@ -180,7 +180,12 @@ impl KvConnectorScheduler for PdConnector {
         let delay = !block_ids.is_empty();
         if delay {
             self.counters.holds_started += 1;
-            self.need_send.push((request_id.to_string(), now_ms() + self.hold.as_millis() as u64));
+            self.need_send.push(SendRequest {
+                request_id: request_id.to_string(),
+                block_ids: block_ids.to_vec(),
+                block_generations: Vec::new(),
+                deadline_unix_ms: now_ms() + self.hold.as_millis() as u64,
+            });
         }
         let out = KvTransferParams {
             do_remote_prefill: Some(true),
@@ -290,7 +295,8 @@ mod tests {
         assert_eq!(out.remote_port, Some(5600));
         let meta = c.build_connector_meta(2);
         assert_eq!(meta.reqs_to_send.len(), 1);
-        assert!(meta.reqs_to_send[0].1 > now_ms() + 25_000, "hold deadline = now + lease");
+        assert!(meta.reqs_to_send[0].deadline_unix_ms > now_ms() + 25_000, "hold deadline = now + lease");
+        assert_eq!(meta.reqs_to_send[0].block_ids, vec![7, 8, 9]);
     }
 
     #[test]

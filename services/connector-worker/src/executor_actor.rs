@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use actix::prelude::*;
-use pdmesh_model_api::{Executor, KvCache, KvCacheSpec};
+use pdmesh_model_api::{Executor, KvCache};
 use pdmesh_protocol::{ModelRunnerOutput, SchedulerOutput};
 
 use crate::metrics as m;
@@ -22,10 +22,10 @@ pub fn once(executor: Box<dyn Executor>) -> ExecutorFactory {
     })
 }
 
-/// Run one step.
+/// Run one step, after copying the KV loads that settled since the last one.
 #[derive(Message)]
 #[rtype(result = "Result<ModelRunnerOutput, String>")]
-pub struct RunStep(pub SchedulerOutput);
+pub struct RunStep(pub SchedulerOutput, pub Vec<crate::pd::StagedLoad>);
 
 /// Owns the KV cache memory (allocated and touched at start) and the model.
 pub struct ExecutorActor {
@@ -43,6 +43,9 @@ impl Handler<RunStep> for ExecutorActor {
 
     fn handle(&mut self, msg: RunStep, _: &mut SyncContext<Self>) -> Self::Result {
         let step = msg.0;
+        if !msg.1.is_empty() {
+            crate::pd::apply_loads(&mut self.kv, &msg.1)?;
+        }
         let Some(executor) = self.executor.as_mut() else {
             return Err(format!("model not loaded: {}", self.load_error.clone().unwrap_or_default()));
         };
@@ -68,9 +71,12 @@ impl Handler<RunStep> for ExecutorActor {
     }
 }
 
-/// Start the executor thread.
-pub fn start(factory: ExecutorFactory, spec: KvCacheSpec) -> Addr<ExecutorActor> {
+/// Start the executor thread over `kv` (heap, or shared memory for P/D).
+pub fn start(factory: ExecutorFactory, kv: KvCache) -> Addr<ExecutorActor> {
+    let spec = *kv.spec();
+    let slot = std::sync::Mutex::new(Some(kv));
     SyncArbiter::start(1, move || {
+        let kv = slot.lock().ok().and_then(|mut s| s.take()).unwrap_or_else(|| KvCache::new_heap(spec));
         let (executor, load_error) = match factory() {
             Ok(e) => (Some(e), None),
             Err(e) => {
@@ -78,6 +84,6 @@ pub fn start(factory: ExecutorFactory, spec: KvCacheSpec) -> Addr<ExecutorActor>
                 (None, Some(e))
             }
         };
-        ExecutorActor { executor, kv: KvCache::new_heap(spec), load_error }
+        ExecutorActor { executor, kv, load_error }
     })
 }

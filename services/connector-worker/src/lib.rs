@@ -8,6 +8,7 @@
 
 pub mod executor_actor;
 pub mod metrics;
+pub mod pd;
 
 pub use executor_actor::{once, ExecutorActor, ExecutorFactory, RunStep};
 
@@ -35,6 +36,7 @@ pub enum WorkerError {
 /// The socket side of the worker.
 pub struct WorkerActor {
     executor: Addr<ExecutorActor>,
+    pd: Option<std::rc::Rc<pd::PdRuntime>>,
     info: WorkerInfo,
     router: Option<RouterHandle>,
 }
@@ -67,11 +69,21 @@ impl Handler<RouterEvent> for WorkerActor {
                 let _ = router.send(&peer, envelope.reply(Message::Pong));
             }
             Message::ExecuteStep(step) => {
-                let fut = self.executor.send(RunStep(step.clone()));
+                let (loads, kv_out) = match &self.pd {
+                    Some(pd) => {
+                        pd.start_step(&step.kv_connector_metadata);
+                        pd.finish_step()
+                    }
+                    None => (Vec::new(), Default::default()),
+                };
+                let fut = self.executor.send(RunStep(step.clone(), loads));
                 ctx.spawn(
                     async move {
                         let body = match fut.await {
-                            Ok(Ok(out)) => Message::StepResult(out),
+                            Ok(Ok(mut out)) => {
+                                out.kv_connector_output = kv_out;
+                                Message::StepResult(out)
+                            }
                             Ok(Err(e)) => Message::Error(WireError::new(ErrorClass::Internal, e)),
                             Err(e) => Message::Error(WireError::new(ErrorClass::Unavailable, format!("executor thread: {e}"))),
                         };
@@ -133,8 +145,46 @@ pub async fn run(
         bytes_per_block: spec.bytes_per_block(),
     };
     metrics::KV_CACHE_BYTES.set((spec.bytes_per_block() * u64::from(spec.num_blocks)) as i64);
-    let executor = executor_actor::start(factory, spec);
-    let actor = WorkerActor { executor, info, router: None }.start();
+    let (kv, pd) = match &node.kv_transfer {
+        None => (pdmesh_model_api::KvCache::new_heap(spec), None),
+        Some(cfg) => {
+            // P/D: the cache lives in shared memory so the transfer agent can serve it.
+            let name = format!("pdmesh-{}-{}-{}", node.name, rank, std::process::id());
+            let region = pdmesh_kv_transfer::ShmRegion::create_for_spec(&name, &spec).map_err(|e| WorkerError::Model(e.to_string()))?;
+            let path = region.path().to_path_buf();
+            let kv = region.into_kv_cache(spec).map_err(|e| WorkerError::Model(e.to_string()))?;
+            let engine_id = if cfg.engine_id.is_empty() { node.name.clone() } else { cfg.engine_id.clone() };
+            let side_port = cfg.side_channel_port.saturating_add(rank as u16);
+            let backend = match cfg.backend {
+                pdmesh_config::TransferBackendKind::Shm => pdmesh_kv_transfer::BackendConfig::Shm,
+                pdmesh_config::TransferBackendKind::Tcp => pdmesh_kv_transfer::BackendConfig::Tcp {
+                    bind: format!("{}:{}", node.bind_host, cfg.data_port.saturating_add(rank as u16)),
+                    advertise_host: Some(cfg.side_channel_host.clone()),
+                },
+            };
+            let faults = std::env::var("PDMESH_FAULT")
+                .ok()
+                .map(|f| pdmesh_kv_transfer::FaultConfig::parse(&f))
+                .transpose()
+                .map_err(|e| WorkerError::Model(format!("PDMESH_FAULT: {e}")))?
+                .unwrap_or_default();
+            let setup = pd::PdSetup {
+                engine_id,
+                rank,
+                produces: cfg.kv_role.produces(),
+                consumes: cfg.kv_role.consumes(),
+                side_channel_bind: format!("tcp://{}:{side_port}", node.bind_host),
+                backend,
+                weights_id: facts.weights_id.clone(),
+                hold: cfg.hold_duration(),
+                faults,
+            };
+            let rt = pd::PdRuntime::start(setup, spec, &path).await.map_err(WorkerError::Model)?;
+            (kv, Some(std::rc::Rc::new(rt)))
+        }
+    };
+    let executor = executor_actor::start(factory, kv);
+    let actor = WorkerActor { executor, pd, info, router: None }.start();
     let router = bind_router(&ep.bind, actor.clone().recipient()).await?;
     actor.do_send(SetRouter(router));
     health.set_ready(true);

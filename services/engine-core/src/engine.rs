@@ -360,7 +360,7 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
         let mut st = state.borrow_mut();
         outputs.extend(st.sched.take_outputs());
         publish_gauges(&st.sched);
-        let next = if st.sched.has_unfinished_requests() || !st.inbox.adds.is_empty() || !st.inbox.aborts.is_empty() {
+        let next = if !chunks.is_empty() || !st.inbox.adds.is_empty() || !st.inbox.aborts.is_empty() {
             StepNext::Now
         } else if st.sched.has_requests() {
             StepNext::Soon
@@ -473,13 +473,17 @@ pub fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<Engin
         max_num_batched_tokens: e.max_num_batched_tokens,
         max_model_len,
     };
+    let mut sched = Scheduler::new(cfg);
+    if let Some(kv) = &node.kv_transfer {
+        sched.set_recompute_load_failures(kv.kv_load_failure_policy == pdmesh_config::KvLoadFailurePolicy::Recompute);
+    }
     let health = pdmesh_telemetry::ops::Health::default();
     let port = node.metrics_port(pdmesh_config::Service::EngineCore, rank);
     pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
         .map_err(|err| EngineError::Ops(format!("port {port}: {err}")))?;
     let state = State {
         rank,
-        sched: Scheduler::new(cfg),
+        sched,
         inbox: Inbox::default(),
         step_id: 0,
         step_timeout: Duration::from_millis(e.step_timeout_ms),

@@ -97,6 +97,8 @@ pub struct Scheduler {
     finished_since_last_step: Vec<String>,
     outputs: Vec<EngineOutput>,
     counters: SchedulerCounters,
+    /// `kv_load_failure_policy = recompute` (else `fail`, vLLM's default).
+    recompute_load_failures: bool,
 }
 
 impl Scheduler {
@@ -114,7 +116,13 @@ impl Scheduler {
             finished_since_last_step: Vec::new(),
             outputs: Vec::new(),
             counters: SchedulerCounters::default(),
+            recompute_load_failures: false,
         }
+    }
+
+    /// `true`: a failed KV load is recomputed locally; `false`: the request fails.
+    pub fn set_recompute_load_failures(&mut self, recompute: bool) {
+        self.recompute_load_failures = recompute;
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -502,6 +510,9 @@ impl Scheduler {
 
     /// Apply the worker's connector output.
     pub fn update_from_kv_output(&mut self, kv: &KvConnectorOutput) {
+        if !kv.invalid_block_ids.is_empty() {
+            self.handle_invalid_blocks(kv);
+        }
         for id in &kv.finished_sending {
             match self.held.remove(id) {
                 Some(h) => {
@@ -518,6 +529,9 @@ impl Scheduler {
                 self.pool.free(&blocks);
                 continue;
             }
+            if self.requests.get(id).is_some_and(|r| r.status == RequestStatus::FinishedError) {
+                continue; // failed by policy just above; freed with its request_finished
+            }
             match self.requests.get(id) {
                 Some(req) if req.status == RequestStatus::WaitingForRemoteKvs => {
                     self.finished_recving.insert(id.clone());
@@ -527,6 +541,37 @@ impl Scheduler {
                     tracing::warn!(request_id = %id, "finished_recving for a request not waiting for KV");
                 }
             }
+        }
+    }
+
+    /// A load failed: its request is in `finished_recving` together with its local blocks in
+    /// `invalid_block_ids` (same output). Apply `kv_load_failure_policy`.
+    fn handle_invalid_blocks(&mut self, kv: &KvConnectorOutput) {
+        let invalid: HashSet<u32> = kv.invalid_block_ids.iter().copied().collect();
+        let bs = self.cfg.block_size;
+        let mut to_fail = Vec::new();
+        for id in &kv.finished_recving {
+            let Some(req) = self.requests.get_mut(id) else { continue };
+            if req.status != RequestStatus::WaitingForRemoteKvs {
+                continue;
+            }
+            let Some(first_bad) = req.block_ids.iter().position(|b| invalid.contains(b)) else { continue };
+            if self.recompute_load_failures {
+                // Tokens from the first invalid block on count as not computed.
+                req.num_external_tokens = req.num_external_tokens.min(first_bad as u32 * bs);
+                tracing::warn!(request_id = %id, valid_tokens = req.num_external_tokens, "KV load failed; recomputing locally");
+            } else {
+                to_fail.push(id.clone());
+            }
+        }
+        for id in to_fail {
+            // The receive has settled, so the blocks can be freed with the request.
+            self.finished_recving.insert(id.clone());
+            if let Some(req) = self.requests.get_mut(&id) {
+                req.error = Some("kv load failed (kv_load_failure_policy = fail)".into());
+            }
+            self.finish(&id, RequestStatus::FinishedError);
+            tracing::warn!(request_id = %id, "KV load failed; request failed by policy");
         }
     }
 

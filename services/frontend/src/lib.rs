@@ -40,6 +40,7 @@ pub mod headers;
 pub mod metrics;
 pub mod openai;
 pub mod output;
+pub mod router;
 pub mod server;
 pub mod stream;
 pub mod validation;

@@ -62,6 +62,10 @@ fn main() -> anyhow::Result<()> {
         Command::Up(args) => up::run(args),
         Command::Frontend(a) => serve("frontend", a, |topo, a| async move {
             let node = topo.node(&a.node)?.clone();
+            if node.role == pdmesh_config::NodeRole::Router {
+                pdmesh_frontend::router::run_router(topo, a.node.clone()).await?;
+                return Ok(());
+            }
             let loaded = model::load_text(&node).context("loading the tokenizer")?;
             pdmesh_frontend::run(topo, a.node.clone(), loaded.codec, loaded.options).await?;
             Ok(())

@@ -63,14 +63,25 @@ pub struct RecvRequest {
     pub params: KvTransferParams,
 }
 
+/// A request whose blocks P now holds for a remote reader (P side).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SendRequest {
+    pub request_id: String,
+    pub block_ids: Vec<u32>,
+    #[serde(default)]
+    pub block_generations: Vec<u64>,
+    /// Hold deadline, milliseconds since the Unix epoch.
+    pub deadline_unix_ms: u64,
+}
+
 /// Per-step connector metadata (vLLM's `NixlConnectorMetadata`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct KvConnectorMetadata {
     #[serde(default)]
     pub reqs_to_recv: Vec<RecvRequest>,
-    /// `(request_id, hold deadline in ms since the Unix epoch)` for P's held requests.
+    /// P's newly held requests, with their blocks and hold deadline.
     #[serde(default)]
-    pub reqs_to_send: Vec<(String, u64)>,
+    pub reqs_to_send: Vec<SendRequest>,
     #[serde(default)]
     pub reqs_in_batch: Vec<String>,
     #[serde(default)]

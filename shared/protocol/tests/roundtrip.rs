@@ -29,7 +29,7 @@ fn every_message() -> Vec<Message> {
     };
     let meta = KvConnectorMetadata {
         reqs_to_recv: vec![RecvRequest { request_id: "r".into(), local_block_ids: vec![9], params: params() }],
-        reqs_to_send: vec![("s".into(), 123)],
+        reqs_to_send: vec![SendRequest { request_id: "s".into(), block_ids: vec![1, 2], block_generations: vec![3, 3], deadline_unix_ms: 123 }],
         reqs_in_batch: vec!["x".into()],
         reqs_not_processed: vec!["y".into()],
     };

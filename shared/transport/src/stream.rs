@@ -44,12 +44,18 @@ pub async fn bind_pull(endpoint: &str, sink: Recipient<PullEvent>) -> Result<Str
     Ok(ret)
 }
 
+/// Messages a PUSH socket keeps while its peer is not (yet) connected; beyond that they are
+/// dropped and counted. Outputs produced in the moments before a peer connects, or while it
+/// restarts, must not be lost: a client would wait for them forever.
+pub const PUSH_QUEUE_LIMIT: usize = 65_536;
+
 /// Handle to a reconnecting PUSH socket.
 #[derive(Clone, Debug)]
 pub struct PushHandle {
     endpoint: Arc<str>,
     tx: mpsc::UnboundedSender<Envelope>,
     up: Arc<AtomicBool>,
+    queued: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl PushHandle {
@@ -57,14 +63,14 @@ impl PushHandle {
         self.up.load(Ordering::Acquire)
     }
 
-    /// Queue a message. While the peer is down messages are dropped and counted: a stream's
-    /// consumer that restarts has lost its state anyway, and callers learn of the outage from
-    /// their control link.
+    /// Queue a message. While the peer is not connected, up to [`PUSH_QUEUE_LIMIT`] messages
+    /// wait and are delivered once it connects; beyond that they are dropped and counted.
     pub fn send(&self, envelope: Envelope) -> Result<(), TransportError> {
-        if !self.is_up() {
+        if self.queued.load(Ordering::Acquire) >= PUSH_QUEUE_LIMIT {
             SEND_ERRORS.with_label_values(&[&self.endpoint]).inc();
             return Err(TransportError::Unavailable(self.endpoint.to_string()));
         }
+        self.queued.fetch_add(1, Ordering::AcqRel);
         self.tx.send(envelope).map_err(|_| TransportError::Closed)
     }
 }
@@ -73,24 +79,21 @@ impl PushHandle {
 pub fn connect_push(endpoint: &str) -> PushHandle {
     let (tx, mut rx) = mpsc::unbounded_channel::<Envelope>();
     let up = Arc::new(AtomicBool::new(false));
-    let handle = PushHandle { endpoint: Arc::from(endpoint), tx, up: up.clone() };
+    let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let handle = PushHandle { endpoint: Arc::from(endpoint), tx, up: up.clone(), queued: queued.clone() };
     let endpoint = endpoint.to_string();
     tokio::spawn(async move {
         let mut first = true;
         loop {
             let mut socket = PushSocket::new();
             let mut monitor = socket.monitor();
+            // Messages stay queued in the channel while connecting.
             loop {
-                let connect = socket.connect(&endpoint);
-                tokio::pin!(connect);
-                let ok = loop {
-                    tokio::select! {
-                        res = &mut connect => break res.is_ok(),
-                        out = rx.recv() => if out.is_none() { return },
-                    }
-                };
-                if ok {
+                if socket.connect(&endpoint).await.is_ok() {
                     break;
+                }
+                if rx.is_closed() {
+                    return;
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -103,6 +106,7 @@ pub fn connect_push(endpoint: &str) -> PushHandle {
                 tokio::select! {
                     out = rx.recv() => {
                         let Some(env) = out else { return };
+                        queued.fetch_sub(1, Ordering::AcqRel);
                         let Ok(bytes) = env.encode() else { continue };
                         match tokio::time::timeout(Duration::from_secs(5), socket.send(ZmqMessage::from(bytes))).await {
                             Ok(Ok(())) => SENT.with_label_values(&[&endpoint]).inc(),

@@ -25,6 +25,62 @@ fn ports() -> (u16, u16) {
 }
 
 impl Mesh {
+    /// Start a mesh from a full topology: `nodes(http_port, base_port)` returns the `[[nodes]]`
+    /// tables; every port it uses must derive from those two (http_port + 0..8, base_port +
+    /// 0..150). `engine_ports` are the HTTP ports of the nodes that have engines (checked for
+    /// readiness); `http_port` of the returned mesh is the first node's.
+    pub fn start_nodes(nodes: impl Fn(u16, u16) -> String, engine_ports: impl Fn(u16) -> Vec<u16>) -> Mesh {
+        let (http_port, base_port) = ports();
+        let run_dir = std::env::temp_dir().join(format!("pdmesh-test-{}-{}", std::process::id(), http_port));
+        let _ = std::fs::remove_dir_all(&run_dir);
+        std::fs::create_dir_all(&run_dir).unwrap();
+        let topo = format!("run_dir = {:?}\n{}\n", run_dir.display().to_string(), nodes(http_port, base_port));
+        let path = run_dir.join("test-topology.toml");
+        std::fs::write(&path, topo).unwrap();
+        let up = Command::new(env!("CARGO_BIN_EXE_pdmesh"))
+            .arg("up")
+            .arg("--topology")
+            .arg(&path)
+            .env("PDMESH_RUN_DIR", &run_dir)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(run_dir.join("up.log")).unwrap())
+            .spawn()
+            .unwrap();
+        let mut mesh = Mesh { up, run_dir, http_port, base_port };
+        for port in engine_ports(http_port) {
+            let saved = mesh.http_port;
+            mesh.http_port = port;
+            mesh.wait_ready();
+            mesh.http_port = saved;
+        }
+        mesh
+    }
+
+    /// The same mesh seen through another node's frontend port.
+    pub fn url_on(&self, port: u16, path: &str) -> String {
+        format!("http://127.0.0.1:{port}{path}")
+    }
+
+    /// `GET /debug/kv` of the node on `port`.
+    pub fn kv_on(&self, port: u16) -> serde_json::Value {
+        reqwest::blocking::get(self.url_on(port, "/debug/kv")).unwrap().json().unwrap()
+    }
+
+    /// Wait until `cond` holds on `/debug/kv` of the node on `port`.
+    pub fn wait_kv_on(&self, port: u16, what: &str, cond: impl Fn(&serde_json::Value) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut last = serde_json::Value::Null;
+        while Instant::now() < deadline {
+            last = self.kv_on(port);
+            if cond(&last) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("{what}: never true; last /debug/kv on :{port} = {last}");
+    }
+
     /// Start a one-node mesh. `node_extra` is appended to the node's TOML table, `sections`
     /// after it (e.g. `[nodes.model]` overrides).
     pub fn start(node_extra: &str, sections: &str, up_args: &[&str]) -> Mesh {

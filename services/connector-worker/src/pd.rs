@@ -1,0 +1,227 @@
+//! The worker side of P/D: P holds blocks for readers and serves them through the transfer
+//! agent; D reads remote blocks, notifies P, and reports receives to the engine.
+//!
+//! D's reads run as async tasks beside the forward pass. They land in a staging cache the size
+//! of the request's blocks, and the executor thread copies them into the request's blocks at
+//! the start of the next step, in the same step that reports the receive as finished (so the
+//! scheduler never sees a request as loaded before its bytes are in place). The extra copy
+//! costs one memcpy of the request's KV; a zero-copy write into a second mapping of D's own
+//! shared-memory cache is the planned refinement (docs/DECISIONS.md).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use pdmesh_kv_transfer::{
+    compat_hash, side_channel_endpoint, AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig, HoldTable,
+    HoldTableConfig, RemoteAgents, SharedPolicy, TransferAgent, TransferClient,
+};
+use pdmesh_model_api::{KvCache, KvCacheSpec};
+use pdmesh_protocol::{KvConnectorMetadata, KvConnectorOutput, RecvRequest};
+
+use crate::metrics as m;
+
+/// Blocks read for one request, waiting to be copied into the cache.
+#[derive(Debug)]
+pub struct StagedLoad {
+    pub request_id: String,
+    pub staged: KvCache,
+    pub local_block_ids: Vec<u32>,
+}
+
+#[derive(Debug)]
+enum Settled {
+    Loaded(StagedLoad),
+    Failed { request_id: String, local_block_ids: Vec<u32>, error: String },
+}
+
+/// P/D state of one connector-worker.
+pub struct PdRuntime {
+    spec: KvCacheSpec,
+    /// P: held requests and leases (shared with the agent's side channel).
+    hold: Option<Arc<Mutex<HoldTable>>>,
+    _agent: Option<TransferAgent>,
+    hold_ttl: Duration,
+    /// D: handshaken remote engines, and reads that settled since the last step.
+    agents: Option<Arc<RemoteAgents>>,
+    settled: Arc<Mutex<Vec<Settled>>>,
+}
+
+fn wall_to_instant(unix_ms: u64) -> Instant {
+    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+    Instant::now() + Duration::from_millis(unix_ms.saturating_sub(now_ms))
+}
+
+/// What a worker needs to know to take part in P/D.
+pub struct PdSetup {
+    pub engine_id: String,
+    pub rank: u32,
+    pub produces: bool,
+    pub consumes: bool,
+    pub side_channel_bind: String,
+    pub backend: BackendConfig,
+    pub weights_id: String,
+    pub hold: Duration,
+    pub faults: FaultConfig,
+}
+
+impl PdRuntime {
+    /// Start the agent (P) and the client (D). `region` is the shared-memory file holding
+    /// this worker's KV cache.
+    pub async fn start(setup: PdSetup, spec: KvCacheSpec, region: &std::path::Path) -> Result<Self, String> {
+        let hash = compat_hash(&CompatInputs::for_spec(setup.weights_id.clone(), &spec));
+        let mut hold = None;
+        let mut agent = None;
+        if setup.produces {
+            let table = Arc::new(Mutex::new(HoldTable::new(HoldTableConfig::default())));
+            let policy: SharedPolicy = table.clone();
+            let cfg = AgentConfig {
+                engine_id: setup.engine_id.clone(),
+                rank: setup.rank,
+                side_channel: setup.side_channel_bind.clone(),
+                backend: setup.backend.clone(),
+                compat_hash: hash.clone(),
+                faults: setup.faults.clone(),
+            };
+            agent = Some(TransferAgent::start(cfg, region, spec, policy).await.map_err(|e| e.to_string())?);
+            hold = Some(table);
+        }
+        let agents = setup.consumes.then(|| {
+            let mut cfg = ClientConfig::new(format!("{}/{}", setup.engine_id, setup.rank), spec, hash);
+            cfg.faults = setup.faults.clone();
+            Arc::new(RemoteAgents::new(TransferClient::new(cfg)))
+        });
+        Ok(Self { spec, hold, _agent: agent, hold_ttl: setup.hold, agents, settled: Arc::new(Mutex::new(Vec::new())) })
+    }
+
+    /// Apply the step's connector metadata: start holds (P) and reads (D).
+    pub fn start_step(&self, meta: &KvConnectorMetadata) {
+        if let Some(table) = &self.hold {
+            let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
+            for s in &meta.reqs_to_send {
+                let deadline = wall_to_instant(s.deadline_unix_ms).min(Instant::now() + self.hold_ttl * 2);
+                t.hold(&s.request_id, s.block_ids.clone(), s.block_generations.clone(), deadline);
+            }
+        }
+        if let Some(agents) = &self.agents {
+            for r in &meta.reqs_to_recv {
+                let fut = receive(agents.clone(), self.spec, r.clone(), self.settled.clone());
+                actix::spawn(fut);
+            }
+        }
+    }
+
+    /// Reads that settled since the last step: the loads to copy now, and the connector output
+    /// (finished receives, invalid blocks, finished sends).
+    pub fn finish_step(&self) -> (Vec<StagedLoad>, KvConnectorOutput) {
+        let mut out = KvConnectorOutput::default();
+        let mut loads = Vec::new();
+        let settled = std::mem::take(&mut *self.settled.lock().unwrap_or_else(|p| p.into_inner()));
+        for s in settled {
+            match s {
+                Settled::Loaded(l) => {
+                    out.finished_recving.push(l.request_id.clone());
+                    loads.push(l);
+                }
+                Settled::Failed { request_id, local_block_ids, error } => {
+                    tracing::warn!(%request_id, %error, "KV load failed");
+                    m::TRANSFER_FAILURES.inc();
+                    out.finished_recving.push(request_id);
+                    out.invalid_block_ids.extend(local_block_ids);
+                }
+            }
+        }
+        if let Some(table) = &self.hold {
+            let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
+            let expired = t.expire(Instant::now());
+            if expired > 0 {
+                m::HOLDS_EXPIRED.inc_by(expired as u64);
+            }
+            out.finished_sending = t.take_finished_sending();
+            m::HELD_BLOCKS.set(t.held_blocks() as i64);
+            m::LEASED_BLOCKS.set(t.leased_blocks() as i64);
+        }
+        (loads, out)
+    }
+
+    /// Whether anything is pending that a later step will report.
+    pub fn has_pending(&self) -> bool {
+        self.hold.as_ref().is_some_and(|t| !t.lock().map(|t| t.is_empty()).unwrap_or(true))
+    }
+}
+
+/// One receive: handshake (cached), lease, read, notify. A notify-only receive (no local
+/// blocks) tells P to free and is never reported to the scheduler.
+async fn receive(agents: Arc<RemoteAgents>, spec: KvCacheSpec, r: RecvRequest, settled: Arc<Mutex<Vec<Settled>>>) {
+    let p = &r.params;
+    let (Some(engine), Some(host), Some(port), Some(p_req)) =
+        (p.remote_engine_id.as_deref(), p.remote_host.as_deref(), p.remote_port, p.remote_request_id.as_deref())
+    else {
+        return;
+    };
+    let endpoint = side_channel_endpoint(host, port);
+    let notify_only = r.local_block_ids.is_empty();
+    let result: Result<Option<StagedLoad>, String> = async {
+        let agent = agents.get(engine, &endpoint).await.map_err(|e| format!("handshake: {e}"))?;
+        if notify_only {
+            agent.give_up(p_req, "not reading (notify only)", None).await.map_err(|e| format!("notify: {e}"))?;
+            return Ok(None);
+        }
+        let remote = p.remote_block_ids.clone().unwrap_or_default();
+        let n = r.local_block_ids.len().min(remote.len());
+        // A partial local prefix hit reads only the tail of P's blocks.
+        let remote_tail = remote.get(remote.len() - n..).unwrap_or(&[]).to_vec();
+        let gens = p.remote_block_generations.clone().unwrap_or_default();
+        let gens_tail = if gens.len() == remote.len() { gens.get(gens.len() - n..).unwrap_or(&[]).to_vec() } else { gens };
+        let lease = agent.lease(p_req, &remote_tail, &gens_tail).await.map_err(|e| format!("lease: {e}"))?;
+        let mut staged = KvCache::new_heap(KvCacheSpec { num_blocks: n as u32, ..spec });
+        let staged_ids: Vec<u32> = (0..n as u32).collect();
+        let read = agent.read_blocks(&lease, &remote_tail, &mut staged, &staged_ids).await;
+        match read {
+            Ok(stats) => {
+                m::TRANSFER_BYTES.inc_by(stats.bytes as u64);
+                m::TRANSFER_SECONDS.observe(stats.elapsed.as_secs_f64());
+                agent.read_done(&lease).await.map_err(|e| format!("read done: {e}"))?;
+                Ok(Some(StagedLoad {
+                    request_id: r.request_id.clone(),
+                    staged,
+                    local_block_ids: r.local_block_ids.get(r.local_block_ids.len() - n..).unwrap_or(&[]).to_vec(),
+                }))
+            }
+            Err(e) => {
+                let _ = agent.give_up(p_req, "read failed", Some(&lease)).await;
+                Err(format!("read: {e}"))
+            }
+        }
+    }
+    .await;
+    let mut s = settled.lock().unwrap_or_else(|p| p.into_inner());
+    match result {
+        Ok(Some(load)) => s.push(Settled::Loaded(load)),
+        Ok(None) => {}
+        Err(error) if !notify_only => {
+            s.push(Settled::Failed { request_id: r.request_id.clone(), local_block_ids: r.local_block_ids.clone(), error })
+        }
+        Err(error) => {
+            m::NOTIFY_FAILURES.inc();
+            tracing::warn!(request_id = %r.request_id, %error, "could not notify P; it frees at its deadline");
+        }
+    }
+}
+
+/// Copy staged blocks into the cache (executor thread, before the forward pass).
+pub fn apply_loads(kv: &mut KvCache, loads: &[StagedLoad]) -> Result<(), String> {
+    use pdmesh_model_api::kv_cache::KvSide;
+    let layers = kv.spec().num_layers as usize;
+    for l in loads {
+        for (i, &dst) in l.local_block_ids.iter().enumerate() {
+            for layer in 0..layers {
+                for side in [KvSide::Key, KvSide::Value] {
+                    let src = l.staged.block(layer, side, i as u32).map_err(|e| e.to_string())?;
+                    let src = src.to_vec();
+                    kv.block_mut(layer, side, dst).map_err(|e| e.to_string())?.copy_from_slice(&src);
+                }
+            }
+        }
+    }
+    Ok(())
+}

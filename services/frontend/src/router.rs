@@ -1,0 +1,196 @@
+//! `role = "router"`: the P/D proxy (vLLM's `toy_proxy_server`, llm-d's sidecar).
+//!
+//! Each OpenAI request goes first to a prefill node with
+//! `kv_transfer_params = {do_remote_decode: true}`, `max_tokens = 1`, `stream = false`; P's
+//! answer carries the params D needs (`do_remote_prefill`, `remote_engine_id`,
+//! `remote_block_ids`, ...). Then the client's original body goes to a decode node with those
+//! params, and D's answer (SSE or JSON) is passed through to the client as it arrives. Both legs
+//! carry the same `X-Request-Id` and trace context. A client that disconnects drops the
+//! upstream request of whichever leg is running, which each node's frontend turns into an
+//! abort.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use actix_web::http::StatusCode;
+use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use futures::StreamExt;
+use pdmesh_config::Topology;
+use serde_json::{json, Value};
+
+use crate::error::FrontendError;
+use crate::headers::REQUEST_ID;
+use crate::metrics::HTTP_REQUESTS_TOTAL;
+
+/// Upstreams and the HTTP client shared by the proxy handlers.
+pub struct RouterState {
+    prefill: Vec<String>,
+    decode: Vec<String>,
+    next_p: AtomicUsize,
+    next_d: AtomicUsize,
+    client: reqwest::Client,
+}
+
+impl RouterState {
+    fn pick(list: &[String], next: &AtomicUsize) -> Option<String> {
+        if list.is_empty() {
+            return None;
+        }
+        list.get(next.fetch_add(1, Ordering::Relaxed) % list.len()).cloned()
+    }
+}
+
+fn error(status: StatusCode, message: String, kind: &str) -> HttpResponse {
+    HttpResponse::build(status).json(json!({
+        "error": {"message": message, "type": kind, "param": null, "code": status.as_u16()}
+    }))
+}
+
+/// Headers forwarded to both legs.
+fn forward_headers(req: &HttpRequest, rb: reqwest::RequestBuilder, request_id: &str) -> reqwest::RequestBuilder {
+    let mut rb = rb.header(REQUEST_ID, request_id);
+    for name in ["traceparent", "tracestate", "x-data-parallel-rank", "authorization"] {
+        if let Some(v) = req.headers().get(name).and_then(|v| v.to_str().ok()) {
+            rb = rb.header(name, v);
+        }
+    }
+    rb
+}
+
+async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, path: &'static str) -> HttpResponse {
+    let Ok(original) = serde_json::from_slice::<Value>(&body) else {
+        return error(StatusCode::BAD_REQUEST, "request body is not valid JSON".into(), "invalid_request_error");
+    };
+    if !original.is_object() {
+        return error(StatusCode::BAD_REQUEST, "request body must be a JSON object".into(), "invalid_request_error");
+    }
+    let request_id = req
+        .headers()
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    let (Some(p), Some(d)) = (RouterState::pick(&st.prefill, &st.next_p), RouterState::pick(&st.decode, &st.next_d)) else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "unavailable: no prefill or decode upstream".into(), "ServiceUnavailableError");
+    };
+
+    // ---- prefill leg
+    let mut p_body = original.clone();
+    p_body["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false});
+    p_body["max_tokens"] = json!(1);
+    if p_body.get("max_completion_tokens").is_some() {
+        p_body["max_completion_tokens"] = json!(1);
+    }
+    p_body["stream"] = json!(false);
+    if let Some(o) = p_body.as_object_mut() {
+        o.remove("stream_options");
+    }
+    let p_res = forward_headers(&req, st.client.post(format!("{p}{path}")), &request_id).json(&p_body).send().await;
+    let p_res = match p_res {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(%request_id, upstream = %p, error = %e, "prefill leg failed");
+            return error(StatusCode::SERVICE_UNAVAILABLE, format!("unavailable: prefill node {p}: {e}"), "ServiceUnavailableError");
+        }
+    };
+    let p_status = p_res.status();
+    let p_bytes = p_res.bytes().await.unwrap_or_default();
+    if !p_status.is_success() {
+        // P refused the request (bad input, too long...): the client gets P's answer.
+        let status = StatusCode::from_u16(p_status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+        return HttpResponse::build(status).insert_header((REQUEST_ID, request_id)).content_type("application/json").body(p_bytes);
+    }
+    let params = serde_json::from_slice::<Value>(&p_bytes).ok().map(|v| v["kv_transfer_params"].clone()).unwrap_or(Value::Null);
+
+    // ---- decode leg: the client's own body, plus P's params
+    let mut d_body = original;
+    d_body["kv_transfer_params"] = params;
+    let stream = d_body["stream"].as_bool().unwrap_or(false);
+    let d_res = forward_headers(&req, st.client.post(format!("{d}{path}")), &request_id).json(&d_body).send().await;
+    let d_res = match d_res {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(%request_id, upstream = %d, error = %e, "decode leg failed");
+            return error(StatusCode::SERVICE_UNAVAILABLE, format!("unavailable: decode node {d}: {e}"), "ServiceUnavailableError");
+        }
+    };
+    let status = StatusCode::from_u16(d_res.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let content_type = d_res
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or(if stream { "text/event-stream" } else { "application/json" })
+        .to_string();
+    let mut builder = HttpResponse::build(status);
+    builder.insert_header((REQUEST_ID, request_id)).content_type(content_type);
+    if stream && status.is_success() {
+        builder.streaming(d_res.bytes_stream().map(|chunk| chunk.map_err(std::io::Error::other)))
+    } else {
+        builder.body(d_res.bytes().await.unwrap_or_default())
+    }
+}
+
+async fn completions(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>) -> HttpResponse {
+    proxy(req, body, st, "/v1/completions").await
+}
+
+async fn chat(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>) -> HttpResponse {
+    proxy(req, body, st, "/v1/chat/completions").await
+}
+
+/// `/v1/models` and `/health` are answered by the first decode node.
+async fn passthrough_get(req: HttpRequest, st: web::Data<RouterState>) -> HttpResponse {
+    let Some(d) = st.decode.first() else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "unavailable: no decode upstream".into(), "ServiceUnavailableError");
+    };
+    match st.client.get(format!("{d}{}", req.path())).send().await {
+        Ok(r) => {
+            let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+            HttpResponse::build(status).content_type("application/json").body(r.bytes().await.unwrap_or_default())
+        }
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, format!("unavailable: decode node {d}: {e}"), "ServiceUnavailableError"),
+    }
+}
+
+/// Run the router frontend of `node_name` until the actix System stops.
+pub async fn run_router(topology: Topology, node_name: String) -> Result<(), FrontendError> {
+    let node = topology.node(&node_name)?.clone();
+    let client = reqwest::Client::builder()
+        .tcp_nodelay(true)
+        .build()
+        .map_err(|e| FrontendError::Options(format!("http client: {e}")))?;
+    let state = web::Data::new(RouterState {
+        prefill: node.router.prefill.iter().map(|u| u.trim_end_matches('/').to_string()).collect(),
+        decode: node.router.decode.iter().map(|u| u.trim_end_matches('/').to_string()).collect(),
+        next_p: AtomicUsize::new(0),
+        next_d: AtomicUsize::new(0),
+        client,
+    });
+    let addr = format!("{}:{}", node.http_host, node.http_port);
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(state.clone())
+            .app_data(web::PayloadConfig::new(crate::server::MAX_BODY_BYTES))
+            .wrap_fn(|req, srv| {
+                let fut = actix_web::dev::Service::call(srv, req);
+                async move {
+                    let res = fut.await;
+                    if let Ok(r) = &res {
+                        let endpoint = r.request().match_pattern().unwrap_or_else(|| "unmatched".into());
+                        HTTP_REQUESTS_TOTAL.with_label_values(&[&endpoint, r.status().as_str()]).inc();
+                    }
+                    res
+                }
+            })
+            .route("/v1/completions", web::post().to(completions))
+            .route("/v1/chat/completions", web::post().to(chat))
+            .route("/v1/models", web::get().to(passthrough_get))
+            .route("/health", web::get().to(passthrough_get))
+            .route("/metrics", web::get().to(pdmesh_telemetry::metrics::metrics_handler))
+    })
+    .tcp_nodelay(true)
+    .shutdown_timeout(crate::server::SHUTDOWN_TIMEOUT_S)
+    .bind((node.http_host.as_str(), node.http_port))
+    .map_err(|source| FrontendError::HttpBind { addr: addr.clone(), source })?;
+    tracing::info!(%addr, prefill = ?node.router.prefill, decode = ?node.router.decode, "router listening");
+    server.run().await.map_err(FrontendError::Server)
+}
