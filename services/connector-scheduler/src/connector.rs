@@ -24,6 +24,7 @@ pub trait KvConnectorScheduler: Send {
         request_id: &str,
         status: FinishedStatus,
         block_ids: &[u32],
+        block_generations: &[u64],
         params: Option<&KvTransferParams>,
     ) -> (bool, Option<KvTransferParams>);
     fn update_connector_output(&mut self, output: &KvConnectorOutput);
@@ -47,7 +48,14 @@ impl KvConnectorScheduler for NoopConnector {
         self.calls += 1;
         KvConnectorMetadata::default()
     }
-    fn request_finished(&mut self, _: &str, _: FinishedStatus, _: &[u32], _: Option<&KvTransferParams>) -> (bool, Option<KvTransferParams>) {
+    fn request_finished(
+        &mut self,
+        _: &str,
+        _: FinishedStatus,
+        _: &[u32],
+        _: &[u64],
+        _: Option<&KvTransferParams>,
+    ) -> (bool, Option<KvTransferParams>) {
         self.calls += 1;
         (false, None)
     }

@@ -151,6 +151,7 @@ impl KvConnectorScheduler for PdConnector {
         request_id: &str,
         status: FinishedStatus,
         block_ids: &[u32],
+        block_generations: &[u64],
         params: Option<&KvTransferParams>,
     ) -> (bool, Option<KvTransferParams>) {
         let st = self.reqs.remove(request_id).unwrap_or_default();
@@ -183,7 +184,7 @@ impl KvConnectorScheduler for PdConnector {
             self.need_send.push(SendRequest {
                 request_id: request_id.to_string(),
                 block_ids: block_ids.to_vec(),
-                block_generations: Vec::new(),
+                block_generations: block_generations.to_vec(),
                 deadline_unix_ms: now_ms() + self.hold.as_millis() as u64,
             });
         }
@@ -196,7 +197,7 @@ impl KvConnectorScheduler for PdConnector {
             remote_host: Some(producer.side_channel_host.clone()),
             remote_port: Some(producer.side_channel_port),
             tp_size: Some(1),
-            remote_block_generations: None,
+            remote_block_generations: Some(block_generations.to_vec()),
             remote_dp_rank: Some(producer.dp_rank),
         };
         (delay, Some(out))
@@ -251,7 +252,7 @@ mod tests {
         assert_eq!(c.get_num_new_matched_tokens("r", 40, 0, Some(&p)), (Some(0), false));
         assert!(c.build_connector_meta(2).reqs_to_recv.is_empty(), "metadata is drained each step");
         // normal D finish after the transfer: no params, no delay, no extra receive
-        assert_eq!(c.request_finished("r", FinishedStatus::Stopped, &[1, 2, 3], Some(&p)), (false, None));
+        assert_eq!(c.request_finished("r", FinishedStatus::Stopped, &[1, 2, 3], &[], Some(&p)), (false, None));
         assert!(c.build_connector_meta(3).is_empty());
     }
 
@@ -261,7 +262,7 @@ mod tests {
         let p = remote_params();
         assert_eq!(c.get_num_new_matched_tokens("r", 40, 0, Some(&p)), (Some(40), true));
         // aborted while still waiting: never allocated
-        assert_eq!(c.request_finished("r", FinishedStatus::Aborted, &[], Some(&p)), (false, None));
+        assert_eq!(c.request_finished("r", FinishedStatus::Aborted, &[], &[], Some(&p)), (false, None));
         let meta = c.build_connector_meta(1);
         assert_eq!(meta.reqs_to_recv.len(), 1);
         assert!(meta.reqs_to_recv[0].local_block_ids.is_empty(), "notify only, with P's request id");
@@ -286,7 +287,7 @@ mod tests {
         assert_eq!(c.get_num_new_matched_tokens("r", 40, 0, Some(&p)), (Some(0), false));
         c.update_state_after_alloc("r", &[7, 8, 9], 0);
         assert_eq!(c.build_connector_meta(1).reqs_in_batch, vec!["r".to_string()]);
-        let (delay, out) = c.request_finished("r", FinishedStatus::LengthCapped, &[7, 8, 9], Some(&p));
+        let (delay, out) = c.request_finished("r", FinishedStatus::LengthCapped, &[7, 8, 9], &[], Some(&p));
         assert!(delay);
         let out = out.unwrap();
         assert_eq!(out.do_remote_prefill, Some(true));
@@ -305,7 +306,7 @@ mod tests {
         let p = KvTransferParams { do_remote_decode: Some(true), ..Default::default() };
         c.get_num_new_matched_tokens("r", 40, 0, Some(&p));
         c.update_state_after_alloc("r", &[7], 0);
-        assert_eq!(c.request_finished("r", FinishedStatus::Aborted, &[7], Some(&p)), (false, None));
+        assert_eq!(c.request_finished("r", FinishedStatus::Aborted, &[7], &[], Some(&p)), (false, None));
         let meta = c.build_connector_meta(1);
         assert_eq!(meta.reqs_not_processed, vec!["r".to_string()]);
         assert!(meta.reqs_to_send.is_empty());

@@ -178,7 +178,7 @@ async fn receive(agents: Arc<RemoteAgents>, spec: KvCacheSpec, r: RecvRequest, s
         let read = agent.read_blocks(&lease, &remote_tail, &mut staged, &staged_ids).await;
         match read {
             Ok(stats) => {
-                m::TRANSFER_BYTES.inc_by(stats.bytes as u64);
+                m::TRANSFER_BYTES.inc_by(stats.bytes);
                 m::TRANSFER_SECONDS.observe(stats.elapsed.as_secs_f64());
                 agent.read_done(&lease).await.map_err(|e| format!("read done: {e}"))?;
                 Ok(Some(StagedLoad {

@@ -477,6 +477,7 @@ impl Scheduler {
                     status: req.status.finished_status().unwrap_or(pdmesh_protocol::FinishedStatus::Aborted),
                     block_ids: req.block_ids.clone(),
                     kv_transfer_params: req.kv_transfer_params.clone(),
+                    block_generations: req.block_ids.iter().map(|&b| self.pool.generation(b).unwrap_or(0)).collect(),
                 });
             }
         }

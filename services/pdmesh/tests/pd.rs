@@ -85,3 +85,64 @@ fn check_pd_equals_colocated(mesh: Mesh) {
     mesh.wait_kv_on(d, "D's blocks are free", |kv| kv["used_blocks"] == 0);
     assert!(!mesh.logs().contains("panicked"));
 }
+
+fn post(url: &str, request_id: &str, body: &Value) -> (u16, Value) {
+    let r = client().post(url).header("X-Request-Id", request_id).json(body).send().unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().unwrap_or(Value::Null))
+}
+
+/// A block reference whose blocks were freed and reused is refused by P's lease check, never
+/// read: D follows its load-failure policy (`fail`: an error for that request only;
+/// `recompute`: the same output as a colocated run).
+fn stale_reference_is_refused(policy: &str) {
+    let mesh = Mesh::start_nodes(
+        |h, b| common::pd_topology_with_policy(h, b, "shm", 1, ENGINE, policy),
+        |h| vec![h + 1, h + 2, h + 3],
+    );
+    let (p, d, c) = (mesh.http_port + 1, mesh.http_port + 2, mesh.http_port + 3);
+    let url = |port: u16| mesh.url_on(port, "/v1/completions");
+    let prefill = |prompt: &str| {
+        let body = json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}});
+        let (status, v) = post(&url(p), "stale-1", &body);
+        assert_eq!(status, 200, "{v}");
+        v["kv_transfer_params"].clone()
+    };
+    let decode = |prompt: &str, params: &Value| {
+        post(&url(d), "stale-1", &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "kv_transfer_params": params}))
+    };
+    let (a, b) = ("first prompt, read once", "second prompt, longer than the first one");
+    let params_a = prefill(a);
+    assert!(params_a["remote_block_generations"].is_array(), "{params_a}");
+    let (status, _) = decode(a, &params_a);
+    assert_eq!(status, 200);
+    mesh.wait_kv_on(p, "P freed after the read", |kv| kv["held_blocks"] == 0);
+    // P reuses the id and blocks for another prompt; the old reference is now stale.
+    let params_b = prefill(b);
+    let (status, v) = decode(a, &params_a);
+    let colocated_a = post(&url(c), "ref-a", &json!({"prompt": a, "max_tokens": 8, "temperature": 0})).1;
+    if policy == "recompute" {
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["choices"][0]["text"], colocated_a["choices"][0]["text"], "recomputed locally, same output");
+    } else {
+        assert!(status >= 500, "the stale read fails that request: {status} {v}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("kv load")), "{v}");
+    }
+    // The fresh reference still works, and nothing is left held.
+    let (status, v) = decode(b, &params_b);
+    assert_eq!(status, 200, "{v}");
+    let colocated_b = post(&url(c), "ref-b", &json!({"prompt": b, "max_tokens": 8, "temperature": 0})).1;
+    assert_eq!(v["choices"][0]["text"], colocated_b["choices"][0]["text"]);
+    mesh.wait_kv_on(p, "P holds nothing", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
+    mesh.wait_kv_on(d, "D's blocks are free", |kv| kv["used_blocks"] == 0);
+}
+
+#[test]
+fn stale_block_reference_fails_cleanly_under_fail_policy() {
+    stale_reference_is_refused("fail");
+}
+
+#[test]
+fn stale_block_reference_is_recomputed_under_recompute_policy() {
+    stale_reference_is_refused("recompute");
+}

@@ -38,6 +38,10 @@ pub enum ConnectorCall {
         status: FinishedStatus,
         block_ids: Vec<u32>,
         kv_transfer_params: Option<KvTransferParams>,
+        /// Generation of each block (bumped on every free), so P can hand readers references
+        /// that are refused once the blocks were reused.
+        #[serde(default)]
+        block_generations: Vec<u64>,
     },
     /// The worker's connector output of the last step.
     UpdateConnectorOutput(KvConnectorOutput),

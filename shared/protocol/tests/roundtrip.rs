@@ -122,6 +122,7 @@ fn every_message() -> Vec<Message> {
                 status: FinishedStatus::LengthCapped,
                 block_ids: vec![1],
                 kv_transfer_params: None,
+                block_generations: vec![4],
             },
             ConnectorCall::UpdateConnectorOutput(kv_out),
         ]),

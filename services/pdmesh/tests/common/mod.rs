@@ -239,11 +239,26 @@ pub fn sse_events(body: &str) -> Vec<String> {
 /// a colocated reference node (`http+3`). `node_settings` (TOML lines, e.g. `model = {...}` and
 /// `engine = {...}`) apply to P, D and the reference alike; `backend` is `shm` or `tcp`.
 pub fn pd_topology(http: u16, base: u16, backend: &str, d_ranks: u32, node_settings: &str) -> String {
+    pd_topology_with_policy(http, base, backend, d_ranks, node_settings, "fail")
+}
+
+/// [`pd_topology`] with D's `kv_load_failure_policy`.
+pub fn pd_topology_with_policy(
+    http: u16,
+    base: u16,
+    backend: &str,
+    d_ranks: u32,
+    node_settings: &str,
+    policy: &str,
+) -> String {
     let side = side_ports(http);
     let (p, d, c) = (http + 1, http + 2, http + 3);
     let (b1, b2, b3) = (base + 20, base + 40, base + 60);
     let kv = |role: &str, port: u16| {
-        format!("kv_transfer = {{ kv_role = \"{role}\", side_channel_port = {port}, data_port = {}, backend = \"{backend}\" }}", port + 2)
+        format!(
+            "kv_transfer = {{ kv_role = \"{role}\", side_channel_port = {port}, data_port = {}, backend = \"{backend}\", kv_load_failure_policy = \"{policy}\" }}",
+            port + 2
+        )
     };
     let (kv_p, kv_d) = (kv("kv_producer", side), kv("kv_consumer", side + 4));
     format!(
