@@ -26,3 +26,9 @@ pub static HELD_BLOCKS: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("pdmesh_worker_kv_held_blocks", "Blocks held for remote readers"));
 pub static LEASED_BLOCKS: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("pdmesh_worker_kv_leased_blocks", "Blocks leased to in-flight remote reads"));
+pub static HANDSHAKES_SERVED: LazyLock<IntGauge> =
+    LazyLock::new(|| gauge("pdmesh_worker_kv_handshakes_served", "Handshakes (metadata requests) this P agent answered"));
+pub static LEASES_GRANTED: LazyLock<IntGauge> =
+    LazyLock::new(|| gauge("pdmesh_worker_kv_leases_granted", "Read leases granted by this P agent"));
+pub static LEASES_REFUSED: LazyLock<IntGauge> =
+    LazyLock::new(|| gauge("pdmesh_worker_kv_leases_refused", "Read leases refused (unknown, freed or stale references)"));

@@ -130,6 +130,12 @@ impl PdRuntime {
                 }
             }
         }
+        if let Some(agent) = &self._agent {
+            let stats = agent.stats();
+            m::HANDSHAKES_SERVED.set(stats.metadata_requests.load(std::sync::atomic::Ordering::Relaxed) as i64);
+            m::LEASES_GRANTED.set(stats.leases_granted.load(std::sync::atomic::Ordering::Relaxed) as i64);
+            m::LEASES_REFUSED.set(stats.leases_refused.load(std::sync::atomic::Ordering::Relaxed) as i64);
+        }
         if let Some(table) = &self.hold {
             let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
             let expired = t.expire(Instant::now());

@@ -83,6 +83,14 @@ fn check_pd_equals_colocated(mesh: Mesh) {
     let (p, d) = (mesh.http_port + 1, mesh.http_port + 2);
     mesh.wait_kv_on(p, "P holds nothing once D has read", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
     mesh.wait_kv_on(d, "D's blocks are free", |kv| kv["used_blocks"] == 0);
+    // One handshake per engine pair (D has two ranks), not one per request (24 requests).
+    let metrics = reqwest::blocking::get(format!("http://127.0.0.1:{}/metrics", mesh.base_port + 20 + 112)).unwrap().text().unwrap();
+    let served: i64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("pdmesh_worker_kv_handshakes_served "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    assert!((1..=2).contains(&served), "handshakes served by P: {served}");
     assert!(!mesh.logs().contains("panicked"));
 }
 
