@@ -46,17 +46,17 @@ fn complete(url: &str, prompt: &str, stream: bool) -> String {
 
 #[test]
 fn disaggregated_output_equals_colocated_and_every_block_is_freed() {
-    check_pd_equals_colocated(Mesh::start_nodes(pd_topology, |h| vec![h + 1, h + 2, h + 3]));
+    check_pd_equals_colocated(Mesh::start_nodes(pd_topology, |h| vec![h + 1, h + 2, h + 3]), "127.0.0.1");
 }
 
-/// The tcp backend: P serves block reads over a socket (here across loopback; the address is
-/// what a second host would use).
+/// The tcp backend: P serves block reads over a socket, listening on 127.0.0.2 while D is on
+/// 127.0.0.1 (two addresses, as two hosts would be).
 #[test]
 fn tcp_backend_moves_the_same_bytes() {
-    check_pd_equals_colocated(Mesh::start_nodes(pd_topology_tcp, |h| vec![h + 1, h + 2, h + 3]));
+    check_pd_equals_colocated(Mesh::start_nodes(pd_topology_tcp, |h| vec![h + 1, h + 2, h + 3]), "127.0.0.2");
 }
 
-fn check_pd_equals_colocated(mesh: Mesh) {
+fn check_pd_equals_colocated(mesh: Mesh, p_host: &str) {
     let router = mesh.url("/v1/completions");
     let colocated = mesh.url_on(mesh.http_port + 3, "/v1/completions");
     // shorter than one block (4 tokens), exactly N blocks, N blocks + 1 token, longer
@@ -84,7 +84,7 @@ fn check_pd_equals_colocated(mesh: Mesh) {
     mesh.wait_kv_on(p, "P holds nothing once D has read", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
     mesh.wait_kv_on(d, "D's blocks are free", |kv| kv["used_blocks"] == 0);
     // One handshake per engine pair (D has two ranks), not one per request (24 requests).
-    let metrics = reqwest::blocking::get(format!("http://127.0.0.1:{}/metrics", mesh.base_port + 20 + 112)).unwrap().text().unwrap();
+    let metrics = reqwest::blocking::get(format!("http://{p_host}:{}/metrics", mesh.base_port + 20 + 112)).unwrap().text().unwrap();
     let served: i64 = metrics
         .lines()
         .find_map(|l| l.strip_prefix("pdmesh_worker_kv_handshakes_served "))
