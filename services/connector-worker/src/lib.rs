@@ -98,6 +98,33 @@ impl Handler<RouterEvent> for WorkerActor {
     }
 }
 
+/// Shared-memory files this process created, removed by [`cleanup_shm`] at shutdown.
+static SHM_FILES: std::sync::Mutex<Vec<std::path::PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// Remove this process's shared-memory KV files (called on graceful shutdown; the executor
+/// thread may still hold its mapping, which stays valid until the process exits).
+pub fn cleanup_shm() {
+    let files = std::mem::take(&mut *SHM_FILES.lock().unwrap_or_else(|p| p.into_inner()));
+    for f in files {
+        let _ = std::fs::remove_file(&f);
+    }
+}
+
+/// Remove `pdmesh-*-<pid>` KV files left by processes that no longer exist (a worker killed
+/// with SIGKILL cannot clean up after itself).
+fn sweep_stale_shm() {
+    let Ok(dir) = std::fs::read_dir(pdmesh_kv_transfer::shm::default_shm_dir()) else { return };
+    for e in dir.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix("pdmesh-") else { continue };
+        let Some(pid) = rest.rsplit('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            tracing::info!(file = %name, "removing a KV region left by a dead process");
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 /// Start the connector-worker of `rank` on `node`, running the executor that `factory`
 /// builds (on the executor thread) over a KV cache of the node's configured size.
 pub async fn run(
@@ -149,9 +176,11 @@ pub async fn run(
         None => (pdmesh_model_api::KvCache::new_heap(spec), None),
         Some(cfg) => {
             // P/D: the cache lives in shared memory so the transfer agent can serve it.
+            sweep_stale_shm();
             let name = format!("pdmesh-{}-{}-{}", node.name, rank, std::process::id());
             let region = pdmesh_kv_transfer::ShmRegion::create_for_spec(&name, &spec).map_err(|e| WorkerError::Model(e.to_string()))?;
             let path = region.path().to_path_buf();
+            SHM_FILES.lock().unwrap_or_else(|p| p.into_inner()).push(path.clone());
             let kv = region.into_kv_cache(spec).map_err(|e| WorkerError::Model(e.to_string()))?;
             let engine_id = if cfg.engine_id.is_empty() { node.name.clone() } else { cfg.engine_id.clone() };
             let side_port = cfg.side_channel_port.saturating_add(rank as u16);

@@ -90,6 +90,7 @@ fn main() -> anyhow::Result<()> {
             let (facts, factory) = model::executor_factory(&node).context("preparing the model")?;
             pdmesh_connector_worker::run(&topo, &a.node, a.rank, factory, facts).await?;
             wait_for_shutdown().await;
+            pdmesh_connector_worker::cleanup_shm();
             Ok(())
         }),
     }
