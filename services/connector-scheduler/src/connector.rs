@@ -28,6 +28,12 @@ pub trait KvConnectorScheduler: Send {
         params: Option<&KvTransferParams>,
     ) -> (bool, Option<KvTransferParams>);
     fn update_connector_output(&mut self, output: &KvConnectorOutput);
+    /// Rule R1: D refused a request with these params before admission. `Err` (a reason) when
+    /// the params cannot be acted on; the caller counts it, nothing else changes.
+    fn request_rejected_before_admission(&mut self, params: &KvTransferParams) -> Result<(), String> {
+        let _ = params;
+        Err("this connector does not consume remote KV".into())
+    }
 }
 
 /// No KV transfer: nothing comes from outside, nothing is held.

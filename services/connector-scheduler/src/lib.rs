@@ -97,6 +97,10 @@ pub fn dispatch(c: &mut dyn KvConnectorScheduler, call: ConnectorCall) -> Connec
             c.update_connector_output(&out);
             ConnectorReply::Ack
         }
+        ConnectorCall::RequestRejectedBeforeAdmission { params } => match c.request_rejected_before_admission(&params) {
+            Ok(()) => ConnectorReply::Ack,
+            Err(reason) => ConnectorReply::Rejected { reason },
+        },
     }
 }
 

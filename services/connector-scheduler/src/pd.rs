@@ -30,6 +30,7 @@ pub struct PdCounters {
     pub invalid_params: u64,
     pub holds_started: u64,
     pub not_processed: u64,
+    pub rejection_notices: u64,
 }
 
 #[derive(Debug, Default)]
@@ -204,6 +205,27 @@ impl KvConnectorScheduler for PdConnector {
     }
 
     fn update_connector_output(&mut self, _output: &KvConnectorOutput) {}
+
+    fn request_rejected_before_admission(&mut self, params: &KvTransferParams) -> Result<(), String> {
+        if !self.consumer {
+            return Err("not a consumer".into());
+        }
+        if !params.wants_remote_prefill() || !params_complete(params) {
+            self.counters.invalid_params += 1;
+            tracing::warn!(?params, "rejection notice without complete remote_* params ignored");
+            return Err("params lack do_remote_prefill or a remote_* field".into());
+        }
+        // A receive with no local blocks: the worker only tells P to free. Keyed by P's id,
+        // and never reported to the scheduler as a finished receive.
+        let p_id = params.remote_request_id.clone().unwrap_or_default();
+        self.counters.rejection_notices += 1;
+        self.need_recv.push(RecvRequest {
+            request_id: format!("rejected:{p_id}"),
+            local_block_ids: Vec::new(),
+            params: params.clone(),
+        });
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -277,6 +299,24 @@ mod tests {
         assert_eq!(c.get_num_new_matched_tokens("r", 40, 0, Some(&p)), (Some(0), false));
         c.update_state_after_alloc("r", &[1], 0);
         assert!(c.build_connector_meta(1).reqs_to_recv.is_empty());
+        assert_eq!(c.counters.invalid_params, 1);
+    }
+
+    #[test]
+    fn rejection_before_admission_enqueues_an_empty_receive_with_ps_request_id() {
+        let mut c = consumer();
+        assert!(c.request_rejected_before_admission(&remote_params()).is_ok());
+        let meta = c.build_connector_meta(1);
+        assert_eq!(meta.reqs_to_recv.len(), 1);
+        assert!(meta.reqs_to_recv[0].local_block_ids.is_empty());
+        assert_eq!(meta.reqs_to_recv[0].params.remote_request_id.as_deref(), Some("req-1"));
+        // missing metadata: ignored, counted, nothing enqueued, params untouched
+        let mut p = remote_params();
+        p.remote_host = None;
+        let before = p.clone();
+        assert!(c.request_rejected_before_admission(&p).is_err());
+        assert_eq!(p, before);
+        assert!(c.build_connector_meta(2).reqs_to_recv.is_empty());
         assert_eq!(c.counters.invalid_params, 1);
     }
 

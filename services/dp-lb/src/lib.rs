@@ -112,6 +112,23 @@ impl Handler<FromFrontend> for DpLb {
                 }
             }
             Message::StatsQuery => self.gather_stats(peer, envelope, ctx),
+            Message::RejectionNotice(n) => {
+                // Rule R1: without a rank header every rank gets it (the one that would have
+                // served the request is unknown); with one, only that rank.
+                let targets: Vec<u32> = match n.data_parallel_rank {
+                    Some(r) if r < self.dp_size => vec![r],
+                    Some(r) => {
+                        tracing::warn!(rank = r, "rejection notice for a rank outside dp_size; broadcasting");
+                        self.rank_peers.values().copied().collect()
+                    }
+                    None => self.rank_peers.values().copied().collect(),
+                };
+                let mode = if n.data_parallel_rank.is_some() { "pinned" } else { "broadcast" };
+                for rank in targets {
+                    m::NOTICES_FORWARDED.with_label_values(&[mode]).inc();
+                    self.send_to_rank(rank, envelope.clone());
+                }
+            }
             Message::Ping => {
                 if let Some(f) = &self.frontend {
                     let _ = f.send(&peer, envelope.reply(Message::Pong));

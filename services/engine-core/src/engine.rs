@@ -49,6 +49,8 @@ struct Peers {
 struct Inbox {
     adds: Vec<EngineRequest>,
     aborts: Vec<String>,
+    /// Rule R1: params of requests D refused before admission.
+    notices: Vec<pdmesh_protocol::KvTransferParams>,
 }
 
 struct State {
@@ -207,6 +209,10 @@ impl EngineCore {
                 self.state.borrow_mut().inbox.aborts.extend(a.request_ids);
                 self.kick(ctx);
             }
+            Message::RejectionNotice(n) => {
+                self.state.borrow_mut().inbox.notices.push(n.params);
+                self.kick(ctx);
+            }
             Message::StatsQuery => {
                 let st = self.state.borrow();
                 let stats = st.sched.stats(st.rank);
@@ -240,8 +246,9 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
     let mut outputs: Vec<EngineOutput> = Vec::new();
     {
         let mut st = state.borrow_mut();
-        let inbox = std::mem::take(&mut st.inbox);
-        for req in inbox.adds {
+        let adds = std::mem::take(&mut st.inbox.adds);
+        let aborts = std::mem::take(&mut st.inbox.aborts);
+        for req in adds {
             let id = req.request_id.clone();
             if let Err(e) = st.sched.add_request(req) {
                 m::REJECTED.inc();
@@ -249,9 +256,9 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
                 outputs.push(error_output(&id, format!("invalid request: {e}")));
             }
         }
-        if !inbox.aborts.is_empty() {
+        if !aborts.is_empty() {
             let before = st.sched.counters().unknown_ids;
-            st.sched.abort_requests(&inbox.aborts);
+            st.sched.abort_requests(&aborts);
             m::UNKNOWN_IDS.inc_by(st.sched.counters().unknown_ids - before);
         }
     }
@@ -278,19 +285,31 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
     }
 
     // ---- 3. schedule; 4. tell the connector what was allocated and what finished; meta
-    let (schedule, step_id) = {
+    let (schedule, step_id, notices) = {
         let mut st = state.borrow_mut();
         st.step_id += 1;
-        (st.sched.schedule(), st.step_id)
+        let notices = std::mem::take(&mut st.inbox.notices);
+        (st.sched.schedule(), st.step_id, notices)
     };
     let finishing = state.borrow_mut().sched.finishing_calls();
-    let mut calls = schedule.alloc_calls.clone();
+    // Rejection notices first: the connector turns them into empty receives that go out in
+    // this very step's metadata, so P hears of it within one engine tick.
+    let mut calls: Vec<ConnectorCall> =
+        notices.into_iter().map(|params| ConnectorCall::RequestRejectedBeforeAdmission { params }).collect();
+    let n_notices = calls.len();
+    calls.extend(schedule.alloc_calls.iter().cloned());
     calls.extend(finishing.iter().cloned());
     calls.push(ConnectorCall::BuildConnectorMeta { step_id });
     let replies = connector_call(&peers.connector, calls).await;
+    if let Ok(r) = &replies {
+        for reply in r.iter().take(n_notices) {
+            let result = if matches!(reply, ConnectorReply::Ack) { "accepted" } else { "invalid" };
+            m::NOTICES.with_label_values(&[result]).inc();
+        }
+    }
     let meta = {
         let mut st = state.borrow_mut();
-        let offset = schedule.alloc_calls.len();
+        let offset = n_notices + schedule.alloc_calls.len();
         apply_finished_replies(&mut st.sched, &finishing, replies.as_ref().ok().map(|r| r.get(offset..).unwrap_or(&[])));
         match replies.as_ref().ok().and_then(|r| r.last()) {
             Some(ConnectorReply::Meta(meta)) => meta.clone(),
@@ -360,7 +379,7 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
         let mut st = state.borrow_mut();
         outputs.extend(st.sched.take_outputs());
         publish_gauges(&st.sched);
-        let next = if !chunks.is_empty() || !st.inbox.adds.is_empty() || !st.inbox.aborts.is_empty() {
+        let next = if !chunks.is_empty() || !st.inbox.adds.is_empty() || !st.inbox.aborts.is_empty() || !st.inbox.notices.is_empty() {
             StepNext::Now
         } else if st.sched.has_requests() {
             StepNext::Soon

@@ -66,6 +66,9 @@ pub struct FrontendOptions {
     pub vocab_size: u32,
     /// End-of-sequence ids, put on every engine request (honoured unless `ignore_eos`).
     pub eos_token_ids: Vec<u32>,
+    /// Rule R1: tell P when a remote-prefill request is refused before admission (off only to
+    /// measure the deadline-only baseline).
+    pub rejection_notices: bool,
 }
 
 impl FrontendOptions {

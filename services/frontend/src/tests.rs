@@ -151,6 +151,7 @@ async fn harness(script: impl Fn(&EngineRequest) -> Script + Send + 'static) -> 
         max_model_len: 64,
         vocab_size: 257,
         eos_token_ids: vec![256],
+        rejection_notices: true,
     };
     let started = start(&topology, "main", Arc::new(SyntheticTextCodec), options).await.unwrap();
     let push = connect_push(&endpoints.frontend_outputs.connect);

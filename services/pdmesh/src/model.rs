@@ -48,6 +48,7 @@ pub fn load_text(node: &NodeConfig) -> anyhow::Result<LoadedText> {
                     max_model_len: effective_max_len(node, f.max_model_len),
                     vocab_size: f.vocab_size,
                     eos_token_ids: f.eos_token_ids.clone(),
+                    rejection_notices: rejection_notices(node),
                 },
             })
         }
@@ -65,10 +66,16 @@ pub fn load_text(node: &NodeConfig) -> anyhow::Result<LoadedText> {
                     max_model_len,
                     vocab_size: vocab,
                     eos_token_ids: eos,
+                    rejection_notices: rejection_notices(node),
                 },
             })
         }
     }
+}
+
+/// Rule R1 notices are on unless the node's `kv_transfer.rejection_notices = false`.
+fn rejection_notices(node: &NodeConfig) -> bool {
+    node.kv_transfer.as_ref().is_none_or(|k| k.rejection_notices)
 }
 
 /// The GGUF file of a node: `model.path`, else `PDMESH_MODEL_PATH`, else the fetch cache.

@@ -154,3 +154,52 @@ fn stale_block_reference_fails_cleanly_under_fail_policy() {
 fn stale_block_reference_is_recomputed_under_recompute_policy() {
     stale_reference_is_refused("recompute");
 }
+
+fn metric(url: &str, name: &str) -> f64 {
+    let text = reqwest::blocking::get(url).unwrap().text().unwrap();
+    text.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok()).sum()
+}
+
+/// Rule R1: D refuses a remote-prefill request before admission (bad sampling parameter,
+/// unknown model, chat template error); D's client gets its normal error, and P frees the
+/// held blocks at once — the hold deadline here is 480 s, so only the notice can free them.
+/// Without a rank header every D rank gets the notice (P frees once, the second is counted
+/// as a duplicate); with one, only that rank.
+#[test]
+fn rejection_before_admission_frees_p_at_once() {
+    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 2, ENGINE), |h| vec![h + 1, h + 2, h + 3]);
+    let (p, d) = (mesh.http_port + 1, mesh.http_port + 2);
+    let dplb_metrics = format!("http://127.0.0.1:{}/metrics", mesh.base_port + 40 + 100);
+    let cases: Vec<(&str, Value, u16, Option<&str>)> = vec![
+        ("/v1/completions", json!({"prompt": "hello there", "temperature": -1}), 400, None),
+        ("/v1/completions", json!({"prompt": "hello there", "model": "no-such-model"}), 404, None),
+        ("/v1/chat/completions", json!({"messages": [{"role": "wizard", "content": "x"}]}), 400, None),
+        ("/v1/completions", json!({"prompt": "hello there", "top_p": 0}), 400, Some("1")),
+    ];
+    for (i, (path, mut body, status, rank)) in cases.into_iter().enumerate() {
+        let id = format!("r1-{i}");
+        let (s, v) = post(
+            &mesh.url_on(p, "/v1/completions"),
+            &id,
+            &json!({"prompt": "hello there", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+        );
+        assert_eq!(s, 200, "{v}");
+        mesh.wait_kv_on(p, "P holds the prefilled blocks", |kv| kv["held_blocks"].as_u64().unwrap_or(0) > 0);
+        let before = metric(&dplb_metrics, "pdmesh_dplb_rejection_notices_forwarded_total");
+        body["kv_transfer_params"] = v["kv_transfer_params"].clone();
+        let mut rb = client().post(mesh.url_on(d, path)).header("X-Request-Id", &id).json(&body);
+        if let Some(r) = rank {
+            rb = rb.header("X-data-parallel-rank", r);
+        }
+        let r = rb.send().unwrap();
+        assert_eq!(r.status().as_u16(), status, "{path}");
+        let err: Value = r.json().unwrap();
+        assert!(err["error"]["message"].is_string(), "D's client gets its normal error body: {err}");
+        mesh.wait_kv_on(p, "P freed by the notice, long before its 480 s deadline", |kv| {
+            kv["held_blocks"] == 0 && kv["used_blocks"] == 0
+        });
+        let forwarded = metric(&dplb_metrics, "pdmesh_dplb_rejection_notices_forwarded_total") - before;
+        assert_eq!(forwarded, if rank.is_some() { 1.0 } else { 2.0 }, "ranks that received the notice");
+    }
+    assert!(!mesh.logs().contains("panicked"));
+}

@@ -135,9 +135,17 @@ pub struct KvTransferConfig {
     pub kv_lease_duration_s: u64,
     #[serde(default = "default_abort_timeout_s")]
     pub abort_request_timeout_s: u64,
+    /// Rule R1: D notifies P when it refuses a remote-prefill request before admission
+    /// (`false` only to measure the deadline-only baseline).
+    #[serde(default = "yes")]
+    pub rejection_notices: bool,
     /// Free-form extra settings (vLLM's `kv_connector_extra_config`).
     #[serde(default)]
     pub kv_connector_extra_config: std::collections::BTreeMap<String, String>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn default_connector() -> String {

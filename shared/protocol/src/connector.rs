@@ -45,6 +45,8 @@ pub enum ConnectorCall {
     },
     /// The worker's connector output of the last step.
     UpdateConnectorOutput(KvConnectorOutput),
+    /// Rule R1: a request with these params was refused before admission; tell P.
+    RequestRejectedBeforeAdmission { params: KvTransferParams },
 }
 
 /// The answer to one [`ConnectorCall`].

@@ -99,6 +99,10 @@ pub enum Message {
     XferReadBlocks(XferReadBlocks),
     /// TCP data plane: the raw block bytes follow.
     XferReadReady(XferReadReady),
+
+    // ---- rule R1: D refused a remote-prefill request before admission
+    /// frontend → dp-lb → engine-core rank(s): P's blocks for these params will never be read.
+    RejectionNotice(RejectionNotice),
 }
 
 impl Message {
@@ -132,6 +136,7 @@ impl Message {
             Message::XferGiveUp(_) => "xfer_give_up",
             Message::XferReadBlocks(_) => "xfer_read_blocks",
             Message::XferReadReady(_) => "xfer_read_ready",
+            Message::RejectionNotice(_) => "rejection_notice",
         }
     }
 }
@@ -157,6 +162,17 @@ pub struct Hello {
     /// Process id, so operators can match a connection to a process.
     #[serde(default)]
     pub pid: u32,
+}
+
+/// D refused a request carrying `do_remote_prefill` before its engine admitted it (rule R1).
+/// Without a rank the dp-lb broadcasts it to every rank; with one, only that rank gets it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RejectionNotice {
+    /// The raw `kv_transfer_params` of the refused request.
+    pub params: KvTransferParams,
+    /// The client's `X-data-parallel-rank`, if any.
+    #[serde(default)]
+    pub data_parallel_rank: Option<u32>,
 }
 
 /// The error classes that cross process boundaries. The frontend maps them to HTTP statuses

@@ -125,6 +125,7 @@ fn every_message() -> Vec<Message> {
                 block_generations: vec![4],
             },
             ConnectorCall::UpdateConnectorOutput(kv_out),
+            ConnectorCall::RequestRejectedBeforeAdmission { params: params() },
         ]),
         Message::ConnectorReplies(vec![
             ConnectorReply::MatchedTokens { count: Some(4), load_async: true },
@@ -134,6 +135,7 @@ fn every_message() -> Vec<Message> {
             ConnectorReply::Rejected { reason: "no".into() },
         ]),
         Message::Ack,
+        Message::RejectionNotice(RejectionNotice { params: params(), data_parallel_rank: Some(1) }),
         Message::Ping,
         Message::Pong,
         Message::Error(WireError::new(ErrorClass::Unavailable, "engine down")),

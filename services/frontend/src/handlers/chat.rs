@@ -6,7 +6,6 @@ use actix_web::{web, HttpRequest, HttpResponse};
 
 use crate::error::ApiError;
 use crate::generate::{prepare, Api, Prepared};
-use crate::handlers::completions::remote_prefill;
 use crate::handlers::serve;
 use crate::headers::RequestMeta;
 use crate::openai::ChatCompletionRequest;
@@ -24,7 +23,7 @@ pub async fn chat_completions(
 ) -> HttpResponse {
     let arrival = Instant::now();
     let body = body.into_inner();
-    let remote_prefill = remote_prefill(body.kv_transfer_params.as_ref());
+    let remote_prefill = crate::handlers::remote_prefill_params(body.kv_transfer_params.as_ref());
     serve(&req, &state, Api::Chat, remote_prefill, move |meta, state| validate(body, meta, state, arrival)).await
 }
 

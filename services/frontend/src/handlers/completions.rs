@@ -11,7 +11,7 @@ use crate::headers::RequestMeta;
 use crate::openai::CompletionRequest;
 use crate::server::AppState;
 use crate::validation::{
-    check_model, completion_logprobs, completion_prompt, kv_transfer_params, resolve_max_tokens, validate_params,
+    check_model, completion_logprobs, completion_prompt, resolve_max_tokens, validate_params,
     MaxTokensDefault, SamplingInput, DEFAULT_COMPLETION_MAX_TOKENS,
 };
 
@@ -23,15 +23,10 @@ pub async fn completions(
 ) -> HttpResponse {
     let arrival = Instant::now();
     let body = body.into_inner();
-    let remote_prefill = remote_prefill(body.kv_transfer_params.as_ref());
+    let remote_prefill = crate::handlers::remote_prefill_params(body.kv_transfer_params.as_ref());
     serve(&req, &state, Api::Completion, remote_prefill, move |meta, state| validate(body, meta, state, arrival)).await
 }
 
-/// Whether a body asks for the decode leg of a P/D pair (judged before validation, so that
-/// a refusal for any reason is known to strand P's blocks).
-pub(crate) fn remote_prefill(value: Option<&serde_json::Value>) -> bool {
-    kv_transfer_params(value).ok().flatten().is_some_and(|p| p.wants_remote_prefill())
-}
 
 fn validate(
     body: CompletionRequest,

@@ -11,7 +11,8 @@ use tracing::Instrument;
 use crate::error::ApiError;
 use crate::generate::{respond, set_request_id, submit, Api, Prepared};
 use crate::headers::{request_meta, RequestMeta};
-use crate::metrics::REMOTE_PREFILL_REJECTIONS_TOTAL;
+use crate::metrics::{REJECTION_NOTICES_SENT, REMOTE_PREFILL_REJECTIONS_TOTAL};
+use pdmesh_protocol::{Envelope, KvTransferParams, Message, RejectionNotice};
 use crate::server::AppState;
 
 /// Render an error as the response to a request (counted and logged once, here).
@@ -22,31 +23,53 @@ pub fn error_response(error: ApiError, request_id: &str) -> HttpResponse {
     response
 }
 
-/// A request that carried `do_remote_prefill = true` is refused before the engine admitted
-/// it: P holds blocks for it that no one will read. vLLM (#41269) notifies P through the
-/// engine at this point; the pdmesh wire has no message for that yet, so P frees on its
-/// hold deadline. Counted so that the gap is visible.
-fn note_rejection(remote_prefill: bool, error: &ApiError) {
-    if remote_prefill {
-        REMOTE_PREFILL_REJECTIONS_TOTAL.inc();
-        tracing::warn!(error = %error, "refused a remote-prefill request before admission; P keeps its blocks until its hold deadline");
+/// Rule R1: a request that carried `do_remote_prefill = true` was refused before the engine
+/// admitted it, so P holds blocks that no one will read. Send a rejection notice with the raw
+/// params (and the client's DP rank header) so P frees them at once. The client's error
+/// answer is neither masked nor delayed: the notice is fire-and-forget.
+fn note_rejection(state: &AppState, params: Option<&KvTransferParams>, rank: Option<u32>, error: &ApiError) {
+    let Some(params) = params.filter(|p| p.wants_remote_prefill()) else { return };
+    REMOTE_PREFILL_REJECTIONS_TOTAL.inc();
+    if !state.options.rejection_notices {
+        tracing::warn!(error = %error, "refused a remote-prefill request before admission; notices are off, P frees at its deadline");
+        return;
     }
+    let notice = RejectionNotice { params: params.clone(), data_parallel_rank: rank };
+    match state.link.send(Envelope::new(Message::RejectionNotice(notice))) {
+        Ok(()) => {
+            REJECTION_NOTICES_SENT.inc();
+            tracing::info!(error = %error, "refused a remote-prefill request before admission; notified P");
+        }
+        Err(e) => tracing::warn!(error = %error, send_error = %e, "rejection notice not sent; P frees at its deadline"),
+    }
+}
+
+/// The params of a body's `kv_transfer_params` if it asks for a remote prefill.
+pub(crate) fn remote_prefill_params(value: Option<&serde_json::Value>) -> Option<KvTransferParams> {
+    crate::validation::kv_transfer_params(value).ok().flatten().filter(KvTransferParams::wants_remote_prefill)
 }
 
 /// The shared flow of a generation request. `prepare` validates the body into an engine
 /// request; it runs inside the request's span.
-pub async fn serve<F>(req: &HttpRequest, state: &AppState, api: Api, remote_prefill: bool, prepare: F) -> HttpResponse
+pub async fn serve<F>(
+    req: &HttpRequest,
+    state: &AppState,
+    api: Api,
+    remote_prefill: Option<KvTransferParams>,
+    prepare: F,
+) -> HttpResponse
 where
     F: FnOnce(RequestMeta, &AppState) -> Result<Prepared, ApiError>,
 {
     let meta = match request_meta(req.headers()) {
         Ok(meta) => meta,
         Err((request_id, error)) => {
-            note_rejection(remote_prefill, &error);
+            note_rejection(state, remote_prefill.as_ref(), None, &error);
             return error_response(error, &request_id);
         }
     };
     let request_id = meta.request_id.clone();
+    let dp_rank = meta.data_parallel_rank;
     let endpoint = match api {
         Api::Completion => "completions",
         Api::Chat => "chat_completions",
@@ -70,7 +93,7 @@ where
         let accepted = match accepted {
             Ok(accepted) => accepted,
             Err(error) => {
-                note_rejection(remote_prefill, &error);
+                note_rejection(state, remote_prefill.as_ref(), dp_rank, &error);
                 return error_response(error, &request_id);
             }
         };

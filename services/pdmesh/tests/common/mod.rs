@@ -256,7 +256,7 @@ pub fn pd_topology_with_policy(
     let (b1, b2, b3) = (base + 20, base + 40, base + 60);
     let kv = |role: &str, port: u16| {
         format!(
-            "kv_transfer = {{ kv_role = \"{role}\", side_channel_port = {port}, data_port = {}, backend = \"{backend}\", kv_load_failure_policy = \"{policy}\" }}",
+            "kv_transfer = {{ kv_role = \"{role}\", side_channel_port = {port}, data_port = {}, backend = \"{backend}\", kv_load_failure_policy = \"{policy}\", hold_mode = \"fixed\" }}",
             port + 2
         )
     };
