@@ -38,16 +38,23 @@ impl Mesh {
     /// readiness); `http_port` of the returned mesh is the first node's.
     pub fn start_nodes(nodes: impl Fn(u16, u16) -> String, engine_ports: impl Fn(u16) -> Vec<u16>) -> Mesh {
         let (http_port, base_port) = ports();
+        Self::launch(nodes(http_port, base_port), &[], http_port, base_port, &engine_ports(http_port))
+    }
+
+    /// Write the topology, start `pdmesh up` on it, and wait until every node in
+    /// `engine_ports` has its engines connected.
+    fn launch(nodes: String, up_args: &[&str], http_port: u16, base_port: u16, engine_ports: &[u16]) -> Mesh {
         let run_dir = std::env::temp_dir().join(format!("pdmesh-test-{}-{}", std::process::id(), http_port));
         let _ = std::fs::remove_dir_all(&run_dir);
         std::fs::create_dir_all(&run_dir).unwrap();
-        let topo = format!("run_dir = {:?}\n{}\n", run_dir.display().to_string(), nodes(http_port, base_port));
+        let topo = format!("run_dir = {:?}\n{nodes}\n", run_dir.display().to_string());
         let path = run_dir.join("test-topology.toml");
         std::fs::write(&path, topo).unwrap();
         let up = Command::new(env!("CARGO_BIN_EXE_pdmesh"))
             .arg("up")
             .arg("--topology")
             .arg(&path)
+            .args(up_args)
             .env("PDMESH_RUN_DIR", &run_dir)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
@@ -55,7 +62,7 @@ impl Mesh {
             .spawn()
             .unwrap();
         let mut mesh = Mesh { up, run_dir, http_port, base_port };
-        for port in engine_ports(http_port) {
+        for &port in engine_ports {
             let saved = mesh.http_port;
             mesh.http_port = port;
             mesh.wait_ready();
@@ -92,29 +99,8 @@ impl Mesh {
     /// after it (e.g. `[nodes.model]` overrides).
     pub fn start(node_extra: &str, sections: &str, up_args: &[&str]) -> Mesh {
         let (http_port, base_port) = ports();
-        let run_dir = std::env::temp_dir().join(format!("pdmesh-test-{}-{}", std::process::id(), http_port));
-        let _ = std::fs::remove_dir_all(&run_dir);
-        std::fs::create_dir_all(&run_dir).unwrap();
-        let topo = format!(
-            "run_dir = {run:?}\n[[nodes]]\nname = \"main\"\nhttp_port = {http_port}\nbase_port = {base_port}\n{node_extra}\n{sections}\n",
-            run = run_dir.display().to_string(),
-        );
-        let path = run_dir.join("test-topology.toml");
-        std::fs::write(&path, topo).unwrap();
-        let up = Command::new(env!("CARGO_BIN_EXE_pdmesh"))
-            .arg("up")
-            .arg("--topology")
-            .arg(&path)
-            .args(up_args)
-            .env("PDMESH_RUN_DIR", &run_dir)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(run_dir.join("up.log")).unwrap())
-            .spawn()
-            .unwrap();
-        let mesh = Mesh { up, run_dir, http_port, base_port };
-        mesh.wait_ready();
-        mesh
+        let nodes = format!("[[nodes]]\nname = \"main\"\nhttp_port = {http_port}\nbase_port = {base_port}\n{node_extra}\n{sections}");
+        Self::launch(nodes, up_args, http_port, base_port, &[http_port])
     }
 
     pub fn url(&self, path: &str) -> String {
