@@ -37,6 +37,12 @@ pub enum ApiError {
     /// Something named in the request does not exist in the mesh (404).
     #[error("{0}")]
     NotFound(String),
+    /// `previous_response_id` names no stored response (404, OpenAI's `invalid_request_error`).
+    #[error("Previous response with id '{0}' not found.")]
+    PreviousResponseNotFound(String),
+    /// `GET /v1/responses/{id}` names no stored response (404, OpenAI's `invalid_request_error`).
+    #[error("Response with id '{0}' not found.")]
+    ResponseNotFound(String),
     /// The body is larger than the frontend accepts (413).
     #[error("{0}")]
     PayloadTooLarge(String),
@@ -94,7 +100,10 @@ impl ApiError {
             | ApiError::InvalidJson(_)
             | ApiError::Template(_)
             | ApiError::DuplicateRequestId(_) => StatusCode::BAD_REQUEST,
-            ApiError::ModelNotFound(_) | ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::ModelNotFound(_)
+            | ApiError::NotFound(_)
+            | ApiError::PreviousResponseNotFound(_)
+            | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -105,6 +114,10 @@ impl ApiError {
     /// The OpenAI `type` field. 400s use OpenAI's `invalid_request_error`; the others use
     /// vLLM's names (`NotFoundError`, ...), which clients of vLLM already match on.
     pub fn error_type(&self) -> &'static str {
+        if matches!(self, ApiError::PreviousResponseNotFound(_) | ApiError::ResponseNotFound(_)) {
+            // The Responses API's own 404s read as OpenAI's.
+            return "invalid_request_error";
+        }
         match self.status() {
             StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => "invalid_request_error",
             StatusCode::NOT_FOUND => "NotFoundError",
@@ -121,6 +134,7 @@ impl ApiError {
             ApiError::ContextLength { param, .. } => Some((*param).to_string()),
             ApiError::ModelNotFound(_) => Some("model".to_string()),
             ApiError::Template(_) => Some("messages".to_string()),
+            ApiError::PreviousResponseNotFound(_) => Some("previous_response_id".to_string()),
             _ => None,
         }
     }
@@ -134,6 +148,7 @@ impl ApiError {
             ApiError::Template(_) => "template",
             ApiError::ModelNotFound(_) => "model_not_found",
             ApiError::NotFound(_) => "not_found",
+            ApiError::PreviousResponseNotFound(_) | ApiError::ResponseNotFound(_) => "response_not_found",
             ApiError::PayloadTooLarge(_) => "payload_too_large",
             ApiError::DuplicateRequestId(_) => "duplicate_request_id",
             ApiError::Unavailable(_) => "unavailable",

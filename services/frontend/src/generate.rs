@@ -200,13 +200,22 @@ pub async fn respond(state: &AppState, accepted: Accepted) -> Result<HttpRespons
     }
 }
 
-/// Wait for the whole output of a non-streaming request.
-async fn collect(
+/// The whole output of a request that finished normally (stop or length).
+pub struct Collected {
+    pub text: String,
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish: Finish,
+    pub completion_tokens: u32,
+    pub kv_transfer_params: Option<KvTransferParams>,
+}
+
+/// Wait for the whole output of a request; a failed or aborted request is an error.
+pub async fn collect_text(
     codec: &dyn TextCodec,
-    settings: ResponseSettings,
+    settings: &ResponseSettings,
     mut outputs: OutputReceiver,
     mut guard: RequestGuard,
-) -> Result<HttpResponse, ApiError> {
+) -> Result<Collected, ApiError> {
     let mut processor = OutputProcessor::new(
         codec,
         settings.stop.clone(),
@@ -247,7 +256,19 @@ async fn collect(
         Finish::Abort => return Err(ApiError::Unavailable("unavailable: the engine aborted the request".into())),
         Finish::Stop(_) | Finish::Length => {}
     }
-    let usage = Usage::new(settings.prompt_tokens, processor.completion_tokens());
+    Ok(Collected { text, logprobs, finish, completion_tokens: processor.completion_tokens(), kv_transfer_params })
+}
+
+/// Wait for the whole output of a non-streaming request.
+async fn collect(
+    codec: &dyn TextCodec,
+    settings: ResponseSettings,
+    outputs: OutputReceiver,
+    guard: RequestGuard,
+) -> Result<HttpResponse, ApiError> {
+    let Collected { text, logprobs, finish, completion_tokens, kv_transfer_params } =
+        collect_text(codec, &settings, outputs, guard).await?;
+    let usage = Usage::new(settings.prompt_tokens, completion_tokens);
     let mut response = match settings.api {
         Api::Completion => {
             HttpResponse::Ok().json(completion_body(&settings, text, &logprobs, &finish, usage, kv_transfer_params))

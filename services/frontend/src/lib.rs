@@ -24,6 +24,7 @@
 //! - [`output`]: incremental detokenisation, stop strings with hold-back, logprobs.
 //! - [`stream`]: SSE framing, chunk shapes, the streaming task.
 //! - [`openai`]: request and response types.
+//! - [`responses`]: the Responses API's response object, store and SSE events.
 //! - [`error`]: [`ApiError`] (HTTP status / OpenAI type mapping in one place) and
 //!   [`FrontendError`].
 //! - [`metrics`]: metric names and definitions.
@@ -40,6 +41,7 @@ pub mod headers;
 pub mod metrics;
 pub mod openai;
 pub mod output;
+pub mod responses;
 pub mod router;
 pub mod server;
 pub mod stream;

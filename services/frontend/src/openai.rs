@@ -387,3 +387,36 @@ mod tests {
         assert_eq!(v["usage"]["total_tokens"], 7);
     }
 }
+
+/// `POST /v1/responses` (text only).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ResponsesRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    /// A string (one user message) or an array of message items `{role, content}`, where
+    /// content is a string or an array of `{"type": "input_text", "text": ...}` parts.
+    #[serde(default)]
+    pub input: Option<Value>,
+    /// A system message placed first (not carried over by `previous_response_id`).
+    #[serde(default)]
+    pub instructions: Option<String>,
+    #[serde(default)]
+    pub max_output_tokens: Option<i64>,
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Keep the response for `GET /v1/responses/{id}` and `previous_response_id` (default
+    /// true).
+    #[serde(default)]
+    pub store: Option<bool>,
+    #[serde(default)]
+    pub previous_response_id: Option<String>,
+    #[serde(default)]
+    pub user: Option<String>,
+    /// vLLM's P/D parameters, passed through to the engine.
+    #[serde(default)]
+    pub kv_transfer_params: Option<Value>,
+}

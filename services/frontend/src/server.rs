@@ -35,6 +35,8 @@ pub struct AppState {
     pub options: FrontendOptions,
     /// Unix seconds at start (`created` of `/v1/models`).
     pub started: u64,
+    /// Stored responses of the Responses API (`store: true`).
+    pub responses: Arc<crate::responses::ResponseStore>,
 }
 
 impl AppState {
@@ -44,7 +46,14 @@ impl AppState {
         codec: Arc<dyn TextCodec>,
         options: FrontendOptions,
     ) -> Self {
-        Self { client, link, codec, options, started: unix_now() }
+        Self {
+            client,
+            link,
+            codec,
+            options,
+            started: unix_now(),
+            responses: Arc::new(crate::responses::ResponseStore::default()),
+        }
     }
 
     /// The vocabulary size used to bound token ids: the configured one, else the codec's.
@@ -105,6 +114,8 @@ pub fn app(
         })
         .service(web::resource("/v1/completions").route(web::post().to(handlers::completions::completions)))
         .service(web::resource("/v1/chat/completions").route(web::post().to(handlers::chat::chat_completions)))
+        .service(web::resource("/v1/responses").route(web::post().to(handlers::responses::create_response)))
+        .service(web::resource("/v1/responses/{id}").route(web::get().to(handlers::responses::get_response)))
         .service(web::resource("/v1/models").route(web::get().to(handlers::admin::models)))
         .service(web::resource("/health").route(web::get().to(handlers::admin::health)))
         .service(web::resource("/metrics").route(web::get().to(pdmesh_telemetry::metrics::metrics_handler)))

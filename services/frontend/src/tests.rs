@@ -630,3 +630,277 @@ async fn client_disconnect_aborts_the_engine_request() {
     }
     assert_eq!(h.state.client.send(crate::engine_client::InFlightCount).await.unwrap(), 0);
 }
+
+// ---- the Responses API ----
+
+/// The typed SSE events of a Responses stream: `(event name, data)`.
+fn typed_events(body: &Bytes) -> Vec<(String, Value)> {
+    let text = std::str::from_utf8(body).unwrap();
+    text.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (head, data) = e.split_once('\n').unwrap_or_else(|| panic!("bad event {e:?}"));
+            let name = head.strip_prefix("event: ").unwrap_or_else(|| panic!("no event line {e:?}"));
+            let data = data.strip_prefix("data: ").unwrap_or_else(|| panic!("no data line {e:?}"));
+            (name.to_string(), serde_json::from_str(data).unwrap())
+        })
+        .collect()
+}
+
+fn prompt_text(env: &Envelope) -> String {
+    let WireMessage::AddRequest(req) = &env.body else { panic!("not an AddRequest") };
+    req.prompt_token_ids.iter().map(|&t| t as u8 as char).collect()
+}
+
+fn p_params() -> Value {
+    json!({"do_remote_prefill": true, "remote_engine_id": "p-engine", "remote_request_id": "p-req-7",
+           "remote_block_ids": [3, 4], "remote_host": "10.0.0.2", "remote_port": 5600})
+}
+
+async fn wait_for_notice(h: &Harness, remote_request_id: &str) -> Option<pdmesh_protocol::RejectionNotice> {
+    for _ in 0..300 {
+        let found = h.seen.lock().unwrap().iter().find_map(|e| match &e.body {
+            WireMessage::RejectionNotice(n) if n.params.remote_request_id.as_deref() == Some(remote_request_id) => {
+                Some(n.clone())
+            }
+            _ => None,
+        });
+        if found.is_some() {
+            return found;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    None
+}
+
+#[actix_web::test]
+async fn responses_round_trip_and_retrieval() {
+    let h = harness(generates("hi there", Some(FinishReason::Stop))).await;
+    let (status, id, body) = call(
+        &h,
+        "/v1/responses",
+        json!({"model": MODEL, "input": "yo", "instructions": "be nice", "max_output_tokens": 20, "temperature": 0}),
+        &[("x-request-id", "rr-1")],
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(id.as_deref(), Some("rr-1"));
+    let v = json_of(&body);
+    let resp_id = v["id"].as_str().unwrap().to_string();
+    assert!(resp_id.starts_with("resp_"), "{resp_id}");
+    assert_eq!(v["object"], "response");
+    assert!(v["created_at"].as_u64().unwrap() > 0);
+    assert_eq!(v["status"], "completed");
+    assert!(v["incomplete_details"].is_null());
+    assert_eq!(v["model"], MODEL);
+    assert_eq!(v["output"].as_array().unwrap().len(), 1);
+    let item = &v["output"][0];
+    assert_eq!(item["type"], "message");
+    assert!(item["id"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(item["status"], "completed");
+    assert_eq!(item["role"], "assistant");
+    assert_eq!(item["content"], json!([{"type": "output_text", "text": "hi there", "annotations": []}]));
+    assert_eq!(v["output_text"], "hi there");
+    let prompt = "<system>be nice\n<user>yo\n<assistant>";
+    let n = prompt.len() as u64;
+    assert_eq!(v["usage"], json!({"input_tokens": n, "output_tokens": 8, "total_tokens": n + 8}));
+    assert!(v["previous_response_id"].is_null());
+    assert_eq!(v["store"], true);
+    assert!(v.get("kv_transfer_params").is_some_and(Value::is_null));
+
+    let sent = added(&h);
+    assert_eq!(sent.len(), 1);
+    assert_eq!(prompt_text(&sent[0]), prompt);
+    let WireMessage::AddRequest(req) = &sent[0].body else { unreachable!() };
+    assert_eq!(req.sampling.max_tokens, 20);
+    assert_eq!(req.sampling.temperature, 0.0);
+
+    let (s, b) = get(&h, &format!("/v1/responses/{resp_id}")).await;
+    assert_eq!(s, 200);
+    assert_eq!(json_of(&b), v);
+    let (s, b) = get(&h, "/v1/responses/resp_unknown").await;
+    assert_eq!(s, 404);
+    let e = json_of(&b);
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+    assert_eq!(e["error"]["code"], 404);
+}
+
+#[actix_web::test]
+async fn responses_length_cap_is_incomplete_and_store_false_is_not_kept() {
+    let h = harness(generates("abc", Some(FinishReason::Length))).await;
+    let (status, _, body) =
+        call(&h, "/v1/responses", json!({"input": "q", "max_output_tokens": 3, "store": false}), &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v = json_of(&body);
+    assert_eq!(v["status"], "incomplete");
+    assert_eq!(v["incomplete_details"], json!({"reason": "max_output_tokens"}));
+    assert_eq!(v["output_text"], "abc");
+    assert_eq!(v["store"], false);
+    assert_eq!(v["max_output_tokens"], 3);
+    let (s, _) = get(&h, &format!("/v1/responses/{}", v["id"].as_str().unwrap())).await;
+    assert_eq!(s, 404);
+    assert!(h.state.responses.is_empty());
+}
+
+#[actix_web::test]
+async fn responses_stream_events_in_order() {
+    let h = harness(generates("hi there", Some(FinishReason::Stop))).await;
+    let (status, _, body) = call(
+        &h,
+        "/v1/responses",
+        json!({"input": [{"role": "user", "content": [{"type": "input_text", "text": "yo"}]}], "stream": true}),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let events = typed_events(&body);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    let mut want = vec![
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ];
+    want.extend(std::iter::repeat_n("response.output_text.delta", 8));
+    want.extend([
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]);
+    assert_eq!(names, want);
+    for (i, (name, data)) in events.iter().enumerate() {
+        assert_eq!(data["type"], name.as_str());
+        assert_eq!(data["sequence_number"], i as u64);
+    }
+    assert_eq!(events[0].1["response"]["status"], "in_progress");
+    assert_eq!(events[0].1["response"]["output"], json!([]));
+    let item_id = events[2].1["item"]["id"].as_str().unwrap().to_string();
+    assert_eq!(events[2].1["item"]["status"], "in_progress");
+    let deltas: String = events
+        .iter()
+        .filter(|(n, _)| n == "response.output_text.delta")
+        .map(|(_, d)| {
+            assert_eq!(d["item_id"], item_id.as_str());
+            d["delta"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(deltas, "hi there");
+    assert_eq!(events[12].1["text"], "hi there");
+    assert_eq!(events[13].1["part"]["text"], "hi there");
+    assert_eq!(events[14].1["item"]["content"][0]["text"], "hi there");
+    assert_eq!(events[14].1["item"]["status"], "completed");
+    let done = &events[15].1["response"];
+    assert_eq!(done["status"], "completed");
+    assert_eq!(done["output_text"], deltas.as_str());
+    assert_eq!(done["usage"]["output_tokens"], 8);
+    assert_eq!(done["id"], events[0].1["response"]["id"]);
+    // a streamed response is stored too
+    let (s, b) = get(&h, &format!("/v1/responses/{}", done["id"].as_str().unwrap())).await;
+    assert_eq!(s, 200);
+    assert_eq!(json_of(&b)["output_text"], "hi there");
+}
+
+#[actix_web::test]
+async fn responses_stream_engine_error_is_an_error_event() {
+    let h = harness(|req| {
+        let mut o = output(&req.request_id, "", Some(FinishReason::Error));
+        o.error = Some("KV load failed".into());
+        Script { reply: Some(WireMessage::Ack), outputs: vec![output(&req.request_id, "ab", None), o] }
+    })
+    .await;
+    let (status, _, body) = call(&h, "/v1/responses", json!({"input": "q", "stream": true}), &[]).await;
+    assert_eq!(status, 200);
+    let events = typed_events(&body);
+    let (name, data) = events.last().unwrap();
+    assert_eq!(name, "error");
+    assert_eq!(data["message"], "KV load failed");
+    assert_eq!(data["code"], 500);
+    assert!(events.iter().all(|(n, _)| n != "response.completed"));
+    assert!(h.state.responses.is_empty());
+}
+
+#[actix_web::test]
+async fn responses_previous_response_id_continues_the_conversation() {
+    let h = harness(|req| {
+        let text = if req.prompt_token_ids.len() < 40 { "first answer" } else { "second" };
+        let n = text.len();
+        let outputs = text
+            .char_indices()
+            .map(|(i, c)| output(&req.request_id, &c.to_string(), (i + 1 == n).then_some(FinishReason::Stop)))
+            .collect();
+        Script { reply: Some(WireMessage::Ack), outputs }
+    })
+    .await;
+    let (s, _, b) = call(&h, "/v1/responses", json!({"input": "q1", "instructions": "sys"}), &[]).await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    let first = json_of(&b);
+    assert_eq!(first["output_text"], "first answer");
+    let first_id = first["id"].as_str().unwrap();
+    let (s, _, b) = call(
+        &h,
+        "/v1/responses",
+        json!({"input": [{"role": "user", "content": "q2"}], "previous_response_id": first_id, "max_output_tokens": 6}),
+        &[],
+    )
+    .await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    let second = json_of(&b);
+    assert_eq!(second["previous_response_id"], first_id);
+    assert_eq!(second["output_text"], "second");
+    let sent = added(&h);
+    assert_eq!(sent.len(), 2);
+    // the earlier turn (its input and its output) is rendered before the new input; the
+    // earlier instructions are not carried over
+    let prompt = prompt_text(&sent[1]);
+    assert_eq!(prompt, "<user>q1\n<assistant>first answer\n<user>q2\n<assistant>");
+    let WireMessage::AddRequest(req) = &sent[1].body else { unreachable!() };
+    let earlier: Vec<u32> = "first answer".bytes().map(u32::from).collect();
+    assert!(req.prompt_token_ids.windows(earlier.len()).any(|w| w == earlier.as_slice()));
+}
+
+#[actix_web::test]
+async fn responses_unknown_previous_response_id_is_404_and_notifies_p() {
+    let h = harness(generates("x", Some(FinishReason::Stop))).await;
+    let (s, id, b) = call(
+        &h,
+        "/v1/responses",
+        json!({"input": "q", "previous_response_id": "resp_nope", "kv_transfer_params": p_params()}),
+        &[("x-request-id", "np-1"), ("x-data-parallel-rank", "1")],
+    )
+    .await;
+    assert_eq!(s, 404, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(id.as_deref(), Some("np-1"));
+    let e = json_of(&b);
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+    assert_eq!(e["error"]["param"], "previous_response_id");
+    assert_eq!(e["error"]["message"], "Previous response with id 'resp_nope' not found.");
+    assert_eq!(e["error"]["code"], 404);
+    let notice = wait_for_notice(&h, "p-req-7").await.expect("a rejection notice must reach the dp-lb");
+    assert_eq!(notice.params.remote_engine_id.as_deref(), Some("p-engine"));
+    assert_eq!(notice.params.remote_block_ids, Some(vec![3, 4]));
+    assert_eq!(notice.params.remote_host.as_deref(), Some("10.0.0.2"));
+    assert_eq!(notice.params.remote_port, Some(5600));
+    assert_eq!(notice.data_parallel_rank, Some(1));
+    assert!(added(&h).is_empty(), "a refused request never reaches the engine");
+}
+
+#[actix_web::test]
+async fn responses_template_error_is_400() {
+    let h = harness(generates("x", Some(FinishReason::Stop))).await;
+    let (s, _, b) = call(
+        &h,
+        "/v1/responses",
+        json!({"input": [{"role": "wizard", "content": "x"}], "kv_transfer_params": p_params()}),
+        &[],
+    )
+    .await;
+    assert_eq!(s, 400, "{}", String::from_utf8_lossy(&b));
+    let e = json_of(&b);
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+    assert!(e["error"]["message"].as_str().unwrap().contains("template"), "{e}");
+    assert!(wait_for_notice(&h, "p-req-7").await.is_some(), "a template refusal notifies P too");
+    let (s, _, _) = call(&h, "/v1/responses", json!({"model": MODEL}), &[]).await;
+    assert_eq!(s, 400, "input is required");
+    assert!(added(&h).is_empty());
+}

@@ -4,12 +4,15 @@
 pub mod admin;
 pub mod chat;
 pub mod completions;
+pub mod responses;
 
 use actix_web::{HttpRequest, HttpResponse, ResponseError};
 use tracing::Instrument;
 
 use crate::error::ApiError;
-use crate::generate::{respond, set_request_id, submit, Api, Prepared};
+use std::future::Future;
+
+use crate::generate::{respond, set_request_id, submit, Accepted, Api, Prepared};
 use crate::headers::{request_meta, RequestMeta};
 use crate::metrics::{REJECTION_NOTICES_SENT, REMOTE_PREFILL_REJECTIONS_TOTAL};
 use pdmesh_protocol::{Envelope, KvTransferParams, Message, RejectionNotice};
@@ -61,6 +64,37 @@ pub async fn serve<F>(
 where
     F: FnOnce(RequestMeta, &AppState) -> Result<Prepared, ApiError>,
 {
+    let endpoint = match api {
+        Api::Completion => "completions",
+        Api::Chat => "chat_completions",
+    };
+    serve_with(
+        req,
+        state,
+        endpoint,
+        remote_prefill,
+        move |meta, state| prepare(meta, state).map(|p| (p, ())),
+        |accepted, ()| respond(state, accepted),
+    )
+    .await
+}
+
+/// [`serve`] with the answer left to the caller: `prepare` validates the body into an engine
+/// request plus whatever `answer` needs (`T`); `answer` turns the accepted request into the
+/// response. Every refusal before admission goes through [`note_rejection`] (rule R1).
+pub async fn serve_with<F, T, R, Fut>(
+    req: &HttpRequest,
+    state: &AppState,
+    endpoint: &'static str,
+    remote_prefill: Option<KvTransferParams>,
+    prepare: F,
+    answer: R,
+) -> HttpResponse
+where
+    F: FnOnce(RequestMeta, &AppState) -> Result<(Prepared, T), ApiError>,
+    R: FnOnce(Accepted, T) -> Fut,
+    Fut: Future<Output = Result<HttpResponse, ApiError>>,
+{
     let meta = match request_meta(req.headers()) {
         Ok(meta) => meta,
         Err((request_id, error)) => {
@@ -70,15 +104,11 @@ where
     };
     let request_id = meta.request_id.clone();
     let dp_rank = meta.data_parallel_rank;
-    let endpoint = match api {
-        Api::Completion => "completions",
-        Api::Chat => "chat_completions",
-    };
     let span =
         tracing::info_span!("frontend.request", request_id = %meta.request_id, trace_id = %meta.trace_id, endpoint);
     async move {
         let accepted = match prepare(meta, state) {
-            Ok(prepared) => {
+            Ok((prepared, extra)) => {
                 tracing::debug!(
                     prompt_tokens = prepared.settings.prompt_tokens,
                     max_tokens = prepared.request.sampling.max_tokens,
@@ -86,18 +116,18 @@ where
                     dp_rank = ?prepared.request.data_parallel_rank,
                     "submitting"
                 );
-                submit(state, prepared).await
+                submit(state, prepared).await.map(|a| (a, extra))
             }
             Err(e) => Err(e),
         };
-        let accepted = match accepted {
+        let (accepted, extra) = match accepted {
             Ok(accepted) => accepted,
             Err(error) => {
                 note_rejection(state, remote_prefill.as_ref(), dp_rank, &error);
                 return error_response(error, &request_id);
             }
         };
-        match respond(state, accepted).await {
+        match answer(accepted, extra).await {
             Ok(response) => response,
             Err(error) => error_response(error, &request_id),
         }

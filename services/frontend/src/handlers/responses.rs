@@ -1,0 +1,202 @@
+//! `POST /v1/responses` and `GET /v1/responses/{id}` (OpenAI's Responses API, text only).
+//!
+//! The conversation (the stored turns of `previous_response_id`, then `input`, with
+//! `instructions` as a first system message) is rendered with the model's chat template and
+//! submitted like a chat request through [`serve_with`], so every refusal before admission,
+//! an unknown `previous_response_id` included, goes through the rule-R1 rejection notice.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix_web::{web, HttpRequest, HttpResponse, ResponseError};
+use pdmesh_model_api::ChatMessage;
+use serde_json::Value;
+
+use crate::error::ApiError;
+use crate::generate::{prepare, unix_now, Api, Prepared};
+use crate::handlers::{remote_prefill_params, serve_with};
+use crate::headers::RequestMeta;
+use crate::openai::ResponsesRequest;
+use crate::responses::{answer, ResponseContext};
+use crate::server::AppState;
+use crate::validation::{check_model, render_chat, resolve_max_tokens, validate_params, MaxTokensDefault, SamplingInput};
+
+/// `POST /v1/responses`.
+pub async fn create_response(
+    req: HttpRequest,
+    body: web::Json<ResponsesRequest>,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let arrival = Instant::now();
+    let body = body.into_inner();
+    let remote_prefill = remote_prefill_params(body.kv_transfer_params.as_ref());
+    let codec = state.codec.clone();
+    serve_with(
+        &req,
+        &state,
+        "responses",
+        remote_prefill,
+        move |meta, state| validate(body, meta, state, arrival),
+        move |accepted, ctx| answer(codec, accepted, ctx),
+    )
+    .await
+}
+
+/// `GET /v1/responses/{id}`: a stored response object.
+pub async fn get_response(path: web::Path<String>, state: web::Data<AppState>) -> HttpResponse {
+    let id = path.into_inner();
+    match state.responses.get(&id) {
+        Some(stored) => HttpResponse::Ok().json(&stored.object),
+        None => {
+            let error = ApiError::ResponseNotFound(id);
+            error.record();
+            error.error_response()
+        }
+    }
+}
+
+fn validate(
+    body: ResponsesRequest,
+    meta: RequestMeta,
+    state: &AppState,
+    arrival: Instant,
+) -> Result<(Prepared, ResponseContext), ApiError> {
+    check_model(body.model.as_deref(), &state.options.served_model_name)?;
+    let vocab = state.vocab_size();
+    let input = SamplingInput {
+        max_tokens: body.max_output_tokens,
+        max_tokens_param: "max_output_tokens",
+        temperature: body.temperature,
+        top_p: body.top_p,
+        stream: body.stream,
+        kv_transfer_params: body.kv_transfer_params.as_ref(),
+        ..SamplingInput::default()
+    };
+    let params = validate_params(&input, vocab)?;
+    let mut messages = match body.previous_response_id.as_deref() {
+        Some(id) => {
+            let previous =
+                state.responses.get(id).ok_or_else(|| ApiError::PreviousResponseNotFound(id.to_string()))?;
+            let mut messages = previous.messages.clone();
+            messages.push(ChatMessage { role: "assistant".into(), content: previous.output_text.clone() });
+            messages
+        }
+        None => Vec::new(),
+    };
+    messages.extend(input_messages(body.input.as_ref())?);
+    let mut rendered = Vec::with_capacity(messages.len() + 1);
+    if let Some(instructions) = body.instructions.as_ref().filter(|i| !i.is_empty()) {
+        rendered.push(ChatMessage { role: "system".into(), content: instructions.clone() });
+    }
+    rendered.extend(messages.iter().cloned());
+    let prompt = render_chat(&*state.codec, &rendered, vocab)?;
+    let max_tokens = resolve_max_tokens(
+        u32::try_from(prompt.len()).unwrap_or(u32::MAX),
+        params.requested_max_tokens,
+        MaxTokensDefault::RestOfContext,
+        state.options.max_model_len,
+        "input",
+    )?;
+    let ctx = ResponseContext {
+        id: format!("resp_{}", uuid::Uuid::new_v4().simple()),
+        message_id: format!("msg_{}", uuid::Uuid::new_v4().simple()),
+        created_at: unix_now(),
+        model: state.options.served_model_name.clone(),
+        instructions: body.instructions,
+        max_output_tokens: params.requested_max_tokens,
+        temperature: body.temperature,
+        top_p: body.top_p,
+        previous_response_id: body.previous_response_id,
+        store: body.store.unwrap_or(true),
+        messages,
+        store_handle: Arc::clone(&state.responses),
+    };
+    Ok((prepare(Api::Chat, meta, params, prompt, max_tokens, state, arrival), ctx))
+}
+
+/// `input` → messages: a string is one user message; an array holds message items.
+fn input_messages(input: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    match input {
+        None | Some(Value::Null) => Err(ApiError::invalid("`input` is required.", "input")),
+        Some(Value::String(s)) => Ok(vec![ChatMessage { role: "user".into(), content: s.clone() }]),
+        Some(Value::Array(items)) if items.is_empty() => {
+            Err(ApiError::invalid("`input` must not be empty.", "input"))
+        }
+        Some(Value::Array(items)) => items.iter().map(input_item).collect(),
+        Some(_) => Err(ApiError::invalid("`input` must be a string or an array of message items.", "input")),
+    }
+}
+
+/// One message item: `{"role", "content"}` (optionally `"type": "message"`); content is a
+/// string or an array of text parts, joined with newlines as chat does.
+fn input_item(item: &Value) -> Result<ChatMessage, ApiError> {
+    let Some(item) = item.as_object() else {
+        return Err(ApiError::invalid("each `input` item must be an object {\"role\", \"content\"}.", "input"));
+    };
+    if let Some(kind) = item.get("type").and_then(Value::as_str).filter(|&k| k != "message") {
+        return Err(ApiError::invalid(format!("input items of type `{kind}` are not supported."), "input"));
+    }
+    let Some(role) = item.get("role").and_then(Value::as_str) else {
+        return Err(ApiError::invalid("each `input` item needs a string `role`.", "input"));
+    };
+    // OpenAI's `developer` role is the system role of chat templates.
+    let role = if role == "developer" { "system" } else { role };
+    let content = match item.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(|p| {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    (Some("input_text" | "output_text" | "text"), Some(t)) => Ok(t),
+                    (Some(other), _) if !matches!(other, "input_text" | "output_text" | "text") => Err(
+                        ApiError::invalid(format!("only text content parts are supported, got `{other}`."), "input"),
+                    ),
+                    _ => Err(ApiError::invalid(
+                        "a content part must be {\"type\": \"input_text\", \"text\": \"...\"}.",
+                        "input",
+                    )),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?
+            .join("\n"),
+        _ => {
+            return Err(ApiError::invalid(
+                "message content must be a string or an array of input_text parts.",
+                "input",
+            ))
+        }
+    };
+    Ok(ChatMessage { role: role.to_string(), content })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn input_shapes() {
+        let m = input_messages(Some(&json!("hi"))).unwrap();
+        assert_eq!(m, vec![ChatMessage { role: "user".into(), content: "hi".into() }]);
+        let m = input_messages(Some(&json!([
+            {"role": "developer", "content": "be brief"},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                             {"type": "input_text", "text": "b"}]}
+        ])))
+        .unwrap();
+        assert_eq!(m[0], ChatMessage { role: "system".into(), content: "be brief".into() });
+        assert_eq!(m[1], ChatMessage { role: "user".into(), content: "a\nb".into() });
+        for bad in [
+            json!(null),
+            json!([]),
+            json!(3),
+            json!([{"content": "x"}]),
+            json!([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+            json!([{"type": "function_call", "role": "user", "content": "x"}]),
+        ] {
+            let e = input_messages(Some(&bad)).expect_err("must be refused");
+            assert_eq!(e.status().as_u16(), 400);
+            assert_eq!(e.param().as_deref(), Some("input"));
+        }
+    }
+}
