@@ -58,6 +58,9 @@ pub struct CompletionRequest {
     pub n: Option<i64>,
     #[serde(default)]
     pub best_of: Option<i64>,
+    /// vLLM's extra parameter; beam search is not served (refused with a 400).
+    #[serde(default)]
+    pub use_beam_search: Option<bool>,
     #[serde(default)]
     pub suffix: Option<String>,
     #[serde(default)]
@@ -126,6 +129,9 @@ pub struct ChatCompletionRequest {
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub n: Option<i64>,
+    /// vLLM's extra parameter; beam search is not served (refused with a 400).
+    #[serde(default)]
+    pub use_beam_search: Option<bool>,
     #[serde(default)]
     pub presence_penalty: Option<f64>,
     #[serde(default)]

@@ -585,3 +585,30 @@ mod tests {
         assert!(resolve_max_tokens(1, Some(u32::MAX), Fixed(16), 100, "prompt").is_err());
     }
 }
+
+/// vLLM's `use_beam_search`: beam search is not served. With `stream: true` the refusal names
+/// streaming, as vLLM's does (one of rule R1's pre-admission rejection paths).
+pub fn check_beam_search(use_beam_search: Option<bool>, stream: Option<bool>) -> Result<(), ApiError> {
+    if use_beam_search != Some(true) {
+        return Ok(());
+    }
+    if stream == Some(true) {
+        return Err(ApiError::invalid("Beam search does not support streaming.", "stream"));
+    }
+    Err(ApiError::invalid("Beam search is not supported by this server.", "use_beam_search"))
+}
+
+#[cfg(test)]
+mod beam_search_tests {
+    use super::check_beam_search;
+
+    #[test]
+    fn beam_search_is_refused_and_names_streaming() {
+        assert!(check_beam_search(None, Some(true)).is_ok());
+        assert!(check_beam_search(Some(false), Some(true)).is_ok());
+        let with_stream = check_beam_search(Some(true), Some(true)).unwrap_err();
+        assert!(with_stream.to_string().contains("streaming"), "{with_stream}");
+        let without = check_beam_search(Some(true), None).unwrap_err();
+        assert!(without.to_string().contains("not supported"), "{without}");
+    }
+}

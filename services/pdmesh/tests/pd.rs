@@ -161,7 +161,7 @@ fn metric(url: &str, name: &str) -> f64 {
 }
 
 /// Rule R1: D refuses a remote-prefill request before admission (bad sampling parameter,
-/// unknown model, chat template error, unknown `previous_response_id` on `/v1/responses`); D's client gets its normal error, and P frees the
+/// unknown model, chat template error, unknown `previous_response_id` on `/v1/responses`, beam search with streaming); D's client gets its normal error, and P frees the
 /// held blocks at once — the hold deadline here is 480 s, so only the notice can free them.
 /// Without a rank header every D rank gets the notice (P frees once, the second is counted
 /// as a duplicate); with one, only that rank.
@@ -175,6 +175,7 @@ fn rejection_before_admission_frees_p_at_once() {
         ("/v1/completions", json!({"prompt": "hello there", "model": "no-such-model"}), 404, None),
         ("/v1/chat/completions", json!({"messages": [{"role": "wizard", "content": "x"}]}), 400, None),
         ("/v1/responses", json!({"input": "hello there", "previous_response_id": "resp_unknown"}), 404, None),
+        ("/v1/completions", json!({"prompt": "hello there", "use_beam_search": true, "stream": true}), 400, None),
         ("/v1/completions", json!({"prompt": "hello there", "top_p": 0}), 400, Some("1")),
     ];
     for (i, (path, mut body, status, rank)) in cases.into_iter().enumerate() {

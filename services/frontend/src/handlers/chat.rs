@@ -34,6 +34,7 @@ fn validate(
     arrival: Instant,
 ) -> Result<Prepared, ApiError> {
     check_model(body.model.as_deref(), &state.options.served_model_name)?;
+    crate::validation::check_beam_search(body.use_beam_search, body.stream)?;
     let vocab = state.vocab_size();
     // `max_completion_tokens` supersedes the deprecated `max_tokens` (vLLM's precedence).
     let (max_tokens, max_tokens_param) = match body.max_completion_tokens {

@@ -41,6 +41,7 @@ fn validate(
     if body.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid("`suffix` is not supported by this server.", "suffix"));
     }
+    crate::validation::check_beam_search(body.use_beam_search, body.stream)?;
     if let Some(b) = body.best_of.filter(|&b| b != 1) {
         return Err(ApiError::invalid(format!("best_of must be 1, got {b}."), "best_of"));
     }
