@@ -55,6 +55,10 @@ struct Inbox {
 
 struct State {
     rank: u32,
+    /// P's final outputs (carrying the params D needs), held back until the worker has run the
+    /// step whose metadata registers their holds: D must never ask for a lease that P's worker
+    /// does not know yet.
+    deferred: Vec<EngineOutput>,
     sched: Scheduler,
     inbox: Inbox,
     step_id: u64,
@@ -317,7 +321,8 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
         }
     };
 
-    // ---- 5. run the step on the worker
+    // ---- 5. run the step on the worker (its metadata registers holds queued last step)
+    let release_after_step = std::mem::take(&mut state.borrow_mut().deferred);
     let chunks = schedule.chunks;
     let mut kv_output = KvConnectorOutput::default();
     let has_connector_work = state.borrow().sched.has_requests();
@@ -356,6 +361,8 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
         m::SCHEDULED_TOKENS.inc_by(u64::from(schedule.num_scheduled_tokens));
     }
 
+    outputs.extend(release_after_step);
+
     // ---- 6. request_finished for what finished in this step; the worker's connector output
     let finishing = state.borrow_mut().sched.finishing_calls();
     let mut calls = finishing.clone();
@@ -377,9 +384,21 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
     // ---- 7. outputs and load
     let (next, rank) = {
         let mut st = state.borrow_mut();
-        outputs.extend(st.sched.take_outputs());
+        for o in st.sched.take_outputs() {
+            let hands_off = o.kv_transfer_params.as_ref().is_some_and(|p| p.wants_remote_prefill());
+            if hands_off {
+                st.deferred.push(o);
+            } else {
+                outputs.push(o);
+            }
+        }
         publish_gauges(&st.sched);
-        let next = if !chunks.is_empty() || !st.inbox.adds.is_empty() || !st.inbox.aborts.is_empty() || !st.inbox.notices.is_empty() {
+        let next = if !chunks.is_empty()
+            || !st.deferred.is_empty()
+            || !st.inbox.adds.is_empty()
+            || !st.inbox.aborts.is_empty()
+            || !st.inbox.notices.is_empty()
+        {
             StepNext::Now
         } else if st.sched.has_requests() {
             StepNext::Soon
@@ -506,6 +525,7 @@ pub fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<Engin
         inbox: Inbox::default(),
         step_id: 0,
         step_timeout: Duration::from_millis(e.step_timeout_ms),
+        deferred: Vec::new(),
     };
     let actor = EngineCore {
         state: Rc::new(RefCell::new(state)),
