@@ -6,18 +6,15 @@
 //! model's chat template and submits it like a chat request; only the shapes differ.
 
 use std::collections::{HashMap, VecDeque};
-use std::convert::Infallible;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use actix_web::HttpResponse;
 use bytes::Bytes;
-use futures::StreamExt;
 use pdmesh_model_api::{ChatMessage, TextCodec};
 use pdmesh_protocol::KvTransferParams;
 use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
 use crate::engine_client::{AbortReason, OutputReceiver};
 use crate::error::ApiError;
@@ -319,16 +316,7 @@ fn stream(
     let request_id = settings.request_id.clone();
     let span = tracing::Span::current();
     actix_web::rt::spawn(tracing::Instrument::instrument(run(codec, settings, rx, guard, ctx, tx), span));
-    let body = ReceiverStream::new(body_rx).map(Ok::<Bytes, Infallible>);
-    let mut response = HttpResponse::Ok();
-    response
-        .content_type("text/event-stream")
-        .insert_header(("Cache-Control", "no-cache"))
-        .insert_header(("X-Accel-Buffering", "no"));
-    if let Ok(value) = actix_web::http::header::HeaderValue::from_str(&request_id) {
-        response.insert_header((crate::headers::REQUEST_ID, value));
-    }
-    response.streaming(body)
+    crate::stream::sse_response(&request_id, body_rx)
 }
 
 /// The generation task of one streamed response. Returns when the request is over, or as

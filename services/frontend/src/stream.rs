@@ -178,13 +178,19 @@ pub fn respond(
     let request_id = settings.request_id.clone();
     let span = tracing::Span::current();
     actix_web::rt::spawn(tracing::Instrument::instrument(run(codec, settings, rx, guard, tx), span));
+    sse_response(&request_id, body_rx)
+}
+
+/// The HTTP response of an SSE stream fed by `body_rx` (shared by chat, completions and the
+/// Responses API).
+pub(crate) fn sse_response(request_id: &str, body_rx: mpsc::Receiver<Bytes>) -> HttpResponse {
     let body = ReceiverStream::new(body_rx).map(Ok::<Bytes, Infallible>);
     let mut response = HttpResponse::Ok();
     response
         .content_type("text/event-stream")
         .insert_header(("Cache-Control", "no-cache"))
         .insert_header(("X-Accel-Buffering", "no"));
-    if let Ok(value) = actix_web::http::header::HeaderValue::from_str(&request_id) {
+    if let Ok(value) = actix_web::http::header::HeaderValue::from_str(request_id) {
         response.insert_header((crate::headers::REQUEST_ID, value));
     }
     response.streaming(body)
