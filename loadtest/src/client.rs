@@ -29,7 +29,10 @@ pub async fn wait_ready(url: &str, limit: Duration) -> anyhow::Result<()> {
 pub async fn scrape_step_seconds(url: &str) -> Option<(f64, f64)> {
     let text = reqwest::get(url).await.ok()?.text().await.ok()?;
     let find = |name: &str| {
-        text.lines().find(|l| l.starts_with(name)).and_then(|l| l.split_whitespace().last()).and_then(|v| v.parse::<f64>().ok())
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().last())
+            .and_then(|v| v.parse::<f64>().ok())
     };
     Some((find("pdmesh_engine_step_seconds_sum")?, find("pdmesh_engine_step_seconds_count")?))
 }
@@ -45,8 +48,15 @@ struct Samples {
 
 /// Closed loop: `concurrency` workers each send requests back to back until `requests` were
 /// sent. Prompts are `prompt_tokens` synthetic bytes (one token each for the synthetic model).
-pub async fn run_tokens(url: &str, concurrency: usize, requests: usize, prompt_tokens: usize, max_tokens: u32) -> anyhow::Result<RunResult> {
-    let prompt = move |i: usize| -> String { (0..prompt_tokens).map(|j| (b'a' + ((i + j) % 26) as u8) as char).collect() };
+pub async fn run_tokens(
+    url: &str,
+    concurrency: usize,
+    requests: usize,
+    prompt_tokens: usize,
+    max_tokens: u32,
+) -> anyhow::Result<RunResult> {
+    let prompt =
+        move |i: usize| -> String { (0..prompt_tokens).map(|j| (b'a' + ((i + j) % 26) as u8) as char).collect() };
     run_closed_loop(url, concurrency, requests, max_tokens, Arc::new(prompt)).await
 }
 

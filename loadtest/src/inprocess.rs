@@ -12,7 +12,13 @@ use pdmesh_synthetic_executor::{SyntheticConfig, SyntheticExecutor};
 use crate::stats::{summarize, RunResult};
 
 pub fn run(concurrency: usize, requests: usize, prompt_tokens: usize, max_tokens: u32) -> RunResult {
-    let cfg = SchedulerConfig { block_size: 16, num_blocks: 16384, max_num_seqs: 512, max_num_batched_tokens: 8192, max_model_len: 4096 };
+    let cfg = SchedulerConfig {
+        block_size: 16,
+        num_blocks: 16384,
+        max_num_seqs: 512,
+        max_num_batched_tokens: 8192,
+        max_model_len: 4096,
+    };
     let mut exec = SyntheticExecutor::new(SyntheticConfig::default());
     let facts = exec.facts().clone();
     let mut kv = KvCache::new_heap(KvCacheSpec {

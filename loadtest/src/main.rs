@@ -117,7 +117,8 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
         let before = client::scrape_step_seconds(&engine_metrics).await.unwrap_or_default();
         let mesh_run = client::run_tokens(&url, c, n, a.prompt_tokens, a.max_tokens).await?;
         let after = client::scrape_step_seconds(&engine_metrics).await.unwrap_or_default();
-        let mesh_step_ms = if after.1 > before.1 { 1000.0 * (after.0 - before.0) / (after.1 - before.1) } else { f64::NAN };
+        let mesh_step_ms =
+            if after.1 > before.1 { 1000.0 * (after.0 - before.0) / (after.1 - before.1) } else { f64::NAN };
         let row = serde_json::json!({
             "concurrency": c,
             "requests": n,

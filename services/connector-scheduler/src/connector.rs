@@ -43,7 +43,13 @@ pub struct NoopConnector {
 }
 
 impl KvConnectorScheduler for NoopConnector {
-    fn get_num_new_matched_tokens(&mut self, _: &str, _: u32, _: u32, _: Option<&KvTransferParams>) -> (Option<u32>, bool) {
+    fn get_num_new_matched_tokens(
+        &mut self,
+        _: &str,
+        _: u32,
+        _: u32,
+        _: Option<&KvTransferParams>,
+    ) -> (Option<u32>, bool) {
         self.calls += 1;
         (Some(0), false)
     }

@@ -78,9 +78,18 @@ impl Handler<RouterEvent> for ConnectorSchedulerActor {
 /// Apply one call to the connector.
 pub fn dispatch(c: &mut dyn KvConnectorScheduler, call: ConnectorCall) -> ConnectorReply {
     match call {
-        ConnectorCall::GetNumNewMatchedTokens { request_id, num_prompt_tokens, num_computed_tokens, kv_transfer_params } => {
-            let (count, load_async) =
-                c.get_num_new_matched_tokens(&request_id, num_prompt_tokens, num_computed_tokens, kv_transfer_params.as_ref());
+        ConnectorCall::GetNumNewMatchedTokens {
+            request_id,
+            num_prompt_tokens,
+            num_computed_tokens,
+            kv_transfer_params,
+        } => {
+            let (count, load_async) = c.get_num_new_matched_tokens(
+                &request_id,
+                num_prompt_tokens,
+                num_computed_tokens,
+                kv_transfer_params.as_ref(),
+            );
             ConnectorReply::MatchedTokens { count, load_async }
         }
         ConnectorCall::UpdateStateAfterAlloc { request_id, block_ids, num_external_tokens } => {
@@ -97,15 +106,21 @@ pub fn dispatch(c: &mut dyn KvConnectorScheduler, call: ConnectorCall) -> Connec
             c.update_connector_output(&out);
             ConnectorReply::Ack
         }
-        ConnectorCall::RequestRejectedBeforeAdmission { params } => match c.request_rejected_before_admission(&params) {
-            Ok(()) => ConnectorReply::Ack,
-            Err(reason) => ConnectorReply::Rejected { reason },
-        },
+        ConnectorCall::RequestRejectedBeforeAdmission { params } => {
+            match c.request_rejected_before_admission(&params) {
+                Ok(()) => ConnectorReply::Ack,
+                Err(reason) => ConnectorReply::Rejected { reason },
+            }
+        }
     }
 }
 
 /// Start the connector-scheduler of `rank` on `node` inside the current actix System.
-pub async fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<ConnectorSchedulerActor>, ConnectorSchedulerError> {
+pub async fn run(
+    topology: &Topology,
+    node_name: &str,
+    rank: u32,
+) -> Result<Addr<ConnectorSchedulerActor>, ConnectorSchedulerError> {
     let node = topology.node(node_name)?;
     if rank >= node.dp_size {
         return Err(ConnectorSchedulerError::BadRank { rank, dp_size: node.dp_size });

@@ -9,7 +9,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use pdmesh_protocol::{FinishedStatus, KvConnectorMetadata, KvConnectorOutput, KvTransferParams, RecvRequest, SendRequest};
+use pdmesh_protocol::{
+    FinishedStatus, KvConnectorMetadata, KvConnectorOutput, KvTransferParams, RecvRequest, SendRequest,
+};
 
 use crate::connector::KvConnectorScheduler;
 
@@ -122,7 +124,11 @@ impl KvConnectorScheduler for PdConnector {
             if params_complete(&p) {
                 self.counters.remote_prefills += 1;
                 let local = if num_external_tokens > 0 { block_ids.to_vec() } else { Vec::new() };
-                self.need_recv.push(RecvRequest { request_id: request_id.to_string(), local_block_ids: local, params: p });
+                self.need_recv.push(RecvRequest {
+                    request_id: request_id.to_string(),
+                    local_block_ids: local,
+                    params: p,
+                });
             }
             if let Some(st) = self.reqs.get_mut(request_id) {
                 st.remote_prefill_consumed = true;
@@ -163,7 +169,11 @@ impl KvConnectorScheduler for PdConnector {
         if self.consumer && p.wants_remote_prefill() && !st.remote_prefill_consumed {
             if params_complete(&p) {
                 self.counters.notify_only_recvs += 1;
-                self.need_recv.push(RecvRequest { request_id: request_id.to_string(), local_block_ids: Vec::new(), params: p });
+                self.need_recv.push(RecvRequest {
+                    request_id: request_id.to_string(),
+                    local_block_ids: Vec::new(),
+                    params: p,
+                });
             } else {
                 self.counters.invalid_params += 1;
             }

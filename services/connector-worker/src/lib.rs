@@ -85,7 +85,9 @@ impl Handler<RouterEvent> for WorkerActor {
                                 Message::StepResult(out)
                             }
                             Ok(Err(e)) => Message::Error(WireError::new(ErrorClass::Internal, e)),
-                            Err(e) => Message::Error(WireError::new(ErrorClass::Unavailable, format!("executor thread: {e}"))),
+                            Err(e) => {
+                                Message::Error(WireError::new(ErrorClass::Unavailable, format!("executor thread: {e}")))
+                            }
                         };
                         let _ = router.send(&peer, envelope.reply(body));
                     }
@@ -178,7 +180,8 @@ pub async fn run(
             // P/D: the cache lives in shared memory so the transfer agent can serve it.
             sweep_stale_shm();
             let name = format!("pdmesh-{}-{}-{}", node.name, rank, std::process::id());
-            let region = pdmesh_kv_transfer::ShmRegion::create_for_spec(&name, &spec).map_err(|e| WorkerError::Model(e.to_string()))?;
+            let region = pdmesh_kv_transfer::ShmRegion::create_for_spec(&name, &spec)
+                .map_err(|e| WorkerError::Model(e.to_string()))?;
             let path = region.path().to_path_buf();
             SHM_FILES.lock().unwrap_or_else(|p| p.into_inner()).push(path.clone());
             let kv = region.into_kv_cache(spec).map_err(|e| WorkerError::Model(e.to_string()))?;

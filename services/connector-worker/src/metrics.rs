@@ -14,8 +14,9 @@ pub static KV_CACHE_BYTES: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("pdmesh_worker_kv_cache_bytes", "Bytes of KV cache memory allocated"));
 pub static TRANSFER_BYTES: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_worker_kv_transfer_bytes_total", "KV bytes read from remote engines"));
-pub static TRANSFER_SECONDS: LazyLock<Histogram> =
-    LazyLock::new(|| histogram("pdmesh_worker_kv_transfer_seconds", "Time of one request's KV read", latency_buckets()));
+pub static TRANSFER_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    histogram("pdmesh_worker_kv_transfer_seconds", "Time of one request's KV read", latency_buckets())
+});
 pub static TRANSFER_FAILURES: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_worker_kv_transfer_failures_total", "KV loads that failed"));
 pub static NOTIFY_FAILURES: LazyLock<IntCounter> =
@@ -26,9 +27,11 @@ pub static HELD_BLOCKS: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("pdmesh_worker_kv_held_blocks", "Blocks held for remote readers"));
 pub static LEASED_BLOCKS: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("pdmesh_worker_kv_leased_blocks", "Blocks leased to in-flight remote reads"));
-pub static HANDSHAKES_SERVED: LazyLock<IntGauge> =
-    LazyLock::new(|| gauge("pdmesh_worker_kv_handshakes_served", "Handshakes (metadata requests) this P agent answered"));
+pub static HANDSHAKES_SERVED: LazyLock<IntGauge> = LazyLock::new(|| {
+    gauge("pdmesh_worker_kv_handshakes_served", "Handshakes (metadata requests) this P agent answered")
+});
 pub static LEASES_GRANTED: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("pdmesh_worker_kv_leases_granted", "Read leases granted by this P agent"));
-pub static LEASES_REFUSED: LazyLock<IntGauge> =
-    LazyLock::new(|| gauge("pdmesh_worker_kv_leases_refused", "Read leases refused (unknown, freed or stale references)"));
+pub static LEASES_REFUSED: LazyLock<IntGauge> = LazyLock::new(|| {
+    gauge("pdmesh_worker_kv_leases_refused", "Read leases refused (unknown, freed or stale references)")
+});

@@ -177,7 +177,8 @@ async fn receive(agents: Arc<RemoteAgents>, spec: KvCacheSpec, r: RecvRequest, s
         // A partial local prefix hit reads only the tail of P's blocks.
         let remote_tail = remote.get(remote.len() - n..).unwrap_or(&[]).to_vec();
         let gens = p.remote_block_generations.clone().unwrap_or_default();
-        let gens_tail = if gens.len() == remote.len() { gens.get(gens.len() - n..).unwrap_or(&[]).to_vec() } else { gens };
+        let gens_tail =
+            if gens.len() == remote.len() { gens.get(gens.len() - n..).unwrap_or(&[]).to_vec() } else { gens };
         let lease = agent.lease(p_req, &remote_tail, &gens_tail).await.map_err(|e| format!("lease: {e}"))?;
         let mut staged = KvCache::new_heap(KvCacheSpec { num_blocks: n as u32, ..spec });
         let staged_ids: Vec<u32> = (0..n as u32).collect();
@@ -204,9 +205,11 @@ async fn receive(agents: Arc<RemoteAgents>, spec: KvCacheSpec, r: RecvRequest, s
     match result {
         Ok(Some(load)) => s.push(Settled::Loaded(load)),
         Ok(None) => {}
-        Err(error) if !notify_only => {
-            s.push(Settled::Failed { request_id: r.request_id.clone(), local_block_ids: r.local_block_ids.clone(), error })
-        }
+        Err(error) if !notify_only => s.push(Settled::Failed {
+            request_id: r.request_id.clone(),
+            local_block_ids: r.local_block_ids.clone(),
+            error,
+        }),
         Err(error) => {
             m::NOTIFY_FAILURES.inc();
             tracing::warn!(request_id = %r.request_id, %error, "could not notify P; it frees at its deadline");

@@ -20,7 +20,9 @@ use pdmesh_config::{Service, Topology};
 use pdmesh_protocol::{
     EngineOutput, EngineOutputBatch, Envelope, ErrorClass, FinishReason, MeshStats, Message, WireError,
 };
-use pdmesh_transport::{bind_pull, bind_router, connect_push, PeerId, PullEvent, PushHandle, RouterEvent, RouterHandle};
+use pdmesh_transport::{
+    bind_pull, bind_router, connect_push, PeerId, PullEvent, PushHandle, RouterEvent, RouterHandle,
+};
 use thiserror::Error;
 
 use crate::metrics as m;
@@ -106,7 +108,14 @@ impl Handler<FromFrontend> for DpLb {
             Message::Abort(a) => {
                 for id in &a.request_ids {
                     match self.in_flight.get(id) {
-                        Some(&rank) => self.send_to_rank(rank, Envelope::new(Message::Abort(pdmesh_protocol::AbortRequests { request_ids: vec![id.clone()] })).with_request_id(id.clone()).with_trace(envelope.trace.clone())),
+                        Some(&rank) => self.send_to_rank(
+                            rank,
+                            Envelope::new(Message::Abort(pdmesh_protocol::AbortRequests {
+                                request_ids: vec![id.clone()],
+                            }))
+                            .with_request_id(id.clone())
+                            .with_trace(envelope.trace.clone()),
+                        ),
                         None => m::UNKNOWN_IDS.inc(),
                     }
                 }
@@ -153,7 +162,10 @@ impl DpLb {
             Some(r) => {
                 if !self.ranks.get(r as usize).is_some_and(|l| l.connected) {
                     m::ROUTED.with_label_values(&["unavailable"]).inc();
-                    return Message::Error(WireError::new(ErrorClass::Unavailable, format!("unavailable: engine rank {r} is not connected")));
+                    return Message::Error(WireError::new(
+                        ErrorClass::Unavailable,
+                        format!("unavailable: engine rank {r} is not connected"),
+                    ));
                 }
                 r
             }
@@ -161,13 +173,19 @@ impl DpLb {
                 Some(r) => r,
                 None => {
                     m::ROUTED.with_label_values(&["unavailable"]).inc();
-                    return Message::Error(WireError::new(ErrorClass::Unavailable, "unavailable: no engine rank is connected (engine-core down or restarting)"));
+                    return Message::Error(WireError::new(
+                        ErrorClass::Unavailable,
+                        "unavailable: no engine rank is connected (engine-core down or restarting)",
+                    ));
                 }
             },
         };
         let id = req.request_id.clone();
         if self.in_flight.contains_key(&id) {
-            return Message::Error(WireError::new(ErrorClass::InvalidRequest, format!("request id {id:?} is already in flight")));
+            return Message::Error(WireError::new(
+                ErrorClass::InvalidRequest,
+                format!("request id {id:?} is already in flight"),
+            ));
         }
         if let Some(l) = self.ranks.get_mut(rank as usize) {
             l.pending += 1;
@@ -175,7 +193,10 @@ impl DpLb {
         self.in_flight.insert(id.clone(), rank);
         m::IN_FLIGHT.set(self.in_flight.len() as i64);
         m::ROUTED.with_label_values(&[&rank.to_string()]).inc();
-        self.send_to_rank(rank, Envelope::new(Message::AddRequest(req)).with_request_id(id).with_trace(env.trace.clone()));
+        self.send_to_rank(
+            rank,
+            Envelope::new(Message::AddRequest(req)).with_request_id(id).with_trace(env.trace.clone()),
+        );
         Message::Ack
     }
 
@@ -327,13 +348,14 @@ impl Handler<PullEvent> for DpLb {
 
 /// Forwarders so that two ROUTERs can feed one actor with distinguishable events.
 struct Tag<F>(Addr<DpLb>, F);
-impl<F: Fn(RouterEvent) -> M + Unpin + 'static, M: actix::Message<Result = ()> + Send + 'static> Actor for Tag<F, >
+impl<F: Fn(RouterEvent) -> M + Unpin + 'static, M: actix::Message<Result = ()> + Send + 'static> Actor for Tag<F>
 where
     DpLb: Handler<M>,
 {
     type Context = Context<Self>;
 }
-impl<F: Fn(RouterEvent) -> M + Unpin + 'static, M: actix::Message<Result = ()> + Send + 'static> Handler<RouterEvent> for Tag<F>
+impl<F: Fn(RouterEvent) -> M + Unpin + 'static, M: actix::Message<Result = ()> + Send + 'static> Handler<RouterEvent>
+    for Tag<F>
 where
     DpLb: Handler<M>,
 {

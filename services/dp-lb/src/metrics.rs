@@ -4,14 +4,17 @@ use pdmesh_telemetry::metrics::{counter, counter_vec, gauge};
 use prometheus::{IntCounter, IntCounterVec, IntGauge};
 use std::sync::LazyLock;
 
-pub static ROUTED: LazyLock<IntCounterVec> =
-    LazyLock::new(|| counter_vec("pdmesh_dplb_requests_routed_total", "Requests by chosen rank (or refusal)", &["rank"]));
-pub static IN_FLIGHT: LazyLock<IntGauge> = LazyLock::new(|| gauge("pdmesh_dplb_requests_in_flight", "Requests in flight"));
+pub static ROUTED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec("pdmesh_dplb_requests_routed_total", "Requests by chosen rank (or refusal)", &["rank"])
+});
+pub static IN_FLIGHT: LazyLock<IntGauge> =
+    LazyLock::new(|| gauge("pdmesh_dplb_requests_in_flight", "Requests in flight"));
 pub static RANKS_UP: LazyLock<IntGauge> = LazyLock::new(|| gauge("pdmesh_dplb_ranks_up", "Engine ranks connected"));
 pub static UNKNOWN_IDS: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_dplb_unknown_ids_total", "Aborts for ids not in flight"));
-pub static FAILED_BY_RANK_LOSS: LazyLock<IntCounter> =
-    LazyLock::new(|| counter("pdmesh_dplb_requests_failed_rank_lost_total", "Requests failed because their rank went away"));
+pub static FAILED_BY_RANK_LOSS: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter("pdmesh_dplb_requests_failed_rank_lost_total", "Requests failed because their rank went away")
+});
 pub static OUTPUTS_DROPPED: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_dplb_outputs_dropped_total", "Output batches dropped: frontend unavailable"));
 pub static NOTICES_FORWARDED: LazyLock<IntCounterVec> = LazyLock::new(|| {

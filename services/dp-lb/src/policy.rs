@@ -20,12 +20,7 @@ impl RankLoad {
 
 /// The connected rank with the lowest score; ties go to the lowest rank.
 pub fn least_loaded(ranks: &[RankLoad]) -> Option<u32> {
-    ranks
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| l.connected)
-        .min_by_key(|(i, l)| (l.score(), *i))
-        .map(|(i, _)| i as u32)
+    ranks.iter().enumerate().filter(|(_, l)| l.connected).min_by_key(|(i, l)| (l.score(), *i)).map(|(i, _)| i as u32)
 }
 
 #[cfg(test)]

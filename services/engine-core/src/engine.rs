@@ -101,7 +101,9 @@ impl Actor for EngineCore {
             me.clone().recipient(),
         );
         let worker = connect_dealer(
-            LinkConfig::new(&worker_ep.connect).identity(format!("engine-{rank}")).hello(hello(ServiceKind::EngineCore)),
+            LinkConfig::new(&worker_ep.connect)
+                .identity(format!("engine-{rank}"))
+                .hello(hello(ServiceKind::EngineCore)),
             me.clone().recipient(),
         );
         let outputs = connect_push(&eps.dplb_outputs.connect);
@@ -112,7 +114,8 @@ impl Actor for EngineCore {
 impl EngineCore {
     fn query_worker_info(&mut self, ctx: &mut Context<Self>) {
         let Some(peers) = self.peers.clone() else { return };
-        let fut = async move { peers.worker.call(Envelope::new(Message::WorkerInfoQuery), Duration::from_secs(30)).await };
+        let fut =
+            async move { peers.worker.call(Envelope::new(Message::WorkerInfoQuery), Duration::from_secs(30)).await };
         ctx.spawn(fut.into_actor(self).map(|res, act, ctx| match res {
             Ok(Envelope { body: Message::WorkerInfo(info), .. }) => {
                 let cfg = act.state.borrow().sched.config().clone();
@@ -140,7 +143,8 @@ impl EngineCore {
         }
         let rank = self.state.borrow().rank;
         let eps = self.node.endpoints(&self.run_dir);
-        let hello = Envelope::new(Message::Hello(Hello { service: ServiceKind::EngineCore, rank, pid: std::process::id() }));
+        let hello =
+            Envelope::new(Message::Hello(Hello { service: ServiceKind::EngineCore, rank, pid: std::process::id() }));
         peers.dplb = Some(connect_dealer(
             LinkConfig::new(&eps.dplb_engines.connect).identity(format!("engine-{rank}")).hello(hello),
             ctx.address().recipient(),
@@ -149,7 +153,9 @@ impl EngineCore {
 
     fn update_health(&self) {
         let ready = self.worker_info.is_some()
-            && self.peers.as_ref().is_some_and(|p| p.dplb.as_ref().is_some_and(LinkHandle::is_up) && p.connector.is_up() && p.worker.is_up());
+            && self.peers.as_ref().is_some_and(|p| {
+                p.dplb.as_ref().is_some_and(LinkHandle::is_up) && p.connector.is_up() && p.worker.is_up()
+            });
         self.health.set_ready(ready);
     }
 
@@ -222,7 +228,9 @@ impl EngineCore {
                 let stats = st.sched.stats(st.rank);
                 drop(st);
                 if let Some(dplb) = self.peers.as_ref().and_then(|p| p.dplb.as_ref()) {
-                    let _ = dplb.send(env.reply(Message::StatsReply(MeshStats { engines: vec![stats], unreachable_ranks: vec![] })));
+                    let _ = dplb.send(
+                        env.reply(Message::StatsReply(MeshStats { engines: vec![stats], unreachable_ranks: vec![] })),
+                    );
                 }
             }
             Message::Ping => {
@@ -281,7 +289,9 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
         let mut st = state.borrow_mut();
         for (i, id) in ids.iter().enumerate() {
             match replies.as_ref().ok().and_then(|r| r.get(i)) {
-                Some(ConnectorReply::MatchedTokens { count, load_async }) => st.sched.apply_match(id, *count, *load_async),
+                Some(ConnectorReply::MatchedTokens { count, load_async }) => {
+                    st.sched.apply_match(id, *count, *load_async)
+                }
                 // Connector unreachable: no external tokens, compute locally.
                 _ => st.sched.apply_match(id, Some(0), false),
             }
@@ -314,7 +324,11 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
     let meta = {
         let mut st = state.borrow_mut();
         let offset = n_notices + schedule.alloc_calls.len();
-        apply_finished_replies(&mut st.sched, &finishing, replies.as_ref().ok().map(|r| r.get(offset..).unwrap_or(&[])));
+        apply_finished_replies(
+            &mut st.sched,
+            &finishing,
+            replies.as_ref().ok().map(|r| r.get(offset..).unwrap_or(&[])),
+        );
         match replies.as_ref().ok().and_then(|r| r.last()) {
             Some(ConnectorReply::Meta(meta)) => meta.clone(),
             _ => KvConnectorMetadata::default(),

@@ -21,8 +21,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use pdmesh_protocol::{
-    ConnectorCall, EngineOutput, EngineRequest, EngineStats, HeldRequest, KvConnectorOutput, KvTransferParams,
-    KvUsage, ModelRunnerOutput, ScheduledChunk,
+    ConnectorCall, EngineOutput, EngineRequest, EngineStats, HeldRequest, KvConnectorOutput, KvTransferParams, KvUsage,
+    ModelRunnerOutput, ScheduledChunk,
 };
 
 use crate::block_pool::BlockPool;
@@ -248,7 +248,8 @@ impl Scheduler {
 
     /// Choose what runs in the next step.
     pub fn schedule(&mut self) -> Schedule {
-        let mut out = Schedule { finished_request_ids: std::mem::take(&mut self.finished_since_last_step), ..Default::default() };
+        let mut out =
+            Schedule { finished_request_ids: std::mem::take(&mut self.finished_since_last_step), ..Default::default() };
         let mut budget = self.cfg.max_num_batched_tokens;
         let bs = self.cfg.block_size;
         let mut preempted_any = false;
@@ -316,7 +317,8 @@ impl Scheduler {
                         computed = req.num_tokens().saturating_sub(1);
                     }
                     req.num_computed_tokens = computed;
-                    req.status = if req.num_preemptions > 0 { RequestStatus::Preempted } else { RequestStatus::Waiting };
+                    req.status =
+                        if req.num_preemptions > 0 { RequestStatus::Preempted } else { RequestStatus::Waiting };
                 }
                 let Some(m) = req.connector_match else {
                     skipped.push_back(id);

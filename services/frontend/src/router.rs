@@ -69,8 +69,13 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         .and_then(|v| v.to_str().ok())
         .map(str::to_string)
         .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
-    let (Some(p), Some(d)) = (RouterState::pick(&st.prefill, &st.next_p), RouterState::pick(&st.decode, &st.next_d)) else {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "unavailable: no prefill or decode upstream".into(), "ServiceUnavailableError");
+    let (Some(p), Some(d)) = (RouterState::pick(&st.prefill, &st.next_p), RouterState::pick(&st.decode, &st.next_d))
+    else {
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable: no prefill or decode upstream".into(),
+            "ServiceUnavailableError",
+        );
     };
 
     // ---- prefill leg
@@ -89,7 +94,11 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         Ok(r) => r,
         Err(e) => {
             tracing::warn!(%request_id, upstream = %p, error = %e, "prefill leg failed");
-            return error(StatusCode::SERVICE_UNAVAILABLE, format!("unavailable: prefill node {p}: {e}"), "ServiceUnavailableError");
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("unavailable: prefill node {p}: {e}"),
+                "ServiceUnavailableError",
+            );
         }
     };
     let p_status = p_res.status();
@@ -97,9 +106,13 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     if !p_status.is_success() {
         // P refused the request (bad input, too long...): the client gets P's answer.
         let status = StatusCode::from_u16(p_status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-        return HttpResponse::build(status).insert_header((REQUEST_ID, request_id)).content_type("application/json").body(p_bytes);
+        return HttpResponse::build(status)
+            .insert_header((REQUEST_ID, request_id))
+            .content_type("application/json")
+            .body(p_bytes);
     }
-    let params = serde_json::from_slice::<Value>(&p_bytes).ok().map(|v| v["kv_transfer_params"].clone()).unwrap_or(Value::Null);
+    let params =
+        serde_json::from_slice::<Value>(&p_bytes).ok().map(|v| v["kv_transfer_params"].clone()).unwrap_or(Value::Null);
 
     // ---- decode leg: the client's own body, plus P's params
     let mut d_body = original;
@@ -110,7 +123,11 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         Ok(r) => r,
         Err(e) => {
             tracing::warn!(%request_id, upstream = %d, error = %e, "decode leg failed");
-            return error(StatusCode::SERVICE_UNAVAILABLE, format!("unavailable: decode node {d}: {e}"), "ServiceUnavailableError");
+            return error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("unavailable: decode node {d}: {e}"),
+                "ServiceUnavailableError",
+            );
         }
     };
     let status = StatusCode::from_u16(d_res.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -140,14 +157,22 @@ async fn chat(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>) ->
 /// `/v1/models` and `/health` are answered by the first decode node.
 async fn passthrough_get(req: HttpRequest, st: web::Data<RouterState>) -> HttpResponse {
     let Some(d) = st.decode.first() else {
-        return error(StatusCode::SERVICE_UNAVAILABLE, "unavailable: no decode upstream".into(), "ServiceUnavailableError");
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable: no decode upstream".into(),
+            "ServiceUnavailableError",
+        );
     };
     match st.client.get(format!("{d}{}", req.path())).send().await {
         Ok(r) => {
             let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
             HttpResponse::build(status).content_type("application/json").body(r.bytes().await.unwrap_or_default())
         }
-        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, format!("unavailable: decode node {d}: {e}"), "ServiceUnavailableError"),
+        Err(e) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("unavailable: decode node {d}: {e}"),
+            "ServiceUnavailableError",
+        ),
     }
 }
 

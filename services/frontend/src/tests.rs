@@ -755,12 +755,8 @@ async fn responses_stream_events_in_order() {
     assert_eq!(status, 200);
     let events = typed_events(&body);
     let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
-    let mut want = vec![
-        "response.created",
-        "response.in_progress",
-        "response.output_item.added",
-        "response.content_part.added",
-    ];
+    let mut want =
+        vec!["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"];
     want.extend(std::iter::repeat_n("response.output_text.delta", 8));
     want.extend([
         "response.output_text.done",

@@ -86,7 +86,10 @@ fn gguf_path(node: &NodeConfig) -> anyhow::Result<std::path::PathBuf> {
         std::path::PathBuf::from(&node.model.path)
     };
     if !path.exists() {
-        bail!("model file {} not found: run scripts/fetch-model.sh, or set model.path / PDMESH_MODEL_PATH", path.display());
+        bail!(
+            "model file {} not found: run scripts/fetch-model.sh, or set model.path / PDMESH_MODEL_PATH",
+            path.display()
+        );
     }
     Ok(path)
 }

@@ -65,7 +65,13 @@ fn children_of(topo: &Topology, logs: &Path) -> Vec<ChildSpec> {
             vec![Service::Frontend]
         } else {
             // Back to front, so that each process finds its peers soon after it starts.
-            vec![Service::ConnectorWorker, Service::ConnectorScheduler, Service::DpLb, Service::EngineCore, Service::Frontend]
+            vec![
+                Service::ConnectorWorker,
+                Service::ConnectorScheduler,
+                Service::DpLb,
+                Service::EngineCore,
+                Service::Frontend,
+            ]
         };
         for s in services {
             let ranks = if s.per_rank() { node.dp_size } else { 1 };
@@ -166,7 +172,12 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
                 if let Ok(Some(status)) = child.try_wait() {
                     tracing::error!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
                         "child process died");
-                    eprintln!("pdmesh up: {} (pid {}) died: {status}; see {}", p.spec.label(), p.pid, p.spec.log.display());
+                    eprintln!(
+                        "pdmesh up: {} (pid {}) died: {status}; see {}",
+                        p.spec.label(),
+                        p.pid,
+                        p.spec.log.display()
+                    );
                     p.child = None;
                     changed = true;
                     if !args.no_restart {

@@ -59,7 +59,8 @@ fn serves_completions_chat_and_streams_across_five_processes() {
         assert!(cmdline.contains("pdmesh"), "{cmdline}");
     }
 
-    let body = json!({"model": "pdmesh-synthetic", "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0});
+    let body =
+        json!({"model": "pdmesh-synthetic", "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0});
     let (status, v) = post(&mesh, "/v1/completions", body.clone());
     assert_eq!(status, 200, "{v}");
     let text = v["choices"][0]["text"].as_str().unwrap().to_string();
@@ -93,12 +94,8 @@ fn serves_completions_chat_and_streams_across_five_processes() {
     assert_eq!(streamed, content);
 
     // X-Request-Id is honoured and echoed
-    let r = client()
-        .post(mesh.url("/v1/completions"))
-        .header("X-Request-Id", "my-request-42")
-        .json(&body)
-        .send()
-        .unwrap();
+    let r =
+        client().post(mesh.url("/v1/completions")).header("X-Request-Id", "my-request-42").json(&body).send().unwrap();
     assert_eq!(r.headers()["x-request-id"], "my-request-42");
 
     // models
@@ -174,7 +171,8 @@ fn sixty_four_concurrent_streams_complete() {
         .map(|i| {
             let url = url.clone();
             std::thread::spawn(move || {
-                let body = json!({"prompt": format!("stream number {i}"), "max_tokens": 32, "stream": true, "temperature": 0});
+                let body =
+                    json!({"prompt": format!("stream number {i}"), "max_tokens": 32, "stream": true, "temperature": 0});
                 let r = client().post(url).json(&body).send().unwrap();
                 assert_eq!(r.status().as_u16(), 200);
                 let events = sse_events(&r.text().unwrap());
@@ -208,9 +206,7 @@ fn client_disconnect_mid_stream_aborts_and_frees_blocks() {
     assert!(n > 0);
     mesh.wait_kv("the request holds blocks while it streams", |kv| kv["used_blocks"].as_u64().unwrap_or(0) > 0);
     drop(r); // the client disconnects
-    mesh.wait_kv("blocks free after the disconnect", |kv| {
-        kv["used_blocks"] == 0 && kv["ranks"][0]["num_running"] == 0
-    });
+    mesh.wait_kv("blocks free after the disconnect", |kv| kv["used_blocks"] == 0 && kv["ranks"][0]["num_running"] == 0);
     let kv = mesh.kv();
     assert_eq!(kv["free_blocks"], kv["total_blocks"]);
 }
@@ -288,7 +284,13 @@ fn data_parallel_ranks_pinned_by_header_and_balanced_without() {
         .map(|i| {
             let url = url.clone();
             std::thread::spawn(move || {
-                client().post(url).json(&json!({"prompt": format!("free {i}"), "max_tokens": 64})).send().unwrap().status().as_u16()
+                client()
+                    .post(url)
+                    .json(&json!({"prompt": format!("free {i}"), "max_tokens": 64}))
+                    .send()
+                    .unwrap()
+                    .status()
+                    .as_u16()
             })
         })
         .collect();

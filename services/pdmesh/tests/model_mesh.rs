@@ -30,7 +30,8 @@ fn reference_greedy(path: &std::path::Path, prompt: &[u32], n: usize) -> Vec<u32
     let mut file = std::fs::File::open(path).unwrap();
     let content = gguf_file::Content::read(&mut file).unwrap();
     let mut model =
-        candle_transformers::models::quantized_llama::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+        candle_transformers::models::quantized_llama::ModelWeights::from_gguf(content, &mut file, &Device::Cpu)
+            .unwrap();
     let argmax = |t: Tensor| -> u32 {
         let v: Vec<f32> = t.squeeze(0).unwrap().to_vec1().unwrap();
         let mut best = 0;
@@ -90,7 +91,10 @@ fn real_model_through_the_mesh_matches_the_reference() {
     let codec = pdmesh_model::GgufTextCodec::load(&path, &pdmesh_model::ModelOptions::default()).unwrap();
     let mesh = Mesh::start(
         "",
-        &format!("[nodes.model]\nkind = \"gguf\"\npath = {:?}\n[nodes.engine]\nnum_blocks = 256\nmax_model_len = 2048\n", path.display().to_string()),
+        &format!(
+            "[nodes.model]\nkind = \"gguf\"\npath = {:?}\n[nodes.engine]\nnum_blocks = 256\nmax_model_len = 2048\n",
+            path.display().to_string()
+        ),
         &[],
     );
 
@@ -131,7 +135,10 @@ fn real_model_disaggregated_equals_colocated() {
     let model = format!("model = {{ kind = \"gguf\", path = {:?} }}", path.display().to_string());
     let engine = "engine = { num_blocks = 128, max_model_len = 1024 }";
     let settings = format!("{model}\n{engine}");
-    let mesh = Mesh::start_nodes(|http, base| common::pd_topology(http, base, "shm", 1, &settings), |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(
+        |http, base| common::pd_topology(http, base, "shm", 1, &settings),
+        |h| vec![h + 1, h + 2, h + 3],
+    );
     let router = mesh.http_port;
     let colocated = mesh.http_port + 3;
     for prompt in ["The capital of France is", "Once upon a time, in a small village by the sea,", "1, 2, 3, 4,"] {
@@ -144,7 +151,9 @@ fn real_model_disaggregated_equals_colocated() {
     let want = post_on(&mesh, colocated, "/v1/chat/completions", &chat);
     let got = post_on(&mesh, router, "/v1/chat/completions", &chat);
     assert_eq!(got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"]);
-    mesh.wait_kv_on(router + 1, "P holds nothing once D has read", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
+    mesh.wait_kv_on(router + 1, "P holds nothing once D has read", |kv| {
+        kv["held_blocks"] == 0 && kv["used_blocks"] == 0
+    });
     mesh.wait_kv_on(router + 2, "D's blocks are free", |kv| kv["used_blocks"] == 0);
 }
 

@@ -84,7 +84,10 @@ fn check_pd_equals_colocated(mesh: Mesh, p_host: &str) {
     mesh.wait_kv_on(p, "P holds nothing once D has read", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
     mesh.wait_kv_on(d, "D's blocks are free", |kv| kv["used_blocks"] == 0);
     // One handshake per engine pair (D has two ranks), not one per request (24 requests).
-    let metrics = reqwest::blocking::get(format!("http://{p_host}:{}/metrics", mesh.base_port + 20 + 112)).unwrap().text().unwrap();
+    let metrics = reqwest::blocking::get(format!("http://{p_host}:{}/metrics", mesh.base_port + 20 + 112))
+        .unwrap()
+        .text()
+        .unwrap();
     let served: i64 = metrics
         .lines()
         .find_map(|l| l.strip_prefix("pdmesh_worker_kv_handshakes_served "))
@@ -117,7 +120,11 @@ fn stale_reference_is_refused(policy: &str) {
         v["kv_transfer_params"].clone()
     };
     let decode = |prompt: &str, params: &Value| {
-        post(&url(d), "stale-1", &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "kv_transfer_params": params}))
+        post(
+            &url(d),
+            "stale-1",
+            &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "kv_transfer_params": params}),
+        )
     };
     let (a, b) = ("first prompt, read once", "second prompt, longer than the first one");
     let params_a = prefill(a);

@@ -413,10 +413,13 @@ pub struct NodeEndpoints {
 
 impl NodeConfig {
     fn host_of(&self, configured: &Option<String>, rank: u32) -> String {
-        configured
-            .as_ref()
-            .map(|h| h.replace("{rank}", &rank.to_string()))
-            .unwrap_or_else(|| if self.bind_host == "0.0.0.0" { "127.0.0.1".into() } else { self.bind_host.clone() })
+        configured.as_ref().map(|h| h.replace("{rank}", &rank.to_string())).unwrap_or_else(|| {
+            if self.bind_host == "0.0.0.0" {
+                "127.0.0.1".into()
+            } else {
+                self.bind_host.clone()
+            }
+        })
     }
 
     fn endpoint(&self, run_dir: &Path, name: &str, port_offset: u16, host: String) -> Endpoint {

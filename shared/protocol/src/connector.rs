@@ -53,12 +53,20 @@ pub enum ConnectorCall {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ConnectorReply {
     /// `None` count: cannot decide yet; try again next step.
-    MatchedTokens { count: Option<u32>, load_async: bool },
+    MatchedTokens {
+        count: Option<u32>,
+        load_async: bool,
+    },
     Meta(KvConnectorMetadata),
-    Finished { delay_free: bool, kv_transfer_params: Option<KvTransferParams> },
+    Finished {
+        delay_free: bool,
+        kv_transfer_params: Option<KvTransferParams>,
+    },
     Ack,
     /// The call could not be applied (logged and counted by the connector).
-    Rejected { reason: String },
+    Rejected {
+        reason: String,
+    },
 }
 
 /// A receive the worker must perform (D side).

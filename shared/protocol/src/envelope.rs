@@ -97,8 +97,7 @@ impl Envelope {
 
     /// Decode one frame. Never panics, whatever the bytes.
     pub fn decode(bytes: &[u8]) -> Result<Self, CodecError> {
-        let probe: VersionProbe =
-            rmp_serde::from_slice(bytes).map_err(|e| CodecError::NotAnEnvelope(e.to_string()))?;
+        let probe: VersionProbe = rmp_serde::from_slice(bytes).map_err(|e| CodecError::NotAnEnvelope(e.to_string()))?;
         if probe.version != PROTOCOL_VERSION {
             return Err(CodecError::UnsupportedVersion { found: probe.version, supported: PROTOCOL_VERSION });
         }

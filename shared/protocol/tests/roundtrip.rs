@@ -29,7 +29,12 @@ fn every_message() -> Vec<Message> {
     };
     let meta = KvConnectorMetadata {
         reqs_to_recv: vec![RecvRequest { request_id: "r".into(), local_block_ids: vec![9], params: params() }],
-        reqs_to_send: vec![SendRequest { request_id: "s".into(), block_ids: vec![1, 2], block_generations: vec![3, 3], deadline_unix_ms: 123 }],
+        reqs_to_send: vec![SendRequest {
+            request_id: "s".into(),
+            block_ids: vec![1, 2],
+            block_generations: vec![3, 3],
+            deadline_unix_ms: 123,
+        }],
         reqs_in_batch: vec!["x".into()],
         reqs_not_processed: vec!["y".into()],
     };
@@ -52,7 +57,12 @@ fn every_message() -> Vec<Message> {
                 num_waiting: 2,
                 num_running: 3,
                 kv: KvUsage { total_blocks: 10, free_blocks: 5, used_blocks: 3, held_blocks: 2, leased_blocks: 0 },
-                held_requests: vec![HeldRequest { request_id: "h".into(), blocks: 2, age_s: 0.5, state: "held".into() }],
+                held_requests: vec![HeldRequest {
+                    request_id: "h".into(),
+                    blocks: 2,
+                    age_s: 0.5,
+                    state: "held".into(),
+                }],
                 steps: 4,
                 finished_requests: 5,
                 request_finished_calls: 5,
@@ -74,7 +84,12 @@ fn every_message() -> Vec<Message> {
                 error: None,
             }],
         }),
-        Message::LoadReport(EngineLoadReport { engine_rank: 1, num_waiting: 1, num_running: 2, kv: KvUsage::default() }),
+        Message::LoadReport(EngineLoadReport {
+            engine_rank: 1,
+            num_waiting: 1,
+            num_running: 2,
+            kv: KvUsage::default(),
+        }),
         Message::WorkerInfoQuery,
         Message::WorkerInfo(WorkerInfo {
             model_name: "m".into(),
@@ -161,7 +176,12 @@ fn every_message() -> Vec<Message> {
             consumer: "d".into(),
             lease_id: Some(3),
         }),
-        Message::XferGiveUp(XferGiveUp { p_request_id: "x".into(), reason: String::new(), consumer: String::new(), lease_id: None }),
+        Message::XferGiveUp(XferGiveUp {
+            p_request_id: "x".into(),
+            reason: String::new(),
+            consumer: String::new(),
+            lease_id: None,
+        }),
         Message::XferReadBlocks(XferReadBlocks { p_request_id: "cmpl-1".into(), lease_id: 3, block_ids: vec![3, 1] }),
         Message::XferReadReady(XferReadReady { blocks: 2, bytes: 2 * 737_280 }),
     ]
@@ -203,13 +223,10 @@ fn unknown_lease_refusal_reason_reads_as_other() {
 fn every_message_round_trips() {
     for body in every_message() {
         let kind = body.kind();
-        let env = Envelope::new(body)
-            .with_request_id("cmpl-1")
-            .with_corr(42)
-            .with_trace(TraceContext {
-                traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
-                tracestate: Some("vendor=x".into()),
-            });
+        let env = Envelope::new(body).with_request_id("cmpl-1").with_corr(42).with_trace(TraceContext {
+            traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
+            tracestate: Some("vendor=x".into()),
+        });
         let bytes = env.encode().unwrap_or_default();
         assert!(!bytes.is_empty(), "{kind} encodes");
         let back = Envelope::decode(&bytes);

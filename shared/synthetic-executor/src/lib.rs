@@ -14,9 +14,7 @@
 use std::time::Duration;
 
 use pdmesh_model_api::kv_cache::KvSide;
-use pdmesh_model_api::{
-    ChatMessage, DecodeStream, Executor, ExecutorError, KvCache, ModelFacts, TextCodec, TextError,
-};
+use pdmesh_model_api::{ChatMessage, DecodeStream, Executor, ExecutorError, KvCache, ModelFacts, TextCodec, TextError};
 use pdmesh_protocol::{SampledToken, ScheduledChunk};
 
 /// End-of-sequence id of the synthetic vocabulary.
@@ -100,11 +98,10 @@ impl Executor for SyntheticExecutor {
         let mut out = Vec::new();
         for chunk in chunks {
             let slot_of = |pos: u32| -> Result<(u32, usize), ExecutorError> {
-                let block = chunk
-                    .block_ids
-                    .get((pos / block_size) as usize)
-                    .copied()
-                    .ok_or_else(|| ExecutorError::BlockTableTooShort { request_id: chunk.request_id.clone(), pos })?;
+                let block =
+                    chunk.block_ids.get((pos / block_size) as usize).copied().ok_or_else(|| {
+                        ExecutorError::BlockTableTooShort { request_id: chunk.request_id.clone(), pos }
+                    })?;
                 Ok((block, (pos % block_size) as usize))
             };
             // The chain hash of the position before this chunk, read back from the KV cache.
@@ -138,7 +135,11 @@ impl Executor for SyntheticExecutor {
                 let last = chunk.start_pos + chunk.token_ids.len() as u32 - 1;
                 let (block, slot) = slot_of(last)?;
                 let stored = kv.block(0, KvSide::Key, block)?.get(slot * 8).copied().unwrap_or(0.0) as u32;
-                out.push(SampledToken { request_id: chunk.request_id.clone(), token_id: next_token(stored), logprobs: None });
+                out.push(SampledToken {
+                    request_id: chunk.request_id.clone(),
+                    token_id: next_token(stored),
+                    logprobs: None,
+                });
             }
         }
         let cost = self.config.per_step_cost + self.config.per_token_cost * n_tokens as u32;
@@ -257,7 +258,8 @@ mod tests {
         let whole = ex.execute(&mut kv, &[chunk("a", &prompt, 0, &[0, 1, 2, 3, 4, 5], true)]).unwrap();
         let mut kv2 = cache();
         let blocks = [7, 3, 9, 1, 2, 8];
-        ex.execute(&mut kv2, &[chunk("b", &prompt[..5], 0, &blocks, false), chunk("x", &[1, 2], 0, &[15], true)]).unwrap();
+        ex.execute(&mut kv2, &[chunk("b", &prompt[..5], 0, &blocks, false), chunk("x", &[1, 2], 0, &[15], true)])
+            .unwrap();
         let split = ex.execute(&mut kv2, &[chunk("b", &prompt[5..], 5, &blocks, true)]).unwrap();
         assert_eq!(whole[0].token_id, split[0].token_id);
     }

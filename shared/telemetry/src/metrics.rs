@@ -6,7 +6,9 @@
 //! (a duplicate name) is logged and returned unregistered.
 
 use actix_web::{HttpResponse, Responder};
-use prometheus::{Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts};
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+};
 
 fn register<C: prometheus::core::Collector + Clone + 'static>(c: C, name: &str) -> C {
     if let Err(e) = prometheus::default_registry().register(Box::new(c.clone())) {
@@ -34,32 +36,58 @@ fn fallback_opts() -> Opts {
 }
 
 pub fn counter(name: &str, help: &str) -> IntCounter {
-    let c = build!(IntCounter, IntCounter::with_opts(Opts::new(name, help)), IntCounter::with_opts(fallback_opts()).unwrap_or_else(|_| unreachable_metric()));
+    let c = build!(
+        IntCounter,
+        IntCounter::with_opts(Opts::new(name, help)),
+        IntCounter::with_opts(fallback_opts()).unwrap_or_else(|_| unreachable_metric())
+    );
     register(c, name)
 }
 
 pub fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
-    let c = build!(IntCounterVec, IntCounterVec::new(Opts::new(name, help), labels), IntCounterVec::new(fallback_opts(), labels).unwrap_or_else(|_| unreachable_metric()));
+    let c = build!(
+        IntCounterVec,
+        IntCounterVec::new(Opts::new(name, help), labels),
+        IntCounterVec::new(fallback_opts(), labels).unwrap_or_else(|_| unreachable_metric())
+    );
     register(c, name)
 }
 
 pub fn gauge(name: &str, help: &str) -> IntGauge {
-    let g = build!(IntGauge, IntGauge::with_opts(Opts::new(name, help)), IntGauge::with_opts(fallback_opts()).unwrap_or_else(|_| unreachable_metric()));
+    let g = build!(
+        IntGauge,
+        IntGauge::with_opts(Opts::new(name, help)),
+        IntGauge::with_opts(fallback_opts()).unwrap_or_else(|_| unreachable_metric())
+    );
     register(g, name)
 }
 
 pub fn gauge_vec(name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
-    let g = build!(IntGaugeVec, IntGaugeVec::new(Opts::new(name, help), labels), IntGaugeVec::new(fallback_opts(), labels).unwrap_or_else(|_| unreachable_metric()));
+    let g = build!(
+        IntGaugeVec,
+        IntGaugeVec::new(Opts::new(name, help), labels),
+        IntGaugeVec::new(fallback_opts(), labels).unwrap_or_else(|_| unreachable_metric())
+    );
     register(g, name)
 }
 
 pub fn histogram(name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
-    let h = build!(Histogram, Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)), Histogram::with_opts(HistogramOpts::new("pdmesh_invalid_metric", "invalid")).unwrap_or_else(|_| unreachable_metric()));
+    let h = build!(
+        Histogram,
+        Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)),
+        Histogram::with_opts(HistogramOpts::new("pdmesh_invalid_metric", "invalid"))
+            .unwrap_or_else(|_| unreachable_metric())
+    );
     register(h, name)
 }
 
 pub fn histogram_vec(name: &str, help: &str, labels: &[&str], buckets: Vec<f64>) -> HistogramVec {
-    let h = build!(HistogramVec, HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels), HistogramVec::new(HistogramOpts::new("pdmesh_invalid_metric", "invalid"), labels).unwrap_or_else(|_| unreachable_metric()));
+    let h = build!(
+        HistogramVec,
+        HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels),
+        HistogramVec::new(HistogramOpts::new("pdmesh_invalid_metric", "invalid"), labels)
+            .unwrap_or_else(|_| unreachable_metric())
+    );
     register(h, name)
 }
 
@@ -71,7 +99,10 @@ fn unreachable_metric<T>() -> T {
 
 /// Latency buckets in seconds, from 100 µs to 60 s.
 pub fn latency_buckets() -> Vec<f64> {
-    vec![0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+    vec![
+        0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+        60.0,
+    ]
 }
 
 /// Register the process collector (CPU, memory, fds) once.

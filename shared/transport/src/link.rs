@@ -12,7 +12,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use zeromq::{DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::metrics::{DECODE_ERRORS, RECEIVED, RECONNECTS, SENT, SEND_ERRORS};
+use crate::metrics::{DECODE_ERRORS, RECEIVED, RECONNECTS, SEND_ERRORS, SENT};
 use crate::TransportError;
 
 /// How a connect-side socket behaves.

@@ -19,7 +19,11 @@ pub(crate) static RECEIVED: LazyLock<IntCounterVec> =
 
 /// Connect-side sockets that lost their peer and reconnected, by endpoint.
 pub(crate) static RECONNECTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    counter_vec("pdmesh_transport_reconnects_total", "Connect-side sockets that lost their peer and reconnected", &["endpoint"])
+    counter_vec(
+        "pdmesh_transport_reconnects_total",
+        "Connect-side sockets that lost their peer and reconnected",
+        &["endpoint"],
+    )
 });
 
 /// Sends that failed (peer unknown or gone), by endpoint.

@@ -7,7 +7,7 @@ use pdmesh_protocol::Envelope;
 use tokio::sync::mpsc;
 use zeromq::{RouterSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::metrics::{DECODE_ERRORS, RECEIVED, SENT, SEND_ERRORS};
+use crate::metrics::{DECODE_ERRORS, RECEIVED, SEND_ERRORS, SENT};
 use crate::{prepare_ipc_endpoint, TransportError};
 
 /// The ZeroMQ identity of a connected peer.

@@ -10,7 +10,7 @@ use pdmesh_protocol::Envelope;
 use tokio::sync::mpsc;
 use zeromq::{PullSocket, PushSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::metrics::{DECODE_ERRORS, RECEIVED, RECONNECTS, SENT, SEND_ERRORS};
+use crate::metrics::{DECODE_ERRORS, RECEIVED, RECONNECTS, SEND_ERRORS, SENT};
 use crate::{prepare_ipc_endpoint, TransportError};
 
 /// A message that arrived on a PULL socket.

@@ -62,7 +62,10 @@ async fn start_echo(endpoint: &str) -> (Addr<Echo>, RouterHandle) {
 
 async fn next_event(rx: &mut mpsc::UnboundedReceiver<String>, want: &str) {
     loop {
-        let ev = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await.unwrap_or_else(|_| panic!("no {want} event")).unwrap();
+        let ev = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no {want} event"))
+            .unwrap();
         if ev == want {
             return;
         }
@@ -81,7 +84,10 @@ async fn call_reply_and_peer_restart() {
     let probe = Probe(tx).start();
     // connect before the peer exists: the link retries until it is bound
     let link = connect_dealer(LinkConfig::new(&endpoint).identity("client-1"), probe.recipient());
-    assert!(matches!(link.call(Envelope::new(Message::Ping), Duration::from_secs(1)).await, Err(TransportError::Unavailable(_))));
+    assert!(matches!(
+        link.call(Envelope::new(Message::Ping), Duration::from_secs(1)).await,
+        Err(TransportError::Unavailable(_))
+    ));
 
     let (echo, _router) = start_echo(&endpoint).await;
     next_event(&mut rx, "up").await;

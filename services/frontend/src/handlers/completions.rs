@@ -11,8 +11,8 @@ use crate::headers::RequestMeta;
 use crate::openai::CompletionRequest;
 use crate::server::AppState;
 use crate::validation::{
-    check_model, completion_logprobs, completion_prompt, resolve_max_tokens, validate_params,
-    MaxTokensDefault, SamplingInput, DEFAULT_COMPLETION_MAX_TOKENS,
+    check_model, completion_logprobs, completion_prompt, resolve_max_tokens, validate_params, MaxTokensDefault,
+    SamplingInput, DEFAULT_COMPLETION_MAX_TOKENS,
 };
 
 /// The handler.
@@ -26,7 +26,6 @@ pub async fn completions(
     let remote_prefill = crate::handlers::remote_prefill_params(body.kv_transfer_params.as_ref());
     serve(&req, &state, Api::Completion, remote_prefill, move |meta, state| validate(body, meta, state, arrival)).await
 }
-
 
 fn validate(
     body: CompletionRequest,

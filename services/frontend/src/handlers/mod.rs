@@ -15,8 +15,8 @@ use std::future::Future;
 use crate::generate::{respond, set_request_id, submit, Accepted, Api, Prepared};
 use crate::headers::{request_meta, RequestMeta};
 use crate::metrics::{REJECTION_NOTICES_SENT, REMOTE_PREFILL_REJECTIONS_TOTAL};
-use pdmesh_protocol::{Envelope, KvTransferParams, Message, RejectionNotice};
 use crate::server::AppState;
+use pdmesh_protocol::{Envelope, KvTransferParams, Message, RejectionNotice};
 
 /// Render an error as the response to a request (counted and logged once, here).
 pub fn error_response(error: ApiError, request_id: &str) -> HttpResponse {

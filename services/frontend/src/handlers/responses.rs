@@ -19,7 +19,9 @@ use crate::headers::RequestMeta;
 use crate::openai::ResponsesRequest;
 use crate::responses::{answer, ResponseContext};
 use crate::server::AppState;
-use crate::validation::{check_model, render_chat, resolve_max_tokens, validate_params, MaxTokensDefault, SamplingInput};
+use crate::validation::{
+    check_model, render_chat, resolve_max_tokens, validate_params, MaxTokensDefault, SamplingInput,
+};
 
 /// `POST /v1/responses`.
 pub async fn create_response(
@@ -75,8 +77,7 @@ fn validate(
     let params = validate_params(&input, vocab)?;
     let mut messages = match body.previous_response_id.as_deref() {
         Some(id) => {
-            let previous =
-                state.responses.get(id).ok_or_else(|| ApiError::PreviousResponseNotFound(id.to_string()))?;
+            let previous = state.responses.get(id).ok_or_else(|| ApiError::PreviousResponseNotFound(id.to_string()))?;
             let mut messages = previous.messages.clone();
             messages.push(ChatMessage { role: "assistant".into(), content: previous.output_text.clone() });
             messages
@@ -119,9 +120,7 @@ fn input_messages(input: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
     match input {
         None | Some(Value::Null) => Err(ApiError::invalid("`input` is required.", "input")),
         Some(Value::String(s)) => Ok(vec![ChatMessage { role: "user".into(), content: s.clone() }]),
-        Some(Value::Array(items)) if items.is_empty() => {
-            Err(ApiError::invalid("`input` must not be empty.", "input"))
-        }
+        Some(Value::Array(items)) if items.is_empty() => Err(ApiError::invalid("`input` must not be empty.", "input")),
         Some(Value::Array(items)) => items.iter().map(input_item).collect(),
         Some(_) => Err(ApiError::invalid("`input` must be a string or an array of message items.", "input")),
     }
@@ -145,25 +144,20 @@ fn input_item(item: &Value) -> Result<ChatMessage, ApiError> {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(parts)) => parts
             .iter()
-            .map(|p| {
-                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
-                    (Some("input_text" | "output_text" | "text"), Some(t)) => Ok(t),
-                    (Some(other), _) if !matches!(other, "input_text" | "output_text" | "text") => Err(
-                        ApiError::invalid(format!("only text content parts are supported, got `{other}`."), "input"),
-                    ),
-                    _ => Err(ApiError::invalid(
-                        "a content part must be {\"type\": \"input_text\", \"text\": \"...\"}.",
-                        "input",
-                    )),
+            .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                (Some("input_text" | "output_text" | "text"), Some(t)) => Ok(t),
+                (Some(other), _) if !matches!(other, "input_text" | "output_text" | "text") => {
+                    Err(ApiError::invalid(format!("only text content parts are supported, got `{other}`."), "input"))
                 }
+                _ => Err(ApiError::invalid(
+                    "a content part must be {\"type\": \"input_text\", \"text\": \"...\"}.",
+                    "input",
+                )),
             })
             .collect::<Result<Vec<_>, _>>()?
             .join("\n"),
         _ => {
-            return Err(ApiError::invalid(
-                "message content must be a string or an array of input_text parts.",
-                "input",
-            ))
+            return Err(ApiError::invalid("message content must be a string or an array of input_text parts.", "input"))
         }
     };
     Ok(ChatMessage { role: role.to_string(), content })

@@ -99,7 +99,9 @@ impl Mesh {
     /// after it (e.g. `[nodes.model]` overrides).
     pub fn start(node_extra: &str, sections: &str, up_args: &[&str]) -> Mesh {
         let (http_port, base_port) = ports();
-        let nodes = format!("[[nodes]]\nname = \"main\"\nhttp_port = {http_port}\nbase_port = {base_port}\n{node_extra}\n{sections}");
+        let nodes = format!(
+            "[[nodes]]\nname = \"main\"\nhttp_port = {http_port}\nbase_port = {base_port}\n{node_extra}\n{sections}"
+        );
         Self::launch(nodes, up_args, http_port, base_port, &[http_port])
     }
 
