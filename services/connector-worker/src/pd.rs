@@ -39,7 +39,7 @@ pub struct PdRuntime {
     spec: KvCacheSpec,
     /// P: held requests and leases (shared with the agent's side channel).
     hold: Option<Arc<Mutex<HoldTable>>>,
-    _agent: Option<TransferAgent>,
+    agent: Option<TransferAgent>,
     hold_ttl: Duration,
     /// D: handshaken remote engines, and reads that settled since the last step.
     agents: Option<Arc<RemoteAgents>>,
@@ -90,7 +90,7 @@ impl PdRuntime {
             cfg.faults = setup.faults.clone();
             Arc::new(RemoteAgents::new(TransferClient::new(cfg)))
         });
-        Ok(Self { spec, hold, _agent: agent, hold_ttl: setup.hold, agents, settled: Arc::new(Mutex::new(Vec::new())) })
+        Ok(Self { spec, hold, agent: agent, hold_ttl: setup.hold, agents, settled: Arc::new(Mutex::new(Vec::new())) })
     }
 
     /// Apply the step's connector metadata: start holds (P) and reads (D).
@@ -130,7 +130,7 @@ impl PdRuntime {
                 }
             }
         }
-        if let Some(agent) = &self._agent {
+        if let Some(agent) = &self.agent {
             let stats = agent.stats();
             m::HANDSHAKES_SERVED.set(stats.metadata_requests.load(std::sync::atomic::Ordering::Relaxed) as i64);
             m::LEASES_GRANTED.set(stats.leases_granted.load(std::sync::atomic::Ordering::Relaxed) as i64);
@@ -147,11 +147,6 @@ impl PdRuntime {
             m::LEASED_BLOCKS.set(t.leased_blocks() as i64);
         }
         (loads, out)
-    }
-
-    /// Whether anything is pending that a later step will report.
-    pub fn has_pending(&self) -> bool {
-        self.hold.as_ref().is_some_and(|t| !t.lock().map(|t| t.is_empty()).unwrap_or(true))
     }
 }
 
@@ -226,8 +221,7 @@ pub fn apply_loads(kv: &mut KvCache, loads: &[StagedLoad]) -> Result<(), String>
             for layer in 0..layers {
                 for side in [KvSide::Key, KvSide::Value] {
                     let src = l.staged.block(layer, side, i as u32).map_err(|e| e.to_string())?;
-                    let src = src.to_vec();
-                    kv.block_mut(layer, side, dst).map_err(|e| e.to_string())?.copy_from_slice(&src);
+                    kv.block_mut(layer, side, dst).map_err(|e| e.to_string())?.copy_from_slice(src);
                 }
             }
         }

@@ -8,8 +8,7 @@ use actix::prelude::*;
 use pdmesh_config::{NodeConfig, Topology};
 use pdmesh_protocol::{
     ConnectorCall, ConnectorReply, EngineOutput, EngineOutputBatch, EngineRequest, Envelope, FinishReason, Hello,
-    KvConnectorMetadata, KvConnectorOutput, MeshStats, Message, ModelRunnerOutput, SchedulerOutput, ServiceKind,
-    WorkerInfo,
+    KvConnectorMetadata, KvConnectorOutput, MeshStats, Message, SchedulerOutput, ServiceKind, WorkerInfo,
 };
 use pdmesh_transport::{connect_dealer, connect_push, LinkConfig, LinkEvent, LinkHandle, PushHandle, TransportError};
 use thiserror::Error;
@@ -455,10 +454,11 @@ fn publish_gauges(s: &Scheduler) {
     m::KV_FREE.set(i64::from(kv.free_blocks));
     m::KV_USED.set(i64::from(kv.used_blocks));
     m::KV_HELD.set(i64::from(kv.held_blocks));
-    m::REQUEST_FINISHED_CALLS.reset();
-    m::REQUEST_FINISHED_CALLS.inc_by(s.counters().request_finished_calls);
-    m::PREEMPTIONS.reset();
-    m::PREEMPTIONS.inc_by(s.counters().preemptions);
+    // Counters follow the scheduler's own counts by their increase (never reset: a scrape in
+    // between would read a counter reset).
+    let c = s.counters();
+    m::REQUEST_FINISHED_CALLS.inc_by(c.request_finished_calls.saturating_sub(m::REQUEST_FINISHED_CALLS.get()));
+    m::PREEMPTIONS.inc_by(c.preemptions.saturating_sub(m::PREEMPTIONS.get()));
 }
 
 fn unavailable(peer: &str, e: &TransportError) -> String {
@@ -551,9 +551,4 @@ pub fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<Engin
         run_dir: topology.run_dir.clone(),
     };
     Ok(actor.start())
-}
-
-/// Outputs of a step that the worker did not run, for tests.
-pub fn empty_output(step_id: u64) -> ModelRunnerOutput {
-    ModelRunnerOutput { step_id, ..Default::default() }
 }

@@ -658,11 +658,6 @@ impl Scheduler {
         }
     }
 
-    /// Block generation, for block references handed to remote readers.
-    pub fn block_generation(&self, block: u32) -> Option<u64> {
-        self.pool.generation(block)
-    }
-
     /// Blocks the pool refused to free twice (must stay 0; asserted in tests).
     pub fn double_frees(&self) -> u64 {
         self.pool.double_frees()

@@ -214,3 +214,100 @@ fn admission_refuses_bad_requests() {
     s.add_request(req("d", 3, 1)).unwrap();
     assert!(s.add_request(req("d", 3, 1)).is_err(), "duplicate id");
 }
+
+/// D side: a request whose prompt comes from a remote prefill.
+fn remote(s: &mut Scheduler, id: &str, prompt_len: usize) -> Vec<u32> {
+    let mut r = req(id, prompt_len, 4);
+    r.kv_transfer_params = Some(KvTransferParams { do_remote_prefill: Some(true), ..Default::default() });
+    s.add_request(r).unwrap();
+    s.apply_match(id, Some(prompt_len as u32), true);
+    let sched = s.schedule();
+    assert!(sched.chunks.is_empty(), "nothing computes while the KV loads");
+    let blocks = sched
+        .alloc_calls
+        .iter()
+        .find_map(|c| match c {
+            ConnectorCall::UpdateStateAfterAlloc { request_id, block_ids, num_external_tokens } if request_id == id => {
+                assert_eq!(*num_external_tokens, prompt_len as u32);
+                Some(block_ids.clone())
+            }
+            _ => None,
+        })
+        .unwrap();
+    check_accounting(s);
+    blocks
+}
+
+#[test]
+fn loaded_kv_counts_as_computed_except_the_last_prompt_token() {
+    let mut s = Scheduler::new(cfg(16, 64));
+    let blocks = remote(&mut s, "d", 9);
+    assert_eq!(blocks.len(), 3);
+    assert!(s.schedule().chunks.is_empty(), "still waiting for the receive");
+    s.update_from_kv_output(&KvConnectorOutput { finished_recving: vec!["d".into()], ..Default::default() });
+    let chunks = s.schedule().chunks;
+    assert_eq!(chunks.len(), 1);
+    assert_eq!((chunks[0].start_pos, chunks[0].token_ids.len(), chunks[0].sample), (8, 1, true));
+    check_accounting(&s);
+}
+
+#[test]
+fn abort_while_receiving_keeps_blocks_until_the_read_settles() {
+    let mut s = Scheduler::new(cfg(16, 64));
+    remote(&mut s, "d", 9);
+    assert_eq!(s.abort_requests(&["d".into()]), vec!["d".to_string()]);
+    finish_calls(&mut s, false);
+    assert_eq!(s.counters().request_finished_calls, 1);
+    // A READ may still write into the blocks: they stay out of the free pool.
+    let kv = s.kv_usage();
+    assert_eq!((kv.held_blocks, kv.free_blocks), (3, 13), "{kv:?}");
+    assert_eq!(s.held_requests()[0].state, "aborted_while_receiving");
+    assert!(s.has_requests(), "the engine keeps ticking until the receive settles");
+    check_accounting(&s);
+    s.update_from_kv_output(&KvConnectorOutput { finished_recving: vec!["d".into()], ..Default::default() });
+    assert_eq!(s.kv_usage().free_blocks, 16);
+    assert!(!s.has_requests());
+    assert_eq!(s.counters().request_finished_calls, 1, "request_finished once");
+    check_accounting(&s);
+}
+
+#[test]
+fn failed_load_is_recomputed_from_the_first_invalid_block() {
+    let mut s = Scheduler::new(cfg(16, 64));
+    s.set_recompute_load_failures(true);
+    let blocks = remote(&mut s, "d", 9);
+    // the second block failed: tokens 0..4 are valid, the rest is recomputed
+    s.update_from_kv_output(&KvConnectorOutput {
+        finished_recving: vec!["d".into()],
+        invalid_block_ids: vec![blocks[1]],
+        ..Default::default()
+    });
+    let chunks = s.schedule().chunks;
+    assert_eq!((chunks[0].start_pos, chunks[0].token_ids.len()), (4, 5));
+    check_accounting(&s);
+}
+
+#[test]
+fn failed_load_fails_only_that_request_under_fail_policy() {
+    let mut s = Scheduler::new(cfg(16, 64));
+    let blocks = remote(&mut s, "d", 9);
+    s.add_request(req("other", 5, 2)).unwrap();
+    s.update_from_kv_output(&KvConnectorOutput {
+        finished_recving: vec!["d".into()],
+        invalid_block_ids: blocks.clone(),
+        ..Default::default()
+    });
+    assert_eq!(s.counters().unknown_ids, 0, "the failed receive is not an unknown id");
+    finish_calls(&mut s, false);
+    let outs = s.take_outputs();
+    let d = outs.iter().find(|o| o.request_id == "d").unwrap();
+    assert_eq!(d.finish_reason, Some(FinishReason::Error));
+    assert!(d.error.as_deref().is_some_and(|e| e.contains("kv load failed")));
+    // the other request still runs to completion
+    for _ in 0..4 {
+        step(&mut s, 7);
+    }
+    assert!(!s.has_requests());
+    assert_eq!(s.kv_usage().free_blocks, 16);
+    check_accounting(&s);
+}

@@ -356,27 +356,10 @@ async fn run(
     }
     let mut text = String::new();
     loop {
-        let output = tokio::select! {
-            biased;
-            _ = tx.closed() => {
-                tracing::info!("client disconnected mid-stream");
-                return;
-            }
-            output = rx.recv() => output,
-        };
-        let Some(output) = output else {
-            guard.finish("error");
-            let e = ApiError::Unavailable(
-                "engine unavailable: the output stream closed before the request finished".into(),
-            );
-            let _ = tx.send(events.error(&e)).await;
-            return;
-        };
-        let delta = match processor.process(&output) {
+        let delta = match crate::stream::next_delta(&tx, &mut rx, &mut guard, &mut processor).await {
             Ok(delta) => delta,
-            Err(e) => {
-                guard.abort_now(AbortReason::OutputError);
-                guard.finish("error");
+            Err(None) => return,
+            Err(Some(e)) => {
                 let _ = tx.send(events.error(&e)).await;
                 return;
             }

@@ -17,7 +17,7 @@ use futures::StreamExt;
 use pdmesh_config::Topology;
 use serde_json::{json, Value};
 
-use crate::error::FrontendError;
+use crate::error::{ApiError, FrontendError};
 use crate::headers::REQUEST_ID;
 use crate::metrics::HTTP_REQUESTS_TOTAL;
 
@@ -39,10 +39,14 @@ impl RouterState {
     }
 }
 
-fn error(status: StatusCode, message: String, kind: &str) -> HttpResponse {
-    HttpResponse::build(status).json(json!({
-        "error": {"message": message, "type": kind, "param": null, "code": status.as_u16()}
-    }))
+/// An OpenAI error answer from the router itself (the same mapping as every frontend);
+/// `request_id` is echoed unless empty (requests that carry none, like `/health`).
+fn error(e: ApiError, request_id: &str) -> HttpResponse {
+    if request_id.is_empty() {
+        e.record();
+        return actix_web::ResponseError::error_response(&e);
+    }
+    crate::handlers::error_response(e, request_id)
 }
 
 /// Headers forwarded to both legs.
@@ -57,25 +61,21 @@ fn forward_headers(req: &HttpRequest, rb: reqwest::RequestBuilder, request_id: &
 }
 
 async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, path: &'static str) -> HttpResponse {
-    let Ok(original) = serde_json::from_slice::<Value>(&body) else {
-        return error(StatusCode::BAD_REQUEST, "request body is not valid JSON".into(), "invalid_request_error");
-    };
-    if !original.is_object() {
-        return error(StatusCode::BAD_REQUEST, "request body must be a JSON object".into(), "invalid_request_error");
-    }
     let request_id = req
         .headers()
         .get(REQUEST_ID)
         .and_then(|v| v.to_str().ok())
         .map(str::to_string)
         .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    let Ok(original) = serde_json::from_slice::<Value>(&body) else {
+        return error(ApiError::invalid_request("request body is not valid JSON"), &request_id);
+    };
+    if !original.is_object() {
+        return error(ApiError::invalid_request("request body must be a JSON object"), &request_id);
+    }
     let (Some(p), Some(d)) = (RouterState::pick(&st.prefill, &st.next_p), RouterState::pick(&st.decode, &st.next_d))
     else {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "unavailable: no prefill or decode upstream".into(),
-            "ServiceUnavailableError",
-        );
+        return error(ApiError::Unavailable("unavailable: no prefill or decode upstream".into()), "");
     };
 
     // ---- prefill leg
@@ -94,11 +94,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         Ok(r) => r,
         Err(e) => {
             tracing::warn!(%request_id, upstream = %p, error = %e, "prefill leg failed");
-            return error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("unavailable: prefill node {p}: {e}"),
-                "ServiceUnavailableError",
-            );
+            return error(ApiError::Unavailable(format!("unavailable: prefill node {p}: {e}")), &request_id);
         }
     };
     let p_status = p_res.status();
@@ -123,11 +119,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         Ok(r) => r,
         Err(e) => {
             tracing::warn!(%request_id, upstream = %d, error = %e, "decode leg failed");
-            return error(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("unavailable: decode node {d}: {e}"),
-                "ServiceUnavailableError",
-            );
+            return error(ApiError::Unavailable(format!("unavailable: decode node {d}: {e}")), &request_id);
         }
     };
     let status = StatusCode::from_u16(d_res.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -157,22 +149,14 @@ async fn chat(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>) ->
 /// `/v1/models` and `/health` are answered by the first decode node.
 async fn passthrough_get(req: HttpRequest, st: web::Data<RouterState>) -> HttpResponse {
     let Some(d) = st.decode.first() else {
-        return error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "unavailable: no decode upstream".into(),
-            "ServiceUnavailableError",
-        );
+        return error(ApiError::Unavailable("unavailable: no decode upstream".into()), "");
     };
     match st.client.get(format!("{d}{}", req.path())).send().await {
         Ok(r) => {
             let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
             HttpResponse::build(status).content_type("application/json").body(r.bytes().await.unwrap_or_default())
         }
-        Err(e) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("unavailable: decode node {d}: {e}"),
-            "ServiceUnavailableError",
-        ),
+        Err(e) => error(ApiError::Unavailable(format!("unavailable: decode node {d}: {e}")), ""),
     }
 }
 

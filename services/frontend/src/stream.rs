@@ -181,6 +181,37 @@ pub fn respond(
     sse_response(&request_id, body_rx)
 }
 
+/// The next engine output of a streamed request, detokenised. `Err(None)`: the client went
+/// away (the guard aborts the engine request when dropped); `Err(Some(e))`: the request failed
+/// and `e` is to be sent as the stream's error event. Shared by chat, completions and the
+/// Responses API, which differ only in how they frame a delta.
+pub(crate) async fn next_delta(
+    tx: &mpsc::Sender<Bytes>,
+    rx: &mut OutputReceiver,
+    guard: &mut RequestGuard,
+    processor: &mut OutputProcessor<'_>,
+) -> Result<crate::output::Delta, Option<ApiError>> {
+    let output = tokio::select! {
+        biased;
+        _ = tx.closed() => {
+            tracing::info!("client disconnected mid-stream");
+            return Err(None);
+        }
+        output = rx.recv() => output,
+    };
+    let Some(output) = output else {
+        guard.finish("error");
+        return Err(Some(ApiError::Unavailable(
+            "engine unavailable: the output stream closed before the request finished".into(),
+        )));
+    };
+    processor.process(&output).map_err(|e| {
+        guard.abort_now(AbortReason::OutputError);
+        guard.finish("error");
+        Some(e)
+    })
+}
+
 /// The HTTP response of an SSE stream fed by `body_rx` (shared by chat, completions and the
 /// Responses API).
 pub(crate) fn sse_response(request_id: &str, body_rx: mpsc::Receiver<Bytes>) -> HttpResponse {
@@ -217,27 +248,10 @@ async fn run(
         return;
     }
     loop {
-        let output = tokio::select! {
-            biased;
-            _ = tx.closed() => {
-                tracing::info!("client disconnected mid-stream");
-                return;
-            }
-            output = rx.recv() => output,
-        };
-        let Some(output) = output else {
-            guard.finish("error");
-            let e = ApiError::Unavailable(
-                "engine unavailable: the output stream closed before the request finished".into(),
-            );
-            send_error(&tx, e).await;
-            return;
-        };
-        let delta = match processor.process(&output) {
+        let delta = match next_delta(&tx, &mut rx, &mut guard, &mut processor).await {
             Ok(delta) => delta,
-            Err(e) => {
-                guard.abort_now(AbortReason::OutputError);
-                guard.finish("error");
+            Err(None) => return,
+            Err(Some(e)) => {
                 send_error(&tx, e).await;
                 return;
             }

@@ -30,7 +30,6 @@ macro_rules! build {
     };
 }
 
-#[allow(clippy::expect_used)] // only reached for a static definition that the unit tests reject
 fn fallback_opts() -> Opts {
     Opts::new("pdmesh_invalid_metric", "a metric whose definition was invalid")
 }
