@@ -90,7 +90,7 @@ impl PdRuntime {
             cfg.faults = setup.faults.clone();
             Arc::new(RemoteAgents::new(TransferClient::new(cfg)))
         });
-        Ok(Self { spec, hold, agent: agent, hold_ttl: setup.hold, agents, settled: Arc::new(Mutex::new(Vec::new())) })
+        Ok(Self { spec, hold, agent, hold_ttl: setup.hold, agents, settled: Arc::new(Mutex::new(Vec::new())) })
     }
 
     /// Apply the step's connector metadata: start holds (P) and reads (D).
