@@ -4,6 +4,7 @@
 
 mod client;
 mod inprocess;
+mod rejections;
 mod stats;
 
 use std::path::PathBuf;
@@ -26,6 +27,10 @@ enum Cmd {
     /// Mesh overhead: the same engine and synthetic executor in-process versus through the
     /// mesh (started here with `pdmesh up`), at several concurrencies.
     Overhead(OverheadArgs),
+    /// Rule R1: D rejects 10% of requests before admission; throughput and the block-seconds
+    /// P strands, with rejection notices on versus off, against no rejections (three meshes
+    /// started here, measured in interleaved rounds).
+    Rejections(rejections::RejectionArgs),
 }
 
 #[derive(Args, Clone)]
@@ -78,6 +83,7 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }),
         Cmd::Overhead(a) => rt.block_on(overhead(a)),
+        Cmd::Rejections(a) => rt.block_on(rejections::run(a)),
     }
 }
 

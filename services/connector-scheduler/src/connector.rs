@@ -30,8 +30,12 @@ pub trait KvConnectorScheduler: Send {
     fn update_connector_output(&mut self, output: &KvConnectorOutput);
     /// Rule R1: D refused a request with these params before admission. `Err` (a reason) when
     /// the params cannot be acted on; the caller counts it, nothing else changes.
-    fn request_rejected_before_admission(&mut self, params: &KvTransferParams) -> Result<(), String> {
-        let _ = params;
+    fn request_rejected_before_admission(
+        &mut self,
+        params: &KvTransferParams,
+        rejected_at_unix_us: Option<u64>,
+    ) -> Result<(), String> {
+        let _ = (params, rejected_at_unix_us);
         Err("this connector does not consume remote KV".into())
     }
 }

@@ -106,8 +106,8 @@ pub fn dispatch(c: &mut dyn KvConnectorScheduler, call: ConnectorCall) -> Connec
             c.update_connector_output(&out);
             ConnectorReply::Ack
         }
-        ConnectorCall::RequestRejectedBeforeAdmission { params } => {
-            match c.request_rejected_before_admission(&params) {
+        ConnectorCall::RequestRejectedBeforeAdmission { params, rejected_at_unix_us } => {
+            match c.request_rejected_before_admission(&params, rejected_at_unix_us) {
                 Ok(()) => ConnectorReply::Ack,
                 Err(reason) => ConnectorReply::Rejected { reason },
             }

@@ -128,6 +128,7 @@ impl KvConnectorScheduler for PdConnector {
                     request_id: request_id.to_string(),
                     local_block_ids: local,
                     params: p,
+                    rejected_at_unix_us: None,
                 });
             }
             if let Some(st) = self.reqs.get_mut(request_id) {
@@ -173,6 +174,7 @@ impl KvConnectorScheduler for PdConnector {
                     request_id: request_id.to_string(),
                     local_block_ids: Vec::new(),
                     params: p,
+                    rejected_at_unix_us: None,
                 });
             } else {
                 self.counters.invalid_params += 1;
@@ -216,7 +218,11 @@ impl KvConnectorScheduler for PdConnector {
 
     fn update_connector_output(&mut self, _output: &KvConnectorOutput) {}
 
-    fn request_rejected_before_admission(&mut self, params: &KvTransferParams) -> Result<(), String> {
+    fn request_rejected_before_admission(
+        &mut self,
+        params: &KvTransferParams,
+        rejected_at_unix_us: Option<u64>,
+    ) -> Result<(), String> {
         if !self.consumer {
             return Err("not a consumer".into());
         }
@@ -233,6 +239,7 @@ impl KvConnectorScheduler for PdConnector {
             request_id: format!("rejected:{p_id}"),
             local_block_ids: Vec::new(),
             params: params.clone(),
+            rejected_at_unix_us,
         });
         Ok(())
     }
@@ -315,7 +322,7 @@ mod tests {
     #[test]
     fn rejection_before_admission_enqueues_an_empty_receive_with_ps_request_id() {
         let mut c = consumer();
-        assert!(c.request_rejected_before_admission(&remote_params()).is_ok());
+        assert!(c.request_rejected_before_admission(&remote_params(), Some(1)).is_ok());
         let meta = c.build_connector_meta(1);
         assert_eq!(meta.reqs_to_recv.len(), 1);
         assert!(meta.reqs_to_recv[0].local_block_ids.is_empty());
@@ -324,7 +331,7 @@ mod tests {
         let mut p = remote_params();
         p.remote_host = None;
         let before = p.clone();
-        assert!(c.request_rejected_before_admission(&p).is_err());
+        assert!(c.request_rejected_before_admission(&p, None).is_err());
         assert_eq!(p, before);
         assert!(c.build_connector_meta(2).reqs_to_recv.is_empty());
         assert_eq!(c.counters.invalid_params, 1);

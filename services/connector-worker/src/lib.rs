@@ -172,6 +172,7 @@ pub async fn run(
         vocab_size: facts.vocab_size,
         eos_token_ids: facts.eos_token_ids.clone(),
         bytes_per_block: spec.bytes_per_block(),
+        incarnation: format!("{}-{}", std::process::id(), uuid::Uuid::new_v4()),
     };
     metrics::KV_CACHE_BYTES.set((spec.bytes_per_block() * u64::from(spec.num_blocks)) as i64);
     let (kv, pd) = match &node.kv_transfer {
@@ -194,12 +195,12 @@ pub async fn run(
                     advertise_host: Some(cfg.side_channel_host.clone()),
                 },
             };
-            let faults = std::env::var("PDMESH_FAULT")
-                .ok()
-                .map(|f| pdmesh_kv_transfer::FaultConfig::parse(&f))
-                .transpose()
-                .map_err(|e| WorkerError::Model(format!("PDMESH_FAULT: {e}")))?
-                .unwrap_or_default();
+            // `PDMESH_FAULT` was folded into the config by `Topology::apply_env`.
+            let faults = pdmesh_kv_transfer::FaultConfig::parse(&cfg.fault_injection)
+                .map_err(|e| WorkerError::Model(format!("kv_transfer.fault_injection: {e}")))?;
+            if !faults.is_empty() {
+                tracing::warn!(%faults, "fault injection is on");
+            }
             let setup = pd::PdSetup {
                 engine_id,
                 rank,

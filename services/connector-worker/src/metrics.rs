@@ -1,7 +1,7 @@
 //! connector-worker metrics.
 
-use pdmesh_telemetry::metrics::{counter, gauge, histogram, latency_buckets};
-use prometheus::{Histogram, IntCounter, IntGauge};
+use pdmesh_telemetry::metrics::{counter, counter_vec, float_counter_vec, gauge, histogram, latency_buckets};
+use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge};
 use std::sync::LazyLock;
 
 pub static EXECUTE_SECONDS: LazyLock<Histogram> =
@@ -17,8 +17,9 @@ pub static TRANSFER_BYTES: LazyLock<IntCounter> =
 pub static TRANSFER_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
     histogram("pdmesh_worker_kv_transfer_seconds", "Time of one request's KV read", latency_buckets())
 });
-pub static TRANSFER_FAILURES: LazyLock<IntCounter> =
-    LazyLock::new(|| counter("pdmesh_worker_kv_transfer_failures_total", "KV loads that failed"));
+pub static TRANSFER_FAILURES: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec("pdmesh_worker_kv_transfer_failures_total", "KV loads that failed, by kind", &["kind"])
+});
 pub static NOTIFY_FAILURES: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_worker_kv_notify_failures_total", "Notices to P that could not be sent"));
 pub static HOLDS_EXPIRED: LazyLock<IntCounter> =
@@ -34,4 +35,18 @@ pub static LEASES_GRANTED: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("pdmesh_worker_kv_leases_granted", "Read leases granted by this P agent"));
 pub static LEASES_REFUSED: LazyLock<IntGauge> = LazyLock::new(|| {
     gauge("pdmesh_worker_kv_leases_refused", "Read leases refused (unknown, freed or stale references)")
+});
+pub static HELD_BLOCK_SECONDS: LazyLock<prometheus::CounterVec> = LazyLock::new(|| {
+    float_counter_vec(
+        "pdmesh_worker_kv_held_block_seconds_total",
+        "Block-seconds P held for remote readers, by what released them (expired = stranded until a deadline)",
+        &["released_by"],
+    )
+});
+pub static REJECTION_TO_RELEASE_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    histogram(
+        "pdmesh_worker_kv_rejection_to_release_seconds",
+        "P: time from D's rejection before admission to the release of the held blocks (R1)",
+        vec![0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0],
+    )
 });

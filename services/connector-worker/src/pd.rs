@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdmesh_kv_transfer::{
-    compat_hash, side_channel_endpoint, AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig, HoldTable,
-    HoldTableConfig, RemoteAgents, SharedPolicy, TransferAgent, TransferClient,
+    compat_hash, side_channel_endpoint, AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig,
+    HeldBlockMs, HoldTable, HoldTableConfig, RemoteAgents, SharedPolicy, TransferAgent, TransferClient,
 };
 use pdmesh_model_api::{KvCache, KvCacheSpec};
 use pdmesh_protocol::{KvConnectorMetadata, KvConnectorOutput, RecvRequest};
@@ -31,7 +31,7 @@ pub struct StagedLoad {
 #[derive(Debug)]
 enum Settled {
     Loaded(StagedLoad),
-    Failed { request_id: String, local_block_ids: Vec<u32>, error: String },
+    Failed { request_id: String, local_block_ids: Vec<u32>, kind: FailureKind, error: String },
 }
 
 /// P/D state of one connector-worker.
@@ -44,6 +44,9 @@ pub struct PdRuntime {
     /// D: handshaken remote engines, and reads that settled since the last step.
     agents: Option<Arc<RemoteAgents>>,
     settled: Arc<Mutex<Vec<Settled>>>,
+    faults: FaultConfig,
+    /// Held block-milliseconds already exported (the metric follows the table's counts).
+    exported_block_ms: std::cell::Cell<HeldBlockMs>,
 }
 
 fn wall_to_instant(unix_ms: u64) -> Instant {
@@ -90,7 +93,16 @@ impl PdRuntime {
             cfg.faults = setup.faults.clone();
             Arc::new(RemoteAgents::new(TransferClient::new(cfg)))
         });
-        Ok(Self { spec, hold, agent, hold_ttl: setup.hold, agents, settled: Arc::new(Mutex::new(Vec::new())) })
+        Ok(Self {
+            spec,
+            hold,
+            agent,
+            hold_ttl: setup.hold,
+            agents,
+            settled: Arc::new(Mutex::new(Vec::new())),
+            faults: setup.faults,
+            exported_block_ms: std::cell::Cell::new(HeldBlockMs::default()),
+        })
     }
 
     /// Apply the step's connector metadata: start holds (P) and reads (D).
@@ -104,7 +116,7 @@ impl PdRuntime {
         }
         if let Some(agents) = &self.agents {
             for r in &meta.reqs_to_recv {
-                let fut = receive(agents.clone(), self.spec, r.clone(), self.settled.clone());
+                let fut = receive(agents.clone(), self.spec, r.clone(), self.settled.clone(), self.faults.clone());
                 actix::spawn(fut);
             }
         }
@@ -122,9 +134,9 @@ impl PdRuntime {
                     out.finished_recving.push(l.request_id.clone());
                     loads.push(l);
                 }
-                Settled::Failed { request_id, local_block_ids, error } => {
-                    tracing::warn!(%request_id, %error, "KV load failed");
-                    m::TRANSFER_FAILURES.inc();
+                Settled::Failed { request_id, local_block_ids, kind, error } => {
+                    tracing::warn!(%request_id, kind = kind.label(), %error, "KV load failed");
+                    m::TRANSFER_FAILURES.with_label_values(&[kind.label()]).inc();
                     out.finished_recving.push(request_id);
                     out.invalid_block_ids.extend(local_block_ids);
                 }
@@ -135,6 +147,9 @@ impl PdRuntime {
             m::HANDSHAKES_SERVED.set(stats.metadata_requests.load(std::sync::atomic::Ordering::Relaxed) as i64);
             m::LEASES_GRANTED.set(stats.leases_granted.load(std::sync::atomic::Ordering::Relaxed) as i64);
             m::LEASES_REFUSED.set(stats.leases_refused.load(std::sync::atomic::Ordering::Relaxed) as i64);
+            for us in stats.take_rejection_latencies() {
+                m::REJECTION_TO_RELEASE_SECONDS.observe(us as f64 / 1e6);
+            }
         }
         if let Some(table) = &self.hold {
             let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
@@ -144,15 +159,62 @@ impl PdRuntime {
             }
             out.finished_sending = t.take_finished_sending();
             m::HELD_BLOCKS.set(t.held_blocks() as i64);
+            let now = t.counters().held_block_ms;
+            let before = self.exported_block_ms.replace(now);
+            for (label, n, b) in [
+                ("read_done", now.read_done, before.read_done),
+                ("given_up", now.given_up, before.given_up),
+                ("aborted", now.aborted, before.aborted),
+                ("expired", now.expired, before.expired),
+            ] {
+                if n > b {
+                    m::HELD_BLOCK_SECONDS.with_label_values(&[label]).inc_by((n - b) as f64 / 1000.0);
+                }
+            }
             m::LEASED_BLOCKS.set(t.leased_blocks() as i64);
         }
         (loads, out)
     }
 }
 
+/// Why a load failed: the `kind` label of `pdmesh_worker_kv_transfer_failures_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    /// Handshake: unreachable, timed out, incompatible, undecodable, wrong engine.
+    Handshake,
+    /// P refused the lease (freed, stale generation, fault) or it could not be asked.
+    Lease,
+    /// The READ itself failed (setup, midway, timeout).
+    Read,
+    /// P did not confirm `read done`: the bytes may have been overwritten meanwhile.
+    ReadDone,
+    /// The task running the read ended without a result.
+    Exception,
+}
+
+impl FailureKind {
+    pub fn label(self) -> &'static str {
+        match self {
+            FailureKind::Handshake => "handshake",
+            FailureKind::Lease => "lease",
+            FailureKind::Read => "read",
+            FailureKind::ReadDone => "read_done",
+            FailureKind::Exception => "exception",
+        }
+    }
+}
+
 /// One receive: handshake (cached), lease, read, notify. A notify-only receive (no local
-/// blocks) tells P to free and is never reported to the scheduler.
-async fn receive(agents: Arc<RemoteAgents>, spec: KvCacheSpec, r: RecvRequest, settled: Arc<Mutex<Vec<Settled>>>) {
+/// blocks) tells P to free and is never reported to the scheduler. Every failure ends in the
+/// one failure handler ([`Settled::Failed`] → `finish_step`), which reports the request as
+/// received together with its invalid blocks, so the scheduler applies the load-failure policy.
+async fn receive(
+    agents: Arc<RemoteAgents>,
+    spec: KvCacheSpec,
+    r: RecvRequest,
+    settled: Arc<Mutex<Vec<Settled>>>,
+    faults: FaultConfig,
+) {
     let p = &r.params;
     let (Some(engine), Some(host), Some(port), Some(p_req)) =
         (p.remote_engine_id.as_deref(), p.remote_host.as_deref(), p.remote_port, p.remote_request_id.as_deref())
@@ -161,10 +223,14 @@ async fn receive(agents: Arc<RemoteAgents>, spec: KvCacheSpec, r: RecvRequest, s
     };
     let endpoint = side_channel_endpoint(host, port);
     let notify_only = r.local_block_ids.is_empty();
-    let result: Result<Option<StagedLoad>, String> = async {
-        let agent = agents.get(engine, &endpoint).await.map_err(|e| format!("handshake: {e}"))?;
+    let fail = |kind: FailureKind, e: &dyn std::fmt::Display| (kind, e.to_string());
+    let result: Result<Option<StagedLoad>, (FailureKind, String)> = async {
+        let agent = agents.get(engine, &endpoint).await.map_err(|e| fail(FailureKind::Handshake, &e))?;
         if notify_only {
-            agent.give_up(p_req, "not reading (notify only)", None).await.map_err(|e| format!("notify: {e}"))?;
+            agent
+                .give_up_at(p_req, "rejected before admission (notify only)", None, r.rejected_at_unix_us)
+                .await
+                .map_err(|e| fail(FailureKind::Lease, &e))?;
             return Ok(None);
         }
         let remote = p.remote_block_ids.clone().unwrap_or_default();
@@ -174,24 +240,45 @@ async fn receive(agents: Arc<RemoteAgents>, spec: KvCacheSpec, r: RecvRequest, s
         let gens = p.remote_block_generations.clone().unwrap_or_default();
         let gens_tail =
             if gens.len() == remote.len() { gens.get(gens.len() - n..).unwrap_or(&[]).to_vec() } else { gens };
-        let lease = agent.lease(p_req, &remote_tail, &gens_tail).await.map_err(|e| format!("lease: {e}"))?;
-        let mut staged = KvCache::new_heap(KvCacheSpec { num_blocks: n as u32, ..spec });
-        let staged_ids: Vec<u32> = (0..n as u32).collect();
-        let read = agent.read_blocks(&lease, &remote_tail, &mut staged, &staged_ids).await;
-        match read {
-            Ok(stats) => {
+        let lease = agent.lease(p_req, &remote_tail, &gens_tail).await.map_err(|e| fail(FailureKind::Lease, &e))?;
+        let lease = Arc::new(lease);
+        // The READ and its `read done` run as their own task, so that a task dying without a
+        // result (the `transfer_exception` fault) still lands in the failure handler below.
+        let task = actix::spawn({
+            let (agent, lease, remote_tail) = (agent.clone(), lease.clone(), remote_tail.clone());
+            async move {
+                let mut staged = KvCache::new_heap(KvCacheSpec { num_blocks: n as u32, ..spec });
+                let staged_ids: Vec<u32> = (0..n as u32).collect();
+                let stats = agent
+                    .read_blocks(&lease, &remote_tail, &mut staged, &staged_ids)
+                    .await
+                    .map_err(|e| fail(FailureKind::Read, &e))?;
+                agent.read_done(&lease).await.map_err(|e| fail(FailureKind::ReadDone, &e))?;
+                Ok::<_, (FailureKind, String)>((staged, stats))
+            }
+        });
+        if faults.transfer_exception {
+            tracing::warn!(request_id = %r.request_id, "fault injection: the read task dies");
+            task.abort();
+        }
+        let outcome = task.await.unwrap_or_else(|e| Err(fail(FailureKind::Exception, &e)));
+        match outcome {
+            Ok((staged, stats)) => {
                 m::TRANSFER_BYTES.inc_by(stats.bytes);
                 m::TRANSFER_SECONDS.observe(stats.elapsed.as_secs_f64());
-                agent.read_done(&lease).await.map_err(|e| format!("read done: {e}"))?;
                 Ok(Some(StagedLoad {
                     request_id: r.request_id.clone(),
                     staged,
                     local_block_ids: r.local_block_ids.get(r.local_block_ids.len() - n..).unwrap_or(&[]).to_vec(),
                 }))
             }
-            Err(e) => {
-                let _ = agent.give_up(p_req, "read failed", Some(&lease)).await;
-                Err(format!("read: {e}"))
+            Err(failure) => {
+                // D gives up (R4): P frees at once instead of at its deadline.
+                if let Err(e) = agent.give_up(p_req, "read failed", Some(lease.as_ref())).await {
+                    m::NOTIFY_FAILURES.inc();
+                    tracing::debug!(error = %e, "give up after a failed read not delivered");
+                }
+                Err(failure)
             }
         }
     }
@@ -200,12 +287,13 @@ async fn receive(agents: Arc<RemoteAgents>, spec: KvCacheSpec, r: RecvRequest, s
     match result {
         Ok(Some(load)) => s.push(Settled::Loaded(load)),
         Ok(None) => {}
-        Err(error) if !notify_only => s.push(Settled::Failed {
+        Err((kind, error)) if !notify_only => s.push(Settled::Failed {
             request_id: r.request_id.clone(),
             local_block_ids: r.local_block_ids.clone(),
+            kind,
             error,
         }),
-        Err(error) => {
+        Err((_, error)) => {
             m::NOTIFY_FAILURES.inc();
             tracing::warn!(request_id = %r.request_id, %error, "could not notify P; it frees at its deadline");
         }

@@ -49,7 +49,7 @@ struct Inbox {
     adds: Vec<EngineRequest>,
     aborts: Vec<String>,
     /// Rule R1: params of requests D refused before admission.
-    notices: Vec<pdmesh_protocol::KvTransferParams>,
+    notices: Vec<pdmesh_protocol::RejectionNotice>,
 }
 
 struct State {
@@ -123,7 +123,14 @@ impl EngineCore {
                     System::current().stop_with_code(2);
                     return;
                 }
-                tracing::info!(model = %info.model_name, num_blocks = info.num_blocks, "worker ready");
+                let restarted = act.worker_info.as_ref().is_some_and(|old| old.incarnation != info.incarnation);
+                if restarted {
+                    let lost = act.state.borrow_mut().sched.worker_restarted("unavailable: connector-worker restarted");
+                    m::WORKER_RESTARTS.inc();
+                    tracing::warn!(lost_requests = lost, "connector-worker restarted: its KV is gone; failed its requests and freed held blocks");
+                    act.kick(ctx);
+                }
+                tracing::info!(model = %info.model_name, num_blocks = info.num_blocks, incarnation = %info.incarnation, "worker ready");
                 act.worker_info = Some(info);
                 act.connect_dplb(ctx);
                 act.update_health();
@@ -192,7 +199,9 @@ impl Handler<LinkEvent> for EngineCore {
             LinkEvent::Up { endpoint } => {
                 tracing::info!(%endpoint, "connected");
                 let is_worker = self.peers.as_ref().is_some_and(|p| p.worker.endpoint() == endpoint);
-                if is_worker && self.worker_info.is_none() {
+                if is_worker {
+                    // First connect, or a reconnect: the worker may have restarted (new
+                    // incarnation), in which case its KV state is gone.
                     self.query_worker_info(ctx);
                 }
                 self.update_health();
@@ -219,7 +228,7 @@ impl EngineCore {
                 self.kick(ctx);
             }
             Message::RejectionNotice(n) => {
-                self.state.borrow_mut().inbox.notices.push(n.params);
+                self.state.borrow_mut().inbox.notices.push(n);
                 self.kick(ctx);
             }
             Message::StatsQuery => {
@@ -307,8 +316,13 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
     let finishing = state.borrow_mut().sched.finishing_calls();
     // Rejection notices first: the connector turns them into empty receives that go out in
     // this very step's metadata, so P hears of it within one engine tick.
-    let mut calls: Vec<ConnectorCall> =
-        notices.into_iter().map(|params| ConnectorCall::RequestRejectedBeforeAdmission { params }).collect();
+    let mut calls: Vec<ConnectorCall> = notices
+        .into_iter()
+        .map(|n| ConnectorCall::RequestRejectedBeforeAdmission {
+            params: n.params,
+            rejected_at_unix_us: n.rejected_at_unix_us,
+        })
+        .collect();
     let n_notices = calls.len();
     calls.extend(schedule.alloc_calls.iter().cloned());
     calls.extend(finishing.iter().cloned());
@@ -459,6 +473,9 @@ fn publish_gauges(s: &Scheduler) {
     let c = s.counters();
     m::REQUEST_FINISHED_CALLS.inc_by(c.request_finished_calls.saturating_sub(m::REQUEST_FINISHED_CALLS.get()));
     m::PREEMPTIONS.inc_by(c.preemptions.saturating_sub(m::PREEMPTIONS.get()));
+    m::KV_LOADS_RECOMPUTED.inc_by(c.kv_loads_recomputed.saturating_sub(m::KV_LOADS_RECOMPUTED.get()));
+    m::RECOMPUTED_TOKENS.inc_by(c.recomputed_tokens.saturating_sub(m::RECOMPUTED_TOKENS.get()));
+    m::KV_LOADS_FAILED.inc_by(c.kv_loads_failed_by_policy.saturating_sub(m::KV_LOADS_FAILED.get()));
 }
 
 fn unavailable(peer: &str, e: &TransportError) -> String {

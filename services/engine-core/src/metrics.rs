@@ -27,6 +27,21 @@ pub static UNKNOWN_IDS: LazyLock<IntCounter> = LazyLock::new(|| {
 });
 pub static PREEMPTIONS: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_engine_preemptions_total", "Preemptions"));
+pub static KV_LOADS_RECOMPUTED: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter("pdmesh_engine_kv_loads_recomputed_total", "Failed KV loads prefilled locally (recompute policy)")
+});
+pub static RECOMPUTED_TOKENS: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter("pdmesh_engine_recomputed_tokens_total", "Prompt tokens prefilled locally after a failed KV load")
+});
+pub static KV_LOADS_FAILED: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_engine_kv_load_failed_requests_total",
+        "Requests ended with error by a failed KV load (fail policy)",
+    )
+});
+pub static WORKER_RESTARTS: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter("pdmesh_engine_worker_restarts_total", "Connector-worker restarts seen (its KV state was lost)")
+});
 pub static STEP_FAILURES: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter_vec("pdmesh_engine_step_failures_total", "Steps whose peer call failed, by peer", &["peer"])
 });

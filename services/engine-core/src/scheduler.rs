@@ -70,6 +70,14 @@ pub struct SchedulerCounters {
     pub unknown_ids: u64,
     pub preemptions: u64,
     pub duplicate_aborts: u64,
+    /// KV loads that failed and were recomputed locally (`recompute` policy).
+    pub kv_loads_recomputed: u64,
+    /// Prompt tokens that a failed load left to prefill locally.
+    pub recomputed_tokens: u64,
+    /// Requests ended with `error` because their load failed (`fail` policy).
+    pub kv_loads_failed_by_policy: u64,
+    /// Connector-worker restarts seen (its KV state was lost).
+    pub worker_restarts: u64,
 }
 
 /// A finished request whose blocks the connector holds for a remote reader.
@@ -191,6 +199,42 @@ impl Scheduler {
                 }
             }
         }
+    }
+
+    /// The connector-worker restarted: the KV it held for this engine is gone. Every request
+    /// whose KV lived there (running, or waiting for remote KV whose READ died with the
+    /// worker) ends with `error`; blocks held for remote readers (the new worker's hold table
+    /// is empty, so no `finished_sending` will ever come) and blocks parked until a READ
+    /// settles are freed now. Returns how many requests were failed.
+    pub fn worker_restarted(&mut self, reason: &str) -> usize {
+        let lost: Vec<String> = self
+            .requests
+            .iter()
+            .filter(|(_, r)| {
+                !r.status.is_finished()
+                    && (r.status == RequestStatus::Running
+                        || r.status == RequestStatus::WaitingForRemoteKvs
+                        || r.num_computed_tokens > 0)
+            })
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &lost {
+            if let Some(req) = self.requests.get_mut(id) {
+                req.error = Some(reason.to_string());
+            }
+            // The READ cannot be in flight any more: settle it so the blocks free with the request.
+            self.finished_recving.insert(id.clone());
+            self.finish(id, RequestStatus::FinishedError);
+        }
+        for (_, blocks) in self.free_on_recv.drain() {
+            self.pool.free(&blocks);
+        }
+        let held: Vec<Held> = self.held.drain().map(|(_, h)| h).collect();
+        for h in held {
+            self.pool.free(&h.blocks);
+        }
+        self.counters.worker_restarts += 1;
+        lost.len()
     }
 
     /// Move a live request to a finished status and queue its `request_finished` call. The
@@ -561,13 +605,17 @@ impl Scheduler {
             let Some(first_bad) = req.block_ids.iter().position(|b| invalid.contains(b)) else { continue };
             if self.recompute_load_failures {
                 // Tokens from the first invalid block on count as not computed.
-                req.num_external_tokens = req.num_external_tokens.min(first_bad as u32 * bs);
+                let valid = req.num_external_tokens.min(first_bad as u32 * bs);
+                self.counters.kv_loads_recomputed += 1;
+                self.counters.recomputed_tokens += u64::from(req.num_external_tokens - valid);
+                req.num_external_tokens = valid;
                 tracing::warn!(request_id = %id, valid_tokens = req.num_external_tokens, "KV load failed; recomputing locally");
             } else {
                 to_fail.push(id.clone());
             }
         }
         for id in to_fail {
+            self.counters.kv_loads_failed_by_policy += 1;
             // The receive has settled, so the blocks can be freed with the request.
             self.finished_recving.insert(id.clone());
             if let Some(req) = self.requests.get_mut(&id) {

@@ -50,9 +50,7 @@ fn load_topology(path: &Option<PathBuf>) -> anyhow::Result<Topology> {
         Some(p) => Topology::load(p)?,
         None => Topology::default_mesh()?,
     };
-    if let Some(dir) = env::get(env::RUN_DIR) {
-        topo.run_dir = PathBuf::from(dir);
-    }
+    topo.apply_env()?;
     Ok(topo)
 }
 

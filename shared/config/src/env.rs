@@ -8,6 +8,11 @@ pub const RUN_DIR: &str = "PDMESH_RUN_DIR";
 pub const MODEL_PATH: &str = "PDMESH_MODEL_PATH";
 /// Directory where `scripts/fetch-model.sh` puts models.
 pub const MODEL_DIR: &str = "PDMESH_MODEL_DIR";
+/// Fault injection for the transfer agent of this process (overrides the node's
+/// `kv_transfer.fault_injection`; docs/KV_TRANSFER.md lists the faults).
+pub const FAULT: &str = "PDMESH_FAULT";
+/// `recompute` or `fail` (overrides the node's `kv_transfer.kv_load_failure_policy`).
+pub const KV_LOAD_FAILURE_POLICY: &str = "PDMESH_KV_LOAD_FAILURE_POLICY";
 /// `json` for JSON log lines.
 pub const LOG_FORMAT: &str = "PDMESH_LOG_FORMAT";
 

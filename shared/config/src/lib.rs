@@ -139,6 +139,11 @@ pub struct KvTransferConfig {
     /// (`false` only to measure the deadline-only baseline).
     #[serde(default = "yes")]
     pub rejection_notices: bool,
+    /// Fault injection for this node's transfer agent, a comma list such as
+    /// `"lease_refused"` or `"transfer_midway,delay_transfer_ms=200"` (docs/KV_TRANSFER.md has
+    /// the table). Empty: none. `PDMESH_FAULT` overrides it for one process.
+    #[serde(default)]
+    pub fault_injection: String,
     /// Free-form extra settings (vLLM's `kv_connector_extra_config`).
     #[serde(default)]
     pub kv_connector_extra_config: std::collections::BTreeMap<String, String>,
@@ -489,6 +494,37 @@ impl Topology {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError::Read { path: path.display().to_string(), reason: e.to_string() })?;
         Self::from_toml(&text)
+    }
+
+    /// Apply the per-process overrides from the environment (`PDMESH_RUN_DIR`,
+    /// `PDMESH_FAULT`, `PDMESH_KV_LOAD_FAILURE_POLICY`) to every node that has the section
+    /// they change. A service process serves one node, so the override acts on that node; set
+    /// on `pdmesh up` it reaches every child.
+    pub fn apply_env(&mut self) -> Result<(), ConfigError> {
+        if let Some(dir) = env::get(env::RUN_DIR) {
+            self.run_dir = PathBuf::from(dir);
+        }
+        let faults = env::get(env::FAULT);
+        let policy = match env::get(env::KV_LOAD_FAILURE_POLICY).as_deref() {
+            None => None,
+            Some("recompute") => Some(KvLoadFailurePolicy::Recompute),
+            Some("fail") => Some(KvLoadFailurePolicy::Fail),
+            Some(other) => {
+                return Err(ConfigError::Invalid(format!(
+                    "{}={other:?}: expected \"recompute\" or \"fail\"",
+                    env::KV_LOAD_FAILURE_POLICY
+                )))
+            }
+        };
+        for kv in self.nodes.iter_mut().filter_map(|n| n.kv_transfer.as_mut()) {
+            if let Some(f) = &faults {
+                kv.fault_injection = f.clone();
+            }
+            if let Some(p) = policy {
+                kv.kv_load_failure_policy = p;
+            }
+        }
+        Ok(())
     }
 
     /// The built-in default mesh.

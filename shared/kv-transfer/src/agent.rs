@@ -66,6 +66,16 @@ pub struct AgentStats {
     pub tcp_reads_refused: AtomicU64,
     pub tcp_bytes_sent: AtomicU64,
     pub tcp_errors: AtomicU64,
+    /// Rejection → release latencies (µs) of give-ups for rejections before admission (R1),
+    /// drained by the worker into its histogram.
+    pub rejection_to_release_us: std::sync::Mutex<Vec<u64>>,
+}
+
+impl AgentStats {
+    /// Take the rejection → release latencies recorded since the last call.
+    pub fn take_rejection_latencies(&self) -> Vec<u64> {
+        std::mem::take(&mut *self.rejection_to_release_us.lock().unwrap_or_else(|p| p.into_inner()))
+    }
 }
 
 impl AgentStats {
@@ -291,6 +301,7 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
                     Message::XferLeaseGranted(XferLeaseGranted {
                         lease_id: grant.lease_id,
                         lease_ttl_ms: grant.ttl.as_millis().try_into().unwrap_or(u64::MAX),
+                        agent_name: served.metadata.agent_name.clone(),
                     })
                 }
                 Err(refusal) => {
@@ -322,6 +333,13 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
         Message::XferGiveUp(g) => {
             AgentStats::inc(&stats.give_ups);
             let outcome = served.policy().give_up(&g.p_request_id, g.lease_id, &g.consumer, now);
+            if let (Some(at), crate::hold::NoticeOutcome::Released) = (g.rejected_at_unix_us, outcome) {
+                let us = pdmesh_protocol::unix_micros().saturating_sub(at);
+                let mut v = stats.rejection_to_release_us.lock().unwrap_or_else(|p| p.into_inner());
+                if v.len() < 65_536 {
+                    v.push(us);
+                }
+            }
             tracing::info!(p_request_id = %g.p_request_id, reason = %g.reason, ?outcome, "consumer gave up");
             Message::Ack
         }

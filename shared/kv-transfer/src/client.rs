@@ -325,6 +325,15 @@ impl RemoteAgent {
             consumer: self.config.consumer.clone(),
         };
         match self.call(Message::XferLease(req)).await? {
+            Message::XferLeaseGranted(g) if !g.agent_name.is_empty() && g.agent_name != self.meta.agent_name => {
+                // P restarted since our handshake: its blocks are not the ones we were
+                // promised. Never read them; the next request handshakes again.
+                self.link.healthy.store(false, Ordering::Release);
+                Err(TransferError::LeaseInvalid(format!(
+                    "granted by agent {} but the handshake was with {} (P restarted)",
+                    g.agent_name, self.meta.agent_name
+                )))
+            }
             Message::XferLeaseGranted(g) => Ok(Lease {
                 agent_name: self.meta.agent_name.clone(),
                 p_request_id: p_request_id.to_string(),
@@ -459,6 +468,18 @@ impl RemoteAgent {
     /// Tell P that D will never read `p_request_id` (rejection, abort, failed load,
     /// shutdown), ending `lease` if D holds one, so that P frees at once.
     pub async fn give_up(&self, p_request_id: &str, reason: &str, lease: Option<&Lease>) -> Result<(), TransferError> {
+        self.give_up_at(p_request_id, reason, lease, None).await
+    }
+
+    /// [`Self::give_up`] for a rejection before admission at `rejected_at_unix_us`, so that P
+    /// can measure rejection → free.
+    pub async fn give_up_at(
+        &self,
+        p_request_id: &str,
+        reason: &str,
+        lease: Option<&Lease>,
+        rejected_at_unix_us: Option<u64>,
+    ) -> Result<(), TransferError> {
         if let Some(l) = lease {
             l.done.store(true, Ordering::Release);
         }
@@ -467,6 +488,7 @@ impl RemoteAgent {
             reason: reason.to_string(),
             consumer: self.config.consumer.clone(),
             lease_id: lease.map(|l| l.lease_id),
+            rejected_at_unix_us,
         };
         self.expect_ack(Message::XferGiveUp(notice)).await
     }

@@ -31,6 +31,10 @@ pub struct FaultConfig {
     /// D: a block read fails after about half of its bytes were copied (local blocks
     /// partially written; over TCP the connection is really dropped mid-stream).
     pub transfer_midway: bool,
+    /// D: the task running a read dies without a result (aborted before it reports), the
+    /// analogue of an exception escaping a transfer backend; the worker's failure handler must
+    /// still settle the request and give the lease back.
+    pub transfer_exception: bool,
     /// D: `read done` is not sent (as if lost); P frees on lease expiry instead.
     pub drop_read_done: bool,
     /// D: every block read waits this long before copying.
@@ -48,7 +52,7 @@ pub enum FaultParseError {
 }
 
 const KNOWN: &str = "handshake_timeout, compat_mismatch, undecodable_metadata, engine_id_mismatch, \
-                     lease_refused, transfer_setup_error, transfer_midway, drop_read_done, delay_transfer_ms=N";
+                     lease_refused, transfer_setup_error, transfer_midway, transfer_exception, drop_read_done, delay_transfer_ms=N";
 
 impl FaultConfig {
     /// No fault.
@@ -72,6 +76,7 @@ impl FaultConfig {
                 "lease_refused" => &mut f.lease_refused,
                 "transfer_setup_error" => &mut f.transfer_setup_error,
                 "transfer_midway" => &mut f.transfer_midway,
+                "transfer_exception" => &mut f.transfer_exception,
                 "drop_read_done" => &mut f.drop_read_done,
                 "delay_transfer_ms" => {
                     let bad = || FaultParseError::BadValue { name: name.into(), value: value.unwrap_or("").into() };
@@ -118,6 +123,7 @@ impl fmt::Display for FaultConfig {
             ("lease_refused", self.lease_refused),
             ("transfer_setup_error", self.transfer_setup_error),
             ("transfer_midway", self.transfer_midway),
+            ("transfer_exception", self.transfer_exception),
             ("drop_read_done", self.drop_read_done),
         ];
         let mut items: Vec<String> = flags.iter().filter(|(_, on)| *on).map(|(n, _)| n.to_string()).collect();
@@ -135,10 +141,11 @@ mod tests {
     #[test]
     fn parses_the_full_list_and_round_trips() {
         let s = "handshake_timeout,compat_mismatch,undecodable_metadata,engine_id_mismatch,lease_refused,\
-                 transfer_setup_error,transfer_midway,drop_read_done,delay_transfer_ms=200";
+                 transfer_setup_error,transfer_midway,transfer_exception,drop_read_done,delay_transfer_ms=200";
         let f = FaultConfig::parse(s).unwrap();
         assert!(f.handshake_timeout && f.compat_mismatch && f.undecodable_metadata && f.engine_id_mismatch);
         assert!(f.lease_refused && f.transfer_setup_error && f.transfer_midway && f.drop_read_done);
+        assert!(f.transfer_exception);
         assert_eq!(f.delay_transfer, Some(Duration::from_millis(200)));
         assert_eq!(FaultConfig::parse(&f.to_string()).unwrap(), f);
     }

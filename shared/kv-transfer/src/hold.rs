@@ -137,6 +137,22 @@ pub struct HoldCounters {
     pub expired_holds: u64,
     pub expired_leases: u64,
     pub released: u64,
+    /// Block-milliseconds held, by what released the hold (R1/R2/R4 measure: what a deadline
+    /// strands is the `expired` share; notices move it to `given_up`/`aborted`).
+    pub held_block_ms: HeldBlockMs,
+}
+
+/// Block-milliseconds of released holds, by release cause.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeldBlockMs {
+    /// Released on `read done` (the normal path).
+    pub read_done: u64,
+    /// Released on D's `give up` (rejection, abort, failed load, shutdown).
+    pub given_up: u64,
+    /// Released on an abort on P.
+    pub aborted: u64,
+    /// Released at the hold or lease deadline.
+    pub expired: u64,
 }
 
 /// One held request, for the debug endpoint and metrics (R5).
@@ -261,7 +277,7 @@ impl HoldTable {
             self.counters.aborts_deferred += 1;
             NoticeOutcome::Deferred
         } else {
-            self.release(request_id, Cause::Abort);
+            self.release(request_id, Cause::Abort, Instant::now());
             NoticeOutcome::Released
         }
     }
@@ -287,7 +303,7 @@ impl HoldTable {
                 Cause::LeaseExpired => self.counters.expired_leases += 1,
                 _ => self.counters.expired_holds += 1,
             }
-            self.release(id, *cause);
+            self.release(id, *cause, now);
         }
         due.len()
     }
@@ -365,8 +381,17 @@ impl HoldTable {
         }
     }
 
-    fn release(&mut self, request_id: &str, cause: Cause) {
+    fn release(&mut self, request_id: &str, cause: Cause, now: Instant) {
         let Some(hold) = self.holds.remove(request_id) else { return };
+        let block_ms = now.saturating_duration_since(hold.held_since).as_millis() as u64 * hold.block_ids.len() as u64;
+        let acc = &mut self.counters.held_block_ms;
+        let slot = match cause {
+            Cause::ReadDone => &mut acc.read_done,
+            Cause::GiveUp => &mut acc.given_up,
+            Cause::Abort => &mut acc.aborted,
+            Cause::HoldExpired | Cause::LeaseExpired => &mut acc.expired,
+        };
+        *slot = slot.saturating_add(block_ms);
         self.order.remove(&hold.seq);
         if let Some(lease) = &hold.lease {
             self.leases.remove(&lease.lease_id);
@@ -469,7 +494,7 @@ impl LeasePolicy for HoldTable {
         Ok(())
     }
 
-    fn read_done(&mut self, p_request_id: &str, lease_id: u64, consumer: &str, _now: Instant) -> NoticeOutcome {
+    fn read_done(&mut self, p_request_id: &str, lease_id: u64, consumer: &str, now: Instant) -> NoticeOutcome {
         let Some(hold) = self.holds.get(p_request_id) else {
             return self.not_held(p_request_id, "read_done");
         };
@@ -479,11 +504,11 @@ impl LeasePolicy for HoldTable {
             return NoticeOutcome::StaleLease;
         }
         self.counters.read_done += 1;
-        self.release(p_request_id, Cause::ReadDone);
+        self.release(p_request_id, Cause::ReadDone, now);
         NoticeOutcome::Released
     }
 
-    fn give_up(&mut self, p_request_id: &str, lease_id: Option<u64>, consumer: &str, _now: Instant) -> NoticeOutcome {
+    fn give_up(&mut self, p_request_id: &str, lease_id: Option<u64>, consumer: &str, now: Instant) -> NoticeOutcome {
         let Some(hold) = self.holds.get_mut(p_request_id) else {
             return self.not_held(p_request_id, "give_up");
         };
@@ -503,7 +528,7 @@ impl LeasePolicy for HoldTable {
             }
             _ => {
                 self.counters.give_ups += 1;
-                self.release(p_request_id, Cause::GiveUp);
+                self.release(p_request_id, Cause::GiveUp, now);
                 NoticeOutcome::Released
             }
         }

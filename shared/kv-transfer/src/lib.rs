@@ -40,7 +40,7 @@ pub use compat::{check_geometry, compat_hash, CompatInputs};
 pub use error::{AgentError, HandshakeError, TransferError};
 pub use fault::{FaultConfig, FaultParseError};
 pub use hold::{
-    HeldInfo, HoldCounters, HoldTable, HoldTableConfig, LeaseGrant, LeasePolicy, LeaseRefusal, NoticeOutcome,
-    SharedPolicy,
+    HeldBlockMs, HeldInfo, HoldCounters, HoldTable, HoldTableConfig, LeaseGrant, LeasePolicy, LeaseRefusal,
+    NoticeOutcome, SharedPolicy,
 };
 pub use shm::{ShmError, ShmReadOnly, ShmRegion};

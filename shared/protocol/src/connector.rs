@@ -46,7 +46,12 @@ pub enum ConnectorCall {
     /// The worker's connector output of the last step.
     UpdateConnectorOutput(KvConnectorOutput),
     /// Rule R1: a request with these params was refused before admission; tell P.
-    RequestRejectedBeforeAdmission { params: KvTransferParams },
+    RequestRejectedBeforeAdmission {
+        params: KvTransferParams,
+        /// When D refused it (Unix µs), carried to P for the rejection → free histogram.
+        #[serde(default)]
+        rejected_at_unix_us: Option<u64>,
+    },
 }
 
 /// The answer to one [`ConnectorCall`].
@@ -75,6 +80,9 @@ pub struct RecvRequest {
     pub request_id: String,
     pub local_block_ids: Vec<u32>,
     pub params: KvTransferParams,
+    /// Notify-only receives of a rejection: when D refused the request (Unix µs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejected_at_unix_us: Option<u64>,
 }
 
 /// A request whose blocks P now holds for a remote reader (P side).

@@ -21,6 +21,12 @@ pub mod kv;
 pub mod step;
 pub mod transfer;
 
+/// Microseconds since the Unix epoch (0 if the clock is before it): timestamps that cross
+/// processes, e.g. a rejection's time carried to P.
+pub fn unix_micros() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
+}
+
 pub use connector::*;
 pub use engine::*;
 pub use envelope::*;
@@ -173,6 +179,9 @@ pub struct RejectionNotice {
     /// The client's `X-data-parallel-rank`, if any.
     #[serde(default)]
     pub data_parallel_rank: Option<u32>,
+    /// When D refused the request (Unix µs): P measures rejection → free from it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejected_at_unix_us: Option<u64>,
 }
 
 /// The error classes that cross process boundaries. The frontend maps them to HTTP statuses

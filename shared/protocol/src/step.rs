@@ -77,4 +77,8 @@ pub struct WorkerInfo {
     pub eos_token_ids: Vec<u32>,
     /// Bytes of KV cache per block over all layers (K and V).
     pub bytes_per_block: u64,
+    /// Unique per worker process start. An engine that reconnects to a worker with another
+    /// incarnation knows the KV it had there is gone (held blocks, in-flight reads).
+    #[serde(default)]
+    pub incarnation: String,
 }

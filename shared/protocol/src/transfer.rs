@@ -87,6 +87,11 @@ pub struct XferLeaseGranted {
     /// Milliseconds from the grant until the lease expires (relative, so that clock skew
     /// between hosts does not matter).
     pub lease_ttl_ms: u64,
+    /// The granting agent's incarnation name (unique per process start). D compares it with
+    /// the name from its handshake: a P that restarted since holds unrelated blocks under the
+    /// same ids, so a mismatch is refused before any byte is read. Empty from older peers.
+    #[serde(default)]
+    pub agent_name: String,
 }
 
 /// Why P will not let D read.
@@ -148,6 +153,9 @@ pub struct XferGiveUp {
     /// The lease D held, if any: giving up under one's own lease ends it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_id: Option<u64>,
+    /// A give-up for a rejection before admission: when D refused (Unix µs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rejected_at_unix_us: Option<u64>,
 }
 
 /// TCP data plane: read these blocks under a lease. Sent as one length-prefixed envelope.

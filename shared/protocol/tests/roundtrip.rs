@@ -28,7 +28,12 @@ fn every_message() -> Vec<Message> {
         invalid_block_ids: vec![4],
     };
     let meta = KvConnectorMetadata {
-        reqs_to_recv: vec![RecvRequest { request_id: "r".into(), local_block_ids: vec![9], params: params() }],
+        reqs_to_recv: vec![RecvRequest {
+            request_id: "r".into(),
+            local_block_ids: vec![9],
+            params: params(),
+            rejected_at_unix_us: Some(7),
+        }],
         reqs_to_send: vec![SendRequest {
             request_id: "s".into(),
             block_ids: vec![1, 2],
@@ -102,6 +107,7 @@ fn every_message() -> Vec<Message> {
             vocab_size: 300,
             eos_token_ids: vec![2],
             bytes_per_block: 4096,
+            incarnation: "1-abc".into(),
         }),
         Message::ExecuteStep(SchedulerOutput {
             step_id: 9,
@@ -140,7 +146,7 @@ fn every_message() -> Vec<Message> {
                 block_generations: vec![4],
             },
             ConnectorCall::UpdateConnectorOutput(kv_out),
-            ConnectorCall::RequestRejectedBeforeAdmission { params: params() },
+            ConnectorCall::RequestRejectedBeforeAdmission { params: params(), rejected_at_unix_us: Some(1) },
         ]),
         Message::ConnectorReplies(vec![
             ConnectorReply::MatchedTokens { count: Some(4), load_async: true },
@@ -150,7 +156,11 @@ fn every_message() -> Vec<Message> {
             ConnectorReply::Rejected { reason: "no".into() },
         ]),
         Message::Ack,
-        Message::RejectionNotice(RejectionNotice { params: params(), data_parallel_rank: Some(1) }),
+        Message::RejectionNotice(RejectionNotice {
+            params: params(),
+            data_parallel_rank: Some(1),
+            rejected_at_unix_us: Some(5),
+        }),
         Message::Ping,
         Message::Pong,
         Message::Error(WireError::new(ErrorClass::Unavailable, "engine down")),
@@ -163,7 +173,11 @@ fn every_message() -> Vec<Message> {
             block_generations: vec![7, 7, 8],
             consumer: "d-0/0".into(),
         }),
-        Message::XferLeaseGranted(XferLeaseGranted { lease_id: u64::MAX - 1, lease_ttl_ms: 10_000 }),
+        Message::XferLeaseGranted(XferLeaseGranted {
+            lease_id: u64::MAX - 1,
+            lease_ttl_ms: 10_000,
+            agent_name: "a-1".into(),
+        }),
         Message::XferLeaseRefused(XferLeaseRefused {
             reason: LeaseRefusalReason::GenerationMismatch,
             detail: "block 2: held generation 9".into(),
@@ -175,12 +189,14 @@ fn every_message() -> Vec<Message> {
             reason: "rejected".into(),
             consumer: "d".into(),
             lease_id: Some(3),
+            rejected_at_unix_us: Some(1_700_000_000_000_000),
         }),
         Message::XferGiveUp(XferGiveUp {
             p_request_id: "x".into(),
             reason: String::new(),
             consumer: String::new(),
             lease_id: None,
+            rejected_at_unix_us: None,
         }),
         Message::XferReadBlocks(XferReadBlocks { p_request_id: "cmpl-1".into(), lease_id: 3, block_ids: vec![3, 1] }),
         Message::XferReadReady(XferReadReady { blocks: 2, bytes: 2 * 737_280 }),

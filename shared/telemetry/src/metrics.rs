@@ -52,6 +52,16 @@ pub fn counter_vec(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     register(c, name)
 }
 
+/// A counter of non-integer amounts (e.g. block-seconds), by labels.
+pub fn float_counter_vec(name: &str, help: &str, labels: &[&str]) -> prometheus::CounterVec {
+    let c = build!(
+        prometheus::CounterVec,
+        prometheus::CounterVec::new(Opts::new(name, help), labels),
+        prometheus::CounterVec::new(fallback_opts(), labels).unwrap_or_else(|_| unreachable_metric())
+    );
+    register(c, name)
+}
+
 pub fn gauge(name: &str, help: &str) -> IntGauge {
     let g = build!(
         IntGauge,

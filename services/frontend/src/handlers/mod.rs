@@ -37,7 +37,11 @@ fn note_rejection(state: &AppState, params: Option<&KvTransferParams>, rank: Opt
         tracing::warn!(error = %error, "refused a remote-prefill request before admission; notices are off, P frees at its deadline");
         return;
     }
-    let notice = RejectionNotice { params: params.clone(), data_parallel_rank: rank };
+    let notice = RejectionNotice {
+        params: params.clone(),
+        data_parallel_rank: rank,
+        rejected_at_unix_us: Some(pdmesh_protocol::unix_micros()),
+    };
     match state.link.send(Envelope::new(Message::RejectionNotice(notice))) {
         Ok(()) => {
             REJECTION_NOTICES_SENT.inc();

@@ -37,13 +37,48 @@ impl Mesh {
     /// 0..150). `engine_ports` are the HTTP ports of the nodes that have engines (checked for
     /// readiness); `http_port` of the returned mesh is the first node's.
     pub fn start_nodes(nodes: impl Fn(u16, u16) -> String, engine_ports: impl Fn(u16) -> Vec<u16>) -> Mesh {
-        let (http_port, base_port) = ports();
-        Self::launch(nodes(http_port, base_port), &[], http_port, base_port, &engine_ports(http_port))
+        Self::launch_retrying(|h, b| nodes(h, b), &[], |h| engine_ports(h))
+    }
+
+    /// Our listening ports lie inside Linux's ephemeral range, so a client socket of anything
+    /// on the machine may hold one for a moment. A mesh whose process could not bind is
+    /// stopped and started again on the next ports (up to 4 tries).
+    fn launch_retrying(
+        nodes: impl Fn(u16, u16) -> String,
+        up_args: &[&str],
+        engine_ports: impl Fn(u16) -> Vec<u16>,
+    ) -> Mesh {
+        for attempt in 0.. {
+            let (http_port, base_port) = ports();
+            match Self::launch(nodes(http_port, base_port), up_args, http_port, base_port, &engine_ports(http_port)) {
+                Ok(mesh) => return mesh,
+                Err(mesh) if attempt < 3 && mesh.port_clash() => {
+                    eprintln!("mesh on ports {http_port}/{base_port}: a port was taken; retrying on others");
+                    drop(mesh);
+                }
+                Err(mesh) => panic!("mesh not ready in 60 s; logs in {}", mesh.run_dir.display()),
+            }
+        }
+        unreachable!()
+    }
+
+    /// Whether some process of the mesh failed to bind its port.
+    fn port_clash(&self) -> bool {
+        self.logs().contains("Address already in use")
+            || std::fs::read_to_string(self.run_dir.join("up.log"))
+                .unwrap_or_default()
+                .contains("Address already in use")
     }
 
     /// Write the topology, start `pdmesh up` on it, and wait until every node in
     /// `engine_ports` has its engines connected.
-    fn launch(nodes: String, up_args: &[&str], http_port: u16, base_port: u16, engine_ports: &[u16]) -> Mesh {
+    fn launch(
+        nodes: String,
+        up_args: &[&str],
+        http_port: u16,
+        base_port: u16,
+        engine_ports: &[u16],
+    ) -> Result<Mesh, Mesh> {
         let run_dir = std::env::temp_dir().join(format!("pdmesh-test-{}-{}", std::process::id(), http_port));
         let _ = std::fs::remove_dir_all(&run_dir);
         std::fs::create_dir_all(&run_dir).unwrap();
@@ -65,10 +100,13 @@ impl Mesh {
         for &port in engine_ports {
             let saved = mesh.http_port;
             mesh.http_port = port;
-            mesh.wait_ready();
+            let ready = mesh.wait_ready();
             mesh.http_port = saved;
+            if !ready {
+                return Err(mesh);
+            }
         }
-        mesh
+        Ok(mesh)
     }
 
     /// The same mesh seen through another node's frontend port.
@@ -98,18 +136,21 @@ impl Mesh {
     /// Start a one-node mesh. `node_extra` is appended to the node's TOML table, `sections`
     /// after it (e.g. `[nodes.model]` overrides).
     pub fn start(node_extra: &str, sections: &str, up_args: &[&str]) -> Mesh {
-        let (http_port, base_port) = ports();
-        let nodes = format!(
-            "[[nodes]]\nname = \"main\"\nhttp_port = {http_port}\nbase_port = {base_port}\n{node_extra}\n{sections}"
-        );
-        Self::launch(nodes, up_args, http_port, base_port, &[http_port])
+        let nodes = |http_port: u16, base_port: u16| {
+            format!(
+                "[[nodes]]\nname = \"main\"\nhttp_port = {http_port}\nbase_port = {base_port}\n{node_extra}\n{sections}"
+            )
+        };
+        Self::launch_retrying(nodes, up_args, |h| vec![h])
     }
 
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{}", self.http_port, path)
     }
 
-    fn wait_ready(&self) {
+    /// Wait until the node on `http_port` is healthy with its engine ranks connected, or a
+    /// port clash makes that impossible; false after 60 s or on a clash.
+    fn wait_ready(&self) -> bool {
         let deadline = Instant::now() + Duration::from_secs(60);
         let client = reqwest::blocking::Client::new();
         while Instant::now() < deadline {
@@ -121,15 +162,18 @@ impl Mesh {
                             if v["unreachable_ranks"].as_array().is_some_and(|a| a.is_empty())
                                 && v["engines"].as_array().is_some_and(|a| !a.is_empty())
                             {
-                                return;
+                                return true;
                             }
                         }
                     }
                 }
             }
+            if self.port_clash() {
+                return false;
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
-        panic!("mesh not ready in 60 s; logs in {}", self.run_dir.display());
+        false
     }
 
     /// The process table written by `pdmesh up`.
@@ -145,6 +189,22 @@ impl Mesh {
             .find(|p| p["service"] == service && p["rank"] == rank)
             .and_then(|p| p["pid"].as_i64())
             .unwrap() as i32
+    }
+
+    /// The pid of `service` rank `rank` of node `node` (multi-node meshes).
+    pub fn pid_on(&self, node: &str, service: &str, rank: u32) -> i32 {
+        self.processes()
+            .iter()
+            .find(|p| p["node"] == node && p["service"] == service && p["rank"] == rank)
+            .and_then(|p| p["pid"].as_i64())
+            .unwrap() as i32
+    }
+
+    /// SIGKILL `service` rank `rank` of node `node`; returns the pid killed.
+    pub fn kill9_on(&self, node: &str, service: &str, rank: u32) -> i32 {
+        let pid = self.pid_on(node, service, rank);
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL).unwrap();
+        pid
     }
 
     pub fn kill9(&self, service: &str, rank: u32) {

@@ -1,0 +1,369 @@
+//! Rule R1 benchmark: what a D-side rejection before admission costs P, with rejection notices
+//! on versus off (deadline only), against a run without rejections.
+//!
+//! Three P/D meshes (router + P + D, synthetic model) run side by side, started here with
+//! `pdmesh up`, and are measured in interleaved rounds so machine noise hits all three alike:
+//! - `baseline`: no request is rejected;
+//! - `notices_on`: 1 request in 10 has a prompt longer than D's `max_model_len` (P accepts it,
+//!   prefills and holds its blocks; D refuses it) and D notifies P;
+//! - `notices_off`: the same load with `rejection_notices = false`, so P frees at the lease
+//!   deadline.
+//!
+//! P's KV cache is deliberately small, so blocks stranded until a deadline take capacity from
+//! the requests behind them. Reported per variant: requests answered per second (a success or
+//! the expected 400), output tokens per second, the block-seconds P held for requests nobody
+//! read (`given_up` + `expired` in `pdmesh_worker_kv_held_block_seconds_total`) and the
+//! rejection → release latency on P (`pdmesh_worker_kv_rejection_to_release_seconds`).
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use tokio::sync::Mutex;
+
+#[derive(Args, Clone)]
+pub struct RejectionArgs {
+    /// Concurrent clients per measurement.
+    #[arg(long, default_value_t = 16)]
+    pub concurrency: usize,
+    /// Requests per variant per round.
+    #[arg(long, default_value_t = 400)]
+    pub requests: usize,
+    /// Interleaved rounds (each variant once per round).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    #[arg(long, default_value_t = 16)]
+    pub max_tokens: u32,
+    /// P's KV blocks (of 16 tokens).
+    #[arg(long, default_value_t = 256)]
+    pub p_blocks: u32,
+    /// P's hold deadline (lease) in seconds: what a rejected request strands without notices.
+    #[arg(long, default_value_t = 5)]
+    pub lease_s: u64,
+    /// Synthetic model cost per token, microseconds.
+    #[arg(long, default_value_t = 100)]
+    pub per_token_cost_us: u64,
+    /// The pdmesh binary (default: next to this one).
+    #[arg(long)]
+    pub pdmesh: Option<PathBuf>,
+    /// Write the JSON report here.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// Short prompts fit D; long ones (400 tokens) fit P's `max_model_len` but not D's (256).
+const SHORT_PROMPT_TOKENS: usize = 32;
+const LONG_PROMPT_TOKENS: usize = 400;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Variant {
+    Baseline,
+    NoticesOn,
+    NoticesOff,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Baseline => "baseline",
+            Variant::NoticesOn => "notices_on",
+            Variant::NoticesOff => "notices_off",
+        }
+    }
+    fn rejects(self) -> bool {
+        self != Variant::Baseline
+    }
+}
+
+struct MeshProc {
+    variant: Variant,
+    child: tokio::process::Child,
+    router_url: String,
+    p_url: String,
+    p_worker_metrics: String,
+    run_dir: PathBuf,
+}
+
+fn topology(i: u16, a: &RejectionArgs, variant: Variant, run_dir: &std::path::Path) -> (String, u16, u16, u16) {
+    // Every port below Linux's ephemeral range (32768+), apart per process and per mesh.
+    let slot = (std::process::id() % 8) as u16 * 3 + i;
+    let http = 19000 + slot * 4;
+    let base = 24000 + slot * 200;
+    let side = 30000 + slot * 8;
+    let notices = variant != Variant::NoticesOff;
+    let model = format!("model = {{ kind = \"synthetic\", per_token_cost_us = {} }}", a.per_token_cost_us);
+    let topo = format!(
+        r#"run_dir = {run_dir:?}
+[[nodes]]
+name = "router"
+role = "router"
+http_port = {http}
+base_port = {base}
+router = {{ prefill = ["http://127.0.0.1:{p}"], decode = ["http://127.0.0.1:{d}"] }}
+
+[[nodes]]
+name = "p"
+role = "prefill"
+http_port = {p}
+base_port = {pb}
+{model}
+engine = {{ block_size = 16, num_blocks = {p_blocks}, max_model_len = 1024, max_num_seqs = 64 }}
+kv_transfer = {{ kv_role = "kv_producer", side_channel_port = {side}, data_port = {sd}, hold_mode = "lease", kv_lease_duration_s = {lease} }}
+
+[[nodes]]
+name = "d"
+role = "decode"
+http_port = {d}
+base_port = {db}
+{model}
+engine = {{ block_size = 16, num_blocks = 2048, max_model_len = 256, max_num_seqs = 64 }}
+kv_transfer = {{ kv_role = "kv_consumer", side_channel_port = {dside}, data_port = {dsd}, rejection_notices = {notices} }}
+"#,
+        run_dir = run_dir.display().to_string(),
+        p = http + 1,
+        d = http + 2,
+        pb = base + 20,
+        db = base + 60,
+        p_blocks = a.p_blocks,
+        sd = side + 1,
+        dside = side + 4,
+        dsd = side + 5,
+        lease = a.lease_s,
+    );
+    (topo, http, http + 1, base + 20)
+}
+
+async fn start_mesh(i: u16, a: &RejectionArgs, variant: Variant, pdmesh: &std::path::Path) -> anyhow::Result<MeshProc> {
+    let run_dir = std::env::temp_dir().join(format!("pdmesh-r1-{}-{}", std::process::id(), variant.name()));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    std::fs::create_dir_all(&run_dir)?;
+    let (topo, http, p_http, p_base) = topology(i, a, variant, &run_dir);
+    let topo_path = run_dir.join("topology.toml");
+    std::fs::write(&topo_path, topo)?;
+    let child = tokio::process::Command::new(pdmesh)
+        .arg("up")
+        .arg("--topology")
+        .arg(&topo_path)
+        .env("PDMESH_RUN_DIR", &run_dir)
+        .env("RUST_LOG", "warn")
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", pdmesh.display()))?;
+    let p_url = format!("http://127.0.0.1:{p_http}");
+    crate::client::wait_ready(&p_url, Duration::from_secs(60)).await?;
+    crate::client::wait_ready(&format!("http://127.0.0.1:{}", p_http + 1), Duration::from_secs(60)).await?;
+    Ok(MeshProc {
+        variant,
+        child,
+        router_url: format!("http://127.0.0.1:{http}"),
+        p_url,
+        p_worker_metrics: format!("http://127.0.0.1:{}/metrics", p_base + 112),
+        run_dir,
+    })
+}
+
+#[derive(Default, Clone, Copy)]
+struct Counts {
+    ok: usize,
+    rejected: usize,
+    other: usize,
+    tokens: u64,
+}
+
+/// Closed loop of non-streaming requests; request `i` is long (rejected by D) when
+/// `rejects && i % 10 == 9`.
+async fn drive(url: &str, a: &RejectionArgs, rejects: bool) -> anyhow::Result<(Counts, f64)> {
+    let client = reqwest::Client::builder().pool_max_idle_per_host(a.concurrency).build()?;
+    let next = Arc::new(AtomicUsize::new(0));
+    let counts = Arc::new(Mutex::new(Counts::default()));
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..a.concurrency {
+        let (client, next, counts) = (client.clone(), next.clone(), counts.clone());
+        let (url, n, max_tokens) = (format!("{url}/v1/completions"), a.requests, a.max_tokens);
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= n {
+                    return;
+                }
+                let len = if rejects && i % 10 == 9 { LONG_PROMPT_TOKENS } else { SHORT_PROMPT_TOKENS };
+                let prompt: String = (0..len).map(|j| (b'a' + ((i * 7 + j) % 26) as u8) as char).collect();
+                let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
+                let res = client.post(&url).json(&body).send().await;
+                let mut c = counts.lock().await;
+                match res {
+                    Ok(r) if r.status().is_success() => {
+                        let v: serde_json::Value = r.json().await.unwrap_or_default();
+                        c.tokens += v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                        c.ok += 1;
+                    }
+                    Ok(r) if r.status().as_u16() == 400 => c.rejected += 1,
+                    _ => c.other += 1,
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let c = *counts.lock().await;
+    Ok((c, wall))
+}
+
+/// `(block-seconds held for nobody: given_up + expired, histogram buckets of rejection →
+/// release)` from P's worker metrics.
+async fn scrape_p(url: &str) -> anyhow::Result<(f64, Vec<(f64, f64)>)> {
+    let text = reqwest::get(url).await?.text().await?;
+    let mut stranded = 0.0;
+    let mut buckets = Vec::new();
+    for l in text.lines() {
+        let Some(v) = l.split_whitespace().last().and_then(|v| v.parse::<f64>().ok()) else { continue };
+        if l.starts_with("pdmesh_worker_kv_held_block_seconds_total")
+            && (l.contains("released_by=\"given_up\"") || l.contains("released_by=\"expired\""))
+        {
+            stranded += v;
+        }
+        if let Some(rest) = l.strip_prefix("pdmesh_worker_kv_rejection_to_release_seconds_bucket{le=\"") {
+            let le = rest.split('"').next().unwrap_or("");
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().unwrap_or(f64::NAN) };
+            buckets.push((le, v));
+        }
+    }
+    Ok((stranded, buckets))
+}
+
+/// The smallest bucket bound below which `q` of the samples fall (an upper bound on the
+/// quantile), from cumulative bucket deltas.
+fn quantile_bound(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Option<f64> {
+    let delta: Vec<(f64, f64)> = after
+        .iter()
+        .map(|(le, v)| (*le, v - before.iter().find(|(l, _)| l == le).map(|(_, b)| *b).unwrap_or(0.0)))
+        .collect();
+    let total = delta.iter().find(|(le, _)| le.is_infinite())?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    delta.iter().find(|(_, v)| *v >= q * total).map(|(le, _)| *le)
+}
+
+/// Wait until P holds nothing (the notices-off mesh drains at its lease deadline), so every
+/// round starts from the same state and every stranded block-second is counted.
+async fn wait_p_idle(p_url: &str, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Ok(r) = reqwest::get(format!("{p_url}/debug/kv")).await {
+            if let Ok(v) = r.json::<serde_json::Value>().await {
+                if v["held_blocks"] == 0 && v["used_blocks"] == 0 {
+                    return;
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub async fn run(a: RejectionArgs) -> anyhow::Result<()> {
+    let pdmesh = match &a.pdmesh {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?.with_file_name("pdmesh"),
+    };
+    let variants = [Variant::Baseline, Variant::NoticesOn, Variant::NoticesOff];
+    let mut meshes = Vec::new();
+    for (i, v) in variants.iter().enumerate() {
+        meshes.push(start_mesh(i as u16, &a, *v, &pdmesh).await?);
+    }
+    #[derive(Default, Clone)]
+    struct Acc {
+        answered: usize,
+        ok: usize,
+        rejected: usize,
+        other: usize,
+        tokens: u64,
+        wall: f64,
+        stranded: f64,
+        p99_bound: Vec<f64>,
+        p50_bound: Vec<f64>,
+    }
+    let mut acc = vec![Acc::default(); variants.len()];
+    for round in 0..a.rounds {
+        for (k, m) in meshes.iter().enumerate() {
+            wait_p_idle(&m.p_url, Duration::from_secs(a.lease_s * 3 + 10)).await;
+            let (s0, h0) = scrape_p(&m.p_worker_metrics).await?;
+            let (c, wall) = drive(&m.router_url, &a, m.variant.rejects()).await?;
+            // Count what the deadline strands too: wait for P to drain before scraping.
+            wait_p_idle(&m.p_url, Duration::from_secs(a.lease_s * 3 + 10)).await;
+            let (s1, h1) = scrape_p(&m.p_worker_metrics).await?;
+            let e = &mut acc[k];
+            e.answered += c.ok + c.rejected;
+            e.ok += c.ok;
+            e.rejected += c.rejected;
+            e.other += c.other;
+            e.tokens += c.tokens;
+            e.wall += wall;
+            e.stranded += s1 - s0;
+            if let Some(b) = quantile_bound(&h0, &h1, 0.99) {
+                e.p99_bound.push(b);
+            }
+            if let Some(b) = quantile_bound(&h0, &h1, 0.5) {
+                e.p50_bound.push(b);
+            }
+            eprintln!(
+                "round {round} {}: {} ok, {} rejected, {} other in {wall:.2} s; stranded {:.1} block-s",
+                m.variant.name(),
+                c.ok,
+                c.rejected,
+                c.other,
+                s1 - s0
+            );
+        }
+    }
+    let base_rps = acc[0].answered as f64 / acc[0].wall;
+    let mut rows = serde_json::Map::new();
+    for (k, v) in variants.iter().enumerate() {
+        let e = &acc[k];
+        let rps = e.answered as f64 / e.wall;
+        rows.insert(
+            v.name().into(),
+            serde_json::json!({
+                "requests_answered": e.answered,
+                "succeeded": e.ok,
+                "rejected_by_d": e.rejected,
+                "other_errors": e.other,
+                "answered_per_s": rps,
+                "output_tokens_per_s": e.tokens as f64 / e.wall,
+                "ratio_to_baseline": rps / base_rps,
+                "stranded_block_seconds": e.stranded,
+                "stranded_block_seconds_per_rejection": if e.rejected > 0 { e.stranded / e.rejected as f64 } else { 0.0 },
+                "rejection_to_release_p50_le_s": e.p50_bound.iter().cloned().fold(f64::NAN, f64::max),
+                "rejection_to_release_p99_le_s": e.p99_bound.iter().cloned().fold(f64::NAN, f64::max),
+            }),
+        );
+    }
+    let report = serde_json::json!({
+        "setup": {
+            "concurrency": a.concurrency, "requests_per_round": a.requests, "rounds": a.rounds,
+            "max_tokens": a.max_tokens, "p_blocks": a.p_blocks, "block_size": 16, "lease_s": a.lease_s,
+            "per_token_cost_us": a.per_token_cost_us, "rejected_share": 0.1,
+            "short_prompt_tokens": SHORT_PROMPT_TOKENS, "long_prompt_tokens": LONG_PROMPT_TOKENS,
+        },
+        "variants": rows,
+    });
+    println!("{}", serde_json::to_string_pretty(&report)?);
+    if let Some(out) = &a.out {
+        std::fs::write(out, serde_json::to_string_pretty(&report)?)?;
+    }
+    for mut m in meshes {
+        if let Some(pid) = m.child.id() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM);
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(20), m.child.wait()).await;
+        let _ = std::fs::remove_dir_all(&m.run_dir);
+    }
+    Ok(())
+}
