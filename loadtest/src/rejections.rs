@@ -3,7 +3,8 @@
 //!
 //! Three P/D meshes (router + P + D, synthetic model) run side by side, started here with
 //! `pdmesh up`, and are measured in interleaved rounds so machine noise hits all three alike:
-//! - `baseline`: no request is rejected;
+//! - `baseline`: the same prompts, but D's `max_model_len` admits them all (0% rejections, so
+//!   P does the same prefill work as in the other two);
 //! - `notices_on`: 1 request in 10 has a prompt longer than D's `max_model_len` (P accepts it,
 //!   prefills and holds its blocks; D refuses it) and D notifies P;
 //! - `notices_off`: the same load with `rejection_notices = false`, so P frees at the lease
@@ -73,8 +74,13 @@ impl Variant {
             Variant::NoticesOff => "notices_off",
         }
     }
-    fn rejects(self) -> bool {
-        self != Variant::Baseline
+    /// D's `max_model_len`: the baseline admits the long prompts, the others refuse them.
+    fn d_max_model_len(self) -> u32 {
+        if self == Variant::Baseline {
+            1024
+        } else {
+            256
+        }
     }
 }
 
@@ -119,7 +125,7 @@ role = "decode"
 http_port = {d}
 base_port = {db}
 {model}
-engine = {{ block_size = 16, num_blocks = 2048, max_model_len = 256, max_num_seqs = 64 }}
+engine = {{ block_size = 16, num_blocks = 2048, max_model_len = {d_len}, max_num_seqs = 64 }}
 kv_transfer = {{ kv_role = "kv_consumer", side_channel_port = {dside}, data_port = {dsd}, rejection_notices = {notices} }}
 "#,
         run_dir = run_dir.display().to_string(),
@@ -132,6 +138,7 @@ kv_transfer = {{ kv_role = "kv_consumer", side_channel_port = {dside}, data_port
         dside = side + 4,
         dsd = side + 5,
         lease = a.lease_s,
+        d_len = variant.d_max_model_len(),
     );
     (topo, http, http + 1, base + 20)
 }
@@ -174,9 +181,9 @@ struct Counts {
     tokens: u64,
 }
 
-/// Closed loop of non-streaming requests; request `i` is long (rejected by D) when
-/// `rejects && i % 10 == 9`.
-async fn drive(url: &str, a: &RejectionArgs, rejects: bool) -> anyhow::Result<(Counts, f64)> {
+/// Closed loop of non-streaming requests; request `i` is long (refused by a D whose
+/// `max_model_len` is short) when `i % 10 == 9`.
+async fn drive(url: &str, a: &RejectionArgs) -> anyhow::Result<(Counts, f64)> {
     let client = reqwest::Client::builder().pool_max_idle_per_host(a.concurrency).build()?;
     let next = Arc::new(AtomicUsize::new(0));
     let counts = Arc::new(Mutex::new(Counts::default()));
@@ -191,7 +198,7 @@ async fn drive(url: &str, a: &RejectionArgs, rejects: bool) -> anyhow::Result<(C
                 if i >= n {
                     return;
                 }
-                let len = if rejects && i % 10 == 9 { LONG_PROMPT_TOKENS } else { SHORT_PROMPT_TOKENS };
+                let len = if i % 10 == 9 { LONG_PROMPT_TOKENS } else { SHORT_PROMPT_TOKENS };
                 let prompt: String = (0..len).map(|j| (b'a' + ((i * 7 + j) % 26) as u8) as char).collect();
                 let body = serde_json::json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
                 let res = client.post(&url).json(&body).send().await;
@@ -295,7 +302,7 @@ pub async fn run(a: RejectionArgs) -> anyhow::Result<()> {
         for (k, m) in meshes.iter().enumerate() {
             wait_p_idle(&m.p_url, Duration::from_secs(a.lease_s * 3 + 10)).await;
             let (s0, h0) = scrape_p(&m.p_worker_metrics).await?;
-            let (c, wall) = drive(&m.router_url, &a, m.variant.rejects()).await?;
+            let (c, wall) = drive(&m.router_url, &a).await?;
             // Count what the deadline strands too: wait for P to drain before scraping.
             wait_p_idle(&m.p_url, Duration::from_secs(a.lease_s * 3 + 10)).await;
             let (s1, h1) = scrape_p(&m.p_worker_metrics).await?;

@@ -28,6 +28,10 @@ pub trait KvConnectorScheduler: Send {
         params: Option<&KvTransferParams>,
     ) -> (bool, Option<KvTransferParams>);
     fn update_connector_output(&mut self, output: &KvConnectorOutput);
+    /// Drain the notify-only receives queued by [`Self::request_rejected_before_admission`].
+    fn take_rejection_recvs(&mut self) -> Vec<pdmesh_protocol::RecvRequest> {
+        Vec::new()
+    }
     /// Rule R1: D refused a request with these params before admission. `Err` (a reason) when
     /// the params cannot be acted on; the caller counts it, nothing else changes.
     fn request_rejected_before_admission(

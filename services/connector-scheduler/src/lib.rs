@@ -97,6 +97,10 @@ pub fn dispatch(c: &mut dyn KvConnectorScheduler, call: ConnectorCall) -> Connec
             ConnectorReply::Ack
         }
         ConnectorCall::BuildConnectorMeta { step_id } => ConnectorReply::Meta(c.build_connector_meta(step_id)),
+        ConnectorCall::TakeRejectionRecvs => ConnectorReply::Meta(pdmesh_protocol::KvConnectorMetadata {
+            reqs_to_recv: c.take_rejection_recvs(),
+            ..Default::default()
+        }),
         ConnectorCall::RequestFinished { request_id, status, block_ids, kv_transfer_params, block_generations } => {
             let (delay_free, kv_transfer_params) =
                 c.request_finished(&request_id, status, &block_ids, &block_generations, kv_transfer_params.as_ref());

@@ -9,6 +9,10 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+/// Id prefix of the notify-only receives made from rejection notices (never reported to the
+/// scheduler, which does not know them).
+const REJECTED_PREFIX: &str = "rejected:";
+
 use pdmesh_protocol::{
     FinishedStatus, KvConnectorMetadata, KvConnectorOutput, KvTransferParams, RecvRequest, SendRequest,
 };
@@ -145,12 +149,20 @@ impl KvConnectorScheduler for PdConnector {
         }
     }
 
+    fn take_rejection_recvs(&mut self) -> Vec<RecvRequest> {
+        let (taken, kept): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.need_recv).into_iter().partition(|r| r.request_id.starts_with(REJECTED_PREFIX));
+        self.need_recv = kept;
+        taken
+    }
+
     fn build_connector_meta(&mut self, _step_id: u64) -> KvConnectorMetadata {
         KvConnectorMetadata {
             reqs_to_recv: std::mem::take(&mut self.need_recv),
             reqs_to_send: std::mem::take(&mut self.need_send),
             reqs_in_batch: std::mem::take(&mut self.in_batch),
             reqs_not_processed: std::mem::take(&mut self.not_processed),
+            reqs_aborted_after_finish: Vec::new(),
         }
     }
 
@@ -236,7 +248,7 @@ impl KvConnectorScheduler for PdConnector {
         let p_id = params.remote_request_id.clone().unwrap_or_default();
         self.counters.rejection_notices += 1;
         self.need_recv.push(RecvRequest {
-            request_id: format!("rejected:{p_id}"),
+            request_id: format!("{REJECTED_PREFIX}{p_id}"),
             local_block_ids: Vec::new(),
             params: params.clone(),
             rejected_at_unix_us,

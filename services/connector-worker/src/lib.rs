@@ -68,6 +68,12 @@ impl Handler<RouterEvent> for WorkerActor {
             Message::Ping => {
                 let _ = router.send(&peer, envelope.reply(Message::Pong));
             }
+            Message::ConnectorMetadata(meta) => {
+                if let Some(pd) = &self.pd {
+                    pd.start_step(&meta);
+                }
+                let _ = router.send(&peer, envelope.reply(Message::Ack));
+            }
             Message::ExecuteStep(step) => {
                 let (loads, kv_out) = match &self.pd {
                     Some(pd) => {

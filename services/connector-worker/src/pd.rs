@@ -113,6 +113,10 @@ impl PdRuntime {
                 let deadline = wall_to_instant(s.deadline_unix_ms).min(Instant::now() + self.hold_ttl * 2);
                 t.hold(&s.request_id, s.block_ids.clone(), s.block_generations.clone(), deadline);
             }
+            for id in &meta.reqs_aborted_after_finish {
+                let outcome = t.abort(id);
+                tracing::info!(request_id = %id, ?outcome, "abort after finish");
+            }
         }
         if let Some(agents) = &self.agents {
             for r in &meta.reqs_to_recv {

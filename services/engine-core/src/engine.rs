@@ -50,6 +50,9 @@ struct Inbox {
     aborts: Vec<String>,
     /// Rule R1: params of requests D refused before admission.
     notices: Vec<pdmesh_protocol::RejectionNotice>,
+    /// Notify-only receives the fast path could not push to the worker: they go out with the
+    /// next step's metadata instead.
+    undelivered_recvs: Vec<pdmesh_protocol::RecvRequest>,
 }
 
 struct State {
@@ -165,6 +168,41 @@ impl EngineCore {
         self.health.set_ready(ready);
     }
 
+    /// Rule R1 fast path: hand the notice to the connector and push the notify-only receive
+    /// it makes straight to the worker, beside the running step. The connector still owns the
+    /// decision (complete params or not); only the wait for the step's end is skipped.
+    fn notice_now(&mut self, n: pdmesh_protocol::RejectionNotice, ctx: &mut Context<Self>) {
+        let Some(peers) = self.peers.clone() else { return };
+        let fut = async move {
+            let calls = vec![
+                ConnectorCall::RequestRejectedBeforeAdmission {
+                    params: n.params,
+                    rejected_at_unix_us: n.rejected_at_unix_us,
+                },
+                ConnectorCall::TakeRejectionRecvs,
+            ];
+            let replies = connector_call(&peers.connector, calls).await.ok()?;
+            let result = if matches!(replies.first(), Some(ConnectorReply::Ack)) { "accepted" } else { "invalid" };
+            m::NOTICES.with_label_values(&[result]).inc();
+            let Some(ConnectorReply::Meta(meta)) = replies.get(1) else { return None };
+            if meta.reqs_to_recv.is_empty() {
+                return None;
+            }
+            let push = Envelope::new(Message::ConnectorMetadata(meta.clone()));
+            if let Err(e) = peers.worker.call(push, Duration::from_secs(5)).await {
+                tracing::warn!(error = %e, "worker did not take the rejection notice; it goes out with the next step");
+                return Some(meta.reqs_to_recv.clone());
+            }
+            None
+        };
+        ctx.spawn(fut.into_actor(self).map(|undelivered, act, ctx| {
+            if let Some(recvs) = undelivered {
+                act.state.borrow_mut().inbox.undelivered_recvs.extend(recvs);
+                act.kick(ctx);
+            }
+        }));
+    }
+
     fn kick(&mut self, ctx: &mut Context<Self>) {
         if self.stepping {
             return;
@@ -228,8 +266,13 @@ impl EngineCore {
                 self.kick(ctx);
             }
             Message::RejectionNotice(n) => {
-                self.state.borrow_mut().inbox.notices.push(n);
-                self.kick(ctx);
+                if self.stepping {
+                    // A step is running (on a busy D, always): do not make P wait for it.
+                    self.notice_now(n, ctx);
+                } else {
+                    self.state.borrow_mut().inbox.notices.push(n);
+                    self.kick(ctx);
+                }
             }
             Message::StatsQuery => {
                 let st = self.state.borrow();
@@ -342,10 +385,13 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
             &finishing,
             replies.as_ref().ok().map(|r| r.get(offset..).unwrap_or(&[])),
         );
-        match replies.as_ref().ok().and_then(|r| r.last()) {
+        let mut meta = match replies.as_ref().ok().and_then(|r| r.last()) {
             Some(ConnectorReply::Meta(meta)) => meta.clone(),
             _ => KvConnectorMetadata::default(),
-        }
+        };
+        meta.reqs_to_recv.extend(std::mem::take(&mut st.inbox.undelivered_recvs));
+        meta.reqs_aborted_after_finish = st.sched.take_aborted_held();
+        meta
     };
 
     // ---- 5. run the step on the worker (its metadata registers holds queued last step)
@@ -425,6 +471,7 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
             || !st.inbox.adds.is_empty()
             || !st.inbox.aborts.is_empty()
             || !st.inbox.notices.is_empty()
+            || !st.inbox.undelivered_recvs.is_empty()
         {
             StepNext::Now
         } else if st.sched.has_requests() {

@@ -70,6 +70,8 @@ pub struct SchedulerCounters {
     pub unknown_ids: u64,
     pub preemptions: u64,
     pub duplicate_aborts: u64,
+    /// Aborts of finished requests whose blocks the connector holds (passed on to it).
+    pub aborts_after_finish: u64,
     /// KV loads that failed and were recomputed locally (`recompute` policy).
     pub kv_loads_recomputed: u64,
     /// Prompt tokens that a failed load left to prefill locally.
@@ -102,6 +104,12 @@ pub struct Scheduler {
     /// `finished_recving`.
     free_on_recv: HashMap<String, Vec<u32>>,
     finished_recving: HashSet<String>,
+    /// Held requests aborted after finish, to tell the connector (drained per step).
+    aborted_held: Vec<String>,
+    /// Finished requests aborted before `request_finished` was answered.
+    abort_when_held: HashSet<String>,
+    /// Ids whose abort-after-finish was taken (a second one is a duplicate).
+    abort_after_finish_sent: HashSet<String>,
     finished_since_last_step: Vec<String>,
     outputs: Vec<EngineOutput>,
     counters: SchedulerCounters,
@@ -121,6 +129,9 @@ impl Scheduler {
             held: HashMap::new(),
             free_on_recv: HashMap::new(),
             finished_recving: HashSet::new(),
+            aborted_held: Vec::new(),
+            abort_when_held: HashSet::new(),
+            abort_after_finish_sent: HashSet::new(),
             finished_since_last_step: Vec::new(),
             outputs: Vec::new(),
             counters: SchedulerCounters::default(),
@@ -173,12 +184,31 @@ impl Scheduler {
     pub fn abort_requests(&mut self, ids: &[String]) -> Vec<String> {
         let mut aborted = Vec::new();
         for id in ids {
+            if self.held.contains_key(id) {
+                // Abort after finish (beyond vLLM): the blocks are held for a reader. Tell the
+                // connector once; it frees at once without an active lease, else when the
+                // lease ends. The scheduler itself frees only on `finished_sending`.
+                if self.abort_after_finish_sent.insert(id.clone()) {
+                    self.aborted_held.push(id.clone());
+                    self.counters.aborts_after_finish += 1;
+                } else {
+                    self.counters.duplicate_aborts += 1;
+                }
+                continue;
+            }
             let Some(req) = self.requests.get(id) else {
                 self.counters.unknown_ids += 1;
                 tracing::debug!(request_id = %id, "abort for an unknown request");
                 continue;
             };
             if req.status.is_finished() {
+                // Finished, `request_finished` not answered yet: if the connector holds the
+                // blocks, the abort goes to it as soon as they are held.
+                if self.abort_after_finish_sent.insert(id.clone()) {
+                    self.abort_when_held.insert(id.clone());
+                    self.counters.aborts_after_finish += 1;
+                    continue;
+                }
                 self.counters.duplicate_aborts += 1;
                 tracing::debug!(request_id = %id, "abort for an already finished request ignored");
                 continue;
@@ -548,9 +578,14 @@ impl Scheduler {
             // Blocks already parked until the receive settles; keep the request record there.
             return;
         }
+        let aborted = self.abort_when_held.remove(id);
         if delay_free && !blocks.is_empty() {
             self.held.insert(id.to_string(), Held { blocks, since: req.finished_at.unwrap_or_else(Instant::now) });
+            if aborted {
+                self.aborted_held.push(id.to_string());
+            }
         } else {
+            self.abort_after_finish_sent.remove(id);
             self.pool.free(&blocks);
         }
     }
@@ -563,6 +598,7 @@ impl Scheduler {
         for id in &kv.finished_sending {
             match self.held.remove(id) {
                 Some(h) => {
+                    self.abort_after_finish_sent.remove(id);
                     self.pool.free(&h.blocks);
                 }
                 None => {
@@ -624,6 +660,12 @@ impl Scheduler {
             self.finish(&id, RequestStatus::FinishedError);
             tracing::warn!(request_id = %id, "KV load failed; request failed by policy");
         }
+    }
+
+    /// Held requests aborted after finish since the last call: the connector-worker's hold
+    /// table decides when their blocks can go (at once, or when the active lease ends).
+    pub fn take_aborted_held(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.aborted_held)
     }
 
     /// Outputs ready for the clients.

@@ -188,19 +188,53 @@ fn abort_after_finish_never_frees_held_blocks() {
     s.update_from_output(&sched.chunks, &ModelRunnerOutput { step_id: 1, sampled, ..Default::default() });
     finish_calls(&mut s, true);
     assert_eq!(s.kv_usage().held_blocks, 3);
-    // the client's abort races the end of prefill: a no-op
+    // the client's abort after the end of prefill: nothing is freed here, the connector is
+    // told once (it frees at once without a lease, or when the lease ends)
     assert!(s.abort_requests(&["p".into()]).is_empty());
+    assert!(s.abort_requests(&["p".into()]).is_empty());
+    assert_eq!(s.take_aborted_held(), vec!["p".to_string()], "the connector hears of it once");
+    assert!(s.take_aborted_held().is_empty());
+    assert_eq!(s.counters().aborts_after_finish, 1);
+    assert_eq!(s.counters().duplicate_aborts, 1);
     assert!(s.finishing_calls().is_empty(), "request_finished is not called a second time");
-    assert_eq!(s.kv_usage().held_blocks, 3, "held blocks stay held");
+    assert_eq!(s.kv_usage().held_blocks, 3, "held blocks stay held until finished_sending");
     check_accounting(&s);
     assert!(s.has_requests(), "held blocks keep the engine ticking");
-    // the reader is done: finished_sending frees; a duplicate is counted, not a double free
+    // the connector released them: finished_sending frees; a duplicate is counted, not a double free
     let done = KvConnectorOutput { finished_sending: vec!["p".into()], ..Default::default() };
     s.update_from_kv_output(&done);
     s.update_from_kv_output(&done);
     assert_eq!(s.kv_usage().free_blocks, 16);
-    // the late abort and the duplicate finished_sending are both counted as unknown ids
+    // the duplicate finished_sending and an abort after the free are unknown ids
+    assert!(s.abort_requests(&["p".into()]).is_empty());
     assert_eq!(s.counters().unknown_ids, 2);
+    assert!(s.take_aborted_held().is_empty());
+    assert_eq!(s.counters().request_finished_calls, 1);
+    check_accounting(&s);
+}
+
+#[test]
+fn abort_at_finish_reaches_the_connector_once_the_blocks_are_held() {
+    // The abort lands after the request finished but before request_finished was answered.
+    let mut s = Scheduler::new(cfg(16, 64));
+    let mut r = req("p", 9, 1);
+    r.kv_transfer_params = Some(KvTransferParams { do_remote_decode: Some(true), ..Default::default() });
+    s.add_request(r).unwrap();
+    for call in s.match_queries() {
+        if let ConnectorCall::GetNumNewMatchedTokens { request_id, .. } = call {
+            s.apply_match(&request_id, Some(0), false);
+        }
+    }
+    let sched = s.schedule();
+    let sampled = vec![SampledToken { request_id: "p".into(), token_id: 5, logprobs: None }];
+    s.update_from_output(&sched.chunks, &ModelRunnerOutput { step_id: 1, sampled, ..Default::default() });
+    assert!(s.abort_requests(&["p".into()]).is_empty(), "already finished: not aborted again");
+    assert!(s.take_aborted_held().is_empty(), "not held yet");
+    assert_eq!(finish_calls(&mut s, true), vec!["p".to_string()], "request_finished once");
+    assert_eq!(s.take_aborted_held(), vec!["p".to_string()], "passed on as soon as it is held");
+    assert_eq!(s.kv_usage().held_blocks, 3);
+    s.update_from_kv_output(&KvConnectorOutput { finished_sending: vec!["p".into()], ..Default::default() });
+    assert_eq!(s.kv_usage().free_blocks, 16);
     assert_eq!(s.counters().request_finished_calls, 1);
     check_accounting(&s);
 }

@@ -45,6 +45,10 @@ pub enum ConnectorCall {
     },
     /// The worker's connector output of the last step.
     UpdateConnectorOutput(KvConnectorOutput),
+    /// The notify-only receives of rejections queued so far (answered with `Meta` holding only
+    /// those), so that the engine can push them to the worker while a step is running instead
+    /// of after it: P hears of a rejection within one hop of D's engine, not one step.
+    TakeRejectionRecvs,
     /// Rule R1: a request with these params was refused before admission; tell P.
     RequestRejectedBeforeAdmission {
         params: KvTransferParams,
@@ -108,12 +112,17 @@ pub struct KvConnectorMetadata {
     pub reqs_in_batch: Vec<String>,
     #[serde(default)]
     pub reqs_not_processed: Vec<String>,
+    /// P: held requests aborted after finish (beyond vLLM): released at once when no read
+    /// lease is active, else when it ends.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reqs_aborted_after_finish: Vec<String>,
 }
 
 impl KvConnectorMetadata {
     pub fn is_empty(&self) -> bool {
         self.reqs_to_recv.is_empty()
             && self.reqs_to_send.is_empty()
+            && self.reqs_aborted_after_finish.is_empty()
             && self.reqs_in_batch.is_empty()
             && self.reqs_not_processed.is_empty()
     }

@@ -109,6 +109,9 @@ pub enum Message {
     // ---- rule R1: D refused a remote-prefill request before admission
     /// frontend → dp-lb → engine-core rank(s): P's blocks for these params will never be read.
     RejectionNotice(RejectionNotice),
+    /// engine-core → connector-worker: connector metadata to act on now, outside a step
+    /// (the notify-only receives of rejections; answered with `Ack`).
+    ConnectorMetadata(KvConnectorMetadata),
 }
 
 impl Message {
@@ -143,6 +146,7 @@ impl Message {
             Message::XferReadBlocks(_) => "xfer_read_blocks",
             Message::XferReadReady(_) => "xfer_read_ready",
             Message::RejectionNotice(_) => "rejection_notice",
+            Message::ConnectorMetadata(_) => "connector_metadata",
         }
     }
 }
