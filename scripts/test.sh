@@ -11,3 +11,6 @@ fi
 cargo build --release --workspace --all-targets
 # Test binaries start whole meshes; two at a time is what a 2-core machine sustains.
 cargo test --release --workspace -- --test-threads="${PDMESH_TEST_THREADS:-2}"
+# docker compose up of deploy/docker-compose.yml on this machine's engine (skipped, with the
+# reason, when there is none); reuses the release binaries built above.
+./scripts/compose-test.sh

@@ -56,9 +56,29 @@ impl Handler<RouterEvent> for ConnectorSchedulerActor {
     fn handle(&mut self, ev: RouterEvent, _: &mut Context<Self>) {
         let RouterEvent::Message { peer, envelope } = ev else { return };
         let reply = match &envelope.body {
-            Message::ConnectorCalls(calls) => {
-                Message::ConnectorReplies(calls.iter().cloned().map(|c| dispatch(self.connector.as_mut(), c)).collect())
-            }
+            Message::ConnectorCalls(calls) => Message::ConnectorReplies(
+                calls
+                    .iter()
+                    .cloned()
+                    .map(|c| {
+                        // A span per call that concerns one request, in that request's trace.
+                        let span = match c.request_id().and_then(|id| envelope.traces.get(id).map(|t| (id, t))) {
+                            Some((id, trace)) => pdmesh_telemetry::trace::child_of(
+                                tracing::info_span!("connector.call", otel.kind = "server",
+                                    otel.name = %format_args!("connector.{}", c.kind()), request_id = %id, call = c.kind()),
+                                trace,
+                            ),
+                            None => tracing::Span::none(),
+                        };
+                        let _entered = span.enter();
+                        let reply = dispatch(self.connector.as_mut(), c);
+                        if !span.is_disabled() {
+                            tracing::info!(reply = ?reply, "connector answered");
+                        }
+                        reply
+                    })
+                    .collect(),
+            ),
             Message::Ping => Message::Pong,
             Message::Hello(h) => {
                 tracing::info!(service = ?h.service, rank = h.rank, pid = h.pid, "peer connected");

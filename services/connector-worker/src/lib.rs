@@ -70,14 +70,31 @@ impl Handler<RouterEvent> for WorkerActor {
             }
             Message::ConnectorMetadata(meta) => {
                 if let Some(pd) = &self.pd {
-                    pd.start_step(&meta);
+                    pd.start_step(&meta, &envelope.traces);
                 }
                 let _ = router.send(&peer, envelope.reply(Message::Ack));
             }
             Message::ExecuteStep(step) => {
+                // One span per scheduled request, in its own trace; they end with the step.
+                let spans: Vec<tracing::Span> = step
+                    .chunks
+                    .iter()
+                    .filter_map(|c| {
+                        let trace = envelope.traces.get(&c.request_id)?;
+                        let phase =
+                            if c.sample && c.token_ids.len() == 1 && c.start_pos > 0 { "decode" } else { "prefill" };
+                        Some(pdmesh_telemetry::trace::child_of(
+                            tracing::info_span!("worker.execute", otel.kind = "server",
+                                otel.name = %format_args!("worker.{phase}"), request_id = %c.request_id,
+                                step_id = step.step_id, phase, tokens = c.token_ids.len(), start_pos = c.start_pos,
+                                blocks = c.block_ids.len(), batch = step.chunks.len()),
+                            trace,
+                        ))
+                    })
+                    .collect();
                 let (loads, kv_out) = match &self.pd {
                     Some(pd) => {
-                        pd.start_step(&step.kv_connector_metadata);
+                        pd.start_step(&step.kv_connector_metadata, &envelope.traces);
                         pd.finish_step()
                     }
                     None => (Vec::new(), Default::default()),
@@ -96,6 +113,7 @@ impl Handler<RouterEvent> for WorkerActor {
                             }
                         };
                         let _ = router.send(&peer, envelope.reply(body));
+                        drop(spans);
                     }
                     .into_actor(self),
                 );

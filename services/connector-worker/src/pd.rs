@@ -8,6 +8,7 @@
 //! costs one memcpy of the request's KV; a zero-copy write into a second mapping of D's own
 //! shared-memory cache is the planned refinement (docs/DECISIONS.md).
 
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -16,9 +17,15 @@ use pdmesh_kv_transfer::{
     HeldBlockMs, HoldTable, HoldTableConfig, RemoteAgents, SharedPolicy, TransferAgent, TransferClient,
 };
 use pdmesh_model_api::{KvCache, KvCacheSpec};
-use pdmesh_protocol::{KvConnectorMetadata, KvConnectorOutput, RecvRequest};
+use pdmesh_protocol::{KvConnectorMetadata, KvConnectorOutput, RecvRequest, TraceContext};
+use pdmesh_telemetry::trace;
+use tracing::Instrument;
 
 use crate::metrics as m;
+
+/// P: the context of each held request's `kv.hold` span, for the `kv.release` span when its
+/// blocks are freed (after D's read, a give-up or expiry), possibly many steps later.
+static HOLD_TRACES: trace::RequestContexts = trace::RequestContexts::new();
 
 /// Blocks read for one request, waiting to be copied into the cache.
 #[derive(Debug)]
@@ -106,12 +113,23 @@ impl PdRuntime {
     }
 
     /// Apply the step's connector metadata: start holds (P) and reads (D).
-    pub fn start_step(&self, meta: &KvConnectorMetadata) {
+    /// `traces`: the requests' trace contexts from the step's Envelope (holds and reads are
+    /// spans of the request's trace).
+    pub fn start_step(&self, meta: &KvConnectorMetadata, traces: &BTreeMap<String, TraceContext>) {
         if let Some(table) = &self.hold {
             let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
             for s in &meta.reqs_to_send {
                 let deadline = wall_to_instant(s.deadline_unix_ms).min(Instant::now() + self.hold_ttl * 2);
                 t.hold(&s.request_id, s.block_ids.clone(), s.block_generations.clone(), deadline);
+                if let Some(trace) = traces.get(&s.request_id) {
+                    let span = trace::child_of(
+                        tracing::info_span!("kv.hold", request_id = %s.request_id, blocks = s.block_ids.len()),
+                        trace,
+                    );
+                    tracing::info!(parent: &span, blocks = s.block_ids.len(), ttl_ms = self.hold_ttl.as_millis() as u64,
+                        "hold started");
+                    HOLD_TRACES.remember(&s.request_id, trace::outgoing(&span, trace));
+                }
             }
             for id in &meta.reqs_aborted_after_finish {
                 let outcome = t.abort(id);
@@ -120,8 +138,14 @@ impl PdRuntime {
         }
         if let Some(agents) = &self.agents {
             for r in &meta.reqs_to_recv {
+                let span = tracing::info_span!("kv.read", otel.kind = "client", request_id = %r.request_id,
+                    blocks = r.local_block_ids.len(), kv.bytes = tracing::field::Empty, kv.blocks = tracing::field::Empty,
+                    remote_engine = r.params.remote_engine_id.as_deref().unwrap_or(""));
+                if let Some(trace) = traces.get(&r.request_id) {
+                    trace::set_parent(&span, trace);
+                }
                 let fut = receive(agents.clone(), self.spec, r.clone(), self.settled.clone(), self.faults.clone());
-                actix::spawn(fut);
+                actix::spawn(fut.instrument(span));
             }
         }
     }
@@ -162,6 +186,12 @@ impl PdRuntime {
                 m::HOLDS_EXPIRED.inc_by(expired as u64);
             }
             out.finished_sending = t.take_finished_sending();
+            for id in &out.finished_sending {
+                if let Some(trace) = HOLD_TRACES.take(id) {
+                    let span = trace::child_of(tracing::info_span!("kv.release", request_id = %id), &trace);
+                    tracing::info!(parent: &span, expired_now = expired, "held blocks freed");
+                }
+            }
             m::HELD_BLOCKS.set(t.held_blocks() as i64);
             let now = t.counters().held_block_ms;
             let before = self.exported_block_ms.replace(now);
@@ -230,6 +260,7 @@ async fn receive(
     let fail = |kind: FailureKind, e: &dyn std::fmt::Display| (kind, e.to_string());
     let result: Result<Option<StagedLoad>, (FailureKind, String)> = async {
         let agent = agents.get(engine, &endpoint).await.map_err(|e| fail(FailureKind::Handshake, &e))?;
+        tracing::info!(%endpoint, "handshake done");
         if notify_only {
             agent
                 .give_up_at(p_req, "rejected before admission (notify only)", None, r.rejected_at_unix_us)
@@ -245,22 +276,26 @@ async fn receive(
         let gens_tail =
             if gens.len() == remote.len() { gens.get(gens.len() - n..).unwrap_or(&[]).to_vec() } else { gens };
         let lease = agent.lease(p_req, &remote_tail, &gens_tail).await.map_err(|e| fail(FailureKind::Lease, &e))?;
+        tracing::info!(blocks = remote_tail.len(), "lease granted");
         let lease = Arc::new(lease);
         // The READ and its `read done` run as their own task, so that a task dying without a
         // result (the `transfer_exception` fault) still lands in the failure handler below.
-        let task = actix::spawn({
-            let (agent, lease, remote_tail) = (agent.clone(), lease.clone(), remote_tail.clone());
-            async move {
-                let mut staged = KvCache::new_heap(KvCacheSpec { num_blocks: n as u32, ..spec });
-                let staged_ids: Vec<u32> = (0..n as u32).collect();
-                let stats = agent
-                    .read_blocks(&lease, &remote_tail, &mut staged, &staged_ids)
-                    .await
-                    .map_err(|e| fail(FailureKind::Read, &e))?;
-                agent.read_done(&lease).await.map_err(|e| fail(FailureKind::ReadDone, &e))?;
-                Ok::<_, (FailureKind, String)>((staged, stats))
+        let task = actix::spawn(
+            {
+                let (agent, lease, remote_tail) = (agent.clone(), lease.clone(), remote_tail.clone());
+                async move {
+                    let mut staged = KvCache::new_heap(KvCacheSpec { num_blocks: n as u32, ..spec });
+                    let staged_ids: Vec<u32> = (0..n as u32).collect();
+                    let stats = agent
+                        .read_blocks(&lease, &remote_tail, &mut staged, &staged_ids)
+                        .await
+                        .map_err(|e| fail(FailureKind::Read, &e))?;
+                    agent.read_done(&lease).await.map_err(|e| fail(FailureKind::ReadDone, &e))?;
+                    Ok::<_, (FailureKind, String)>((staged, stats))
+                }
             }
-        });
+            .instrument(tracing::Span::current()),
+        );
         if faults.transfer_exception {
             tracing::warn!(request_id = %r.request_id, "fault injection: the read task dies");
             task.abort();
@@ -268,6 +303,15 @@ async fn receive(
         let outcome = task.await.unwrap_or_else(|e| Err(fail(FailureKind::Exception, &e)));
         match outcome {
             Ok((staged, stats)) => {
+                let span = tracing::Span::current();
+                span.record("kv.bytes", stats.bytes);
+                span.record("kv.blocks", stats.blocks);
+                tracing::info!(
+                    bytes = stats.bytes,
+                    blocks = stats.blocks,
+                    elapsed_us = stats.elapsed.as_micros() as u64,
+                    "read done"
+                );
                 m::TRANSFER_BYTES.inc_by(stats.bytes);
                 m::TRANSFER_SECONDS.observe(stats.elapsed.as_secs_f64());
                 Ok(Some(StagedLoad {
@@ -287,6 +331,9 @@ async fn receive(
         }
     }
     .await;
+    if let Err((kind, error)) = &result {
+        tracing::warn!(kind = kind.label(), %error, notify_only, "receive failed");
+    }
     let mut s = settled.lock().unwrap_or_else(|p| p.into_inner());
     match result {
         Ok(Some(load)) => s.push(Settled::Loaded(load)),

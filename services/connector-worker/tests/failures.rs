@@ -105,9 +105,9 @@ fn one_receive(p_faults: &str, d_faults: &str) -> (Vec<StagedLoad>, KvConnectorO
         let p = PdRuntime::start(setup("p", true, port, p_faults), spec(), p_region.path()).await.unwrap();
         let d = PdRuntime::start(setup("d", false, free_port(), d_faults), spec(), d_region.path()).await.unwrap();
         let (p_meta, d_meta) = metas(port);
-        p.start_step(&p_meta);
+        p.start_step(&p_meta, &Default::default());
         let _ = p.finish_step();
-        d.start_step(&d_meta);
+        d.start_step(&d_meta, &Default::default());
         run_until_settled(&p, &d).await
     })
 }

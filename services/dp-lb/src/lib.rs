@@ -100,6 +100,11 @@ impl Handler<FromFrontend> for DpLb {
         let RouterEvent::Message { peer, envelope } = ev else { return };
         match &envelope.body {
             Message::AddRequest(req) => {
+                let span = pdmesh_telemetry::trace::child_of(
+                    tracing::info_span!("dp_lb.route", otel.kind = "server", request_id = %req.request_id),
+                    &envelope.trace,
+                );
+                let _entered = span.enter();
                 let reply = self.route(req.clone(), &envelope);
                 if let Some(f) = &self.frontend {
                     let _ = f.send(&peer, envelope.reply(reply));
@@ -193,10 +198,9 @@ impl DpLb {
         self.in_flight.insert(id.clone(), rank);
         m::IN_FLIGHT.set(self.in_flight.len() as i64);
         m::ROUTED.with_label_values(&[&rank.to_string()]).inc();
-        self.send_to_rank(
-            rank,
-            Envelope::new(Message::AddRequest(req)).with_request_id(id).with_trace(env.trace.clone()),
-        );
+        tracing::info!(rank, "routed");
+        let trace = pdmesh_telemetry::trace::outgoing(&tracing::Span::current(), &env.trace);
+        self.send_to_rank(rank, Envelope::new(Message::AddRequest(req)).with_request_id(id).with_trace(trace));
         Message::Ack
     }
 

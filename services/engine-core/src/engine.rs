@@ -67,6 +67,10 @@ struct State {
     step_timeout: Duration,
 }
 
+/// `engine.request` spans, open from AddRequest until the request's finishing output is sent;
+/// steps and connector calls carry their contexts (`Envelope::traces`), see docs/TRACING.md.
+static REQUEST_SPANS: pdmesh_telemetry::trace::RequestSpans = pdmesh_telemetry::trace::RequestSpans::new();
+
 /// The engine-core actor of one rank.
 pub struct EngineCore {
     state: Rc<RefCell<State>>,
@@ -258,6 +262,10 @@ impl EngineCore {
         match env.body {
             Message::AddRequest(req) => {
                 tracing::debug!(request_id = %req.request_id, trace_id = %pdmesh_telemetry::trace::trace_id(&env.trace), "add request");
+                let rank = self.state.borrow().rank;
+                let span = tracing::info_span!("engine.request", otel.kind = "server", request_id = %req.request_id,
+                    rank, prompt_tokens = req.prompt_token_ids.len(), max_tokens = req.sampling.max_tokens);
+                REQUEST_SPANS.open(&req.request_id, span, &env.trace);
                 self.state.borrow_mut().inbox.adds.push(req);
                 self.kick(ctx);
             }
@@ -407,7 +415,8 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
             finished_request_ids: schedule.finished_request_ids,
             kv_connector_metadata: meta,
         };
-        let res = peers.worker.call(Envelope::new(Message::ExecuteStep(step)), timeout).await;
+        let traces = REQUEST_SPANS.contexts(step.request_ids());
+        let res = peers.worker.call(Envelope::new(Message::ExecuteStep(step)).with_traces(traces), timeout).await;
         let mut st = state.borrow_mut();
         match res {
             Ok(Envelope { body: Message::StepResult(out), .. }) => {
@@ -484,6 +493,10 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
     for o in &outputs {
         if let Some(r) = o.finish_reason {
             m::FINISHED.with_label_values(&[r.as_str()]).inc();
+            if let Some(span) = REQUEST_SPANS.close(&o.request_id) {
+                tracing::info!(parent: &span, reason = r.as_str(), error = o.error.as_deref().unwrap_or(""),
+                    kv_handoff = o.kv_transfer_params.is_some(), "request finished");
+            }
         }
     }
     if !outputs.is_empty() {
@@ -558,7 +571,8 @@ fn apply_finished_replies(sched: &mut Scheduler, calls: &[ConnectorCall], replie
 /// One batched round trip to the connector-scheduler.
 async fn connector_call(link: &LinkHandle, calls: Vec<ConnectorCall>) -> Result<Vec<ConnectorReply>, TransportError> {
     let n = calls.len();
-    let res = link.call(Envelope::new(Message::ConnectorCalls(calls)), CONNECTOR_TIMEOUT).await;
+    let traces = REQUEST_SPANS.contexts(calls.iter().filter_map(ConnectorCall::request_id));
+    let res = link.call(Envelope::new(Message::ConnectorCalls(calls)).with_traces(traces), CONNECTOR_TIMEOUT).await;
     match res {
         Ok(Envelope { body: Message::ConnectorReplies(r), .. }) if r.len() == n => Ok(r),
         Ok(other) => {

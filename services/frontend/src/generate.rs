@@ -65,6 +65,8 @@ pub struct Prepared {
     pub request: EngineRequest,
     pub trace: TraceContext,
     pub arrival: Instant,
+    /// `frontend.generate`: open until the response is over (it lives in the [`RequestGuard`]).
+    pub span: tracing::Span,
 }
 
 /// Seconds since the Unix epoch (0 if the clock is before it).
@@ -110,7 +112,23 @@ pub fn prepare(
         kv_transfer_params: params.kv_transfer_params,
         data_parallel_rank: meta.data_parallel_rank,
     };
-    Prepared { settings, request, trace: meta.trace, arrival }
+    // A child of the handler's `frontend.request` span that lives as long as the response
+    // (the handler's ends when it returns a stream), holding the request's events.
+    let span = tracing::info_span!(
+        "frontend.generate",
+        request_id = %request.request_id,
+        api = ?api,
+        prompt_tokens = settings.prompt_tokens,
+        max_tokens,
+        stream = settings.stream,
+        remote_prefill = request.kv_transfer_params.as_ref().is_some_and(|p| p.wants_remote_prefill()),
+    );
+    // The AddRequest carries this span's context (or, export off, a child of the client's).
+    let trace = match pdmesh_telemetry::trace::context_of(&span) {
+        Some(ctx) => ctx,
+        None => meta.trace,
+    };
+    Prepared { settings, request, trace, arrival, span }
 }
 
 /// Ties an accepted engine request to its HTTP request (see the module docs).
@@ -121,12 +139,13 @@ pub struct RequestGuard {
     arrival: Instant,
     last_tokens_at: Option<Instant>,
     finished: bool,
+    span: tracing::Span,
 }
 
 impl RequestGuard {
-    fn new(client: Addr<EngineClient>, request_id: String, ticket: u64, arrival: Instant) -> Self {
+    fn new(client: Addr<EngineClient>, request_id: String, ticket: u64, arrival: Instant, span: tracing::Span) -> Self {
         IN_FLIGHT.inc();
-        Self { client, request_id, ticket, arrival, last_tokens_at: None, finished: false }
+        Self { client, request_id, ticket, arrival, last_tokens_at: None, finished: false, span }
     }
 
     /// Record the arrival of `n` new tokens (TTFT for the first, inter-token latency after).
@@ -137,7 +156,10 @@ impl RequestGuard {
         GENERATION_TOKENS_TOTAL.inc_by(u64::from(n));
         let now = Instant::now();
         match self.last_tokens_at {
-            None => TTFT.observe(now.duration_since(self.arrival).as_secs_f64()),
+            None => {
+                TTFT.observe(now.duration_since(self.arrival).as_secs_f64());
+                tracing::info!(parent: &self.span, tokens = n, "first token");
+            }
             Some(t) => ITL.observe(now.duration_since(t).as_secs_f64()),
         }
         self.last_tokens_at = Some(now);
@@ -149,6 +171,7 @@ impl RequestGuard {
             return;
         }
         self.finished = true;
+        tracing::info!(parent: &self.span, reason, "request finished");
         FINISH_REASONS_TOTAL.with_label_values(&[reason]).inc();
         E2E.observe(self.arrival.elapsed().as_secs_f64());
     }
@@ -179,14 +202,14 @@ pub struct Accepted {
 
 /// Submit to the engine; errors are the mesh's refusals (before admission).
 pub async fn submit(state: &AppState, prepared: Prepared) -> Result<Accepted, ApiError> {
-    let Prepared { settings, request, trace, arrival } = prepared;
+    let Prepared { settings, request, trace, arrival, span } = prepared;
     let ticket = next_ticket();
     let outputs =
         state.client.send(Submit { request, trace, ticket }).await.map_err(|e| {
             ApiError::Unavailable(format!("engine unavailable: the engine client is not running ({e})"))
         })??;
     PROMPT_TOKENS_TOTAL.inc_by(u64::from(settings.prompt_tokens));
-    let guard = RequestGuard::new(state.client.clone(), settings.request_id.clone(), ticket, arrival);
+    let guard = RequestGuard::new(state.client.clone(), settings.request_id.clone(), ticket, arrival, span);
     Ok(Accepted { settings, outputs, guard })
 }
 

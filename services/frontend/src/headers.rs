@@ -23,6 +23,9 @@ pub struct RequestMeta {
     pub trace: TraceContext,
     /// Trace id (hex) for log fields.
     pub trace_id: String,
+    /// The client's own context (`traceparent` / `tracestate` as sent), which the frontend's
+    /// request span is parented on.
+    pub parent: TraceContext,
 }
 
 /// The client's request id, validated, or a fresh one. vLLM uses the header as is; ids are
@@ -70,8 +73,13 @@ pub fn data_parallel_rank(headers: &HeaderMap) -> Result<Option<u32>, ApiError> 
 /// The trace context to put on the Envelope: a child of the client's `traceparent`, or a new
 /// root when there is none or it is malformed (as the W3C spec asks).
 pub fn trace_context(headers: &HeaderMap) -> TraceContext {
+    pdmesh_telemetry::trace::next_hop(&client_trace(headers))
+}
+
+/// The client's `traceparent` / `tracestate` headers as sent.
+pub fn client_trace(headers: &HeaderMap) -> TraceContext {
     let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
-    pdmesh_telemetry::trace::next_hop(&TraceContext { traceparent: get("traceparent"), tracestate: get("tracestate") })
+    TraceContext { traceparent: get("traceparent"), tracestate: get("tracestate") }
 }
 
 /// Every header of a generation request. The request id is settled first so that a refusal
@@ -79,9 +87,10 @@ pub fn trace_context(headers: &HeaderMap) -> TraceContext {
 pub fn request_meta(headers: &HeaderMap) -> Result<RequestMeta, (String, ApiError)> {
     let request_id = request_id(headers).map_err(|e| (new_request_id(), e))?;
     let data_parallel_rank = data_parallel_rank(headers).map_err(|e| (request_id.clone(), e))?;
-    let trace = trace_context(headers);
+    let parent = client_trace(headers);
+    let trace = pdmesh_telemetry::trace::next_hop(&parent);
     let trace_id = pdmesh_telemetry::trace::trace_id(&trace);
-    Ok(RequestMeta { request_id, data_parallel_rank, trace, trace_id })
+    Ok(RequestMeta { request_id, data_parallel_rank, trace, trace_id, parent })
 }
 
 #[cfg(test)]

@@ -15,7 +15,9 @@ use actix_web::http::StatusCode;
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
 use futures::StreamExt;
 use pdmesh_config::Topology;
+use pdmesh_protocol::TraceContext;
 use serde_json::{json, Value};
+use tracing::Instrument;
 
 use crate::error::{ApiError, FrontendError};
 use crate::headers::REQUEST_ID;
@@ -49,15 +51,35 @@ fn error(e: ApiError, request_id: &str) -> HttpResponse {
     crate::handlers::error_response(e, request_id)
 }
 
-/// Headers forwarded to both legs.
-fn forward_headers(req: &HttpRequest, rb: reqwest::RequestBuilder, request_id: &str) -> reqwest::RequestBuilder {
+/// Headers forwarded to both legs; `trace` is the leg's own context (its client span's, or a
+/// child of the client's when export is off).
+fn forward_headers(
+    req: &HttpRequest,
+    rb: reqwest::RequestBuilder,
+    request_id: &str,
+    trace: &TraceContext,
+) -> reqwest::RequestBuilder {
     let mut rb = rb.header(REQUEST_ID, request_id);
-    for name in ["traceparent", "tracestate", "x-data-parallel-rank", "authorization"] {
+    for name in ["x-data-parallel-rank", "authorization"] {
         if let Some(v) = req.headers().get(name).and_then(|v| v.to_str().ok()) {
             rb = rb.header(name, v);
         }
     }
+    if let Some(tp) = &trace.traceparent {
+        rb = rb.header("traceparent", tp);
+    }
+    if let Some(ts) = &trace.tracestate {
+        rb = rb.header("tracestate", ts);
+    }
     rb
+}
+
+/// The router's span of one request and the W3C context the client sent.
+fn request_span(req: &HttpRequest, request_id: &str, path: &str) -> (tracing::Span, TraceContext) {
+    let client = crate::headers::client_trace(req.headers());
+    let span = tracing::info_span!("router.request", otel.kind = "server", request_id, path);
+    pdmesh_telemetry::trace::set_parent(&span, &client);
+    (span, client)
 }
 
 async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, path: &'static str) -> HttpResponse {
@@ -73,6 +95,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     if !original.is_object() {
         return error(ApiError::invalid_request("request body must be a JSON object"), &request_id);
     }
+    let (span, client_trace) = request_span(&req, &request_id, path);
     let (Some(p), Some(d)) = (RouterState::pick(&st.prefill, &st.next_p), RouterState::pick(&st.decode, &st.next_d))
     else {
         return error(ApiError::Unavailable("unavailable: no prefill or decode upstream".into()), "");
@@ -89,7 +112,13 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     if let Some(o) = p_body.as_object_mut() {
         o.remove("stream_options");
     }
-    let p_res = forward_headers(&req, st.client.post(format!("{p}{path}")), &request_id).json(&p_body).send().await;
+    let p_span = tracing::info_span!(parent: &span, "router.prefill", otel.kind = "client", upstream = %p);
+    let p_trace = pdmesh_telemetry::trace::outgoing(&p_span, &client_trace);
+    let p_res = forward_headers(&req, st.client.post(format!("{p}{path}")), &request_id, &p_trace)
+        .json(&p_body)
+        .send()
+        .instrument(p_span.clone())
+        .await;
     let p_res = match p_res {
         Ok(r) => r,
         Err(e) => {
@@ -99,6 +128,8 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     };
     let p_status = p_res.status();
     let p_bytes = p_res.bytes().await.unwrap_or_default();
+    tracing::info!(parent: &p_span, status = p_status.as_u16(), "prefill answered");
+    drop(p_span);
     if !p_status.is_success() {
         // P refused the request (bad input, too long...): the client gets P's answer.
         let status = StatusCode::from_u16(p_status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -114,7 +145,13 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     let mut d_body = original;
     d_body["kv_transfer_params"] = params;
     let stream = d_body["stream"].as_bool().unwrap_or(false);
-    let d_res = forward_headers(&req, st.client.post(format!("{d}{path}")), &request_id).json(&d_body).send().await;
+    let d_span = tracing::info_span!(parent: &span, "router.decode", otel.kind = "client", upstream = %d, stream);
+    let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, &client_trace);
+    let d_res = forward_headers(&req, st.client.post(format!("{d}{path}")), &request_id, &d_trace)
+        .json(&d_body)
+        .send()
+        .instrument(d_span.clone())
+        .await;
     let d_res = match d_res {
         Ok(r) => r,
         Err(e) => {
@@ -131,8 +168,14 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         .to_string();
     let mut builder = HttpResponse::build(status);
     builder.insert_header((REQUEST_ID, request_id)).content_type(content_type);
+    tracing::info!(parent: &d_span, status = status.as_u16(), "decode answered");
     if stream && status.is_success() {
-        builder.streaming(d_res.bytes_stream().map(|chunk| chunk.map_err(std::io::Error::other)))
+        // The spans end when the stream does (dropped with it), so they cover the whole answer.
+        let spans = (span, d_span);
+        builder.streaming(d_res.bytes_stream().map(move |chunk| {
+            let _ = &spans;
+            chunk.map_err(std::io::Error::other)
+        }))
     } else {
         builder.body(d_res.bytes().await.unwrap_or_default())
     }

@@ -43,6 +43,12 @@ enum Command {
     ConnectorScheduler(ServiceArgs),
     /// The KV cache and model executor of one rank.
     ConnectorWorker(ServiceArgs),
+    /// Exit 0 if `URL` answers 2xx within 3 s (container health checks: the runtime image
+    /// has no curl).
+    Healthcheck {
+        /// e.g. http://127.0.0.1:8000/health
+        url: String,
+    },
 }
 
 fn load_topology(path: &Option<PathBuf>) -> anyhow::Result<Topology> {
@@ -58,6 +64,12 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Up(args) => up::run(args),
+        Command::Healthcheck { url } => {
+            let client = reqwest::blocking::Client::builder().timeout(std::time::Duration::from_secs(3)).build()?;
+            let status = client.get(&url).send().with_context(|| format!("GET {url}"))?.status();
+            anyhow::ensure!(status.is_success(), "GET {url}: {status}");
+            Ok(())
+        }
         Command::Frontend(a) => serve("frontend", a, |topo, a| async move {
             let node = topo.node(&a.node)?.clone();
             if node.role == pdmesh_config::NodeRole::Router {
@@ -95,14 +107,18 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// Run one service inside an actix System until SIGINT/SIGTERM (or its parent `pdmesh up`
-/// going away).
+/// going away). Telemetry starts once the topology says who this process is (a frontend on a
+/// router node reports as `router`), and its guard is dropped only after the System stopped:
+/// that flushes the spans of the last requests (docs/TRACING.md).
 fn serve<F, Fut>(name: &'static str, args: ServiceArgs, f: F) -> anyhow::Result<()>
 where
     F: FnOnce(Topology, ServiceArgs) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<()>> + 'static,
 {
-    pdmesh_telemetry::init(name);
-    let topo = load_topology(&args.topology)?;
+    let topo = load_topology(&args.topology);
+    let identity = service_identity(name, &args, topo.as_ref().ok());
+    let telemetry = pdmesh_telemetry::init_service(&identity);
+    let topo = topo?;
     let system = actix_rt::System::new();
     let res = system.block_on(async move {
         tokio::spawn(watch_parent());
@@ -111,7 +127,20 @@ where
     if let Err(e) = &res {
         tracing::error!(service = name, error = %format!("{e:#}"), "service failed");
     }
+    drop(system);
+    drop(telemetry);
     res
+}
+
+/// Who this process is, for `service.name` and the resource attributes of its spans.
+fn service_identity(name: &str, args: &ServiceArgs, topo: Option<&Topology>) -> pdmesh_telemetry::ServiceIdentity {
+    let node = topo.and_then(|t| t.node(&args.node).ok());
+    let service = match node {
+        Some(n) if name == "frontend" && n.role == pdmesh_config::NodeRole::Router => "router",
+        _ => name,
+    };
+    let per_rank = matches!(name, "engine-core" | "connector-scheduler" | "connector-worker");
+    pdmesh_telemetry::ServiceIdentity::new(service, args.node.clone(), per_rank.then_some(args.rank))
 }
 
 /// Resolve on SIGINT or SIGTERM.

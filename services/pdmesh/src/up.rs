@@ -29,6 +29,8 @@ pub struct UpArgs {
 
 struct ChildSpec {
     service: Service,
+    /// The node is a router (its frontend reports as `router` in traces).
+    router: bool,
     node: String,
     rank: u32,
     log: PathBuf,
@@ -76,7 +78,13 @@ fn children_of(topo: &Topology, logs: &Path) -> Vec<ChildSpec> {
         for s in services {
             let ranks = if s.per_rank() { node.dp_size } else { 1 };
             for rank in 0..ranks {
-                let mut spec = ChildSpec { service: s, node: node.name.clone(), rank, log: PathBuf::new() };
+                let mut spec = ChildSpec {
+                    service: s,
+                    router: node.role == NodeRole::Router,
+                    node: node.name.clone(),
+                    rank,
+                    log: PathBuf::new(),
+                };
                 spec.log = logs.join(format!("{}.log", spec.label()));
                 out.push(spec);
             }
@@ -99,11 +107,24 @@ fn spawn(spec: &ChildSpec, topology_path: &Path, run_dir: &Path) -> anyhow::Resu
         .arg(spec.rank.to_string())
         .env("PDMESH_PARENT_PID", std::process::id().to_string())
         .env(env::RUN_DIR, run_dir)
+        .env("OTEL_SERVICE_NAME", child_service_name(spec))
         .stdin(std::process::Stdio::null())
         .stdout(log)
         .stderr(log2)
         .kill_on_drop(true);
     Ok(cmd.spawn()?)
+}
+
+/// Every child inherits this process's environment, `OTEL_*` included, so one
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` on `pdmesh up` traces the whole mesh. Each child still needs
+/// its own `service.name`: `pdmesh-<service>` (`pdmesh-router` for a router's frontend), or
+/// `<OTEL_SERVICE_NAME>-<service>` when one was set on `pdmesh up`.
+fn child_service_name(spec: &ChildSpec) -> String {
+    let service = if spec.service == Service::Frontend && spec.router { "router" } else { spec.service.name() };
+    match std::env::var("OTEL_SERVICE_NAME") {
+        Ok(prefix) if !prefix.trim().is_empty() => format!("{prefix}-{service}"),
+        _ => format!("pdmesh-{service}"),
+    }
 }
 
 fn write_state(run_dir: &Path, procs: &[Running]) {

@@ -245,7 +245,17 @@ async fn serve_side_channel(mut socket: RouterSocket, served: Arc<Served>) {
         let peer = frames.remove(0);
         let Some(frame) = frames.pop() else { continue };
         let reply = match Envelope::decode(&frame) {
-            Ok(env) => answer(&served, &env),
+            Ok(env) => {
+                // A span per side-channel message, child of the reader's span on D, so the
+                // handshake, lease and read done of one request join its trace across nodes.
+                let span = pdmesh_telemetry::trace::child_of(
+                    tracing::info_span!("kv.side_channel", otel.kind = "server",
+                        otel.name = %format_args!("kv.serve.{}", env.body.kind()), message = env.body.kind(),
+                        request_id = tracing::field::Empty),
+                    &env.trace,
+                );
+                span.in_scope(|| answer(&served, &env))
+            }
             Err(e) => {
                 AgentStats::inc(&served.stats.decode_errors);
                 tracing::warn!(error = %e, "side channel: dropping undecodable frame");
@@ -298,6 +308,9 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
             match decision {
                 Ok(grant) => {
                     AgentStats::inc(&stats.leases_granted);
+                    tracing::Span::current().record("request_id", req.p_request_id.as_str());
+                    tracing::info!(lease_id = grant.lease_id, blocks = req.block_ids.len(), consumer = %req.consumer,
+                        "lease granted");
                     Message::XferLeaseGranted(XferLeaseGranted {
                         lease_id: grant.lease_id,
                         lease_ttl_ms: grant.ttl.as_millis().try_into().unwrap_or(u64::MAX),
@@ -313,6 +326,8 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
         }
         Message::XferReadDone(n) => {
             let outcome = served.policy().read_done(&n.p_request_id, n.lease_id, &n.consumer, now);
+            tracing::Span::current().record("request_id", n.p_request_id.as_str());
+            tracing::info!(lease_id = n.lease_id, consumer = %n.consumer, ?outcome, "read done");
             if outcome == NoticeOutcome::Released {
                 AgentStats::inc(&stats.read_done);
                 Message::Ack

@@ -185,7 +185,12 @@ impl SideLink {
     async fn call(&self, body: Message) -> Result<Message, LinkError> {
         let mut socket = self.socket.lock().await;
         let corr = self.next_corr.fetch_add(1, Ordering::Relaxed);
-        let bytes = Envelope::new(body).with_corr(corr).encode().map_err(|e| LinkError::Io(e.to_string()))?;
+        // The caller's span (D's `kv.read`) is the parent of P's side-channel span.
+        let bytes = Envelope::new(body)
+            .with_corr(corr)
+            .with_trace(pdmesh_telemetry::trace::current())
+            .encode()
+            .map_err(|e| LinkError::Io(e.to_string()))?;
         let result = async {
             socket.send(ZmqMessage::from(bytes)).await.map_err(|e| LinkError::Io(e.to_string()))?;
             loop {

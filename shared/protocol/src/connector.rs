@@ -58,6 +58,34 @@ pub enum ConnectorCall {
     },
 }
 
+impl ConnectorCall {
+    /// The request a call concerns, if it concerns exactly one (for per-request tracing).
+    pub fn request_id(&self) -> Option<&str> {
+        match self {
+            ConnectorCall::GetNumNewMatchedTokens { request_id, .. }
+            | ConnectorCall::UpdateStateAfterAlloc { request_id, .. }
+            | ConnectorCall::RequestFinished { request_id, .. } => Some(request_id),
+            ConnectorCall::BuildConnectorMeta { .. }
+            | ConnectorCall::UpdateConnectorOutput(_)
+            | ConnectorCall::TakeRejectionRecvs
+            | ConnectorCall::RequestRejectedBeforeAdmission { .. } => None,
+        }
+    }
+
+    /// A short static name for span names and logs.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ConnectorCall::GetNumNewMatchedTokens { .. } => "get_num_new_matched_tokens",
+            ConnectorCall::UpdateStateAfterAlloc { .. } => "update_state_after_alloc",
+            ConnectorCall::BuildConnectorMeta { .. } => "build_connector_meta",
+            ConnectorCall::RequestFinished { .. } => "request_finished",
+            ConnectorCall::UpdateConnectorOutput(_) => "update_connector_output",
+            ConnectorCall::RequestRejectedBeforeAdmission { .. } => "request_rejected_before_admission",
+            ConnectorCall::TakeRejectionRecvs => "take_rejection_recvs",
+        }
+    }
+}
+
 /// The answer to one [`ConnectorCall`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ConnectorReply {

@@ -1,5 +1,7 @@
 //! The versioned envelope and its MessagePack codec.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -30,6 +32,11 @@ pub struct Envelope {
     /// Trace context of the span that sent this message.
     #[serde(default)]
     pub trace: TraceContext,
+    /// Per-request trace contexts of a message that concerns several requests at once (an
+    /// engine step, a batch of connector calls): each request stays in its own trace although
+    /// the frame is shared. Empty (and not written) for single-request messages.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub traces: BTreeMap<String, TraceContext>,
     /// Correlation id for request/reply: a reply carries the id of the request it answers.
     /// 0 means "no reply expected / not a reply".
     #[serde(default)]
@@ -61,7 +68,14 @@ pub enum CodecError {
 impl Envelope {
     /// A new envelope of the current version with no request id, trace or correlation.
     pub fn new(body: Message) -> Self {
-        Self { version: PROTOCOL_VERSION, request_id: None, trace: TraceContext::default(), corr: 0, body }
+        Self {
+            version: PROTOCOL_VERSION,
+            request_id: None,
+            trace: TraceContext::default(),
+            traces: BTreeMap::new(),
+            corr: 0,
+            body,
+        }
     }
 
     pub fn with_request_id(mut self, request_id: impl Into<String>) -> Self {
@@ -71,6 +85,12 @@ impl Envelope {
 
     pub fn with_trace(mut self, trace: TraceContext) -> Self {
         self.trace = trace;
+        self
+    }
+
+    /// Attach per-request trace contexts (see [`Envelope::traces`]).
+    pub fn with_traces(mut self, traces: BTreeMap<String, TraceContext>) -> Self {
+        self.traces = traces;
         self
     }
 
@@ -85,6 +105,7 @@ impl Envelope {
             version: PROTOCOL_VERSION,
             request_id: self.request_id.clone(),
             trace: self.trace.clone(),
+            traces: BTreeMap::new(),
             corr: self.corr,
             body,
         }

@@ -42,6 +42,18 @@ pub struct SchedulerOutput {
     pub kv_connector_metadata: KvConnectorMetadata,
 }
 
+impl SchedulerOutput {
+    /// Every request this step concerns: scheduled chunks, holds to register, reads to start.
+    pub fn request_ids(&self) -> impl Iterator<Item = &str> {
+        let meta = &self.kv_connector_metadata;
+        self.chunks
+            .iter()
+            .map(|c| c.request_id.as_str())
+            .chain(meta.reqs_to_send.iter().map(|r| r.request_id.as_str()))
+            .chain(meta.reqs_to_recv.iter().map(|r| r.request_id.as_str()))
+    }
+}
+
 /// A token sampled for one request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct SampledToken {

@@ -1,8 +1,22 @@
 //! W3C trace context: parse a client's `traceparent`, start a new trace when there is none,
-//! and derive child contexts for each hop.
+//! and derive child contexts for each hop; parent `tracing` spans on an incoming context and
+//! put the current span's context on outgoing Envelopes and HTTP requests.
+//!
+//! With OTLP export on ([`crate::otel_active`]), the context sent on is the sending span's own
+//! (so the receiver's span is its child in the exported trace). With export off, no span has
+//! an OpenTelemetry context and the functions fall back to [`next_hop`]: the trace id still
+//! travels, for log correlation, and nothing else is paid.
 
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+use opentelemetry::propagation::TextMapPropagator;
+use opentelemetry::trace::TraceContextExt;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
 use pdmesh_protocol::TraceContext;
 use rand::Rng;
+use tracing::Span;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 /// A parsed `traceparent` (`00-<trace id>-<parent id>-<flags>`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +80,169 @@ pub fn next_hop(incoming: &TraceContext) -> TraceContext {
 /// The trace id (hex) of a context, for log fields.
 pub fn trace_id(ctx: &TraceContext) -> String {
     ctx.traceparent.as_deref().and_then(TraceParent::parse).map(|p| p.trace_id_hex()).unwrap_or_default()
+}
+
+fn carrier(ctx: &TraceContext) -> HashMap<String, String> {
+    let mut map = HashMap::new();
+    if let Some(tp) = &ctx.traceparent {
+        map.insert("traceparent".to_string(), tp.clone());
+    }
+    if let Some(ts) = &ctx.tracestate {
+        map.insert("tracestate".to_string(), ts.clone());
+    }
+    map
+}
+
+/// Make `span` a child of the remote context `ctx` (an Envelope's or an HTTP request's). Call
+/// it before the span is first entered. No-op without export, or when `ctx` holds no valid
+/// `traceparent` (the span then starts a new trace, as W3C asks).
+pub fn set_parent(span: &Span, ctx: &TraceContext) {
+    if !crate::otel_active() || span.is_disabled() {
+        return;
+    }
+    if ctx.traceparent.as_deref().and_then(TraceParent::parse).is_none() {
+        return;
+    }
+    let parent = TraceContextPropagator::new().extract(&carrier(ctx));
+    if let Err(e) = span.set_parent(parent) {
+        tracing::debug!(error = %e, "span parent not set");
+    }
+}
+
+/// `span`, made a child of `ctx` (see [`set_parent`]).
+pub fn child_of(span: Span, ctx: &TraceContext) -> Span {
+    set_parent(&span, ctx);
+    span
+}
+
+/// The W3C context of `span`, when it is exported.
+pub fn context_of(span: &Span) -> Option<TraceContext> {
+    if !crate::otel_active() || span.is_disabled() {
+        return None;
+    }
+    let cx = span.context();
+    if !cx.span().span_context().is_valid() {
+        return None;
+    }
+    let mut map: HashMap<String, String> = HashMap::new();
+    TraceContextPropagator::new().inject_context(&cx, &mut map);
+    let traceparent = map.remove("traceparent")?;
+    Some(TraceContext {
+        traceparent: Some(traceparent),
+        tracestate: map.remove("tracestate").filter(|s| !s.is_empty()),
+    })
+}
+
+/// The context to send on the next hop from inside `span`, which handles a message that
+/// arrived with `incoming`: the span's own context, or (export off) a child of `incoming`.
+pub fn outgoing(span: &Span, incoming: &TraceContext) -> TraceContext {
+    context_of(span).unwrap_or_else(|| next_hop(incoming))
+}
+
+/// The context of the current span, or none (for hops that have no incoming context).
+pub fn current() -> TraceContext {
+    context_of(&Span::current()).unwrap_or_default()
+}
+
+/// Spans that live as long as a request does in one process (engine-core's request span),
+/// keyed by request id, so that batched messages can carry each request's own context.
+/// A `static` per crate: `static SPANS: RequestSpans = RequestSpans::new();`.
+#[derive(Debug)]
+pub struct RequestSpans(Mutex<BTreeMap<String, Span>>);
+
+/// Bound on open request spans per registry: beyond it new requests are served untraced
+/// rather than letting a leak (a request never closed) grow without limit.
+const MAX_OPEN_SPANS: usize = 65_536;
+
+impl Default for RequestSpans {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RequestSpans {
+    pub const fn new() -> Self {
+        Self(Mutex::new(BTreeMap::new()))
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Span>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keep `span`, made a child of `parent`, open for `request_id` until [`Self::close`].
+    /// Does nothing without export (the span would never be seen).
+    pub fn open(&self, request_id: &str, span: Span, parent: &TraceContext) {
+        if !crate::otel_active() || span.is_disabled() {
+            return;
+        }
+        set_parent(&span, parent);
+        let mut map = self.map();
+        if map.len() < MAX_OPEN_SPANS || map.contains_key(request_id) {
+            map.insert(request_id.to_string(), span);
+        }
+    }
+
+    /// The span of `request_id` (a disabled span if there is none).
+    pub fn get(&self, request_id: &str) -> Span {
+        self.map().get(request_id).cloned().unwrap_or_else(Span::none)
+    }
+
+    /// End the span of `request_id` (it is exported once every clone is dropped).
+    pub fn close(&self, request_id: &str) -> Option<Span> {
+        self.map().remove(request_id)
+    }
+
+    /// The contexts of these requests' spans, for [`pdmesh_protocol::Envelope::with_traces`].
+    pub fn contexts<'a>(&self, ids: impl Iterator<Item = &'a str>) -> BTreeMap<String, TraceContext> {
+        if !crate::otel_active() {
+            return BTreeMap::new();
+        }
+        let map = self.map();
+        ids.filter_map(|id| Some((id.to_string(), map.get(id).and_then(context_of)?))).collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.map().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map().is_empty()
+    }
+}
+
+/// Contexts remembered per request for events that happen later and outside any message of
+/// that request (P freeing held blocks after D's read). Bounded like [`RequestSpans`].
+#[derive(Debug)]
+pub struct RequestContexts(Mutex<BTreeMap<String, TraceContext>>);
+
+impl Default for RequestContexts {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RequestContexts {
+    pub const fn new() -> Self {
+        Self(Mutex::new(BTreeMap::new()))
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, TraceContext>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn remember(&self, request_id: &str, ctx: TraceContext) {
+        if ctx.traceparent.is_none() {
+            return;
+        }
+        let mut map = self.map();
+        if map.len() < MAX_OPEN_SPANS || map.contains_key(request_id) {
+            map.insert(request_id.to_string(), ctx);
+        }
+    }
+
+    pub fn take(&self, request_id: &str) -> Option<TraceContext> {
+        self.map().remove(request_id)
+    }
 }
 
 #[cfg(test)]

@@ -42,7 +42,10 @@ fn note_rejection(state: &AppState, params: Option<&KvTransferParams>, rank: Opt
         data_parallel_rank: rank,
         rejected_at_unix_us: Some(pdmesh_protocol::unix_micros()),
     };
-    match state.link.send(Envelope::new(Message::RejectionNotice(notice))) {
+    match state
+        .link
+        .send(Envelope::new(Message::RejectionNotice(notice)).with_trace(pdmesh_telemetry::trace::current()))
+    {
         Ok(()) => {
             REJECTION_NOTICES_SENT.inc();
             tracing::info!(error = %error, "refused a remote-prefill request before admission; notified P");
@@ -108,8 +111,9 @@ where
     };
     let request_id = meta.request_id.clone();
     let dp_rank = meta.data_parallel_rank;
-    let span =
-        tracing::info_span!("frontend.request", request_id = %meta.request_id, trace_id = %meta.trace_id, endpoint);
+    let span = tracing::info_span!("frontend.request", otel.kind = "server", request_id = %meta.request_id,
+        trace_id = %meta.trace_id, endpoint);
+    pdmesh_telemetry::trace::set_parent(&span, &meta.parent);
     async move {
         let accepted = match prepare(meta, state) {
             Ok((prepared, extra)) => {
