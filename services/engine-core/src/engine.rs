@@ -274,6 +274,16 @@ impl EngineCore {
                 self.kick(ctx);
             }
             Message::RejectionNotice(n) => {
+                // A release addressed to the blocks' holder (P): the router gave up between
+                // the legs. It is an abort after finish of P's own request.
+                let held_here = n.params.remote_request_id.as_deref().filter(|id| self.state.borrow().sched.holds(id));
+                if let Some(id) = held_here.map(str::to_string) {
+                    tracing::info!(request_id = %id, "release of held blocks requested");
+                    m::NOTICES.with_label_values(&["release"]).inc();
+                    self.state.borrow_mut().inbox.aborts.push(id);
+                    self.kick(ctx);
+                    return;
+                }
                 if self.stepping {
                     // A step is running (on a busy D, always): do not make P wait for it.
                     self.notice_now(n, ctx);

@@ -662,6 +662,11 @@ impl Scheduler {
         }
     }
 
+    /// Whether the connector holds this finished request's blocks for a remote reader.
+    pub fn holds(&self, id: &str) -> bool {
+        self.held.contains_key(id)
+    }
+
     /// Held requests aborted after finish since the last call: the connector-worker's hold
     /// table decides when their blocks can go (at once, or when the active lease ends).
     pub fn take_aborted_held(&mut self) -> Vec<String> {

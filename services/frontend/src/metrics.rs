@@ -75,6 +75,9 @@ pub(crate) static ABORTS_SENT_TOTAL: LazyLock<IntCounterVec> =
 pub(crate) static LINK_UP: LazyLock<IntGauge> =
     LazyLock::new(|| gauge(ENGINE_LINK_UP, "1 while the link to the dp-lb is connected"));
 
+pub(crate) static KV_RELEASES: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter("pdmesh_frontend_kv_releases_total", "Held-block references handed back through /v1/kv/release")
+});
 pub(crate) static REJECTION_NOTICES_SENT: LazyLock<IntCounter> = LazyLock::new(|| {
     counter("pdmesh_frontend_rejection_notices_sent_total", "Rejection notices sent toward P (rule R1)")
 });

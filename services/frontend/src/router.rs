@@ -141,6 +141,10 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     let params =
         serde_json::from_slice::<Value>(&p_bytes).ok().map(|v| v["kv_transfer_params"].clone()).unwrap_or(Value::Null);
 
+    // Until D has the request, the router alone holds P's reference: if the client goes away
+    // now or D cannot be reached, hand it back so P frees at once (R4), not at its deadline.
+    let mut release = ReleaseOnDrop::new(&st.client, &p, &request_id, &params);
+
     // ---- decode leg: the client's own body, plus P's params
     let mut d_body = original;
     d_body["kv_transfer_params"] = params;
@@ -153,7 +157,11 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         .instrument(d_span.clone())
         .await;
     let d_res = match d_res {
-        Ok(r) => r,
+        Ok(r) => {
+            // D answered, so D owns the reference now (it tells P itself if it gives up).
+            release.disarm();
+            r
+        }
         Err(e) => {
             tracing::warn!(%request_id, upstream = %d, error = %e, "decode leg failed");
             return error(ApiError::Unavailable(format!("unavailable: decode node {d}: {e}")), &request_id);
@@ -178,6 +186,47 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         }))
     } else {
         builder.body(d_res.bytes().await.unwrap_or_default())
+    }
+}
+
+/// Hands P's block reference back through P's `/v1/kv/release` when dropped armed: the
+/// request ended (client disconnect drops the handler) before D took it, or D was unreachable.
+struct ReleaseOnDrop {
+    armed: Option<(reqwest::Client, String, String, Value)>,
+}
+
+impl ReleaseOnDrop {
+    fn new(client: &reqwest::Client, p: &str, request_id: &str, params: &Value) -> Self {
+        let usable = params.get("remote_request_id").is_some_and(Value::is_string);
+        let armed =
+            usable.then(|| (client.clone(), format!("{p}/v1/kv/release"), request_id.to_string(), params.clone()));
+        Self { armed }
+    }
+
+    fn disarm(&mut self) {
+        self.armed = None;
+    }
+}
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        let Some((client, url, request_id, params)) = self.armed.take() else { return };
+        // Dropped on a runtime thread (the handler future); without one there is nothing to do.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        tracing::info!(%request_id, "decode leg never started; handing P's blocks back");
+        rt.spawn(async move {
+            let res = client
+                .post(&url)
+                .header(REQUEST_ID, request_id.as_str())
+                .json(&json!({"kv_transfer_params": params}))
+                .send()
+                .await;
+            match res {
+                Ok(r) if r.status().is_success() => {}
+                Ok(r) => tracing::warn!(%request_id, status = r.status().as_u16(), "P refused the release"),
+                Err(e) => tracing::warn!(%request_id, error = %e, "release not delivered; P frees at its deadline"),
+            }
+        });
     }
 }
 

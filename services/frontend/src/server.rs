@@ -116,6 +116,7 @@ pub fn app(
         .service(web::resource("/v1/chat/completions").route(web::post().to(handlers::chat::chat_completions)))
         .service(web::resource("/v1/responses").route(web::post().to(handlers::responses::create_response)))
         .service(web::resource("/v1/responses/{id}").route(web::get().to(handlers::responses::get_response)))
+        .service(web::resource("/v1/kv/release").route(web::post().to(handlers::kv_release)))
         .service(web::resource("/v1/models").route(web::get().to(handlers::admin::models)))
         .service(web::resource("/health").route(web::get().to(handlers::admin::health)))
         .service(web::resource("/metrics").route(web::get().to(pdmesh_telemetry::metrics::metrics_handler)))

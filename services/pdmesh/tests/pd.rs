@@ -212,3 +212,50 @@ fn rejection_before_admission_frees_p_at_once() {
     }
     assert!(!mesh.logs().contains("panicked"));
 }
+
+/// R4 at the router: when the decode leg never starts (D unreachable; likewise a client gone
+/// between the legs), the router hands P's reference back through P's `/v1/kv/release`, and P
+/// frees at once instead of at its 480 s deadline. The endpoint itself refuses params that
+/// name nothing.
+#[test]
+fn router_hands_p_blocks_back_when_the_decode_leg_never_starts() {
+    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 1, ENGINE), |h| vec![h + 1, h + 2, h + 3]);
+    let p = mesh.http_port + 1;
+
+    // The endpoint on P: a held request is released at once; junk is a 400.
+    let (s, v) = post(
+        &mesh.url_on(p, "/v1/completions"),
+        "rel-1",
+        &json!({"prompt": "hold me", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+    );
+    assert_eq!(s, 200, "{v}");
+    mesh.wait_kv_on(p, "P holds the prefilled blocks", |kv| kv["held_blocks"].as_u64().unwrap_or(0) > 0);
+    let (s, _) =
+        post(&mesh.url_on(p, "/v1/kv/release"), "rel-1", &json!({"kv_transfer_params": v["kv_transfer_params"]}));
+    assert_eq!(s, 202);
+    mesh.wait_kv_on(p, "released through /v1/kv/release", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
+    let (s, v) = post(&mesh.url_on(p, "/v1/kv/release"), "rel-2", &json!({"kv_transfer_params": {"x": 1}}));
+    assert_eq!(s, 400, "{v}");
+
+    // Through the router with D's frontend gone: the client gets a clear 503, P frees at once.
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        mesh.kill9_on("d", "frontend", 0);
+        let (s, v) = post(
+            &mesh.url("/v1/completions"),
+            &format!("rel-r{attempts}"),
+            &json!({"prompt": "no decode", "max_tokens": 4}),
+        );
+        if s == 200 && attempts < 4 {
+            continue; // D's frontend was back already (pdmesh up restarts it); try again
+        }
+        assert!(s >= 500, "{s} {v}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("decode")), "{v}");
+        break;
+    }
+    mesh.wait_kv_on(p, "P freed by the router's release, long before its deadline", |kv| {
+        kv["held_blocks"] == 0 && kv["used_blocks"] == 0
+    });
+    assert!(!mesh.logs().contains("panicked"));
+}

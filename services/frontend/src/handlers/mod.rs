@@ -143,3 +143,43 @@ where
     .instrument(span)
     .await
 }
+
+/// `POST /v1/kv/release` with `{"kv_transfer_params": <P's params>}`: whoever holds a reference
+/// to blocks P holds and will not use it (the router, when its client is gone between the
+/// legs) hands it back. Sent to P, the engine that holds the request treats it as an abort
+/// after finish (freed at once without an active lease); sent to D, it is a rejection notice
+/// (D's worker tells P). `202` when the notice was sent, `400` for params that name no held
+/// request. The rank in `remote_dp_rank` (or the `X-data-parallel-rank` header) pins it.
+pub async fn kv_release(
+    req: HttpRequest,
+    body: actix_web::web::Bytes,
+    state: actix_web::web::Data<AppState>,
+) -> HttpResponse {
+    let request_id = crate::headers::request_meta(req.headers()).map(|m| m.request_id).unwrap_or_else(|(id, _)| id);
+    let params = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| serde_json::from_value::<KvTransferParams>(v["kv_transfer_params"].clone()).ok());
+    let Some(params) = params.filter(|p| p.wants_remote_prefill() && p.remote_request_id.is_some()) else {
+        return error_response(
+            ApiError::invalid_request("kv_transfer_params with do_remote_prefill and remote_request_id are required"),
+            &request_id,
+        );
+    };
+    let rank = match crate::headers::data_parallel_rank(req.headers()) {
+        Ok(r) => r.or(params.remote_dp_rank),
+        Err(e) => return error_response(e, &request_id),
+    };
+    let notice =
+        RejectionNotice { params, data_parallel_rank: rank, rejected_at_unix_us: Some(pdmesh_protocol::unix_micros()) };
+    match state
+        .link
+        .send(Envelope::new(Message::RejectionNotice(notice)).with_trace(pdmesh_telemetry::trace::current()))
+    {
+        Ok(()) => {
+            crate::metrics::KV_RELEASES.inc();
+            tracing::info!(%request_id, "kv release sent");
+            HttpResponse::Accepted().json(serde_json::json!({"released": true}))
+        }
+        Err(e) => error_response(ApiError::Unavailable(format!("unavailable: engine link: {e}")), &request_id),
+    }
+}
