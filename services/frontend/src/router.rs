@@ -112,6 +112,17 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     if let Some(o) = p_body.as_object_mut() {
         o.remove("stream_options");
     }
+    // From here until D has the request, the router may be the last one to know of P's blocks:
+    // if the client goes away (the handler is dropped) or D cannot be reached, the guard hands
+    // them back so P frees at once (R4), not at its deadline. Before P answers it names P's
+    // request by id (P's own abort covers a request still running; this covers one that just
+    // finished and whose answer nobody will read).
+    let mut release = ReleaseOnDrop::new(
+        &st.client,
+        &p,
+        &request_id,
+        &json!({"do_remote_prefill": true, "remote_request_id": request_id}),
+    );
     let p_span = tracing::info_span!(parent: &span, "router.prefill", otel.kind = "client", upstream = %p);
     let p_trace = pdmesh_telemetry::trace::outgoing(&p_span, &client_trace);
     let p_res = forward_headers(&req, st.client.post(format!("{p}{path}")), &request_id, &p_trace)
@@ -122,6 +133,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     let p_res = match p_res {
         Ok(r) => r,
         Err(e) => {
+            release.disarm();
             tracing::warn!(%request_id, upstream = %p, error = %e, "prefill leg failed");
             return error(ApiError::Unavailable(format!("unavailable: prefill node {p}: {e}")), &request_id);
         }
@@ -131,6 +143,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     tracing::info!(parent: &p_span, status = p_status.as_u16(), "prefill answered");
     drop(p_span);
     if !p_status.is_success() {
+        release.disarm();
         // P refused the request (bad input, too long...): the client gets P's answer.
         let status = StatusCode::from_u16(p_status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
         return HttpResponse::build(status)
@@ -141,9 +154,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     let params =
         serde_json::from_slice::<Value>(&p_bytes).ok().map(|v| v["kv_transfer_params"].clone()).unwrap_or(Value::Null);
 
-    // Until D has the request, the router alone holds P's reference: if the client goes away
-    // now or D cannot be reached, hand it back so P frees at once (R4), not at its deadline.
-    let mut release = ReleaseOnDrop::new(&st.client, &p, &request_id, &params);
+    release.update(&params);
 
     // ---- decode leg: the client's own body, plus P's params
     let mut d_body = original;
@@ -205,6 +216,15 @@ impl ReleaseOnDrop {
 
     fn disarm(&mut self) {
         self.armed = None;
+    }
+
+    /// Name the blocks by P's full params (engine, rank, blocks) once P answered.
+    fn update(&mut self, params: &Value) {
+        if params.get("remote_request_id").is_some_and(Value::is_string) {
+            if let Some(armed) = self.armed.as_mut() {
+                armed.3 = params.clone();
+            }
+        }
     }
 }
 
