@@ -206,6 +206,8 @@ impl PdRuntime {
                 }
             }
             m::LEASED_BLOCKS.set(t.leased_blocks() as i64);
+            out.leased_request_ids =
+                t.held_requests(Instant::now()).into_iter().filter(|h| h.leased).map(|h| h.request_id).collect();
         }
         (loads, out)
     }

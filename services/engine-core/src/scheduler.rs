@@ -104,6 +104,8 @@ pub struct Scheduler {
     /// `finished_recving`.
     free_on_recv: HashMap<String, Vec<u32>>,
     finished_recving: HashSet<String>,
+    /// Held requests under a read lease, as of the worker's last step.
+    leased: HashSet<String>,
     /// Held requests aborted after finish, to tell the connector (drained per step).
     aborted_held: Vec<String>,
     /// Finished requests aborted before `request_finished` was answered.
@@ -130,6 +132,7 @@ impl Scheduler {
             free_on_recv: HashMap::new(),
             finished_recving: HashSet::new(),
             aborted_held: Vec::new(),
+            leased: HashSet::new(),
             abort_when_held: HashSet::new(),
             abort_after_finish_sent: HashSet::new(),
             finished_since_last_step: Vec::new(),
@@ -592,6 +595,7 @@ impl Scheduler {
 
     /// Apply the worker's connector output.
     pub fn update_from_kv_output(&mut self, kv: &KvConnectorOutput) {
+        self.leased = kv.leased_request_ids.iter().cloned().collect();
         if !kv.invalid_block_ids.is_empty() {
             self.handle_invalid_blocks(kv);
         }
@@ -711,7 +715,7 @@ impl Scheduler {
             free_blocks: free,
             used_blocks: total.saturating_sub(free).saturating_sub(held as u32),
             held_blocks: held as u32,
-            leased_blocks: 0,
+            leased_blocks: self.leased.iter().filter_map(|id| self.held.get(id)).map(|h| h.blocks.len() as u32).sum(),
         }
     }
 
@@ -725,7 +729,7 @@ impl Scheduler {
                 request_id: id.clone(),
                 blocks: h.blocks.len() as u32,
                 age_s: now.duration_since(h.since).as_secs_f64(),
-                state: "held".into(),
+                state: if self.leased.contains(id) { "leased" } else { "held" }.into(),
             })
             .chain(self.free_on_recv.iter().map(|(id, b)| HeldRequest {
                 request_id: id.clone(),

@@ -259,3 +259,34 @@ fn router_hands_p_blocks_back_when_the_decode_leg_never_starts() {
     });
     assert!(!mesh.logs().contains("panicked"));
 }
+
+/// R5 accounting: while D's READ is in flight (delayed by the product's `delay_transfer_ms`
+/// fault), P's `/debug/kv` counts the request's blocks as leased and lists it as `leased`;
+/// once D is done, nothing is held or leased.
+#[test]
+fn p_reports_leased_blocks_while_a_read_is_in_flight() {
+    let mesh = Mesh::start_nodes(
+        |h, b| {
+            common::pd_topology(h, b, "shm", 1, ENGINE).replace(
+                "kv_role = \"kv_consumer\"",
+                "kv_role = \"kv_consumer\", fault_injection = \"delay_transfer_ms=1500\"",
+            )
+        },
+        |h| vec![h + 1, h + 2, h + 3],
+    );
+    let p = mesh.http_port + 1;
+    let url = mesh.url("/v1/completions");
+    let request = std::thread::spawn(move || {
+        let body = json!({"prompt": "a prompt read slowly", "max_tokens": 4, "temperature": 0});
+        client().post(url).json(&body).send().unwrap().status().as_u16()
+    });
+    mesh.wait_kv_on(p, "P shows the lease of the in-flight read", |kv| {
+        kv["leased_blocks"].as_u64().unwrap_or(0) > 0
+            && kv["leased_blocks"] == kv["held_blocks"]
+            && kv["held_requests"][0]["state"] == "leased"
+    });
+    assert_eq!(request.join().unwrap(), 200);
+    mesh.wait_kv_on(p, "nothing held or leased after the read", |kv| {
+        kv["held_blocks"] == 0 && kv["leased_blocks"] == 0 && kv["used_blocks"] == 0
+    });
+}

@@ -165,6 +165,10 @@ pub struct KvConnectorOutput {
     pub finished_recving: Vec<String>,
     #[serde(default)]
     pub invalid_block_ids: Vec<u32>,
+    /// P: held requests under an active read lease right now (for KV accounting and
+    /// `/debug/kv`; not a lifecycle event).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub leased_request_ids: Vec<String>,
 }
 
 impl KvConnectorOutput {

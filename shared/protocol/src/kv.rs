@@ -42,7 +42,9 @@ impl KvTransferParams {
 }
 
 /// Who owns the blocks of one engine rank's KV cache, at one moment. Every block is in
-/// exactly one of: free, used by a live request, held for a remote reader, leased to a read.
+/// exactly one of: free, used by a live request, held for a remote reader
+/// (`free + used + held = total`); `leased` counts the held blocks a remote READ is under a
+/// lease for right now (a subset of `held`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvUsage {
     pub total_blocks: u32,

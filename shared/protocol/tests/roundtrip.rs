@@ -26,6 +26,7 @@ fn every_message() -> Vec<Message> {
         finished_sending: vec!["a".into()],
         finished_recving: vec!["b".into()],
         invalid_block_ids: vec![4],
+        leased_request_ids: vec!["a".into()],
     };
     let meta = KvConnectorMetadata {
         reqs_to_recv: vec![RecvRequest {
