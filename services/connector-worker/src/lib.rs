@@ -70,7 +70,7 @@ impl Handler<RouterEvent> for WorkerActor {
             }
             Message::ConnectorMetadata(meta) => {
                 if let Some(pd) = &self.pd {
-                    pd.start_step(&meta, &envelope.traces);
+                    pd.start_step(meta, &envelope.traces);
                 }
                 let _ = router.send(&peer, envelope.reply(Message::Ack));
             }

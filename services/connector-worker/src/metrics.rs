@@ -50,3 +50,6 @@ pub static REJECTION_TO_RELEASE_SECONDS: LazyLock<Histogram> = LazyLock::new(|| 
         vec![0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0],
     )
 });
+pub static HEARTBEATS_SENT: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter("pdmesh_worker_kv_heartbeats_sent_total", "D: requests whose hold on P a heartbeat extended")
+});

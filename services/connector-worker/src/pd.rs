@@ -137,6 +137,9 @@ impl PdRuntime {
             }
         }
         if let Some(agents) = &self.agents {
+            if !meta.reqs_to_heartbeat.is_empty() {
+                actix::spawn(heartbeat(agents.clone(), meta.reqs_to_heartbeat.clone()));
+            }
             for r in &meta.reqs_to_recv {
                 let span = tracing::info_span!("kv.read", otel.kind = "client", request_id = %r.request_id,
                     blocks = r.local_block_ids.len(), kv.bytes = tracing::field::Empty, kv.blocks = tracing::field::Empty,
@@ -210,6 +213,34 @@ impl PdRuntime {
                 t.held_requests(Instant::now()).into_iter().filter(|h| h.leased).map(|h| h.request_id).collect();
         }
         (loads, out)
+    }
+}
+
+/// Keep P's holds alive for requests that wait on D (R2 read leases: the hold deadline is
+/// extended by D's heartbeats), one message per remote engine. A heartbeat that cannot be
+/// delivered is counted; P then frees at its deadline and D's later lease follows the
+/// load-failure policy.
+async fn heartbeat(agents: Arc<RemoteAgents>, params: Vec<pdmesh_protocol::KvTransferParams>) {
+    let mut by_engine: std::collections::BTreeMap<(String, String), Vec<String>> = Default::default();
+    for p in params {
+        if let (Some(engine), Some(host), Some(port), Some(id)) =
+            (p.remote_engine_id, p.remote_host, p.remote_port, p.remote_request_id)
+        {
+            by_engine.entry((engine, side_channel_endpoint(&host, port))).or_default().push(id);
+        }
+    }
+    for ((engine, endpoint), ids) in by_engine {
+        let sent = match agents.get(&engine, &endpoint).await {
+            Ok(agent) => agent.heartbeat(&ids).await.map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match sent {
+            Ok(()) => m::HEARTBEATS_SENT.inc_by(ids.len() as u64),
+            Err(error) => {
+                m::NOTIFY_FAILURES.inc();
+                tracing::warn!(%engine, %error, requests = ids.len(), "heartbeat not delivered");
+            }
+        }
     }
 }
 

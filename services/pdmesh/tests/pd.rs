@@ -290,3 +290,41 @@ fn p_reports_leased_blocks_while_a_read_is_in_flight() {
         kv["held_blocks"] == 0 && kv["leased_blocks"] == 0 && kv["used_blocks"] == 0
     });
 }
+
+/// Read leases with heartbeats (R2): P holds under a 1 s lease; D runs one sequence at a
+/// time, so a second request waits on D well past that second before its READ. D's
+/// heartbeats keep P's hold alive: the waiting request loads (under the `fail` policy, a
+/// lapsed hold would have failed it), and P ends holding nothing.
+#[test]
+fn heartbeats_keep_p_holding_while_the_request_waits_on_d() {
+    let settings = "model = { kind = \"synthetic\", per_token_cost_us = 10000 }\n\
+                    engine = { block_size = 4, num_blocks = 256, max_num_seqs = 1 }";
+    let mesh = Mesh::start_nodes(
+        |h, b| {
+            common::pd_topology(h, b, "shm", 1, settings)
+                .replace("hold_mode = \"fixed\"", "hold_mode = \"lease\", kv_lease_duration_s = 1")
+        },
+        |h| vec![h + 1, h + 2, h + 3],
+    );
+    let (p, d) = (mesh.http_port + 1, mesh.http_port + 2);
+    let url = mesh.url("/v1/completions");
+    let first = {
+        let url = url.clone();
+        std::thread::spawn(move || {
+            let body = json!({"prompt": "first", "max_tokens": 150, "temperature": 0, "ignore_eos": true});
+            client().post(url).json(&body).send().unwrap().status().as_u16()
+        })
+    };
+    mesh.wait_kv_on(d, "the first request runs on D", |kv| kv["used_blocks"].as_u64().unwrap_or(0) > 0);
+    let body = json!({"prompt": "second, queued behind the first", "max_tokens": 4, "temperature": 0});
+    let r = client().post(&url).json(&body).send().unwrap();
+    let status = r.status().as_u16();
+    let v: Value = r.json().unwrap();
+    assert_eq!(status, 200, "the queued request still loaded P's blocks: {v}");
+    assert_eq!(first.join().unwrap(), 200);
+    let d_worker = format!("http://127.0.0.1:{}/metrics", mesh.base_port + 40 + 112);
+    assert!(metric(&d_worker, "pdmesh_worker_kv_heartbeats_sent_total") >= 2.0, "D sent heartbeats");
+    let p_worker = format!("http://127.0.0.1:{}/metrics", mesh.base_port + 20 + 112);
+    assert_eq!(metric(&p_worker, "pdmesh_worker_kv_holds_expired_total"), 0.0, "no hold lapsed");
+    mesh.wait_kv_on(p, "P holds nothing", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
+}

@@ -144,6 +144,10 @@ pub struct KvConnectorMetadata {
     /// lease is active, else when it ends.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reqs_aborted_after_finish: Vec<String>,
+    /// D: P's params of requests that wait on D before their receive starts; the worker sends
+    /// P heartbeats for them so P's hold outlives the queueing (lease mode).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reqs_to_heartbeat: Vec<KvTransferParams>,
 }
 
 impl KvConnectorMetadata {

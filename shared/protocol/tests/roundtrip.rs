@@ -44,6 +44,7 @@ fn every_message() -> Vec<Message> {
         reqs_in_batch: vec!["x".into()],
         reqs_not_processed: vec!["y".into()],
         reqs_aborted_after_finish: vec!["z".into()],
+        reqs_to_heartbeat: vec![params()],
     };
     vec![
         Message::AddRequest(EngineRequest {

@@ -37,7 +37,7 @@ impl Mesh {
     /// 0..150). `engine_ports` are the HTTP ports of the nodes that have engines (checked for
     /// readiness); `http_port` of the returned mesh is the first node's.
     pub fn start_nodes(nodes: impl Fn(u16, u16) -> String, engine_ports: impl Fn(u16) -> Vec<u16>) -> Mesh {
-        Self::launch_retrying(|h, b| nodes(h, b), &[], |h| engine_ports(h))
+        Self::launch_retrying(nodes, &[], engine_ports)
     }
 
     /// Our listening ports lie inside Linux's ephemeral range, so a client socket of anything
