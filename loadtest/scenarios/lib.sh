@@ -151,10 +151,11 @@ load() {
   python3 - "$LAST_REPORT" <<'EOF' >&2
 import json, sys
 s = json.load(open(sys.argv[1]))["summary"]
+def q(x, k): return "–" if x[k] is None else f"{x[k]:.2f}"
 print(f"  {s['requests_sent']} sent, {s['succeeded']} ok, {s['disconnected']} disconnected, "
       f"{s['failed']} failed {s['errors_by_kind']}; {s['request_throughput_rps']:.1f} req/s, "
-      f"{s['output_token_throughput_tps']:.0f} tok/s; TTFT p50 {s['ttft_ms']['p50_ms']:.2f} ms, "
-      f"p99 {s['ttft_ms']['p99_ms']:.2f} ms; TPOT p50 {s['tpot_ms']['p50_ms']:.3f} ms")
+      f"{s['output_token_throughput_tps']:.0f} tok/s; TTFT p50 {q(s['ttft_ms'], 'p50_ms')} ms, "
+      f"p99 {q(s['ttft_ms'], 'p99_ms')} ms; TPOT p50 {q(s['tpot_ms'], 'p50_ms')} ms")
 EOF
 }
 

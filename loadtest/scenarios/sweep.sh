@@ -24,7 +24,7 @@ rows = ["| concurrency | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p
 for path in sys.argv[2:]:
     r = json.load(open(path)); s = r["summary"]
     g = s["goodput"]["goodput_rps"] if s["goodput"] else float("nan")
-    f = lambda x: f"{x['p50_ms']:.2f} / {x['p99_ms']:.2f}"
+    f = lambda x: "–" if x["p50_ms"] is None else f"{x['p50_ms']:.2f} / {x['p99_ms']:.2f}"
     rows.append(f"| {r['config']['concurrency']} | {s['request_throughput_rps']:.1f} | {s['output_token_throughput_tps']:.0f} | "
                 f"{f(s['ttft_ms'])} | {f(s['tpot_ms'])} | {f(s['e2e_ms'])} | {g:.1f} | {s['failed']} |")
 open(sys.argv[1], "w").write("\n".join(rows) + "\n")

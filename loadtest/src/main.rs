@@ -26,7 +26,7 @@ struct Cli {
 enum Cmd {
     /// Load against any OpenAI-compatible server: closed loop or Poisson arrivals, latency,
     /// throughput and goodput, optional metrics scraping; JSON + Markdown + SVG report.
-    Run(load::LoadArgs),
+    Run(Box<load::LoadArgs>),
     /// Mesh overhead: the same engine and synthetic executor in-process versus through the
     /// mesh (started here with `pdmesh up`), at several concurrencies.
     Overhead(OverheadArgs),
@@ -59,7 +59,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match cli.command {
-        Cmd::Run(a) => rt.block_on(load::run(a)),
+        Cmd::Run(a) => rt.block_on(load::run(*a)),
         Cmd::Overhead(a) => rt.block_on(overhead(a)),
         Cmd::Rejections(a) => rt.block_on(rejections::run(a)),
     }
