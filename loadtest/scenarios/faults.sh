@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Fault injection (the product's own, docs/KV_TRANSFER.md): for each fault, one mesh whose D
 # recomputes a failed KV load and one whose D fails the request. Under `recompute` every
-# request must succeed and D must count recomputed loads; under `fail` the failed loads must
-# come back as clean 5xx answers and be counted; in both P and D end holding nothing (within
+# request must succeed and D must count recomputed loads; under `fail` each failed load must
+# come back as an error answer (a 5xx, or an `error` event once the stream has started; never
+# a cut connection) and be counted; in both P and D end holding nothing (within
 # P's 3 s lease where D cannot tell P) and no child dies.
 SCENARIO=faults
 source "$(dirname "$0")/lib.sh"

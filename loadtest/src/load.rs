@@ -703,8 +703,12 @@ fn summarize_records(
                     Some(p) => prompt_tokens += p,
                     None => all_usage = false,
                 }
-                let per_token =
-                    if *output_tokens > 1 { Some((e2e_ms - ttft_ms) / (*output_tokens - 1) as f64) } else { None };
+                // Without streaming the first token is not seen apart from the last: no TPOT.
+                let per_token = if *output_tokens > 1 && !a.no_stream {
+                    Some((e2e_ms - ttft_ms) / (*output_tokens - 1) as f64)
+                } else {
+                    None
+                };
                 if let Some(t) = per_token {
                     tpot.push(t);
                 }
