@@ -314,7 +314,6 @@ fn chunk_text(v: &serde_json::Value) -> Option<&str> {
 
 async fn one_request(s: &Shared, p: &Plan) -> Record {
     let start = Instant::now();
-    let start_s = start.duration_since(s.t0).as_secs_f64();
     let mut per_sec: Vec<(usize, u32)> = Vec::new();
     let mut bump = |now: Instant| {
         let sec = now.duration_since(s.t0).as_secs() as usize;
@@ -420,7 +419,6 @@ async fn one_request(s: &Shared, p: &Plan) -> Record {
         Outcome::Error("incomplete_stream".into())
     }
     .await;
-    let _ = start_s;
     Record { outcome, prompt_words: p.prompt_words, tokens_per_second: per_sec, end_s: s.t0.elapsed().as_secs_f64() }
 }
 
@@ -775,7 +773,7 @@ fn progress(s: Arc<Shared>, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<()
             eprint!(
                 "\r[{:6.1} s] sent {sent} done {done} failed {failed} in flight {} | {} tok/s   ",
                 s.t0.elapsed().as_secs_f64(),
-                sent - done,
+                sent.saturating_sub(done),
                 tokens - last_tokens
             );
             last_tokens = tokens;
