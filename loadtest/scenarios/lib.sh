@@ -20,7 +20,9 @@ LOAD="$BIN_DIR/pdmesh-load"
 for b in "$PDMESH" "$LOAD"; do
   [[ -x "$b" ]] || { echo "scenario: $b missing; build with cargo build --release -p pdmesh -p pdmesh-loadtest" >&2; exit 2; }
 done
-command -v python3 >/dev/null || { echo "scenario: python3 is required for the checks" >&2; exit 2; }
+for tool in python3 curl; do
+  command -v "$tool" >/dev/null || { echo "scenario: $tool is required for the checks" >&2; exit 2; }
+done
 
 FAILURES=0
 UP_PID=""
