@@ -979,6 +979,66 @@ mod tests {
         assert!((s.tpot_ms.p50_ms - 1.0).abs() < 1e-9);
     }
 
+    #[test]
+    fn cdf_is_monotonic_ends_at_one_and_is_bounded() {
+        let samples: Vec<f64> = (0..1000).map(|i| ((i * 37) % 1000) as f64).collect();
+        let c = cdf(&samples, 200);
+        assert!(c.len() <= 201);
+        assert!(c.windows(2).all(|w| w[0][0] <= w[1][0] && w[0][1] < w[1][1]));
+        assert_eq!(c.last().unwrap()[1], 1.0);
+        assert!(cdf(&[], 200).is_empty());
+    }
+
+    #[test]
+    fn report_renders_with_and_without_samples() {
+        let a = LoadArgs::try_parse_from_for_test(&["--slo-ttft-ms", "10"]);
+        for recs in [
+            vec![],
+            vec![Record {
+                outcome: Outcome::Ok {
+                    ttft_ms: 2.0,
+                    itl_ms: vec![0.5, 0.7],
+                    e2e_ms: 3.2,
+                    output_tokens: 3,
+                    prompt_tokens: Some(9),
+                },
+                prompt_words: 2,
+                tokens_per_second: vec![(0, 3)],
+                end_s: 0.1,
+            }],
+        ] {
+            let n = recs.len();
+            let (summary, timeline, cdf) = summarize_records(&a, &recs, 0.5, n);
+            let mut series = BTreeMap::new();
+            series.insert("pdmesh_engine_kv_held_blocks".to_string(), vec![Some(3.0), None, Some(0.0)]);
+            let r = Report {
+                schema: "pdmesh-load/run/v1",
+                name: "t".into(),
+                started_at_unix_s: 0,
+                config: a.clone(),
+                model: None,
+                mode: "closed_loop",
+                summary,
+                timeline,
+                cdf,
+                scrape: vec![ScrapeSeries {
+                    url: "http://x/metrics".into(),
+                    t_s: vec![0.0, 1.0, 2.0],
+                    series,
+                    failures: 0,
+                }],
+            };
+            let md = report::markdown(&r);
+            assert!(md.contains("| TTFT |"));
+            for svg in [report::cdf_svg(&r), report::timeline_svg(&r)] {
+                assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+                assert!(!svg.contains("NaN") && !svg.contains("inf"), "{svg}");
+            }
+            let json = serde_json::to_value(&r).unwrap();
+            assert_eq!(json["summary"]["requests_sent"], n);
+        }
+    }
+
     impl LoadArgs {
         fn try_parse_from_for_test(extra: &[&str]) -> LoadArgs {
             use clap::Parser;
