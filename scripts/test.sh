@@ -11,6 +11,10 @@ fi
 cargo build --release --workspace --all-targets
 # Test binaries start whole meshes; two at a time is what a 2-core machine sustains.
 cargo test --release --workspace -- --test-threads="${PDMESH_TEST_THREADS:-2}"
+# Load-test smoke scenario (under 2 minutes): a synthetic P/D mesh under steady load, client
+# disconnects and a rejection burst must end with no KV block held or used and no child dead.
+# Reuses the release binaries built above; docs/LOADTEST.md.
+PDMESH_BIN_DIR="${CARGO_TARGET_DIR:-target}/release" ./loadtest/scenarios/smoke.sh
 # docker compose up of deploy/docker-compose.yml on this machine's engine (skipped, with the
 # reason, when there is none); reuses the release binaries built above.
 ./scripts/compose-test.sh

@@ -7,7 +7,6 @@ use futures::StreamExt;
 use tokio::sync::Mutex;
 
 use crate::stats::{summarize, RunResult};
-use crate::RunArgs;
 
 pub async fn wait_ready(url: &str, limit: Duration) -> anyhow::Result<()> {
     let client = reqwest::Client::new();
@@ -58,14 +57,6 @@ pub async fn run_tokens(
     let prompt =
         move |i: usize| -> String { (0..prompt_tokens).map(|j| (b'a' + ((i + j) % 26) as u8) as char).collect() };
     run_closed_loop(url, concurrency, requests, max_tokens, Arc::new(prompt)).await
-}
-
-pub async fn run_load(a: &RunArgs) -> anyhow::Result<RunResult> {
-    let words = a.prompt_words;
-    let prompt = move |i: usize| -> String {
-        (0..words).map(|j| format!("word{}", (i * 7 + j) % 97)).collect::<Vec<_>>().join(" ")
-    };
-    run_closed_loop(&a.url, a.concurrency, a.requests, a.max_tokens, Arc::new(prompt)).await
 }
 
 async fn run_closed_loop(

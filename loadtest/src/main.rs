@@ -4,7 +4,9 @@
 
 mod client;
 mod inprocess;
+mod load;
 mod rejections;
+mod report;
 mod stats;
 
 use std::path::PathBuf;
@@ -22,8 +24,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Closed-loop load against a running server.
-    Run(RunArgs),
+    /// Load against any OpenAI-compatible server: closed loop or Poisson arrivals, latency,
+    /// throughput and goodput, optional metrics scraping; JSON + Markdown + SVG report.
+    Run(Box<load::LoadArgs>),
     /// Mesh overhead: the same engine and synthetic executor in-process versus through the
     /// mesh (started here with `pdmesh up`), at several concurrencies.
     Overhead(OverheadArgs),
@@ -31,24 +34,6 @@ enum Cmd {
     /// P strands, with rejection notices on versus off, against no rejections (three meshes
     /// started here, measured in interleaved rounds).
     Rejections(rejections::RejectionArgs),
-}
-
-#[derive(Args, Clone)]
-pub struct RunArgs {
-    #[arg(long, default_value = "http://127.0.0.1:8000")]
-    pub url: String,
-    #[arg(long, default_value_t = 8)]
-    pub concurrency: usize,
-    #[arg(long, default_value_t = 64)]
-    pub requests: usize,
-    #[arg(long, default_value_t = 64)]
-    pub max_tokens: u32,
-    /// Prompt length in words (synthetic prompts).
-    #[arg(long, default_value_t = 32)]
-    pub prompt_words: usize,
-    /// Write the JSON report here.
-    #[arg(long)]
-    pub out: Option<PathBuf>,
 }
 
 #[derive(Args, Clone)]
@@ -74,14 +59,7 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match cli.command {
-        Cmd::Run(a) => rt.block_on(async {
-            let report = client::run_load(&a).await?;
-            println!("{}", serde_json::to_string_pretty(&report)?);
-            if let Some(out) = &a.out {
-                std::fs::write(out, serde_json::to_string_pretty(&report)?)?;
-            }
-            Ok(())
-        }),
+        Cmd::Run(a) => rt.block_on(load::run(*a)),
         Cmd::Overhead(a) => rt.block_on(overhead(a)),
         Cmd::Rejections(a) => rt.block_on(rejections::run(a)),
     }

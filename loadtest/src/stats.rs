@@ -13,7 +13,8 @@ pub struct Summary {
 
 pub fn summarize(samples_ms: &[f64]) -> Summary {
     if samples_ms.is_empty() {
-        return Summary::default();
+        // NaN (JSON null): "no sample" must not read as a latency of zero.
+        return Summary { count: 0, mean_ms: f64::NAN, p50_ms: f64::NAN, p90_ms: f64::NAN, p99_ms: f64::NAN };
     }
     let mut v = samples_ms.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
