@@ -37,6 +37,8 @@ pub struct PdCounters {
     pub holds_started: u64,
     pub not_processed: u64,
     pub rejection_notices: u64,
+    /// Heartbeats asked for (one per waiting request per interval).
+    pub heartbeats: u64,
 }
 
 #[derive(Debug, Default)]
@@ -56,6 +58,8 @@ pub struct PdConnector {
     need_send: Vec<SendRequest>,
     in_batch: Vec<String>,
     not_processed: Vec<String>,
+    /// When D last asked its worker to heartbeat the requests it keeps P holding for.
+    last_heartbeat: std::time::Instant,
     pub counters: PdCounters,
 }
 
@@ -85,8 +89,28 @@ impl PdConnector {
             need_send: Vec::new(),
             in_batch: Vec::new(),
             not_processed: Vec::new(),
+            last_heartbeat: std::time::Instant::now(),
             counters: PdCounters::default(),
         }
+    }
+
+    /// D: every third of the hold duration, P's params of the requests D has seen but not
+    /// started to receive (queued for KV space or a sequence slot), so that P's holds outlive
+    /// the queueing.
+    fn due_heartbeats(&mut self) -> Vec<KvTransferParams> {
+        if !self.consumer || self.last_heartbeat.elapsed() < self.hold / 3 {
+            return Vec::new();
+        }
+        self.last_heartbeat = std::time::Instant::now();
+        let due: Vec<KvTransferParams> = self
+            .reqs
+            .keys()
+            .filter_map(|id| self.wants_remote_prefill(id))
+            .filter(|p| params_complete(p))
+            .cloned()
+            .collect();
+        self.counters.heartbeats += due.len() as u64;
+        due
     }
 
     fn wants_remote_prefill(&self, id: &str) -> Option<&KvTransferParams> {
@@ -163,6 +187,7 @@ impl KvConnectorScheduler for PdConnector {
             reqs_in_batch: std::mem::take(&mut self.in_batch),
             reqs_not_processed: std::mem::take(&mut self.not_processed),
             reqs_aborted_after_finish: Vec::new(),
+            reqs_to_heartbeat: self.due_heartbeats(),
         }
     }
 
