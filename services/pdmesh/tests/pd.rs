@@ -328,3 +328,39 @@ fn heartbeats_keep_p_holding_while_the_request_waits_on_d() {
     assert_eq!(metric(&p_worker, "pdmesh_worker_kv_holds_expired_total"), 0.0, "no hold lapsed");
     mesh.wait_kv_on(p, "P holds nothing", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
 }
+
+/// Every service's `/metrics` (router, both frontends, both dp-lbs, and each rank's
+/// engine-core, connector-scheduler and connector-worker) shows its named metrics moving
+/// under a short load through the router.
+#[test]
+fn every_service_metrics_move_under_a_short_load() {
+    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 1, ENGINE), |h| vec![h + 1, h + 2, h + 3]);
+    let http = |port: u16| format!("http://127.0.0.1:{port}/metrics");
+    let ops = |node_base: u16, offset: u16| http(node_base + offset);
+    let (pb, db) = (mesh.base_port + 20, mesh.base_port + 40);
+    let watched: Vec<(String, &str)> = vec![
+        (http(mesh.http_port), "pdmesh_frontend_http_requests_total"),
+        (http(mesh.http_port + 1), "pdmesh_frontend_prompt_tokens_total"),
+        (http(mesh.http_port + 2), "pdmesh_frontend_generation_tokens_total"),
+        (ops(pb, 100), "pdmesh_dplb_requests_routed_total"),
+        (ops(db, 100), "pdmesh_dplb_requests_routed_total"),
+        (ops(pb, 110), "pdmesh_engine_steps_total"),
+        (ops(db, 110), "pdmesh_engine_scheduled_tokens_total"),
+        (ops(pb, 111), "pdmesh_transport_messages_received_total"),
+        (ops(db, 111), "pdmesh_transport_messages_received_total"),
+        (ops(pb, 112), "pdmesh_worker_kv_held_block_seconds_total"),
+        (ops(db, 112), "pdmesh_worker_kv_transfer_bytes_total"),
+        (ops(db, 112), "pdmesh_worker_tokens_computed_total"),
+    ];
+    let before: Vec<f64> = watched.iter().map(|(u, n)| metric(u, n)).collect();
+    for i in 0..8 {
+        let body = json!({"prompt": format!("metrics under load {i}"), "max_tokens": 6, "temperature": 0});
+        let r = client().post(mesh.url("/v1/completions")).json(&body).send().unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+    }
+    mesh.wait_kv_on(mesh.http_port + 1, "P holds nothing", |kv| kv["held_blocks"] == 0);
+    for ((url, name), b) in watched.iter().zip(before) {
+        let after = metric(url, name);
+        assert!(after > b, "{name} on {url} did not move: {b} -> {after}");
+    }
+}

@@ -18,12 +18,14 @@ pub struct Mesh {
 }
 
 /// Ports unique to this test process and this mesh: HTTP ports `http..http+4` (one per node
-/// of a multi-node mesh) and internal/ops ports `base..base+200`. Test binaries run one after
-/// the other, so only meshes of one process need to stay apart.
+/// of a multi-node mesh) and internal/ops ports `base..base+240` (a three-node mesh uses up to
+/// `base + 60 + 175`), 320 apart from the next mesh's so that meshes of concurrent tests never
+/// share a port. Everything stays below 32768, where Linux's ephemeral ports begin. Test
+/// binaries run one after the other, so only meshes of one process need to stay apart.
 fn ports() -> (u16, u16) {
     let k = NEXT.fetch_add(1, Ordering::SeqCst);
     let slot = (std::process::id() % 40) as u16 * 40 + k * 4;
-    (18000 + slot, 20000 + (slot * 50) % 40000)
+    (18000 + slot, 20000 + ((u32::from(slot) * 80) % 12000) as u16)
 }
 
 /// A side-channel port range of this mesh (8 ports), apart from the HTTP and base ranges.
