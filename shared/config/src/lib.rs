@@ -269,6 +269,10 @@ pub struct ModelConfig {
     /// GGUF file. Empty: `PDMESH_MODEL_PATH`, then the default cache location.
     #[serde(default)]
     pub path: String,
+    /// Where a GGUF model runs: `cpu` (default) or `cuda` / `cuda:N` (GPU N; needs a binary
+    /// built with the `cuda` feature). docs/MODEL.md.
+    #[serde(default = "default_model_device")]
+    pub device: String,
     /// Synthetic executor: microseconds of simulated compute per scheduled token.
     #[serde(default)]
     pub per_token_cost_us: u64,
@@ -283,10 +287,15 @@ impl Default for ModelConfig {
             kind: ModelKind::Synthetic,
             name: String::new(),
             path: String::new(),
+            device: default_model_device(),
             per_token_cost_us: 0,
             per_step_cost_us: 0,
         }
     }
+}
+
+fn default_model_device() -> String {
+    "cpu".to_string()
 }
 
 fn default_model_kind() -> ModelKind {
@@ -516,6 +525,11 @@ impl Topology {
                 )))
             }
         };
+        if let Some(device) = env::get(env::MODEL_DEVICE) {
+            for node in &mut self.nodes {
+                node.model.device = device.clone();
+            }
+        }
         for kv in self.nodes.iter_mut().filter_map(|n| n.kv_transfer.as_mut()) {
             if let Some(f) = &faults {
                 kv.fault_injection = f.clone();
