@@ -9,6 +9,10 @@ if [[ "${PDMESH_SKIP_MODEL_TESTS:-0}" != "1" ]]; then
   export PDMESH_MODEL_PATH="${PDMESH_MODEL_PATH:-$(scripts/fetch-model.sh)}"
 fi
 cargo build --release --workspace --all-targets
+# The GPU feature must build on every machine (CUDA is loaded at run time); its tests run the
+# model and a two-process CUDA IPC read where a GPU is present and say they skip elsewhere.
+cargo test --release -p pdmesh-model -p pdmesh-kv-transfer --features pdmesh-model/cuda,pdmesh-kv-transfer/cuda \
+  --test cuda --test cuda_ipc -- --nocapture
 # Test binaries start whole meshes; two at a time is what a 2-core machine sustains.
 cargo test --release --workspace -- --test-threads="${PDMESH_TEST_THREADS:-2}"
 # Load-test smoke scenario (under 2 minutes): a synthetic P/D mesh under steady load, client
