@@ -17,7 +17,7 @@ use pdmesh_kv_transfer::{
     HeldBlockMs, HoldTable, HoldTableConfig, RemoteAgents, SharedPolicy, TransferAgent, TransferClient,
 };
 use pdmesh_model_api::{KvCache, KvCacheSpec};
-use pdmesh_protocol::{KvConnectorMetadata, KvConnectorOutput, RecvRequest, TraceContext};
+use pdmesh_protocol::{KvConnectorMetadata, KvConnectorOutput, RecvRequest, SendRequest, TraceContext};
 use pdmesh_telemetry::trace;
 use tracing::Instrument;
 
@@ -118,9 +118,9 @@ impl PdRuntime {
     pub fn start_step(&self, meta: &KvConnectorMetadata, traces: &BTreeMap<String, TraceContext>) {
         if let Some(table) = &self.hold {
             let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
+            let cap = Instant::now() + self.hold_ttl * 2;
+            producer_start_step(&mut t, meta, |s| wall_to_instant(s.deadline_unix_ms).min(cap));
             for s in &meta.reqs_to_send {
-                let deadline = wall_to_instant(s.deadline_unix_ms).min(Instant::now() + self.hold_ttl * 2);
-                t.hold(&s.request_id, s.block_ids.clone(), s.block_generations.clone(), deadline);
                 if let Some(trace) = traces.get(&s.request_id) {
                     let span = trace::child_of(
                         tracing::info_span!("kv.hold", request_id = %s.request_id, blocks = s.block_ids.len()),
@@ -130,10 +130,6 @@ impl PdRuntime {
                         "hold started");
                     HOLD_TRACES.remember(&s.request_id, trace::outgoing(&span, trace));
                 }
-            }
-            for id in &meta.reqs_aborted_after_finish {
-                let outcome = t.abort(id);
-                tracing::info!(request_id = %id, ?outcome, "abort after finish");
             }
         }
         if let Some(agents) = &self.agents {
@@ -184,11 +180,10 @@ impl PdRuntime {
         }
         if let Some(table) = &self.hold {
             let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
-            let expired = t.expire(Instant::now());
+            let expired = producer_finish_step(&mut t, Instant::now(), &mut out);
             if expired > 0 {
                 m::HOLDS_EXPIRED.inc_by(expired as u64);
             }
-            out.finished_sending = t.take_finished_sending();
             for id in &out.finished_sending {
                 if let Some(trace) = HOLD_TRACES.take(id) {
                     let span = trace::child_of(tracing::info_span!("kv.release", request_id = %id), &trace);
@@ -209,11 +204,36 @@ impl PdRuntime {
                 }
             }
             m::LEASED_BLOCKS.set(t.leased_blocks() as i64);
-            out.leased_request_ids =
-                t.held_requests(Instant::now()).into_iter().filter(|h| h.leased).map(|h| h.request_id).collect();
         }
         (loads, out)
     }
+}
+
+/// P, when a step's metadata arrives: start the holds `request_finished` queued (deadline from
+/// `deadline_of`) and pass aborts after finish on to the hold table. No clock and no I/O, so
+/// the lifecycle property test (`tests/lifecycle.rs`) drives the very code the worker runs.
+pub fn producer_start_step(
+    t: &mut HoldTable,
+    meta: &KvConnectorMetadata,
+    deadline_of: impl Fn(&SendRequest) -> Instant,
+) {
+    for s in &meta.reqs_to_send {
+        t.hold(&s.request_id, s.block_ids.clone(), s.block_generations.clone(), deadline_of(s));
+    }
+    for id in &meta.reqs_aborted_after_finish {
+        let outcome = t.abort(id);
+        tracing::info!(request_id = %id, ?outcome, "abort after finish");
+    }
+}
+
+/// P, at the end of a step: release holds and leases past their deadline, then report every
+/// released request exactly once (`finished_sending`: only now may the scheduler free its
+/// blocks) and the requests under a lease. Returns how many expired.
+pub fn producer_finish_step(t: &mut HoldTable, now: Instant, out: &mut KvConnectorOutput) -> usize {
+    let expired = t.expire(now);
+    out.finished_sending = t.take_finished_sending();
+    out.leased_request_ids = t.held_requests(now).into_iter().filter(|h| h.leased).map(|h| h.request_id).collect();
+    expired
 }
 
 /// Keep P's holds alive for requests that wait on D (R2 read leases: the hold deadline is
