@@ -458,7 +458,9 @@ struct ReceiveCtx {
 /// Give P back every reference in `refs` (shutdown), per remote engine, naming active leases.
 /// Returns how many P acknowledged; the rest are counted as undelivered notices.
 async fn give_up_all(agents: Arc<RemoteAgents>, refs: Vec<(RefKey, RemoteRef)>, reason: &str) -> usize {
-    let mut by_engine: BTreeMap<(String, String), Vec<(String, Option<Arc<Lease>>)>> = BTreeMap::new();
+    /// P's request ids (with the active lease, if any) per (engine, side channel).
+    type ByEngine = BTreeMap<(String, String), Vec<(String, Option<Arc<Lease>>)>>;
+    let mut by_engine = ByEngine::new();
     for ((engine, p_req), r) in refs {
         by_engine.entry((engine, r.endpoint)).or_default().push((p_req, r.lease));
     }

@@ -673,6 +673,21 @@ mod tests {
     }
 
     #[test]
+    fn give_up_notices_env_override_reaches_every_node() {
+        // The only test of this binary that touches the environment.
+        std::env::set_var(env::GIVE_UP_NOTICES, "false");
+        let mut t = Topology::default_mesh().unwrap();
+        let applied = t.apply_env();
+        std::env::set_var(env::GIVE_UP_NOTICES, "maybe");
+        let refused = Topology::default_mesh().unwrap().apply_env();
+        std::env::remove_var(env::GIVE_UP_NOTICES);
+        applied.unwrap();
+        assert!(t.nodes.iter().all(|n| !n.router.give_up_notices));
+        assert!(t.nodes.iter().filter_map(|n| n.kv_transfer.as_ref()).all(|k| !k.give_up_notices));
+        assert!(refused.is_err(), "a typo is an error, never a silent default");
+    }
+
+    #[test]
     fn bad_topologies_are_refused() {
         assert!(Topology::from_toml("nodes = []").is_err());
         assert!(Topology::from_toml("[[nodes]]\nname = \"a\"\ndp_size = 0").is_err());
