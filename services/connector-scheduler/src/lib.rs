@@ -166,7 +166,14 @@ pub async fn run(
                 side_channel_port: kv.side_channel_port.saturating_add(rank as u16),
                 dp_rank: rank,
             });
-            Box::new(PdConnector::new(producer, kv.kv_role.consumes(), kv.hold_duration()))
+            let mut c = PdConnector::new(producer, kv.kv_role.consumes(), kv.hold_duration());
+            c.set_give_up_notices(kv.give_up_notices);
+            if !kv.give_up_notices {
+                tracing::warn!(
+                    "give-up notices are off (kv_transfer.give_up_notices = false): P frees at its deadline"
+                );
+            }
+            Box::new(c)
         }
     };
     let actor = ConnectorSchedulerActor { connector, router: None }.start();

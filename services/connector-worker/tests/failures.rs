@@ -31,6 +31,7 @@ fn setup(name: &str, produces: bool, port: u16, faults: &str) -> PdSetup {
         weights_id: "test-weights".into(),
         hold: Duration::from_secs(30),
         faults: FaultConfig::parse(faults).unwrap(),
+        give_up_notices: true,
     }
 }
 

@@ -148,6 +148,11 @@ pub struct KvConnectorMetadata {
     /// P heartbeats for them so P's hold outlives the queueing (lease mode).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reqs_to_heartbeat: Vec<KvTransferParams>,
+    /// D: P's params of requests D took in since the last step. The worker keeps each until
+    /// its receive ends (read, or given up), so that a graceful shutdown can give back every
+    /// reference it still has, queued requests included (R4).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reqs_referenced: Vec<KvTransferParams>,
 }
 
 impl KvConnectorMetadata {
@@ -157,6 +162,7 @@ impl KvConnectorMetadata {
             && self.reqs_aborted_after_finish.is_empty()
             && self.reqs_in_batch.is_empty()
             && self.reqs_not_processed.is_empty()
+            && self.reqs_referenced.is_empty()
     }
 }
 

@@ -45,6 +45,7 @@ fn every_message() -> Vec<Message> {
         reqs_not_processed: vec!["y".into()],
         reqs_aborted_after_finish: vec!["z".into()],
         reqs_to_heartbeat: vec![params()],
+        reqs_referenced: vec![params()],
     };
     vec![
         Message::AddRequest(EngineRequest {
