@@ -130,8 +130,8 @@ pub fn dispatch(c: &mut dyn KvConnectorScheduler, call: ConnectorCall) -> Connec
             c.update_connector_output(&out);
             ConnectorReply::Ack
         }
-        ConnectorCall::RequestRejectedBeforeAdmission { params, rejected_at_unix_us } => {
-            match c.request_rejected_before_admission(&params, rejected_at_unix_us) {
+        ConnectorCall::RequestRejectedBeforeAdmission { params, rejected_at_unix_us, trace } => {
+            match c.request_rejected_before_admission_traced(&params, rejected_at_unix_us, trace) {
                 Ok(()) => ConnectorReply::Ack,
                 Err(reason) => ConnectorReply::Rejected { reason },
             }

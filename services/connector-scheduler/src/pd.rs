@@ -178,6 +178,7 @@ impl KvConnectorScheduler for PdConnector {
                     local_block_ids: local,
                     params: p,
                     rejected_at_unix_us: None,
+                    trace: Default::default(),
                 });
             }
             if let Some(st) = self.reqs.get_mut(request_id) {
@@ -237,6 +238,7 @@ impl KvConnectorScheduler for PdConnector {
                     local_block_ids: Vec::new(),
                     params: p,
                     rejected_at_unix_us: None,
+                    trace: Default::default(),
                 });
             } else {
                 self.counters.invalid_params += 1;
@@ -285,6 +287,15 @@ impl KvConnectorScheduler for PdConnector {
         params: &KvTransferParams,
         rejected_at_unix_us: Option<u64>,
     ) -> Result<(), String> {
+        self.request_rejected_before_admission_traced(params, rejected_at_unix_us, Default::default())
+    }
+
+    fn request_rejected_before_admission_traced(
+        &mut self,
+        params: &KvTransferParams,
+        rejected_at_unix_us: Option<u64>,
+        trace: pdmesh_protocol::TraceContext,
+    ) -> Result<(), String> {
         if !self.consumer {
             return Err("not a consumer".into());
         }
@@ -302,6 +313,7 @@ impl KvConnectorScheduler for PdConnector {
             local_block_ids: Vec::new(),
             params: params.clone(),
             rejected_at_unix_us,
+            trace,
         });
         Ok(())
     }

@@ -330,14 +330,20 @@ impl PdRuntime {
         }
         if let Some(table) = &self.hold {
             let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
-            let expired = producer_finish_step(&mut t, Instant::now(), &mut out);
+            let (expired, causes) = producer_finish_step_with_causes(&mut t, Instant::now(), &mut out);
             if expired > 0 {
                 m::HOLDS_EXPIRED.inc_by(expired as u64);
             }
-            for id in &out.finished_sending {
+            for (id, cause) in out.finished_sending.iter().zip(causes) {
                 if let Some(trace) = HOLD_TRACES.take(id) {
-                    let span = trace::child_of(tracing::info_span!("kv.release", request_id = %id), &trace);
-                    tracing::info!(parent: &span, expired_now = expired, "held blocks freed");
+                    let span = trace::child_of(
+                        tracing::info_span!("kv.release", request_id = %id, released_by = cause),
+                        &trace,
+                    );
+                    if cause == "expired" {
+                        tracing::warn!(parent: &span, "hold expired");
+                    }
+                    tracing::info!(parent: &span, released_by = cause, "held blocks freed");
                 }
             }
             m::HELD_BLOCKS.set(t.held_blocks() as i64);
@@ -380,10 +386,20 @@ pub fn producer_start_step(
 /// released request exactly once (`finished_sending`: only now may the scheduler free its
 /// blocks) and the requests under a lease. Returns how many expired.
 pub fn producer_finish_step(t: &mut HoldTable, now: Instant, out: &mut KvConnectorOutput) -> usize {
+    producer_finish_step_with_causes(t, now, out).0
+}
+
+/// [`producer_finish_step`], also returning why each of `out.finished_sending` was released.
+pub fn producer_finish_step_with_causes(
+    t: &mut HoldTable,
+    now: Instant,
+    out: &mut KvConnectorOutput,
+) -> (usize, Vec<&'static str>) {
     let expired = t.expire(now);
-    out.finished_sending = t.take_finished_sending();
+    let (ids, causes): (Vec<_>, Vec<_>) = t.take_finished_sending_with_causes().into_iter().unzip();
+    out.finished_sending = ids;
     out.leased_request_ids = t.held_requests(now).into_iter().filter(|h| h.leased).map(|h| h.request_id).collect();
-    expired
+    (expired, causes)
 }
 
 /// Keep P's holds alive for requests that wait on D (R2 read leases: the hold deadline is
@@ -514,10 +530,18 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
                 Some(_) => ("rejected before admission (notify only)", "rejection"),
                 None => ("finished on D before its receive", "abort"),
             };
+            // A span in the refused request's trace: P's answer (`kv.serve.xfer_give_up`) and
+            // its release of the held blocks then sit in that trace too.
+            let span = trace::child_of(
+                tracing::info_span!("kv.notify", otel.kind = "client", request_id = %p_req, reason = label),
+                &r.trace,
+            );
             agent
                 .give_up_at(p_req, reason, None, r.rejected_at_unix_us)
+                .instrument(span.clone())
                 .await
                 .map_err(|e| fail(FailureKind::Lease, &e))?;
+            tracing::info!(parent: &span, "notice delivered to P");
             m::GIVE_UPS.with_label_values(&[label]).inc();
             return Ok(None);
         }

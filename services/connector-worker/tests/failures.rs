@@ -63,6 +63,7 @@ fn metas(port: u16) -> (KvConnectorMetadata, KvConnectorMetadata) {
             local_block_ids: vec![3, 4],
             params,
             rejected_at_unix_us: None,
+            trace: Default::default(),
         }],
         ..Default::default()
     };

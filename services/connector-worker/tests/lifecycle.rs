@@ -246,7 +246,11 @@ impl Node {
         let finishing = self.sched.finishing_calls();
         let mut calls: Vec<ConnectorCall> = std::mem::take(&mut self.notices)
             .into_iter()
-            .map(|params| ConnectorCall::RequestRejectedBeforeAdmission { params, rejected_at_unix_us: None })
+            .map(|params| ConnectorCall::RequestRejectedBeforeAdmission {
+                params,
+                rejected_at_unix_us: None,
+                trace: Default::default(),
+            })
             .collect();
         let n_notices = calls.len();
         calls.extend(schedule.alloc_calls.iter().cloned());
@@ -602,6 +606,7 @@ impl World {
                             ConnectorCall::RequestRejectedBeforeAdmission {
                                 params: h.params,
                                 rejected_at_unix_us: None,
+                                trace: Default::default(),
                             },
                             ConnectorCall::TakeRejectionRecvs,
                         ];
