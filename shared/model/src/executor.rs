@@ -106,6 +106,26 @@ pub(crate) fn model_name(path: &Path) -> String {
         .unwrap_or_else(|| "model".to_string())
 }
 
+/// What the engine needs to know of a loaded model (shared by the CPU and GPU executors).
+pub(crate) fn model_facts(
+    cfg: &LlamaConfig,
+    path: &Path,
+    max_model_len: u32,
+    eos_token_ids: Vec<u32>,
+    weights_id: String,
+) -> ModelFacts {
+    ModelFacts {
+        name: model_name(path),
+        num_layers: cfg.n_layers as u32,
+        num_kv_heads: cfg.n_kv_heads as u32,
+        head_dim: cfg.head_dim as u32,
+        vocab_size: cfg.vocab_size as u32,
+        max_model_len,
+        eos_token_ids,
+        weights_id,
+    }
+}
+
 /// The effective max_model_len: the model's context length, capped by the caller.
 pub(crate) fn effective_max_len(context_length: u32, options: &ModelOptions) -> u32 {
     match options.max_model_len {
@@ -168,16 +188,7 @@ impl LlamaExecutor {
 
         let max_model_len = effective_max_len(cfg.context_length, options);
         let (rope_cos, rope_sin) = rope_tables(hd, cfg.rope_base, max_model_len as usize);
-        let facts = ModelFacts {
-            name: model_name(&g.path),
-            num_layers: cfg.n_layers as u32,
-            num_kv_heads: cfg.n_kv_heads as u32,
-            head_dim: hd as u32,
-            vocab_size: cfg.vocab_size as u32,
-            max_model_len,
-            eos_token_ids,
-            weights_id,
-        };
+        let facts = model_facts(&cfg, &g.path, max_model_len, eos_token_ids, weights_id);
         tracing::info!(name = %facts.name, layers = cfg.n_layers, hidden = h, heads = cfg.n_heads,
             kv_heads = cfg.n_kv_heads, vocab = cfg.vocab_size, max_model_len, "loaded llama GGUF model");
         let mm = MatmulCtx::new(crate::pool::default_threads());

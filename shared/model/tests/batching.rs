@@ -11,16 +11,7 @@ const N_NEW: usize = 24;
 #[test]
 fn greedy_tokens_do_not_depend_on_batching_or_chunking() {
     let Some((mut exec, codec)) = common::load() else { return };
-    let texts = [
-        "Tell me a short story about a robot who learns to paint.",
-        "What is 17 times 23?",
-        "List three colours.",
-        "Explain photosynthesis in one sentence.",
-        "Who wrote Hamlet?",
-        "Translate 'good morning' into French.",
-        "Why is the sky blue?",
-        "Give me a name for a cat.",
-    ];
+    let texts = common::EIGHT_PROMPTS;
     let prompts: Vec<Vec<u32>> = texts
         .iter()
         .map(|t| {

@@ -10,11 +10,8 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
-use candle_transformers::models::quantized_llama::ModelWeights;
 use pdmesh_model::cuda::{cuda_available, CudaLlamaExecutor};
 use pdmesh_model_api::kv_cache::KvSide;
-use pdmesh_model_api::sampling::argmax;
 use pdmesh_model_api::{ChatMessage, TextCodec};
 
 const N_NEW: usize = 32;
@@ -31,31 +28,6 @@ fn gpu() -> Option<CudaLlamaExecutor> {
     let exec = CudaLlamaExecutor::load(&path, &Default::default(), 0).expect("load the model onto the GPU");
     eprintln!("GPU: {}", exec.device_name());
     Some(exec)
-}
-
-fn reference_greedy(path: &std::path::Path, prompt: &[u32], n_new: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let mut f = std::fs::File::open(path).unwrap();
-    let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
-    let mut model = ModelWeights::from_gguf(content, &mut f, &Device::Cpu).unwrap();
-    let mut step = |tok: u32, pos: usize| {
-        let input = Tensor::new(&[tok], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        model.forward(&input, pos).unwrap().squeeze(0).unwrap().to_vec1::<f32>().unwrap()
-    };
-    let mut logits = Vec::new();
-    for (pos, &tok) in prompt.iter().enumerate() {
-        logits = step(tok, pos);
-    }
-    let (mut out, mut all) = (Vec::new(), Vec::new());
-    while out.len() < n_new {
-        let next = argmax(&logits);
-        out.push(next);
-        all.push(logits);
-        if out.len() == n_new {
-            break;
-        }
-        logits = step(next, prompt.len() + out.len() - 1);
-    }
-    (out, all)
 }
 
 fn chat(codec: &pdmesh_model::GgufTextCodec, u: &str) -> Vec<u32> {
@@ -78,7 +50,7 @@ fn gpu_greedy_tokens_match_candle_reference() {
     let mut kv = common::kv_cache(&gpu, 64, 16);
     let mut deviations = Vec::new();
     for (i, prompt) in prompts.into_iter().enumerate() {
-        let (want, ref_logits) = reference_greedy(&path, &prompt, N_NEW);
+        let (want, ref_logits) = common::reference_greedy(&path, &prompt, N_NEW);
         let mut reqs = vec![common::Req::new(&format!("r{i}"), prompt.clone(), 0, 64)];
         let mut ours = Vec::new();
         let t0 = std::time::Instant::now();
@@ -114,16 +86,7 @@ fn gpu_greedy_tokens_match_candle_reference() {
 fn gpu_tokens_do_not_depend_on_batching_or_chunking_and_equal_cpu() {
     let Some(mut gpu) = gpu() else { return };
     let (mut cpu, codec) = common::load().unwrap();
-    let texts = [
-        "Tell me a short story about a robot who learns to paint.",
-        "What is 17 times 23?",
-        "List three colours.",
-        "Explain photosynthesis in one sentence.",
-        "Who wrote Hamlet?",
-        "Translate 'good morning' into French.",
-        "Why is the sky blue?",
-        "Give me a name for a cat.",
-    ];
+    let texts = common::EIGHT_PROMPTS;
     let prompts: Vec<Vec<u32>> = texts.iter().map(|t| chat(&codec, t)).collect();
     let bpr = 8u32;
     let mut kv = common::kv_cache(&gpu, bpr * 8, 16);

@@ -10,41 +10,11 @@
 
 mod common;
 
-use candle_core::{Device, Tensor};
-use candle_transformers::models::quantized_llama::ModelWeights;
-use pdmesh_model_api::sampling::argmax;
 use pdmesh_model_api::{ChatMessage, TextCodec};
 
 const N_NEW: usize = 32;
 /// Our arithmetic reproduces candle's bit for bit (see the module doc and `kernels.rs`).
 const MAX_LOGIT_DEVIATION: f32 = 0.0;
-
-/// Greedy continuation with the reference, one token per forward call; also returns the logits
-/// that chose each generated token.
-fn reference_greedy(path: &std::path::Path, prompt: &[u32], n_new: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let mut f = std::fs::File::open(path).unwrap();
-    let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
-    let mut model = ModelWeights::from_gguf(content, &mut f, &Device::Cpu).unwrap();
-    let mut step = |tok: u32, pos: usize| {
-        let input = Tensor::new(&[tok], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        model.forward(&input, pos).unwrap().squeeze(0).unwrap().to_vec1::<f32>().unwrap()
-    };
-    let mut logits = Vec::new();
-    for (pos, &tok) in prompt.iter().enumerate() {
-        logits = step(tok, pos);
-    }
-    let (mut out, mut all) = (Vec::new(), Vec::new());
-    while out.len() < n_new {
-        let next = argmax(&logits);
-        out.push(next);
-        all.push(logits);
-        if out.len() == n_new {
-            break;
-        }
-        logits = step(next, prompt.len() + out.len() - 1);
-    }
-    (out, all)
-}
 
 fn prompts(codec: &pdmesh_model::GgufTextCodec) -> Vec<Vec<u32>> {
     let chat = |u: &str| {
@@ -66,7 +36,7 @@ fn greedy_tokens_match_candle_reference() {
     let (mut exec, codec) = pdmesh_model::load_gguf(&path, &Default::default()).unwrap();
     let mut kv = common::kv_cache(&exec, 64, 16);
     for (i, prompt) in prompts(&codec).into_iter().enumerate() {
-        let (want, ref_logits) = reference_greedy(&path, &prompt, N_NEW);
+        let (want, ref_logits) = common::reference_greedy(&path, &prompt, N_NEW);
         let mut reqs = vec![common::Req::new("r", prompt.clone(), 0, 64)];
         // whole prompt in one chunk, then one token per step; keep our logits of every step
         let mut ours_logits = Vec::new();

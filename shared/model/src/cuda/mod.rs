@@ -36,7 +36,7 @@ use pdmesh_protocol::{SampledToken, ScheduledChunk};
 
 use crate::embedding::Embedding;
 use crate::error::ModelError;
-use crate::executor::{effective_max_len, model_name, norm_weights, plan_step, rope_tables};
+use crate::executor::{effective_max_len, model_facts, norm_weights, plan_step, rope_tables};
 use crate::gguf::{sha256_file, GgufFile, LlamaConfig};
 use crate::ModelOptions;
 
@@ -333,16 +333,7 @@ impl CudaLlamaExecutor {
         let rope_cos = stream.clone_htod(&cos).map_err(|e| up("rope", e))?;
         let rope_sin = stream.clone_htod(&sin).map_err(|e| up("rope", e))?;
         stream.synchronize().map_err(|e| up("upload weights", e))?;
-        let facts = ModelFacts {
-            name: model_name(&g.path),
-            num_layers: cfg.n_layers as u32,
-            num_kv_heads: cfg.n_kv_heads as u32,
-            head_dim: hd as u32,
-            vocab_size: cfg.vocab_size as u32,
-            max_model_len,
-            eos_token_ids,
-            weights_id,
-        };
+        let facts = model_facts(&cfg, &g.path, max_model_len, eos_token_ids, weights_id);
         tracing::info!(name = %facts.name, device = %device_name, layers = cfg.n_layers, "loaded llama GGUF model on the GPU");
         Ok(Self {
             facts,

@@ -123,3 +123,47 @@ pub fn run_with<E: Executor>(
         }
     }
 }
+
+/// Greedy continuation with the reference, one token per forward call; also returns the logits
+/// that chose each generated token.
+pub fn reference_greedy(path: &std::path::Path, prompt: &[u32], n_new: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut f = std::fs::File::open(path).unwrap();
+    let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
+    let mut model = candle_transformers::models::quantized_llama::ModelWeights::from_gguf(
+        content,
+        &mut f,
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    let mut step = |tok: u32, pos: usize| {
+        let input = candle_core::Tensor::new(&[tok], &candle_core::Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        model.forward(&input, pos).unwrap().squeeze(0).unwrap().to_vec1::<f32>().unwrap()
+    };
+    let mut logits = Vec::new();
+    for (pos, &tok) in prompt.iter().enumerate() {
+        logits = step(tok, pos);
+    }
+    let (mut out, mut all) = (Vec::new(), Vec::new());
+    while out.len() < n_new {
+        let next = pdmesh_model_api::sampling::argmax(&logits);
+        out.push(next);
+        all.push(logits);
+        if out.len() == n_new {
+            break;
+        }
+        logits = step(next, prompt.len() + out.len() - 1);
+    }
+    (out, all)
+}
+
+/// Eight chat prompts of different lengths (batching and chunking tests).
+pub const EIGHT_PROMPTS: [&str; 8] = [
+    "Tell me a short story about a robot who learns to paint.",
+    "What is 17 times 23?",
+    "List three colours.",
+    "Explain photosynthesis in one sentence.",
+    "Who wrote Hamlet?",
+    "Translate 'good morning' into French.",
+    "Why is the sky blue?",
+    "Give me a name for a cat.",
+];
