@@ -9,6 +9,10 @@ if [[ "${PDMESH_SKIP_MODEL_TESTS:-0}" != "1" ]]; then
   export PDMESH_MODEL_PATH="${PDMESH_MODEL_PATH:-$(scripts/fetch-model.sh)}"
 fi
 cargo build --release --workspace --all-targets
+# The GPU feature must build on every machine (CUDA is loaded at run time); its tests run the
+# model and a two-process CUDA IPC read where a GPU is present and say they skip elsewhere.
+cargo test --release -p pdmesh-model -p pdmesh-kv-transfer --features pdmesh-model/cuda,pdmesh-kv-transfer/cuda \
+  --test cuda --test cuda_ipc -- --nocapture
 # Test binaries start whole meshes; two at a time is what a 2-core machine sustains.
 cargo test --release --workspace -- --test-threads="${PDMESH_TEST_THREADS:-2}"
 # Load-test smoke scenario (under 2 minutes): a synthetic P/D mesh under steady load, client
@@ -18,6 +22,8 @@ PDMESH_BIN_DIR="${CARGO_TARGET_DIR:-target}/release" ./loadtest/scenarios/smoke.
 # ... and its checks catch a broken figure: the smoke scenario with stranded blocks, blocks
 # still held, hung requests, or a death left unrecovered must fail (about a minute).
 PDMESH_BIN_DIR="${CARGO_TARGET_DIR:-target}/release" ./loadtest/scenarios/selfcheck.sh
+# The Kubernetes manifests parse and their selectors, labels and ports agree.
+python3 scripts/check-k8s.py
 # docker compose up of deploy/docker-compose.yml on this machine's engine (skipped, with the
 # reason, when there is none); reuses the release binaries built above.
 ./scripts/compose-test.sh

@@ -42,6 +42,17 @@ pub trait KvConnectorScheduler: Send {
         let _ = (params, rejected_at_unix_us);
         Err("this connector does not consume remote KV".into())
     }
+    /// [`Self::request_rejected_before_admission`] with the refused request's trace, which a
+    /// consumer passes on to the notify-only receive so P's side joins the request's trace.
+    fn request_rejected_before_admission_traced(
+        &mut self,
+        params: &KvTransferParams,
+        rejected_at_unix_us: Option<u64>,
+        trace: pdmesh_protocol::TraceContext,
+    ) -> Result<(), String> {
+        let _ = trace;
+        self.request_rejected_before_admission(params, rejected_at_unix_us)
+    }
 }
 
 /// No KV transfer: nothing comes from outside, nothing is held.

@@ -130,8 +130,8 @@ pub fn dispatch(c: &mut dyn KvConnectorScheduler, call: ConnectorCall) -> Connec
             c.update_connector_output(&out);
             ConnectorReply::Ack
         }
-        ConnectorCall::RequestRejectedBeforeAdmission { params, rejected_at_unix_us } => {
-            match c.request_rejected_before_admission(&params, rejected_at_unix_us) {
+        ConnectorCall::RequestRejectedBeforeAdmission { params, rejected_at_unix_us, trace } => {
+            match c.request_rejected_before_admission_traced(&params, rejected_at_unix_us, trace) {
                 Ok(()) => ConnectorReply::Ack,
                 Err(reason) => ConnectorReply::Rejected { reason },
             }
@@ -166,7 +166,14 @@ pub async fn run(
                 side_channel_port: kv.side_channel_port.saturating_add(rank as u16),
                 dp_rank: rank,
             });
-            Box::new(PdConnector::new(producer, kv.kv_role.consumes(), kv.hold_duration()))
+            let mut c = PdConnector::new(producer, kv.kv_role.consumes(), kv.hold_duration());
+            c.set_give_up_notices(kv.give_up_notices);
+            if !kv.give_up_notices {
+                tracing::warn!(
+                    "give-up notices are off (kv_transfer.give_up_notices = false): P frees at its deadline"
+                );
+            }
+            Box::new(c)
         }
     };
     let actor = ConnectorSchedulerActor { connector, router: None }.start();

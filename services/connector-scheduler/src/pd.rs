@@ -39,6 +39,8 @@ pub struct PdCounters {
     pub rejection_notices: u64,
     /// Heartbeats asked for (one per waiting request per interval).
     pub heartbeats: u64,
+    /// Give-ups not sent because `give_up_notices` is off (P frees at its deadline).
+    pub give_ups_suppressed: u64,
 }
 
 #[derive(Debug, Default)]
@@ -60,6 +62,11 @@ pub struct PdConnector {
     not_processed: Vec<String>,
     /// When D last asked its worker to heartbeat the requests it keeps P holding for.
     last_heartbeat: std::time::Instant,
+    /// D: params of requests taken in since the last step (`reqs_referenced`).
+    referenced: Vec<KvTransferParams>,
+    /// D: tell P when a request ends before its receive (R4); off only for the deadline-only
+    /// baseline (`kv_transfer.give_up_notices`).
+    give_up_notices: bool,
     pub counters: PdCounters,
 }
 
@@ -90,8 +97,16 @@ impl PdConnector {
             in_batch: Vec::new(),
             not_processed: Vec::new(),
             last_heartbeat: std::time::Instant::now(),
+            referenced: Vec::new(),
+            give_up_notices: true,
             counters: PdCounters::default(),
         }
+    }
+
+    /// `kv_transfer.give_up_notices`: with `false`, a request that ends on D before its receive
+    /// leaves P to free at its deadline, and the worker is not told what D references.
+    pub fn set_give_up_notices(&mut self, on: bool) {
+        self.give_up_notices = on;
     }
 
     /// D: every third of the hold duration, P's params of the requests D has seen but not
@@ -131,6 +146,12 @@ impl KvConnectorScheduler for PdConnector {
         let st = self.reqs.entry(request_id.to_string()).or_default();
         if st.params.is_none() {
             st.params = params.cloned();
+            // D takes a reference to P's blocks: its worker keeps it until the receive ends.
+            if let Some(p) = params.filter(|p| self.consumer && self.give_up_notices && p.wants_remote_prefill()) {
+                if params_complete(p) {
+                    self.referenced.push(p.clone());
+                }
+            }
         }
         let Some(p) = self.wants_remote_prefill(request_id) else { return (Some(0), false) };
         if !params_complete(p) {
@@ -157,6 +178,7 @@ impl KvConnectorScheduler for PdConnector {
                     local_block_ids: local,
                     params: p,
                     rejected_at_unix_us: None,
+                    trace: Default::default(),
                 });
             }
             if let Some(st) = self.reqs.get_mut(request_id) {
@@ -188,6 +210,7 @@ impl KvConnectorScheduler for PdConnector {
             reqs_not_processed: std::mem::take(&mut self.not_processed),
             reqs_aborted_after_finish: Vec::new(),
             reqs_to_heartbeat: self.due_heartbeats(),
+            reqs_referenced: std::mem::take(&mut self.referenced),
         }
     }
 
@@ -205,13 +228,17 @@ impl KvConnectorScheduler for PdConnector {
         // D: finished before the receive was ever enqueued (abort while waiting, or a
         // rejection): tell P it can free, with a notify-only receive (no local blocks).
         if self.consumer && p.wants_remote_prefill() && !st.remote_prefill_consumed {
-            if params_complete(&p) {
+            if !self.give_up_notices {
+                self.counters.give_ups_suppressed += 1;
+                tracing::debug!(request_id, "give-up notices are off: P frees at its deadline");
+            } else if params_complete(&p) {
                 self.counters.notify_only_recvs += 1;
                 self.need_recv.push(RecvRequest {
                     request_id: request_id.to_string(),
                     local_block_ids: Vec::new(),
                     params: p,
                     rejected_at_unix_us: None,
+                    trace: Default::default(),
                 });
             } else {
                 self.counters.invalid_params += 1;
@@ -260,6 +287,15 @@ impl KvConnectorScheduler for PdConnector {
         params: &KvTransferParams,
         rejected_at_unix_us: Option<u64>,
     ) -> Result<(), String> {
+        self.request_rejected_before_admission_traced(params, rejected_at_unix_us, Default::default())
+    }
+
+    fn request_rejected_before_admission_traced(
+        &mut self,
+        params: &KvTransferParams,
+        rejected_at_unix_us: Option<u64>,
+        trace: pdmesh_protocol::TraceContext,
+    ) -> Result<(), String> {
         if !self.consumer {
             return Err("not a consumer".into());
         }
@@ -277,6 +313,7 @@ impl KvConnectorScheduler for PdConnector {
             local_block_ids: Vec::new(),
             params: params.clone(),
             rejected_at_unix_us,
+            trace,
         });
         Ok(())
     }
@@ -343,6 +380,36 @@ mod tests {
         assert_eq!(meta.reqs_to_recv.len(), 1);
         assert!(meta.reqs_to_recv[0].local_block_ids.is_empty(), "notify only, with P's request id");
         assert_eq!(meta.reqs_to_recv[0].params.remote_request_id.as_deref(), Some("req-1"));
+    }
+
+    #[test]
+    fn consumer_tells_the_worker_once_what_it_references() {
+        let mut c = consumer();
+        let p = remote_params();
+        c.get_num_new_matched_tokens("r", 40, 0, Some(&p));
+        c.get_num_new_matched_tokens("r", 40, 0, Some(&p));
+        assert_eq!(c.build_connector_meta(1).reqs_referenced, vec![p.clone()]);
+        assert!(c.build_connector_meta(2).reqs_referenced.is_empty(), "once per request");
+        // incomplete params are no reference
+        let mut bad = remote_params();
+        bad.remote_port = None;
+        c.get_num_new_matched_tokens("s", 40, 0, Some(&bad));
+        assert!(c.build_connector_meta(3).reqs_referenced.is_empty());
+    }
+
+    #[test]
+    fn without_give_up_notices_an_early_finish_leaves_p_to_its_deadline() {
+        let mut c = consumer();
+        c.set_give_up_notices(false);
+        let p = remote_params();
+        assert_eq!(c.get_num_new_matched_tokens("r", 40, 0, Some(&p)), (Some(40), true));
+        assert_eq!(c.request_finished("r", FinishedStatus::Aborted, &[], &[], Some(&p)), (false, None));
+        let meta = c.build_connector_meta(1);
+        assert!(meta.reqs_to_recv.is_empty() && meta.reqs_referenced.is_empty(), "{meta:?}");
+        assert_eq!(c.counters.give_ups_suppressed, 1);
+        // rejection notices have their own switch and still go out
+        assert!(c.request_rejected_before_admission(&p, Some(1)).is_ok());
+        assert_eq!(c.build_connector_meta(2).reqs_to_recv.len(), 1);
     }
 
     #[test]

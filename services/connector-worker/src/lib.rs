@@ -136,6 +136,41 @@ impl Handler<RouterEvent> for WorkerActor {
     }
 }
 
+/// Graceful shutdown of the P/D part (R4): D gives back every reference to P's blocks it still
+/// holds. Answers how many P acknowledged.
+#[derive(Message)]
+#[rtype(result = "usize")]
+pub struct GiveUpAll {
+    pub budget: std::time::Duration,
+}
+
+impl Handler<GiveUpAll> for WorkerActor {
+    type Result = ResponseFuture<usize>;
+    fn handle(&mut self, m: GiveUpAll, _: &mut Context<Self>) -> Self::Result {
+        let pd = self.pd.clone();
+        Box::pin(async move {
+            match pd {
+                Some(pd) => pd.shutdown(m.budget).await,
+                None => 0,
+            }
+        })
+    }
+}
+
+/// Time a stopping worker gives its give-ups to reach P before it exits anyway.
+pub const SHUTDOWN_GIVE_UP_BUDGET: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// Called when the process was told to stop (SIGTERM, SIGINT), before the System ends: a D
+/// worker tells P to free every block it still references (requests queued or waiting for
+/// their KV, READs in flight), rather than leave them held until P's deadline.
+pub async fn shutdown(worker: &Addr<WorkerActor>) {
+    match worker.send(GiveUpAll { budget: SHUTDOWN_GIVE_UP_BUDGET }).await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(given_up = n, "P's blocks handed back before exit"),
+        Err(e) => tracing::warn!(error = %e, "worker gone before its references were given back"),
+    }
+}
+
 /// Shared-memory files this process created, removed by [`cleanup_shm`] at shutdown.
 static SHM_FILES: std::sync::Mutex<Vec<std::path::PathBuf>> = std::sync::Mutex::new(Vec::new());
 
@@ -247,6 +282,7 @@ pub async fn run(
                 weights_id: facts.weights_id.clone(),
                 hold: cfg.hold_duration(),
                 faults,
+                give_up_notices: cfg.give_up_notices,
             };
             let rt = pd::PdRuntime::start(setup, spec, &path).await.map_err(WorkerError::Model)?;
             (kv, Some(std::rc::Rc::new(rt)))

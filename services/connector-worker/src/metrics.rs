@@ -62,3 +62,16 @@ pub static REJECTION_TO_RELEASE_SECONDS: LazyLock<Histogram> = LazyLock::new(|| 
 pub static HEARTBEATS_SENT: LazyLock<IntCounter> = LazyLock::new(|| {
     counter("pdmesh_worker_kv_heartbeats_sent_total", "D: requests whose hold on P a heartbeat extended")
 });
+pub static GIVE_UPS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(
+        "pdmesh_worker_kv_give_ups_total",
+        "D: give-ups P acknowledged, by reason (rejection, abort, load_failure, shutdown)",
+        &["reason"],
+    )
+});
+pub static REMOTE_REFERENCES: LazyLock<IntGauge> = LazyLock::new(|| {
+    gauge(
+        "pdmesh_worker_kv_remote_references",
+        "D: references to P's blocks this worker holds (requests taken in whose receive has not ended)",
+    )
+});

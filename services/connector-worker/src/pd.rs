@@ -9,6 +9,7 @@
 //! shared-memory cache is the planned refinement (docs/DECISIONS.md).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -18,7 +19,10 @@ use pdmesh_kv_transfer::{
     TransferClient, TransferError,
 };
 use pdmesh_model_api::{KvCache, KvCacheSpec};
-use pdmesh_protocol::{KvConnectorMetadata, KvConnectorOutput, LeaseRefusalReason, RecvRequest, TraceContext};
+use pdmesh_protocol::{
+    KvConnectorMetadata, KvConnectorOutput, KvTransferParams, LeaseRefusalReason, RecvRequest, SendRequest,
+    TraceContext,
+};
 use pdmesh_telemetry::trace;
 use tracing::Instrument;
 
@@ -56,8 +60,91 @@ pub struct PdRuntime {
     /// (one that restarted since) is dropped, never copied into blocks the new engine owns.
     live_recvs: std::cell::RefCell<std::collections::HashSet<String>>,
     faults: FaultConfig,
+    /// D: P's blocks this worker references (R4), to give back if it shuts down.
+    refs: Arc<Mutex<RemoteRefs>>,
+    /// D: `kv_transfer.give_up_notices` (R2/R4 notices after a failed load and at shutdown).
+    give_up_notices: bool,
+    /// D: set once a graceful shutdown began: no new lease is taken, every reference is given up.
+    shutting_down: Arc<AtomicBool>,
     /// Held block-milliseconds already exported (the metric follows the table's counts).
     exported_block_ms: std::cell::Cell<HeldBlockMs>,
+}
+
+/// Identifies P's blocks: (remote engine id, P's request id).
+type RefKey = (String, String);
+
+/// One reference D holds to P's blocks: from the step that took the request in until its
+/// receive ends (read and confirmed, or given up).
+#[derive(Debug, Clone)]
+struct RemoteRef {
+    endpoint: String,
+    /// The read lease, once granted: a give-up that names it frees P at once even mid-READ.
+    lease: Option<Arc<Lease>>,
+    /// Last step that mentioned it (taken in, or heartbeat); stale entries are dropped.
+    seen: Instant,
+}
+
+/// D's references to P's blocks, so that a graceful shutdown can give back each one (R4):
+/// requests queued on D before their receive, receives waiting for a lease, READs in flight.
+#[derive(Debug, Default)]
+pub struct RemoteRefs {
+    refs: std::collections::HashMap<RefKey, RemoteRef>,
+}
+
+impl RemoteRefs {
+    fn key(p: &KvTransferParams) -> Option<(RefKey, String)> {
+        let (Some(engine), Some(host), Some(port), Some(id)) =
+            (p.remote_engine_id.as_ref(), p.remote_host.as_deref(), p.remote_port, p.remote_request_id.as_ref())
+        else {
+            return None;
+        };
+        Some(((engine.clone(), id.clone()), side_channel_endpoint(host, port)))
+    }
+
+    /// A request D took in; a heartbeat of one refreshes it.
+    fn take(&mut self, p: &KvTransferParams, now: Instant) {
+        if let Some((key, endpoint)) = Self::key(p) {
+            self.refs.entry(key).and_modify(|r| r.seen = now).or_insert(RemoteRef { endpoint, lease: None, seen: now });
+        }
+    }
+
+    fn refresh(&mut self, p: &KvTransferParams, now: Instant) {
+        if let Some((key, _)) = Self::key(p) {
+            if let Some(r) = self.refs.get_mut(&key) {
+                r.seen = now;
+            }
+        }
+    }
+
+    fn leased(&mut self, p: &KvTransferParams, lease: &Arc<Lease>) {
+        if let Some((key, _)) = Self::key(p) {
+            if let Some(r) = self.refs.get_mut(&key) {
+                r.lease = Some(lease.clone());
+            }
+        }
+    }
+
+    fn end(&mut self, p: &KvTransferParams) {
+        if let Some((key, _)) = Self::key(p) {
+            self.refs.remove(&key);
+        }
+    }
+
+    /// Drop references no step mentioned for `max_age` and not under a lease: a safety net
+    /// for a receive whose step was lost (P frees those at its own deadline anyway).
+    fn prune(&mut self, now: Instant, max_age: Duration) -> usize {
+        let before = self.refs.len();
+        self.refs.retain(|_, r| r.lease.is_some() || now.saturating_duration_since(r.seen) < max_age);
+        before - self.refs.len()
+    }
+
+    pub fn len(&self) -> usize {
+        self.refs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.refs.is_empty()
+    }
 }
 
 fn wall_to_instant(unix_ms: u64) -> Instant {
@@ -76,6 +163,8 @@ pub struct PdSetup {
     pub weights_id: String,
     pub hold: Duration,
     pub faults: FaultConfig,
+    /// `kv_transfer.give_up_notices`.
+    pub give_up_notices: bool,
 }
 
 impl PdRuntime {
@@ -113,8 +202,45 @@ impl PdRuntime {
             settled: Arc::new(Mutex::new(Vec::new())),
             live_recvs: Default::default(),
             faults: setup.faults,
+            refs: Arc::new(Mutex::new(RemoteRefs::default())),
+            give_up_notices: setup.give_up_notices,
+            shutting_down: Arc::new(AtomicBool::new(false)),
             exported_block_ms: std::cell::Cell::new(HeldBlockMs::default()),
         })
+    }
+
+    /// D: how many references to P's blocks this worker holds now.
+    pub fn remote_refs(&self) -> usize {
+        self.refs.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Graceful shutdown (R4): give back every reference to P's blocks this worker still holds
+    /// — requests queued before their receive, receives waiting for a lease, READs in flight
+    /// (naming their lease, so P frees at once) — so P does not keep them until its deadline.
+    /// No new lease is taken afterwards. Bounded by `budget`; returns how many P acknowledged.
+    pub async fn shutdown(&self, budget: Duration) -> usize {
+        self.shutting_down.store(true, Ordering::Release);
+        let Some(agents) = self.agents.clone() else { return 0 };
+        let refs: Vec<(RefKey, RemoteRef)> = self.refs.lock().unwrap_or_else(|p| p.into_inner()).refs.drain().collect();
+        if refs.is_empty() {
+            return 0;
+        }
+        if !self.give_up_notices {
+            tracing::info!(references = refs.len(), "shutting down; give-up notices are off: P frees at its deadline");
+            return 0;
+        }
+        tracing::info!(references = refs.len(), "shutting down: giving P's blocks back");
+        match tokio::time::timeout(budget, give_up_all(agents, refs, "decode worker shutting down")).await {
+            Ok(n) => n,
+            Err(_) => {
+                m::NOTIFY_FAILURES.inc();
+                tracing::warn!(
+                    ?budget,
+                    "not every give-up was delivered before shutdown; P frees the rest at its deadline"
+                );
+                0
+            }
+        }
     }
 
     /// Apply the step's connector metadata: start holds (P) and reads (D).
@@ -123,9 +249,9 @@ impl PdRuntime {
     pub fn start_step(&self, meta: &KvConnectorMetadata, traces: &BTreeMap<String, TraceContext>) {
         if let Some(table) = &self.hold {
             let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
+            let cap = Instant::now() + self.hold_ttl * 2;
+            producer_start_step(&mut t, meta, |s| wall_to_instant(s.deadline_unix_ms).min(cap));
             for s in &meta.reqs_to_send {
-                let deadline = wall_to_instant(s.deadline_unix_ms).min(Instant::now() + self.hold_ttl * 2);
-                t.hold(&s.request_id, s.block_ids.clone(), s.block_generations.clone(), deadline);
                 if let Some(trace) = traces.get(&s.request_id) {
                     let span = trace::child_of(
                         tracing::info_span!("kv.hold", request_id = %s.request_id, blocks = s.block_ids.len()),
@@ -136,12 +262,22 @@ impl PdRuntime {
                     HOLD_TRACES.remember(&s.request_id, trace::outgoing(&span, trace));
                 }
             }
-            for id in &meta.reqs_aborted_after_finish {
-                let outcome = t.abort(id);
-                tracing::info!(request_id = %id, ?outcome, "abort after finish");
-            }
         }
         if let Some(agents) = &self.agents {
+            if self.give_up_notices {
+                let now = Instant::now();
+                let mut refs = self.refs.lock().unwrap_or_else(|p| p.into_inner());
+                for p in &meta.reqs_referenced {
+                    refs.take(p, now);
+                }
+                for p in &meta.reqs_to_heartbeat {
+                    refs.refresh(p, now);
+                }
+                let dropped = refs.prune(now, self.hold_ttl * 2);
+                if dropped > 0 {
+                    tracing::debug!(dropped, "references no step mentioned any more dropped");
+                }
+            }
             if !meta.reqs_to_heartbeat.is_empty() {
                 actix::spawn(heartbeat(agents.clone(), meta.reqs_to_heartbeat.clone()));
             }
@@ -155,8 +291,16 @@ impl PdRuntime {
                 if !r.local_block_ids.is_empty() {
                     self.live_recvs.borrow_mut().insert(r.request_id.clone());
                 }
-                let fut = receive(agents.clone(), self.spec, r.clone(), self.settled.clone(), self.faults.clone());
-                actix::spawn(fut.instrument(span));
+                let ctx = ReceiveCtx {
+                    agents: agents.clone(),
+                    spec: self.spec,
+                    settled: self.settled.clone(),
+                    faults: self.faults.clone(),
+                    refs: self.refs.clone(),
+                    give_up_notices: self.give_up_notices,
+                    shutting_down: self.shutting_down.clone(),
+                };
+                actix::spawn(receive(ctx, r.clone()).instrument(span));
             }
         }
     }
@@ -205,6 +349,9 @@ impl PdRuntime {
                 }
             }
         }
+        if self.agents.is_some() {
+            m::REMOTE_REFERENCES.set(self.remote_refs() as i64);
+        }
         if let Some(agent) = &self.agent {
             let stats = agent.stats();
             m::HANDSHAKES_SERVED.set(stats.metadata_requests.load(std::sync::atomic::Ordering::Relaxed) as i64);
@@ -216,15 +363,20 @@ impl PdRuntime {
         }
         if let Some(table) = &self.hold {
             let mut t = table.lock().unwrap_or_else(|p| p.into_inner());
-            let expired = t.expire(Instant::now());
+            let (expired, causes) = producer_finish_step_with_causes(&mut t, Instant::now(), &mut out);
             if expired > 0 {
                 m::HOLDS_EXPIRED.inc_by(expired as u64);
             }
-            out.finished_sending = t.take_finished_sending();
-            for id in &out.finished_sending {
+            for (id, cause) in out.finished_sending.iter().zip(causes) {
                 if let Some(trace) = HOLD_TRACES.take(id) {
-                    let span = trace::child_of(tracing::info_span!("kv.release", request_id = %id), &trace);
-                    tracing::info!(parent: &span, expired_now = expired, "held blocks freed");
+                    let span = trace::child_of(
+                        tracing::info_span!("kv.release", request_id = %id, released_by = cause),
+                        &trace,
+                    );
+                    if cause == "expired" {
+                        tracing::warn!(parent: &span, "hold expired");
+                    }
+                    tracing::info!(parent: &span, released_by = cause, "held blocks freed");
                 }
             }
             m::HELD_BLOCKS.set(t.held_blocks() as i64);
@@ -241,11 +393,46 @@ impl PdRuntime {
                 }
             }
             m::LEASED_BLOCKS.set(t.leased_blocks() as i64);
-            out.leased_request_ids =
-                t.held_requests(Instant::now()).into_iter().filter(|h| h.leased).map(|h| h.request_id).collect();
         }
         (loads, out)
     }
+}
+
+/// P, when a step's metadata arrives: start the holds `request_finished` queued (deadline from
+/// `deadline_of`) and pass aborts after finish on to the hold table. No clock and no I/O, so
+/// the lifecycle property test (`tests/lifecycle.rs`) drives the very code the worker runs.
+pub fn producer_start_step(
+    t: &mut HoldTable,
+    meta: &KvConnectorMetadata,
+    deadline_of: impl Fn(&SendRequest) -> Instant,
+) {
+    for s in &meta.reqs_to_send {
+        t.hold(&s.request_id, s.block_ids.clone(), s.block_generations.clone(), deadline_of(s));
+    }
+    for id in &meta.reqs_aborted_after_finish {
+        let outcome = t.abort(id);
+        tracing::info!(request_id = %id, ?outcome, "abort after finish");
+    }
+}
+
+/// P, at the end of a step: release holds and leases past their deadline, then report every
+/// released request exactly once (`finished_sending`: only now may the scheduler free its
+/// blocks) and the requests under a lease. Returns how many expired.
+pub fn producer_finish_step(t: &mut HoldTable, now: Instant, out: &mut KvConnectorOutput) -> usize {
+    producer_finish_step_with_causes(t, now, out).0
+}
+
+/// [`producer_finish_step`], also returning why each of `out.finished_sending` was released.
+pub fn producer_finish_step_with_causes(
+    t: &mut HoldTable,
+    now: Instant,
+    out: &mut KvConnectorOutput,
+) -> (usize, Vec<&'static str>) {
+    let expired = t.expire(now);
+    let (ids, causes): (Vec<_>, Vec<_>) = t.take_finished_sending_with_causes().into_iter().unzip();
+    out.finished_sending = ids;
+    out.leased_request_ids = t.held_requests(now).into_iter().filter(|h| h.leased).map(|h| h.request_id).collect();
+    (expired, causes)
 }
 
 /// Keep P's holds alive for requests that wait on D (R2 read leases: the hold deadline is
@@ -289,6 +476,8 @@ pub enum FailureKind {
     ReadDone,
     /// The task running the read ended without a result.
     Exception,
+    /// The worker began a graceful shutdown before the read started.
+    Shutdown,
 }
 
 impl FailureKind {
@@ -299,21 +488,64 @@ impl FailureKind {
             FailureKind::Read => "read",
             FailureKind::ReadDone => "read_done",
             FailureKind::Exception => "exception",
+            FailureKind::Shutdown => "shutdown",
         }
     }
+}
+
+/// What a receive task shares with its worker.
+struct ReceiveCtx {
+    agents: Arc<RemoteAgents>,
+    spec: KvCacheSpec,
+    settled: Arc<Mutex<Vec<Settled>>>,
+    faults: FaultConfig,
+    refs: Arc<Mutex<RemoteRefs>>,
+    give_up_notices: bool,
+    shutting_down: Arc<AtomicBool>,
+}
+
+/// Give P back every reference in `refs` (shutdown), per remote engine, naming active leases.
+/// Returns how many P acknowledged; the rest are counted as undelivered notices.
+async fn give_up_all(agents: Arc<RemoteAgents>, refs: Vec<(RefKey, RemoteRef)>, reason: &str) -> usize {
+    /// P's request ids (with the active lease, if any) per (engine, side channel).
+    type ByEngine = BTreeMap<(String, String), Vec<(String, Option<Arc<Lease>>)>>;
+    let mut by_engine = ByEngine::new();
+    for ((engine, p_req), r) in refs {
+        by_engine.entry((engine, r.endpoint)).or_default().push((p_req, r.lease));
+    }
+    let mut acked = 0;
+    for ((engine, endpoint), reqs) in by_engine {
+        let agent = match agents.get(&engine, &endpoint).await {
+            Ok(a) => a,
+            Err(e) => {
+                m::NOTIFY_FAILURES.inc_by(reqs.len() as u64);
+                tracing::warn!(%engine, error = %e, requests = reqs.len(), "cannot reach P to give its blocks back");
+                continue;
+            }
+        };
+        let sends = reqs.iter().map(|(p_req, lease)| agent.give_up(p_req, reason, lease.as_deref()));
+        for res in futures::future::join_all(sends).await {
+            match res {
+                Ok(()) => {
+                    acked += 1;
+                    m::GIVE_UPS.with_label_values(&["shutdown"]).inc();
+                }
+                Err(e) => {
+                    m::NOTIFY_FAILURES.inc();
+                    tracing::debug!(%engine, error = %e, "give-up not delivered");
+                }
+            }
+        }
+    }
+    acked
 }
 
 /// One receive: handshake (cached), lease, read, notify. A notify-only receive (no local
 /// blocks) tells P to free and is never reported to the scheduler. Every failure ends in the
 /// one failure handler ([`Settled::Failed`] → `finish_step`), which reports the request as
 /// received together with its invalid blocks, so the scheduler applies the load-failure policy.
-async fn receive(
-    agents: Arc<RemoteAgents>,
-    spec: KvCacheSpec,
-    r: RecvRequest,
-    settled: Arc<Mutex<Vec<Settled>>>,
-    faults: FaultConfig,
-) {
+async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
+    let ReceiveCtx { agents, spec, settled, faults, refs, give_up_notices, shutting_down } = ctx;
     let p = &r.params;
     let (Some(engine), Some(host), Some(port), Some(p_req)) =
         (p.remote_engine_id.as_deref(), p.remote_host.as_deref(), p.remote_port, p.remote_request_id.as_deref())
@@ -327,11 +559,31 @@ async fn receive(
         let agent = agents.get(engine, &endpoint).await.map_err(|e| fail(FailureKind::Handshake, &e))?;
         tracing::info!(%endpoint, "handshake done");
         if notify_only {
+            let (reason, label) = match r.rejected_at_unix_us {
+                Some(_) => ("rejected before admission (notify only)", "rejection"),
+                None => ("finished on D before its receive", "abort"),
+            };
+            // A span in the refused request's trace: P's answer (`kv.serve.xfer_give_up`) and
+            // its release of the held blocks then sit in that trace too.
+            let span = trace::child_of(
+                tracing::info_span!("kv.notify", otel.kind = "client", request_id = %p_req, reason = label),
+                &r.trace,
+            );
             agent
-                .give_up_at(p_req, "rejected before admission (notify only)", None, r.rejected_at_unix_us)
+                .give_up_at(p_req, reason, None, r.rejected_at_unix_us)
+                .instrument(span.clone())
                 .await
                 .map_err(|e| fail(FailureKind::Lease, &e))?;
+            tracing::info!(parent: &span, "notice delivered to P");
+            m::GIVE_UPS.with_label_values(&[label]).inc();
             return Ok(None);
+        }
+        if shutting_down.load(Ordering::Acquire) {
+            // Too late to read: give the reference back rather than take a lease.
+            if give_up_notices && agent.give_up(p_req, "decode worker shutting down", None).await.is_ok() {
+                m::GIVE_UPS.with_label_values(&["shutdown"]).inc();
+            }
+            return Err(fail(FailureKind::Shutdown, &"the worker is shutting down"));
         }
         let remote = p.remote_block_ids.clone().unwrap_or_default();
         let n = r.local_block_ids.len().min(remote.len());
@@ -340,11 +592,13 @@ async fn receive(
         let gens = p.remote_block_generations.clone().unwrap_or_default();
         let gens_tail =
             if gens.len() == remote.len() { gens.get(gens.len() - n..).unwrap_or(&[]).to_vec() } else { gens };
-        let (agent, lease) = lease_blocks(&agents, agent, engine, &endpoint, p_req, &remote_tail, &gens_tail)
-            .await
-            .map_err(|e| fail(FailureKind::Lease, &e))?;
+        let (agent, lease) =
+            lease_blocks(&agents, agent, engine, &endpoint, p_req, &remote_tail, &gens_tail, give_up_notices)
+                .await
+                .map_err(|e| fail(FailureKind::Lease, &e))?;
         tracing::info!(blocks = remote_tail.len(), "lease granted");
         let lease = Arc::new(lease);
+        refs.lock().unwrap_or_else(|p| p.into_inner()).leased(p, &lease);
         // The READ and its `read done` run as their own task, so that a task dying without a
         // result (the `transfer_exception` fault) still lands in the failure handler below.
         let task = actix::spawn(
@@ -387,17 +641,26 @@ async fn receive(
                     local_block_ids: r.local_block_ids.get(r.local_block_ids.len() - n..).unwrap_or(&[]).to_vec(),
                 }))
             }
+            Err(failure) if !give_up_notices => {
+                tracing::debug!("give-up notices are off: P frees at its lease deadline");
+                Err(failure)
+            }
             Err(failure) => {
                 // D gives up (R4): P frees at once instead of at its deadline.
-                if let Err(e) = agent.give_up(p_req, "read failed", Some(lease.as_ref())).await {
-                    m::NOTIFY_FAILURES.inc();
-                    tracing::debug!(error = %e, "give up after a failed read not delivered");
+                match agent.give_up(p_req, "read failed", Some(lease.as_ref())).await {
+                    Ok(()) => m::GIVE_UPS.with_label_values(&["load_failure"]).inc(),
+                    Err(e) => {
+                        m::NOTIFY_FAILURES.inc();
+                        tracing::debug!(error = %e, "give up after a failed read not delivered");
+                    }
                 }
                 Err(failure)
             }
         }
     }
     .await;
+    // The receive ended (read and confirmed, given up, or failed): no reference is left.
+    refs.lock().unwrap_or_else(|p| p.into_inner()).end(p);
     if let Err((kind, error)) = &result {
         tracing::warn!(kind = kind.label(), %error, notify_only, "receive failed");
     }
@@ -429,7 +692,8 @@ async fn receive(
 ///   refusal says P's hold is gone (freed, expired, aborted) or is not this reference (other
 ///   blocks or generations under a reused request id, another reader's lease): a give-up,
 ///   which names only the request id, could then free someone else's blocks, so D says
-///   nothing.
+///   nothing. With `give_up_notices` off (the deadline-only baseline) D says nothing either.
+#[allow(clippy::too_many_arguments)] // one receive's coordinates, each used once
 async fn lease_blocks(
     agents: &RemoteAgents,
     agent: Arc<RemoteAgent>,
@@ -438,6 +702,7 @@ async fn lease_blocks(
     p_req: &str,
     blocks: &[u32],
     generations: &[u64],
+    give_up_notices: bool,
 ) -> Result<(Arc<RemoteAgent>, Lease), TransferError> {
     let first = agent.lease(p_req, blocks, generations).await;
     let (agent, result) = match first {
@@ -455,11 +720,14 @@ async fn lease_blocks(
     };
     match result {
         Ok(lease) => Ok((agent, lease)),
-        Err(e @ TransferError::LeaseRefused { reason: LeaseRefusalReason::FaultInjected, .. }) => {
+        Err(e @ TransferError::LeaseRefused { reason: LeaseRefusalReason::FaultInjected, .. }) if give_up_notices => {
             // P refused although it may hold the blocks (a drill): D will never read them.
-            if let Err(notify) = agent.give_up(p_req, "lease failed", None).await {
-                m::NOTIFY_FAILURES.inc();
-                tracing::debug!(error = %notify, "give up after a failed lease not delivered");
+            match agent.give_up(p_req, "lease failed", None).await {
+                Ok(()) => m::GIVE_UPS.with_label_values(&["load_failure"]).inc(),
+                Err(notify) => {
+                    m::NOTIFY_FAILURES.inc();
+                    tracing::debug!(error = %notify, "give up after a failed lease not delivered");
+                }
             }
             Err(e)
         }
@@ -482,4 +750,42 @@ pub fn apply_loads(kv: &mut KvCache, loads: &[StagedLoad]) -> Result<(), String>
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(id: &str) -> KvTransferParams {
+        KvTransferParams {
+            do_remote_prefill: Some(true),
+            remote_engine_id: Some("p".into()),
+            remote_request_id: Some(id.into()),
+            remote_block_ids: Some(vec![1]),
+            remote_host: Some("127.0.0.1".into()),
+            remote_port: Some(5600),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn references_live_from_intake_to_the_end_of_their_receive() {
+        let mut refs = RemoteRefs::default();
+        let t0 = Instant::now();
+        refs.take(&params("a"), t0);
+        refs.take(&params("a"), t0);
+        refs.take(&params("b"), t0);
+        let mut incomplete = params("c");
+        incomplete.remote_port = None;
+        refs.take(&incomplete, t0);
+        assert_eq!(refs.len(), 2, "one per P request; incomplete params are no reference");
+        refs.end(&params("a"));
+        refs.end(&params("zzz"));
+        assert_eq!(refs.len(), 1);
+        // Stale and unleased: dropped; a heartbeat keeps one alive.
+        refs.take(&params("d"), t0);
+        refs.refresh(&params("d"), t0 + Duration::from_secs(50));
+        assert_eq!(refs.prune(t0 + Duration::from_secs(70), Duration::from_secs(60)), 1);
+        assert!(refs.refs.contains_key(&("p".to_string(), "d".to_string())));
+    }
 }

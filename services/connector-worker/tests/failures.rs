@@ -31,6 +31,7 @@ fn setup(name: &str, produces: bool, port: u16, faults: &str) -> PdSetup {
         weights_id: "test-weights".into(),
         hold: Duration::from_secs(30),
         faults: FaultConfig::parse(faults).unwrap(),
+        give_up_notices: true,
     }
 }
 
@@ -62,6 +63,7 @@ fn metas(port: u16) -> (KvConnectorMetadata, KvConnectorMetadata) {
             local_block_ids: vec![3, 4],
             params,
             rejected_at_unix_us: None,
+            trace: Default::default(),
         }],
         ..Default::default()
     };

@@ -182,6 +182,7 @@ impl EngineCore {
                 ConnectorCall::RequestRejectedBeforeAdmission {
                     params: n.params,
                     rejected_at_unix_us: n.rejected_at_unix_us,
+                    trace: n.trace,
                 },
                 ConnectorCall::TakeRejectionRecvs,
             ];
@@ -273,7 +274,10 @@ impl EngineCore {
                 self.state.borrow_mut().inbox.aborts.extend(a.request_ids);
                 self.kick(ctx);
             }
-            Message::RejectionNotice(n) => {
+            Message::RejectionNotice(mut n) => {
+                if n.trace.traceparent.is_none() {
+                    n.trace = env.trace.clone();
+                }
                 // A release addressed to the blocks' holder (P): the router gave up between
                 // the legs. It is an abort after finish of P's own request.
                 let held_here = n.params.remote_request_id.as_deref().filter(|id| self.state.borrow().sched.holds(id));
@@ -382,6 +386,7 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
         .map(|n| ConnectorCall::RequestRejectedBeforeAdmission {
             params: n.params,
             rejected_at_unix_us: n.rejected_at_unix_us,
+            trace: n.trace,
         })
         .collect();
     let n_notices = calls.len();

@@ -374,6 +374,7 @@ impl Scheduler {
 
         // ---- then waiting requests (not in a step that had to preempt)
         if !preempted_any {
+            self.hoist_loaded_requests();
             let mut skipped: VecDeque<String> = VecDeque::new();
             while let Some(id) = self.waiting.pop_front() {
                 if self.running.len() as u32 >= self.cfg.max_num_seqs || budget == 0 {
@@ -452,6 +453,25 @@ impl Scheduler {
             self.counters.steps += 1;
         }
         out
+    }
+
+    /// Requests whose remote KV arrived go to the head of the waiting queue, in queue order.
+    /// They already own every block of their prompt, so they need at most one more block, and
+    /// running them to completion is what gives blocks back. Left behind a request that cannot
+    /// get blocks (one that preempted itself and now needs more than is free), they would hold
+    /// the very blocks it waits for, and nothing would ever run again (found by the lifecycle
+    /// property test; docs/DECISIONS.md D24).
+    fn hoist_loaded_requests(&mut self) {
+        if self.finished_recving.is_empty() {
+            return;
+        }
+        let (requests, finished) = (&self.requests, &self.finished_recving);
+        let loaded = |id: &String| {
+            finished.contains(id) && requests.get(id).is_some_and(|r| r.status == RequestStatus::WaitingForRemoteKvs)
+        };
+        let (mut front, rest): (VecDeque<String>, VecDeque<String>) = self.waiting.drain(..).partition(loaded);
+        front.extend(rest);
+        self.waiting = front;
     }
 
     fn chunk_for(req: &Request, num_new: u32) -> ScheduledChunk {
@@ -760,6 +780,13 @@ impl Scheduler {
     /// Blocks the pool refused to free twice (must stay 0; asserted in tests).
     pub fn double_frees(&self) -> u64 {
         self.pool.double_frees()
+    }
+
+    /// Whether `block` is allocated (to a request, held, or parked), and its generation (bumped
+    /// on every free). Lets tests check from outside that a block handed to a reader was neither
+    /// freed nor reused while the reader could still read or write it (R2, R5).
+    pub fn block_state(&self, block: u32) -> (bool, Option<u64>) {
+        (self.pool.is_allocated(block), self.pool.generation(block))
     }
 
     /// Ids of the requests in a chunk list (for failing a step).

@@ -152,6 +152,47 @@ fn preemption_frees_blocks_and_recomputes() {
 }
 
 #[test]
+fn a_request_stuck_at_the_head_does_not_starve_requests_whose_kv_arrived() {
+    // 12 blocks of 4 tokens. c (local, 15 prompt tokens) runs; a and b (remote prefill, 16
+    // tokens each) take 4 blocks each for their KV: the pool is full.
+    let mut s = Scheduler::new(cfg(12, 64));
+    s.add_request(req("c", 15, 8)).unwrap();
+    step(&mut s, 5);
+    for id in ["a", "b"] {
+        let mut r = req(id, 16, 2);
+        r.kv_transfer_params = Some(KvTransferParams { do_remote_prefill: Some(true), ..Default::default() });
+        s.add_request(r).unwrap();
+        s.apply_match(id, Some(16), true);
+    }
+    step(&mut s, 5);
+    assert_eq!(s.kv_usage().free_blocks, 0);
+    // c needs a fifth block: it preempts itself and, at the head of the queue, needs 5 blocks
+    // while only its own 4 are free. Then a's and b's KV arrive.
+    step(&mut s, 5);
+    step(&mut s, 5);
+    assert_eq!(s.counters().preemptions, 1);
+    s.update_from_kv_output(&KvConnectorOutput {
+        finished_recving: vec!["a".into(), "b".into()],
+        ..Default::default()
+    });
+    // Loaded requests already own their prompt's blocks: they run first, finish, and their
+    // blocks let c run again. Kept behind c, nobody would ever run.
+    for _ in 0..40 {
+        step(&mut s, 5);
+        if !s.has_requests() {
+            break;
+        }
+    }
+    assert!(!s.has_requests(), "every request completes: {:?}", s.kv_usage());
+    assert_eq!(s.kv_usage().free_blocks, 12);
+    let outs = s.take_outputs();
+    for (id, n) in [("a", 2), ("b", 2), ("c", 8)] {
+        let tokens: usize = outs.iter().filter(|o| o.request_id == id).map(|o| o.new_token_ids.len()).sum();
+        assert_eq!(tokens, n, "{id}");
+    }
+}
+
+#[test]
 fn abort_frees_blocks_and_calls_request_finished_once() {
     let mut s = Scheduler::new(cfg(16, 64));
     s.add_request(req("a", 9, 100)).unwrap();

@@ -30,6 +30,8 @@ pub struct RouterState {
     next_p: AtomicUsize,
     next_d: AtomicUsize,
     client: reqwest::Client,
+    /// `router.give_up_notices`: hand P's blocks back when a request ends between the legs.
+    give_up_notices: bool,
 }
 
 impl RouterState {
@@ -123,6 +125,9 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         &request_id,
         &json!({"do_remote_prefill": true, "remote_request_id": request_id}),
     );
+    if !st.give_up_notices {
+        release.disarm(); // deadline-only baseline: P frees at its hold deadline
+    }
     let p_span = tracing::info_span!(parent: &span, "router.prefill", otel.kind = "client", upstream = %p);
     let p_trace = pdmesh_telemetry::trace::outgoing(&p_span, &client_trace);
     let p_res = forward_headers(&req, st.client.post(format!("{p}{path}")), &request_id, &p_trace)
@@ -335,6 +340,7 @@ pub async fn run_router(topology: Topology, node_name: String) -> Result<(), Fro
         next_p: AtomicUsize::new(0),
         next_d: AtomicUsize::new(0),
         client,
+        give_up_notices: node.router.give_up_notices,
     });
     let addr = format!("{}:{}", node.http_host, node.http_port);
     let server = HttpServer::new(move || {
@@ -362,7 +368,8 @@ pub async fn run_router(topology: Topology, node_name: String) -> Result<(), Fro
     .shutdown_timeout(crate::server::SHUTDOWN_TIMEOUT_S)
     .bind((node.http_host.as_str(), node.http_port))
     .map_err(|source| FrontendError::HttpBind { addr: addr.clone(), source })?;
-    tracing::info!(%addr, prefill = ?node.router.prefill, decode = ?node.router.decode, "router listening");
+    tracing::info!(%addr, prefill = ?node.router.prefill, decode = ?node.router.decode,
+        give_up_notices = node.router.give_up_notices, "router listening");
     server.run().await.map_err(FrontendError::Server)
 }
 

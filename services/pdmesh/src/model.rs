@@ -118,12 +118,61 @@ pub fn executor_factory(node: &NodeConfig) -> anyhow::Result<(ModelFacts, Execut
         ModelKind::Gguf => {
             let path = gguf_path(node)?;
             let started = std::time::Instant::now();
-            let ex = pdmesh_model::LlamaExecutor::load(&path, &gguf_options(node))
-                .with_context(|| format!("loading {}", path.display()))?;
-            let mut facts = pdmesh_model_api::Executor::facts(&ex).clone();
+            let ex = load_gguf_executor(node, &path)?;
+            let mut facts = ex.facts().clone();
             facts.name = served_name(node, &path);
-            tracing::info!(model = %facts.name, layers = facts.num_layers, load_ms = started.elapsed().as_millis() as u64, "model loaded");
-            Ok((facts, pdmesh_connector_worker::once(Box::new(ex))))
+            tracing::info!(model = %facts.name, device = %node.model.device, layers = facts.num_layers,
+                load_ms = started.elapsed().as_millis() as u64, "model loaded");
+            Ok((facts, pdmesh_connector_worker::once(ex)))
         }
+    }
+}
+
+/// The GPU a `model.device` names: `cuda` is GPU 0, `cuda:N` GPU N; `None` for the CPU.
+fn cuda_ordinal(device: &str) -> anyhow::Result<Option<usize>> {
+    match device {
+        "" | "cpu" => Ok(None),
+        "cuda" => Ok(Some(0)),
+        d => match d.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(n)) => Ok(Some(n)),
+            _ => bail!("model.device {d:?}: expected \"cpu\", \"cuda\" or \"cuda:N\""),
+        },
+    }
+}
+
+fn load_gguf_executor(
+    node: &NodeConfig,
+    path: &std::path::Path,
+) -> anyhow::Result<Box<dyn pdmesh_model_api::Executor>> {
+    match cuda_ordinal(&node.model.device)? {
+        None => Ok(Box::new(
+            pdmesh_model::LlamaExecutor::load(path, &gguf_options(node))
+                .with_context(|| format!("loading {}", path.display()))?,
+        )),
+        #[cfg(feature = "cuda")]
+        Some(ordinal) => Ok(Box::new(
+            pdmesh_model::cuda::CudaLlamaExecutor::load(path, &gguf_options(node), ordinal)
+                .with_context(|| format!("loading {} onto GPU {ordinal}", path.display()))?,
+        )),
+        #[cfg(not(feature = "cuda"))]
+        Some(_) => bail!(
+            "model.device {:?} needs a GPU build: cargo build --release --features cuda (docs/MODEL.md)",
+            node.model.device
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cuda_ordinal;
+
+    #[test]
+    fn devices_parse() {
+        assert_eq!(cuda_ordinal("cpu").unwrap(), None);
+        assert_eq!(cuda_ordinal("").unwrap(), None);
+        assert_eq!(cuda_ordinal("cuda").unwrap(), Some(0));
+        assert_eq!(cuda_ordinal("cuda:3").unwrap(), Some(3));
+        assert!(cuda_ordinal("gpu").is_err());
+        assert!(cuda_ordinal("cuda:x").is_err());
     }
 }

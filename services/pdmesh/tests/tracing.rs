@@ -73,7 +73,14 @@ fn one_request_through_the_router_is_one_trace_across_both_nodes() {
     std::env::set_var("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf");
     std::env::set_var("OTEL_BSP_SCHEDULE_DELAY", "100");
     std::env::remove_var("OTEL_SERVICE_NAME");
-    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 2, ENGINE), |h| vec![h + 1, h + 2]);
+    // P holds for at most 2 s, so the expiry below comes quickly (D reads within milliseconds).
+    let mesh = Mesh::start_nodes(
+        |h, b| {
+            common::pd_topology(h, b, "shm", 2, ENGINE)
+                .replace("hold_mode = \"fixed\"", "hold_mode = \"fixed\", abort_request_timeout_s = 2")
+        },
+        |h| vec![h + 1, h + 2],
+    );
 
     let traceparent = format!("00-{TRACE_ID}-{CLIENT_SPAN}-01");
     let started = Instant::now();
@@ -164,5 +171,155 @@ fn one_request_through_the_router_is_one_trace_across_both_nodes() {
     // D's decode steps are spans of the request.
     let decode_steps = spans.iter().filter(|s| s.name == "worker.decode" && node_of(s) == "d").count();
     assert!(decode_steps >= 4, "decode steps as spans: {decode_steps}");
+
+    rejection_notice_joins_the_trace(&mesh, &store);
+    hold_expiry_is_an_event_of_the_trace(&mesh, &store);
     assert_eq!(mesh.stop().code(), Some(0));
+    tcp_block_reads_are_spans_of_the_reader(&store);
+}
+
+/// The tcp backend: P serves the block read in a `kv.serve.tcp_read` span (bytes and blocks),
+/// a child of D's `kv.read`, in the request's trace.
+fn tcp_block_reads_are_spans_of_the_reader(store: &SpanStore) {
+    const TRACE: &str = "7bf92f3577b34da6a3ce929d0e0e4739";
+    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "tcp", 1, ENGINE), |h| vec![h + 1, h + 2]);
+    let tp = format!("00-{TRACE}-{CLIENT_SPAN}-01");
+    let body = json!({"prompt": "the quick brown fox jumps over", "max_tokens": 2, "temperature": 0});
+    assert_eq!(post_traced(&mesh, mesh.http_port, &tp, "traced-tcp", &body).status().as_u16(), 200);
+    let spans = wait_for(store, TRACE, "P's tcp block read under D's read", |spans| {
+        spans.iter().any(|s| {
+            s.name == "kv.serve.tcp_read"
+                && attr_u64(s, "kv.bytes") > 0
+                && spans.iter().any(|r| r.span_id == s.parent_span_id)
+        })
+    });
+    let served = spans.iter().find(|s| s.name == "kv.serve.tcp_read" && attr_u64(s, "kv.bytes") > 0).unwrap();
+    assert_eq!(node_of(served), "p");
+    assert!(attr_u64(served, "kv.blocks") > 0, "{:?}", served.attributes);
+    assert!(served.event_names().contains(&"blocks sent"), "{:?}", served.event_names());
+    let read = spans.iter().find(|s| s.span_id == served.parent_span_id).expect("the read span is in the trace");
+    assert_eq!((read.name.as_str(), node_of(read).as_str()), ("kv.read", "d"));
+    assert_eq!(mesh.stop().code(), Some(0));
+}
+
+fn post_traced(
+    mesh: &Mesh,
+    port: u16,
+    traceparent: &str,
+    id: &str,
+    body: &serde_json::Value,
+) -> reqwest::blocking::Response {
+    reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+        .post(mesh.url_on(port, "/v1/completions"))
+        .header("traceparent", traceparent)
+        .header("X-Request-Id", id)
+        .json(body)
+        .send()
+        .unwrap()
+}
+
+/// Poll the receiver until the spans of `trace_id` satisfy `found` (spans arrive as they end,
+/// a parent after its children, so a check on a parent link waits for both ends).
+fn wait_for(store: &SpanStore, trace_id: &str, what: &str, found: impl Fn(&[SpanRecord]) -> bool) -> Vec<SpanRecord> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let spans = store.trace(trace_id);
+        if found(&spans) {
+            return spans;
+        }
+        if Instant::now() > deadline {
+            let names: Vec<_> = spans
+                .iter()
+                .map(|s| format!("{}@{}:{} {:?}", s.service, node_of(s), s.name, s.event_names()))
+                .collect();
+            panic!("no {what} in trace {trace_id} after 60 s; have {names:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn released_by(s: &SpanRecord) -> &str {
+    s.attributes.get("released_by").and_then(|v| v.as_str()).unwrap_or("")
+}
+
+/// R1 in the trace: P prefills and holds (under the client's trace), D refuses the decode leg
+/// (invalid sampling params); D's notice to P (`kv.notify`), P's answer to it
+/// (`kv.serve.xfer_give_up`, a child of the notice) and P's release (`released_by = given_up`)
+/// are all in that same trace.
+fn rejection_notice_joins_the_trace(mesh: &Mesh, store: &SpanStore) {
+    const TRACE: &str = "5bf92f3577b34da6a3ce929d0e0e4737";
+    let tp = format!("00-{TRACE}-{CLIENT_SPAN}-01");
+    let (p, d) = (mesh.http_port + 1, mesh.http_port + 2);
+    let held = json!({"prompt": "hello there", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}});
+    let v: serde_json::Value = post_traced(mesh, p, &tp, "traced-reject", &held).json().unwrap();
+    let refused = json!({"prompt": "hello there", "temperature": -1, "kv_transfer_params": v["kv_transfer_params"]});
+    assert_eq!(post_traced(mesh, d, &tp, "traced-reject", &refused).status().as_u16(), 400);
+    // Spans arrive as they end (a parent after its children): wait for the whole picture.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let spans = loop {
+        let spans = store.trace(TRACE);
+        let released =
+            spans.iter().any(|s| s.name == "kv.release" && node_of(s) == "p" && released_by(s) == "given_up");
+        let answered_notice = spans.iter().any(|served| {
+            served.name == "kv.serve.xfer_give_up"
+                && spans.iter().any(|n| n.span_id == served.parent_span_id && n.name == "kv.notify")
+        });
+        let refused = spans.iter().any(|s| s.name == "frontend.request" && node_of(s) == "d");
+        if released && answered_notice && refused {
+            break spans;
+        }
+        assert!(Instant::now() < deadline, "rejection trace incomplete after 60 s: {:?}", {
+            spans.iter().map(|s| format!("{}@{}", s.name, node_of(s))).collect::<Vec<_>>()
+        });
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let served = spans
+        .iter()
+        .find(|s| s.name == "kv.serve.xfer_give_up" && spans.iter().any(|n| n.span_id == s.parent_span_id))
+        .unwrap();
+    let notify = spans.iter().find(|n| n.span_id == served.parent_span_id).unwrap();
+    assert_eq!(node_of(notify), "d");
+    assert!(notify.event_names().contains(&"notice delivered to P"), "{:?}", notify.event_names());
+    assert_eq!(node_of(served), "p");
+    // (with two D ranks and no rank header, each rank sends a notice: one kv.notify each)
+    let by_id: HashMap<&str, &SpanRecord> = spans.iter().map(|s| (s.span_id.as_str(), s)).collect();
+    let mut up = served.parent_span_id.as_str();
+    let mut chain = Vec::new();
+    while let Some(parent) = by_id.get(up) {
+        chain.push(format!("{}@{}", parent.name, node_of(parent)));
+        up = parent.parent_span_id.as_str();
+    }
+    assert!(chain.first().is_some_and(|c| c == "kv.notify@d"), "P's answer is a child of D's notice: {chain:?}");
+    assert!(chain.iter().any(|c| c == "frontend.request@d"), "… within D's refused request: {chain:?}");
+    assert!(served.event_names().contains(&"consumer gave up"), "{:?}", served.event_names());
+    let release = spans.iter().find(|s| s.name == "kv.release" && node_of(s) == "p").unwrap();
+    assert!(release.event_names().contains(&"held blocks freed"), "{:?}", release.event_names());
+    assert!(
+        spans.iter().any(|s| s.name == "frontend.request" && node_of(s) == "d"),
+        "D's refused request is in the same trace"
+    );
+}
+
+/// A hold nobody reads expires at P's deadline (2 s here): the release carries
+/// `released_by = expired` and a `hold expired` event, in the trace of the request that made it.
+fn hold_expiry_is_an_event_of_the_trace(mesh: &Mesh, store: &SpanStore) {
+    const TRACE: &str = "6bf92f3577b34da6a3ce929d0e0e4738";
+    let tp = format!("00-{TRACE}-{CLIENT_SPAN}-01");
+    let held =
+        json!({"prompt": "nobody reads this", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}});
+    assert_eq!(post_traced(mesh, mesh.http_port + 1, &tp, "traced-expiry", &held).status().as_u16(), 200);
+    let spans = wait_for(store, TRACE, "the hold's expiry under its hold", |spans| {
+        spans.iter().any(|r| {
+            r.name == "kv.release"
+                && released_by(r) == "expired"
+                && spans.iter().any(|h| h.name == "kv.hold" && r.parent_span_id == h.span_id)
+        })
+    });
+    let release = spans.iter().find(|s| s.name == "kv.release").unwrap();
+    assert_eq!(node_of(release), "p");
+    assert!(release.event_names().contains(&"hold expired"), "{:?}", release.event_names());
+    assert!(spans.iter().any(|s| s.name == "kv.hold" && release.parent_span_id == s.span_id), "release under its hold");
 }

@@ -13,6 +13,12 @@ pub const MODEL_DIR: &str = "PDMESH_MODEL_DIR";
 pub const FAULT: &str = "PDMESH_FAULT";
 /// `recompute` or `fail` (overrides the node's `kv_transfer.kv_load_failure_policy`).
 pub const KV_LOAD_FAILURE_POLICY: &str = "PDMESH_KV_LOAD_FAILURE_POLICY";
+/// Where GGUF models run: `cpu` or `cuda` / `cuda:N` (overrides every node's `model.device`;
+/// `cuda` needs a binary built with the `cuda` feature).
+pub const MODEL_DEVICE: &str = "PDMESH_MODEL_DEVICE";
+/// `true` or `false`: the R2/R4 give-up notices of D and the router (overrides
+/// `kv_transfer.give_up_notices` and `router.give_up_notices` on every node).
+pub const GIVE_UP_NOTICES: &str = "PDMESH_GIVE_UP_NOTICES";
 /// `json` for JSON log lines.
 pub const LOG_FORMAT: &str = "PDMESH_LOG_FORMAT";
 

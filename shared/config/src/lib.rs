@@ -139,6 +139,12 @@ pub struct KvTransferConfig {
     /// (`false` only to measure the deadline-only baseline).
     #[serde(default = "yes")]
     pub rejection_notices: bool,
+    /// Rules R2/R4: D tells P when it gives up on blocks P holds for it — a request aborted
+    /// before its receive, a failed load, a graceful shutdown with references left — so P frees
+    /// at once (`false` only to measure what the hold deadline alone leaves stranded; the
+    /// router has the same switch for its releases). `PDMESH_GIVE_UP_NOTICES` overrides it.
+    #[serde(default = "yes")]
+    pub give_up_notices: bool,
     /// Fault injection for this node's transfer agent, a comma list such as
     /// `"lease_refused"` or `"transfer_midway,delay_transfer_ms=200"` (docs/KV_TRANSFER.md has
     /// the table). Empty: none. `PDMESH_FAULT` overrides it for one process.
@@ -269,6 +275,10 @@ pub struct ModelConfig {
     /// GGUF file. Empty: `PDMESH_MODEL_PATH`, then the default cache location.
     #[serde(default)]
     pub path: String,
+    /// Where a GGUF model runs: `cpu` (default) or `cuda` / `cuda:N` (GPU N; needs a binary
+    /// built with the `cuda` feature). docs/MODEL.md.
+    #[serde(default = "default_model_device")]
+    pub device: String,
     /// Synthetic executor: microseconds of simulated compute per scheduled token.
     #[serde(default)]
     pub per_token_cost_us: u64,
@@ -283,10 +293,15 @@ impl Default for ModelConfig {
             kind: ModelKind::Synthetic,
             name: String::new(),
             path: String::new(),
+            device: default_model_device(),
             per_token_cost_us: 0,
             per_step_cost_us: 0,
         }
     }
+}
+
+fn default_model_device() -> String {
+    "cpu".to_string()
 }
 
 fn default_model_kind() -> ModelKind {
@@ -352,13 +367,24 @@ fn default_step_timeout_ms() -> u64 {
 }
 
 /// The router role's upstreams.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RouterConfig {
     #[serde(default)]
     pub prefill: Vec<String>,
     #[serde(default)]
     pub decode: Vec<String>,
+    /// Rule R4 for the router: a request that ends between the legs (client gone, D
+    /// unreachable) hands P's blocks back through P's `/v1/kv/release` (`false` only to measure
+    /// the deadline-only baseline, like `kv_transfer.give_up_notices`).
+    #[serde(default = "yes")]
+    pub give_up_notices: bool,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self { prefill: Vec::new(), decode: Vec::new(), give_up_notices: true }
+    }
 }
 
 /// The services of a node.
@@ -497,12 +523,31 @@ impl Topology {
     }
 
     /// Apply the per-process overrides from the environment (`PDMESH_RUN_DIR`,
-    /// `PDMESH_FAULT`, `PDMESH_KV_LOAD_FAILURE_POLICY`) to every node that has the section
-    /// they change. A service process serves one node, so the override acts on that node; set
-    /// on `pdmesh up` it reaches every child.
+    /// `PDMESH_FAULT`, `PDMESH_KV_LOAD_FAILURE_POLICY`, `PDMESH_GIVE_UP_NOTICES`) to every node
+    /// that has the section they change. A service process serves one node, so the override
+    /// acts on that node; set on `pdmesh up` it reaches every child.
     pub fn apply_env(&mut self) -> Result<(), ConfigError> {
         if let Some(dir) = env::get(env::RUN_DIR) {
             self.run_dir = PathBuf::from(dir);
+        }
+        let give_ups = match env::get(env::GIVE_UP_NOTICES).as_deref() {
+            None => None,
+            Some("true") => Some(true),
+            Some("false") => Some(false),
+            Some(other) => {
+                return Err(ConfigError::Invalid(format!(
+                    "{}={other:?}: expected \"true\" or \"false\"",
+                    env::GIVE_UP_NOTICES
+                )))
+            }
+        };
+        if let Some(on) = give_ups {
+            for n in self.nodes.iter_mut() {
+                n.router.give_up_notices = on;
+                if let Some(kv) = n.kv_transfer.as_mut() {
+                    kv.give_up_notices = on;
+                }
+            }
         }
         let faults = env::get(env::FAULT);
         let policy = match env::get(env::KV_LOAD_FAILURE_POLICY).as_deref() {
@@ -516,6 +561,11 @@ impl Topology {
                 )))
             }
         };
+        if let Some(device) = env::get(env::MODEL_DEVICE) {
+            for node in &mut self.nodes {
+                node.model.device = device.clone();
+            }
+        }
         for kv in self.nodes.iter_mut().filter_map(|n| n.kv_transfer.as_mut()) {
             if let Some(f) = &faults {
                 kv.fault_injection = f.clone();
@@ -612,6 +662,43 @@ mod tests {
         assert_eq!(e.dplb_engines.bind, "tcp://0.0.0.0:9001");
         assert_eq!(e.dplb_engines.connect, "tcp://p-lb:9001");
         assert_eq!(e.connector_worker[1].connect, "tcp://p-worker-1:9013");
+    }
+
+    #[test]
+    fn give_up_notices_default_on_and_can_be_switched_off() {
+        let t = Topology::default_mesh().unwrap();
+        assert!(t.nodes.iter().all(|n| n.router.give_up_notices));
+        assert!(t.nodes.iter().filter_map(|n| n.kv_transfer.as_ref()).all(|k| k.give_up_notices));
+        let t = Topology::from_toml(
+            r#"
+            [[nodes]]
+            name = "r"
+            role = "router"
+            router = { prefill = ["http://p"], decode = ["http://d"], give_up_notices = false }
+            [[nodes]]
+            name = "d"
+            http_port = 8001
+            kv_transfer = { kv_role = "kv_consumer", give_up_notices = false }
+            "#,
+        )
+        .unwrap();
+        assert!(!t.nodes[0].router.give_up_notices);
+        assert!(!t.nodes[1].kv_transfer.as_ref().unwrap().give_up_notices);
+    }
+
+    #[test]
+    fn give_up_notices_env_override_reaches_every_node() {
+        // The only test of this binary that touches the environment.
+        std::env::set_var(env::GIVE_UP_NOTICES, "false");
+        let mut t = Topology::default_mesh().unwrap();
+        let applied = t.apply_env();
+        std::env::set_var(env::GIVE_UP_NOTICES, "maybe");
+        let refused = Topology::default_mesh().unwrap().apply_env();
+        std::env::remove_var(env::GIVE_UP_NOTICES);
+        applied.unwrap();
+        assert!(t.nodes.iter().all(|n| !n.router.give_up_notices));
+        assert!(t.nodes.iter().filter_map(|n| n.kv_transfer.as_ref()).all(|k| !k.give_up_notices));
+        assert!(refused.is_err(), "a typo is an error, never a silent default");
     }
 
     #[test]

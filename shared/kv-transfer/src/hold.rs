@@ -200,6 +200,9 @@ pub struct HoldTable {
     next_seq: u64,
     next_lease_id: u64,
     finished: Vec<String>,
+    /// Why each of `finished` was released (same order): `read_done`, `given_up`, `aborted`,
+    /// `expired` — for the release's trace event and logs.
+    finished_causes: Vec<&'static str>,
     recent: VecDeque<String>,
     recent_set: HashSet<String>,
     counters: HoldCounters,
@@ -227,6 +230,7 @@ impl HoldTable {
             // incarnation (a read also names its request, checked too).
             next_lease_id: (rand::random::<u64>() >> 16).max(1),
             finished: Vec::new(),
+            finished_causes: Vec::new(),
             recent: VecDeque::new(),
             recent_set: HashSet::new(),
             counters: HoldCounters::default(),
@@ -325,7 +329,15 @@ impl HoldTable {
 
     /// Requests released since the last call, each exactly once, in release order.
     pub fn take_finished_sending(&mut self) -> Vec<String> {
+        self.finished_causes.clear();
         std::mem::take(&mut self.finished)
+    }
+
+    /// [`Self::take_finished_sending`] with why each was released (`read_done`, `given_up`,
+    /// `aborted` or `expired`).
+    pub fn take_finished_sending_with_causes(&mut self) -> Vec<(String, &'static str)> {
+        let causes = std::mem::take(&mut self.finished_causes);
+        std::mem::take(&mut self.finished).into_iter().zip(causes).collect()
     }
 
     pub fn counters(&self) -> &HoldCounters {
@@ -400,11 +412,11 @@ impl HoldTable {
         let Some(hold) = self.holds.remove(request_id) else { return };
         let block_ms = now.saturating_duration_since(hold.held_since).as_millis() as u64 * hold.block_ids.len() as u64;
         let acc = &mut self.counters.held_block_ms;
-        let slot = match cause {
-            Cause::ReadDone => &mut acc.read_done,
-            Cause::GiveUp => &mut acc.given_up,
-            Cause::Abort => &mut acc.aborted,
-            Cause::HoldExpired | Cause::LeaseExpired => &mut acc.expired,
+        let (slot, label) = match cause {
+            Cause::ReadDone => (&mut acc.read_done, "read_done"),
+            Cause::GiveUp => (&mut acc.given_up, "given_up"),
+            Cause::Abort => (&mut acc.aborted, "aborted"),
+            Cause::HoldExpired | Cause::LeaseExpired => (&mut acc.expired, "expired"),
         };
         *slot = slot.saturating_add(block_ms);
         self.order.remove(&hold.seq);
@@ -414,6 +426,7 @@ impl HoldTable {
         tracing::debug!(request_id, ?cause, blocks = hold.block_ids.len(), "held blocks released");
         self.counters.released += 1;
         self.finished.push(request_id.to_string());
+        self.finished_causes.push(label);
         if self.recent_set.insert(request_id.to_string()) {
             self.recent.push_back(request_id.to_string());
             if self.recent.len() > RECENT_RELEASED {

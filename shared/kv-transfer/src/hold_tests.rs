@@ -431,3 +431,25 @@ proptest! {
         prop_assert_eq!(h.t.counters().released as usize, h.ids.len() - 1);
     }
 }
+
+#[test]
+fn releases_say_why() {
+    let (mut t, now) = table();
+    for id in ["read", "gone", "aborted", "late"] {
+        held(&mut t, id, &[1], now);
+    }
+    let g = lease(&mut t, "read", &[1], "d", now).unwrap();
+    assert_eq!(t.read_done("read", g.lease_id, "d", now), NoticeOutcome::Released);
+    assert_eq!(t.give_up("gone", None, "d", now), NoticeOutcome::Released);
+    assert_eq!(t.abort("aborted"), NoticeOutcome::Released);
+    assert_eq!(t.expire(now + 2000 * MS), 1);
+    let got = t.take_finished_sending_with_causes();
+    let want = [("read", "read_done"), ("gone", "given_up"), ("aborted", "aborted"), ("late", "expired")];
+    assert_eq!(got, want.map(|(i, c)| (i.to_string(), c)).to_vec());
+    assert!(t.take_finished_sending_with_causes().is_empty());
+    // the plain variant drains the causes too
+    held(&mut t, "x", &[2], now);
+    assert_eq!(t.abort("x"), NoticeOutcome::Released);
+    assert_eq!(t.take_finished_sending(), vec!["x".to_string()]);
+    assert!(t.take_finished_sending_with_causes().is_empty());
+}

@@ -24,6 +24,8 @@ compile_error!(
 pub mod agent;
 pub mod client;
 pub mod compat;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod fault;
 pub mod hold;

@@ -107,6 +107,12 @@ async fn serve_connection(mut stream: TcpStream, region: Arc<ShmReadOnly>, spec:
             return;
         };
         AgentStats::inc(&stats.tcp_reads);
+        // One span per block read served, in the reader's trace (a child of D's `kv.read`).
+        let span = pdmesh_telemetry::trace::child_of(
+            tracing::info_span!("kv.serve.tcp_read", otel.kind = "server", request_id = %req.p_request_id,
+                kv.blocks = req.block_ids.len(), kv.bytes = tracing::field::Empty),
+            &env.trace,
+        );
         let checked = check_request(req, &spec, &served);
         let runs = match checked {
             Ok(()) => collect_runs(&region, &spec, &req.block_ids),
@@ -116,7 +122,7 @@ async fn serve_connection(mut stream: TcpStream, region: Arc<ShmReadOnly>, spec:
             Ok(runs) => runs,
             Err(refusal) => {
                 AgentStats::inc(&stats.tcp_reads_refused);
-                tracing::info!(p_request_id = %req.p_request_id, lease_id = req.lease_id, %refusal.detail, "block read refused");
+                tracing::info!(parent: &span, p_request_id = %req.p_request_id, lease_id = req.lease_id, %refusal.detail, "block read refused");
                 if write_frame(&mut stream, &env.reply(Message::XferLeaseRefused(refusal))).await.is_err() {
                     return;
                 }
@@ -133,6 +139,8 @@ async fn serve_connection(mut stream: TcpStream, region: Arc<ShmReadOnly>, spec:
         match sent {
             Ok(()) => {
                 stats.tcp_bytes_sent.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+                span.record("kv.bytes", bytes);
+                tracing::info!(parent: &span, bytes, blocks = req.block_ids.len(), "blocks sent");
             }
             Err(e) => {
                 AgentStats::inc(&stats.tcp_errors);
@@ -281,7 +289,8 @@ impl TcpReader {
             err: TransferError::Setup(format!("block server {}: {e}", self.addr)),
             retry: pooled,
         };
-        let env = Envelope::new(Message::XferReadBlocks(req.clone()));
+        // D's `kv.read` span is the parent of P's `kv.serve.tcp_read`.
+        let env = Envelope::new(Message::XferReadBlocks(req.clone())).with_trace(pdmesh_telemetry::trace::current());
         write_frame(&mut stream, &env).await.map_err(before)?;
         let header = read_frame(&mut stream)
             .await

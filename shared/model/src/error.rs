@@ -40,6 +40,10 @@ pub enum ModelError {
     #[error("tensor {name:?} is invalid: {reason}")]
     InvalidTensor { name: String, reason: String },
     /// The tokenizer described by the metadata is not one we can build.
+    /// The GPU executor (feature `cuda`) could not start: no driver, no GPU, or a kernel that
+    /// did not compile or load.
+    #[error("cuda: {0}")]
+    Cuda(String),
     #[error("unsupported tokenizer: {0}")]
     UnsupportedTokenizer(String),
     /// Building the tokenizer failed.

@@ -58,11 +58,11 @@ struct Scratch {
 }
 
 /// Where each token of a step comes from.
-struct TokenPlan {
+pub(crate) struct TokenPlan {
     /// Position of the token in its sequence.
-    pos: usize,
+    pub(crate) pos: usize,
     /// Index of its chunk in the step.
-    chunk: usize,
+    pub(crate) chunk: usize,
 }
 
 /// A llama-architecture GGUF model implementing [`Executor`].
@@ -87,7 +87,7 @@ impl std::fmt::Debug for LlamaExecutor {
     }
 }
 
-fn norm_weights(g: &mut GgufFile, name: &str, hidden: usize) -> Result<Vec<f32>, ModelError> {
+pub(crate) fn norm_weights(g: &mut GgufFile, name: &str, hidden: usize) -> Result<Vec<f32>, ModelError> {
     let t = g.tensor_with_dims(name, &[hidden])?;
     t.dequantize(&candle_core::Device::Cpu)
         .and_then(|t| t.to_vec1::<f32>())
@@ -100,7 +100,7 @@ fn linear(g: &mut GgufFile, name: &str, rows: usize, cols: usize) -> Result<Line
 }
 
 /// Name of the model as served: the file name without `.gguf`.
-fn model_name(path: &Path) -> String {
+pub(crate) fn model_name(path: &Path) -> String {
     path.file_name()
         .map(|n| n.to_string_lossy().trim_end_matches(".gguf").to_string())
         .unwrap_or_else(|| "model".to_string())
@@ -210,57 +210,6 @@ impl LlamaExecutor {
     /// The hyper-parameters read from the file.
     pub fn config(&self) -> &LlamaConfig {
         &self.cfg
-    }
-
-    /// Check a step before touching the cache; returns the per-token plan.
-    fn plan(&self, kv: &KvCache, chunks: &[ScheduledChunk]) -> Result<Vec<TokenPlan>, ExecutorError> {
-        let spec = *kv.spec();
-        if spec.num_layers as usize != self.cfg.n_layers
-            || spec.num_kv_heads as usize != self.cfg.n_kv_heads
-            || spec.head_dim as usize != self.cfg.head_dim
-            || spec.block_size == 0
-        {
-            return Err(ExecutorError::Model(format!(
-                "KV cache geometry {spec:?} does not fit the model ({} layers, {} kv heads, head_dim {})",
-                self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim
-            )));
-        }
-        let bs = spec.block_size as usize;
-        let vocab = self.cfg.vocab_size as u32;
-        let max_len = self.facts.max_model_len as usize;
-        let mut plan = Vec::with_capacity(chunks.iter().map(|c| c.token_ids.len()).sum());
-        for (ci, c) in chunks.iter().enumerate() {
-            if c.token_ids.is_empty() {
-                if c.sample {
-                    return Err(ExecutorError::Model(format!("request {}: empty chunk cannot sample", c.request_id)));
-                }
-                continue;
-            }
-            if let Some(&token) = c.token_ids.iter().find(|&&t| t >= vocab) {
-                return Err(ExecutorError::TokenOutOfRange { token, vocab });
-            }
-            let start = c.start_pos as usize;
-            let end = start + c.token_ids.len();
-            if end > max_len {
-                return Err(ExecutorError::Model(format!(
-                    "request {}: position {} is beyond max_model_len {max_len}",
-                    c.request_id,
-                    end - 1
-                )));
-            }
-            let needed = end.div_ceil(bs);
-            if c.block_ids.len() < needed {
-                return Err(ExecutorError::BlockTableTooShort {
-                    request_id: c.request_id.clone(),
-                    pos: (end - 1) as u32,
-                });
-            }
-            for &b in c.block_ids.iter().take(needed) {
-                kv.check_block(b)?;
-            }
-            plan.extend((start..end).map(|pos| TokenPlan { pos, chunk: ci }));
-        }
-        Ok(plan)
     }
 
     fn forward(
@@ -384,7 +333,7 @@ impl Executor for LlamaExecutor {
     }
 
     fn execute(&mut self, kv: &mut KvCache, chunks: &[ScheduledChunk]) -> Result<Vec<SampledToken>, ExecutorError> {
-        let plan = self.plan(kv, chunks)?;
+        let plan = plan_step(&self.cfg, self.facts.max_model_len as usize, kv, chunks)?;
         if plan.is_empty() {
             return Ok(Vec::new());
         }
@@ -392,11 +341,65 @@ impl Executor for LlamaExecutor {
     }
 }
 
+/// Check a step before touching the cache (token ids, positions against `max_len`, block
+/// tables, cache geometry) so bad input is an [`ExecutorError`], never a panic or an
+/// out-of-bounds write; returns the per-token plan. Shared by the CPU and GPU executors.
+pub(crate) fn plan_step(
+    cfg: &LlamaConfig,
+    max_len: usize,
+    kv: &KvCache,
+    chunks: &[ScheduledChunk],
+) -> Result<Vec<TokenPlan>, ExecutorError> {
+    let spec = *kv.spec();
+    if spec.num_layers as usize != cfg.n_layers
+        || spec.num_kv_heads as usize != cfg.n_kv_heads
+        || spec.head_dim as usize != cfg.head_dim
+        || spec.block_size == 0
+    {
+        return Err(ExecutorError::Model(format!(
+            "KV cache geometry {spec:?} does not fit the model ({} layers, {} kv heads, head_dim {})",
+            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+        )));
+    }
+    let bs = spec.block_size as usize;
+    let vocab = cfg.vocab_size as u32;
+    let mut plan = Vec::with_capacity(chunks.iter().map(|c| c.token_ids.len()).sum());
+    for (ci, c) in chunks.iter().enumerate() {
+        if c.token_ids.is_empty() {
+            if c.sample {
+                return Err(ExecutorError::Model(format!("request {}: empty chunk cannot sample", c.request_id)));
+            }
+            continue;
+        }
+        if let Some(&token) = c.token_ids.iter().find(|&&t| t >= vocab) {
+            return Err(ExecutorError::TokenOutOfRange { token, vocab });
+        }
+        let start = c.start_pos as usize;
+        let end = start + c.token_ids.len();
+        if end > max_len {
+            return Err(ExecutorError::Model(format!(
+                "request {}: position {} is beyond max_model_len {max_len}",
+                c.request_id,
+                end - 1
+            )));
+        }
+        let needed = end.div_ceil(bs);
+        if c.block_ids.len() < needed {
+            return Err(ExecutorError::BlockTableTooShort { request_id: c.request_id.clone(), pos: (end - 1) as u32 });
+        }
+        for &b in c.block_ids.iter().take(needed) {
+            kv.check_block(b)?;
+        }
+        plan.extend((start..end).map(|pos| TokenPlan { pos, chunk: ci }));
+    }
+    Ok(plan)
+}
+
 // ---- element-wise pieces (numerics mirror candle's ops used by quantized_llama) -------------
 
 /// `cos`/`sin` tables for positions `0..max_len`: `theta_i = base^(-2i/d)`, angle = `pos * theta_i`,
 /// computed in f32 exactly as candle-transformers' `precomput_freqs_cis`.
-fn rope_tables(head_dim: usize, base: f32, max_len: usize) -> (Vec<f32>, Vec<f32>) {
+pub(crate) fn rope_tables(head_dim: usize, base: f32, max_len: usize) -> (Vec<f32>, Vec<f32>) {
     let theta: Vec<f32> = (0..head_dim).step_by(2).map(|i| 1f32 / base.powf(i as f32 / head_dim as f32)).collect();
     let mut cos = Vec::with_capacity(max_len * theta.len());
     let mut sin = Vec::with_capacity(max_len * theta.len());

@@ -26,6 +26,8 @@
 //! Sampling lives in `pdmesh_model_api::sampling` (model-agnostic). `docs/MODEL.md` has the
 //! design, the build target and measured speed.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod executor;
 pub mod gguf;

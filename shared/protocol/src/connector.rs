@@ -4,6 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::envelope::TraceContext;
 use crate::kv::KvTransferParams;
 
 /// Status of a request when it finished, as the connector needs it.
@@ -55,6 +56,9 @@ pub enum ConnectorCall {
         /// When D refused it (Unix µs), carried to P for the rejection → free histogram.
         #[serde(default)]
         rejected_at_unix_us: Option<u64>,
+        /// The refused request's trace, passed on to the notify-only receive.
+        #[serde(default)]
+        trace: TraceContext,
     },
 }
 
@@ -115,6 +119,9 @@ pub struct RecvRequest {
     /// Notify-only receives of a rejection: when D refused the request (Unix µs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rejected_at_unix_us: Option<u64>,
+    /// Notify-only receives: the refused request's trace, so the notice joins it on P.
+    #[serde(default)]
+    pub trace: TraceContext,
 }
 
 /// A request whose blocks P now holds for a remote reader (P side).
@@ -148,6 +155,11 @@ pub struct KvConnectorMetadata {
     /// P heartbeats for them so P's hold outlives the queueing (lease mode).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reqs_to_heartbeat: Vec<KvTransferParams>,
+    /// D: P's params of requests D took in since the last step. The worker keeps each until
+    /// its receive ends (read, or given up), so that a graceful shutdown can give back every
+    /// reference it still has, queued requests included (R4).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reqs_referenced: Vec<KvTransferParams>,
 }
 
 impl KvConnectorMetadata {
@@ -157,6 +169,7 @@ impl KvConnectorMetadata {
             && self.reqs_aborted_after_finish.is_empty()
             && self.reqs_in_batch.is_empty()
             && self.reqs_not_processed.is_empty()
+            && self.reqs_referenced.is_empty()
     }
 }
 

@@ -186,6 +186,10 @@ pub struct RejectionNotice {
     /// When D refused the request (Unix µs): P measures rejection → free from it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rejected_at_unix_us: Option<u64>,
+    /// The refused request's trace (engine-core fills it from the Envelope it arrived in): the
+    /// notice to P, and P's release, join the request's trace.
+    #[serde(default)]
+    pub trace: TraceContext,
 }
 
 /// The error classes that cross process boundaries. The frontend maps them to HTTP statuses

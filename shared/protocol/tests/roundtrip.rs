@@ -34,6 +34,10 @@ fn every_message() -> Vec<Message> {
             local_block_ids: vec![9],
             params: params(),
             rejected_at_unix_us: Some(7),
+            trace: pdmesh_protocol::TraceContext {
+                traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
+                tracestate: None,
+            },
         }],
         reqs_to_send: vec![SendRequest {
             request_id: "s".into(),
@@ -45,6 +49,7 @@ fn every_message() -> Vec<Message> {
         reqs_not_processed: vec!["y".into()],
         reqs_aborted_after_finish: vec!["z".into()],
         reqs_to_heartbeat: vec![params()],
+        reqs_referenced: vec![params()],
     };
     vec![
         Message::AddRequest(EngineRequest {
@@ -149,7 +154,11 @@ fn every_message() -> Vec<Message> {
                 block_generations: vec![4],
             },
             ConnectorCall::UpdateConnectorOutput(kv_out),
-            ConnectorCall::RequestRejectedBeforeAdmission { params: params(), rejected_at_unix_us: Some(1) },
+            ConnectorCall::RequestRejectedBeforeAdmission {
+                params: params(),
+                rejected_at_unix_us: Some(1),
+                trace: Default::default(),
+            },
         ]),
         Message::ConnectorReplies(vec![
             ConnectorReply::MatchedTokens { count: Some(4), load_async: true },
@@ -163,6 +172,7 @@ fn every_message() -> Vec<Message> {
             params: params(),
             data_parallel_rank: Some(1),
             rejected_at_unix_us: Some(5),
+            trace: Default::default(),
         }),
         Message::Ping,
         Message::Pong,

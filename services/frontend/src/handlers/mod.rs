@@ -41,6 +41,8 @@ fn note_rejection(state: &AppState, params: Option<&KvTransferParams>, rank: Opt
         params: params.clone(),
         data_parallel_rank: rank,
         rejected_at_unix_us: Some(pdmesh_protocol::unix_micros()),
+        // the refused request's trace travels with the notice to P
+        trace: pdmesh_telemetry::trace::current(),
     };
     match state
         .link
@@ -169,8 +171,12 @@ pub async fn kv_release(
         Ok(r) => r.or(params.remote_dp_rank),
         Err(e) => return error_response(e, &request_id),
     };
-    let notice =
-        RejectionNotice { params, data_parallel_rank: rank, rejected_at_unix_us: Some(pdmesh_protocol::unix_micros()) };
+    let notice = RejectionNotice {
+        params,
+        data_parallel_rank: rank,
+        rejected_at_unix_us: Some(pdmesh_protocol::unix_micros()),
+        trace: Default::default(),
+    };
     match state
         .link
         .send(Envelope::new(Message::RejectionNotice(notice)).with_trace(pdmesh_telemetry::trace::current()))

@@ -87,7 +87,10 @@ impl Mesh {
         let topo = format!("run_dir = {:?}\n{nodes}\n", run_dir.display().to_string());
         let path = run_dir.join("test-topology.toml");
         std::fs::write(&path, topo).unwrap();
-        let up = Command::new(env!("CARGO_BIN_EXE_pdmesh"))
+        // PDMESH_TEST_BIN: run these tests against another build of the binary (e.g. the
+        // `cuda` build on a GPU machine, docs/MODEL.md).
+        let bin = std::env::var_os("PDMESH_TEST_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_pdmesh").into());
+        let up = Command::new(bin)
             .arg("up")
             .arg("--topology")
             .arg(&path)

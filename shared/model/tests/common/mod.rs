@@ -30,7 +30,7 @@ pub fn load() -> Option<(LlamaExecutor, GgufTextCodec)> {
     Some(pdmesh_model::load_gguf(&p, &ModelOptions::default()).expect("load model"))
 }
 
-pub fn kv_cache(exec: &LlamaExecutor, num_blocks: u32, block_size: u32) -> KvCache {
+pub fn kv_cache(exec: &impl Executor, num_blocks: u32, block_size: u32) -> KvCache {
     let f = exec.facts();
     KvCache::new_heap(KvCacheSpec {
         num_layers: f.num_layers,
@@ -71,18 +71,18 @@ impl Req {
 
 /// Run all requests together until each has `n_new` tokens: each step carries, for every
 /// unfinished request, its next prefill chunk (at most `chunk` tokens) or its one decode token.
-pub fn run(exec: &mut LlamaExecutor, kv: &mut KvCache, reqs: &mut [Req], n_new: usize, chunk: usize) {
+pub fn run<E: Executor>(exec: &mut E, kv: &mut KvCache, reqs: &mut [Req], n_new: usize, chunk: usize) {
     run_with(exec, kv, reqs, n_new, chunk, |_| {})
 }
 
 /// [`run`], calling `after_step` after every step that sampled.
-pub fn run_with(
-    exec: &mut LlamaExecutor,
+pub fn run_with<E: Executor>(
+    exec: &mut E,
     kv: &mut KvCache,
     reqs: &mut [Req],
     n_new: usize,
     chunk: usize,
-    mut after_step: impl FnMut(&LlamaExecutor),
+    mut after_step: impl FnMut(&E),
 ) {
     loop {
         let mut chunks = Vec::new();
@@ -91,7 +91,7 @@ pub fn run_with(
                 continue;
             }
             let (tokens, sample) = if r.computed < r.prompt.len() {
-                let end = (r.computed + chunk).min(r.prompt.len());
+                let end = r.computed.saturating_add(chunk).min(r.prompt.len());
                 (r.prompt[r.computed..end].to_vec(), end == r.prompt.len())
             } else {
                 (vec![*r.generated.last().expect("decode after prefill")], true)

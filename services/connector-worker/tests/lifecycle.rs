@@ -1,0 +1,846 @@
+//! The KV-block lifecycle as a property (LIFECYCLE.md R2, R4, R5).
+//!
+//! A P and a D engine in one process: on each side the real `Scheduler` and block pool and the
+//! real `PdConnector`, driven call for call as the engine's step loop drives them; on P the
+//! real `HoldTable`, driven through the worker's own step functions (`producer_start_step`,
+//! `producer_finish_step`) and, as P's side channel would, through its `LeasePolicy`. The test
+//! plays the router, D's READs and the side-channel messages between the nodes, and interleaves
+//! everything at random: new requests, P and D steps, hand-offs, rejections before admission,
+//! releases by the router, lost hand-offs, aborts on either side (before, at and after finish,
+//! unknown ids), lease requests, READ progress (one-sided shm or checked tcp), `read done`,
+//! duplicate `read done`, transfer failures, heartbeats, delayed or lost give-ups, and time.
+//!
+//! After every event: no block is freed twice; no block P lent under a lease is freed or reused
+//! while the lease is active; no block of D's that a READ may still write is freed or reused;
+//! a READ that P confirms (`read done` answered `Released`) saw only the blocks P handed out;
+//! `request_finished` ran at most once per request. At quiescence, once every deadline has
+//! passed (undelivered notices dropped or delivered, the router's last hand-offs lost): every
+//! block of P and D is free, P's hold table is empty, and `request_finished` ran exactly once
+//! for every admitted request.
+//!
+//! Cases: `PDMESH_LIFECYCLE_CASES` (default 2048). The benchmark-style run in docs/benchmarks.md
+//! sets it to 100000.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use pdmesh_connector_scheduler::{dispatch, PdConnector, ProducerIdentity};
+use pdmesh_connector_worker::pd::{producer_finish_step, producer_start_step};
+use pdmesh_engine_core::scheduler::{Scheduler, SchedulerConfig};
+use pdmesh_kv_transfer::{HoldTable, HoldTableConfig, LeasePolicy, NoticeOutcome};
+use pdmesh_protocol::{
+    ConnectorCall, ConnectorReply, EngineOutput, EngineRequest, KvConnectorMetadata, KvConnectorOutput,
+    KvTransferParams, ModelRunnerOutput, SampledToken, SamplingParams, ScheduledChunk,
+};
+use proptest::prelude::*;
+
+const BS: u32 = 4;
+const P_BLOCKS: u32 = 40;
+const D_BLOCKS: u32 = 28;
+/// P's hold deadline after `request_finished`.
+const HOLD: Duration = Duration::from_millis(1000);
+const LEASE_TTL: Duration = Duration::from_millis(300);
+const HEARTBEAT_EXTENSION: Duration = Duration::from_millis(1000);
+const EOS: u32 = 2;
+const TOKEN: u32 = 7;
+
+fn cases() -> u32 {
+    std::env::var("PDMESH_LIFECYCLE_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(2048)
+}
+
+fn wall_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+#[derive(Debug, Clone)]
+enum Ev {
+    /// The router sends a new request to P (P's leg: `max_tokens = 1`, `do_remote_decode`).
+    New {
+        prompt: u32,
+        max_tokens: u32,
+    },
+    PStep,
+    DStep,
+    /// The router hands P's answer to D.
+    Forward {
+        i: usize,
+    },
+    /// D refuses the hand-off before admission (R1): through the step, or the fast path.
+    Reject {
+        i: usize,
+        fast: bool,
+    },
+    /// The client went away between the legs: the router's `/v1/kv/release` on P.
+    Release {
+        i: usize,
+    },
+    /// The router loses the hand-off without a word (only P's deadline can free).
+    Lose {
+        i: usize,
+    },
+    AbortP {
+        i: usize,
+    },
+    AbortD {
+        i: usize,
+    },
+    /// D's worker asks P for a read lease for one of its receives.
+    Lease {
+        k: usize,
+    },
+    /// Part of a READ: one-sided (shm) or checked by P first (tcp).
+    Read {
+        k: usize,
+        tcp: bool,
+    },
+    ReadDone {
+        k: usize,
+    },
+    /// The READ fails (setup, midway, timeout), or the handshake before a lease.
+    TransferFail {
+        k: usize,
+    },
+    /// A `read done` repeated after it was answered.
+    DupReadDone {
+        i: usize,
+    },
+    /// D's worker delivers the heartbeats its connector last asked for.
+    Heartbeat,
+    /// One delayed give-up reaches P.
+    Deliver {
+        i: usize,
+    },
+    Advance {
+        ms: u64,
+    },
+}
+
+fn ev() -> impl Strategy<Value = Ev> {
+    prop_oneof![
+        4 => (1u32..40, 1u32..5).prop_map(|(prompt, max_tokens)| Ev::New { prompt, max_tokens }),
+        6 => Just(Ev::PStep),
+        6 => Just(Ev::DStep),
+        4 => any::<usize>().prop_map(|i| Ev::Forward { i }),
+        1 => (any::<usize>(), any::<bool>()).prop_map(|(i, fast)| Ev::Reject { i, fast }),
+        1 => any::<usize>().prop_map(|i| Ev::Release { i }),
+        1 => any::<usize>().prop_map(|i| Ev::Lose { i }),
+        2 => any::<usize>().prop_map(|i| Ev::AbortP { i }),
+        2 => any::<usize>().prop_map(|i| Ev::AbortD { i }),
+        3 => any::<usize>().prop_map(|k| Ev::Lease { k }),
+        3 => (any::<usize>(), any::<bool>()).prop_map(|(k, tcp)| Ev::Read { k, tcp }),
+        3 => any::<usize>().prop_map(|k| Ev::ReadDone { k }),
+        1 => any::<usize>().prop_map(|k| Ev::TransferFail { k }),
+        1 => any::<usize>().prop_map(|i| Ev::DupReadDone { i }),
+        1 => Just(Ev::Heartbeat),
+        2 => any::<usize>().prop_map(|i| Ev::Deliver { i }),
+        2 => (0u64..250).prop_map(|ms| Ev::Advance { ms }),
+    ]
+}
+
+/// One engine rank: scheduler, connector, and the engine's inbox, as `engine.rs` keeps them.
+struct Node {
+    sched: Scheduler,
+    conn: PdConnector,
+    adds: Vec<EngineRequest>,
+    aborts: Vec<String>,
+    notices: Vec<KvTransferParams>,
+    /// P: final outputs carrying D's params, released after the next worker step.
+    deferred: Vec<EngineOutput>,
+    admitted: HashSet<String>,
+    finished_calls: HashMap<String, u32>,
+    step_id: u64,
+}
+
+/// What one engine step hands its worker, and what it finishes after the worker ran.
+struct Pending {
+    chunks: Vec<ScheduledChunk>,
+    meta: KvConnectorMetadata,
+    run: bool,
+    release_after: Vec<EngineOutput>,
+    outputs: Vec<EngineOutput>,
+}
+
+impl Node {
+    fn new(conn: PdConnector, num_blocks: u32, recompute: bool) -> Self {
+        let mut sched = Scheduler::new(SchedulerConfig {
+            block_size: BS,
+            num_blocks,
+            max_num_seqs: 6,
+            max_num_batched_tokens: 48,
+            max_model_len: 256,
+        });
+        sched.set_recompute_load_failures(recompute);
+        Self {
+            sched,
+            conn,
+            adds: Vec::new(),
+            aborts: Vec::new(),
+            notices: Vec::new(),
+            deferred: Vec::new(),
+            admitted: HashSet::new(),
+            finished_calls: HashMap::new(),
+            step_id: 0,
+        }
+    }
+
+    /// Connector calls, counting `request_finished` per request.
+    fn call(&mut self, calls: Vec<ConnectorCall>) -> Result<Vec<ConnectorReply>, TestCaseError> {
+        let mut replies = Vec::with_capacity(calls.len());
+        for c in calls {
+            if let ConnectorCall::RequestFinished { request_id, .. } = &c {
+                let n = self.finished_calls.entry(request_id.clone()).or_insert(0);
+                *n += 1;
+                prop_assert_eq!(*n, 1, "request_finished called twice for {}", request_id);
+            }
+            replies.push(dispatch(&mut self.conn, c));
+        }
+        Ok(replies)
+    }
+
+    fn apply_finished(&mut self, calls: &[ConnectorCall], replies: &[ConnectorReply]) {
+        for (i, call) in calls.iter().enumerate() {
+            let ConnectorCall::RequestFinished { request_id, .. } = call else { continue };
+            match replies.get(i) {
+                Some(ConnectorReply::Finished { delay_free, kv_transfer_params }) => {
+                    self.sched.apply_finished(request_id, *delay_free, kv_transfer_params.clone())
+                }
+                _ => self.sched.apply_finished(request_id, false, None),
+            }
+        }
+    }
+
+    /// Steps 1–4 of `run_step`: inputs, matches, schedule, connector calls, metadata.
+    fn begin(&mut self) -> Result<Pending, TestCaseError> {
+        let outputs = Vec::new();
+        for req in std::mem::take(&mut self.adds) {
+            let id = req.request_id.clone();
+            match self.sched.add_request(req) {
+                Ok(()) => {
+                    self.admitted.insert(id);
+                }
+                Err(e) => prop_assert!(false, "{} refused: {}", id, e),
+            }
+        }
+        let aborts = std::mem::take(&mut self.aborts);
+        if !aborts.is_empty() {
+            self.sched.abort_requests(&aborts);
+        }
+        let queries = self.sched.match_queries();
+        let ids: Vec<String> = queries
+            .iter()
+            .filter_map(|c| match c {
+                ConnectorCall::GetNumNewMatchedTokens { request_id, .. } => Some(request_id.clone()),
+                _ => None,
+            })
+            .collect();
+        let replies = self.call(queries)?;
+        for (id, reply) in ids.iter().zip(&replies) {
+            match reply {
+                ConnectorReply::MatchedTokens { count, load_async } => self.sched.apply_match(id, *count, *load_async),
+                _ => self.sched.apply_match(id, Some(0), false),
+            }
+        }
+        self.step_id += 1;
+        let schedule = self.sched.schedule();
+        let finishing = self.sched.finishing_calls();
+        let mut calls: Vec<ConnectorCall> = std::mem::take(&mut self.notices)
+            .into_iter()
+            .map(|params| ConnectorCall::RequestRejectedBeforeAdmission {
+                params,
+                rejected_at_unix_us: None,
+                trace: Default::default(),
+            })
+            .collect();
+        let n_notices = calls.len();
+        calls.extend(schedule.alloc_calls.iter().cloned());
+        calls.extend(finishing.iter().cloned());
+        calls.push(ConnectorCall::BuildConnectorMeta { step_id: self.step_id });
+        let replies = self.call(calls)?;
+        let offset = n_notices + schedule.alloc_calls.len();
+        self.apply_finished(&finishing, replies.get(offset..).unwrap_or(&[]));
+        let mut meta = match replies.last() {
+            Some(ConnectorReply::Meta(meta)) => meta.clone(),
+            _ => KvConnectorMetadata::default(),
+        };
+        meta.reqs_aborted_after_finish = self.sched.take_aborted_held();
+        let release_after = std::mem::take(&mut self.deferred);
+        let run = !schedule.chunks.is_empty() || !meta.is_empty() || self.sched.has_requests();
+        Ok(Pending { chunks: schedule.chunks, meta, run, release_after, outputs })
+    }
+
+    /// Steps 5–7 of `run_step`, after the worker ran: sampled tokens, `request_finished`, the
+    /// worker's connector output, outputs (P's hand-offs wait one more step).
+    fn end(&mut self, p: Pending, kv: KvConnectorOutput) -> Result<Vec<EngineOutput>, TestCaseError> {
+        let mut outputs = p.outputs;
+        if p.run {
+            let sampled = p
+                .chunks
+                .iter()
+                .filter(|c| c.sample)
+                .map(|c| SampledToken { request_id: c.request_id.clone(), token_id: TOKEN, logprobs: None })
+                .collect();
+            let out = ModelRunnerOutput { step_id: self.step_id, sampled, ..Default::default() };
+            self.sched.update_from_output(&p.chunks, &out);
+        }
+        outputs.extend(p.release_after);
+        let finishing = self.sched.finishing_calls();
+        let mut calls = finishing.clone();
+        if !kv.is_empty() {
+            calls.push(ConnectorCall::UpdateConnectorOutput(kv.clone()));
+        }
+        if !calls.is_empty() {
+            let replies = self.call(calls)?;
+            self.apply_finished(&finishing, &replies);
+        }
+        self.sched.update_from_kv_output(&kv);
+        for o in self.sched.take_outputs() {
+            if o.kv_transfer_params.as_ref().is_some_and(KvTransferParams::wants_remote_prefill) {
+                self.deferred.push(o);
+            } else {
+                outputs.push(o);
+            }
+        }
+        Ok(outputs)
+    }
+
+    fn quiet(&self) -> bool {
+        !self.sched.has_requests()
+            && self.adds.is_empty()
+            && self.aborts.is_empty()
+            && self.notices.is_empty()
+            && self.deferred.is_empty()
+    }
+}
+
+/// A receive on D's worker, from `reqs_to_recv` until the step that reports it.
+#[derive(Debug, Clone)]
+struct Recv {
+    d_id: String,
+    p_id: String,
+    local: Vec<u32>,
+    /// Generations of D's local blocks when the receive started.
+    local_gens: Vec<u64>,
+    remote: Vec<u32>,
+    gens: Vec<u64>,
+    lease: Option<u64>,
+    /// What each part of the READ saw in P's pool: (block, allocated, generation).
+    observed: Vec<(u32, bool, Option<u64>)>,
+}
+
+/// An active lease as the test sees it, independently of the hold table.
+struct LeaseView {
+    p_id: String,
+    blocks: Vec<(u32, u64)>,
+    deadline: Instant,
+}
+
+#[derive(Debug, Clone)]
+struct GiveUp {
+    p_id: String,
+    lease: Option<u64>,
+}
+
+struct Handoff {
+    id: String,
+    params: KvTransferParams,
+}
+
+struct World {
+    p: Node,
+    d: Node,
+    table: HoldTable,
+    now: Instant,
+    next_id: u64,
+    /// Every request id ever sent (aborts pick from them, finished or not).
+    ids: Vec<String>,
+    prompts: HashMap<String, (Vec<u32>, u32)>,
+    /// P's answers the router holds, not yet sent to D.
+    ready: Vec<Handoff>,
+    inflight: Vec<Recv>,
+    /// Receives settled (loaded or failed) and not yet reported by D's worker.
+    settled: Vec<(Recv, bool)>,
+    outbox: Vec<GiveUp>,
+    heartbeat: Vec<String>,
+    leases: HashMap<u64, LeaseView>,
+    done_leases: Vec<(String, u64)>,
+}
+
+impl World {
+    fn new(recompute: bool) -> Self {
+        let producer = ProducerIdentity {
+            engine_id: "p".into(),
+            side_channel_host: "127.0.0.1".into(),
+            side_channel_port: 5600,
+            dp_rank: 0,
+        };
+        let table = HoldTable::new(HoldTableConfig { lease_ttl: LEASE_TTL, heartbeat_extension: HEARTBEAT_EXTENSION });
+        Self {
+            p: Node::new(PdConnector::new(Some(producer), false, HOLD), P_BLOCKS, false),
+            // Heartbeats due every step (a hold of zero): the test decides when they arrive.
+            d: Node::new(PdConnector::new(None, true, Duration::ZERO), D_BLOCKS, recompute),
+            table,
+            now: Instant::now(),
+            next_id: 0,
+            ids: Vec::new(),
+            prompts: HashMap::new(),
+            ready: Vec::new(),
+            inflight: Vec::new(),
+            settled: Vec::new(),
+            outbox: Vec::new(),
+            heartbeat: Vec::new(),
+            leases: HashMap::new(),
+            done_leases: Vec::new(),
+        }
+    }
+
+    fn p_step(&mut self) -> Result<(), TestCaseError> {
+        let pending = self.p.begin()?;
+        let mut kv = KvConnectorOutput::default();
+        if pending.run {
+            let (now, wall) = (self.now, wall_ms());
+            producer_start_step(&mut self.table, &pending.meta, |s| {
+                now + Duration::from_millis(s.deadline_unix_ms.saturating_sub(wall))
+            });
+            producer_finish_step(&mut self.table, now, &mut kv);
+        }
+        for o in self.p.end(pending, kv)? {
+            if let Some(params) = o.kv_transfer_params.filter(KvTransferParams::wants_remote_prefill) {
+                prop_assert!(o.error.is_none());
+                self.ready.push(Handoff { id: o.request_id, params });
+            }
+        }
+        Ok(())
+    }
+
+    fn d_step(&mut self) -> Result<(), TestCaseError> {
+        let pending = self.d.begin()?;
+        let mut kv = KvConnectorOutput::default();
+        if pending.run {
+            self.d_worker_start(&pending.meta);
+            kv = self.d_worker_finish()?;
+        }
+        self.d.end(pending, kv)?;
+        Ok(())
+    }
+
+    /// D's worker takes the step's metadata (`PdRuntime::start_step`).
+    fn d_worker_start(&mut self, meta: &KvConnectorMetadata) {
+        if !meta.reqs_to_heartbeat.is_empty() {
+            self.heartbeat = meta.reqs_to_heartbeat.iter().filter_map(|p| p.remote_request_id.clone()).collect();
+        }
+        for r in &meta.reqs_to_recv {
+            let p_id = r.params.remote_request_id.clone().unwrap_or_default();
+            if r.local_block_ids.is_empty() {
+                // Notify only (rejection, or finished before its receive): give up at once.
+                self.outbox.push(GiveUp { p_id, lease: None });
+                continue;
+            }
+            let remote = r.params.remote_block_ids.clone().unwrap_or_default();
+            let gens = r.params.remote_block_generations.clone().unwrap_or_default();
+            let n = r.local_block_ids.len().min(remote.len());
+            let local = r.local_block_ids[r.local_block_ids.len() - n..].to_vec();
+            let local_gens = local.iter().map(|b| self.d.sched.block_state(*b).1.unwrap_or(u64::MAX)).collect();
+            self.inflight.push(Recv {
+                d_id: r.request_id.clone(),
+                p_id,
+                local,
+                local_gens,
+                remote: remote[remote.len() - n..].to_vec(),
+                gens: if gens.len() == remote.len() { gens[gens.len() - n..].to_vec() } else { gens },
+                lease: None,
+                observed: Vec::new(),
+            });
+        }
+    }
+
+    /// D's worker reports the receives that settled (`PdRuntime::finish_step`); loaded bytes
+    /// are copied into the request's blocks now, so those blocks must still be its own.
+    fn d_worker_finish(&mut self) -> Result<KvConnectorOutput, TestCaseError> {
+        let mut out = KvConnectorOutput::default();
+        for (r, loaded) in std::mem::take(&mut self.settled) {
+            if loaded {
+                for (b, g) in r.local.iter().zip(&r.local_gens) {
+                    let (alloc, gen) = self.d.sched.block_state(*b);
+                    prop_assert!(
+                        alloc && gen == Some(*g),
+                        "D block {} of {} reused before its KV was copied",
+                        b,
+                        r.d_id
+                    );
+                }
+            } else {
+                out.invalid_block_ids.extend(r.local.iter().copied());
+            }
+            out.finished_recving.push(r.d_id);
+        }
+        Ok(out)
+    }
+
+    fn settle(&mut self, k: usize, loaded: bool, give_up: bool) {
+        let r = self.inflight.remove(k);
+        if give_up {
+            self.outbox.push(GiveUp { p_id: r.p_id.clone(), lease: r.lease });
+        }
+        self.settled.push((r, loaded));
+    }
+
+    fn lease(&mut self, k: usize) -> Result<(), TestCaseError> {
+        let r = &self.inflight[k];
+        if r.lease.is_some() {
+            return Ok(()); // the worker asks once per receive
+        }
+        match self.table.grant(&r.p_id, &r.remote, &r.gens, "d/0", self.now) {
+            Ok(g) => {
+                let blocks = r.remote.iter().copied().zip(r.gens.iter().copied()).collect();
+                self.leases.insert(g.lease_id, LeaseView { p_id: r.p_id.clone(), blocks, deadline: self.now + g.ttl });
+                // A lost answer: asking again gets the same lease.
+                let again = self.table.grant(&r.p_id, &r.remote, &r.gens, "d/0", self.now);
+                prop_assert_eq!(again.map(|a| a.lease_id).ok(), Some(g.lease_id));
+                self.inflight[k].lease = Some(g.lease_id);
+            }
+            // Refused (gone, stale generation, aborted): a failed load; nothing to give back.
+            Err(_) => self.settle(k, false, false),
+        }
+        Ok(())
+    }
+
+    fn read(&mut self, k: usize, tcp: bool) {
+        let r = &self.inflight[k];
+        let Some(lease) = r.lease else { return };
+        if tcp && self.table.check_read(&r.p_id, lease, &r.remote, self.now).is_err() {
+            self.settle(k, false, true);
+            return;
+        }
+        let seen: Vec<_> = r
+            .remote
+            .iter()
+            .map(|&b| {
+                let (alloc, gen) = self.p.sched.block_state(b);
+                (b, alloc, gen)
+            })
+            .collect();
+        self.inflight[k].observed.extend(seen);
+    }
+
+    fn read_done(&mut self, k: usize) -> Result<(), TestCaseError> {
+        let r = &self.inflight[k];
+        let Some(lease) = r.lease else { return Ok(()) };
+        match self.table.read_done(&r.p_id, lease, "d/0", self.now) {
+            NoticeOutcome::Released => {
+                // P vouches for the bytes: everything the READ saw is what P handed out.
+                let handed: HashMap<u32, u64> = r.remote.iter().copied().zip(r.gens.iter().copied()).collect();
+                for (b, alloc, gen) in &r.observed {
+                    prop_assert!(
+                        *alloc && *gen == handed.get(b).copied(),
+                        "{}: read done confirmed, but block {} was freed or reused during the READ",
+                        r.p_id,
+                        b
+                    );
+                }
+                self.leases.remove(&lease);
+                self.done_leases.push((r.p_id.clone(), lease));
+                self.settle(k, true, false);
+            }
+            _ => self.settle(k, false, true),
+        }
+        Ok(())
+    }
+
+    fn deliver(&mut self, i: usize) {
+        let g = self.outbox.remove(i);
+        let outcome = self.table.give_up(&g.p_id, g.lease, "d/0", self.now);
+        if let Some(l) = g.lease {
+            if outcome == NoticeOutcome::Released || self.leases.get(&l).is_some_and(|v| v.p_id == g.p_id) {
+                self.leases.remove(&l);
+            }
+        }
+    }
+
+    fn apply(&mut self, ev: &Ev) -> Result<(), TestCaseError> {
+        let pick = |i: usize, n: usize| (n > 0).then(|| i % n);
+        match ev {
+            Ev::New { prompt, max_tokens } => {
+                let id = format!("r{}", self.next_id);
+                self.next_id += 1;
+                let tokens: Vec<u32> = (0..*prompt).map(|t| 10 + t).collect();
+                self.p.adds.push(EngineRequest {
+                    request_id: id.clone(),
+                    prompt_token_ids: tokens.clone(),
+                    sampling: SamplingParams { max_tokens: 1, temperature: 0.0, ..Default::default() },
+                    eos_token_ids: vec![EOS],
+                    arrival_unix_ms: 0,
+                    kv_transfer_params: Some(KvTransferParams {
+                        do_remote_decode: Some(true),
+                        do_remote_prefill: Some(false),
+                        ..Default::default()
+                    }),
+                    data_parallel_rank: None,
+                });
+                self.prompts.insert(id.clone(), (tokens, *max_tokens));
+                self.ids.push(id);
+            }
+            Ev::PStep => self.p_step()?,
+            Ev::DStep => self.d_step()?,
+            Ev::Forward { i } => {
+                if let Some(i) = pick(*i, self.ready.len()) {
+                    let h = self.ready.remove(i);
+                    let (tokens, max_tokens) = self.prompts.get(&h.id).cloned().unwrap_or_default();
+                    self.d.adds.push(EngineRequest {
+                        request_id: h.id,
+                        prompt_token_ids: tokens,
+                        sampling: SamplingParams { max_tokens, temperature: 0.0, ..Default::default() },
+                        eos_token_ids: vec![EOS],
+                        arrival_unix_ms: 0,
+                        kv_transfer_params: Some(h.params),
+                        data_parallel_rank: None,
+                    });
+                }
+            }
+            Ev::Reject { i, fast } => {
+                if let Some(i) = pick(*i, self.ready.len()) {
+                    let h = self.ready.remove(i);
+                    if *fast {
+                        // `EngineCore::notice_now`: beside a running step, straight to the worker.
+                        let calls = vec![
+                            ConnectorCall::RequestRejectedBeforeAdmission {
+                                params: h.params,
+                                rejected_at_unix_us: None,
+                                trace: Default::default(),
+                            },
+                            ConnectorCall::TakeRejectionRecvs,
+                        ];
+                        if let Some(ConnectorReply::Meta(meta)) = self.d.call(calls)?.get(1).cloned() {
+                            self.d_worker_start(&meta);
+                        }
+                    } else {
+                        self.d.notices.push(h.params);
+                    }
+                }
+            }
+            Ev::Release { i } => {
+                if let Some(i) = pick(*i, self.ready.len()) {
+                    let h = self.ready.remove(i);
+                    // P's engine: a release of blocks it holds is an abort after finish.
+                    if self.p.sched.holds(&h.id) {
+                        self.p.aborts.push(h.id);
+                    }
+                }
+            }
+            Ev::Lose { i } => {
+                if let Some(i) = pick(*i, self.ready.len()) {
+                    self.ready.remove(i);
+                }
+            }
+            Ev::AbortP { i } => {
+                if let Some(i) = pick(*i, self.ids.len()) {
+                    self.p.aborts.push(self.ids[i].clone());
+                }
+            }
+            Ev::AbortD { i } => {
+                if let Some(i) = pick(*i, self.ids.len()) {
+                    self.d.aborts.push(self.ids[i].clone());
+                }
+            }
+            Ev::Lease { k } => {
+                if let Some(k) = pick(*k, self.inflight.len()) {
+                    self.lease(k)?;
+                }
+            }
+            Ev::Read { k, tcp } => {
+                if let Some(k) = pick(*k, self.inflight.len()) {
+                    self.read(k, *tcp);
+                }
+            }
+            Ev::ReadDone { k } => {
+                if let Some(k) = pick(*k, self.inflight.len()) {
+                    self.read_done(k)?;
+                }
+            }
+            Ev::TransferFail { k } => {
+                if let Some(k) = pick(*k, self.inflight.len()) {
+                    // After a lease: give it back (R4). Before one (handshake): nothing to say.
+                    let leased = self.inflight[k].lease.is_some();
+                    self.settle(k, false, leased);
+                }
+            }
+            Ev::DupReadDone { i } => {
+                if let Some(i) = pick(*i, self.done_leases.len()) {
+                    let (p_id, lease) = self.done_leases[i].clone();
+                    let outcome = self.table.read_done(&p_id, lease, "d/0", self.now);
+                    prop_assert_ne!(outcome, NoticeOutcome::Released, "a duplicate read done released {}", p_id);
+                }
+            }
+            Ev::Heartbeat => {
+                let ids = self.heartbeat.clone();
+                self.table.heartbeat(&ids, self.now);
+            }
+            Ev::Deliver { i } => {
+                if let Some(i) = pick(*i, self.outbox.len()) {
+                    self.deliver(i);
+                }
+            }
+            Ev::Advance { ms } => self.now += Duration::from_millis(*ms),
+        }
+        self.check()
+    }
+
+    /// The invariants that hold after every event.
+    fn check(&self) -> Result<(), TestCaseError> {
+        for (name, n) in [("P", &self.p), ("D", &self.d)] {
+            prop_assert_eq!(n.sched.double_frees(), 0, "{} freed a block twice", name);
+            let kv = n.sched.kv_usage();
+            prop_assert_eq!(kv.free_blocks + kv.used_blocks + kv.held_blocks, kv.total_blocks, "{} {:?}", name, kv);
+        }
+        for (id, v) in &self.leases {
+            if self.now >= v.deadline {
+                continue; // P may take the blocks back at its next step
+            }
+            for &(b, g) in &v.blocks {
+                let (alloc, gen) = self.p.sched.block_state(b);
+                prop_assert!(
+                    alloc && gen == Some(g),
+                    "P freed or reused block {} of {} under active lease {}",
+                    b,
+                    v.p_id,
+                    id
+                );
+            }
+        }
+        for r in self.inflight.iter().chain(self.settled.iter().map(|(r, _)| r)) {
+            for (b, g) in r.local.iter().zip(&r.local_gens) {
+                let (alloc, gen) = self.d.sched.block_state(*b);
+                prop_assert!(
+                    alloc && gen == Some(*g),
+                    "D freed block {} of {} while its receive was unsettled",
+                    b,
+                    r.d_id
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Stop sending, let every deadline pass, let D's READs end, step both engines until
+    /// nothing is left; then everything must be free.
+    fn quiesce(&mut self, deliver_notices: bool) -> Result<(), TestCaseError> {
+        for _ in 0..200 {
+            self.ready.clear(); // the router's last hand-offs are lost
+            if deliver_notices {
+                while !self.outbox.is_empty() {
+                    self.deliver(0);
+                }
+            } else {
+                self.outbox.clear();
+            }
+            self.now += HOLD + LEASE_TTL + HEARTBEAT_EXTENSION;
+            while !self.inflight.is_empty() {
+                self.lease(0)?;
+                if self.inflight.first().is_some_and(|r| r.lease.is_some()) {
+                    self.read_done(0)?;
+                }
+            }
+            self.p_step()?;
+            self.d_step()?;
+            self.check()?;
+            let quiet = self.p.quiet()
+                && self.d.quiet()
+                && self.inflight.is_empty()
+                && self.settled.is_empty()
+                && self.ready.is_empty()
+                && self.table.is_empty();
+            if quiet {
+                break;
+            }
+        }
+        for (name, n) in [("P", &self.p), ("D", &self.d)] {
+            let kv = n.sched.kv_usage();
+            prop_assert_eq!(kv.free_blocks, kv.total_blocks, "{} still owns blocks at quiescence: {:?}", name, kv);
+            prop_assert!(!n.sched.has_requests(), "{} still has requests", name);
+            for id in &n.admitted {
+                prop_assert_eq!(n.finished_calls.get(id).copied(), Some(1), "{}: request_finished for {}", name, id);
+            }
+            prop_assert_eq!(n.sched.counters().request_finished_calls, n.admitted.len() as u64);
+        }
+        prop_assert!(self.table.is_empty(), "P's hold table is not empty");
+        prop_assert_eq!(self.table.leased_blocks(), 0);
+        Ok(())
+    }
+}
+
+/// Runs `cases` random cases; returns how many events they applied. A failure panics with
+/// proptest's minimal failing input.
+fn run_cases(cases: u32) -> u64 {
+    use proptest::test_runner::{Config, TestRunner};
+    let applied = std::cell::Cell::new(0u64);
+    let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
+    let strategy = (proptest::collection::vec(ev(), 1..160), any::<bool>(), any::<bool>());
+    let result = runner.run(&strategy, |(events, recompute, deliver_notices)| {
+        let mut w = World::new(recompute);
+        for e in &events {
+            w.apply(e)?;
+        }
+        w.quiesce(deliver_notices)?;
+        applied.set(applied.get() + events.len() as u64);
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    applied.get()
+}
+
+#[test]
+fn p_and_d_keep_r2_r4_r5_under_random_interleavings() {
+    let cases = cases();
+    let started = Instant::now();
+    let events = run_cases(cases);
+    eprintln!(
+        "lifecycle property: {cases} cases, {events} events, every invariant held, {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+}
+
+/// The property needs the interleavings it is about to happen: over a fixed set of cases,
+/// leases are granted, confirmed reads release, aborts and give-ups meet active leases, and
+/// holds expire.
+#[test]
+fn the_generator_reaches_the_race_windows() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+    let mut runner = TestRunner::new_with_rng(Config::default(), TestRng::from_seed(RngAlgorithm::ChaCha, &[7; 32]));
+    let mut totals = pdmesh_kv_transfer::HoldCounters::default();
+    let (mut p_finished, mut d_finished) = (0, 0);
+    for _ in 0..200 {
+        let events = proptest::collection::vec(ev(), 1..160).new_tree(&mut runner).unwrap().current();
+        let mut w = World::new(false);
+        for e in &events {
+            w.apply(e).unwrap();
+        }
+        w.quiesce(false).unwrap();
+        let c = w.table.counters();
+        totals.leases_granted += c.leases_granted;
+        totals.read_done += c.read_done;
+        totals.aborts_deferred += c.aborts_deferred;
+        totals.give_ups += c.give_ups;
+        totals.expired_holds += c.expired_holds;
+        totals.expired_leases += c.expired_leases;
+        totals.stale_read_done += c.stale_read_done + c.unknown_read_done + c.duplicate_read_done;
+        totals.aborts += c.aborts;
+        p_finished += w.p.sched.counters().request_finished_calls;
+        d_finished += w.d.sched.counters().request_finished_calls;
+    }
+    eprintln!("{totals:?}; request_finished P {p_finished} D {d_finished}");
+    for (what, n) in [
+        ("leases granted", totals.leases_granted),
+        ("confirmed reads", totals.read_done),
+        ("aborts after finish", totals.aborts),
+        ("aborts deferred by a lease", totals.aborts_deferred),
+        ("give-ups", totals.give_ups),
+        ("holds expired", totals.expired_holds),
+        ("leases expired", totals.expired_leases),
+        ("late or stale read done", totals.stale_read_done),
+    ] {
+        assert!(n > 0, "no {what} in 200 cases: {totals:?}");
+    }
+}

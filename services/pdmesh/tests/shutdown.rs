@@ -1,0 +1,121 @@
+//! Rule R4 at shutdown: a decode node that stops gracefully while it still references P's
+//! blocks — requests queued for KV space, READs in flight under a lease — gives every one back,
+//! so P frees them at once instead of at its 480 s hold deadline.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::Mesh;
+use serde_json::{json, Value};
+
+/// P and D only (this test plays the router). D's READs stall (`delay_transfer_ms`, D's own
+/// fault injection), and D has room for two prompts' KV: the first two requests wait under a
+/// lease, the next four wait for space.
+fn topology(http: u16, base: u16) -> String {
+    let side = common::side_ports(http);
+    let model = "model = { kind = \"synthetic\" }";
+    format!(
+        r#"
+[[nodes]]
+name = "p"
+role = "prefill"
+http_port = {http}
+base_port = {p_base}
+{model}
+engine = {{ block_size = 4, num_blocks = 256 }}
+kv_transfer = {{ kv_role = "kv_producer", side_channel_port = {side}, data_port = {p_data}, hold_mode = "fixed" }}
+
+[[nodes]]
+name = "d"
+role = "decode"
+http_port = {d_http}
+base_port = {d_base}
+{model}
+engine = {{ block_size = 4, num_blocks = 24 }}
+kv_transfer = {{ kv_role = "kv_consumer", side_channel_port = {d_side}, data_port = {d_data}, hold_mode = "fixed", fault_injection = "delay_transfer_ms=600000" }}
+"#,
+        p_base = base + 20,
+        p_data = side + 2,
+        d_http = http + 1,
+        d_base = base + 40,
+        d_side = side + 4,
+        d_data = side + 6,
+    )
+}
+
+fn metric(url: &str, name: &str) -> f64 {
+    let text = reqwest::blocking::get(url).unwrap().text().unwrap();
+    text.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok()).sum()
+}
+
+fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if cond() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("{what}: never true");
+}
+
+#[test]
+fn a_decode_node_stopping_gracefully_gives_p_its_blocks_back() {
+    let mesh = Mesh::start_nodes(topology, |h| vec![h, h + 1]);
+    let (p, d) = (mesh.http_port, mesh.http_port + 1);
+    let p_worker = format!("http://127.0.0.1:{}/metrics", mesh.base_port + 20 + 112);
+    let d_worker = format!("http://127.0.0.1:{}/metrics", mesh.base_port + 40 + 112);
+    let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+
+    // P prefills six requests (11 blocks each) and holds them for D; D gets each one.
+    for i in 0..6 {
+        let id = format!("sd-{i}");
+        let prompt = format!("shutdown {i}: {}", "x".repeat(30));
+        let r = client
+            .post(mesh.url_on(p, "/v1/completions"))
+            .header("X-Request-Id", &id)
+            .json(&json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}))
+            .send()
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        let params = r.json::<Value>().unwrap()["kv_transfer_params"].clone();
+        assert_eq!(params["do_remote_prefill"], true, "{params}");
+        let url = mesh.url_on(d, "/v1/completions");
+        // D never answers before it stops: the client's outcome is not what this test is about.
+        std::thread::spawn(move || {
+            let c = reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+            let _ = c
+                .post(url)
+                .header("X-Request-Id", id)
+                .json(&json!({"prompt": prompt, "max_tokens": 4, "kv_transfer_params": params}))
+                .send();
+        });
+    }
+    // Parked: two READs stalled under a lease, four requests queued for D's KV space; D's
+    // worker references all six.
+    mesh.wait_kv_on(p, "P holds six requests, two of them leased", |kv| {
+        kv["held_requests"].as_array().is_some_and(|h| h.len() == 6) && kv["leased_blocks"].as_u64() == Some(22)
+    });
+    wait_for("D's worker references all six", || metric(&d_worker, "pdmesh_worker_kv_remote_references") == 6.0);
+    let held_before = mesh.kv_on(p)["held_blocks"].as_u64().unwrap();
+    assert_eq!(held_before, 66);
+
+    // Stop node D gracefully: SIGTERM to each of its processes, as `pdmesh up` does at shutdown.
+    for proc in mesh.processes().iter().filter(|pr| pr["node"] == "d") {
+        let pid = proc["pid"].as_i64().unwrap() as i32;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGTERM).unwrap();
+    }
+
+    // P frees everything at once: the hold deadline is 480 s and the leases' 10 s, and no
+    // hold or lease expired, so only D's give-ups can have done it.
+    mesh.wait_kv_on(p, "P holds and uses nothing after D stopped", |kv| {
+        kv["held_blocks"] == 0 && kv["used_blocks"] == 0
+    });
+    assert_eq!(metric(&p_worker, "pdmesh_worker_kv_holds_expired_total"), 0.0, "nothing reached a deadline");
+    let given_up = metric(&p_worker, "pdmesh_worker_kv_held_block_seconds_total{released_by=\"given_up\"}");
+    assert!(given_up > 0.0, "released by D's give-ups");
+    assert!(mesh.logs().contains("shutting down: giving P's blocks back"));
+    assert!(!mesh.logs().contains("panicked"), "a panic in the logs");
+}

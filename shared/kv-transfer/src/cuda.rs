@@ -1,0 +1,297 @@
+//! GPU-direct block reads between processes on one host: CUDA IPC (cargo feature `cuda`).
+//!
+//! The `cuda` backend's data path, the GPU counterpart of [`crate::shm`]: P allocates its KV
+//! region in GPU memory with `cuMemAlloc` (IPC cannot export stream-ordered pool memory) and
+//! exports a 64-byte IPC handle; D opens the handle once per peer (`cuIpcOpenMemHandle`) and
+//! copies the blocks it leased device-to-device into its own region: one 2D copy per
+//! contiguous run of blocks (a row per layer side), with no host staging and no work on P's
+//! side.
+//!
+//! The region has the host cache's layout (`[layer][K|V][block][slot][head][dim]`, f32), so
+//! block offsets are computed exactly as for `shm` and `tcp`.
+//!
+//! Like the GPU executor, this uses cudarc with dynamic loading: it builds anywhere and fails
+//! with [`CudaIpcError`] where no driver is found. `unsafe` is the driver calls; each block
+//! says what it relies on.
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext};
+use pdmesh_model_api::KvCacheSpec;
+
+/// Errors of the CUDA IPC data path.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaIpcError {
+    #[error("no CUDA driver library found (libcuda)")]
+    NoDriver,
+    #[error("cuda: {what}: {source}")]
+    Driver { what: &'static str, source: cudarc::driver::DriverError },
+    #[error("block {block} is outside a region of {num_blocks} blocks")]
+    BlockOutOfRange { block: u32, num_blocks: u32 },
+    #[error("{remote} remote blocks for {local} local blocks")]
+    LengthMismatch { remote: usize, local: usize },
+    #[error("geometry mismatch: remote {remote:?}, local {local:?}")]
+    Geometry { remote: KvCacheSpec, local: KvCacheSpec },
+}
+
+fn check(what: &'static str, r: sys::CUresult) -> Result<(), CudaIpcError> {
+    r.result().map_err(|source| CudaIpcError::Driver { what, source })
+}
+
+/// The 64 opaque bytes that name a device allocation to another process (carried in the
+/// agent metadata the way the shm backend carries its file path).
+#[derive(Clone, PartialEq, Eq)]
+pub struct IpcHandle(pub [u8; 64]);
+
+impl std::fmt::Debug for IpcHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "IpcHandle({})", self.to_hex())
+    }
+}
+
+impl IpcHandle {
+    pub fn to_hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    pub fn from_hex(s: &str) -> Option<Self> {
+        let s = s.trim();
+        if s.len() != 128 {
+            return None;
+        }
+        let mut out = [0u8; 64];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+        }
+        Some(Self(out))
+    }
+}
+
+/// Open GPU `ordinal`'s primary context (shared with the GPU executor in the same process).
+pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, CudaIpcError> {
+    // SAFETY: only tries to dlopen libcuda.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(CudaIpcError::NoDriver);
+    }
+    CudaContext::new(ordinal).map_err(|source| CudaIpcError::Driver { what: "open GPU", source })
+}
+
+/// Float offset of `(layer, side, block)` in a region of `spec`'s layout.
+fn block_offset(spec: &KvCacheSpec, layer: usize, side: usize, block: u32) -> usize {
+    ((layer * 2 + side) * spec.num_blocks as usize + block as usize) * spec.floats_per_block()
+}
+
+/// A KV region in GPU memory that other processes can open.
+#[derive(Debug)]
+pub struct DeviceKvRegion {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    spec: KvCacheSpec,
+}
+
+// SAFETY: the region is a device address; the driver calls made through it are thread-safe
+// once the context is bound (every method binds it).
+unsafe impl Send for DeviceKvRegion {}
+unsafe impl Sync for DeviceKvRegion {}
+
+impl DeviceKvRegion {
+    /// Allocate a zeroed region of `spec`'s size on the context's GPU.
+    pub fn new(ctx: Arc<CudaContext>, spec: KvCacheSpec) -> Result<Self, CudaIpcError> {
+        ctx.bind_to_thread().map_err(|source| CudaIpcError::Driver { what: "bind context", source })?;
+        let bytes = spec.total_floats() * 4;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` is a valid out-pointer; the context is current.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes) })?;
+        // SAFETY: `ptr` was just allocated with `bytes` bytes.
+        check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(ptr, 0, bytes) })?;
+        Ok(Self { ctx, ptr, spec })
+    }
+
+    pub fn spec(&self) -> &KvCacheSpec {
+        &self.spec
+    }
+
+    /// Base device address (for kernels or copies in this process).
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The IPC handle another process opens with [`RemoteDeviceKv::open`].
+    pub fn export(&self) -> Result<IpcHandle, CudaIpcError> {
+        self.bind()?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: `h` is a valid out-pointer and `ptr` the base of a cuMemAlloc allocation.
+        check("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut h, self.ptr) })?;
+        Ok(IpcHandle(h.reserved.map(|c| c as u8)))
+    }
+
+    /// Copy `data` (at most the region's floats) to the start of the region.
+    pub fn upload(&self, data: &[f32]) -> Result<(), CudaIpcError> {
+        let n = data.len().min(self.spec.total_floats());
+        self.bind()?;
+        // SAFETY: `n` floats fit both the host slice and the region.
+        check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(self.ptr, data.as_ptr().cast(), n * 4) })
+    }
+
+    /// The whole region, copied to the host.
+    pub fn download(&self) -> Result<Vec<f32>, CudaIpcError> {
+        let n = self.spec.total_floats();
+        let mut out = vec![0f32; n];
+        self.bind()?;
+        // SAFETY: `out` has room for the region's `n` floats.
+        check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), self.ptr, n * 4) })?;
+        Ok(out)
+    }
+
+    fn bind(&self) -> Result<(), CudaIpcError> {
+        self.ctx.bind_to_thread().map_err(|source| CudaIpcError::Driver { what: "bind context", source })
+    }
+}
+
+impl Drop for DeviceKvRegion {
+    fn drop(&mut self) {
+        if self.bind().is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc and is freed once.
+            let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+        }
+    }
+}
+
+/// Another process's [`DeviceKvRegion`], mapped into this one.
+#[derive(Debug)]
+pub struct RemoteDeviceKv {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+    spec: KvCacheSpec,
+}
+
+// SAFETY: as for DeviceKvRegion.
+unsafe impl Send for RemoteDeviceKv {}
+unsafe impl Sync for RemoteDeviceKv {}
+
+impl RemoteDeviceKv {
+    /// Map the region a peer exported. A handle from another machine, a freed region or
+    /// garbage bytes is an error, never a crash.
+    pub fn open(ctx: Arc<CudaContext>, handle: &IpcHandle, spec: KvCacheSpec) -> Result<Self, CudaIpcError> {
+        ctx.bind_to_thread().map_err(|source| CudaIpcError::Driver { what: "bind context", source })?;
+        let h = sys::CUipcMemHandle_st { reserved: handle.0.map(|b| b as _) };
+        let mut ptr: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: `ptr` is a valid out-pointer; the driver validates the handle.
+        check("cuIpcOpenMemHandle", unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) })?;
+        Ok(Self { ctx, ptr, spec })
+    }
+
+    /// Copy `remote_blocks[i]` of the peer into `local_blocks[i]` of `local`, every layer, K and
+    /// V; contiguous runs of blocks become one copy per layer side. Returns the bytes copied.
+    pub fn read_blocks(
+        &self,
+        remote_blocks: &[u32],
+        local: &DeviceKvRegion,
+        local_blocks: &[u32],
+    ) -> Result<u64, CudaIpcError> {
+        let (rs, ls) = (self.spec, local.spec);
+        if rs.num_layers != ls.num_layers || rs.floats_per_block() != ls.floats_per_block() {
+            return Err(CudaIpcError::Geometry { remote: rs, local: ls });
+        }
+        if remote_blocks.len() != local_blocks.len() {
+            return Err(CudaIpcError::LengthMismatch { remote: remote_blocks.len(), local: local_blocks.len() });
+        }
+        for (&b, n) in
+            remote_blocks.iter().map(|b| (b, rs.num_blocks)).chain(local_blocks.iter().map(|b| (b, ls.num_blocks)))
+        {
+            if b >= n {
+                return Err(CudaIpcError::BlockOutOfRange { block: b, num_blocks: n });
+            }
+        }
+        // runs of consecutive (remote, local) block pairs
+        let mut runs: Vec<(u32, u32, usize)> = Vec::new();
+        for (&r, &l) in remote_blocks.iter().zip(local_blocks) {
+            match runs.last_mut() {
+                Some((r0, l0, n)) if *r0 + *n as u32 == r && *l0 + *n as u32 == l => *n += 1,
+                _ => runs.push((r, l, 1)),
+            }
+        }
+        self.ctx.bind_to_thread().map_err(|source| CudaIpcError::Driver { what: "bind context", source })?;
+        let fpb = rs.floats_per_block();
+        let layer_sides = rs.num_layers as usize * 2;
+        let mut bytes = 0u64;
+        for &(r, l, n) in &runs {
+            // One 2D copy per run: a row per (layer, side), rows a layer side apart in each
+            // region. Pitches above the device's limit fall back to a copy per row.
+            let copy = sys::CUDA_MEMCPY2D_st {
+                srcXInBytes: r as usize * fpb * 4,
+                srcY: 0,
+                srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                srcHost: std::ptr::null(),
+                srcDevice: self.ptr,
+                srcArray: std::ptr::null_mut(),
+                srcPitch: rs.num_blocks as usize * fpb * 4,
+                dstXInBytes: l as usize * fpb * 4,
+                dstY: 0,
+                dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+                dstHost: std::ptr::null_mut(),
+                dstDevice: local.ptr,
+                dstArray: std::ptr::null_mut(),
+                dstPitch: ls.num_blocks as usize * fpb * 4,
+                WidthInBytes: n * fpb * 4,
+                Height: layer_sides,
+            };
+            // SAFETY: every row lies inside its region (block ids checked above).
+            if check("cuMemcpy2DAsync", unsafe { sys::cuMemcpy2DAsync_v2(&copy, std::ptr::null_mut()) }).is_err() {
+                for layer in 0..rs.num_layers as usize {
+                    for side in 0..2 {
+                        let src = self.ptr + (block_offset(&rs, layer, side, r) * 4) as u64;
+                        let dst = local.ptr + (block_offset(&ls, layer, side, l) * 4) as u64;
+                        // SAFETY: as above.
+                        check("cuMemcpyDtoDAsync", unsafe {
+                            sys::cuMemcpyDtoDAsync_v2(dst, src, n * fpb * 4, std::ptr::null_mut())
+                        })?;
+                    }
+                }
+            }
+            bytes += (n * fpb * 4 * layer_sides) as u64;
+        }
+        // SAFETY: synchronises the legacy default stream the copies were queued on.
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) })?;
+        Ok(bytes)
+    }
+}
+
+impl Drop for RemoteDeviceKv {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        }
+    }
+}
+
+/// Device-to-device copy of `bytes` between two allocations of this process: the baseline the
+/// IPC reads are measured against.
+pub fn local_copy(dst: &DeviceKvRegion, src: &DeviceKvRegion, bytes: usize) -> Result<(), CudaIpcError> {
+    let bytes = bytes.min(dst.spec.total_floats() * 4).min(src.spec.total_floats() * 4);
+    dst.bind()?;
+    // SAFETY: `bytes` fits both allocations.
+    check("cuMemcpyDtoD", unsafe { sys::cuMemcpyDtoDAsync_v2(dst.ptr, src.ptr, bytes, std::ptr::null_mut()) })?;
+    // SAFETY: as above.
+    check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_round_trip_through_hex() {
+        let mut b = [0u8; 64];
+        for (i, x) in b.iter_mut().enumerate() {
+            *x = (i * 37) as u8;
+        }
+        let h = IpcHandle(b);
+        assert_eq!(IpcHandle::from_hex(&h.to_hex()), Some(h));
+        assert_eq!(IpcHandle::from_hex("zz"), None);
+        assert_eq!(IpcHandle::from_hex(&"g".repeat(128)), None);
+    }
+}

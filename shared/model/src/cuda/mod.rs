@@ -1,0 +1,632 @@
+//! [`CudaLlamaExecutor`]: the llama forward pass on an NVIDIA GPU (cargo feature `cuda`).
+//!
+//! Built on `cudarc` with dynamic loading: the crate compiles and links on a machine without a
+//! GPU, driver or CUDA toolkit, and [`CudaLlamaExecutor::load`] returns
+//! [`ModelError::Cuda`] where `libcuda`/`libnvrtc` cannot be found. The kernels
+//! (`kernels.cu`) are compiled at load time with NVRTC for the GPU at hand.
+//!
+//! Numerics: the same as the CPU executor (quantized weights stay quantized on the GPU, the
+//! activations are quantized to 8 bits per block with candle's rounding, every reduction runs in
+//! the CPU executor's order), so a request's tokens do not depend on batching or chunking, and
+//! the logits equal the CPU path's up to the last bit of `expf`.
+//!
+//! KV cache: the GPU holds its own copy of the worker's paged cache, per layer K and V as
+//! `[num_blocks, block_size, n_kv_heads, head_dim]`, the same layout as the host [`KvCache`].
+//! The host cache stays the copy the transfer backends (shm, tcp) read and write:
+//! - every K/V slot a step writes on the GPU is written to the host cache as well, at the end of
+//!   the step, so a P node's held blocks are readable by D;
+//! - a block a request reads but this GPU did not write for that request (its KV was loaded
+//!   from a P node into the host cache) is uploaded before the step.
+//!
+//! This is host staging, as vLLM does with a CPU KV buffer; GPU-to-GPU reads without it are the
+//! job of a `cuda` transfer backend.
+//!
+//! `unsafe` here is the kernel launches (cudarc cannot check argument lists against a kernel's
+//! signature) and the library probe; each block says what it relies on.
+#![allow(unsafe_code)]
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::CompileOptions;
+use half::f16;
+use pdmesh_model_api::kv_cache::KvSide;
+use pdmesh_model_api::{sampling, Executor, ExecutorError, KvCache, KvCacheSpec, ModelFacts};
+use pdmesh_protocol::{SampledToken, ScheduledChunk};
+
+use crate::embedding::Embedding;
+use crate::error::ModelError;
+use crate::executor::{effective_max_len, model_name, norm_weights, plan_step, rope_tables};
+use crate::gguf::{sha256_file, GgufFile, LlamaConfig};
+use crate::ModelOptions;
+
+const KERNELS: &str = include_str!("kernels.cu");
+const QK: usize = 32;
+const THREADS: u32 = 128;
+
+fn cuda_err(what: &str, e: impl std::fmt::Display) -> ModelError {
+    ModelError::Cuda(format!("{what}: {e}"))
+}
+
+fn exec_err(e: impl std::fmt::Display) -> ExecutorError {
+    ExecutorError::Model(format!("cuda: {e}"))
+}
+
+/// Names of the kernels in `kernels.cu`.
+struct Kernels {
+    quantize_q8: CudaFunction,
+    mm_q4_1: CudaFunction,
+    mm_q8_0: CudaFunction,
+    mm_f32: CudaFunction,
+    rms_norm: CudaFunction,
+    rope: CudaFunction,
+    kv_write: CudaFunction,
+    attention: CudaFunction,
+    silu_mul: CudaFunction,
+    add_in_place: CudaFunction,
+    gather_rows: CudaFunction,
+}
+
+impl Kernels {
+    fn load(module: &Arc<CudaModule>) -> Result<Self, ModelError> {
+        let f = |name: &str| module.load_function(name).map_err(|e| cuda_err(name, e));
+        Ok(Self {
+            quantize_q8: f("quantize_q8")?,
+            mm_q4_1: f("mm_q4_1")?,
+            mm_q8_0: f("mm_q8_0")?,
+            mm_f32: f("mm_f32")?,
+            rms_norm: f("rms_norm")?,
+            rope: f("rope")?,
+            kv_write: f("kv_write")?,
+            attention: f("attention")?,
+            silu_mul: f("silu_mul")?,
+            add_in_place: f("add_in_place")?,
+            gather_rows: f("gather_rows")?,
+        })
+    }
+}
+
+/// One weight matrix `[rows, k]` in GPU memory.
+enum GpuLinear {
+    Q4_1 { rows: usize, k: usize, qs: CudaSlice<u8>, d: CudaSlice<f32>, m: CudaSlice<f32> },
+    Q8_0 { rows: usize, k: usize, qs: CudaSlice<i8>, d: CudaSlice<f32> },
+    F32 { rows: usize, k: usize, w: CudaSlice<f32> },
+}
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    match b.get(i..i + 2) {
+        Some(&[lo, hi]) => f16::from_le_bytes([lo, hi]).to_f32(),
+        _ => 0.0,
+    }
+}
+
+impl GpuLinear {
+    fn load(stream: &Arc<CudaStream>, g: &mut GgufFile, name: &str, rows: usize, k: usize) -> Result<Self, ModelError> {
+        let qt = g.tensor_with_dims(name, &[rows, k])?;
+        Self::from_qtensor(stream, name, &qt, rows, k)
+    }
+
+    fn from_qtensor(
+        stream: &Arc<CudaStream>,
+        name: &str,
+        qt: &candle_core::quantized::QTensor,
+        rows: usize,
+        k: usize,
+    ) -> Result<Self, ModelError> {
+        use candle_core::quantized::GgmlDType;
+        let bad = |reason: String| ModelError::InvalidTensor { name: name.to_string(), reason };
+        let nb = k / QK;
+        let up = |e| cuda_err(name, e);
+        match qt.dtype() {
+            GgmlDType::Q4_1 if k.is_multiple_of(QK) => {
+                let raw = qt.data().map_err(|e| bad(e.to_string()))?;
+                if raw.len() != rows * nb * 20 {
+                    return Err(bad(format!("{} bytes of Q4_1 for [{rows}, {k}]", raw.len())));
+                }
+                let (mut qs, mut d, mut m) = (Vec::with_capacity(rows * nb * 16), Vec::new(), Vec::new());
+                for blk in raw.chunks_exact(20) {
+                    d.push(f16_at(blk, 0));
+                    m.push(f16_at(blk, 2));
+                    qs.extend_from_slice(&blk[4..20]);
+                }
+                Ok(GpuLinear::Q4_1 {
+                    rows,
+                    k,
+                    qs: stream.clone_htod(&qs).map_err(up)?,
+                    d: stream.clone_htod(&d).map_err(up)?,
+                    m: stream.clone_htod(&m).map_err(up)?,
+                })
+            }
+            GgmlDType::Q8_0 if k.is_multiple_of(QK) => {
+                let raw = qt.data().map_err(|e| bad(e.to_string()))?;
+                if raw.len() != rows * nb * 34 {
+                    return Err(bad(format!("{} bytes of Q8_0 for [{rows}, {k}]", raw.len())));
+                }
+                let (mut qs, mut d) = (Vec::with_capacity(rows * k), Vec::new());
+                for blk in raw.chunks_exact(34) {
+                    d.push(f16_at(blk, 0));
+                    qs.extend(blk[2..34].iter().map(|&b| b as i8));
+                }
+                Ok(GpuLinear::Q8_0 {
+                    rows,
+                    k,
+                    qs: stream.clone_htod(&qs).map_err(up)?,
+                    d: stream.clone_htod(&d).map_err(up)?,
+                })
+            }
+            _ => {
+                let w = qt
+                    .dequantize(&candle_core::Device::Cpu)
+                    .and_then(|t| t.flatten_all())
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .map_err(|e| bad(e.to_string()))?;
+                Ok(GpuLinear::F32 { rows, k, w: stream.clone_htod(&w).map_err(up)? })
+            }
+        }
+    }
+
+    fn rows(&self) -> usize {
+        match self {
+            GpuLinear::Q4_1 { rows, .. } | GpuLinear::Q8_0 { rows, .. } | GpuLinear::F32 { rows, .. } => *rows,
+        }
+    }
+
+    fn is_dense(&self) -> bool {
+        matches!(self, GpuLinear::F32 { .. })
+    }
+}
+
+struct GpuLayer {
+    attn_norm: CudaSlice<f32>,
+    wq: GpuLinear,
+    wk: GpuLinear,
+    wv: GpuLinear,
+    wo: GpuLinear,
+    ffn_norm: CudaSlice<f32>,
+    gate: GpuLinear,
+    up: GpuLinear,
+    down: GpuLinear,
+}
+
+/// Activations quantized on the GPU ([`Kernels::quantize_q8`]'s outputs).
+struct QActs {
+    qs: CudaSlice<i8>,
+    d: CudaSlice<f32>,
+    s: CudaSlice<f32>,
+}
+
+/// The GPU's copy of the paged KV cache and who wrote each block.
+struct DeviceKv {
+    spec: KvCacheSpec,
+    k: Vec<CudaSlice<f32>>,
+    v: Vec<CudaSlice<f32>>,
+    /// The request whose K/V this GPU last wrote into each block; a block read by another
+    /// request (or never written here) is uploaded from the host cache first.
+    writer: Vec<Option<String>>,
+}
+
+/// A llama-architecture GGUF model on an NVIDIA GPU, implementing [`Executor`].
+pub struct CudaLlamaExecutor {
+    facts: ModelFacts,
+    cfg: LlamaConfig,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    embedding: Embedding,
+    layers: Vec<GpuLayer>,
+    out_norm: CudaSlice<f32>,
+    output: GpuLinear,
+    rope_cos: CudaSlice<f32>,
+    rope_sin: CudaSlice<f32>,
+    kv: Option<DeviceKv>,
+    device_name: String,
+    logits: Vec<f32>,
+}
+
+impl std::fmt::Debug for CudaLlamaExecutor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaLlamaExecutor")
+            .field("facts", &self.facts)
+            .field("device", &self.device_name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether a CUDA driver and NVRTC can be loaded on this machine (without touching a GPU).
+pub fn cuda_available() -> bool {
+    // SAFETY: these only try to dlopen the libraries; they call nothing in them.
+    unsafe { cudarc::driver::sys::is_culib_present() && cudarc::nvrtc::sys::is_culib_present() }
+}
+
+fn grid(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(THREADS).max(1), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+fn grid2(n: usize, m: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: ((n as u32).div_ceil(THREADS).max(1), m as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Launch a kernel of `kernels.cu` with its arguments in the order of its signature.
+macro_rules! launch {
+    ($self:expr, $f:expr, $cfg:expr; $($arg:expr),* $(,)?) => {{
+        let mut b = $self.stream.launch_builder(&$f);
+        $( b.arg($arg); )*
+        // SAFETY: every call site passes the kernel's arguments in the order and types of its
+        // signature in kernels.cu, and every buffer holds at least the elements the launch's
+        // sizes index (the step plan range-checked tokens, positions and block ids).
+        unsafe { b.launch($cfg) }.map(|_| ()).map_err(exec_err)
+    }};
+}
+
+fn to_i32(v: usize) -> Result<i32, ExecutorError> {
+    i32::try_from(v).map_err(|_| ExecutorError::Model(format!("cuda: {v} does not fit a kernel argument")))
+}
+
+impl CudaLlamaExecutor {
+    /// Load the GGUF file at `path` onto GPU `ordinal`.
+    pub fn load(path: impl AsRef<std::path::Path>, options: &ModelOptions, ordinal: usize) -> Result<Self, ModelError> {
+        let path = path.as_ref();
+        let mut g = GgufFile::open(path)?;
+        let weights_id = sha256_file(path)?;
+        let eos = crate::text::eos_token_ids(g.metadata())?;
+        Self::from_gguf(&mut g, options, weights_id, eos, ordinal)
+    }
+
+    pub(crate) fn from_gguf(
+        g: &mut GgufFile,
+        options: &ModelOptions,
+        weights_id: String,
+        eos_token_ids: Vec<u32>,
+        ordinal: usize,
+    ) -> Result<Self, ModelError> {
+        if !cuda_available() {
+            return Err(ModelError::Cuda("no CUDA driver or NVRTC library found (libcuda, libnvrtc)".into()));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("open GPU", e))?;
+        let device_name = ctx.name().unwrap_or_else(|_| format!("cuda:{ordinal}"));
+        let stream = ctx.default_stream();
+        let opts = CompileOptions { fmad: Some(false), ..Default::default() };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts).map_err(|e| cuda_err("compile kernels", e))?;
+        let module = ctx.load_module(ptx).map_err(|e| cuda_err("load kernels", e))?;
+        let kernels = Kernels::load(&module)?;
+
+        let cfg = LlamaConfig::from_gguf(g)?;
+        let (hd, h, f) = (cfg.head_dim, cfg.hidden, cfg.ffn_dim);
+        let (q_dim, kv_dim) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let up = |what: &str, e| cuda_err(what, e);
+        let embd_q = g.tensor_with_dims("token_embd.weight", &[cfg.vocab_size, h])?;
+        let embedding = Embedding::new("token_embd.weight", &embd_q)?;
+        let output = if g.has_tensor("output.weight") {
+            GpuLinear::load(&stream, g, "output.weight", cfg.vocab_size, h)?
+        } else {
+            GpuLinear::from_qtensor(&stream, "token_embd.weight", &embd_q, cfg.vocab_size, h)?
+        };
+        let out_norm =
+            stream.clone_htod(&norm_weights(g, "output_norm.weight", h)?).map_err(|e| up("output_norm", e))?;
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let p = format!("blk.{i}");
+            let norm = |g: &mut GgufFile, n: &str| -> Result<CudaSlice<f32>, ModelError> {
+                stream.clone_htod(&norm_weights(g, n, h)?).map_err(|e| cuda_err(n, e))
+            };
+            layers.push(GpuLayer {
+                attn_norm: norm(g, &format!("{p}.attn_norm.weight"))?,
+                wq: GpuLinear::load(&stream, g, &format!("{p}.attn_q.weight"), q_dim, h)?,
+                wk: GpuLinear::load(&stream, g, &format!("{p}.attn_k.weight"), kv_dim, h)?,
+                wv: GpuLinear::load(&stream, g, &format!("{p}.attn_v.weight"), kv_dim, h)?,
+                wo: GpuLinear::load(&stream, g, &format!("{p}.attn_output.weight"), h, q_dim)?,
+                ffn_norm: norm(g, &format!("{p}.ffn_norm.weight"))?,
+                gate: GpuLinear::load(&stream, g, &format!("{p}.ffn_gate.weight"), f, h)?,
+                up: GpuLinear::load(&stream, g, &format!("{p}.ffn_up.weight"), f, h)?,
+                down: GpuLinear::load(&stream, g, &format!("{p}.ffn_down.weight"), h, f)?,
+            });
+        }
+        let max_model_len = effective_max_len(cfg.context_length, options);
+        let (cos, sin) = rope_tables(hd, cfg.rope_base, max_model_len as usize);
+        let rope_cos = stream.clone_htod(&cos).map_err(|e| up("rope", e))?;
+        let rope_sin = stream.clone_htod(&sin).map_err(|e| up("rope", e))?;
+        stream.synchronize().map_err(|e| up("upload weights", e))?;
+        let facts = ModelFacts {
+            name: model_name(&g.path),
+            num_layers: cfg.n_layers as u32,
+            num_kv_heads: cfg.n_kv_heads as u32,
+            head_dim: hd as u32,
+            vocab_size: cfg.vocab_size as u32,
+            max_model_len,
+            eos_token_ids,
+            weights_id,
+        };
+        tracing::info!(name = %facts.name, device = %device_name, layers = cfg.n_layers, "loaded llama GGUF model on the GPU");
+        Ok(Self {
+            facts,
+            cfg,
+            stream,
+            kernels,
+            embedding,
+            layers,
+            out_norm,
+            output,
+            rope_cos,
+            rope_sin,
+            kv: None,
+            device_name,
+            logits: Vec::new(),
+        })
+    }
+
+    /// The GPU's name, as the driver reports it.
+    pub fn device_name(&self) -> &str {
+        &self.device_name
+    }
+
+    /// The logits (`[n_sampled, vocab]`, in chunk order) of the last step's sampling chunks.
+    pub fn last_logits(&self) -> &[f32] {
+        &self.logits
+    }
+
+    fn alloc<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, ExecutorError> {
+        self.stream.alloc_zeros::<T>(n.max(1)).map_err(exec_err)
+    }
+
+    fn quantize(&self, x: &CudaSlice<f32>, rows: usize, k: usize) -> Result<QActs, ExecutorError> {
+        let nb = k / QK;
+        let mut q = QActs { qs: self.alloc(rows * k)?, d: self.alloc(rows * nb)?, s: self.alloc(rows * nb)? };
+        let (r, kk) = (to_i32(rows)?, to_i32(k)?);
+        launch!(self, self.kernels.quantize_q8, grid(rows * nb); x, &r, &kk, &mut q.qs, &mut q.d, &mut q.s)?;
+        Ok(q)
+    }
+
+    /// `out[m, rows] = x[m, k] · Wᵀ`; `qx` is `x` quantized (unused for dense weights).
+    fn matmul(&self, w: &GpuLinear, x: &CudaSlice<f32>, qx: &QActs, m: usize) -> Result<CudaSlice<f32>, ExecutorError> {
+        let mut out = self.alloc::<f32>(m * w.rows())?;
+        let mi = to_i32(m)?;
+        match w {
+            GpuLinear::Q4_1 { rows, k, qs, d, m: mins } => {
+                let (r, kk) = (to_i32(*rows)?, to_i32(*k)?);
+                launch!(self, self.kernels.mm_q4_1, grid2(*rows, m); qs, d, mins, &r, &kk, &qx.qs, &qx.d, &qx.s, &mi, &mut out)?;
+            }
+            GpuLinear::Q8_0 { rows, k, qs, d } => {
+                let (r, kk) = (to_i32(*rows)?, to_i32(*k)?);
+                launch!(self, self.kernels.mm_q8_0, grid2(*rows, m); qs, d, &r, &kk, &qx.qs, &qx.d, &mi, &mut out)?;
+            }
+            GpuLinear::F32 { rows, k, w } => {
+                let (r, kk) = (to_i32(*rows)?, to_i32(*k)?);
+                launch!(self, self.kernels.mm_f32, grid2(*rows, m); w, &r, &kk, x, &mi, &mut out)?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Quantize `x` once for the quantized weights among `ws`, then multiply each.
+    fn matmuls<const N: usize>(
+        &self,
+        ws: [&GpuLinear; N],
+        x: &CudaSlice<f32>,
+        m: usize,
+        k: usize,
+    ) -> Result<[CudaSlice<f32>; N], ExecutorError> {
+        let qx = if ws.iter().all(|w| w.is_dense()) {
+            QActs { qs: self.alloc(1)?, d: self.alloc(1)?, s: self.alloc(1)? }
+        } else {
+            self.quantize(x, m, k)?
+        };
+        let mut outs = Vec::with_capacity(N);
+        for w in ws {
+            outs.push(self.matmul(w, x, &qx, m)?);
+        }
+        outs.try_into().map_err(|_| ExecutorError::Model("cuda: matmul outputs".into()))
+    }
+
+    fn rms_norm(&self, x: &CudaSlice<f32>, w: &CudaSlice<f32>, rows: usize) -> Result<CudaSlice<f32>, ExecutorError> {
+        let d = self.cfg.hidden;
+        let mut out = self.alloc::<f32>(rows * d)?;
+        let (r, di, eps) = (to_i32(rows)?, to_i32(d)?, self.cfg.rms_eps);
+        launch!(self, self.kernels.rms_norm, grid(rows); x, w, &r, &di, &eps, &mut out)?;
+        Ok(out)
+    }
+
+    fn add(&self, x: &mut CudaSlice<f32>, y: &CudaSlice<f32>, n: usize) -> Result<(), ExecutorError> {
+        let ni = to_i32(n)?;
+        launch!(self, self.kernels.add_in_place, grid(n); x, y, &ni)
+    }
+
+    /// Make the device cache match the host cache's geometry (allocating it on first use).
+    fn ensure_kv(&mut self, spec: KvCacheSpec) -> Result<(), ExecutorError> {
+        if self.kv.as_ref().is_some_and(|k| k.spec == spec) {
+            return Ok(());
+        }
+        let n = spec.floats_per_layer_side();
+        let mut k = Vec::with_capacity(spec.num_layers as usize);
+        let mut v = Vec::with_capacity(spec.num_layers as usize);
+        for _ in 0..spec.num_layers {
+            k.push(self.alloc::<f32>(n)?);
+            v.push(self.alloc::<f32>(n)?);
+        }
+        self.kv = Some(DeviceKv { spec, k, v, writer: vec![None; spec.num_blocks as usize] });
+        Ok(())
+    }
+
+    /// Upload the blocks a chunk reads (positions before its start) that this GPU did not write
+    /// for that request: their K/V came into the host cache from elsewhere (a KV transfer).
+    fn upload_foreign_blocks(&mut self, host: &KvCache, chunks: &[ScheduledChunk]) -> Result<u64, ExecutorError> {
+        let Some(dev) = self.kv.as_mut() else { return Ok(0) };
+        let bs = dev.spec.block_size as usize;
+        let fpb = dev.spec.floats_per_block();
+        let mut uploaded = 0u64;
+        for c in chunks {
+            let read_blocks = (c.start_pos as usize).div_ceil(bs);
+            for &b in c.block_ids.iter().take(read_blocks) {
+                let bi = b as usize;
+                if dev.writer.get(bi).and_then(|w| w.as_deref()) == Some(c.request_id.as_str()) {
+                    continue;
+                }
+                for li in 0..dev.spec.num_layers as usize {
+                    let off = bi * fpb;
+                    let src_k = host.block(li, KvSide::Key, b)?;
+                    let src_v = host.block(li, KvSide::Value, b)?;
+                    self.stream.memcpy_htod(src_k, &mut dev.k[li].slice_mut(off..off + fpb)).map_err(exec_err)?;
+                    self.stream.memcpy_htod(src_v, &mut dev.v[li].slice_mut(off..off + fpb)).map_err(exec_err)?;
+                }
+                if let Some(w) = dev.writer.get_mut(bi) {
+                    *w = Some(c.request_id.clone());
+                }
+                uploaded += 1;
+            }
+        }
+        Ok(uploaded)
+    }
+
+    fn forward(&mut self, host: &mut KvCache, chunks: &[ScheduledChunk]) -> Result<Vec<SampledToken>, ExecutorError> {
+        let plan = plan_step(&self.cfg, self.facts.max_model_len as usize, host, chunks)?;
+        let n = plan.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let spec = *host.spec();
+        self.ensure_kv(spec)?;
+        self.upload_foreign_blocks(host, chunks)?;
+        // Taken out for the step and put back at its end: a step that fails midway drops the
+        // device copy, and the next step starts from a fresh one filled from the host cache.
+        let mut dev = self.kv.take().ok_or_else(|| ExecutorError::Model("cuda: no KV cache".into()))?;
+        let cfg = self.cfg.clone();
+        let (h, hd, nh, nkv) = (cfg.hidden, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
+        let kv_dim = nkv * hd;
+        let bs = spec.block_size as usize;
+        let scale = (1.0 / (hd as f64).sqrt()) as f32;
+
+        // Host-side step description: embeddings, positions, slots, block tables.
+        let mut x_host = vec![0f32; n * h];
+        let ids = chunks.iter().flat_map(|c| c.token_ids.iter().copied());
+        for (row, id) in x_host.chunks_exact_mut(h).zip(ids) {
+            self.embedding.row_into(id as usize, row);
+        }
+        let mut tables: Vec<i32> = Vec::new();
+        let mut chunk_table_off = Vec::with_capacity(chunks.len());
+        for c in chunks {
+            chunk_table_off.push(to_i32(tables.len())?);
+            for &b in &c.block_ids {
+                tables.push(to_i32(b as usize)?);
+            }
+        }
+        let (mut pos, mut slot, mut bt_off) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        let mut max_len = 0usize;
+        for tp in &plan {
+            let c = &chunks[tp.chunk];
+            pos.push(to_i32(tp.pos)?);
+            slot.push(to_i32(c.block_ids[tp.pos / bs] as usize * bs + tp.pos % bs)?);
+            bt_off.push(chunk_table_off[tp.chunk]);
+            max_len = max_len.max(tp.pos + 1);
+        }
+        let st = &self.stream;
+        let mut x = st.clone_htod(&x_host).map_err(exec_err)?;
+        let pos_d = st.clone_htod(&pos).map_err(exec_err)?;
+        let slot_d = st.clone_htod(&slot).map_err(exec_err)?;
+        let bt_off_d = st.clone_htod(&bt_off).map_err(exec_err)?;
+        let tables_d = st.clone_htod(&tables).map_err(exec_err)?;
+        let mut scores = self.alloc::<f32>(n * nh * max_len)?;
+        // K/V of this step's tokens per layer, copied to the host cache at the end.
+        let mut new_k = Vec::with_capacity(cfg.n_layers);
+        let mut new_v = Vec::with_capacity(cfg.n_layers);
+
+        let (ni, nhi, nkvi, hdi, bsi, kvdi, stride) =
+            (to_i32(n)?, to_i32(nh)?, to_i32(nkv)?, to_i32(hd)?, to_i32(bs)?, to_i32(kv_dim)?, to_i32(max_len)?);
+        for li in 0..cfg.n_layers {
+            let layer = &self.layers[li];
+            let hn = self.rms_norm(&x, &layer.attn_norm, n)?;
+            let [mut q, mut k, v] = self.matmuls([&layer.wq, &layer.wk, &layer.wv], &hn, n, h)?;
+            launch!(self, self.kernels.rope, grid(n * nh * hd / 2); &mut q, &ni, &nhi, &hdi, &pos_d, &self.rope_cos, &self.rope_sin)?;
+            launch!(self, self.kernels.rope, grid(n * nkv * hd / 2); &mut k, &ni, &nkvi, &hdi, &pos_d, &self.rope_cos, &self.rope_sin)?;
+            let (kc, vc) = (&mut dev.k[li], &mut dev.v[li]);
+            launch!(self, self.kernels.kv_write, grid(n * kv_dim); &k, &v, &ni, &kvdi, &slot_d, kc, vc)?;
+            let mut attn = self.alloc::<f32>(n * nh * hd)?;
+            launch!(self, self.kernels.attention, grid(n * nh); &q, &dev.k[li], &dev.v[li], &ni, &nhi, &nkvi, &hdi, &bsi, &pos_d, &bt_off_d, &tables_d, &scale, &mut scores, &stride, &mut attn)?;
+            new_k.push(k);
+            new_v.push(v);
+            let [proj] = self.matmuls([&layer.wo], &attn, n, nh * hd)?;
+            self.add(&mut x, &proj, n * h)?;
+            let hn = self.rms_norm(&x, &layer.ffn_norm, n)?;
+            let [mut gate, upv] = self.matmuls([&layer.gate, &layer.up], &hn, n, h)?;
+            let nf = to_i32(n * cfg.ffn_dim)?;
+            launch!(self, self.kernels.silu_mul, grid(n * cfg.ffn_dim); &mut gate, &upv, &nf)?;
+            let [proj] = self.matmuls([&layer.down], &gate, n, cfg.ffn_dim)?;
+            self.add(&mut x, &proj, n * h)?;
+        }
+
+        // Logits of the last token of every sampling chunk.
+        let mut last_rows = Vec::new();
+        let mut sampling_chunks = Vec::new();
+        let mut row_start = 0usize;
+        for c in chunks {
+            let len = c.token_ids.len();
+            if c.sample && len > 0 {
+                last_rows.push(to_i32(row_start + len - 1)?);
+                sampling_chunks.push(c);
+            }
+            row_start += len;
+        }
+        let result = if sampling_chunks.is_empty() {
+            self.logits.clear();
+            Vec::new()
+        } else {
+            let m = last_rows.len();
+            let idx = self.stream.clone_htod(&last_rows).map_err(exec_err)?;
+            let mut last = self.alloc::<f32>(m * h)?;
+            let (mi, hi) = (to_i32(m)?, to_i32(h)?);
+            launch!(self, self.kernels.gather_rows, grid(m * h); &x, &idx, &mi, &hi, &mut last)?;
+            let hn = self.rms_norm(&last, &self.out_norm, m)?;
+            let [logits] = self.matmuls([&self.output], &hn, m, h)?;
+            self.logits = self.stream.clone_dtoh(&logits).map_err(exec_err)?;
+            let vocab = cfg.vocab_size;
+            let mut out = Vec::with_capacity(m);
+            for (c, row) in sampling_chunks.iter().zip(self.logits.chunks_exact(vocab)) {
+                let s = sampling::sample(row, &c.sampling, c.output_index)
+                    .map_err(|e| ExecutorError::Model(e.to_string()))?;
+                out.push(SampledToken { request_id: c.request_id.clone(), token_id: s.token_id, logprobs: s.logprobs });
+            }
+            out
+        };
+
+        // Mirror this step's K/V into the host cache (what transfer backends read), and record
+        // which request wrote each block.
+        for (li, (k, v)) in new_k.iter().zip(&new_v).enumerate() {
+            let k_host = self.stream.clone_dtoh(k).map_err(exec_err)?;
+            let v_host = self.stream.clone_dtoh(v).map_err(exec_err)?;
+            let (kc, vc) = host.layer_kv_mut(li);
+            for (t, &s) in slot.iter().enumerate() {
+                let off = s as usize * kv_dim;
+                kc[off..off + kv_dim].copy_from_slice(&k_host[t * kv_dim..(t + 1) * kv_dim]);
+                vc[off..off + kv_dim].copy_from_slice(&v_host[t * kv_dim..(t + 1) * kv_dim]);
+            }
+        }
+        for tp in &plan {
+            let c = &chunks[tp.chunk];
+            if let Some(w) = dev.writer.get_mut(c.block_ids[tp.pos / bs] as usize) {
+                if w.as_deref() != Some(c.request_id.as_str()) {
+                    *w = Some(c.request_id.clone());
+                }
+            }
+        }
+        self.kv = Some(dev);
+        Ok(result)
+    }
+}
+
+impl Executor for CudaLlamaExecutor {
+    fn facts(&self) -> &ModelFacts {
+        &self.facts
+    }
+
+    fn execute(&mut self, kv: &mut KvCache, chunks: &[ScheduledChunk]) -> Result<Vec<SampledToken>, ExecutorError> {
+        self.forward(kv, chunks)
+    }
+}
