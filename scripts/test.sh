@@ -19,6 +19,9 @@ cargo test --release --workspace -- --test-threads="${PDMESH_TEST_THREADS:-2}"
 # disconnects and a rejection burst must end with no KV block held or used and no child dead.
 # Reuses the release binaries built above; docs/LOADTEST.md.
 PDMESH_BIN_DIR="${CARGO_TARGET_DIR:-target}/release" ./loadtest/scenarios/smoke.sh
+# ... and its checks catch a broken figure: the smoke scenario with stranded blocks, blocks
+# still held, hung requests, or a death left unrecovered must fail (about a minute).
+PDMESH_BIN_DIR="${CARGO_TARGET_DIR:-target}/release" ./loadtest/scenarios/selfcheck.sh
 # The Kubernetes manifests parse and their selectors, labels and ports agree.
 python3 scripts/check-k8s.py
 # docker compose up of deploy/docker-compose.yml on this machine's engine (skipped, with the

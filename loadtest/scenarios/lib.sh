@@ -10,6 +10,8 @@
 #   PDMESH_SCENARIO_PORT    first HTTP port (router; P is +1, D is +2); every port stays below
 #                           32768, Linux's ephemeral range, so a client socket never takes one
 #   PDMESH_RESULTS_DIR      where reports go (default: results/)
+#   MODEL                   `synthetic` (default) or `gguf`: the real model ($PDMESH_MODEL_PATH,
+#                           else the fetch cache), for real-model results
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -48,6 +50,7 @@ mesh_ports() {
   P_URL="http://127.0.0.1:$((http + 1))"
   D_URL="http://127.0.0.1:$((http + 2))"
   P_ENGINE_METRICS="http://127.0.0.1:$((BASE_PORT + 200 + 110))/metrics"
+  P_WORKER_METRICS="http://127.0.0.1:$((BASE_PORT + 200 + 112))/metrics"
   D_ENGINE_METRICS=()
   for ((r = 0; r < ${D_RANKS:-1}; r++)); do
     D_ENGINE_METRICS+=("http://127.0.0.1:$((BASE_PORT + 400 + 110 + 3 * r))/metrics")
@@ -58,10 +61,20 @@ mesh_ports() {
   fi
 }
 
-# write_topology FILE: a P/D mesh on the synthetic executor. Knobs (environment):
-#   COST_US (per-token cost), P_BLOCKS, D_BLOCKS, P_MAX_LEN, D_MAX_LEN, D_RANKS, LEASE_S,
-#   POLICY (kv_load_failure_policy of D), P_FAULT / D_FAULT (fault_injection per node).
+# write_topology FILE: a P/D mesh on the synthetic executor (or the real model, MODEL=gguf).
+# Knobs (environment): COST_US (synthetic per-token cost), P_BLOCKS, D_BLOCKS, P_MAX_LEN,
+# D_MAX_LEN, D_RANKS, LEASE_S, HOLD_MODE (lease | fixed: P then holds for HOLD_S, default 480),
+# NOTICES (rejection_notices of D: true | false), POLICY (kv_load_failure_policy of D),
+# P_FAULT / D_FAULT (fault_injection per node).
 write_topology() {
+  local model blocks=4096
+  if [[ "${MODEL:-synthetic}" == gguf ]]; then
+    # 720 KiB per block for SmolLM2-135M: 512 blocks (8192 tokens) is 360 MiB per rank.
+    model='model = { kind = "gguf", path = "" }'
+    blocks=512
+  else
+    model="model = { kind = \"synthetic\", name = \"pdmesh-synthetic\", per_token_cost_us = ${COST_US:-20} }"
+  fi
   cat >"$1" <<EOF
 run_dir = "$RUN_DIR"
 
@@ -77,9 +90,9 @@ name = "p"
 role = "prefill"
 http_port = $((HTTP_PORT + 1))
 base_port = $((BASE_PORT + 200))
-model = { kind = "synthetic", name = "pdmesh-synthetic", per_token_cost_us = ${COST_US:-20} }
-engine = { block_size = 16, num_blocks = ${P_BLOCKS:-4096}, max_model_len = ${P_MAX_LEN:-8192}, max_num_seqs = 128 }
-kv_transfer = { kv_role = "kv_producer", side_channel_port = $SIDE_PORT, data_port = $((SIDE_PORT + 2)), hold_mode = "lease", kv_lease_duration_s = ${LEASE_S:-5}, fault_injection = "${P_FAULT:-}" }
+$model
+engine = { block_size = 16, num_blocks = ${P_BLOCKS:-$blocks}, max_model_len = ${P_MAX_LEN:-8192}, max_num_seqs = 128 }
+kv_transfer = { kv_role = "kv_producer", side_channel_port = $SIDE_PORT, data_port = $((SIDE_PORT + 2)), hold_mode = "${HOLD_MODE:-lease}", kv_lease_duration_s = ${LEASE_S:-5}, abort_request_timeout_s = ${HOLD_S:-480}, fault_injection = "${P_FAULT:-}" }
 
 [[nodes]]
 name = "d"
@@ -87,9 +100,9 @@ role = "decode"
 http_port = $((HTTP_PORT + 2))
 base_port = $((BASE_PORT + 400))
 dp_size = ${D_RANKS:-1}
-model = { kind = "synthetic", name = "pdmesh-synthetic", per_token_cost_us = ${COST_US:-20} }
-engine = { block_size = 16, num_blocks = ${D_BLOCKS:-4096}, max_model_len = ${D_MAX_LEN:-2048}, max_num_seqs = 128 }
-kv_transfer = { kv_role = "kv_consumer", side_channel_port = $((SIDE_PORT + 5)), data_port = $((SIDE_PORT + 7)), kv_load_failure_policy = "${POLICY:-fail}", fault_injection = "${D_FAULT:-}" }
+$model
+engine = { block_size = 16, num_blocks = ${D_BLOCKS:-$blocks}, max_model_len = ${D_MAX_LEN:-2048}, max_num_seqs = 128 }
+kv_transfer = { kv_role = "kv_consumer", side_channel_port = $((SIDE_PORT + 5)), data_port = $((SIDE_PORT + 7)), kv_load_failure_policy = "${POLICY:-fail}", rejection_notices = ${NOTICES:-true}, fault_injection = "${D_FAULT:-}" }
 EOF
 }
 
@@ -104,12 +117,13 @@ wait_engines() { # URL SECONDS: until /debug/engines lists an engine
   return 1
 }
 
-# start_mesh NAME: writes the topology under a fresh run dir and starts `pdmesh up`, its
-# stderr in <run_dir>/up.log (where a dying child is reported).
+# start_mesh NAME: writes the topology under a fresh run dir and starts `pdmesh up` (with
+# UP_ARGS, e.g. --no-restart), its stderr in <run_dir>/up.log (where a dying child is reported).
 start_mesh() {
   RUN_DIR="$(mktemp -d "${TMPDIR:-/tmp}/pdmesh-scenario-$1.XXXXXX")"
   write_topology "$RUN_DIR/topology.toml"
-  RUST_LOG="${RUST_LOG:-warn}" PDMESH_RUN_DIR="$RUN_DIR" "$PDMESH" up --topology "$RUN_DIR/topology.toml" \
+  # shellcheck disable=SC2086 # UP_ARGS is a word list
+  RUST_LOG="${RUST_LOG:-warn}" PDMESH_RUN_DIR="$RUN_DIR" "$PDMESH" up --topology "$RUN_DIR/topology.toml" ${UP_ARGS:-} \
     >"$RUN_DIR/up.out" 2>"$RUN_DIR/up.log" &
   UP_PID=$!
   trap stop_mesh EXIT
@@ -144,7 +158,7 @@ stop_mesh() {
 # engines; the report goes to $RESULTS_DIR/$SCENARIO/NAME/.
 load() {
   local name=$1; shift
-  local scrape=(--scrape "$P_URL/metrics" --scrape "$D_URL/metrics" --scrape "$P_ENGINE_METRICS")
+  local scrape=(--scrape "$P_URL/metrics" --scrape "$D_URL/metrics" --scrape "$P_ENGINE_METRICS" --scrape "$P_WORKER_METRICS")
   for u in "${D_ENGINE_METRICS[@]}"; do scrape+=(--scrape "$u"); done
   LAST_REPORT="$RESULTS_DIR/$SCENARIO/$name/report.json"
   mkdir -p "$RESULTS_DIR/$SCENARIO"
@@ -183,21 +197,67 @@ if problems:
 EOF
 }
 
-# metric URL NAME: the sum of a metric's samples on a Prometheus page (all labels).
+# metric URL NAME [LABEL]: the sum of a metric's samples on a Prometheus page (all labels, or
+# only the samples whose labels contain LABEL, e.g. released_by="expired"); "missing" when the
+# page or the metric is absent.
 metric() {
-  curl -fsS "$1" 2>/dev/null | python3 -c '
+  { curl -fsS "$1" 2>/dev/null || true; } | python3 -c '
 import sys
-name = sys.argv[1]; total = 0.0; found = False
+name, label = sys.argv[1], sys.argv[2]; total = 0.0; found = False
 for line in sys.stdin:
     if line.startswith("#"): continue
     series, _, value = line.rstrip().rpartition(" ")
-    if series.split("{")[0] == name:
+    if series.split("{")[0] == name and label in series:
         total += float(value); found = True
-print(total if found else "missing")' "$2"
+print(total if found else "missing")' "$2" "${3:-}"
+}
+
+# stranded: block-seconds P held for requests nobody released, freed only by the hold deadline
+# (P's worker, `pdmesh_worker_kv_held_block_seconds_total{released_by="expired"}`; 0 when no
+# hold has expired yet). While D is alive this must stay 0: D tells P whenever it gives up.
+stranded() {
+  local v
+  v=$(metric "$P_WORKER_METRICS" pdmesh_worker_kv_held_block_seconds_total 'released_by="expired"')
+  if [[ "$v" == missing ]]; then
+    # The counter appears with its first expiry; the page itself must answer.
+    curl -fsS "$P_WORKER_METRICS" >/dev/null 2>&1 && v=0.0
+  fi
+  echo "$v"
+}
+
+# check_stranded: no block-seconds stranded beyond STRANDED_BASE (default 0: D was alive the
+# whole run; the kill scenario excuses what expired while D's processes were down).
+check_stranded() {
+  local v
+  v=$(stranded)
+  python3 -c 'import sys; sys.exit(0 if float(sys.argv[1]) <= float(sys.argv[2]) else 1)' "$v" "${STRANDED_BASE:-0}" 2>/dev/null \
+    || fail "stranded block-seconds where D was alive: $v (excused: ${STRANDED_BASE:-0})"
+}
+
+# check_deaths: every child `pdmesh up` reported dead is one the scenario killed on purpose
+# (labels in KILLED, e.g. "d.engine-core.0"), and every process of the mesh is alive again
+# (mesh.json), so no death is left unrecovered.
+check_deaths() {
+  local died label
+  died=$(grep -o 'pdmesh up: [^ ]* (pid [0-9]*) died' "$RUN_DIR/up.log" 2>/dev/null | awk '{print $3}' | sort -u || true)
+  for label in $died; do
+    if [[ " ${KILLED:-} " != *" $label "* ]]; then
+      fail "child process died: $label (not killed by the scenario)"
+      grep "pdmesh up: $label " "$RUN_DIR/up.log" | head -3 >&2
+    fi
+  done
+  python3 - "$RUN_DIR/mesh.json" <<'PY' || fail "a death was left unrecovered"
+import json, sys
+procs = json.load(open(sys.argv[1]))["processes"]
+down = [f'{p["node"]}.{p["service"]}.{p["rank"]}' for p in procs if not p["alive"]]
+if down:
+    print(f"  not running at the end: {down}", file=sys.stderr); sys.exit(1)
+PY
 }
 
 # check_idle SECONDS: P and D end holding and using no blocks (per /debug/kv and every
-# engine's metrics) within SECONDS (P may wait for a lease deadline), and no child died.
+# engine's metrics) within SECONDS (P may wait for a lease deadline), no hold was left to its
+# deadline while D was alive, and no child died (or every death was planned and recovered).
 check_idle() {
   local deadline=$((SECONDS + $1)) kv_p kv_d
   while :; do
@@ -214,14 +274,14 @@ check_idle() {
   for u in "$P_ENGINE_METRICS" "${D_ENGINE_METRICS[@]}"; do
     for m in pdmesh_engine_kv_held_blocks pdmesh_engine_kv_used_blocks; do
       v=$(metric "$u" "$m")
+      # A gauge appears once first set: absent from a page that answers means never used.
+      [[ "$v" == missing ]] && curl -fsS "$u" >/dev/null 2>&1 && v=0.0
       [[ "$v" == "0.0" ]] || fail "$u: $m = $v at the end"
     done
   done
-  if grep -q "child process died" "$RUN_DIR/up.log"; then
-    fail "a child process died:"
-    grep "child process died" "$RUN_DIR/up.log" | head -5 >&2
-  fi
-  log "lifecycle: P held/used $kv_p, D held/used $kv_d"
+  check_stranded
+  check_deaths
+  log "lifecycle: P held/used $kv_p, D held/used $kv_d; stranded block-seconds $(stranded)"
 }
 
 finish() {

@@ -154,6 +154,7 @@ const DEFAULT_SCRAPE_PREFIXES: &[&str] = &[
     "pdmesh_worker_kv_held_blocks",
     "pdmesh_worker_kv_transfer_failures_total",
     "pdmesh_worker_kv_holds_expired_total",
+    "pdmesh_worker_kv_held_block_seconds_total",
 ];
 
 /// splitmix64: a few lines instead of a dependency; good enough for load shapes and fully
@@ -306,6 +307,11 @@ fn classify(e: &reqwest::Error) -> String {
     }
 }
 
+/// Whether an error answer's body is an OpenAI error object: `{"error": {"message": "..."}}`.
+fn is_openai_error(body: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v["error"]["message"].is_string())
+}
+
 /// Text of a chunk's first choice (completions `text`, chat `delta.content`).
 fn chunk_text(v: &serde_json::Value) -> Option<&str> {
     let c = &v["choices"][0];
@@ -328,7 +334,14 @@ async fn one_request(s: &Shared, p: &Plan) -> Record {
             Err(e) => return Outcome::Error(classify(&e)),
         };
         if !r.status().is_success() {
-            return Outcome::Error(format!("http_{}", r.status().as_u16()));
+            let status = r.status().as_u16();
+            // A refusal counts as clean only with an OpenAI error object; anything else (an
+            // empty or cut body, a proxy's HTML page) is its own kind, so scenarios can tell.
+            return match r.bytes().await {
+                Ok(b) if is_openai_error(&b) => Outcome::Error(format!("http_{status}")),
+                Err(e) if e.is_timeout() => Outcome::Error("timeout".into()),
+                _ => Outcome::Error(format!("http_{status}_bad_body")),
+            };
         }
         if s.args.no_stream {
             let v: serde_json::Value = match r.json().await {
@@ -915,6 +928,14 @@ mod tests {
         assert_eq!((r.min, r.max), (16, 128));
         assert!("9-3".parse::<LenSpec>().is_err());
         assert!("0".parse::<LenSpec>().is_err());
+    }
+
+    #[test]
+    fn only_openai_error_objects_are_clean_refusals() {
+        assert!(is_openai_error(br#"{"error": {"message": "too long", "type": "invalid_request_error"}}"#));
+        for bad in [&b""[..], b"<html>502 Bad Gateway</html>", br#"{"error": "x"}"#, br#"{"error": {"messa"#] {
+            assert!(!is_openai_error(bad), "{}", String::from_utf8_lossy(bad));
+        }
     }
 
     #[test]

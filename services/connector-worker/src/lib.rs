@@ -15,7 +15,7 @@ pub use executor_actor::{once, ExecutorActor, ExecutorFactory, RunStep};
 use actix::prelude::*;
 use pdmesh_config::{Service, Topology};
 use pdmesh_model_api::ModelFacts;
-use pdmesh_protocol::{ErrorClass, Message, WireError, WorkerInfo};
+use pdmesh_protocol::{ErrorClass, Message, ServiceKind, WireError, WorkerInfo};
 use pdmesh_transport::{bind_router, RouterEvent, RouterHandle};
 use thiserror::Error;
 
@@ -39,6 +39,8 @@ pub struct WorkerActor {
     pd: Option<std::rc::Rc<pd::PdRuntime>>,
     info: WorkerInfo,
     router: Option<RouterHandle>,
+    /// pid of the engine-core last connected, to tell a restarted engine from a reconnect.
+    engine_pid: Option<u32>,
 }
 
 impl Actor for WorkerActor {
@@ -118,7 +120,17 @@ impl Handler<RouterEvent> for WorkerActor {
                     .into_actor(self),
                 );
             }
-            Message::Hello(h) => tracing::info!(service = ?h.service, rank = h.rank, pid = h.pid, "peer connected"),
+            Message::Hello(h) => {
+                tracing::info!(service = ?h.service, rank = h.rank, pid = h.pid, "peer connected");
+                // Another engine-core process than before: the old one's KV state is gone.
+                if h.service == ServiceKind::EngineCore {
+                    let restarted = self.engine_pid.is_some_and(|old| old != h.pid);
+                    self.engine_pid = Some(h.pid);
+                    if let (true, Some(pd)) = (restarted, &self.pd) {
+                        pd.engine_restarted();
+                    }
+                }
+            }
             other => tracing::warn!(kind = other.kind(), "unexpected message"),
         }
     }
@@ -277,7 +289,7 @@ pub async fn run(
         }
     };
     let executor = executor_actor::start(factory, kv);
-    let actor = WorkerActor { executor, pd, info, router: None }.start();
+    let actor = WorkerActor { executor, pd, info, router: None, engine_pid: None }.start();
     let router = bind_router(&ep.bind, actor.clone().recipient()).await?;
     actor.do_send(SetRouter(router));
     health.set_ready(true);

@@ -20,6 +20,15 @@ pub static TRANSFER_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
 pub static TRANSFER_FAILURES: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter_vec("pdmesh_worker_kv_transfer_failures_total", "KV loads that failed, by kind", &["kind"])
 });
+pub static LEASE_RETRIES: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter("pdmesh_worker_kv_lease_retries_total", "D: leases asked again after a new handshake (P had restarted)")
+});
+pub static ENGINE_RESTARTS: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_worker_engine_restarts_total",
+        "engine-core restarts seen (another pid connected): the old engine's holds and pending loads dropped",
+    )
+});
 pub static NOTIFY_FAILURES: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_worker_kv_notify_failures_total", "Notices to P that could not be sent"));
 pub static HOLDS_EXPIRED: LazyLock<IntCounter> =

@@ -15,11 +15,13 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdmesh_kv_transfer::{
     compat_hash, side_channel_endpoint, AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig,
-    HeldBlockMs, HoldTable, HoldTableConfig, Lease, RemoteAgents, SharedPolicy, TransferAgent, TransferClient,
+    HeldBlockMs, HoldTable, HoldTableConfig, Lease, RemoteAgent, RemoteAgents, SharedPolicy, TransferAgent,
+    TransferClient, TransferError,
 };
 use pdmesh_model_api::{KvCache, KvCacheSpec};
 use pdmesh_protocol::{
-    KvConnectorMetadata, KvConnectorOutput, KvTransferParams, RecvRequest, SendRequest, TraceContext,
+    KvConnectorMetadata, KvConnectorOutput, KvTransferParams, LeaseRefusalReason, RecvRequest, SendRequest,
+    TraceContext,
 };
 use pdmesh_telemetry::trace;
 use tracing::Instrument;
@@ -54,6 +56,9 @@ pub struct PdRuntime {
     /// D: handshaken remote engines, and reads that settled since the last step.
     agents: Option<Arc<RemoteAgents>>,
     settled: Arc<Mutex<Vec<Settled>>>,
+    /// D: receives started for the current engine-core; a load that settles for another
+    /// (one that restarted since) is dropped, never copied into blocks the new engine owns.
+    live_recvs: std::cell::RefCell<std::collections::HashSet<String>>,
     faults: FaultConfig,
     /// D: P's blocks this worker references (R4), to give back if it shuts down.
     refs: Arc<Mutex<RemoteRefs>>,
@@ -195,6 +200,7 @@ impl PdRuntime {
             hold_ttl: setup.hold,
             agents,
             settled: Arc::new(Mutex::new(Vec::new())),
+            live_recvs: Default::default(),
             faults: setup.faults,
             refs: Arc::new(Mutex::new(RemoteRefs::default())),
             give_up_notices: setup.give_up_notices,
@@ -282,6 +288,9 @@ impl PdRuntime {
                 if let Some(trace) = traces.get(&r.request_id) {
                     trace::set_parent(&span, trace);
                 }
+                if !r.local_block_ids.is_empty() {
+                    self.live_recvs.borrow_mut().insert(r.request_id.clone());
+                }
                 let ctx = ReceiveCtx {
                     agents: agents.clone(),
                     spec: self.spec,
@@ -296,13 +305,37 @@ impl PdRuntime {
         }
     }
 
+    /// The engine-core this worker serves restarted (another process connected): its block
+    /// pool starts empty and may hand out any block at once. P releases every hold (a reader
+    /// mid-READ is refused at `read done`, so it never uses bytes the new engine may
+    /// overwrite); D drops the loads it was fetching for the old engine's requests, which
+    /// still end towards P (read done, or give up) but are never copied into local blocks.
+    pub fn engine_restarted(&self) {
+        m::ENGINE_RESTARTS.inc();
+        let dropped_recvs = std::mem::take(&mut *self.live_recvs.borrow_mut()).len();
+        let released = match &self.hold {
+            Some(table) => table.lock().unwrap_or_else(|p| p.into_inner()).release_all(Instant::now()),
+            None => 0,
+        };
+        tracing::warn!(released, dropped_recvs, "engine-core restarted: dropped the old engine's KV state");
+    }
+
     /// Reads that settled since the last step: the loads to copy now, and the connector output
     /// (finished receives, invalid blocks, finished sends).
     pub fn finish_step(&self) -> (Vec<StagedLoad>, KvConnectorOutput) {
         let mut out = KvConnectorOutput::default();
         let mut loads = Vec::new();
         let settled = std::mem::take(&mut *self.settled.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut live = self.live_recvs.borrow_mut();
         for s in settled {
+            let id = match &s {
+                Settled::Loaded(l) => &l.request_id,
+                Settled::Failed { request_id, .. } => request_id,
+            };
+            if !live.remove(id) {
+                tracing::info!(request_id = %id, "a load settled for an engine-core that has restarted; dropped");
+                continue;
+            }
             match s {
                 Settled::Loaded(l) => {
                     out.finished_recving.push(l.request_id.clone());
@@ -559,7 +592,10 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
         let gens = p.remote_block_generations.clone().unwrap_or_default();
         let gens_tail =
             if gens.len() == remote.len() { gens.get(gens.len() - n..).unwrap_or(&[]).to_vec() } else { gens };
-        let lease = agent.lease(p_req, &remote_tail, &gens_tail).await.map_err(|e| fail(FailureKind::Lease, &e))?;
+        let (agent, lease) =
+            lease_blocks(&agents, agent, engine, &endpoint, p_req, &remote_tail, &gens_tail, give_up_notices)
+                .await
+                .map_err(|e| fail(FailureKind::Lease, &e))?;
         tracing::info!(blocks = remote_tail.len(), "lease granted");
         let lease = Arc::new(lease);
         refs.lock().unwrap_or_else(|p| p.into_inner()).leased(p, &lease);
@@ -642,6 +678,60 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
             m::NOTIFY_FAILURES.inc();
             tracing::warn!(request_id = %r.request_id, %error, "could not notify P; it frees at its deadline");
         }
+    }
+}
+
+/// Ask P for a read lease, repairing what D can (R4):
+/// - P restarted after the handshake (its grant names another agent), or the side channel
+///   failed or went silent (P's worker died and may be back by now): D's view of P is stale.
+///   Handshake again and ask once more. A restarted P grants the lease if it prefilled this
+///   request itself (the same lease again to the same reader), and refuses one of its
+///   predecessor's, whose blocks are gone with it.
+/// - P refused by fault injection (`lease_refused`), still holding the blocks: D will never
+///   read them, so it says so at once and P frees them now, not at its deadline. Any other
+///   refusal says P's hold is gone (freed, expired, aborted) or is not this reference (other
+///   blocks or generations under a reused request id, another reader's lease): a give-up,
+///   which names only the request id, could then free someone else's blocks, so D says
+///   nothing. With `give_up_notices` off (the deadline-only baseline) D says nothing either.
+#[allow(clippy::too_many_arguments)] // one receive's coordinates, each used once
+async fn lease_blocks(
+    agents: &RemoteAgents,
+    agent: Arc<RemoteAgent>,
+    engine: &str,
+    endpoint: &str,
+    p_req: &str,
+    blocks: &[u32],
+    generations: &[u64],
+    give_up_notices: bool,
+) -> Result<(Arc<RemoteAgent>, Lease), TransferError> {
+    let first = agent.lease(p_req, blocks, generations).await;
+    let (agent, result) = match first {
+        Err(
+            e @ (TransferError::ProducerRestarted { .. } | TransferError::SideChannel(_) | TransferError::Timeout(_)),
+        ) => {
+            m::LEASE_RETRIES.inc();
+            tracing::info!(engine, error = %e, "lease failed on a stale view of P: handshaking again");
+            agent.mark_stale();
+            let fresh = agents.get(engine, endpoint).await.map_err(|h| TransferError::SideChannel(h.to_string()))?;
+            let again = fresh.lease(p_req, blocks, generations).await;
+            (fresh, again)
+        }
+        other => (agent, other),
+    };
+    match result {
+        Ok(lease) => Ok((agent, lease)),
+        Err(e @ TransferError::LeaseRefused { reason: LeaseRefusalReason::FaultInjected, .. }) if give_up_notices => {
+            // P refused although it may hold the blocks (a drill): D will never read them.
+            match agent.give_up(p_req, "lease failed", None).await {
+                Ok(()) => m::GIVE_UPS.with_label_values(&["load_failure"]).inc(),
+                Err(notify) => {
+                    m::NOTIFY_FAILURES.inc();
+                    tracing::debug!(error = %notify, "give up after a failed lease not delivered");
+                }
+            }
+            Err(e)
+        }
+        Err(e) => Err(e),
     }
 }
 

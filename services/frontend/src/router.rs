@@ -191,18 +191,68 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         .unwrap_or(if stream { "text/event-stream" } else { "application/json" })
         .to_string();
     let mut builder = HttpResponse::build(status);
+    let request_id_for_stream = request_id.clone();
     builder.insert_header((REQUEST_ID, request_id)).content_type(content_type);
     tracing::info!(parent: &d_span, status = status.as_u16(), "decode answered");
     if stream && status.is_success() {
         // The spans end when the stream does (dropped with it), so they cover the whole answer.
         let spans = (span, d_span);
-        builder.streaming(d_res.bytes_stream().map(move |chunk| {
+        let upstream = d_res.bytes_stream().map(|chunk| chunk.map_err(|e| e.to_string()));
+        builder.streaming(whole_events(upstream, request_id_for_stream).map(move |chunk| {
             let _ = &spans;
-            chunk.map_err(std::io::Error::other)
+            Ok::<_, std::io::Error>(chunk)
         }))
     } else {
         builder.body(d_res.bytes().await.unwrap_or_default())
     }
+}
+
+/// D's SSE stream passed on in whole events. If D's stream breaks (D's frontend died, the
+/// connection reset), the client gets what every frontend sends for a failure after the
+/// stream started — an OpenAI error event and `[DONE]` — instead of a cut connection, and
+/// never half an event: bytes after the last complete event are dropped.
+fn whole_events<S>(upstream: S, request_id: String) -> impl futures::Stream<Item = web::Bytes>
+where
+    S: futures::Stream<Item = Result<web::Bytes, String>>,
+{
+    upstream
+        .map(Some)
+        .chain(futures::stream::once(async { None }))
+        .scan((Vec::<u8>::new(), false), move |(pending, done), item| {
+            if *done {
+                return futures::future::ready(None);
+            }
+            let out = match item {
+                Some(Ok(bytes)) => {
+                    pending.extend_from_slice(&bytes);
+                    match last_event_end(pending) {
+                        Some(end) => web::Bytes::from(pending.drain(..end).collect::<Vec<u8>>()),
+                        None => web::Bytes::new(),
+                    }
+                }
+                // D ended its stream: whatever is left (normally nothing) goes as it is.
+                None => {
+                    *done = true;
+                    web::Bytes::from(std::mem::take(pending))
+                }
+                Some(Err(e)) => {
+                    *done = true;
+                    tracing::warn!(%request_id, error = %e, "decode stream broke; ending it with an error event");
+                    let err = ApiError::Unavailable(format!("unavailable: the decode node's stream broke: {e}"));
+                    err.record();
+                    crate::stream::sse_error(&err)
+                }
+            };
+            futures::future::ready(Some(out))
+        })
+        .filter(|b| futures::future::ready(!b.is_empty()))
+}
+
+/// End of the last complete SSE event in `buf` (after its blank line), if any.
+fn last_event_end(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).rposition(|w| w == b"\n\n").map(|p| p + 2);
+    let crlf = buf.windows(4).rposition(|w| w == b"\r\n\r\n").map(|p| p + 4);
+    lf.max(crlf)
 }
 
 /// Hands P's block reference back through P's `/v1/kv/release` when dropped armed: the
@@ -321,4 +371,37 @@ pub async fn run_router(topology: Topology, node_name: String) -> Result<(), Fro
     tracing::info!(%addr, prefill = ?node.router.prefill, decode = ?node.router.decode,
         give_up_notices = node.router.give_up_notices, "router listening");
     server.run().await.map_err(FrontendError::Server)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn collect(items: Vec<Result<&'static str, &'static str>>) -> String {
+        let upstream = futures::stream::iter(
+            items
+                .into_iter()
+                .map(|i| i.map(|s| web::Bytes::from_static(s.as_bytes())).map_err(|e| e.to_string()))
+                .collect::<Vec<_>>(),
+        );
+        let out: Vec<web::Bytes> = futures::executor::block_on(whole_events(upstream, "r".into()).collect());
+        out.iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect()
+    }
+
+    #[test]
+    fn a_whole_stream_passes_unchanged_even_when_split_mid_event() {
+        let got = collect(vec![Ok("data: {\"a\":1}\n\nda"), Ok("ta: {\"b\":2}\n"), Ok("\ndata: [DONE]\n\n")]);
+        assert_eq!(got, "data: {\"a\":1}\n\ndata: {\"b\":2}\n\ndata: [DONE]\n\n");
+    }
+
+    #[test]
+    fn a_broken_stream_ends_with_an_error_event_and_no_half_event() {
+        let got = collect(vec![Ok("data: {\"a\":1}\n\ndata: {\"tru"), Err("connection reset"), Ok("data: late\n\n")]);
+        let events: Vec<&str> = got.split("\n\n").filter(|e| !e.is_empty()).collect();
+        assert_eq!(events.len(), 3, "{got}");
+        assert_eq!(events[0], "data: {\"a\":1}");
+        let err: Value = serde_json::from_str(events[1].strip_prefix("data: ").unwrap()).unwrap();
+        assert!(err["error"]["message"].as_str().unwrap().contains("connection reset"), "{err}");
+        assert_eq!(events[2], "data: [DONE]");
+    }
 }

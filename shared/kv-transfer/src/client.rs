@@ -302,6 +302,13 @@ impl RemoteAgent {
         self.link.healthy.load(Ordering::Acquire)
     }
 
+    /// Stop trusting this agent (its side channel failed, or P restarted): the next
+    /// [`RemoteAgents::get`] for its engine handshakes again, once, however many requests
+    /// saw the failure.
+    pub fn mark_stale(&self) {
+        self.link.healthy.store(false, Ordering::Release);
+    }
+
     async fn call(&self, body: Message) -> Result<Message, TransferError> {
         let timeout = self.config.call_timeout;
         match tokio::time::timeout(timeout, self.link.call(body)).await {
@@ -331,13 +338,15 @@ impl RemoteAgent {
         };
         match self.call(Message::XferLease(req)).await? {
             Message::XferLeaseGranted(g) if !g.agent_name.is_empty() && g.agent_name != self.meta.agent_name => {
-                // P restarted since our handshake: its blocks are not the ones we were
-                // promised. Never read them; the next request handshakes again.
+                // P restarted since our handshake: our view of it (its region, its block
+                // server) is stale. Never read through it; the next `RemoteAgents::get`
+                // handshakes again, and P grants this reader the same lease once more.
                 self.link.healthy.store(false, Ordering::Release);
-                Err(TransferError::LeaseInvalid(format!(
-                    "granted by agent {} but the handshake was with {} (P restarted)",
-                    g.agent_name, self.meta.agent_name
-                )))
+                Err(TransferError::ProducerRestarted {
+                    lease_id: g.lease_id,
+                    granted_by: g.agent_name,
+                    handshake_with: self.meta.agent_name.clone(),
+                })
             }
             Message::XferLeaseGranted(g) => Ok(Lease {
                 agent_name: self.meta.agent_name.clone(),

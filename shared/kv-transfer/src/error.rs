@@ -42,6 +42,13 @@ pub enum TransferError {
     /// P refused the lease (or the TCP read): nothing was read.
     #[error("lease refused ({reason:?}): {detail}")]
     LeaseRefused { reason: LeaseRefusalReason, detail: String },
+    /// P granted the lease as another agent than the one D handshook with: P restarted since
+    /// the handshake, and D's view of it (e.g. its shm mapping) is stale. Nothing was read; a
+    /// new handshake gets P's current view, and P grants the same lease again to the same reader.
+    #[error(
+        "lease {lease_id} granted by agent {granted_by} but the handshake was with {handshake_with} (P restarted)"
+    )]
+    ProducerRestarted { lease_id: u64, granted_by: String, handshake_with: String },
     /// The lease is not usable for this read (expired, already done, other engine, blocks
     /// not covered): nothing was read.
     #[error("lease not valid for this read: {0}")]

@@ -312,6 +312,21 @@ impl HoldTable {
         due.len()
     }
 
+    /// The engine that owned every held block is gone (it restarted: its block pool starts
+    /// empty and may hand these blocks to new requests at once). Release every hold now,
+    /// leased ones included — a reader's later `read done` is then refused as stale, so D never
+    /// uses bytes the new engine may have overwritten — and forget the releases not yet
+    /// reported: no engine knows those requests any more. Returns how many were released.
+    pub fn release_all(&mut self, now: Instant) -> usize {
+        let ids: Vec<String> = self.order.values().cloned().collect();
+        for id in &ids {
+            self.counters.aborts += 1;
+            self.release(id, Cause::Abort, now);
+        }
+        self.finished.clear();
+        ids.len()
+    }
+
     /// Requests released since the last call, each exactly once, in release order.
     pub fn take_finished_sending(&mut self) -> Vec<String> {
         self.finished_causes.clear();

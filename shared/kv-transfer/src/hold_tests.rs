@@ -173,6 +173,26 @@ fn stale_read_done_does_not_release() {
 }
 
 #[test]
+fn release_all_drops_leased_holds_too_and_reports_nothing() {
+    let (mut t, now) = table();
+    held(&mut t, "a", &[1, 2], now);
+    held(&mut t, "b", &[3], now);
+    let g = lease(&mut t, "b", &[3], "d", now).unwrap();
+    assert_eq!(t.abort("gone"), NoticeOutcome::Unknown);
+    assert_eq!(t.release_all(now + 10 * MS), 2);
+    assert_eq!((t.len(), t.held_blocks(), t.leased_blocks()), (0, 0, 0));
+    // The engine that owned them is gone: nothing to report to the new one.
+    assert!(t.take_finished_sending().is_empty());
+    // A reader that copied under the dropped lease is told its bytes are not safe.
+    assert_eq!(t.read_done("b", g.lease_id, "d", now + 20 * MS), NoticeOutcome::AlreadyReleased);
+    assert!(t.check_read("b", g.lease_id, &[3], now + 20 * MS).is_err());
+    assert!(lease(&mut t, "a", &[1, 2], "d", now + 20 * MS).is_err());
+    // Counted as released by an abort (block-ms from when each hold began), never as expired.
+    let ms = t.counters().held_block_ms;
+    assert!(ms.aborted > 0 && ms.expired == 0 && ms.read_done == 0, "{ms:?}");
+}
+
+#[test]
 fn give_up_frees_unless_another_reader_holds_the_lease() {
     let (mut t, now) = table();
     held(&mut t, "free", &[1], now);

@@ -315,7 +315,7 @@ pub fn pd_topology_with_policy(
     };
     let (kv_p, kv_d) = (kv("kv_producer", side), kv("kv_consumer", side + 4));
     // tcp: P's side channel and block server listen on another loopback address than D, as a
-    // second host would (see docs/KV_TRANSFER.md for why not network namespaces yet).
+    // second host would (tests/netns.rs puts P and D in two network namespaces).
     let (p_bind, kv_p) = if backend == "tcp" {
         ("bind_host = \"127.0.0.2\"", kv_p.replace(" }", ", side_channel_host = \"127.0.0.2\" }"))
     } else {
