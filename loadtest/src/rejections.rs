@@ -53,6 +53,11 @@ pub struct RejectionArgs {
     /// Write the JSON report here.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Break the rejection → release latency down by hop: the `notices_on` mesh logs every
+    /// notice's age at each hop (`RUST_LOG=warn,pdmesh_notice=debug`) and the report gives
+    /// the quantiles per hop. Off by default: the logging itself costs a little.
+    #[arg(long)]
+    pub hops: bool,
 }
 
 /// Short prompts fit D; long ones (400 tokens) fit P's `max_model_len` but not D's (256).
@@ -155,7 +160,8 @@ async fn start_mesh(i: u16, a: &RejectionArgs, variant: Variant, pdmesh: &std::p
         .arg("--topology")
         .arg(&topo_path)
         .env("PDMESH_RUN_DIR", &run_dir)
-        .env("RUST_LOG", "warn")
+        .env("RUST_LOG", if a.hops && variant == Variant::NoticesOn { "warn,pdmesh_notice=debug" } else { "warn" })
+        .env("NO_COLOR", "1")
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true)
         .spawn()
@@ -245,18 +251,83 @@ async fn scrape_p(url: &str) -> anyhow::Result<(f64, Vec<(f64, f64)>)> {
     Ok((stranded, buckets))
 }
 
-/// The smallest bucket bound below which `q` of the samples fall (an upper bound on the
-/// quantile), from cumulative bucket deltas.
-fn quantile_bound(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Option<f64> {
-    let delta: Vec<(f64, f64)> = after
+/// Cumulative bucket counts observed between two scrapes.
+fn bucket_delta(before: &[(f64, f64)], after: &[(f64, f64)]) -> Vec<(f64, f64)> {
+    after
         .iter()
         .map(|(le, v)| (*le, v - before.iter().find(|(l, _)| l == le).map(|(_, b)| *b).unwrap_or(0.0)))
-        .collect();
-    let total = delta.iter().find(|(le, _)| le.is_infinite())?.1;
+        .collect()
+}
+
+/// Add one round's cumulative bucket counts to the sum over rounds.
+fn add_buckets(sum: &mut Vec<(f64, f64)>, delta: &[(f64, f64)]) {
+    for (le, v) in delta {
+        match sum.iter_mut().find(|(l, _)| l == le) {
+            Some(s) => s.1 += v,
+            None => sum.push((*le, *v)),
+        }
+    }
+}
+
+/// The `q` quantile of cumulative buckets: `(bound, estimate)`, where `bound` is the smallest
+/// bucket bound below which `q` of the samples fall and `estimate` interpolates linearly
+/// within that bucket (as Prometheus' `histogram_quantile` does).
+fn quantile(buckets: &[(f64, f64)], q: f64) -> Option<(f64, f64)> {
+    let total = buckets.iter().find(|(le, _)| le.is_infinite())?.1;
     if total <= 0.0 {
         return None;
     }
-    delta.iter().find(|(_, v)| *v >= q * total).map(|(le, _)| *le)
+    let rank = q * total;
+    let mut below = (0.0, 0.0);
+    for &(le, count) in buckets {
+        if count >= rank {
+            if le.is_infinite() {
+                return Some((le, below.0));
+            }
+            let share = if count > below.1 { (rank - below.1) / (count - below.1) } else { 1.0 };
+            return Some((le, below.0 + (le - below.0) * share));
+        }
+        below = (le, count);
+    }
+    None
+}
+
+/// Notice hops from the logs of a mesh run with `pdmesh_notice=debug`: two samples per
+/// label, `hop → [age µs]` (time since the rejection at each hop) and `a → b → [µs]` (the
+/// time each notice took from hop `a` to the next hop it reached, `b`).
+fn notice_hops(run_dir: &std::path::Path) -> Vec<(String, Vec<u64>)> {
+    let mut by_notice: std::collections::HashMap<String, Vec<(u64, String)>> = Default::default();
+    let Ok(dir) = std::fs::read_dir(run_dir.join("logs")) else { return Vec::new() };
+    for entry in dir.flatten() {
+        let Ok(text) = std::fs::read_to_string(entry.path()) else { continue };
+        for line in text.lines().filter(|l| l.contains("notice hop")) {
+            let field = |name: &str| {
+                line.split_whitespace().find_map(|w| w.strip_prefix(name)).map(|v| v.trim_matches('"').to_string())
+            };
+            let (Some(hop), Some(id), Some(age)) =
+                (field("hop="), field("id="), field("age_us=").and_then(|v| v.parse::<u64>().ok()))
+            else {
+                continue;
+            };
+            by_notice.entry(id).or_default().push((age, hop));
+        }
+    }
+    let mut samples: Vec<(String, Vec<u64>)> = Vec::new();
+    let mut add = |label: String, v: u64| match samples.iter_mut().find(|(l, _)| *l == label) {
+        Some((_, vs)) => vs.push(v),
+        None => samples.push((label, vec![v])),
+    };
+    for hops in by_notice.values_mut() {
+        hops.sort();
+        for (age, hop) in hops.iter() {
+            add(hop.clone(), *age);
+        }
+        for pair in hops.windows(2) {
+            add(format!("{} → {}", pair[0].1, pair[1].1), pair[1].0.saturating_sub(pair[0].0));
+        }
+    }
+    samples.sort_by_key(|(_, v)| v.iter().sum::<u64>() / v.len().max(1) as u64);
+    samples
 }
 
 /// Wait until P holds nothing (the notices-off mesh drains at its lease deadline), so every
@@ -273,6 +344,23 @@ async fn wait_p_idle(p_url: &str, limit: Duration) {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Quantiles of the rejection → release histogram (seconds): bucket bounds (`*_le_s`) and
+/// estimates interpolated within the bucket (`*_s`).
+fn latency_report(buckets: &[(f64, f64)]) -> serde_json::Value {
+    let mut out = serde_json::Map::new();
+    out.insert(
+        "samples".into(),
+        buckets.iter().find(|(le, _)| le.is_infinite()).map(|(_, n)| *n).unwrap_or(0.0).into(),
+    );
+    for (name, q) in [("p50", 0.5), ("p90", 0.9), ("p99", 0.99)] {
+        if let Some((bound, est)) = quantile(buckets, q) {
+            out.insert(format!("{name}_le_s"), if bound.is_finite() { bound.into() } else { "+Inf".into() });
+            out.insert(format!("{name}_s"), est.into());
+        }
+    }
+    serde_json::Value::Object(out)
 }
 
 pub async fn run(a: RejectionArgs) -> anyhow::Result<()> {
@@ -294,11 +382,10 @@ pub async fn run(a: RejectionArgs) -> anyhow::Result<()> {
         tokens: u64,
         wall: f64,
         stranded: f64,
-        p99_bound: Vec<f64>,
-        p50_bound: Vec<f64>,
-        /// The histogram's growth over every round: quantiles over all rejections.
-        first: Option<Vec<(f64, f64)>>,
-        last: Vec<(f64, f64)>,
+        /// Cumulative rejection → release buckets summed over the rounds.
+        latency: Vec<(f64, f64)>,
+        /// Each round's p99 estimate (60 rejections a round: its slowest one).
+        round_p99: Vec<f64>,
     }
     let mut acc = vec![Acc::default(); variants.len()];
     for round in 0..a.rounds {
@@ -317,23 +404,19 @@ pub async fn run(a: RejectionArgs) -> anyhow::Result<()> {
             e.tokens += c.tokens;
             e.wall += wall;
             e.stranded += s1 - s0;
-            if let Some(b) = quantile_bound(&h0, &h1, 0.99) {
-                e.p99_bound.push(b);
-            }
-            if e.first.is_none() {
-                e.first = Some(h0.clone());
-            }
-            e.last = h1.clone();
-            if let Some(b) = quantile_bound(&h0, &h1, 0.5) {
-                e.p50_bound.push(b);
-            }
+            let delta = bucket_delta(&h0, &h1);
+            add_buckets(&mut e.latency, &delta);
+            let p99 = quantile(&delta, 0.99).map(|(_, est)| est);
+            e.round_p99.extend(p99);
+            let p99 = p99.map(|est| format!("; rejection → release p99 ≈ {:.2} ms", est * 1e3));
             eprintln!(
-                "round {round} {}: {} ok, {} rejected, {} other in {wall:.2} s; stranded {:.1} block-s",
+                "round {round} {}: {} ok, {} rejected, {} other in {wall:.2} s; stranded {:.1} block-s{}",
                 m.variant.name(),
                 c.ok,
                 c.rejected,
                 c.other,
-                s1 - s0
+                s1 - s0,
+                p99.unwrap_or_default()
             );
         }
     }
@@ -354,15 +437,24 @@ pub async fn run(a: RejectionArgs) -> anyhow::Result<()> {
                 "ratio_to_baseline": rps / base_rps,
                 "stranded_block_seconds": e.stranded,
                 "stranded_block_seconds_per_rejection": if e.rejected > 0 { e.stranded / e.rejected as f64 } else { 0.0 },
-                // over all rounds' rejections (bucket upper bounds)
-                "rejection_to_release_p50_le_s": e.first.as_ref().and_then(|f| quantile_bound(f, &e.last, 0.5)),
-                "rejection_to_release_p90_le_s": e.first.as_ref().and_then(|f| quantile_bound(f, &e.last, 0.9)),
-                "rejection_to_release_p99_le_s": e.first.as_ref().and_then(|f| quantile_bound(f, &e.last, 0.99)),
-                // the worst single round (60 rejections a round: its p99 is its slowest one)
-                "rejection_to_release_p99_worst_round_le_s": e.p99_bound.iter().cloned().fold(f64::NAN, f64::max),
-                "rejection_to_release_p50_worst_round_le_s": e.p50_bound.iter().cloned().fold(f64::NAN, f64::max),
+                "rejection_to_release": latency_report(&e.latency),
+                "rejection_to_release_p99_by_round_s": e.round_p99,
             }),
         );
+    }
+    let mut hops = serde_json::Map::new();
+    if a.hops {
+        if let Some(m) = meshes.iter().find(|m| m.variant == Variant::NoticesOn) {
+            for (hop, mut ages) in notice_hops(&m.run_dir) {
+                ages.sort_unstable();
+                let at = |q: f64| ages.get(((ages.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied();
+                hops.insert(
+                    hop,
+                    serde_json::json!({"n": ages.len(), "p50_us": at(0.5), "p90_us": at(0.9), "p99_us": at(0.99),
+                        "max_us": ages.last()}),
+                );
+            }
+        }
     }
     let report = serde_json::json!({
         "setup": {
@@ -372,6 +464,7 @@ pub async fn run(a: RejectionArgs) -> anyhow::Result<()> {
             "short_prompt_tokens": SHORT_PROMPT_TOKENS, "long_prompt_tokens": LONG_PROMPT_TOKENS,
         },
         "variants": rows,
+        "notice_age_by_hop_us": hops,
     });
     println!("{}", serde_json::to_string_pretty(&report)?);
     if let Some(out) = &a.out {

@@ -5,6 +5,10 @@
 //! [`ConnectorReply`] per call. The decisions live behind the [`KvConnectorScheduler`] trait:
 //! [`NoopConnector`] for colocated serving (no KV transfer); the P/D connector implements the
 //! same trait.
+//!
+//! On a consumer (D) it also holds a link to its rank's connector-worker: the notify-only
+//! receives of rule R1 go from here straight to the worker (see [`ConnectorCall::TakeRejectionRecvs`]),
+//! one process hop less than through engine-core on a notice's way to P.
 
 pub mod connector;
 pub mod pd;
@@ -12,10 +16,12 @@ pub mod pd;
 pub use connector::{KvConnectorScheduler, NoopConnector};
 pub use pd::{PdConnector, ProducerIdentity};
 
+use std::time::Duration;
+
 use actix::prelude::*;
 use pdmesh_config::{Service, Topology};
-use pdmesh_protocol::{ConnectorCall, ConnectorReply, Message};
-use pdmesh_transport::{bind_router, RouterEvent, RouterHandle};
+use pdmesh_protocol::{ConnectorCall, ConnectorReply, Envelope, Hello, KvConnectorMetadata, Message, ServiceKind};
+use pdmesh_transport::{bind_router, connect_dealer, LinkConfig, LinkEvent, LinkHandle, RouterEvent, RouterHandle};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -30,10 +36,15 @@ pub enum ConnectorSchedulerError {
     Ops(String),
 }
 
+/// Time allowed for the worker to take notify-only receives handed to it directly.
+const WORKER_PUSH_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The actor answering connector calls for one engine rank.
 pub struct ConnectorSchedulerActor {
     connector: Box<dyn KvConnectorScheduler>,
     router: Option<RouterHandle>,
+    /// D only: the rank's connector-worker, for notify-only receives (rule R1).
+    worker: Option<LinkHandle>,
 }
 
 impl Actor for ConnectorSchedulerActor {
@@ -51,34 +62,87 @@ impl Handler<SetRouter> for ConnectorSchedulerActor {
     }
 }
 
+/// The worker link's events: nothing to do but log (answers to our pushes come back to the
+/// pushing call; nothing else is sent here).
+impl Handler<LinkEvent> for ConnectorSchedulerActor {
+    type Result = ();
+    fn handle(&mut self, ev: LinkEvent, _: &mut Context<Self>) {
+        match ev {
+            LinkEvent::Up { endpoint } => tracing::info!(%endpoint, "connected to the worker"),
+            LinkEvent::Down { endpoint } => tracing::warn!(%endpoint, "worker link down"),
+            LinkEvent::Message { envelope, .. } => {
+                tracing::debug!(kind = envelope.body.kind(), "unexpected message from the worker")
+            }
+        }
+    }
+}
+
+impl ConnectorSchedulerActor {
+    /// Rule R1: hand the notify-only receives that `TakeRejectionRecvs` took (its answer at
+    /// `at` in `replies`) straight to the worker, then answer engine-core with the ones the
+    /// worker did not take (none, normally; engine-core pushes those itself). `false` when
+    /// there is nothing to hand over or no worker link: answer as usual.
+    fn push_rejection_recvs(
+        &mut self,
+        at: usize,
+        mut replies: Vec<ConnectorReply>,
+        reply_to: (pdmesh_transport::PeerId, Envelope),
+        ctx: &mut Context<Self>,
+    ) -> Result<(), Vec<ConnectorReply>> {
+        let (Some(worker), Some(router)) = (self.worker.clone().filter(LinkHandle::is_up), self.router.clone()) else {
+            return Err(replies);
+        };
+        let recvs = match replies.get_mut(at) {
+            Some(ConnectorReply::Meta(meta)) if !meta.reqs_to_recv.is_empty() => std::mem::take(&mut meta.reqs_to_recv),
+            _ => return Err(replies),
+        };
+        for r in &recvs {
+            let id = r.params.remote_request_id.as_deref().unwrap_or("");
+            pdmesh_telemetry::trace::notice_hop("connector_scheduler.push", id, r.rejected_at_unix_us);
+        }
+        let push = Envelope::new(Message::ConnectorMetadata(KvConnectorMetadata {
+            reqs_to_recv: recvs.clone(),
+            ..Default::default()
+        }));
+        let (peer, envelope) = reply_to;
+        ctx.spawn(
+            async move {
+                match worker.call(push, WORKER_PUSH_TIMEOUT).await {
+                    Ok(Envelope { body: Message::Ack, .. }) => {}
+                    other => {
+                        tracing::warn!(answer = ?other.map(|e| e.body.kind()), "worker did not take the rejection receives; engine-core pushes them");
+                        if let Some(ConnectorReply::Meta(meta)) = replies.get_mut(at) {
+                            meta.reqs_to_recv = recvs;
+                        }
+                    }
+                }
+                let _ = router.send(&peer, envelope.reply(Message::ConnectorReplies(replies)));
+            }
+            .into_actor(self),
+        );
+        Ok(())
+    }
+}
+
 impl Handler<RouterEvent> for ConnectorSchedulerActor {
     type Result = ();
-    fn handle(&mut self, ev: RouterEvent, _: &mut Context<Self>) {
+    fn handle(&mut self, ev: RouterEvent, ctx: &mut Context<Self>) {
         let RouterEvent::Message { peer, envelope } = ev else { return };
+        if let Message::ConnectorCalls(calls) = &envelope.body {
+            if let Some(at) = calls.iter().position(|c| matches!(c, ConnectorCall::TakeRejectionRecvs)) {
+                let replies = self.answer(calls, &envelope);
+                let replies = match self.push_rejection_recvs(at, replies, (peer.clone(), envelope.clone()), ctx) {
+                    Ok(()) => return,
+                    Err(replies) => replies,
+                };
+                if let Some(r) = &self.router {
+                    let _ = r.send(&peer, envelope.reply(Message::ConnectorReplies(replies)));
+                }
+                return;
+            }
+        }
         let reply = match &envelope.body {
-            Message::ConnectorCalls(calls) => Message::ConnectorReplies(
-                calls
-                    .iter()
-                    .cloned()
-                    .map(|c| {
-                        // A span per call that concerns one request, in that request's trace.
-                        let span = match c.request_id().and_then(|id| envelope.traces.get(id).map(|t| (id, t))) {
-                            Some((id, trace)) => pdmesh_telemetry::trace::child_of(
-                                tracing::info_span!("connector.call", otel.kind = "server",
-                                    otel.name = %format_args!("connector.{}", c.kind()), request_id = %id, call = c.kind()),
-                                trace,
-                            ),
-                            None => tracing::Span::none(),
-                        };
-                        let _entered = span.enter();
-                        let reply = dispatch(self.connector.as_mut(), c);
-                        if !span.is_disabled() {
-                            tracing::info!(reply = ?reply, "connector answered");
-                        }
-                        reply
-                    })
-                    .collect(),
-            ),
+            Message::ConnectorCalls(calls) => Message::ConnectorReplies(self.answer(calls, &envelope)),
             Message::Ping => Message::Pong,
             Message::Hello(h) => {
                 tracing::info!(service = ?h.service, rank = h.rank, pid = h.pid, "peer connected");
@@ -92,6 +156,33 @@ impl Handler<RouterEvent> for ConnectorSchedulerActor {
         if let Some(r) = &self.router {
             let _ = r.send(&peer, envelope.reply(reply));
         }
+    }
+}
+
+impl ConnectorSchedulerActor {
+    /// Apply a batch of calls, one answer per call.
+    fn answer(&mut self, calls: &[ConnectorCall], envelope: &Envelope) -> Vec<ConnectorReply> {
+        calls
+            .iter()
+            .cloned()
+            .map(|c| {
+                // A span per call that concerns one request, in that request's trace.
+                let span = match c.request_id().and_then(|id| envelope.traces.get(id).map(|t| (id, t))) {
+                    Some((id, trace)) => pdmesh_telemetry::trace::child_of(
+                        tracing::info_span!("connector.call", otel.kind = "server",
+                            otel.name = %format_args!("connector.{}", c.kind()), request_id = %id, call = c.kind()),
+                        trace,
+                    ),
+                    None => tracing::Span::none(),
+                };
+                let _entered = span.enter();
+                let reply = dispatch(self.connector.as_mut(), c);
+                if !span.is_disabled() {
+                    tracing::info!(reply = ?reply, "connector answered");
+                }
+                reply
+            })
+            .collect()
     }
 }
 
@@ -131,6 +222,8 @@ pub fn dispatch(c: &mut dyn KvConnectorScheduler, call: ConnectorCall) -> Connec
             ConnectorReply::Ack
         }
         ConnectorCall::RequestRejectedBeforeAdmission { params, rejected_at_unix_us, trace } => {
+            let id = params.remote_request_id.as_deref().unwrap_or("");
+            pdmesh_telemetry::trace::notice_hop("connector_scheduler", id, rejected_at_unix_us);
             match c.request_rejected_before_admission_traced(&params, rejected_at_unix_us, trace) {
                 Ok(()) => ConnectorReply::Ack,
                 Err(reason) => ConnectorReply::Rejected { reason },
@@ -157,6 +250,7 @@ pub async fn run(
     let port = node.metrics_port(Service::ConnectorScheduler, rank);
     pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
         .map_err(|e| ConnectorSchedulerError::Ops(format!("port {port}: {e}")))?;
+    let consumes = node.kv_transfer.as_ref().is_some_and(|kv| kv.kv_role.consumes());
     let connector: Box<dyn KvConnectorScheduler> = match &node.kv_transfer {
         None => Box::new(NoopConnector::default()),
         Some(kv) => {
@@ -176,7 +270,21 @@ pub async fn run(
             Box::new(c)
         }
     };
-    let actor = ConnectorSchedulerActor { connector, router: None }.start();
+    let worker_ep = eps.connector_worker.get(rank as usize).filter(|_| consumes).map(|w| w.connect.clone());
+    let actor = ConnectorSchedulerActor::create(|ctx| {
+        let worker = worker_ep.map(|endpoint| {
+            let hello = Envelope::new(Message::Hello(Hello {
+                service: ServiceKind::ConnectorScheduler,
+                rank,
+                pid: std::process::id(),
+            }));
+            connect_dealer(
+                LinkConfig::new(endpoint).identity(format!("connector-scheduler-{rank}")).hello(hello),
+                ctx.address().recipient(),
+            )
+        });
+        ConnectorSchedulerActor { connector, router: None, worker }
+    });
     let router = bind_router(&ep.bind, actor.clone().recipient()).await?;
     actor.do_send(SetRouter(router));
     health.set_ready(true);

@@ -554,11 +554,14 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
     };
     let endpoint = side_channel_endpoint(host, port);
     let notify_only = r.local_block_ids.is_empty();
+    let hop = |hop: &'static str| trace::notice_hop(hop, p_req, r.rejected_at_unix_us);
+    hop("worker.receive");
     let fail = |kind: FailureKind, e: &dyn std::fmt::Display| (kind, e.to_string());
     let result: Result<Option<StagedLoad>, (FailureKind, String)> = async {
         let agent = agents.get(engine, &endpoint).await.map_err(|e| fail(FailureKind::Handshake, &e))?;
         tracing::info!(%endpoint, "handshake done");
         if notify_only {
+            hop("worker.handshaken");
             let (reason, label) = match r.rejected_at_unix_us {
                 Some(_) => ("rejected before admission (notify only)", "rejection"),
                 None => ("finished on D before its receive", "abort"),
@@ -574,6 +577,7 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
                 .instrument(span.clone())
                 .await
                 .map_err(|e| fail(FailureKind::Lease, &e))?;
+            hop("worker.p_answered");
             tracing::info!(parent: &span, "notice delivered to P");
             m::GIVE_UPS.with_label_values(&[label]).inc();
             return Ok(None);

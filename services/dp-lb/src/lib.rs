@@ -127,6 +127,8 @@ impl Handler<FromFrontend> for DpLb {
             }
             Message::StatsQuery => self.gather_stats(peer, envelope, ctx),
             Message::RejectionNotice(n) => {
+                let id = n.params.remote_request_id.as_deref().unwrap_or("");
+                pdmesh_telemetry::trace::notice_hop("dp_lb", id, n.rejected_at_unix_us);
                 // Rule R1: without a rank header every rank gets it (the one that would have
                 // served the request is unknown); with one, only that rank.
                 let targets: Vec<u32> = match n.data_parallel_rank {

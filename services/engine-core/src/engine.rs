@@ -48,10 +48,8 @@ struct Peers {
 struct Inbox {
     adds: Vec<EngineRequest>,
     aborts: Vec<String>,
-    /// Rule R1: params of requests D refused before admission.
-    notices: Vec<pdmesh_protocol::RejectionNotice>,
-    /// Notify-only receives the fast path could not push to the worker: they go out with the
-    /// next step's metadata instead.
+    /// Rule R1: notify-only receives that [`EngineCore::notice_now`] could not push to the
+    /// worker: they go out with the next step's metadata instead.
     undelivered_recvs: Vec<pdmesh_protocol::RecvRequest>,
 }
 
@@ -172,11 +170,14 @@ impl EngineCore {
         self.health.set_ready(ready);
     }
 
-    /// Rule R1 fast path: hand the notice to the connector and push the notify-only receive
-    /// it makes straight to the worker, beside the running step. The connector still owns the
-    /// decision (complete params or not); only the wait for the step's end is skipped.
+    /// Rule R1: hand the notice to the connector at once, whether a step runs or not; the
+    /// connector-scheduler passes the notify-only receive it makes straight to the worker (or
+    /// answers it, and it is pushed from here). The connector still owns the decision
+    /// (complete params or not); a notice never waits for a step.
     fn notice_now(&mut self, n: pdmesh_protocol::RejectionNotice, ctx: &mut Context<Self>) {
         let Some(peers) = self.peers.clone() else { return };
+        let (id, at) = (n.params.remote_request_id.clone().unwrap_or_default(), n.rejected_at_unix_us);
+        let hop = move |hop: &'static str| pdmesh_telemetry::trace::notice_hop(hop, &id, at);
         let fut = async move {
             let calls = vec![
                 ConnectorCall::RequestRejectedBeforeAdmission {
@@ -187,6 +188,7 @@ impl EngineCore {
                 ConnectorCall::TakeRejectionRecvs,
             ];
             let replies = connector_call(&peers.connector, calls).await.ok()?;
+            hop("engine.connector_replied");
             let result = if matches!(replies.first(), Some(ConnectorReply::Ack)) { "accepted" } else { "invalid" };
             m::NOTICES.with_label_values(&[result]).inc();
             let Some(ConnectorReply::Meta(meta)) = replies.get(1) else { return None };
@@ -198,6 +200,7 @@ impl EngineCore {
                 tracing::warn!(error = %e, "worker did not take the rejection notice; it goes out with the next step");
                 return Some(meta.reqs_to_recv.clone());
             }
+            hop("engine.worker_took");
             None
         };
         ctx.spawn(fut.into_actor(self).map(|undelivered, act, ctx| {
@@ -278,6 +281,8 @@ impl EngineCore {
                 if n.trace.traceparent.is_none() {
                     n.trace = env.trace.clone();
                 }
+                let id = n.params.remote_request_id.as_deref().unwrap_or("");
+                pdmesh_telemetry::trace::notice_hop("engine.received", id, n.rejected_at_unix_us);
                 // A release addressed to the blocks' holder (P): the router gave up between
                 // the legs. It is an abort after finish of P's own request.
                 let held_here = n.params.remote_request_id.as_deref().filter(|id| self.state.borrow().sched.holds(id));
@@ -288,13 +293,8 @@ impl EngineCore {
                     self.kick(ctx);
                     return;
                 }
-                if self.stepping {
-                    // A step is running (on a busy D, always): do not make P wait for it.
-                    self.notice_now(n, ctx);
-                } else {
-                    self.state.borrow_mut().inbox.notices.push(n);
-                    self.kick(ctx);
-                }
+                // Never behind a step (on a busy D one always runs): P is waiting.
+                self.notice_now(n, ctx);
             }
             Message::StatsQuery => {
                 let st = self.state.borrow();
@@ -372,37 +372,19 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
     }
 
     // ---- 3. schedule; 4. tell the connector what was allocated and what finished; meta
-    let (schedule, step_id, notices) = {
+    let (schedule, step_id) = {
         let mut st = state.borrow_mut();
         st.step_id += 1;
-        let notices = std::mem::take(&mut st.inbox.notices);
-        (st.sched.schedule(), st.step_id, notices)
+        (st.sched.schedule(), st.step_id)
     };
     let finishing = state.borrow_mut().sched.finishing_calls();
-    // Rejection notices first: the connector turns them into empty receives that go out in
-    // this very step's metadata, so P hears of it within one engine tick.
-    let mut calls: Vec<ConnectorCall> = notices
-        .into_iter()
-        .map(|n| ConnectorCall::RequestRejectedBeforeAdmission {
-            params: n.params,
-            rejected_at_unix_us: n.rejected_at_unix_us,
-            trace: n.trace,
-        })
-        .collect();
-    let n_notices = calls.len();
-    calls.extend(schedule.alloc_calls.iter().cloned());
+    let mut calls: Vec<ConnectorCall> = schedule.alloc_calls.clone();
     calls.extend(finishing.iter().cloned());
     calls.push(ConnectorCall::BuildConnectorMeta { step_id });
     let replies = connector_call(&peers.connector, calls).await;
-    if let Ok(r) = &replies {
-        for reply in r.iter().take(n_notices) {
-            let result = if matches!(reply, ConnectorReply::Ack) { "accepted" } else { "invalid" };
-            m::NOTICES.with_label_values(&[result]).inc();
-        }
-    }
     let meta = {
         let mut st = state.borrow_mut();
-        let offset = n_notices + schedule.alloc_calls.len();
+        let offset = schedule.alloc_calls.len();
         apply_finished_replies(
             &mut st.sched,
             &finishing,
@@ -494,7 +476,6 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
             || !st.deferred.is_empty()
             || !st.inbox.adds.is_empty()
             || !st.inbox.aborts.is_empty()
-            || !st.inbox.notices.is_empty()
             || !st.inbox.undelivered_recvs.is_empty()
         {
             StepNext::Now

@@ -349,7 +349,8 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
             AgentStats::inc(&stats.give_ups);
             let outcome = served.policy().give_up(&g.p_request_id, g.lease_id, &g.consumer, now);
             if let (Some(at), crate::hold::NoticeOutcome::Released) = (g.rejected_at_unix_us, outcome) {
-                let us = pdmesh_protocol::unix_micros().saturating_sub(at);
+                let us = pdmesh_protocol::micros_since(at);
+                pdmesh_telemetry::trace::notice_hop("p.released", &g.p_request_id, Some(at));
                 let mut v = stats.rejection_to_release_us.lock().unwrap_or_else(|p| p.into_inner());
                 if v.len() < 65_536 {
                     v.push(us);

@@ -21,8 +21,8 @@ use pdmesh_protocol::{
     AgentMetadata, Envelope, Message, TransferBackend, XferGiveUp, XferHeartbeat, XferLeaseRequest, XferReadBlocks,
     XferReadDone,
 };
-use tokio::sync::Mutex as AsyncMutex;
-use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
+use tokio::sync::{oneshot, Mutex as AsyncMutex};
+use zeromq::{DealerRecvHalf, DealerSendHalf, DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::compat::check_geometry;
 use crate::error::{HandshakeError, TransferError};
@@ -157,17 +157,56 @@ enum LinkError {
     Io(String),
 }
 
-/// A DEALER connected to one producer's ROUTER. Calls are serialised (one in flight); replies
-/// are matched by correlation id, and late replies of timed-out calls are skipped.
+/// A DEALER connected to one producer's ROUTER, shared by every request to that producer.
+///
+/// Calls are multiplexed: a caller holds the send half only to hand its frame over, and one
+/// reader task routes each answer to its caller by correlation id. So a notice (a rejection's
+/// give-up, rule R1) never waits behind the round trips of other requests' leases and read
+/// dones on the same link; serialised calls made it queue behind every one in flight.
+/// Late answers to calls that timed out find no caller and are dropped.
 struct SideLink {
-    socket: AsyncMutex<DealerSocket>,
+    send: AsyncMutex<DealerSendHalf>,
+    waiters: Arc<Waiters>,
     next_corr: AtomicU64,
-    healthy: AtomicBool,
+    healthy: Arc<AtomicBool>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+/// Callers waiting for an answer, by correlation id; `closed` once the reader task ended
+/// (no answer will come, so a new call fails at once instead of at its timeout).
+#[derive(Default)]
+struct Pending {
+    calls: HashMap<u64, oneshot::Sender<Result<Message, LinkError>>>,
+    closed: bool,
+}
+
+type Waiters = std::sync::Mutex<Pending>;
+
+fn lock_waiters(w: &Waiters) -> std::sync::MutexGuard<'_, Pending> {
+    w.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl std::fmt::Debug for SideLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SideLink").field("healthy", &self.healthy.load(Ordering::Relaxed)).finish_non_exhaustive()
+    }
+}
+
+impl Drop for SideLink {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+/// Removes a caller's entry when its call ends early (timeout: the future is dropped).
+struct Waiting<'a> {
+    waiters: &'a Waiters,
+    corr: u64,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        lock_waiters(self.waiters).calls.remove(&self.corr);
     }
 }
 
@@ -178,12 +217,15 @@ impl SideLink {
         options.connect_timeout(timeout);
         let mut socket = DealerSocket::with_options(options);
         socket.connect(endpoint).await.map_err(|e| HandshakeError::Unreachable(format!("{endpoint}: {e}")))?;
-        Ok(Self { socket: AsyncMutex::new(socket), next_corr: AtomicU64::new(1), healthy: AtomicBool::new(true) })
+        let (send, recv) = socket.split();
+        let waiters = Arc::new(Waiters::default());
+        let healthy = Arc::new(AtomicBool::new(true));
+        let reader = tokio::spawn(read_answers(recv, waiters.clone(), healthy.clone()));
+        Ok(Self { send: AsyncMutex::new(send), waiters, next_corr: AtomicU64::new(1), healthy, reader })
     }
 
     /// Send `body` and wait for its answer (no timeout here: callers bound it).
     async fn call(&self, body: Message) -> Result<Message, LinkError> {
-        let mut socket = self.socket.lock().await;
         let corr = self.next_corr.fetch_add(1, Ordering::Relaxed);
         // The caller's span (D's `kv.read`) is the parent of P's side-channel span.
         let bytes = Envelope::new(body)
@@ -191,23 +233,61 @@ impl SideLink {
             .with_trace(pdmesh_telemetry::trace::current())
             .encode()
             .map_err(|e| LinkError::Io(e.to_string()))?;
-        let result = async {
-            socket.send(ZmqMessage::from(bytes)).await.map_err(|e| LinkError::Io(e.to_string()))?;
-            loop {
-                let msg = socket.recv().await.map_err(|e| LinkError::Io(e.to_string()))?;
-                let Some(frame) = msg.into_vec().pop() else { continue };
-                match Envelope::decode(&frame) {
-                    Ok(env) if env.corr == corr => return Ok(env.body),
-                    Ok(env) => tracing::debug!(corr = env.corr, "skipping a late side channel answer"),
-                    Err(e) => return Err(LinkError::Undecodable(e.to_string())),
-                }
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut pending = lock_waiters(&self.waiters);
+            if pending.closed {
+                return Err(LinkError::Io("side channel link closed".into()));
             }
+            pending.calls.insert(corr, tx);
         }
-        .await;
+        let _waiting = Waiting { waiters: &self.waiters, corr };
+        let sent = self.send.lock().await.send(ZmqMessage::from(bytes)).await;
+        let result = match sent {
+            Err(e) => Err(LinkError::Io(e.to_string())),
+            Ok(()) => rx.await.unwrap_or_else(|_| Err(LinkError::Io("side channel link closed".into()))),
+        };
         if result.is_err() {
             self.healthy.store(false, Ordering::Release);
         }
         result
+    }
+}
+
+/// The reader task of a [`SideLink`]: hands every answer to the caller waiting for its
+/// correlation id. A broken socket fails every waiting call; an undecodable frame cannot be
+/// matched to its caller, so it fails them all too (the link is not to be trusted after it).
+async fn read_answers(mut recv: DealerRecvHalf, waiters: Arc<Waiters>, healthy: Arc<AtomicBool>) {
+    let fail_all = |error: &dyn Fn() -> LinkError, close: bool| {
+        healthy.store(false, Ordering::Release);
+        let mut pending = lock_waiters(&waiters);
+        pending.closed |= close;
+        for (_, tx) in pending.calls.drain() {
+            let _ = tx.send(Err(error()));
+        }
+    };
+    loop {
+        let msg = match recv.recv().await {
+            Ok(msg) => msg,
+            Err(e) => {
+                let e = e.to_string();
+                fail_all(&|| LinkError::Io(e.clone()), true);
+                return;
+            }
+        };
+        let Some(frame) = msg.into_vec().pop() else { continue };
+        match Envelope::decode(&frame) {
+            Ok(env) => match lock_waiters(&waiters).calls.remove(&env.corr) {
+                Some(tx) => {
+                    let _ = tx.send(Ok(env.body));
+                }
+                None => tracing::debug!(corr = env.corr, "skipping a late side channel answer"),
+            },
+            Err(e) => {
+                let e = e.to_string();
+                fail_all(&|| LinkError::Undecodable(e.clone()), false);
+            }
+        }
     }
 }
 

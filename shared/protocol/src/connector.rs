@@ -46,9 +46,11 @@ pub enum ConnectorCall {
     },
     /// The worker's connector output of the last step.
     UpdateConnectorOutput(KvConnectorOutput),
-    /// The notify-only receives of rejections queued so far (answered with `Meta` holding only
-    /// those), so that the engine can push them to the worker while a step is running instead
-    /// of after it: P hears of a rejection within one hop of D's engine, not one step.
+    /// The notify-only receives of rejections queued so far, taken out of the connector at
+    /// once rather than with the next step's metadata, so that a notice never waits for a
+    /// step. The connector-scheduler hands them straight to its rank's worker when its link is
+    /// up and answers `Meta` with those the worker did not take (normally none); engine-core
+    /// pushes whatever comes back itself.
     TakeRejectionRecvs,
     /// Rule R1: a request with these params was refused before admission; tell P.
     RequestRejectedBeforeAdmission {

@@ -27,6 +27,11 @@ pub fn unix_micros() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
 }
 
+/// Microseconds from `at` (Unix µs) until now; 0 when `at` lies ahead (clocks of two nodes).
+pub fn micros_since(at: u64) -> u64 {
+    unix_micros().saturating_sub(at)
+}
+
 pub use connector::*;
 pub use engine::*;
 pub use envelope::*;
