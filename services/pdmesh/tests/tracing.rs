@@ -297,9 +297,13 @@ fn rejection_notice_joins_the_trace(mesh: &Mesh, store: &SpanStore) {
     assert!(served.event_names().contains(&"consumer gave up"), "{:?}", served.event_names());
     let release = spans.iter().find(|s| s.name == "kv.release" && node_of(s) == "p").unwrap();
     assert!(release.event_names().contains(&"held blocks freed"), "{:?}", release.event_names());
+    // The rejection itself is an event of D's refused request, on D's frontend.
+    let refused = spans.iter().find(|s| s.name == "frontend.request" && node_of(s) == "d").unwrap();
+    assert_eq!(refused.service, "pdmesh-frontend");
     assert!(
-        spans.iter().any(|s| s.name == "frontend.request" && node_of(s) == "d"),
-        "D's refused request is in the same trace"
+        refused.event_names().contains(&"refused a remote-prefill request before admission; notified P"),
+        "{:?}",
+        refused.event_names()
     );
 }
 

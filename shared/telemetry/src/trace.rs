@@ -245,6 +245,20 @@ impl RequestContexts {
     }
 }
 
+/// `tracing` target of [`notice_hop`]'s events.
+pub const NOTICE_HOP_TARGET: &str = "pdmesh_notice";
+
+/// A debug event for one hop of a rule-R1 rejection notice on its way to P: `hop`, P's
+/// request id and `age_us`, the time since D refused the request (its timestamp travels with
+/// the notice). `RUST_LOG=warn,pdmesh_notice=debug` shows where notices spend their time
+/// without the rest of the debug output (`pdmesh-load rejections --hops` sums it up).
+pub fn notice_hop(hop: &'static str, p_request_id: &str, rejected_at_unix_us: Option<u64>) {
+    if let Some(at) = rejected_at_unix_us {
+        tracing::debug!(target: NOTICE_HOP_TARGET, hop, id = p_request_id,
+            age_us = pdmesh_protocol::micros_since(at), "notice hop");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -263,19 +277,5 @@ mod tests {
         assert_eq!(trace_id(&hop), "0af7651916cd43dd8448eb211c80319c");
         let root = next_hop(&TraceContext::default());
         assert_eq!(trace_id(&root).len(), 32);
-    }
-}
-
-/// `tracing` target of [`notice_hop`]'s events.
-pub const NOTICE_HOP_TARGET: &str = "pdmesh_notice";
-
-/// A debug event for one hop of a rule-R1 rejection notice on its way to P: `hop`, P's
-/// request id and `age_us`, the time since D refused the request (its timestamp travels with
-/// the notice). `RUST_LOG=warn,pdmesh_notice=debug` shows where notices spend their time
-/// without the rest of the debug output (`pdmesh-load rejections --hops` sums it up).
-pub fn notice_hop(hop: &'static str, p_request_id: &str, rejected_at_unix_us: Option<u64>) {
-    if let Some(at) = rejected_at_unix_us {
-        tracing::debug!(target: NOTICE_HOP_TARGET, hop, id = p_request_id,
-            age_us = pdmesh_protocol::micros_since(at), "notice hop");
     }
 }
