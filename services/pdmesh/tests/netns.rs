@@ -16,8 +16,8 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{sse_events, Mesh};
-use serde_json::{json, Value};
+use common::{complete, Mesh};
+use serde_json::Value;
 
 const SETTINGS: &str =
     "model = { kind = \"synthetic\", per_token_cost_us = 200 }\nengine = { block_size = 4, num_blocks = 512 }";
@@ -212,25 +212,6 @@ fn wait_engines(url: &str, logs: impl Fn() -> String) {
         std::thread::sleep(Duration::from_millis(200));
     }
     panic!("{url} not ready in 90 s; logs:\n{}", logs());
-}
-
-fn complete(url: &str, prompt: &str, stream: bool) -> String {
-    let body = json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": stream});
-    let r = client().post(url).json(&body).send().unwrap();
-    assert_eq!(r.status().as_u16(), 200, "{url}");
-    let text = r.text().unwrap();
-    if !stream {
-        let v: Value = serde_json::from_str(&text).unwrap();
-        return v["choices"][0]["text"].as_str().unwrap().to_string();
-    }
-    let mut out = String::new();
-    for e in sse_events(&text) {
-        if e != "[DONE]" {
-            let v: Value = serde_json::from_str(&e).unwrap();
-            out.push_str(v["choices"][0]["text"].as_str().unwrap_or(""));
-        }
-    }
-    out
 }
 
 fn metric(url: &str, name: &str) -> f64 {

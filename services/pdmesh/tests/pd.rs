@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{sse_events, Mesh};
+use common::{complete, Mesh};
 use serde_json::{json, Value};
 
 fn client() -> reqwest::blocking::Client {
@@ -23,25 +23,6 @@ fn pd_topology(http: u16, base: u16) -> String {
 
 fn pd_topology_tcp(http: u16, base: u16) -> String {
     common::pd_topology(http, base, "tcp", 2, ENGINE)
-}
-
-fn complete(url: &str, prompt: &str, stream: bool) -> String {
-    let body = json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": stream});
-    let r = client().post(url).json(&body).send().unwrap();
-    assert_eq!(r.status().as_u16(), 200, "{url}");
-    let text = r.text().unwrap();
-    if !stream {
-        let v: Value = serde_json::from_str(&text).unwrap();
-        return v["choices"][0]["text"].as_str().unwrap().to_string();
-    }
-    let mut out = String::new();
-    for e in sse_events(&text) {
-        if e != "[DONE]" {
-            let v: Value = serde_json::from_str(&e).unwrap();
-            out.push_str(v["choices"][0]["text"].as_str().unwrap_or(""));
-        }
-    }
-    out
 }
 
 #[test]

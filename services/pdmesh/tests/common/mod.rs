@@ -356,3 +356,30 @@ base_port = {b3}
 "#
     )
 }
+
+/// A greedy completion of 12 tokens (streamed or not) through `url`: its text.
+pub fn complete(url: &str, prompt: &str, stream: bool) -> String {
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": stream});
+    let r = reqwest::blocking::Client::builder()
+        .timeout(std::time::Duration::from_secs(120))
+        .build()
+        .unwrap()
+        .post(url)
+        .json(&body)
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{url}");
+    let text = r.text().unwrap();
+    if !stream {
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        return v["choices"][0]["text"].as_str().unwrap().to_string();
+    }
+    let mut out = String::new();
+    for e in sse_events(&text) {
+        if e != "[DONE]" {
+            let v: serde_json::Value = serde_json::from_str(&e).unwrap();
+            out.push_str(v["choices"][0]["text"].as_str().unwrap_or(""));
+        }
+    }
+    out
+}
