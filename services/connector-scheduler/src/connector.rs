@@ -33,25 +33,16 @@ pub trait KvConnectorScheduler: Send {
         Vec::new()
     }
     /// Rule R1: D refused a request with these params before admission. `Err` (a reason) when
-    /// the params cannot be acted on; the caller counts it, nothing else changes.
+    /// the params cannot be acted on; the caller counts it, nothing else changes. `trace` is the
+    /// refused request's: a consumer puts it on the notify-only receive so P joins that trace.
     fn request_rejected_before_admission(
-        &mut self,
-        params: &KvTransferParams,
-        rejected_at_unix_us: Option<u64>,
-    ) -> Result<(), String> {
-        let _ = (params, rejected_at_unix_us);
-        Err("this connector does not consume remote KV".into())
-    }
-    /// [`Self::request_rejected_before_admission`] with the refused request's trace, which a
-    /// consumer passes on to the notify-only receive so P's side joins the request's trace.
-    fn request_rejected_before_admission_traced(
         &mut self,
         params: &KvTransferParams,
         rejected_at_unix_us: Option<u64>,
         trace: pdmesh_protocol::TraceContext,
     ) -> Result<(), String> {
-        let _ = trace;
-        self.request_rejected_before_admission(params, rejected_at_unix_us)
+        let _ = (params, rejected_at_unix_us, trace);
+        Err("this connector does not consume remote KV".into())
     }
 }
 

@@ -224,7 +224,7 @@ pub fn dispatch(c: &mut dyn KvConnectorScheduler, call: ConnectorCall) -> Connec
         ConnectorCall::RequestRejectedBeforeAdmission { params, rejected_at_unix_us, trace } => {
             let id = params.remote_request_id.as_deref().unwrap_or("");
             pdmesh_telemetry::trace::notice_hop("connector_scheduler", id, rejected_at_unix_us);
-            match c.request_rejected_before_admission_traced(&params, rejected_at_unix_us, trace) {
+            match c.request_rejected_before_admission(&params, rejected_at_unix_us, trace) {
                 Ok(()) => ConnectorReply::Ack,
                 Err(reason) => ConnectorReply::Rejected { reason },
             }

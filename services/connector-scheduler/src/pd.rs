@@ -286,14 +286,6 @@ impl KvConnectorScheduler for PdConnector {
         &mut self,
         params: &KvTransferParams,
         rejected_at_unix_us: Option<u64>,
-    ) -> Result<(), String> {
-        self.request_rejected_before_admission_traced(params, rejected_at_unix_us, Default::default())
-    }
-
-    fn request_rejected_before_admission_traced(
-        &mut self,
-        params: &KvTransferParams,
-        rejected_at_unix_us: Option<u64>,
         trace: pdmesh_protocol::TraceContext,
     ) -> Result<(), String> {
         if !self.consumer {
@@ -408,7 +400,7 @@ mod tests {
         assert!(meta.reqs_to_recv.is_empty() && meta.reqs_referenced.is_empty(), "{meta:?}");
         assert_eq!(c.counters.give_ups_suppressed, 1);
         // rejection notices have their own switch and still go out
-        assert!(c.request_rejected_before_admission(&p, Some(1)).is_ok());
+        assert!(c.request_rejected_before_admission(&p, Some(1), Default::default()).is_ok());
         assert_eq!(c.build_connector_meta(2).reqs_to_recv.len(), 1);
     }
 
@@ -426,7 +418,7 @@ mod tests {
     #[test]
     fn rejection_before_admission_enqueues_an_empty_receive_with_ps_request_id() {
         let mut c = consumer();
-        assert!(c.request_rejected_before_admission(&remote_params(), Some(1)).is_ok());
+        assert!(c.request_rejected_before_admission(&remote_params(), Some(1), Default::default()).is_ok());
         let meta = c.build_connector_meta(1);
         assert_eq!(meta.reqs_to_recv.len(), 1);
         assert!(meta.reqs_to_recv[0].local_block_ids.is_empty());
@@ -435,7 +427,7 @@ mod tests {
         let mut p = remote_params();
         p.remote_host = None;
         let before = p.clone();
-        assert!(c.request_rejected_before_admission(&p, None).is_err());
+        assert!(c.request_rejected_before_admission(&p, None, Default::default()).is_err());
         assert_eq!(p, before);
         assert!(c.build_connector_meta(2).reqs_to_recv.is_empty());
         assert_eq!(c.counters.invalid_params, 1);
