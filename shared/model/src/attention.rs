@@ -65,8 +65,9 @@ pub(crate) fn sum(x: &[f32]) -> f32 {
 pub(crate) fn softmax(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     for v in x.iter_mut() {
-        *v = (*v - max).exp();
+        *v -= max;
     }
+    crate::simd::exp_in_place(x);
     let s = sum(x);
     for v in x.iter_mut() {
         *v /= s;
@@ -105,6 +106,9 @@ pub(crate) fn attend_head(
     scores: &mut [f32],
     out: &mut [f32],
 ) {
+    if crate::simd::attend_head(q, k_cache, v_cache, &key_off, scale, scores, out) {
+        return;
+    }
     let hd = q.len();
     for (j, s) in scores.iter_mut().enumerate() {
         let off = key_off(j);

@@ -296,8 +296,11 @@ impl LlamaExecutor {
             // ---- MLP
             rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, &mut s.h);
             layer.gate_up.forward(&s.h, n, mm, &mut [&mut s.gate, &mut s.up])?;
-            for (g, u) in s.gate.iter_mut().zip(&s.up) {
-                *g = silu(*g) * u;
+            // element-wise, so any split gives the same bits; rows of 1536 per work item
+            let (up, ff) = (&s.up, cfg.ffn_dim);
+            let ok = mm.pool.par_chunks_mut(&mut s.gate, ff, |c, g| crate::simd::silu_mul(g, &up[c * ff..][..g.len()]));
+            if !ok {
+                return Err(ExecutorError::Model("silu worker panicked".into()));
             }
             layer.down.forward(&s.gate, n, mm, &mut [&mut s.proj])?;
             add_in_place(&mut s.x, &s.proj);
@@ -445,10 +448,6 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
             *o = v / m * a;
         }
     }
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
 }
 
 fn add_in_place(x: &mut [f32], y: &[f32]) {

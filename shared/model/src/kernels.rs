@@ -11,54 +11,99 @@
 //!   per block of 32, `d = amax/127` stored as f16, `q = round(x / d)` (half away from zero),
 //!   and for Q8_1 `s = f16(Σq) · d` in f16 ([`QActs`]);
 //! - Q4_1: candle's (scalar) `vec_dot` is `Σ_b ((sumi_b · d_w) · d_a) + m_w · s_a` accumulated
-//!   block by block in f32. We compute each block's integer `sumi_b` with AVX2
-//!   (`vpmaddubsw`/`vpmaddwd`) for 8 weight rows at once, reduce the 8 rows' lanes with a
-//!   horizontal-add tree into one vector holding the 8 exact integer sums, and then do the
-//!   float part for 8 rows in the 8 lanes with the same operations in the same order;
+//!   block by block in f32. The integer `sumi_b` is exact however it is summed, so we are free
+//!   to compute it with any instructions; the float part runs for 8 or 16 rows at once in SIMD
+//!   lanes with the same operations in the same order;
 //! - Q8_0 (the tied output projection): candle's AVX2 `vec_dot` accumulates in 8 lanes with
 //!   FMA and sums the lanes in a fixed order; we run the same instruction sequence, 4 rows ×
 //!   up to 4 tokens per tile.
 //!
-//! Weights are repacked at load time into groups of 8 rows, block-interleaved
-//! (`[group][block][row][bytes]`), with the f16 scales widened to f32 once, so a decode step
-//! streams each matrix front to back. Every (row, token) result is computed by the same
-//! operations whatever tile, batch or thread split it lands in, so batching never changes a
-//! bit. The AVX2+FMA path is chosen at run time; the portable scalar path computes the same
-//! Q4_1 bits (and Q8_0 as candle's own scalar fallback does).
+//! **Q4_1 layout: 16 rows interleaved by 4-element quads.** Weights are repacked at load time
+//! into groups of 16 rows. Per (group, block) there are 320 bytes: four 64-byte vectors whose
+//! byte `4·r + e` is GGUF byte `4·v + e` of row `r` (low nibble = element `4v + e`, high nibble
+//! = element `16 + 4v + e`), then the 16 rows' f16 `d`, then their f16 `m` (20 bytes per row and
+//! block, as in the file). Masking a vector's low (high) nibbles gives, for all 16 rows at once,
+//! the 4 weights that meet activation bytes `4j..4j+4` with `j = v` (`j = v + 4`); those 4 bytes
+//! are broadcast to every lane, so one 4-way dot-product instruction (`vpdpbusd`, AVX-512 VNNI)
+//! or `vpmaddubsw` (AVX2, accumulated in i16: at most 8·2·15·127 = 30 480, no overflow) adds
+//! each row's partial sum into its own lane. No horizontal reduction is needed, and a decode
+//! step streams each matrix front to back exactly once, at the file's 20 bytes per block.
+//!
+//! Every (row, token) result is computed by the same operations whatever tile, batch or thread
+//! split it lands in, so batching never changes a bit. The implementation is chosen at run time
+//! ([`Impl::detect`]); the portable scalar path computes the same Q4_1 bits (and Q8_0 as
+//! candle's own scalar fallback does).
 
 #![allow(unsafe_code)]
 
 use half::f16;
 
 use crate::pool::{Pool, SendPtr};
+use crate::simd;
 
 /// Values per quantization block (Q4_1, Q8_0 and activation blocks alike).
 pub const QK: usize = 32;
-/// Weight rows per packed group.
-const GROUP: usize = 8;
-/// Tokens per tile.
-const TILE_T: usize = 4;
+/// Weight rows per packed Q4_1 group (one 512-bit vector: 4 elements × 16 rows).
+const Q4_GROUP: usize = 16;
+/// Bytes per (Q4_1 group, block): 16 rows × 16 bytes of nibbles, 16 f16 `d`, 16 f16 `m`.
+const Q4_BLOCK_BYTES: usize = Q4_GROUP * 20;
+/// Offsets of the scales inside a (Q4_1 group, block).
+const Q4_D_OFF: usize = Q4_GROUP * 16;
+const Q4_M_OFF: usize = Q4_D_OFF + Q4_GROUP * 2;
+/// Weight rows per packed Q8_0 group.
+const Q8_GROUP: usize = 8;
 
 /// Which implementation a matmul uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Impl {
     Scalar,
+    /// AVX2 + FMA + F16C (`x86-64-v3`).
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// AVX2 as above, and AVX-512 F/BW/VNNI for Q4_1.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 impl Impl {
-    /// The best implementation for this CPU (`PDMESH_MODEL_KERNELS=scalar` forces the portable
-    /// one).
+    /// The best implementation for this CPU. `PDMESH_MODEL_KERNELS=scalar` forces the portable
+    /// one and `avx2` the AVX2 one (for comparisons; every choice gives the same bits).
     pub fn detect() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        if std::env::var("PDMESH_MODEL_KERNELS").as_deref() != Ok("scalar")
-            && is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-        {
-            return Impl::Avx2;
+        let forced = std::env::var("PDMESH_MODEL_KERNELS").ok();
+        let available = Self::available();
+        let pick = |want: Impl| available.iter().copied().find(|&i| i == want);
+        match forced.as_deref() {
+            Some("scalar") => Impl::Scalar,
+            #[cfg(target_arch = "x86_64")]
+            Some("avx2") => pick(Impl::Avx2).unwrap_or(Impl::Scalar),
+            _ => available.last().copied().unwrap_or(Impl::Scalar),
         }
-        Impl::Scalar
+    }
+
+    /// Every implementation this CPU can run, slowest first.
+    pub fn available() -> Vec<Impl> {
+        #[allow(unused_mut)]
+        let mut out = vec![Impl::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            out.push(Impl::Avx2);
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                out.push(Impl::Avx512);
+            }
+        }
+        out
+    }
+
+    /// Tokens per tile: how many activation rows share one unpacked weight block.
+    fn tile_tokens(self, w: &Packed) -> usize {
+        match (self, w) {
+            #[cfg(target_arch = "x86_64")]
+            (Impl::Avx512, Packed::Q4_1(_)) => 8,
+            _ => 4,
+        }
     }
 }
 
@@ -75,8 +120,9 @@ pub struct QActs {
 }
 
 impl QActs {
-    /// Quantize `x` (`rows × k`, `k` a multiple of [`QK`]) into `self`, reusing its buffers.
-    pub fn quantize(&mut self, x: &[f32], rows: usize, k: usize) {
+    /// Quantize `x` (`rows × k`, `k` a multiple of [`QK`]) into `self`, reusing its buffers;
+    /// rows are quantized in parallel on `pool` (each row's bits do not depend on the split).
+    pub fn quantize(&mut self, x: &[f32], rows: usize, k: usize, pool: &Pool) {
         let nb = k / QK;
         self.rows = rows;
         self.k = k;
@@ -86,35 +132,28 @@ impl QActs {
         self.d.resize(rows * nb, 0.0);
         self.s.clear();
         self.s.resize(rows * nb, 0.0);
-        for ((xb, qb), (d, s)) in
-            x.chunks_exact(QK).zip(self.qs.chunks_exact_mut(QK)).zip(self.d.iter_mut().zip(self.s.iter_mut()))
-        {
-            let amax = xb.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let scale = amax / 127.0;
-            let inv = if scale != 0.0 { 1.0 / scale } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                let r = round_half_away(v * inv) as i8;
-                *q = r;
-                sum += i32::from(r);
-            }
-            let d16 = f16::from_f32(scale);
-            *d = d16.to_f32();
-            *s = (f16::from_f32(sum as f32) * d16).to_f32();
+        if x.len() < rows * k {
+            return;
         }
-    }
-}
-
-/// `x.round()` (half away from zero, as candle uses) without the libm call, so the loop
-/// vectorises: truncate, then step away from zero when the dropped fraction is ≥ 0.5. Exact for
-/// every finite f32 (the subtraction of the truncated part is exact).
-#[inline]
-fn round_half_away(x: f32) -> f32 {
-    let t = x.trunc();
-    if (x - t).abs() >= 0.5 {
-        t + 1f32.copysign(x)
-    } else {
-        t
+        let (qs, d, s) = (SendPtr(self.qs.as_mut_ptr()), SendPtr(self.d.as_mut_ptr()), SendPtr(self.s.as_mut_ptr()));
+        pool.for_each(rows, &|r| {
+            // SAFETY: row r owns qs[r·k..(r+1)·k] and d/s[r·nb..(r+1)·nb] (all resized above to
+            // rows·k and rows·nb); `for_each` visits each row once, so the slices are disjoint.
+            let (qr, dr, sr) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(qs.get().add(r * k), k),
+                    std::slice::from_raw_parts_mut(d.get().add(r * nb), nb),
+                    std::slice::from_raw_parts_mut(s.get().add(r * nb), nb),
+                )
+            };
+            let xr = &x[r * k..(r + 1) * k];
+            for ((xb, qb), (d, s)) in xr.chunks_exact(QK).zip(qr.chunks_exact_mut(QK)).zip(dr.iter_mut().zip(sr)) {
+                let (scale, sum) = simd::quantize_block(xb, qb);
+                let d16 = f16::from_f32(scale);
+                *d = d16.to_f32();
+                *s = (f16::from_f32(sum as f32) * d16).to_f32();
+            }
+        });
     }
 }
 
@@ -125,17 +164,18 @@ fn f16_le(b: &[u8]) -> f32 {
     }
 }
 
-/// Q4_1 weights `[rows, k]` in 8-row groups: per block `w = d·q + m`, `q ∈ 0..16`; byte `j`
-/// of a block holds element `j` (low nibble) and element `j + 16` (high nibble), as in GGUF.
+/// One cache line; the Q4_1 data is a vector of these so every (group, block) starts aligned.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// Q4_1 weights `[rows, k]`: per block `w = d·q + m`, `q ∈ 0..16`, in the 16-row interleaved
+/// layout of the module doc (`[group][block][320 bytes]`; padding rows are zero).
 #[derive(Debug, Clone)]
 pub struct PackedQ4_1 {
     pub rows: usize,
     pub k: usize,
-    /// `[group][block][row][16]`.
-    qs: Vec<u8>,
-    /// `[group][block][row]`.
-    d: Vec<f32>,
-    m: Vec<f32>,
+    data: Vec<Line>,
 }
 
 /// Q8_0 weights `[rows, k]` in 8-row groups: per block `w = d·q`, `q: i8`.
@@ -156,21 +196,37 @@ impl PackedQ4_1 {
             return None;
         }
         let nb = k / QK;
-        let groups = rows.div_ceil(GROUP);
-        let mut qs = vec![0u8; groups * nb * GROUP * 16];
-        let mut d = vec![0f32; groups * nb * GROUP];
-        let mut m = vec![0f32; groups * nb * GROUP];
+        let groups = rows.div_ceil(Q4_GROUP);
+        let mut data = vec![Line([0; 64]); groups * nb * Q4_BLOCK_BYTES / 64];
+        let flat = lines_as_bytes_mut(&mut data);
         for (row, rb) in bytes.chunks_exact(nb * 20).enumerate() {
-            let (g, r) = (row / GROUP, row % GROUP);
+            let (g, r) = (row / Q4_GROUP, row % Q4_GROUP);
             for (b, blk) in rb.chunks_exact(20).enumerate() {
-                let i = (g * nb + b) * GROUP + r;
-                d[i] = f16_le(&blk[0..2]);
-                m[i] = f16_le(&blk[2..4]);
-                qs[i * 16..i * 16 + 16].copy_from_slice(&blk[4..20]);
+                let base = (g * nb + b) * Q4_BLOCK_BYTES;
+                flat[base + Q4_D_OFF + 2 * r..][..2].copy_from_slice(&blk[0..2]);
+                flat[base + Q4_M_OFF + 2 * r..][..2].copy_from_slice(&blk[2..4]);
+                for v in 0..4 {
+                    flat[base + 64 * v + 4 * r..][..4].copy_from_slice(&blk[4 + 4 * v..8 + 4 * v]);
+                }
             }
         }
-        Some(Self { rows, k, qs, d, m })
+        Some(Self { rows, k, data })
     }
+
+    fn bytes(&self) -> &[u8] {
+        lines_as_bytes(&self.data)
+    }
+}
+
+fn lines_as_bytes(lines: &[Line]) -> &[u8] {
+    // SAFETY: `Line` is `repr(C)` over `[u8; 64]` with no padding (size 64 = align 64), so the
+    // slice is `64 · len` initialised bytes.
+    unsafe { std::slice::from_raw_parts(lines.as_ptr().cast::<u8>(), lines.len() * 64) }
+}
+
+fn lines_as_bytes_mut(lines: &mut [Line]) -> &mut [u8] {
+    // SAFETY: as in `lines_as_bytes`; the borrow is exclusive.
+    unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr().cast::<u8>(), lines.len() * 64) }
 }
 
 impl PackedQ8_0 {
@@ -180,13 +236,13 @@ impl PackedQ8_0 {
             return None;
         }
         let nb = k / QK;
-        let groups = rows.div_ceil(GROUP);
-        let mut qs = vec![0i8; groups * nb * GROUP * QK];
-        let mut d = vec![0f32; groups * nb * GROUP];
+        let groups = rows.div_ceil(Q8_GROUP);
+        let mut qs = vec![0i8; groups * nb * Q8_GROUP * QK];
+        let mut d = vec![0f32; groups * nb * Q8_GROUP];
         for (row, rb) in bytes.chunks_exact(nb * 34).enumerate() {
-            let (g, r) = (row / GROUP, row % GROUP);
+            let (g, r) = (row / Q8_GROUP, row % Q8_GROUP);
             for (b, blk) in rb.chunks_exact(34).enumerate() {
-                let i = (g * nb + b) * GROUP + r;
+                let i = (g * nb + b) * Q8_GROUP + r;
                 d[i] = f16_le(&blk[0..2]);
                 for (dst, &src) in qs[i * QK..i * QK + QK].iter_mut().zip(&blk[2..34]) {
                     *dst = src as i8;
@@ -219,23 +275,30 @@ impl Packed {
         }
     }
 
+    /// Rows per packed group (the unit of work of a matmul).
+    fn group_rows(&self) -> usize {
+        match self {
+            Packed::Q4_1(_) => Q4_GROUP,
+            Packed::Q8_0(_) => Q8_GROUP,
+        }
+    }
+
     /// Stack the rows of matrices of the same type and `k` (to fuse projections that read the
-    /// same input, e.g. Q, K and V). Needs every part's rows to fill whole 8-row groups.
+    /// same input, e.g. Q, K and V). Needs every part's rows to fill whole groups.
     pub fn concat(parts: &[&Packed]) -> Option<Packed> {
         let first = parts.first()?;
         let k = first.k();
-        if parts.iter().any(|p| p.k() != k || p.rows() % GROUP != 0) {
+        let group = first.group_rows();
+        if parts.iter().any(|p| p.k() != k || p.group_rows() != group || p.rows() % group != 0) {
             return None;
         }
         let rows = parts.iter().map(|p| p.rows()).sum();
         match first {
             Packed::Q4_1(_) => {
-                let mut out = PackedQ4_1 { rows, k, qs: Vec::new(), d: Vec::new(), m: Vec::new() };
+                let mut out = PackedQ4_1 { rows, k, data: Vec::new() };
                 for p in parts {
                     let Packed::Q4_1(p) = p else { return None };
-                    out.qs.extend_from_slice(&p.qs);
-                    out.d.extend_from_slice(&p.d);
-                    out.m.extend_from_slice(&p.m);
+                    out.data.extend_from_slice(&p.data);
                 }
                 Some(Packed::Q4_1(out))
             }
@@ -256,7 +319,7 @@ impl Packed {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShapeError(pub String);
 
-/// `out[m, rows] = acts · Wᵀ`, computed on `pool`, one 8-row group per work item.
+/// `out[m, rows] = acts · Wᵀ`, computed on `pool`, one row group per work item.
 pub fn matmul(w: &Packed, acts: &QActs, out: &mut [f32], imp: Impl, pool: &Pool) -> Result<(), ShapeError> {
     let (rows, k, m) = (w.rows(), w.k(), acts.rows);
     if acts.k != k || out.len() != rows * m || acts.qs.len() != m * k || k % QK != 0 {
@@ -265,21 +328,31 @@ pub fn matmul(w: &Packed, acts: &QActs, out: &mut [f32], imp: Impl, pool: &Pool)
     if m == 0 || rows == 0 {
         return Ok(());
     }
+    let group = w.group_rows();
+    let tile_t = imp.tile_tokens(w);
     let dst = SendPtr(out.as_mut_ptr());
-    let ok = pool.for_each(rows.div_ceil(GROUP), &|g| {
-        let nr = (rows - g * GROUP).min(GROUP);
+    let ok = pool.for_each(rows.div_ceil(group), &|g| {
+        let nr = (rows - g * group).min(group);
         let mut t0 = 0;
         while t0 < m {
-            let nt = (m - t0).min(TILE_T);
+            let nt = (m - t0).min(tile_t);
             let tile = Tile { g, nr, t0, nt, rows, out: dst.get() };
             match imp {
                 // SAFETY: see `Tile`: group g < groups, t0 + nt ≤ m, out holds m·rows values;
                 // each group writes only its own columns, so work items never overlap.
                 Impl::Scalar => unsafe { scalar_group(w, acts, &tile) },
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above, and `Impl::Avx2` is only constructed after detecting AVX2
-                // and FMA; packed groups are complete (padding rows are zero-filled).
+                // SAFETY: as above, and `Impl::Avx2` is only constructed after detecting AVX2,
+                // FMA and F16C; packed groups are complete (padding rows are zero-filled).
                 Impl::Avx2 => unsafe { avx2::group(w, acts, &tile) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above; `Impl::Avx512` additionally implies AVX-512 F/BW/VNNI.
+                Impl::Avx512 => unsafe {
+                    match w {
+                        Packed::Q4_1(q) => avx512::q4_1(q, acts, &tile),
+                        Packed::Q8_0(q) => avx512::q8_0(q, acts, &tile),
+                    }
+                },
             }
             t0 += nt;
         }
@@ -291,12 +364,12 @@ pub fn matmul(w: &Packed, acts: &QActs, out: &mut [f32], imp: Impl, pool: &Pool)
     }
 }
 
-/// One unit of kernel work: weight rows `g·8 .. g·8+nr` × tokens `t0 .. t0+nt`, written to
-/// `out[t·rows + row]`.
+/// One unit of kernel work: weight rows `g·G .. g·G+nr` (G = the matrix's group rows) ×
+/// tokens `t0 .. t0+nt`, written to `out[t·rows + row]`.
 ///
-/// Invariants the kernels rely on: `g < rows.div_ceil(8)`, `nr = min(8, rows − g·8)`,
-/// `nt ≤ 4`, `t0 + nt ≤ acts.rows`, and `out` points to `acts.rows · rows` writable values
-/// that no other thread writes in these columns.
+/// Invariants the kernels rely on: `g < rows.div_ceil(G)`, `nr = min(G, rows − g·G)`,
+/// `nt ≤` the implementation's tile tokens, `t0 + nt ≤ acts.rows`, and `out` points to
+/// `acts.rows · rows` writable values that no other thread writes in these columns.
 struct Tile {
     g: usize,
     nr: usize,
@@ -314,32 +387,39 @@ unsafe fn scalar_group(w: &Packed, a: &QActs, tile: &Tile) {
     let k = a.k;
     let nb = k / QK;
     let Tile { g, nr, t0, nt, rows, out } = *tile;
+    let group = w.group_rows();
     for r in 0..nr {
         for tok in t0..t0 + nt {
             let aq = &a.qs[tok * k..(tok + 1) * k];
             let mut sumf = 0f32;
             for b in 0..nb {
-                let i = (g * nb + b) * GROUP + r;
                 let da = a.d[tok * nb + b];
                 let aqb = &aq[b * QK..(b + 1) * QK];
                 match w {
                     Packed::Q4_1(w) => {
+                        let blk = &w.bytes()[(g * nb + b) * Q4_BLOCK_BYTES..][..Q4_BLOCK_BYTES];
                         let mut sumi = 0i32;
-                        for (j, &byte) in w.qs[i * 16..i * 16 + 16].iter().enumerate() {
-                            sumi += i32::from(byte & 0x0F) * i32::from(aqb[j])
-                                + i32::from(byte >> 4) * i32::from(aqb[j + 16]);
+                        for v in 0..4 {
+                            for e in 0..4 {
+                                let byte = blk[64 * v + 4 * r + e];
+                                sumi += i32::from(byte & 0x0F) * i32::from(aqb[4 * v + e])
+                                    + i32::from(byte >> 4) * i32::from(aqb[16 + 4 * v + e]);
+                            }
                         }
-                        sumf += sumi as f32 * w.d[i] * da + w.m[i] * a.s[tok * nb + b];
+                        let dw = f16_le(&blk[Q4_D_OFF + 2 * r..]);
+                        let mw = f16_le(&blk[Q4_M_OFF + 2 * r..]);
+                        sumf += sumi as f32 * dw * da + mw * a.s[tok * nb + b];
                     }
                     Packed::Q8_0(w) => {
+                        let i = (g * nb + b) * Q8_GROUP + r;
                         let sumi: i32 =
                             w.qs[i * QK..i * QK + QK].iter().zip(aqb).map(|(&x, &y)| i32::from(x) * i32::from(y)).sum();
                         sumf += sumi as f32 * w.d[i] * da;
                     }
                 }
             }
-            // SAFETY: tok < m and g·8 + r < rows (Tile invariants).
-            unsafe { *out.add(tok * rows + g * GROUP + r) = sumf };
+            // SAFETY: tok < m and g·G + r < rows (Tile invariants).
+            unsafe { *out.add(tok * rows + g * group + r) = sumf };
         }
     }
 }
@@ -348,14 +428,16 @@ unsafe fn scalar_group(w: &Packed, a: &QActs, tile: &Tile) {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{Packed, PackedQ4_1, PackedQ8_0, QActs, Tile, GROUP, QK};
+    use super::{
+        Packed, PackedQ4_1, PackedQ8_0, QActs, Tile, Q4_BLOCK_BYTES, Q4_D_OFF, Q4_GROUP, Q4_M_OFF, Q8_GROUP, QK,
+    };
 
     /// One [`Tile`] with the AVX2 kernels.
     ///
     /// # Safety
-    /// AVX2 and FMA must be available, `a` must hold `a.rows · w.k` values, and the [`Tile`]
-    /// invariants must hold.
-    #[target_feature(enable = "avx2,fma")]
+    /// AVX2, FMA and F16C must be available, `a` must hold `a.rows · w.k` values, and the
+    /// [`Tile`] invariants must hold with `nt ≤ 4`.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn group(w: &Packed, a: &QActs, tile: &Tile) {
         // SAFETY (all arms): the preconditions are forwarded unchanged.
         unsafe {
@@ -373,23 +455,6 @@ mod avx2 {
         }
     }
 
-    /// Sum each of 8 vectors of 8 `i32` lanes: lane `i` of the result is the total of `v[i]`.
-    /// Integer adds are exact, so the tree's order does not matter.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn hsum8_i32(v: &[__m256i; 8]) -> __m256i {
-        let s01 = _mm256_hadd_epi32(v[0], v[1]);
-        let s23 = _mm256_hadd_epi32(v[2], v[3]);
-        let s45 = _mm256_hadd_epi32(v[4], v[5]);
-        let s67 = _mm256_hadd_epi32(v[6], v[7]);
-        // per 128-bit half: [v0, v1, v2, v3] partials (low half: lanes 0-3, high half: 4-7)
-        let s0123 = _mm256_hadd_epi32(s01, s23);
-        let s4567 = _mm256_hadd_epi32(s45, s67);
-        let lo = _mm256_permute2x128_si256::<0x20>(s0123, s4567);
-        let hi = _mm256_permute2x128_si256::<0x31>(s0123, s4567);
-        _mm256_add_epi32(lo, hi)
-    }
-
     /// candle's `hsum_float_8`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
@@ -401,58 +466,66 @@ mod avx2 {
         _mm_cvtss_f32(res)
     }
 
+    /// Q4_1 with `vpmaddubsw`: the 16-row group as two halves of 8 rows (lanes), each half's
+    /// 8 quads accumulated in i16 and widened once per block.
+    ///
     /// # Safety
     /// As [`group`] with `nt = T`.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4_1_group<const T: usize>(w: &PackedQ4_1, a: &QActs, tile: &Tile) {
         let k = a.k;
         let Tile { g, nr, t0, rows, out, .. } = *tile;
         let nb = k / QK;
-        let mask = _mm_set1_epi8(0x0F);
+        let mask = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); T];
-        // SAFETY: group g has nb blocks of GROUP rows: qs has 16 bytes, d/m one f32 per (block,
-        // row), so every offset below is < (g+1)·nb·GROUP·{16,1}; token rows t0..t0+T < m, so
-        // activation offsets are < m·k (qs) and < m·nb (d, s); output offsets are
-        // (t0+t)·rows + g·8 + r with r < nr (Tile invariants). Loads/stores are unaligned.
+        // SAFETY: group g has nb blocks of Q4_BLOCK_BYTES, so every weight offset below is
+        // < (g+1)·nb·Q4_BLOCK_BYTES ≤ the data length; token rows t0..t0+T < m, so activation
+        // offsets are < m·k (qs) and < m·nb (d, s); output offsets are (t0+t)·rows + g·16 + r
+        // with r < nr (Tile invariants). Loads/stores are unaligned.
         unsafe {
-            let wq = w.qs.as_ptr().add(g * nb * GROUP * 16);
-            let wd = w.d.as_ptr().add(g * nb * GROUP);
-            let wm = w.m.as_ptr().add(g * nb * GROUP);
-            for b in 0..nb {
-                let mut wv = [_mm256_setzero_si256(); GROUP];
-                for (r, v) in wv.iter_mut().enumerate() {
-                    let bytes = _mm_loadu_si128(wq.add((b * GROUP + r) * 16) as *const __m128i);
-                    let lo = _mm_and_si128(bytes, mask);
-                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), mask);
-                    *v = _mm256_set_m128i(hi, lo);
+            let base = w.bytes().as_ptr().add(g * nb * Q4_BLOCK_BYTES);
+            for h in 0..2 {
+                if 8 * h >= nr {
+                    break;
                 }
-                let dxv = _mm256_loadu_ps(wd.add(b * GROUP));
-                let mxv = _mm256_loadu_ps(wm.add(b * GROUP));
-                for (t, acc_t) in acc.iter_mut().enumerate() {
-                    let tok = t0 + t;
-                    let av = _mm256_loadu_si256(a.qs.as_ptr().add(tok * k + b * QK) as *const __m256i);
-                    let mut p = [_mm256_setzero_si256(); GROUP];
-                    for (pr, wr) in p.iter_mut().zip(&wv) {
-                        *pr = _mm256_madd_epi16(_mm256_maddubs_epi16(*wr, av), ones);
+                let mut acc = [_mm256_setzero_ps(); T];
+                for b in 0..nb {
+                    let p = base.add(b * Q4_BLOCK_BYTES);
+                    let mut wv = [_mm256_setzero_si256(); 8];
+                    for v in 0..4 {
+                        let raw = _mm256_loadu_si256(p.add(64 * v + 32 * h) as *const __m256i);
+                        wv[v] = _mm256_and_si256(raw, mask);
+                        wv[v + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
                     }
-                    let sumi = _mm256_cvtepi32_ps(hsum8_i32(&p));
-                    let da = _mm256_set1_ps(*a.d.as_ptr().add(tok * nb + b));
-                    let sa = _mm256_set1_ps(*a.s.as_ptr().add(tok * nb + b));
-                    // candle: sumf += sumi * d_w * d_a + m_w * s_a  (no FMA contraction)
-                    let term = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(sumi, dxv), da), _mm256_mul_ps(mxv, sa));
-                    *acc_t = _mm256_add_ps(*acc_t, term);
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(p.add(Q4_D_OFF + 16 * h) as *const __m128i));
+                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(p.add(Q4_M_OFF + 16 * h) as *const __m128i));
+                    for (t, acc_t) in acc.iter_mut().enumerate() {
+                        let tok = t0 + t;
+                        let ap = a.qs.as_ptr().add(tok * k + b * QK) as *const i32;
+                        let mut s16 = _mm256_setzero_si256();
+                        for (j, wj) in wv.iter().enumerate() {
+                            let aj = _mm256_set1_epi32(ap.add(j).read_unaligned());
+                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(*wj, aj));
+                        }
+                        let sumi = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                        let da = _mm256_set1_ps(*a.d.as_ptr().add(tok * nb + b));
+                        let sa = _mm256_set1_ps(*a.s.as_ptr().add(tok * nb + b));
+                        // candle: sumf += sumi * d_w * d_a + m_w * s_a  (no FMA contraction)
+                        let term = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(sumi, dw), da), _mm256_mul_ps(mw, sa));
+                        *acc_t = _mm256_add_ps(*acc_t, term);
+                    }
                 }
-            }
-            for (t, acc_t) in acc.iter().enumerate() {
-                let dst = out.add((t0 + t) * rows + g * GROUP);
-                if nr == GROUP {
-                    _mm256_storeu_ps(dst, *acc_t);
-                } else {
-                    let mut lanes = [0f32; GROUP];
-                    _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_t);
-                    for (r, &v) in lanes.iter().enumerate().take(nr) {
-                        *dst.add(r) = v;
+                let n = (nr - 8 * h).min(8);
+                for (t, acc_t) in acc.iter().enumerate() {
+                    let dst = out.add((t0 + t) * rows + g * Q4_GROUP + 8 * h);
+                    if n == 8 {
+                        _mm256_storeu_ps(dst, *acc_t);
+                    } else {
+                        let mut lanes = [0f32; 8];
+                        _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_t);
+                        for (r, &v) in lanes.iter().enumerate().take(n) {
+                            *dst.add(r) = v;
+                        }
                     }
                 }
             }
@@ -467,10 +540,11 @@ mod avx2 {
         let Tile { g, nr, t0, rows, out, .. } = *tile;
         let nb = k / QK;
         let ones = _mm256_set1_epi16(1);
-        // SAFETY: as in `q4_1_group`, with 32 weight bytes per (block, row).
+        // SAFETY: group g has nb blocks of Q8_GROUP rows with 32 weight bytes and one f32
+        // scale per (block, row); token and output offsets as in `q4_1_group`.
         unsafe {
-            let wq = w.qs.as_ptr().add(g * nb * GROUP * QK);
-            let wd = w.d.as_ptr().add(g * nb * GROUP);
+            let wq = w.qs.as_ptr().add(g * nb * Q8_GROUP * QK);
+            let wd = w.d.as_ptr().add(g * nb * Q8_GROUP);
             // 4 rows at a time keeps the 4×T accumulators in registers
             for r0 in (0..nr).step_by(4) {
                 let mut acc = [[_mm256_setzero_ps(); T]; 4];
@@ -482,7 +556,7 @@ mod avx2 {
                         da[t] = *a.d.as_ptr().add((t0 + t) * nb + b);
                     }
                     for (r, acc_r) in acc.iter_mut().enumerate() {
-                        let i = b * GROUP + r0 + r;
+                        let i = b * Q8_GROUP + r0 + r;
                         let wv = _mm256_loadu_si256(wq.add(i * QK) as *const __m256i);
                         let wabs = _mm256_sign_epi8(wv, wv);
                         let dw = *wd.add(i);
@@ -497,10 +571,172 @@ mod avx2 {
                 for (r, acc_r) in acc.iter().enumerate() {
                     if r0 + r < nr {
                         for (t, v) in acc_r.iter().enumerate() {
-                            *out.add((t0 + t) * rows + g * GROUP + r0 + r) = hsum_f32(*v);
+                            *out.add((t0 + t) * rows + g * Q8_GROUP + r0 + r) = hsum_f32(*v);
                         }
                     }
                 }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{PackedQ4_1, PackedQ8_0, QActs, Tile, Q4_BLOCK_BYTES, Q4_D_OFF, Q4_GROUP, Q4_M_OFF, Q8_GROUP, QK};
+
+    /// One Q8_0 [`Tile`] with AVX-512 VNNI, in candle's AVX2 arithmetic: two rows per vector
+    /// (lanes 0–7 and 8–15), each lane the exact integer sum of 4 products, then candle's
+    /// `fmadd(d_w·d_a, q, acc)` and `hsum_float_8` per row. `vpdpbusd` needs one unsigned
+    /// operand, so activations are biased by 128 (`a ^ 0x80`) and the weights' own
+    /// `Σ 128·w` (one more `vpdpbusd`, shared by every token of the tile) is subtracted first:
+    /// the sums stay exact integers, so the bits equal candle's.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW and VNNI must be available, `a` must hold `a.rows · w.k` values, and the
+    /// [`Tile`] invariants must hold with `nt ≤ 4`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn q8_0(w: &PackedQ8_0, a: &QActs, tile: &Tile) {
+        // SAFETY (all arms): the preconditions are forwarded unchanged.
+        unsafe {
+            match tile.nt {
+                4 => q8_0_group::<4>(w, a, tile),
+                3 => q8_0_group::<3>(w, a, tile),
+                2 => q8_0_group::<2>(w, a, tile),
+                1 => q8_0_group::<1>(w, a, tile),
+                _ => {}
+            }
+        }
+    }
+
+    /// candle's `hsum_float_8` of one 8-lane half.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn hsum8(x: __m256) -> f32 {
+        let res = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
+        let res = _mm_add_ps(res, _mm_movehl_ps(res, res));
+        let res = _mm_add_ss(res, _mm_movehdup_ps(res));
+        _mm_cvtss_f32(res)
+    }
+
+    /// # Safety
+    /// As [`q8_0`] with `nt = T`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn q8_0_group<const T: usize>(w: &PackedQ8_0, a: &QActs, tile: &Tile) {
+        const PAIRS: usize = Q8_GROUP / 2;
+        let k = a.k;
+        let Tile { g, nr, t0, rows, out, .. } = *tile;
+        let nb = k / QK;
+        let bias = _mm512_set1_epi8(-128);
+        // SAFETY: group g has nb blocks of Q8_GROUP rows with 32 weight bytes and one f32
+        // scale per (block, row), rows 2p and 2p+1 adjacent; token and output offsets as in
+        // the Q4_1 kernels.
+        unsafe {
+            let wq = w.qs.as_ptr().add(g * nb * Q8_GROUP * QK);
+            let wd = w.d.as_ptr().add(g * nb * Q8_GROUP);
+            let mut acc = [[_mm512_setzero_ps(); T]; PAIRS];
+            for b in 0..nb {
+                let mut av = [_mm512_setzero_si512(); T];
+                let mut da = [_mm512_setzero_ps(); T];
+                for t in 0..T {
+                    let src = a.qs.as_ptr().add((t0 + t) * k + b * QK) as *const __m256i;
+                    av[t] = _mm512_xor_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256(src)), bias);
+                    da[t] = _mm512_set1_ps(*a.d.as_ptr().add((t0 + t) * nb + b));
+                }
+                for (p, acc_p) in acc.iter_mut().enumerate() {
+                    let i = b * Q8_GROUP + 2 * p;
+                    let wv = _mm512_loadu_si512(wq.add(i * QK) as *const __m512i);
+                    let corr =
+                        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, wv));
+                    let dw = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(*wd.add(i)), _mm512_set1_ps(*wd.add(i + 1)));
+                    for t in 0..T {
+                        let q = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(corr, av[t], wv));
+                        acc_p[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, da[t]), q, acc_p[t]);
+                    }
+                }
+            }
+            for (p, acc_p) in acc.iter().enumerate() {
+                for (t, v) in acc_p.iter().enumerate() {
+                    let lo = _mm512_castps512_ps256(*v);
+                    let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*v)));
+                    for (r, half) in [(2 * p, lo), (2 * p + 1, hi)] {
+                        if r < nr {
+                            *out.add((t0 + t) * rows + g * Q8_GROUP + r) = hsum8(half);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// One Q4_1 [`Tile`] with AVX-512 VNNI: the 16 rows of a group in the 16 lanes.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW and VNNI must be available, `a` must hold `a.rows · w.k` values, and the
+    /// [`Tile`] invariants must hold with `nt ≤ 8`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn q4_1(w: &PackedQ4_1, a: &QActs, tile: &Tile) {
+        // SAFETY (all arms): the preconditions are forwarded unchanged.
+        unsafe {
+            match tile.nt {
+                8 => q4_1_group::<8>(w, a, tile),
+                7 => q4_1_group::<7>(w, a, tile),
+                6 => q4_1_group::<6>(w, a, tile),
+                5 => q4_1_group::<5>(w, a, tile),
+                4 => q4_1_group::<4>(w, a, tile),
+                3 => q4_1_group::<3>(w, a, tile),
+                2 => q4_1_group::<2>(w, a, tile),
+                1 => q4_1_group::<1>(w, a, tile),
+                _ => {}
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`q4_1`] with `nt = T`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn q4_1_group<const T: usize>(w: &PackedQ4_1, a: &QActs, tile: &Tile) {
+        let k = a.k;
+        let Tile { g, nr, t0, rows, out, .. } = *tile;
+        let nb = k / QK;
+        let mask = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); T];
+        // SAFETY: as in the AVX2 `q4_1_group`; the masked store writes only lanes < nr.
+        unsafe {
+            let base = w.bytes().as_ptr().add(g * nb * Q4_BLOCK_BYTES);
+            for b in 0..nb {
+                let p = base.add(b * Q4_BLOCK_BYTES);
+                let mut wv = [_mm512_setzero_si512(); 8];
+                for v in 0..4 {
+                    let raw = _mm512_loadu_si512(p.add(64 * v) as *const __m512i);
+                    wv[v] = _mm512_and_si512(raw, mask);
+                    wv[v + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask);
+                }
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(Q4_D_OFF) as *const __m256i));
+                let mw = _mm512_cvtph_ps(_mm256_loadu_si256(p.add(Q4_M_OFF) as *const __m256i));
+                for (t, acc_t) in acc.iter_mut().enumerate() {
+                    let tok = t0 + t;
+                    let ap = a.qs.as_ptr().add(tok * k + b * QK) as *const i32;
+                    // two independent chains halve the dependency latency (integer adds:
+                    // the order does not matter)
+                    let mut s0 = _mm512_setzero_si512();
+                    let mut s1 = _mm512_setzero_si512();
+                    for j in (0..8).step_by(2) {
+                        s0 = _mm512_dpbusd_epi32(s0, wv[j], _mm512_set1_epi32(ap.add(j).read_unaligned()));
+                        s1 = _mm512_dpbusd_epi32(s1, wv[j + 1], _mm512_set1_epi32(ap.add(j + 1).read_unaligned()));
+                    }
+                    let sumi = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                    let da = _mm512_set1_ps(*a.d.as_ptr().add(tok * nb + b));
+                    let sa = _mm512_set1_ps(*a.s.as_ptr().add(tok * nb + b));
+                    // candle: sumf += sumi * d_w * d_a + m_w * s_a  (no FMA contraction)
+                    let term = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(sumi, dw), da), _mm512_mul_ps(mw, sa));
+                    *acc_t = _mm512_add_ps(*acc_t, term);
+                }
+            }
+            let lanes: __mmask16 = if nr >= Q4_GROUP { 0xFFFF } else { (1u16 << nr) - 1 };
+            for (t, acc_t) in acc.iter().enumerate() {
+                _mm512_mask_storeu_ps(out.add((t0 + t) * rows + g * Q4_GROUP), lanes, *acc_t);
             }
         }
     }
@@ -572,7 +808,7 @@ mod tests {
     fn ours(w: &Packed, x: &[f32], m: usize, imp: Impl, pool: &Pool) -> Vec<f32> {
         let (rows, k) = (w.rows(), w.k());
         let mut a = QActs::default();
-        a.quantize(x, m, k);
+        a.quantize(x, m, k, pool);
         let mut out = vec![0f32; m * rows];
         matmul(w, &a, &mut out, imp, pool).unwrap();
         out
@@ -586,14 +822,14 @@ mod tests {
     fn q4_1_is_bit_identical_to_candle() {
         use candle_core::quantized::GgmlDType;
         let pool = Pool::new(2);
-        for &(rows, k, m) in &[(16, 64, 1), (24, 576, 3), (40, 1536, 9), (8, 32, 5), (13, 96, 2)] {
+        for &(rows, k, m) in &[(16, 64, 1), (24, 576, 3), (40, 1536, 9), (8, 32, 5), (13, 96, 2), (48, 128, 17)] {
             let raw = q4_1_bytes(rows, k, rows as u64 * 31 + k as u64);
             let w = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&raw, rows, k).unwrap());
             let x = acts(m, k, 7 + m as u64);
             let want = candle_matmul(GgmlDType::Q4_1, &raw, rows, k, &x, m);
-            assert_eq!(bits(&ours(&w, &x, m, Impl::Scalar, &pool)), bits(&want), "scalar {rows}x{k} m={m}");
-            let detected = Impl::detect();
-            assert_eq!(bits(&ours(&w, &x, m, detected, &pool)), bits(&want), "{detected:?} {rows}x{k} m={m}");
+            for imp in Impl::available() {
+                assert_eq!(bits(&ours(&w, &x, m, imp, &pool)), bits(&want), "{imp:?} {rows}x{k} m={m}");
+            }
         }
     }
 
@@ -606,12 +842,9 @@ mod tests {
             let w = Packed::Q8_0(PackedQ8_0::from_gguf_bytes(&raw, rows, k).unwrap());
             let x = acts(m, k, 11 + m as u64);
             let want = candle_matmul(GgmlDType::Q8_0, &raw, rows, k, &x, m);
-            let detected = Impl::detect();
-            let got = ours(&w, &x, m, detected, &pool);
-            #[cfg(target_arch = "x86_64")]
-            if detected == Impl::Avx2 {
+            for imp in Impl::available().into_iter().filter(|&i| i != Impl::Scalar) {
                 // candle uses its AVX2 vec_dot here too: same instructions, same bits
-                assert_eq!(bits(&got), bits(&want), "{rows}x{k} m={m}");
+                assert_eq!(bits(&ours(&w, &x, m, imp, &pool)), bits(&want), "{imp:?} {rows}x{k} m={m}");
             }
             // the scalar path is candle's scalar formula: equal up to summation order
             for (a, b) in ours(&w, &x, m, Impl::Scalar, &pool).iter().zip(&want) {
@@ -628,11 +861,12 @@ mod tests {
         let x = acts(7, k, 9);
         let one = Pool::new(1);
         let three = Pool::new(3);
-        let imp = Impl::detect();
-        let batched = ours(&w, &x, 7, imp, &three);
-        for t in 0..7 {
-            let alone = ours(&w, &x[t * k..(t + 1) * k], 1, imp, &one);
-            assert_eq!(bits(&alone), bits(&batched[t * rows..(t + 1) * rows]));
+        for imp in Impl::available() {
+            let batched = ours(&w, &x, 7, imp, &three);
+            for t in 0..7 {
+                let alone = ours(&w, &x[t * k..(t + 1) * k], 1, imp, &one);
+                assert_eq!(bits(&alone), bits(&batched[t * rows..(t + 1) * rows]), "{imp:?}");
+            }
         }
     }
 
@@ -640,18 +874,20 @@ mod tests {
     fn fused_rows_equal_separate_matmuls() {
         let k = 64;
         let a = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&q4_1_bytes(16, k, 1), 16, k).unwrap());
-        let b = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&q4_1_bytes(8, k, 2), 8, k).unwrap());
+        let b = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&q4_1_bytes(32, k, 2), 32, k).unwrap());
         let ab = Packed::concat(&[&a, &b]).unwrap();
         let pool = Pool::new(2);
         let x = acts(3, k, 4);
-        let imp = Impl::detect();
-        let (ya, yb, yab) = (ours(&a, &x, 3, imp, &pool), ours(&b, &x, 3, imp, &pool), ours(&ab, &x, 3, imp, &pool));
-        for t in 0..3 {
-            assert_eq!(bits(&yab[t * 24..t * 24 + 16]), bits(&ya[t * 16..t * 16 + 16]));
-            assert_eq!(bits(&yab[t * 24 + 16..t * 24 + 24]), bits(&yb[t * 8..t * 8 + 8]));
+        for imp in Impl::available() {
+            let (ya, yb, yab) =
+                (ours(&a, &x, 3, imp, &pool), ours(&b, &x, 3, imp, &pool), ours(&ab, &x, 3, imp, &pool));
+            for t in 0..3 {
+                assert_eq!(bits(&yab[t * 48..t * 48 + 16]), bits(&ya[t * 16..t * 16 + 16]), "{imp:?}");
+                assert_eq!(bits(&yab[t * 48 + 16..t * 48 + 48]), bits(&yb[t * 32..t * 32 + 32]), "{imp:?}");
+            }
         }
         // rows that do not fill whole groups are not fused
-        let c = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&q4_1_bytes(5, k, 3), 5, k).unwrap());
+        let c = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&q4_1_bytes(8, k, 3), 8, k).unwrap());
         assert!(Packed::concat(&[&a, &c]).is_none());
     }
 
@@ -659,10 +895,10 @@ mod tests {
     fn rounding_matches_std() {
         for i in -3000..3000 {
             let x = i as f32 * 0.0625 + 0.001 * (i % 7) as f32;
-            assert_eq!(round_half_away(x), x.round(), "{x}");
+            assert_eq!(simd::round_half_away(x), x.round(), "{x}");
         }
         for x in [0.5f32, -0.5, 1.5, -1.5, 2.5, 126.5, -127.49999, 0.49999997, -0.0] {
-            assert_eq!(round_half_away(x).to_bits(), x.round().to_bits(), "{x}");
+            assert_eq!(simd::round_half_away(x).to_bits(), x.round().to_bits(), "{x}");
         }
     }
 
@@ -670,7 +906,7 @@ mod tests {
     fn bad_shapes_are_errors() {
         let w = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&q4_1_bytes(8, 64, 1), 8, 64).unwrap());
         let mut a = QActs::default();
-        a.quantize(&acts(2, 32, 1), 2, 32);
+        a.quantize(&acts(2, 32, 1), 2, 32, &Pool::new(1));
         let mut out = vec![0f32; 16];
         assert!(matmul(&w, &a, &mut out, Impl::detect(), &Pool::new(1)).is_err());
         assert!(PackedQ4_1::from_gguf_bytes(&[0u8; 19], 1, 32).is_none());

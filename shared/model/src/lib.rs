@@ -38,6 +38,7 @@ mod embedding;
 mod kernels;
 mod linear;
 mod pool;
+mod simd;
 
 use std::path::Path;
 

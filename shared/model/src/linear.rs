@@ -182,7 +182,7 @@ impl LinearSet {
         }
         if self.parts.iter().any(|p| matches!(p, Linear::Packed(_))) {
             let mut acts = std::mem::take(&mut ctx.acts);
-            acts.quantize(x, m, cols);
+            acts.quantize(x, m, cols, &ctx.pool);
             ctx.acts = acts;
         }
         match &self.fused {
