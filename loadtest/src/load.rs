@@ -115,6 +115,13 @@ pub struct LoadArgs {
     /// Per-request time limit, seconds.
     #[arg(long, default_value_t = 300.0)]
     pub request_timeout_s: f64,
+    /// Open a new connection for every request instead of reusing kept-alive ones. A server
+    /// that closes a kept-alive connection on its own schedule (a per-connection request cap, an
+    /// idle timeout) races the client's next request on it, and the loser shows up as a
+    /// transport error that says nothing about the server's serving; side-by-side comparisons
+    /// with other servers use this.
+    #[arg(long)]
+    pub fresh_connections: bool,
     /// Prometheus `/metrics` URL to sample while the load runs (repeatable).
     #[arg(long)]
     pub scrape: Vec<String>,
@@ -300,6 +307,18 @@ fn body(s: &Shared, p: &Plan) -> serde_json::Value {
 }
 
 fn classify(e: &reqwest::Error) -> String {
+    // The first few transport errors are printed with their cause chain: a count alone does
+    // not say whether the server reset a connection, closed a kept-alive one, or never answered.
+    static PRINTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    if PRINTED.fetch_add(1, Ordering::Relaxed) < 5 {
+        let mut msg = e.to_string();
+        let mut src = std::error::Error::source(e);
+        while let Some(cause) = src {
+            msg.push_str(&format!(": {cause}"));
+            src = cause.source();
+        }
+        eprintln!("pdmesh-load: request error: {msg}");
+    }
     if e.is_timeout() {
         "timeout".into()
     } else {
@@ -804,7 +823,7 @@ pub async fn run(a: LoadArgs) -> anyhow::Result<()> {
     let cap = a.concurrency.unwrap_or(if a.rate.is_some() { 0 } else { 8 });
     let client = reqwest::Client::builder()
         .tcp_nodelay(true)
-        .pool_max_idle_per_host(cap.max(64))
+        .pool_max_idle_per_host(if a.fresh_connections { 0 } else { cap.max(64) })
         .timeout(Duration::from_secs_f64(a.request_timeout_s))
         .build()?;
     let model = match &a.model {
