@@ -150,6 +150,15 @@ impl Handler<FromFrontend> for DpLb {
                     let _ = f.send(&peer, envelope.reply(Message::Pong));
                 }
             }
+            Message::ReadinessQuery => {
+                let readiness = pdmesh_protocol::NodeReadiness {
+                    ranks: self.dp_size,
+                    ranks_up: self.ranks.iter().filter(|l| l.connected).count() as u32,
+                };
+                if let Some(f) = &self.frontend {
+                    let _ = f.send(&peer, envelope.reply(Message::Readiness(readiness)));
+                }
+            }
             Message::Hello(h) => tracing::info!(service = ?h.service, pid = h.pid, "frontend connected"),
             other => tracing::warn!(kind = other.kind(), "unexpected message from frontend"),
         }

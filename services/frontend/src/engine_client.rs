@@ -19,7 +19,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use pdmesh_protocol::{
     AbortRequests, EngineOutput, EngineRequest, Envelope, FinishReason, Hello, MeshStats, Message as WireMessage,
-    ServiceKind, TraceContext,
+    NodeReadiness, ServiceKind, TraceContext,
 };
 use pdmesh_transport::{connect_dealer, LinkConfig, LinkEvent, LinkHandle, PullEvent, TransportError};
 use tokio::sync::mpsc;
@@ -31,6 +31,9 @@ use crate::metrics::{ABORTS_SENT_TOTAL, LINK_UP, UNEXPECTED_MESSAGES_TOTAL, UNKN
 pub const SUBMIT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the dp-lb has to answer a statistics query.
 pub const STATS_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the dp-lb has to answer a readiness query (it answers from its own state, so a
+/// slow answer means the dp-lb itself is in trouble).
+pub const READINESS_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often requests whose handler is gone are looked for (a safety net; handlers abort
 /// their own requests when dropped).
 const SWEEP_INTERVAL: Duration = Duration::from_secs(2);
@@ -98,6 +101,11 @@ pub struct Abort {
 #[derive(Debug, Message)]
 #[rtype(result = "Result<MeshStats, ApiError>")]
 pub struct Stats;
+
+/// Ask the dp-lb how many of its engine ranks are connected (for `/health`).
+#[derive(Debug, Message)]
+#[rtype(result = "Result<NodeReadiness, ApiError>")]
+pub struct Readiness;
 
 /// How many requests are in flight (for tests and debugging).
 #[derive(Debug, Message)]
@@ -322,6 +330,25 @@ impl Handler<Stats> for EngineClient {
                 Ok(Envelope { body: WireMessage::Error(e), .. }) => Err(ApiError::from_wire(e)),
                 Ok(other) => Err(ApiError::Internal(format!(
                     "the dp-lb answered a statistics query with an unexpected `{}` message",
+                    other.body.kind()
+                ))),
+                Err(e) => Err(ApiError::from_transport(&e)),
+            }
+        })
+    }
+}
+
+impl Handler<Readiness> for EngineClient {
+    type Result = ResponseFuture<Result<NodeReadiness, ApiError>>;
+
+    fn handle(&mut self, _msg: Readiness, _ctx: &mut Self::Context) -> Self::Result {
+        let link = self.link.clone();
+        Box::pin(async move {
+            match link.call(Envelope::new(WireMessage::ReadinessQuery), READINESS_TIMEOUT).await {
+                Ok(Envelope { body: WireMessage::Readiness(r), .. }) => Ok(r),
+                Ok(Envelope { body: WireMessage::Error(e), .. }) => Err(ApiError::from_wire(e)),
+                Ok(other) => Err(ApiError::Internal(format!(
+                    "the dp-lb answered a readiness query with an unexpected `{}` message",
                     other.body.kind()
                 ))),
                 Err(e) => Err(ApiError::from_transport(&e)),

@@ -313,7 +313,7 @@ async fn chat(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>) ->
     proxy(req, body, st, "/v1/chat/completions").await
 }
 
-/// `/v1/models` and `/health` are answered by the first decode node.
+/// `/v1/models` is answered by the first decode node.
 async fn passthrough_get(req: HttpRequest, st: web::Data<RouterState>) -> HttpResponse {
     let Some(d) = st.decode.first() else {
         return error(ApiError::Unavailable("unavailable: no decode upstream".into()), "");
@@ -325,6 +325,44 @@ async fn passthrough_get(req: HttpRequest, st: web::Data<RouterState>) -> HttpRe
         }
         Err(e) => error(ApiError::Unavailable(format!("unavailable: decode node {d}: {e}")), ""),
     }
+}
+
+/// How long an upstream has to answer the router's `/health`.
+const UPSTREAM_HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// `GET /health`: 200 when the router can serve — at least one prefill and one decode upstream
+/// answer their own `/health` (which requires a connected engine rank) with 200 — else 503.
+/// The body counts the healthy upstreams of each role.
+async fn health(st: web::Data<RouterState>) -> HttpResponse {
+    let (p_up, d_up) =
+        futures::join!(healthy_upstreams(&st.client, &st.prefill), healthy_upstreams(&st.client, &st.decode));
+    let body = json!({
+        "prefill_upstreams": st.prefill.len(), "prefill_upstreams_up": p_up,
+        "decode_upstreams": st.decode.len(), "decode_upstreams_up": d_up,
+    });
+    if p_up > 0 && d_up > 0 {
+        let degraded = p_up < st.prefill.len() || d_up < st.decode.len();
+        let mut body = body;
+        body["status"] = json!(if degraded { "degraded" } else { "ready" });
+        HttpResponse::Ok().json(body)
+    } else {
+        let e = ApiError::Unavailable(format!(
+            "unavailable: {p_up} of {} prefill and {d_up} of {} decode upstreams are healthy; the router needs one of each",
+            st.prefill.len(),
+            st.decode.len()
+        ));
+        let mut v = serde_json::to_value(e.body()).unwrap_or_default();
+        v["upstreams"] = body;
+        HttpResponse::ServiceUnavailable().json(v)
+    }
+}
+
+async fn healthy_upstreams(client: &reqwest::Client, list: &[String]) -> usize {
+    let checks = list.iter().map(|u| async move {
+        let res = client.get(format!("{u}/health")).timeout(UPSTREAM_HEALTH_TIMEOUT).send().await;
+        res.is_ok_and(|r| r.status().is_success())
+    });
+    futures::future::join_all(checks).await.into_iter().filter(|ok| *ok).count()
 }
 
 /// Run the router frontend of `node_name` until the actix System stops.
@@ -361,7 +399,7 @@ pub async fn run_router(topology: Topology, node_name: String) -> Result<(), Fro
             .route("/v1/completions", web::post().to(completions))
             .route("/v1/chat/completions", web::post().to(chat))
             .route("/v1/models", web::get().to(passthrough_get))
-            .route("/health", web::get().to(passthrough_get))
+            .route("/health", web::get().to(health))
             .route("/metrics", web::get().to(pdmesh_telemetry::metrics::metrics_handler))
     })
     .tcp_nodelay(true)

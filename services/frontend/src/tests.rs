@@ -13,7 +13,7 @@ use bytes::Bytes;
 use pdmesh_config::Topology;
 use pdmesh_protocol::{
     EngineOutput, EngineOutputBatch, EngineRequest, EngineStats, Envelope, ErrorClass, FinishReason, KvTransferParams,
-    KvUsage, MeshStats, Message as WireMessage, WireError,
+    KvUsage, MeshStats, Message as WireMessage, NodeReadiness, WireError,
 };
 use pdmesh_synthetic_executor::SyntheticTextCodec;
 use pdmesh_transport::{bind_router, connect_push, PushHandle, RouterEvent, RouterHandle};
@@ -49,6 +49,8 @@ struct FakeLb {
     push: PushHandle,
     script: ScriptFn,
     seen: Arc<Mutex<Vec<Envelope>>>,
+    /// Engine ranks this fake dp-lb reports connected (of 1) to readiness queries.
+    ranks_up: u32,
 }
 
 impl Actor for FakeLb {
@@ -89,6 +91,10 @@ impl Handler<RouterEvent> for FakeLb {
                 };
                 self.router.send(&peer, envelope.reply(WireMessage::StatsReply(stats))).unwrap();
             }
+            WireMessage::ReadinessQuery => {
+                let r = NodeReadiness { ranks: 1, ranks_up: self.ranks_up };
+                self.router.send(&peer, envelope.reply(WireMessage::Readiness(r))).unwrap();
+            }
             _ => {}
         }
     }
@@ -110,6 +116,18 @@ impl Handler<PushOutputs> for FakeLb {
 #[derive(Message)]
 #[rtype(result = "()")]
 struct StopLb;
+
+/// Report this many engine ranks connected from now on.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct SetRanksUp(u32);
+
+impl Handler<SetRanksUp> for FakeLb {
+    type Result = ();
+    fn handle(&mut self, msg: SetRanksUp, _ctx: &mut Self::Context) {
+        self.ranks_up = msg.0;
+    }
+}
 
 impl Handler<StopLb> for FakeLb {
     type Result = ();
@@ -155,7 +173,7 @@ async fn harness(script: impl Fn(&EngineRequest) -> Script + Send + 'static) -> 
     };
     let started = start(&topology, "main", Arc::new(SyntheticTextCodec), options).await.unwrap();
     let push = connect_push(&endpoints.frontend_outputs.connect);
-    let lb = ctx.run(FakeLb { router, push: push.clone(), script: Box::new(script), seen: seen.clone() });
+    let lb = ctx.run(FakeLb { router, push: push.clone(), script: Box::new(script), seen: seen.clone(), ranks_up: 1 });
     let addr = started.addrs[0];
     actix_web::rt::spawn(started.server);
     let state = started.state;
@@ -528,8 +546,9 @@ async fn duplicate_in_flight_id_is_refused() {
 async fn link_down_fails_requests_in_flight_and_health() {
     let h = harness(|req| Script { reply: Some(WireMessage::Ack), outputs: vec![output(&req.request_id, "a", None)] })
         .await;
-    let (s, _) = get(&h, "/health").await;
+    let (s, b) = get(&h, "/health").await;
     assert_eq!(s, 200);
+    assert_eq!(json_of(&b), json!({"status": "ready", "engine_ranks": 1, "engine_ranks_up": 1}));
     let (s, b) = get(&h, "/debug/kv").await;
     assert_eq!(s, 200);
     let kv = json_of(&b);
@@ -579,6 +598,22 @@ async fn link_down_fails_requests_in_flight_and_health() {
     let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x"}), &[]).await;
     assert_eq!(s, 503);
     assert!(json_of(&b)["error"]["message"].as_str().unwrap().starts_with("engine unavailable: "));
+}
+
+#[actix_web::test]
+async fn health_waits_for_an_engine_rank_behind_the_dp_lb() {
+    // the dp-lb is reachable but no rank has connected yet (workers still loading the model):
+    // requests would be refused, so the node is not healthy
+    let h = harness(|_| Script { reply: Some(WireMessage::Ack), outputs: vec![] }).await;
+    h.lb.send(SetRanksUp(0)).await.unwrap();
+    let (s, b) = get(&h, "/health").await;
+    assert_eq!(s, 503, "{}", String::from_utf8_lossy(&b));
+    let message = json_of(&b)["error"]["message"].as_str().unwrap().to_string();
+    assert!(message.contains("no engine rank is connected"), "{message}");
+    h.lb.send(SetRanksUp(1)).await.unwrap();
+    let (s, b) = get(&h, "/health").await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(json_of(&b)["engine_ranks_up"], 1);
 }
 
 /// Send a raw HTTP/1.1 POST and return the connection.

@@ -167,6 +167,16 @@ pub struct EngineStats {
     pub preemptions: u64,
 }
 
+/// The engine ranks behind one dp-lb, and how many of them are connected. A rank connects to
+/// its dp-lb only once its connector-worker has loaded the model, so `ranks_up > 0` means the
+/// node can serve.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeReadiness {
+    /// Configured data-parallel ranks (`dp_size`).
+    pub ranks: u32,
+    pub ranks_up: u32,
+}
+
 /// Statistics over every rank behind one dp-lb. A rank that did not answer is listed in
 /// `unreachable_ranks`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -56,6 +56,11 @@ pub enum Message {
     StatsQuery,
     /// Answer to [`Message::StatsQuery`].
     StatsReply(MeshStats),
+    /// Can this node serve? (frontend -> dp-lb, for the frontend's `/health`). Answered from
+    /// the dp-lb's own view of its ranks, without asking them: a busy rank must not look down.
+    ReadinessQuery,
+    /// Answer to [`Message::ReadinessQuery`].
+    Readiness(NodeReadiness),
 
     // ---- engine-core -> dp-lb -> frontend
     /// Outputs of one engine step, streamed.
@@ -128,6 +133,8 @@ impl Message {
             Message::Hello(_) => "hello",
             Message::StatsQuery => "stats_query",
             Message::StatsReply(_) => "stats_reply",
+            Message::ReadinessQuery => "readiness_query",
+            Message::Readiness(_) => "readiness",
             Message::EngineOutputs(_) => "engine_outputs",
             Message::LoadReport(_) => "load_report",
             Message::WorkerInfoQuery => "worker_info_query",

@@ -64,6 +64,8 @@ fn every_message() -> Vec<Message> {
         Message::Abort(AbortRequests { request_ids: vec!["a".into(), "b".into()] }),
         Message::Hello(Hello { service: ServiceKind::EngineCore, rank: 2, pid: 77 }),
         Message::StatsQuery,
+        Message::ReadinessQuery,
+        Message::Readiness(NodeReadiness { ranks: 2, ranks_up: 1 }),
         Message::StatsReply(MeshStats {
             engines: vec![EngineStats {
                 engine_rank: 1,

@@ -5,7 +5,7 @@ use actix_web::{web, HttpResponse};
 use pdmesh_protocol::{EngineStats, MeshStats};
 use serde::Serialize;
 
-use crate::engine_client::Stats;
+use crate::engine_client::{Readiness, Stats};
 use crate::error::ApiError;
 use crate::handlers::error_response;
 use crate::headers::new_request_id;
@@ -26,17 +26,46 @@ pub async fn models(state: web::Data<AppState>) -> HttpResponse {
     })
 }
 
-/// `GET /health`: 200 while the link to the dp-lb is up, 503 otherwise (so a load balancer
-/// in front stops sending requests that would fail).
+/// `GET /health` body while the node can serve.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HealthView {
+    pub status: &'static str,
+    /// Configured engine ranks, and how many are connected (fewer: serving, degraded).
+    pub engine_ranks: u32,
+    pub engine_ranks_up: u32,
+}
+
+/// `GET /health`: 200 when the node can serve a request now — the link to the dp-lb is up and
+/// at least one engine rank (whose worker has loaded the model) is connected to it — and 503
+/// otherwise, so `pdmesh up`, compose health gates and load balancers never send requests that
+/// would be refused. The dp-lb answers from its own view of the ranks: a rank busy with a long
+/// step still counts as up.
 pub async fn health(state: web::Data<AppState>) -> HttpResponse {
-    if state.link.is_up() {
-        HttpResponse::Ok().finish()
-    } else {
+    if !state.link.is_up() {
         let e = ApiError::Unavailable(format!(
             "engine unavailable: not connected to the dp-lb at {}",
             state.link.endpoint()
         ));
-        HttpResponse::ServiceUnavailable().json(e.body())
+        return HttpResponse::ServiceUnavailable().json(e.body());
+    }
+    let readiness = match state.client.send(Readiness).await {
+        Ok(r) => r,
+        Err(e) => Err(ApiError::Unavailable(format!("engine unavailable: the engine client is not running ({e})"))),
+    };
+    match readiness {
+        Ok(r) if r.ranks_up > 0 => HttpResponse::Ok().json(HealthView {
+            status: if r.ranks_up == r.ranks { "ready" } else { "degraded" },
+            engine_ranks: r.ranks,
+            engine_ranks_up: r.ranks_up,
+        }),
+        Ok(r) => {
+            let e = ApiError::Unavailable(format!(
+                "engine unavailable: no engine rank is connected to the dp-lb yet (0 of {}); a rank connects once its worker has loaded the model",
+                r.ranks
+            ));
+            HttpResponse::ServiceUnavailable().json(e.body())
+        }
+        Err(e) => HttpResponse::ServiceUnavailable().json(e.body()),
     }
 }
 
