@@ -326,11 +326,27 @@ impl LlamaExecutor {
         let m = sampling_chunks.len();
         rms_norm(&s.last, out_norm, cfg.rms_eps, &mut s.h);
         output.forward(&s.h, m, mm, &mut [&mut s.logits])?;
+        // Requests sample independently (a seeded draw depends only on the request's seed and
+        // output index), so they run on the pool: random sampling over a 49k vocabulary costs
+        // about as much as a decode token's attention.
         let vocab = cfg.vocab_size;
+        let mut drawn: Vec<Option<Result<sampling::Sampled, sampling::SamplingError>>> = (0..m).map(|_| None).collect();
+        let (logits, chunks_ref) = (&s.logits, &sampling_chunks);
+        let ok = mm.pool.par_chunks_mut(&mut drawn, 1, |i, slot| {
+            if let (Some(row), Some(c), Some(slot)) =
+                (logits.get(i * vocab..(i + 1) * vocab), chunks_ref.get(i), slot.first_mut())
+            {
+                *slot = Some(sampling::sample(row, &c.sampling, c.output_index));
+            }
+        });
+        if !ok {
+            return Err(ExecutorError::Model("sampling worker panicked".into()));
+        }
         let mut out = Vec::with_capacity(m);
-        for (c, row) in sampling_chunks.iter().zip(s.logits.chunks_exact(vocab)) {
-            let sampled =
-                sampling::sample(row, &c.sampling, c.output_index).map_err(|e| ExecutorError::Model(e.to_string()))?;
+        for (c, sampled) in sampling_chunks.iter().zip(drawn) {
+            let sampled = sampled
+                .ok_or_else(|| ExecutorError::Model("a sampling row was not computed".into()))?
+                .map_err(|e| ExecutorError::Model(e.to_string()))?;
             out.push(SampledToken {
                 request_id: c.request_id.clone(),
                 token_id: sampled.token_id,

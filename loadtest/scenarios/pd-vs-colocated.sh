@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# P/D against colocated at equal load, side by side: a P/D mesh (router → P → D) and a
+# colocated node with the same model run at the same time on this machine; each round loads
+# one, then the other (the order alternates), at every concurrency of CONCURRENCIES, closed
+# loop, streaming chat, 64 output tokens. Prints TTFT, ITL and aggregate output throughput of
+# both (medians over ROUNDS) and ends with the P/D mesh's lifecycle checks.
+#
+#   MODEL=gguf (default here; `synthetic` for a quick check), ROUNDS (3), CONCURRENCIES ("1 4 8")
+#
+# On one machine P/D cannot win: P's and D's workers share the cores the colocated node has
+# to itself, and each request makes a second HTTP leg. What it measures is the cost of
+# disaggregation in TTFT and ITL; docs/benchmarks.md.
+SCENARIO=pd-vs-colocated
+MODEL=${MODEL:-gguf}
+source "$(dirname "$0")/lib.sh"
+mesh_ports "${PDMESH_SCENARIO_PORT:-13080}"
+start_mesh pd
+
+# The colocated node: next to the P/D mesh's ports (HTTP+3, base ports above the mesh's).
+COLO_URL="http://127.0.0.1:$((HTTP_PORT + 3))"
+COLO_DIR="$(mktemp -d "${TMPDIR:-/tmp}/pdmesh-scenario-colocated.XXXXXX")"
+if [[ "$MODEL" == gguf ]]; then
+  colo_model='model = { kind = "gguf", path = "" }'
+else
+  colo_model="model = { kind = \"synthetic\", name = \"pdmesh-synthetic\", per_token_cost_us = ${COST_US:-20} }"
+fi
+cat >"$COLO_DIR/topology.toml" <<EOF
+run_dir = "$COLO_DIR"
+
+[[nodes]]
+name = "colocated"
+role = "colocated"
+http_port = $((HTTP_PORT + 3))
+base_port = $((BASE_PORT + 600))
+$colo_model
+engine = { block_size = 16, num_blocks = 512, max_model_len = 8192, max_num_seqs = 128 }
+EOF
+RUST_LOG="${RUST_LOG:-warn}" PDMESH_RUN_DIR="$COLO_DIR" "$PDMESH" up --topology "$COLO_DIR/topology.toml" \
+  >"$COLO_DIR/up.out" 2>"$COLO_DIR/up.log" &
+COLO_PID=$!
+stop_colocated() {
+  kill -TERM "$COLO_PID" 2>/dev/null || true
+  wait "$COLO_PID" 2>/dev/null || true
+  rm -rf "$COLO_DIR"
+}
+trap 'stop_colocated; stop_mesh' EXIT
+wait_engines "$COLO_URL" 60 || { log "colocated node did not come up"; tail -20 "$COLO_DIR/up.log" >&2; exit 1; }
+
+ROUNDS=${ROUNDS:-3}
+for r in $(seq 1 "$ROUNDS"); do
+  for c in ${CONCURRENCIES:-1 4 8}; do
+    n=$(( c * 8 > 16 ? c * 8 : 16 ))
+    order=(colocated pd)
+    (( r % 2 == 0 )) && order=(pd colocated)
+    for setup in "${order[@]}"; do
+      log "round $r/$ROUNDS, $c streams: $setup"
+      if [[ $setup == pd ]]; then
+        load "pd-c$c-r$r" --endpoint chat --concurrency "$c" --requests "$n" --warmup "$c" --output-len 64
+        check_report
+      else
+        mkdir -p "$RESULTS_DIR/$SCENARIO"
+        "$LOAD" run --url "$COLO_URL" --endpoint chat --concurrency "$c" --requests "$n" --warmup "$c" --output-len 64 \
+          --out-dir "$RESULTS_DIR/$SCENARIO/colocated-c$c-r$r" 2>"$RESULTS_DIR/$SCENARIO/colocated-c$c-r$r.log" \
+          || fail "pdmesh-load against the colocated node exited non-zero"
+      fi
+    done
+  done
+done
+
+python3 - "$RESULTS_DIR/$SCENARIO" "$ROUNDS" ${CONCURRENCIES:-1 4 8} <<'PY' | tee "$RESULTS_DIR/$SCENARIO/summary.md" >&2
+import json, statistics, sys
+out, rounds, cs = sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3:]]
+def med(setup, c):
+    rs = [json.load(open(f"{out}/{setup}-c{c}-r{r}/report.json"))["summary"] for r in range(1, rounds + 1)]
+    bad = [s["failed"] for s in rs if s["failed"]]
+    if bad:
+        sys.exit(f"{setup} at {c} streams: failed requests {bad}")
+    m = lambda f: statistics.median(f(s) for s in rs)
+    return {"tps": m(lambda s: s["output_token_throughput_tps"]),
+            "ttft": m(lambda s: s["ttft_ms"]["p50_ms"]), "ttft99": m(lambda s: s["ttft_ms"]["p99_ms"]),
+            "itl": m(lambda s: s["itl_ms"]["p50_ms"]), "itl99": m(lambda s: s["itl_ms"]["p99_ms"])}
+print("| streams | colocated: tok/s, TTFT p50 / p99, ITL p50 / p99 | P/D: tok/s, TTFT p50 / p99, ITL p50 / p99 | P/D ÷ colocated: tok/s, TTFT p50, ITL p50 |")
+print("|---|---|---|---|")
+for c in cs:
+    a, b = med("colocated", c), med("pd", c)
+    f = lambda x: f"{x['tps']:.0f}, {x['ttft']:.0f} / {x['ttft99']:.0f} ms, {x['itl']:.1f} / {x['itl99']:.1f} ms"
+    print(f"| {c} | {f(a)} | {f(b)} | {b['tps'] / a['tps']:.2f}×, {b['ttft'] / a['ttft']:.2f}×, {b['itl'] / a['itl']:.2f}× |")
+PY
+
+check_idle 20
+stop_colocated
+trap stop_mesh EXIT
+finish

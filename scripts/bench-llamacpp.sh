@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# pdmesh side by side with llama.cpp on the same GGUF, the same thread count and the same box,
+# in interleaved rounds (this box is shared and noisy: only ratios within one run count).
+#
+#   engine: llama-bench (pp128, pp512, tg128)  vs  pdmesh-model's `bench` example (same shapes)
+#   HTTP:   llama-server (-np 8, continuous batching)  vs  `pdmesh up` on one colocated node,
+#           both up at once and driven in turn by the same `pdmesh-load run` closed loop (chat,
+#           64 output tokens, ignore_eos, server-default sampling, a new connection per request:
+#           llama-server closes kept-alive connections on its own schedule) at 1, 4 and 8
+#           concurrent streams
+#
+# Usage: LLAMA_CPP_BIN=<dir holding llama-bench and llama-server> scripts/bench-llamacpp.sh
+# llama.cpp is built outside this project (recipe in docs/benchmarks.md). Environment:
+#   ROUNDS (3), THREADS (2), PART (all | engine | http), OUT (a fresh temp dir),
+#   PDMESH_MODEL_PATH (default: scripts/fetch-model.sh), LLAMA_PORT (18080), PDMESH_PORT (8000,
+#   the colocated topology's port).
+# Prints Markdown tables (medians over rounds, ratio = pdmesh / llama.cpp) and leaves raw data
+# in $OUT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROUNDS=${ROUNDS:-3}
+THREADS=${THREADS:-2}
+PART=${PART:-all}
+LLAMA_PORT=${LLAMA_PORT:-18080}
+PDMESH_PORT=${PDMESH_PORT:-8000}
+OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/pdmesh-vs-llamacpp.XXXXXX")}
+mkdir -p "$OUT"
+MODEL=${PDMESH_MODEL_PATH:-$(scripts/fetch-model.sh)}
+: "${LLAMA_CPP_BIN:?set LLAMA_CPP_BIN to the directory holding llama-bench and llama-server}"
+for b in "$LLAMA_CPP_BIN/llama-bench" "$LLAMA_CPP_BIN/llama-server"; do
+  [[ -x "$b" ]] || { echo "bench-llamacpp: $b missing" >&2; exit 2; }
+done
+log() { echo "[$(date -u +%H:%M:%S)] bench-llamacpp: $*" >&2; }
+
+if [[ "$PART" == all || "$PART" == engine ]]; then
+  log "building the engine benchmark"
+  CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target} cargo build --release -q -p pdmesh-model --example bench
+  BENCH="${CARGO_TARGET_DIR:-target}/release/examples/bench"
+  for r in $(seq 1 "$ROUNDS"); do
+    log "engine round $r/$ROUNDS: llama-bench"
+    "$LLAMA_CPP_BIN/llama-bench" -m "$MODEL" -t "$THREADS" -p 128,512 -n 128 -r 3 -o jsonl \
+      >"$OUT/llama-bench.$r.jsonl" 2>"$OUT/llama-bench.$r.log"
+    log "engine round $r/$ROUNDS: pdmesh bench"
+    PDMESH_MODEL_PATH="$MODEL" PDMESH_MODEL_THREADS="$THREADS" "$BENCH" 3 >"$OUT/pdmesh-bench.$r.txt" 2>&1
+  done
+  python3 - "$OUT" "$ROUNDS" <<'EOF'
+import json, re, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+ll = {"pp128": [], "pp512": [], "tg128": []}
+pd = {"pp128": [], "pp512": [], "tg128": []}
+for r in range(1, rounds + 1):
+    for line in open(f"{out}/llama-bench.{r}.jsonl"):
+        j = json.loads(line)
+        key = f"pp{j['n_prompt']}" if j["n_gen"] == 0 else f"tg{j['n_gen']}"
+        if key in ll:
+            ll[key] += j["samples_ts"]
+    for line in open(f"{out}/pdmesh-bench.{r}.txt"):
+        m = re.match(r"^(pp128|pp512|tg128) .*?\[(.*)\]", line)
+        if m:
+            pd[m.group(1)] += [float(v) for v in m.group(2).split(",")]
+print("| test | llama.cpp tok/s | pdmesh tok/s | ratio |")
+print("|---|---|---|---|")
+for k in ("pp128", "pp512", "tg128"):
+    a, b = statistics.median(ll[k]), statistics.median(pd[k])
+    print(f"| {k} | {a:.1f} (n={len(ll[k])}) | {b:.1f} (n={len(pd[k])}) | {b / a:.2f}x |")
+EOF
+fi
+
+if [[ "$PART" == all || "$PART" == http ]]; then
+  LOAD=target/release/pdmesh-load
+  PDMESH=target/release/pdmesh
+  for b in "$LOAD" "$PDMESH"; do
+    [[ -x "$b" ]] || { echo "bench-llamacpp: $b missing; cargo build --release -p pdmesh -p pdmesh-loadtest" >&2; exit 2; }
+  done
+  PIDS=()
+  cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+  trap cleanup EXIT
+  log "starting llama-server on :$LLAMA_PORT"
+  "$LLAMA_CPP_BIN/llama-server" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -c 8192 -np 8 -cram 0 \
+    --host 127.0.0.1 --port "$LLAMA_PORT" >"$OUT/llama-server.log" 2>&1 &
+  PIDS+=($!)
+  log "starting pdmesh (colocated) on :$PDMESH_PORT"
+  PDMESH_RUN_DIR="$OUT/pdmesh-run" PDMESH_MODEL_PATH="$MODEL" PDMESH_MODEL_THREADS="$THREADS" RUST_LOG=warn \
+    "$PDMESH" up --topology deploy/topology/colocated.toml >"$OUT/pdmesh-up.log" 2>&1 &
+  PIDS+=($!)
+  for url in "http://127.0.0.1:$LLAMA_PORT" "http://127.0.0.1:$PDMESH_PORT"; do
+    deadline=$((SECONDS + 120))
+    until curl -fsS "$url/health" >/dev/null 2>&1; do
+      ((SECONDS < deadline)) || { log "$url did not come up"; exit 1; }
+      sleep 0.5
+    done
+  done
+  mkdir -p "$OUT/http"
+  for r in $(seq 1 "$ROUNDS"); do
+    for n in 1 4 8; do
+      for server in llamacpp pdmesh; do
+        port=$LLAMA_PORT
+        [[ $server == pdmesh ]] && port=$PDMESH_PORT
+        log "http round $r/$ROUNDS: $server, $n streams"
+        "$LOAD" run --url "http://127.0.0.1:$port" --endpoint chat --concurrency "$n" --requests $((8 * n)) \
+          --warmup "$n" --output-len 64 --fresh-connections --out-dir "$OUT/http/$server-c$n-r$r" >/dev/null 2>"$OUT/http/$server-c$n-r$r.log" \
+          || { log "pdmesh-load failed against $server; see $OUT/http/$server-c$n-r$r.log"; exit 1; }
+      done
+    done
+  done
+  python3 - "$OUT" "$ROUNDS" <<'EOF'
+import json, statistics, sys
+out, rounds = sys.argv[1], int(sys.argv[2])
+def load(server, n):
+    rows = []
+    for r in range(1, rounds + 1):
+        s = json.load(open(f"{out}/http/{server}-c{n}-r{r}/report.json"))["summary"]
+        if s["failed"]:
+            sys.exit(f"{server} at {n} streams: {s['failed']} failed requests ({s['errors_by_kind']})")
+        rows.append(s)
+    med = lambda f: statistics.median(f(s) for s in rows)
+    return {
+        "agg": med(lambda s: s["output_token_throughput_tps"]),
+        "ttft": med(lambda s: s["ttft_ms"]["p50_ms"]),
+        "itl": med(lambda s: s["itl_ms"]["p50_ms"]),
+    }
+print("| streams | llama.cpp: aggregate tok/s, TTFT p50, ITL p50 | pdmesh: aggregate tok/s, TTFT p50, ITL p50 | aggregate ratio |")
+print("|---|---|---|---|")
+for n in (1, 4, 8):
+    a, b = load("llamacpp", n), load("pdmesh", n)
+    print(f"| {n} | {a['agg']:.1f}, {a['ttft']:.0f} ms, {a['itl']:.1f} ms | {b['agg']:.1f}, {b['ttft']:.0f} ms, "
+          f"{b['itl']:.1f} ms | {b['agg'] / a['agg']:.2f}x |")
+EOF
+fi
+log "raw data in $OUT"
