@@ -79,7 +79,9 @@ async fn call_reply_and_peer_restart() {
     // tcp, not ipc: in one process the old ROUTER's accept task deletes the ipc socket file
     // when it stops, which can be after the new ROUTER bound the same path. Separate
     // processes (the real case) do not race like that; tests/ipc below covers ipc.
-    let endpoint = format!("tcp://127.0.0.1:{}", 20000 + std::process::id() % 20000);
+    // Below 32768, where Linux's ephemeral ports begin: a port in that range may be held for a
+    // moment by any client socket on the machine (seen: "address already in use" at 37456).
+    let endpoint = format!("tcp://127.0.0.1:{}", 20000 + std::process::id() % 12000);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let probe = Probe(tx).start();
     // connect before the peer exists: the link retries until it is bound
