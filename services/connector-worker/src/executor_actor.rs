@@ -22,10 +22,10 @@ pub fn once(executor: Box<dyn Executor>) -> ExecutorFactory {
     })
 }
 
-/// Run one step, after copying the KV loads that settled since the last one.
+/// Run one step.
 #[derive(Message)]
 #[rtype(result = "Result<ModelRunnerOutput, String>")]
-pub struct RunStep(pub SchedulerOutput, pub Vec<crate::pd::StagedLoad>);
+pub struct RunStep(pub SchedulerOutput);
 
 /// Owns the KV cache memory (allocated and touched at start) and the model.
 pub struct ExecutorActor {
@@ -43,9 +43,6 @@ impl Handler<RunStep> for ExecutorActor {
 
     fn handle(&mut self, msg: RunStep, _: &mut SyncContext<Self>) -> Self::Result {
         let step = msg.0;
-        if !msg.1.is_empty() {
-            crate::pd::apply_loads(&mut self.kv, &msg.1)?;
-        }
         let Some(executor) = self.executor.as_mut() else {
             return Err(format!("model not loaded: {}", self.load_error.clone().unwrap_or_default()));
         };

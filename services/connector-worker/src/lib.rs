@@ -94,14 +94,14 @@ impl Handler<RouterEvent> for WorkerActor {
                         ))
                     })
                     .collect();
-                let (loads, kv_out) = match &self.pd {
+                let kv_out = match &self.pd {
                     Some(pd) => {
                         pd.start_step(&step.kv_connector_metadata, &envelope.traces);
                         pd.finish_step()
                     }
-                    None => (Vec::new(), Default::default()),
+                    None => Default::default(),
                 };
-                let fut = self.executor.send(RunStep(step.clone(), loads));
+                let fut = self.executor.send(RunStep(step.clone()));
                 ctx.spawn(
                     async move {
                         let body = match fut.await {

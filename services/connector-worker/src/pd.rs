@@ -1,12 +1,14 @@
 //! The worker side of P/D: P holds blocks for readers and serves them through the transfer
 //! agent; D reads remote blocks, notifies P, and reports receives to the engine.
 //!
-//! D's reads run as async tasks beside the forward pass. They land in a staging cache the size
-//! of the request's blocks, and the executor thread copies them into the request's blocks at
-//! the start of the next step, in the same step that reports the receive as finished (so the
-//! scheduler never sees a request as loaded before its bytes are in place). The extra copy
-//! costs one memcpy of the request's KV; a zero-copy write into a second mapping of D's own
-//! shared-memory cache is the planned refinement (docs/DECISIONS.md).
+//! D's reads run as async tasks beside the forward pass and land in place: the request's own
+//! blocks, checked out of a second mapping of D's shared-memory cache
+//! ([`KvBlockWriter`]), which nobody else touches until the receive is reported finished (the
+//! scheduler does not schedule the request, nor free its blocks, before that). A receive is
+//! reported in the first step after its read and `read done` completed, so the scheduler never
+//! sees a request as loaded before its bytes are in place. When the engine-core restarts, the
+//! reads it started are cancelled at once: the new engine may hand their blocks to other
+//! requests (docs/DECISIONS.md, D33).
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -15,10 +17,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdmesh_kv_transfer::{
     compat_hash, side_channel_endpoint, AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig,
-    HeldBlockMs, HoldTable, HoldTableConfig, Lease, RemoteAgent, RemoteAgents, SharedPolicy, TransferAgent,
-    TransferClient, TransferError,
+    HeldBlockMs, HoldTable, HoldTableConfig, KvBlockWriter, Lease, RemoteAgent, RemoteAgents, SharedPolicy,
+    TransferAgent, TransferClient, TransferError,
 };
-use pdmesh_model_api::{KvCache, KvCacheSpec};
+use pdmesh_model_api::KvCacheSpec;
 use pdmesh_protocol::{
     KvConnectorMetadata, KvConnectorOutput, KvTransferParams, LeaseRefusalReason, RecvRequest, SendRequest,
     TraceContext,
@@ -32,23 +34,27 @@ use crate::metrics as m;
 /// blocks are freed (after D's read, a give-up or expiry), possibly many steps later.
 static HOLD_TRACES: trace::RequestContexts = trace::RequestContexts::new();
 
-/// Blocks read for one request, waiting to be copied into the cache.
-#[derive(Debug)]
-pub struct StagedLoad {
-    pub request_id: String,
-    pub staged: KvCache,
-    pub local_block_ids: Vec<u32>,
-}
-
+/// How a receive with local blocks ended.
 #[derive(Debug)]
 enum Settled {
-    Loaded(StagedLoad),
-    Failed { request_id: String, local_block_ids: Vec<u32>, kind: FailureKind, error: String },
+    /// Read into its blocks and confirmed by P.
+    Loaded {
+        request_id: String,
+    },
+    Failed {
+        request_id: String,
+        local_block_ids: Vec<u32>,
+        kind: FailureKind,
+        error: String,
+    },
 }
+
+/// D: the READ tasks in flight, by D's request id, so that an engine-core restart can cancel
+/// them before the new engine reuses their blocks.
+type ReadTasks = Arc<Mutex<std::collections::HashMap<String, tokio::task::AbortHandle>>>;
 
 /// P/D state of one connector-worker.
 pub struct PdRuntime {
-    spec: KvCacheSpec,
     /// P: held requests and leases (shared with the agent's side channel).
     hold: Option<Arc<Mutex<HoldTable>>>,
     agent: Option<TransferAgent>,
@@ -56,6 +62,10 @@ pub struct PdRuntime {
     /// D: handshaken remote engines, and reads that settled since the last step.
     agents: Option<Arc<RemoteAgents>>,
     settled: Arc<Mutex<Vec<Settled>>>,
+    /// D: writes reads into the requests' blocks of this worker's own cache region.
+    writer: Option<Arc<KvBlockWriter>>,
+    /// D: READs in flight (cancelled when the engine-core restarts).
+    reads: ReadTasks,
     /// D: receives started for the current engine-core; a load that settles for another
     /// (one that restarted since) is dropped, never copied into blocks the new engine owns.
     live_recvs: std::cell::RefCell<std::collections::HashSet<String>>,
@@ -193,13 +203,18 @@ impl PdRuntime {
             cfg.faults = setup.faults.clone();
             Arc::new(RemoteAgents::new(TransferClient::new(cfg)))
         });
+        let writer = match setup.consumes {
+            true => Some(Arc::new(KvBlockWriter::open(region, spec).map_err(|e| e.to_string())?)),
+            false => None,
+        };
         Ok(Self {
-            spec,
             hold,
             agent,
             hold_ttl: setup.hold,
             agents,
             settled: Arc::new(Mutex::new(Vec::new())),
+            writer,
+            reads: Default::default(),
             live_recvs: Default::default(),
             faults: setup.faults,
             refs: Arc::new(Mutex::new(RemoteRefs::default())),
@@ -263,7 +278,7 @@ impl PdRuntime {
                 }
             }
         }
-        if let Some(agents) = &self.agents {
+        if let (Some(agents), Some(writer)) = (&self.agents, &self.writer) {
             if self.give_up_notices {
                 let now = Instant::now();
                 let mut refs = self.refs.lock().unwrap_or_else(|p| p.into_inner());
@@ -293,7 +308,8 @@ impl PdRuntime {
                 }
                 let ctx = ReceiveCtx {
                     agents: agents.clone(),
-                    spec: self.spec,
+                    writer: writer.clone(),
+                    reads: self.reads.clone(),
                     settled: self.settled.clone(),
                     faults: self.faults.clone(),
                     refs: self.refs.clone(),
@@ -308,10 +324,20 @@ impl PdRuntime {
     /// The engine-core this worker serves restarted (another process connected): its block
     /// pool starts empty and may hand out any block at once. P releases every hold (a reader
     /// mid-READ is refused at `read done`, so it never uses bytes the new engine may
-    /// overwrite); D drops the loads it was fetching for the old engine's requests, which
-    /// still end towards P (read done, or give up) but are never copied into local blocks.
+    /// overwrite); D cancels the READs it was running for the old engine's requests — they
+    /// write into blocks the new engine may give to others, so none may write again — and
+    /// drops whatever settles for them (each still ends towards P: a give-up).
     pub fn engine_restarted(&self) {
         m::ENGINE_RESTARTS.inc();
+        // Every READ task runs on this thread and is parked at an await point whenever this
+        // runs, so a cancelled one is never polled, and never writes, again.
+        let cancelled: Vec<_> = self.reads.lock().unwrap_or_else(|p| p.into_inner()).drain().collect();
+        for (_, task) in &cancelled {
+            task.abort();
+        }
+        if !cancelled.is_empty() {
+            tracing::warn!(reads = cancelled.len(), "cancelled the old engine's reads in flight");
+        }
         let dropped_recvs = std::mem::take(&mut *self.live_recvs.borrow_mut()).len();
         let released = match &self.hold {
             Some(table) => table.lock().unwrap_or_else(|p| p.into_inner()).release_all(Instant::now()),
@@ -320,27 +346,22 @@ impl PdRuntime {
         tracing::warn!(released, dropped_recvs, "engine-core restarted: dropped the old engine's KV state");
     }
 
-    /// Reads that settled since the last step: the loads to copy now, and the connector output
-    /// (finished receives, invalid blocks, finished sends).
-    pub fn finish_step(&self) -> (Vec<StagedLoad>, KvConnectorOutput) {
+    /// Reads that settled since the last step, as the connector output (finished receives,
+    /// invalid blocks, finished sends). A loaded receive's bytes are already in its blocks.
+    pub fn finish_step(&self) -> KvConnectorOutput {
         let mut out = KvConnectorOutput::default();
-        let mut loads = Vec::new();
         let settled = std::mem::take(&mut *self.settled.lock().unwrap_or_else(|p| p.into_inner()));
         let mut live = self.live_recvs.borrow_mut();
         for s in settled {
             let id = match &s {
-                Settled::Loaded(l) => &l.request_id,
-                Settled::Failed { request_id, .. } => request_id,
+                Settled::Loaded { request_id } | Settled::Failed { request_id, .. } => request_id,
             };
             if !live.remove(id) {
                 tracing::info!(request_id = %id, "a load settled for an engine-core that has restarted; dropped");
                 continue;
             }
             match s {
-                Settled::Loaded(l) => {
-                    out.finished_recving.push(l.request_id.clone());
-                    loads.push(l);
-                }
+                Settled::Loaded { request_id } => out.finished_recving.push(request_id),
                 Settled::Failed { request_id, local_block_ids, kind, error } => {
                     tracing::warn!(%request_id, kind = kind.label(), %error, "KV load failed");
                     m::TRANSFER_FAILURES.with_label_values(&[kind.label()]).inc();
@@ -394,7 +415,7 @@ impl PdRuntime {
             }
             m::LEASED_BLOCKS.set(t.leased_blocks() as i64);
         }
-        (loads, out)
+        out
     }
 }
 
@@ -478,6 +499,9 @@ pub enum FailureKind {
     Exception,
     /// The worker began a graceful shutdown before the read started.
     Shutdown,
+    /// The request's local blocks could not be taken for writing (out of range, or another
+    /// receive is writing one of them): a scheduler invariant broke; nothing was written.
+    LocalBlocks,
 }
 
 impl FailureKind {
@@ -489,6 +513,7 @@ impl FailureKind {
             FailureKind::ReadDone => "read_done",
             FailureKind::Exception => "exception",
             FailureKind::Shutdown => "shutdown",
+            FailureKind::LocalBlocks => "local_blocks",
         }
     }
 }
@@ -496,7 +521,8 @@ impl FailureKind {
 /// What a receive task shares with its worker.
 struct ReceiveCtx {
     agents: Arc<RemoteAgents>,
-    spec: KvCacheSpec,
+    writer: Arc<KvBlockWriter>,
+    reads: ReadTasks,
     settled: Arc<Mutex<Vec<Settled>>>,
     faults: FaultConfig,
     refs: Arc<Mutex<RemoteRefs>>,
@@ -545,7 +571,7 @@ async fn give_up_all(agents: Arc<RemoteAgents>, refs: Vec<(RefKey, RemoteRef)>, 
 /// one failure handler ([`Settled::Failed`] → `finish_step`), which reports the request as
 /// received together with its invalid blocks, so the scheduler applies the load-failure policy.
 async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
-    let ReceiveCtx { agents, spec, settled, faults, refs, give_up_notices, shutting_down } = ctx;
+    let ReceiveCtx { agents, writer, reads, settled, faults, refs, give_up_notices, shutting_down } = ctx;
     let p = &r.params;
     let (Some(engine), Some(host), Some(port), Some(p_req)) =
         (p.remote_engine_id.as_deref(), p.remote_host.as_deref(), p.remote_port, p.remote_request_id.as_deref())
@@ -557,7 +583,7 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
     let hop = |hop: &'static str| trace::notice_hop(hop, p_req, r.rejected_at_unix_us);
     hop("worker.receive");
     let fail = |kind: FailureKind, e: &dyn std::fmt::Display| (kind, e.to_string());
-    let result: Result<Option<StagedLoad>, (FailureKind, String)> = async {
+    let result: Result<bool, (FailureKind, String)> = async {
         let agent = agents.get(engine, &endpoint).await.map_err(|e| fail(FailureKind::Handshake, &e))?;
         tracing::info!(%endpoint, "handshake done");
         if notify_only {
@@ -580,7 +606,7 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
             hop("worker.p_answered");
             tracing::info!(parent: &span, "notice delivered to P");
             m::GIVE_UPS.with_label_values(&[label]).inc();
-            return Ok(None);
+            return Ok(false);
         }
         if shutting_down.load(Ordering::Acquire) {
             // Too late to read: give the reference back rather than take a lease.
@@ -603,31 +629,37 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
         tracing::info!(blocks = remote_tail.len(), "lease granted");
         let lease = Arc::new(lease);
         refs.lock().unwrap_or_else(|p| p.into_inner()).leased(p, &lease);
+        // The request's blocks (the tail a partial local prefix hit leaves to read).
+        let local_tail = r.local_block_ids.get(r.local_block_ids.len() - n..).unwrap_or(&[]).to_vec();
         // The READ and its `read done` run as their own task, so that a task dying without a
-        // result (the `transfer_exception` fault) still lands in the failure handler below.
+        // result (the `transfer_exception` fault, or a cancel when the engine-core restarts)
+        // still lands in the failure handler below. It writes straight into the request's
+        // blocks, checked out for exactly as long as it runs.
         let task = actix::spawn(
             {
-                let (agent, lease, remote_tail) = (agent.clone(), lease.clone(), remote_tail.clone());
+                let (agent, lease, remote_tail, writer) = (agent.clone(), lease.clone(), remote_tail.clone(), writer);
                 async move {
-                    let mut staged = KvCache::new_heap(KvCacheSpec { num_blocks: n as u32, ..spec });
-                    let staged_ids: Vec<u32> = (0..n as u32).collect();
+                    let mut blocks = writer.checkout(&local_tail).map_err(|e| fail(FailureKind::LocalBlocks, &e))?;
                     let stats = agent
-                        .read_blocks(&lease, &remote_tail, &mut staged, &staged_ids)
+                        .read_blocks_into(&lease, &remote_tail, &mut blocks)
                         .await
                         .map_err(|e| fail(FailureKind::Read, &e))?;
+                    drop(blocks);
                     agent.read_done(&lease).await.map_err(|e| fail(FailureKind::ReadDone, &e))?;
-                    Ok::<_, (FailureKind, String)>((staged, stats))
+                    Ok::<_, (FailureKind, String)>(stats)
                 }
             }
             .instrument(tracing::Span::current()),
         );
+        reads.lock().unwrap_or_else(|p| p.into_inner()).insert(r.request_id.clone(), task.abort_handle());
         if faults.transfer_exception {
             tracing::warn!(request_id = %r.request_id, "fault injection: the read task dies");
             task.abort();
         }
         let outcome = task.await.unwrap_or_else(|e| Err(fail(FailureKind::Exception, &e)));
+        reads.lock().unwrap_or_else(|p| p.into_inner()).remove(&r.request_id);
         match outcome {
-            Ok((staged, stats)) => {
+            Ok(stats) => {
                 let span = tracing::Span::current();
                 span.record("kv.bytes", stats.bytes);
                 span.record("kv.blocks", stats.blocks);
@@ -639,11 +671,7 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
                 );
                 m::TRANSFER_BYTES.inc_by(stats.bytes);
                 m::TRANSFER_SECONDS.observe(stats.elapsed.as_secs_f64());
-                Ok(Some(StagedLoad {
-                    request_id: r.request_id.clone(),
-                    staged,
-                    local_block_ids: r.local_block_ids.get(r.local_block_ids.len() - n..).unwrap_or(&[]).to_vec(),
-                }))
+                Ok(true)
             }
             Err(failure) if !give_up_notices => {
                 tracing::debug!("give-up notices are off: P frees at its lease deadline");
@@ -670,8 +698,8 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
     }
     let mut s = settled.lock().unwrap_or_else(|p| p.into_inner());
     match result {
-        Ok(Some(load)) => s.push(Settled::Loaded(load)),
-        Ok(None) => {}
+        Ok(true) => s.push(Settled::Loaded { request_id: r.request_id.clone() }),
+        Ok(false) => {}
         Err((kind, error)) if !notify_only => s.push(Settled::Failed {
             request_id: r.request_id.clone(),
             local_block_ids: r.local_block_ids.clone(),
@@ -737,23 +765,6 @@ async fn lease_blocks(
         }
         Err(e) => Err(e),
     }
-}
-
-/// Copy staged blocks into the cache (executor thread, before the forward pass).
-pub fn apply_loads(kv: &mut KvCache, loads: &[StagedLoad]) -> Result<(), String> {
-    use pdmesh_model_api::kv_cache::KvSide;
-    let layers = kv.spec().num_layers as usize;
-    for l in loads {
-        for (i, &dst) in l.local_block_ids.iter().enumerate() {
-            for layer in 0..layers {
-                for side in [KvSide::Key, KvSide::Value] {
-                    let src = l.staged.block(layer, side, i as u32).map_err(|e| e.to_string())?;
-                    kv.block_mut(layer, side, dst).map_err(|e| e.to_string())?.copy_from_slice(src);
-                }
-            }
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

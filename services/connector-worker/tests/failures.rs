@@ -1,15 +1,17 @@
 //! The worker's one failure handler, after vLLM's failure-mode tests (handshake failure,
 //! transfer setup failure, transfer failed, transfer exception): the request is reported in
-//! `finished_recving` in the same step as its local blocks in `invalid_block_ids`, and no
-//! staged load is returned (post-processing, the copy into the cache, never runs). A P and a D
-//! runtime talk over a real side channel and shared memory, with the product's fault injection.
+//! `finished_recving` in the same step as its local blocks in `invalid_block_ids`. A P and a D
+//! runtime talk over a real side channel and shared memory, with the product's fault injection;
+//! a successful receive lands P's bytes in D's own cache region, in place, and an engine-core
+//! restart cancels a READ in flight before it writes.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use pdmesh_connector_worker::pd::{PdRuntime, PdSetup, StagedLoad};
+use pdmesh_connector_worker::pd::{PdRuntime, PdSetup};
 use pdmesh_kv_transfer::{BackendConfig, FaultConfig, ShmRegion};
-use pdmesh_model_api::KvCacheSpec;
+use pdmesh_model_api::kv_cache::KvSide;
+use pdmesh_model_api::{KvCache, KvCacheSpec};
 use pdmesh_protocol::{KvConnectorMetadata, KvConnectorOutput, KvTransferParams, RecvRequest, SendRequest};
 
 fn spec() -> KvCacheSpec {
@@ -72,93 +74,177 @@ fn metas(port: u16) -> (KvConnectorMetadata, KvConnectorMetadata) {
 
 /// Step D (and P, as its engine would) until D reports the receive; returns D's step output
 /// and whether P released the hold in that time.
-async fn run_until_settled(p: &PdRuntime, d: &PdRuntime) -> (Vec<StagedLoad>, KvConnectorOutput, bool) {
+async fn run_until_settled(p: &PdRuntime, d: &PdRuntime) -> (KvConnectorOutput, bool) {
     let deadline = Instant::now() + Duration::from_secs(15);
     let mut p_released = false;
     loop {
-        let (_, p_out) = p.finish_step();
+        let p_out = p.finish_step();
         p_released |= p_out.finished_sending.iter().any(|id| id == "req-p");
-        let (loads, out) = d.finish_step();
+        let out = d.finish_step();
         if !out.finished_recving.is_empty() {
             // Give P's give-up a moment to land (it is sent before the receive settles).
             for _ in 0..50 {
-                let (_, p_out) = p.finish_step();
+                let p_out = p.finish_step();
                 p_released |= p_out.finished_sending.iter().any(|id| id == "req-p");
                 if p_released {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            return (loads, out, p_released);
+            return (out, p_released);
         }
         assert!(Instant::now() < deadline, "the receive never settled");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
-/// Start P with `p_faults` and D with `d_faults`, run one receive, return D's step output.
-fn one_receive(p_faults: &str, d_faults: &str) -> (Vec<StagedLoad>, KvConnectorOutput, bool) {
+/// A P and a D runtime over their own cache regions; P's blocks 1 and 2 hold known values.
+struct Pair {
+    p: PdRuntime,
+    d: PdRuntime,
+    /// D's cache (what its executor would own), to look at what the receive wrote.
+    d_kv: KvCache,
+    _p_kv: KvCache,
+    port: u16,
+}
+
+/// The value every float of P's block `b`, layer `l`, side `s` holds.
+fn p_value(b: u32, l: usize, s: KvSide) -> f32 {
+    (b * 100 + l as u32 * 10 + s as u32) as f32 + 0.5
+}
+
+async fn pair(p_faults: &str, d_faults: &str) -> Pair {
+    let port = free_port();
+    let tag = format!("{}-{port}", std::process::id());
+    let p_region = ShmRegion::create_for_spec(&format!("pdmesh-failtest-p-{tag}"), &spec()).unwrap();
+    let d_region = ShmRegion::create_for_spec(&format!("pdmesh-failtest-d-{tag}"), &spec()).unwrap();
+    let p = PdRuntime::start(setup("p", true, port, p_faults), spec(), p_region.path()).await.unwrap();
+    let d = PdRuntime::start(setup("d", false, free_port(), d_faults), spec(), d_region.path()).await.unwrap();
+    let mut p_kv = p_region.into_kv_cache(spec()).unwrap();
+    for b in [1, 2] {
+        for l in 0..spec().num_layers as usize {
+            for s in [KvSide::Key, KvSide::Value] {
+                p_kv.block_mut(l, s, b).unwrap().fill(p_value(b, l, s));
+            }
+        }
+    }
+    Pair { p, d, d_kv: d_region.into_kv_cache(spec()).unwrap(), _p_kv: p_kv, port }
+}
+
+/// Start P with `p_faults` and D with `d_faults`, run one receive, return D's step output and
+/// its cache.
+fn one_receive(p_faults: &str, d_faults: &str) -> (KvConnectorOutput, bool, KvCache) {
     let system = actix::System::new();
     system.block_on(async {
-        let port = free_port();
-        let tag = format!("{}-{port}", std::process::id());
-        let p_region = ShmRegion::create_for_spec(&format!("pdmesh-failtest-p-{tag}"), &spec()).unwrap();
-        let d_region = ShmRegion::create_for_spec(&format!("pdmesh-failtest-d-{tag}"), &spec()).unwrap();
-        let p = PdRuntime::start(setup("p", true, port, p_faults), spec(), p_region.path()).await.unwrap();
-        let d = PdRuntime::start(setup("d", false, free_port(), d_faults), spec(), d_region.path()).await.unwrap();
-        let (p_meta, d_meta) = metas(port);
-        p.start_step(&p_meta, &Default::default());
-        let _ = p.finish_step();
-        d.start_step(&d_meta, &Default::default());
-        run_until_settled(&p, &d).await
+        let pair = pair(p_faults, d_faults).await;
+        let (p_meta, d_meta) = metas(pair.port);
+        pair.p.start_step(&p_meta, &Default::default());
+        let _ = pair.p.finish_step();
+        pair.d.start_step(&d_meta, &Default::default());
+        let (out, released) = run_until_settled(&pair.p, &pair.d).await;
+        (out, released, pair.d_kv)
     })
 }
 
-fn assert_failed_in_one_step(loads: &[StagedLoad], out: &KvConnectorOutput) {
+fn assert_failed_in_one_step(out: &KvConnectorOutput) {
     assert_eq!(out.finished_recving, vec!["req-d".to_string()], "reported in done receiving");
     assert_eq!(out.invalid_block_ids, vec![3, 4], "its local blocks are invalid, in the same step");
-    assert!(loads.is_empty(), "no KV post-processing (copy into the cache) for a failed load");
+}
+
+/// Whether every float of D's blocks `blocks` is 0 (never written).
+fn untouched(kv: &KvCache, blocks: &[u32]) -> bool {
+    blocks.iter().all(|&b| {
+        (0..spec().num_layers as usize).all(|l| {
+            [KvSide::Key, KvSide::Value].into_iter().all(|s| kv.block(l, s, b).unwrap().iter().all(|x| *x == 0.0))
+        })
+    })
 }
 
 #[test]
-fn a_successful_receive_is_loaded_and_p_releases() {
-    let (loads, out, p_released) = one_receive("", "");
+fn a_successful_receive_is_loaded_in_place_and_p_releases() {
+    let (out, p_released, d_kv) = one_receive("", "");
     assert_eq!(out.finished_recving, vec!["req-d".to_string()]);
     assert!(out.invalid_block_ids.is_empty());
-    assert_eq!(loads.len(), 1);
-    assert_eq!(loads[0].local_block_ids, vec![3, 4]);
     assert!(p_released, "read done released P's hold");
+    // P's blocks 1 and 2 are in D's blocks 3 and 4, every layer and side; nothing else moved.
+    for (p_block, d_block) in [(1, 3), (2, 4)] {
+        for l in 0..spec().num_layers as usize {
+            for s in [KvSide::Key, KvSide::Value] {
+                let got = d_kv.block(l, s, d_block).unwrap();
+                assert!(got.iter().all(|x| *x == p_value(p_block, l, s)), "D block {d_block}, layer {l}, {s:?}");
+            }
+        }
+    }
+    assert!(untouched(&d_kv, &[0, 1, 2, 5, 6, 7]));
 }
 
 #[test]
 fn handshake_failure_fails_the_request() {
-    let (loads, out, _) = one_receive("compat_mismatch", "");
-    assert_failed_in_one_step(&loads, &out);
+    let (out, _, d_kv) = one_receive("compat_mismatch", "");
+    assert_failed_in_one_step(&out);
+    assert!(untouched(&d_kv, &[3, 4]), "nothing was read");
 }
 
 #[test]
 fn transfer_setup_failure_fails_the_request_and_p_frees_at_once() {
-    let (loads, out, p_released) = one_receive("", "transfer_setup_error");
-    assert_failed_in_one_step(&loads, &out);
+    let (out, p_released, _) = one_receive("", "transfer_setup_error");
+    assert_failed_in_one_step(&out);
     assert!(p_released, "D gave up, so P released at once (R4)");
 }
 
 #[test]
 fn transfer_failed_midway_fails_the_request_and_p_frees_at_once() {
-    let (loads, out, p_released) = one_receive("", "transfer_midway");
-    assert_failed_in_one_step(&loads, &out);
+    let (out, p_released, _) = one_receive("", "transfer_midway");
+    assert_failed_in_one_step(&out);
     assert!(p_released);
 }
 
 #[test]
 fn transfer_exception_fails_the_request_and_p_frees_at_once() {
-    let (loads, out, p_released) = one_receive("", "transfer_exception");
-    assert_failed_in_one_step(&loads, &out);
+    let (out, p_released, _) = one_receive("", "transfer_exception");
+    assert_failed_in_one_step(&out);
     assert!(p_released);
 }
 
 #[test]
 fn lease_refusal_fails_the_request() {
-    let (loads, out, _) = one_receive("lease_refused", "");
-    assert_failed_in_one_step(&loads, &out);
+    let (out, _, d_kv) = one_receive("lease_refused", "");
+    assert_failed_in_one_step(&out);
+    assert!(untouched(&d_kv, &[3, 4]));
+}
+
+/// The engine-core restarts while D's READ waits to copy (the `delay_transfer_ms` fault holds
+/// it after the lease): the new engine may give blocks 3 and 4 to another request, so the READ
+/// is cancelled and never writes them; the receive still ends towards P (a give-up frees P's
+/// hold at once) and is not reported to the new engine.
+#[test]
+fn an_engine_restart_cancels_a_read_in_flight_before_it_writes() {
+    let system = actix::System::new();
+    system.block_on(async {
+        let pair = pair("", "delay_transfer_ms=400").await;
+        let (p_meta, d_meta) = metas(pair.port);
+        pair.p.start_step(&p_meta, &Default::default());
+        let _ = pair.p.finish_step();
+        pair.d.start_step(&d_meta, &Default::default());
+        // Wait until P has granted the lease: the READ is now in its delay.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !pair.p.finish_step().leased_request_ids.iter().any(|id| id == "req-p") {
+            assert!(Instant::now() < deadline, "no lease granted");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        pair.d.engine_restarted();
+        // The cancelled READ gives P's blocks back: P releases them, long before its deadline.
+        let mut released = false;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !released {
+            assert!(Instant::now() < deadline, "P never released the hold");
+            released = pair.p.finish_step().finished_sending.iter().any(|id| id == "req-p");
+            assert!(pair.d.finish_step().finished_recving.is_empty(), "nothing is reported to the new engine");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // Only two things release P here: the cancelled READ's give-up, or — had it gone on —
+        // its `read done`, which follows its copy. So the blocks must be untouched now.
+        assert!(untouched(&pair.d_kv, &[3, 4]), "a cancelled READ wrote into the new engine's blocks");
+        assert!(pair.d.finish_step().finished_recving.is_empty());
+    });
 }

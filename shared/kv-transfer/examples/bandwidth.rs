@@ -1,12 +1,15 @@
 //! Transfer bandwidth of the `shm` and `tcp` backends against their physical limits, measured
-//! side by side in one run (interleaved per repetition, median reported):
-//! - `shm` (D copies leased blocks out of P's mapping) vs a plain `copy_from_slice` of the
-//!   same number of bytes between two heap buffers;
-//!   Ratios are the median of per-repetition ratios; caches are flushed before every
-//!   measurement.
-//! - `tcp` (lease-checked request, P streams from its mapping, D decodes into its blocks) vs
+//! side by side in one run (interleaved per repetition, median reported). D's cache lives on
+//! its own shared-memory region and reads land in blocks checked out of it, as in the worker:
+//! - `shm` (D copies leased blocks out of P's mapping into its blocks) vs a plain
+//!   `copy_from_slice` of the same number of bytes between two heap buffers;
+//! - `staged` : the path the worker used before reads landed in place — a fresh heap cache of
+//!   the request's blocks, the `shm` read into it, then a copy into D's blocks;
+//! - `tcp` (lease-checked request, P streams from its mapping, D receives into its blocks) vs
 //!   raw loopback TCP: a tokio `TcpStream` request/response moving the same byte count into a
 //!   plain buffer, on a kept-alive connection, like ours.
+//!
+//! Ratios are the median of per-repetition ratios; caches are flushed before every measurement.
 //!
 //! Geometry: SmolLM2-135M (30 layers, 3 KV heads, head dim 64, block size 16: 737,280
 //! bytes per block). Run:
@@ -21,9 +24,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pdmesh_kv_transfer::{
-    AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig, HoldTable, HoldTableConfig, SharedPolicy,
-    ShmRegion, TransferAgent, TransferClient,
+    AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig, HoldTable, HoldTableConfig, KvBlockWriter,
+    SharedPolicy, ShmRegion, TransferAgent, TransferClient,
 };
+use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{KvCache, KvCacheSpec};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -40,6 +44,13 @@ fn evict(scratch: &mut [u8]) {
         line[0] = line[0].wrapping_add(1);
     }
     black_box(scratch);
+}
+
+/// `len` bytes of `buf` starting at a page boundary (`buf` has a page to spare).
+fn page_aligned(buf: &mut [u8], len: usize) -> &mut [u8] {
+    let off = buf.as_ptr().align_offset(4096).min(buf.len());
+    let end = (off + len).min(buf.len());
+    &mut buf[off..end]
 }
 
 fn median(mut xs: Vec<Duration>) -> Duration {
@@ -132,17 +143,26 @@ async fn main() -> Res<()> {
     // One lease, granted to our consumer: both agents share the table, so ask once.
     let shm_lease = shm.lease("bench", &all, &gens).await?;
     let tcp_lease = tcp.lease("bench", &all, &gens).await?;
-    let mut local = KvCache::new_heap(spec);
+    // D's cache on its own region (the executor's view), and the writer reads land through.
+    let d_region = ShmRegion::create_for_spec(&format!("pdmesh-bench-d-{}", std::process::id()), &spec)?;
+    let writer = Arc::new(KvBlockWriter::open(d_region.path(), spec)?);
+    let mut d_kv = d_region.into_kv_cache(spec).map_err(|e| e.to_string())?;
 
     // ---- baselines
-    let src = vec![1u8; max as usize * bpb];
-    let mut dst = vec![0u8; max as usize * bpb];
+    // Page-aligned baselines, like the regions: a 16-byte offset between source and
+    // destination halves memcpy's speed on some CPUs (AMD's `rep movsb`), which would flatter
+    // every ratio against it.
+    let mut src_buf = vec![1u8; max as usize * bpb + 4096];
+    let src = page_aligned(&mut src_buf, max as usize * bpb);
+    let mut dst_buf = vec![0u8; max as usize * bpb + 4096];
+    let dst = page_aligned(&mut dst_buf, max as usize * bpb);
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let raw_addr = listener.local_addr()?;
-    tokio::spawn(raw_server(listener, Arc::new(src.clone())));
+    tokio::spawn(raw_server(listener, Arc::new(src.to_vec())));
     let mut raw = TcpStream::connect(raw_addr).await?;
     raw.set_nodelay(true)?;
-    let mut raw_buf = vec![0u8; max as usize * bpb];
+    let mut raw_vec = vec![0u8; max as usize * bpb + 4096];
+    let raw_buf = page_aligned(&mut raw_vec, max as usize * bpb);
     let mut scratch = vec![0u8; 256 << 20];
 
     println!(
@@ -151,8 +171,8 @@ async fn main() -> Res<()> {
         path.display()
     );
     println!(
-        "| blocks | bytes | memcpy GB/s | shm GB/s | shm/memcpy | raw TCP GB/s | tcp GB/s | tcp/raw |\n\
-         |---:|---:|---:|---:|---:|---:|---:|---:|"
+        "| blocks | bytes | memcpy GB/s | shm GB/s | shm/memcpy | staged GB/s | staged/memcpy | raw TCP GB/s | tcp GB/s | tcp/raw |\n\
+         |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for &n in &sizes {
         let bytes = n as usize * bpb;
@@ -160,28 +180,48 @@ async fn main() -> Res<()> {
         // Fresh D caches hand out ascending blocks (spans coalesce); `--scatter` reverses them,
         // the worst case for the shm copy (one 12 KiB memcpy per run).
         let local_ids: Vec<u32> = if scatter { (0..n).rev().collect() } else { (0..n).collect() };
-        let (mut t_mem, mut t_shm, mut t_raw, mut t_tcp) = (vec![], vec![], vec![], vec![]);
+        let (mut t_mem, mut t_shm, mut t_raw, mut t_tcp, mut t_stage) = (vec![], vec![], vec![], vec![], vec![]);
         for rep in 0..reps + 2 {
             evict(&mut scratch);
             let t = Instant::now();
             dst[..bytes].copy_from_slice(&src[..bytes]);
-            black_box(&mut dst);
+            black_box(&mut *dst);
             let mem = t.elapsed();
 
             evict(&mut scratch);
-            let s = shm.read_blocks(&shm_lease, &remote, &mut local, &local_ids).await?.elapsed;
+            let mut blocks = writer.checkout(&local_ids)?;
+            let s = shm.read_blocks_into(&shm_lease, &remote, &mut blocks).await?.elapsed;
+            drop(blocks);
+
+            evict(&mut scratch);
+            let t = Instant::now();
+            let mut staged = KvCache::new_heap(KvCacheSpec { num_blocks: n, ..spec });
+            let staged_ids: Vec<u32> = (0..n).collect();
+            shm.read_blocks(&shm_lease, &remote, &mut staged, &staged_ids).await?;
+            for (i, &dst) in local_ids.iter().enumerate() {
+                for layer in 0..spec.num_layers as usize {
+                    for side in [KvSide::Key, KvSide::Value] {
+                        d_kv.block_mut(layer, side, dst)?.copy_from_slice(staged.block(layer, side, i as u32)?);
+                    }
+                }
+            }
+            let st = t.elapsed();
+            drop(staged);
 
             evict(&mut scratch);
             let t = Instant::now();
             raw_read(&mut raw, &mut raw_buf[..bytes]).await?;
-            black_box(&mut raw_buf);
+            black_box(&mut *raw_buf);
             let r = t.elapsed();
 
             evict(&mut scratch);
-            let c = tcp.read_blocks(&tcp_lease, &remote, &mut local, &local_ids).await?.elapsed;
+            let mut blocks = writer.checkout(&local_ids)?;
+            let c = tcp.read_blocks_into(&tcp_lease, &remote, &mut blocks).await?.elapsed;
+            drop(blocks);
             if rep >= 2 {
                 t_mem.push(mem);
                 t_shm.push(s);
+                t_stage.push(st);
                 t_raw.push(r);
                 t_tcp.push(c);
             }
@@ -195,11 +235,12 @@ async fn main() -> Res<()> {
             r.sort_by(f64::total_cmp);
             r.get(r.len() / 2).copied().unwrap_or_default()
         };
-        let (mem, s, r, c) = (bw(&t_mem), bw(&t_shm), bw(&t_raw), bw(&t_tcp));
-        let (rs, rt) = (ratio(&t_shm, &t_mem), ratio(&t_tcp, &t_raw));
-        println!("| {n} | {bytes} | {mem:.2} | {s:.2} | {rs:.2} | {r:.2} | {c:.2} | {rt:.2} |");
+        let (mem, s, st, r, c) = (bw(&t_mem), bw(&t_shm), bw(&t_stage), bw(&t_raw), bw(&t_tcp));
+        let (rs, rst, rt) = (ratio(&t_shm, &t_mem), ratio(&t_stage, &t_mem), ratio(&t_tcp, &t_raw));
+        println!("| {n} | {bytes} | {mem:.2} | {s:.2} | {rs:.2} | {st:.2} | {rst:.2} | {r:.2} | {c:.2} | {rt:.2} |");
     }
     shm.read_done(&shm_lease).await.ok();
     drop(p_kv);
+    drop(d_kv);
     Ok(())
 }

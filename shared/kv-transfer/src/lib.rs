@@ -2,7 +2,8 @@
 //!
 //! vLLM's NIXL connector, rebuilt for pdmesh (see `docs/KV_TRANSFER.md`). Map of the crate:
 //! - [`shm`]: the producer's KV cache as a shared-memory file ([`ShmRegion`], a
-//!   [`KvBacking`](pdmesh_model_api::kv_cache::KvBacking)) and read-only views of it.
+//!   [`KvBacking`](pdmesh_model_api::kv_cache::KvBacking)), read-only views of it, and the
+//!   consumer's in-place writer into its own region ([`KvBlockWriter`]).
 //! - [`compat`]: the compatibility hash and the handshake's geometry check.
 //! - [`hold`]: P's held requests and read leases ([`HoldTable`]) behind the [`LeasePolicy`]
 //!   seam — LIFECYCLE.md rules R2 and R5.
@@ -45,4 +46,4 @@ pub use hold::{
     HeldBlockMs, HeldInfo, HoldCounters, HoldTable, HoldTableConfig, LeaseGrant, LeasePolicy, LeaseRefusal,
     NoticeOutcome, SharedPolicy,
 };
-pub use shm::{ShmError, ShmReadOnly, ShmRegion};
+pub use shm::{BlockCheckout, CheckoutError, KvBlockWriter, ShmError, ShmReadOnly, ShmRegion};

@@ -1,20 +1,25 @@
 //! Shared-memory regions: the producer's KV cache lives in a file under `/dev/shm` so that a
 //! consumer on the same host can map it read-only and copy blocks itself (one-sided, like an
 //! RDMA READ), and so that the producer's TCP server can stream blocks without copying them.
+//! The consumer's cache lives in one too, so that its reads land in place ([`KvBlockWriter`]).
 //!
 //! This is the only module of the crate that uses `unsafe`: mapping a file is unsafe in Rust
 //! because another process may change or truncate it under the mapping, and viewing the
 //! page-aligned bytes as `f32` needs a reinterpretation. Each block says why it holds here.
 #![allow(unsafe_code)]
 
+use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use memmap2::{Mmap, MmapMut, MmapOptions};
 use pdmesh_model_api::kv_cache::KvBacking;
 use pdmesh_model_api::{KvCache, KvCacheSpec};
 use thiserror::Error;
+
+use crate::layout::{run_bytes, run_offset, wire_runs};
 
 /// Why a region could not be created or opened.
 #[derive(Debug, Error)]
@@ -219,6 +224,200 @@ impl ShmReadOnly {
     }
 }
 
+/// D's write access to its **own** cache region, for reads that land in place: a second,
+/// read-write mapping of the region file its executor's cache lives on, handing out the blocks
+/// of one receive at a time ([`BlockCheckout`]).
+///
+/// Why a second mapping and not a staging buffer: D's reads run beside the forward pass (the
+/// executor thread owns the cache), so without this they land in a heap buffer that the
+/// executor copies into the cache before the next step — an allocation, page faults and a
+/// second copy of every byte, which on some CPUs (relative misalignment of heap and mapping)
+/// halved the transfer's speed. Writing through a second mapping is the shape of an RDMA WRITE
+/// into registered memory: the memory is shared with the executor, and correctness rests on
+/// who may touch which block when:
+/// - D's scheduler allocates a receive's blocks to that request alone and never schedules it
+///   (so the executor never reads or writes those blocks) until the receive is reported
+///   finished, and never frees them while a read may still write (`docs/LIFECYCLE.md`, checked
+///   by the lifecycle property test);
+/// - within this process, [`KvBlockWriter::checkout`] refuses a block another live checkout
+///   holds, so two receives can never write the same block even if that invariant broke;
+/// - the executor's view is a different mapping, so no Rust reference covers memory this one
+///   writes (to the executor these writes are like another process writing shared memory, the
+///   contract every shared-memory block cache has).
+#[derive(Debug)]
+pub struct KvBlockWriter {
+    path: PathBuf,
+    spec: KvCacheSpec,
+    /// The mapping's start. Derived once from `map`, which is never borrowed again: every
+    /// access goes through checkouts, so no reference to the whole mapping ever exists.
+    base: *mut u8,
+    /// Keeps the mapping alive (unmapped on drop).
+    _map: MmapMut,
+    /// Blocks held by live checkouts.
+    checked_out: Mutex<HashSet<u32>>,
+}
+
+// SAFETY: `base` points into `_map`, which lives as long as the writer; the writer only hands
+// out memory through checkouts whose block sets are disjoint (enforced under `checked_out`),
+// so sharing it between threads cannot create aliasing writes.
+unsafe impl Send for KvBlockWriter {}
+// SAFETY: as above; `&KvBlockWriter` only allows `checkout` (locked) and reads of plain fields.
+unsafe impl Sync for KvBlockWriter {}
+
+/// Why blocks could not be checked out.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum CheckoutError {
+    #[error("block {block} is outside the cache ({num_blocks} blocks)")]
+    OutOfRange { block: u32, num_blocks: u32 },
+    #[error("block {0} is named twice")]
+    Duplicate(u32),
+    #[error("block {0} is being written by another receive")]
+    Busy(u32),
+}
+
+impl KvBlockWriter {
+    /// Map the region file at `path` (this process's own cache, laid out as `spec`) read-write.
+    pub fn open(path: impl AsRef<Path>, spec: KvCacheSpec) -> Result<Self, ShmError> {
+        let path = path.as_ref();
+        let file = OpenOptions::new().read(true).write(true).open(path).map_err(io_err("open", path))?;
+        let have = file.metadata().map_err(io_err("stat", path))?.len() as usize;
+        let need = spec.total_floats() * std::mem::size_of::<f32>();
+        if have < need {
+            return Err(ShmError::TooSmall { path: path.to_path_buf(), have, need });
+        }
+        // SAFETY: the file is this process's own cache region (created by `ShmRegion`), kept
+        // at its size while the process runs and never truncated; see the type's doc for who
+        // writes which blocks through the two mappings. `populate` faults the page tables in
+        // now rather than during the first reads.
+        let mut map = unsafe { MmapOptions::new().len(need).populate().map_mut(&file) }.map_err(io_err("map", path))?;
+        let base = map.as_mut_ptr();
+        if base.align_offset(std::mem::align_of::<f32>()) != 0 {
+            return Err(ShmError::Misaligned { path: path.to_path_buf() });
+        }
+        Ok(Self { path: path.to_path_buf(), spec, base, _map: map, checked_out: Mutex::new(HashSet::new()) })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn spec(&self) -> &KvCacheSpec {
+        &self.spec
+    }
+
+    /// Blocks held by live checkouts now.
+    pub fn checked_out(&self) -> usize {
+        self.checked_out.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Take `block_ids` (in the order the read fills them) for one receive, until the returned
+    /// checkout is dropped. Refused if a block is out of range, named twice, or held by
+    /// another checkout.
+    pub fn checkout(self: &Arc<Self>, block_ids: &[u32]) -> Result<BlockCheckout, CheckoutError> {
+        let num_blocks = self.spec.num_blocks;
+        let mut seen = HashSet::with_capacity(block_ids.len());
+        for &b in block_ids {
+            if b >= num_blocks {
+                return Err(CheckoutError::OutOfRange { block: b, num_blocks });
+            }
+            if !seen.insert(b) {
+                return Err(CheckoutError::Duplicate(b));
+            }
+        }
+        let mut out = self.checked_out.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&b) = block_ids.iter().find(|b| out.contains(b)) {
+            return Err(CheckoutError::Busy(b));
+        }
+        out.extend(block_ids.iter().copied());
+        Ok(BlockCheckout { writer: self.clone(), block_ids: block_ids.to_vec() })
+    }
+}
+
+/// The blocks of one receive, writable until dropped (see [`KvBlockWriter`]).
+#[derive(Debug)]
+pub struct BlockCheckout {
+    writer: Arc<KvBlockWriter>,
+    block_ids: Vec<u32>,
+}
+
+impl BlockCheckout {
+    /// The local blocks, in the order a read fills them.
+    pub fn block_ids(&self) -> &[u32] {
+        &self.block_ids
+    }
+
+    pub fn spec(&self) -> &KvCacheSpec {
+        &self.writer.spec
+    }
+
+    /// Every run of the checked-out blocks (one block of one layer side each), in wire order.
+    pub(crate) fn runs(&mut self) -> Vec<&mut [u8]> {
+        let spec = self.writer.spec;
+        let len = run_bytes(&spec);
+        let base = self.writer.base;
+        wire_runs(spec.num_layers, self.block_ids.len())
+            .filter_map(|(layer, side, i)| self.block_ids.get(i).map(|&b| run_offset(&spec, layer, side, b)))
+            .map(|off| {
+                // SAFETY: `checkout` checked every block < num_blocks, so each run lies inside
+                // the mapping (`open` checked it holds the whole spec). Runs of distinct
+                // (layer, side, block) do not overlap, the block ids are distinct, no other
+                // checkout holds them, and `&mut self` keeps this checkout from handing out a
+                // second set while these borrows live: the slices alias nothing.
+                unsafe { std::slice::from_raw_parts_mut(base.add(off), len) }
+            })
+            .collect()
+    }
+}
+
+impl Drop for BlockCheckout {
+    fn drop(&mut self) {
+        let mut out = self.writer.checked_out.lock().unwrap_or_else(|p| p.into_inner());
+        for b in &self.block_ids {
+            out.remove(b);
+        }
+    }
+}
+
+/// Copy `src` into `dst` (same length) for a block read, bypassing the caches on the way out
+/// where the CPU allows: a read moves megabytes that the forward pass reads once, much later,
+/// so ordinary stores would first pull every destination line in (read-for-ownership) only to
+/// overwrite it — a third of the memory traffic. Non-temporal stores skip that (measured here:
+/// 1.25× the bandwidth of `copy_from_slice` on 12 KiB runs). They are SSE2 (every x86-64 CPU);
+/// other targets, and buffers that are not 16-byte aligned, use `copy_from_slice`. A store
+/// fence at the end orders the copy before whatever signals its completion.
+pub(crate) fn copy_run(dst: &mut [u8], src: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if dst.len() == src.len()
+        && dst.len().is_multiple_of(64)
+        && (dst.as_ptr() as usize).is_multiple_of(16)
+        && (src.as_ptr() as usize).is_multiple_of(16)
+    {
+        use std::arch::x86_64::{__m128i, _mm_load_si128, _mm_sfence, _mm_stream_si128};
+        let n = dst.len() / 16;
+        let (d, s) = (dst.as_mut_ptr().cast::<__m128i>(), src.as_ptr().cast::<__m128i>());
+        // SAFETY: SSE2 is part of x86-64. Both buffers hold `n` 16-byte vectors (same length,
+        // a multiple of 64) and are 16-byte aligned (checked above), as the aligned load and
+        // the streaming store require; `dst` is exclusively borrowed and does not overlap
+        // `src` (a shared borrow). The fence makes the streamed stores visible before any
+        // later store, such as the one that reports the read as done.
+        unsafe {
+            for i in (0..n).step_by(4) {
+                let v0 = _mm_load_si128(s.add(i));
+                let v1 = _mm_load_si128(s.add(i + 1));
+                let v2 = _mm_load_si128(s.add(i + 2));
+                let v3 = _mm_load_si128(s.add(i + 3));
+                _mm_stream_si128(d.add(i), v0);
+                _mm_stream_si128(d.add(i + 1), v1);
+                _mm_stream_si128(d.add(i + 2), v2);
+                _mm_stream_si128(d.add(i + 3), v3);
+            }
+            _mm_sfence();
+        }
+        return;
+    }
+    dst.copy_from_slice(src);
+}
+
 /// The bytes of a run of KV floats, so the TCP data plane can receive a block straight into
 /// the local cache with no copy in user space (decoding through a staging buffer cost ~20% of
 /// loopback bandwidth, `docs/KV_TRANSFER.md`). It lives here because this is the crate's one
@@ -292,5 +491,50 @@ mod tests {
         let name = format!("pdmesh-test-shm-{}", uuid::Uuid::new_v4());
         let region = ShmRegion::create(&name, 16).unwrap();
         assert!(matches!(region.into_kv_cache(spec), Err(ShmError::TooSmall { .. })));
+    }
+
+    #[test]
+    fn checked_out_blocks_are_written_in_place_and_exclusive() {
+        use pdmesh_model_api::kv_cache::KvSide;
+        let spec = KvCacheSpec { num_layers: 2, num_blocks: 6, block_size: 2, num_kv_heads: 1, head_dim: 4 };
+        let name = format!("pdmesh-test-shm-{}", uuid::Uuid::new_v4());
+        let region = ShmRegion::create_for_spec(&name, &spec).unwrap();
+        let path = region.path().to_path_buf();
+        // the executor's view of the cache, and the writer's second mapping of the same file
+        let kv = region.into_kv_cache(spec).unwrap();
+        let writer = Arc::new(KvBlockWriter::open(&path, spec).unwrap());
+        let mut a = writer.checkout(&[4, 1]).unwrap();
+        assert_eq!(writer.checked_out(), 2);
+        assert_eq!(writer.checkout(&[2, 1]).unwrap_err(), CheckoutError::Busy(1));
+        assert_eq!(writer.checkout(&[3, 3]).unwrap_err(), CheckoutError::Duplicate(3));
+        assert_eq!(writer.checkout(&[6]).unwrap_err(), CheckoutError::OutOfRange { block: 6, num_blocks: 6 });
+        assert_eq!(writer.checked_out(), 2, "refused checkouts take nothing");
+        // wire order: block 4 (L0 K, L0 V, L1 K, L1 V), then block 1
+        let runs = a.runs();
+        assert_eq!(runs.len(), 8);
+        for (n, run) in runs.into_iter().enumerate() {
+            assert_eq!(run.len(), spec.floats_per_block() * 4);
+            run.fill(n as u8 + 1);
+        }
+        let byte = |layer, side, block| kv.block(layer, side, block).unwrap()[0].to_ne_bytes()[0];
+        assert_eq!(byte(0, KvSide::Key, 4), 1);
+        assert_eq!(byte(1, KvSide::Value, 4), 4);
+        assert_eq!(byte(0, KvSide::Key, 1), 5);
+        assert_eq!(byte(1, KvSide::Value, 1), 8);
+        for other in [0, 2, 3, 5] {
+            assert!(kv.block(0, KvSide::Key, other).unwrap().iter().all(|x| *x == 0.0), "block {other} untouched");
+        }
+        drop(a);
+        assert_eq!(writer.checked_out(), 0);
+        assert!(writer.checkout(&[1, 2]).is_ok(), "free again once the first checkout ended");
+    }
+
+    #[test]
+    fn a_writer_needs_a_region_holding_the_whole_cache() {
+        let spec = KvCacheSpec { num_layers: 2, num_blocks: 3, block_size: 2, num_kv_heads: 1, head_dim: 4 };
+        let name = format!("pdmesh-test-shm-{}", uuid::Uuid::new_v4());
+        let region = ShmRegion::create(&name, 16).unwrap();
+        assert!(matches!(KvBlockWriter::open(region.path(), spec), Err(ShmError::TooSmall { .. })));
+        assert!(matches!(KvBlockWriter::open("/nonexistent/pdmesh-region", spec), Err(ShmError::Io { .. })));
     }
 }

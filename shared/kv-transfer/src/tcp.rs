@@ -14,7 +14,7 @@ use std::io::{IoSlice, IoSliceMut};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pdmesh_model_api::{KvCache, KvCacheSpec};
+use pdmesh_model_api::KvCacheSpec;
 use pdmesh_protocol::{
     Envelope, ErrorClass, LeaseRefusalReason, Message, WireError, XferLeaseRefused, XferReadBlocks, XferReadReady,
 };
@@ -25,7 +25,7 @@ use tokio::task::JoinSet;
 use crate::agent::{AgentStats, Served};
 use crate::error::TransferError;
 use crate::layout::{run_bytes, run_offset, wire_runs};
-use crate::shm::{floats_as_bytes_mut, ShmReadOnly};
+use crate::shm::ShmReadOnly;
 
 /// Largest control frame accepted (a read of 100k blocks fits easily).
 const MAX_FRAME: usize = 16 << 20;
@@ -247,27 +247,26 @@ impl TcpReader {
         Ok(stream)
     }
 
-    /// Read `req.block_ids` into `local_ids` of `local` (distinct ids, checked by the caller).
-    /// `stop_after` (fault injection) ends the read, dropping the connection, once that many
-    /// data bytes were taken.
+    /// Read `req.block_ids` into `runs`: every run of the local blocks, in wire order (one
+    /// block of one layer side each, disjoint). `stop_after` (fault injection) ends the read,
+    /// dropping the connection, once that many data bytes were taken.
     pub(crate) async fn read(
         &self,
         req: &XferReadBlocks,
-        local: &mut KvCache,
-        local_ids: &[u32],
+        runs: &mut [&mut [u8]],
         stop_after: Option<u64>,
     ) -> Result<u64, TransferError> {
         let (stream, pooled) = match self.take_idle() {
             Some(s) => (s, true),
             None => (self.connect().await?, false),
         };
-        match self.read_on(stream, pooled, req, local, local_ids, stop_after).await {
+        match self.read_on(stream, pooled, req, runs, stop_after).await {
             Ok(n) => Ok(n),
             Err(ReadFailure::Before { retry: true, .. }) => {
                 // The pooled connection was closed by P (restart, idle timeout): once more on a
                 // fresh one. Nothing was written locally.
                 let stream = self.connect().await?;
-                match self.read_on(stream, false, req, local, local_ids, stop_after).await {
+                match self.read_on(stream, false, req, runs, stop_after).await {
                     Ok(n) => Ok(n),
                     Err(ReadFailure::Before { err, .. } | ReadFailure::After(err)) => Err(err),
                 }
@@ -281,8 +280,7 @@ impl TcpReader {
         mut stream: TcpStream,
         pooled: bool,
         req: &XferReadBlocks,
-        local: &mut KvCache,
-        local_ids: &[u32],
+        runs: &mut [&mut [u8]],
         stop_after: Option<u64>,
     ) -> Result<u64, ReadFailure> {
         let before = |e: std::io::Error| ReadFailure::Before {
@@ -296,9 +294,8 @@ impl TcpReader {
             .await
             .map_err(before)?
             .ok_or_else(|| before(std::io::ErrorKind::UnexpectedEof.into()))?;
-        let spec = *local.spec();
-        let run = run_bytes(&spec);
-        let expected = (local_ids.len() * 2 * spec.num_layers as usize * run) as u64;
+        let run = runs.first().map_or(0, |r| r.len());
+        let expected: u64 = runs.iter().map(|r| r.len() as u64).sum();
         let bytes = match header.body {
             Message::XferReadReady(r) if r.bytes == expected => r.bytes,
             Message::XferReadReady(r) => {
@@ -319,11 +316,12 @@ impl TcpReader {
                 return Err(ReadFailure::Before { err, retry: false });
             }
         };
-        let mut runs = local_runs(local, local_ids).map_err(ReadFailure::After)?;
-        if let Some(limit) = stop_after.filter(|l| *l < bytes) {
-            runs.truncate(limit as usize / run);
-        }
-        let wanted = runs.len() * run;
+        let take = match stop_after.filter(|l| *l < bytes) {
+            Some(limit) => (limit as usize).checked_div(run).unwrap_or(0).min(runs.len()),
+            None => runs.len(),
+        };
+        let runs = &mut runs[..take];
+        let wanted: usize = runs.iter().map(|r| r.len()).sum();
         let done = receive_into(&stream, runs).await.map_err(ReadFailure::After)?;
         if (wanted as u64) < bytes {
             // Fault injection: the connection is dropped with bytes unread, which P sees as a
@@ -338,42 +336,11 @@ impl TcpReader {
     }
 }
 
-/// The bytes of every local run to fill, in wire order, as disjoint mutable slices of the
-/// cache (so the kernel can write into all of them with one `readv`).
-fn local_runs<'a>(local: &'a mut KvCache, local_ids: &[u32]) -> Result<Vec<&'a mut [u8]>, TransferError> {
-    let spec = *local.spec();
-    let len = run_bytes(&spec);
-    let bad = |detail: &str| TransferError::BadRequest(detail.to_string());
-    // (offset, wire position), sorted by offset, to carve the cache front to back.
-    let mut order: Vec<(usize, usize)> = wire_runs(spec.num_layers, local_ids.len())
-        .enumerate()
-        .map(|(pos, (layer, side, i))| (run_offset(&spec, layer, side, local_ids.get(i).copied().unwrap_or(0)), pos))
-        .collect();
-    order.sort_unstable();
-    let mut slots: Vec<Option<&'a mut [u8]>> = std::iter::repeat_with(|| None).take(order.len()).collect();
-    let mut rest = floats_as_bytes_mut(local.as_mut_slice());
-    let mut cursor = 0usize;
-    for (offset, pos) in order {
-        let skip = offset.checked_sub(cursor).ok_or_else(|| bad("local block ids repeat"))?;
-        if rest.len() < skip + len {
-            return Err(bad("local block outside the cache"));
-        }
-        let (_, tail) = std::mem::take(&mut rest).split_at_mut(skip);
-        let (run, tail) = tail.split_at_mut(len);
-        rest = tail;
-        cursor = offset + len;
-        if let Some(slot) = slots.get_mut(pos) {
-            *slot = Some(run);
-        }
-    }
-    slots.into_iter().map(|s| s.ok_or_else(|| bad("run missing"))).collect()
-}
-
 /// Receive straight into `runs`, in order, with vectored reads of up to [`IOV_BATCH`] runs.
-async fn receive_into(stream: &TcpStream, mut runs: Vec<&mut [u8]>) -> Result<u64, TransferError> {
+async fn receive_into(stream: &TcpStream, runs: &mut [&mut [u8]]) -> Result<u64, TransferError> {
     let mut done = 0u64;
     for batch in runs.chunks_mut(IOV_BATCH) {
-        let mut slices: Vec<IoSliceMut<'_>> = batch.iter_mut().map(|r| IoSliceMut::new(r)).collect();
+        let mut slices: Vec<IoSliceMut<'_>> = batch.iter_mut().map(|r| IoSliceMut::new(&mut r[..])).collect();
         let mut pending = &mut slices[..];
         while !pending.is_empty() {
             let midway = |detail: String| TransferError::Midway { bytes_done: done, detail };

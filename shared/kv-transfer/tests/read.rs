@@ -51,6 +51,36 @@ async fn tcp_reads_exact_bytes_1_16_256_blocks() {
     }
 }
 
+/// D's production path: its cache lives on its own region, and the read lands in blocks
+/// checked out of a second mapping of it — what the executor's view then sees, in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_land_in_place_in_blocks_checked_out_of_ds_own_region() {
+    for (name, backend) in backends() {
+        let p = producer(backend, "", 64).await;
+        let remote = [9, 10, 11, 40, 2];
+        p.hold("req-1", &remote);
+        let d = client_for(spec(16), "");
+        let agent = d.handshake(&p.endpoint(), "p-0").await.unwrap();
+        let region = ShmRegion::create_for_spec(&format!("pdmesh-test-d-{}", uuid::Uuid::new_v4()), &spec(16)).unwrap();
+        let writer = std::sync::Arc::new(KvBlockWriter::open(region.path(), spec(16)).unwrap());
+        let mut kv = region.into_kv_cache(spec(16)).unwrap();
+        kv.as_mut_slice().fill(UNTOUCHED);
+        let local_ids = [3, 4, 5, 15, 0];
+        let lease = agent.lease("req-1", &remote, &[1; 5]).await.unwrap();
+        let mut blocks = writer.checkout(&local_ids).unwrap();
+        let stats = agent.read_blocks_into(&lease, &remote, &mut blocks).await.unwrap();
+        assert_eq!(stats.bytes, 5 * spec(1).bytes_per_block(), "{name}");
+        drop(blocks);
+        assert_eq!(writer.checked_out(), 0);
+        assert_blocks_moved(&kv, &remote, &local_ids, UNTOUCHED);
+        agent.read_done(&lease).await.unwrap();
+        // A read outside the lease is refused before a byte moves.
+        let mut blocks = writer.checkout(&[7]).unwrap();
+        assert!(agent.read_blocks_into(&lease, &[9], &mut blocks).await.is_err(), "{name}: lease is done");
+        assert!(kv.block(0, pdmesh_model_api::kv_cache::KvSide::Key, 7).unwrap().iter().all(|x| *x == UNTOUCHED));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partial_read_under_a_lease_and_connection_reuse() {
     let p = producer(tcp_backend(), "", 32).await;
