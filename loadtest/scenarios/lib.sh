@@ -66,15 +66,20 @@ mesh_ports() {
 # D_MAX_LEN, D_RANKS, LEASE_S, HOLD_MODE (lease | fixed: P then holds for HOLD_S, default 480),
 # NOTICES (rejection_notices of D: true | false), POLICY (kv_load_failure_policy of D),
 # P_FAULT / D_FAULT (fault_injection per node).
+# model_line: the `model = {...}` line of a node for MODEL (and COST_US).
+model_line() {
+  if [[ "${MODEL:-synthetic}" == gguf ]]; then
+    echo 'model = { kind = "gguf", path = "" }'
+  else
+    echo "model = { kind = \"synthetic\", name = \"pdmesh-synthetic\", per_token_cost_us = ${COST_US:-20} }"
+  fi
+}
+
 write_topology() {
   local model blocks=4096
-  if [[ "${MODEL:-synthetic}" == gguf ]]; then
-    # 720 KiB per block for SmolLM2-135M: 512 blocks (8192 tokens) is 360 MiB per rank.
-    model='model = { kind = "gguf", path = "" }'
-    blocks=512
-  else
-    model="model = { kind = \"synthetic\", name = \"pdmesh-synthetic\", per_token_cost_us = ${COST_US:-20} }"
-  fi
+  model=$(model_line)
+  # 720 KiB per block for SmolLM2-135M: 512 blocks (8192 tokens) is 360 MiB per rank.
+  [[ "${MODEL:-synthetic}" == gguf ]] && blocks=512
   cat >"$1" <<EOF
 run_dir = "$RUN_DIR"
 

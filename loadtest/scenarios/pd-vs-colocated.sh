@@ -19,11 +19,6 @@ start_mesh pd
 # The colocated node: next to the P/D mesh's ports (HTTP+3, base ports above the mesh's).
 COLO_URL="http://127.0.0.1:$((HTTP_PORT + 3))"
 COLO_DIR="$(mktemp -d "${TMPDIR:-/tmp}/pdmesh-scenario-colocated.XXXXXX")"
-if [[ "$MODEL" == gguf ]]; then
-  colo_model='model = { kind = "gguf", path = "" }'
-else
-  colo_model="model = { kind = \"synthetic\", name = \"pdmesh-synthetic\", per_token_cost_us = ${COST_US:-20} }"
-fi
 cat >"$COLO_DIR/topology.toml" <<EOF
 run_dir = "$COLO_DIR"
 
@@ -32,7 +27,7 @@ name = "colocated"
 role = "colocated"
 http_port = $((HTTP_PORT + 3))
 base_port = $((BASE_PORT + 600))
-$colo_model
+$(model_line)
 engine = { block_size = 16, num_blocks = 512, max_model_len = 8192, max_num_seqs = 128 }
 EOF
 RUST_LOG="${RUST_LOG:-warn}" PDMESH_RUN_DIR="$COLO_DIR" "$PDMESH" up --topology "$COLO_DIR/topology.toml" \

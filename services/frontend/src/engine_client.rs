@@ -324,17 +324,28 @@ impl Handler<Stats> for EngineClient {
 
     fn handle(&mut self, _msg: Stats, _ctx: &mut Self::Context) -> Self::Result {
         let link = self.link.clone();
-        Box::pin(async move {
-            match link.call(Envelope::new(WireMessage::StatsQuery), STATS_TIMEOUT).await {
-                Ok(Envelope { body: WireMessage::StatsReply(stats), .. }) => Ok(stats),
-                Ok(Envelope { body: WireMessage::Error(e), .. }) => Err(ApiError::from_wire(e)),
-                Ok(other) => Err(ApiError::Internal(format!(
-                    "the dp-lb answered a statistics query with an unexpected `{}` message",
-                    other.body.kind()
-                ))),
-                Err(e) => Err(ApiError::from_transport(&e)),
-            }
-        })
+        Box::pin(query(link, WireMessage::StatsQuery, STATS_TIMEOUT, "a statistics query", |m| match m {
+            WireMessage::StatsReply(stats) => Ok(stats),
+            other => Err(other),
+        }))
+    }
+}
+
+/// Ask the dp-lb `body` and take the answer `pick` accepts; an error answer, another message
+/// or a transport failure is an [`ApiError`] naming `what` was asked.
+async fn query<T>(
+    link: LinkHandle,
+    body: WireMessage,
+    timeout: Duration,
+    what: &'static str,
+    pick: fn(WireMessage) -> Result<T, WireMessage>,
+) -> Result<T, ApiError> {
+    match link.call(Envelope::new(body), timeout).await {
+        Ok(Envelope { body: WireMessage::Error(e), .. }) => Err(ApiError::from_wire(e)),
+        Ok(envelope) => pick(envelope.body).map_err(|other| {
+            ApiError::Internal(format!("the dp-lb answered {what} with an unexpected `{}` message", other.kind()))
+        }),
+        Err(e) => Err(ApiError::from_transport(&e)),
     }
 }
 
@@ -343,17 +354,10 @@ impl Handler<Readiness> for EngineClient {
 
     fn handle(&mut self, _msg: Readiness, _ctx: &mut Self::Context) -> Self::Result {
         let link = self.link.clone();
-        Box::pin(async move {
-            match link.call(Envelope::new(WireMessage::ReadinessQuery), READINESS_TIMEOUT).await {
-                Ok(Envelope { body: WireMessage::Readiness(r), .. }) => Ok(r),
-                Ok(Envelope { body: WireMessage::Error(e), .. }) => Err(ApiError::from_wire(e)),
-                Ok(other) => Err(ApiError::Internal(format!(
-                    "the dp-lb answered a readiness query with an unexpected `{}` message",
-                    other.body.kind()
-                ))),
-                Err(e) => Err(ApiError::from_transport(&e)),
-            }
-        })
+        Box::pin(query(link, WireMessage::ReadinessQuery, READINESS_TIMEOUT, "a readiness query", |m| match m {
+            WireMessage::Readiness(r) => Ok(r),
+            other => Err(other),
+        }))
     }
 }
 
