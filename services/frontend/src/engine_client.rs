@@ -325,8 +325,8 @@ impl Handler<Stats> for EngineClient {
     fn handle(&mut self, _msg: Stats, _ctx: &mut Self::Context) -> Self::Result {
         let link = self.link.clone();
         Box::pin(query(link, WireMessage::StatsQuery, STATS_TIMEOUT, "a statistics query", |m| match m {
-            WireMessage::StatsReply(stats) => Ok(stats),
-            other => Err(other),
+            WireMessage::StatsReply(stats) => Some(stats),
+            _ => None,
         }))
     }
 }
@@ -338,13 +338,16 @@ async fn query<T>(
     body: WireMessage,
     timeout: Duration,
     what: &'static str,
-    pick: fn(WireMessage) -> Result<T, WireMessage>,
+    pick: fn(WireMessage) -> Option<T>,
 ) -> Result<T, ApiError> {
     match link.call(Envelope::new(body), timeout).await {
         Ok(Envelope { body: WireMessage::Error(e), .. }) => Err(ApiError::from_wire(e)),
-        Ok(envelope) => pick(envelope.body).map_err(|other| {
-            ApiError::Internal(format!("the dp-lb answered {what} with an unexpected `{}` message", other.kind()))
-        }),
+        Ok(envelope) => {
+            let kind = envelope.body.kind();
+            pick(envelope.body).ok_or_else(|| {
+                ApiError::Internal(format!("the dp-lb answered {what} with an unexpected `{kind}` message"))
+            })
+        }
         Err(e) => Err(ApiError::from_transport(&e)),
     }
 }
@@ -355,8 +358,8 @@ impl Handler<Readiness> for EngineClient {
     fn handle(&mut self, _msg: Readiness, _ctx: &mut Self::Context) -> Self::Result {
         let link = self.link.clone();
         Box::pin(query(link, WireMessage::ReadinessQuery, READINESS_TIMEOUT, "a readiness query", |m| match m {
-            WireMessage::Readiness(r) => Ok(r),
-            other => Err(other),
+            WireMessage::Readiness(r) => Some(r),
+            _ => None,
         }))
     }
 }
