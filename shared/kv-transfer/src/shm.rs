@@ -182,8 +182,7 @@ impl ShmReadOnly {
         if len == 0 {
             return Err(ShmError::TooSmall { path: path.to_path_buf(), have: 0, need: 4 });
         }
-        if len & 3 != 0 {
-            // (not `is_multiple_of`: the workspace supports Rust 1.85)
+        if !len.is_multiple_of(4) {
             return Err(ShmError::Misaligned { path: path.to_path_buf() });
         }
         // SAFETY: the mapping is read-only on our side. The creator keeps the file at its size
