@@ -248,3 +248,60 @@ fn an_engine_restart_cancels_a_read_in_flight_before_it_writes() {
         assert!(pair.d.finish_step().finished_recving.is_empty());
     });
 }
+
+/// A scheduler invariant broken on purpose: two receives name the same local block (4). The
+/// second READ cannot check it out while the first writes (held there by `delay_transfer_ms`),
+/// so it fails as `local_blocks` without writing a byte — reported with its blocks invalid in
+/// the same step, and P, told by a give-up, frees its hold at once; the first lands in place.
+#[test]
+fn a_receive_whose_blocks_another_is_writing_fails_without_writing() {
+    let system = actix::System::new();
+    system.block_on(async {
+        let pair = pair("", "delay_transfer_ms=300").await;
+        let (mut p_meta, mut d_meta) = metas(pair.port);
+        let mut send2 = p_meta.reqs_to_send[0].clone();
+        send2.request_id = "req-p2".into();
+        send2.block_ids = vec![5, 6];
+        p_meta.reqs_to_send.push(send2);
+        let mut recv2 = d_meta.reqs_to_recv[0].clone();
+        recv2.request_id = "req-d2".into();
+        recv2.local_block_ids = vec![4, 5];
+        recv2.params.remote_request_id = Some("req-p2".into());
+        recv2.params.remote_block_ids = Some(vec![5, 6]);
+        d_meta.reqs_to_recv.push(recv2);
+        pair.p.start_step(&p_meta, &Default::default());
+        let _ = pair.p.finish_step();
+        pair.d.start_step(&d_meta, &Default::default());
+
+        let (mut loaded, mut failed) = (Vec::new(), Vec::new());
+        let mut released = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while loaded.len() + failed.len() < 2 || released.len() < 2 {
+            assert!(Instant::now() < deadline, "loaded {loaded:?}, failed {failed:?}, P released {released:?}");
+            let out = pair.d.finish_step();
+            for id in out.finished_recving {
+                let blocks = if id == "req-d" { vec![3, 4] } else { vec![4, 5] };
+                if blocks.iter().all(|b| out.invalid_block_ids.contains(b)) {
+                    failed.push((id, blocks));
+                } else {
+                    loaded.push((id, blocks));
+                }
+            }
+            released.extend(pair.p.finish_step().finished_sending);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!((loaded.len(), failed.len()), (1, 1), "one loads, the other fails: {loaded:?} {failed:?}");
+        // The winner's bytes are P's, in its blocks.
+        let (winner, blocks) = &loaded[0];
+        let p_blocks: [u32; 2] = if winner == "req-d" { [1, 2] } else { [5, 6] };
+        for (p_block, d_block) in p_blocks.into_iter().zip(blocks.iter().copied()) {
+            let got = pair.d_kv.block(0, KvSide::Key, d_block).unwrap();
+            assert!(got.iter().all(|x| *x == p_value(p_block, 0, KvSide::Key)), "{winner}: D block {d_block}");
+        }
+        // The loser wrote nothing: its block that is not shared is untouched.
+        let loser_only = if winner == "req-d" { 5 } else { 3 };
+        assert!(untouched(&pair.d_kv, &[loser_only]));
+        released.sort();
+        assert_eq!(released, vec!["req-p".to_string(), "req-p2".to_string()], "P freed both holds");
+    });
+}

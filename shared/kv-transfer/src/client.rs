@@ -457,7 +457,8 @@ impl RemoteAgent {
     ) -> Result<ReadStats, TransferError> {
         let started = Instant::now();
         self.check_read(lease, remote_block_ids, local_block_ids.len())?;
-        self.check_local(local.spec(), local_block_ids)?;
+        check_local_ids(local.spec(), local_block_ids)?;
+        self.check_local_geometry(local.spec())?;
         let runs = cache_runs(local, local_block_ids)?;
         self.read_runs(lease, remote_block_ids, runs, started).await
     }
@@ -474,8 +475,7 @@ impl RemoteAgent {
         let started = Instant::now();
         self.check_read(lease, remote_block_ids, local.block_ids().len())?;
         // The checkout already refused out-of-range and repeated ids.
-        let local_spec = *local.spec();
-        self.check_local(&local_spec, &[])?;
+        self.check_local_geometry(local.spec())?;
         let runs = local.runs();
         self.read_runs(lease, remote_block_ids, runs, started).await
     }
@@ -488,8 +488,7 @@ impl RemoteAgent {
         runs: Vec<&mut [u8]>,
         started: Instant,
     ) -> Result<ReadStats, TransferError> {
-        let (remote_block_ids, mut runs) = dest_order(remote_block_ids, runs, 2 * self.remote_spec.num_layers as usize);
-        let remote_block_ids = &remote_block_ids[..];
+        let mut runs = runs;
         let faults = &self.config.faults;
         if let Some(delay) = faults.delay_transfer {
             tokio::time::sleep(delay).await;
@@ -507,11 +506,10 @@ impl RemoteAgent {
                 copy_from_region(region, &self.remote_spec, remote_block_ids, &mut runs, stop_after)
             }
             DataPlane::Tcp(reader) => {
-                let req = XferReadBlocks {
-                    p_request_id: lease.p_request_id.clone(),
-                    lease_id: lease.lease_id,
-                    block_ids: remote_block_ids.to_vec(),
-                };
+                let (block_ids, ordered) = dest_order(remote_block_ids, runs, 2 * self.remote_spec.num_layers as usize);
+                runs = ordered;
+                let req =
+                    XferReadBlocks { p_request_id: lease.p_request_id.clone(), lease_id: lease.lease_id, block_ids };
                 let timeout = self.config.read_timeout;
                 match tokio::time::timeout(timeout, reader.read(&req, &mut runs, stop_after)).await {
                     Ok(r) => r,
@@ -550,20 +548,8 @@ impl RemoteAgent {
         Ok(())
     }
 
-    /// The local side: distinct ids inside the local cache, whose geometry is the handshake's.
-    fn check_local(&self, local_spec: &KvCacheSpec, local_ids: &[u32]) -> Result<(), TransferError> {
-        let mut seen = std::collections::HashSet::with_capacity(local_ids.len());
-        if let Some(b) = local_ids.iter().find(|b| !seen.insert(**b)) {
-            return Err(TransferError::BadRequest(format!("local block {b} is named twice")));
-        }
-        if let Some(b) = local_ids.iter().find(|b| **b >= local_spec.num_blocks) {
-            return Err(TransferError::BlockOutOfRange {
-                which: "local",
-                block: *b,
-                num_blocks: local_spec.num_blocks,
-            });
-        }
-        // Same geometry as checked at handshake (only the block count may differ).
+    /// The local cache has the geometry checked at handshake (only the block count may differ).
+    fn check_local_geometry(&self, local_spec: &KvCacheSpec) -> Result<(), TransferError> {
         if *local_spec != (KvCacheSpec { num_blocks: local_spec.num_blocks, ..self.remote_spec }) {
             return Err(TransferError::BadRequest("local cache geometry differs from the handshake's".into()));
         }
@@ -634,6 +620,18 @@ impl RemoteAgent {
     }
 }
 
+/// Local block ids: distinct and inside the local cache.
+fn check_local_ids(local_spec: &KvCacheSpec, local_ids: &[u32]) -> Result<(), TransferError> {
+    let mut seen = std::collections::HashSet::with_capacity(local_ids.len());
+    if let Some(b) = local_ids.iter().find(|b| !seen.insert(**b)) {
+        return Err(TransferError::BadRequest(format!("local block {b} is named twice")));
+    }
+    if let Some(b) = local_ids.iter().find(|b| **b >= local_spec.num_blocks) {
+        return Err(TransferError::BlockOutOfRange { which: "local", block: *b, num_blocks: local_spec.num_blocks });
+    }
+    Ok(())
+}
+
 /// The bytes of every local run to fill, in wire order, as disjoint mutable slices of the
 /// cache (so the kernel can write into all of them with one `readv`).
 fn cache_runs<'a>(local: &'a mut KvCache, local_ids: &[u32]) -> Result<Vec<&'a mut [u8]>, TransferError> {
@@ -665,8 +663,8 @@ fn cache_runs<'a>(local: &'a mut KvCache, local_ids: &[u32]) -> Result<Vec<&'a m
     slots.into_iter().map(|s| s.ok_or_else(|| bad("run missing"))).collect()
 }
 
-/// Reorder a read's blocks so that their local runs are filled front to back: whatever order
-/// D's allocator handed the blocks out in, a `tcp` read then receives into ascending
+/// Reorder a `tcp` read's blocks so that their local runs are filled front to back: whatever
+/// order D's allocator handed the blocks out in, the kernel then receives into ascending
 /// addresses (reversed local ids cost about 15% of the bandwidth otherwise; the `shm` copy
 /// picks its own order). `runs` holds `per_block` runs per block, in wire order; the pairing
 /// of remote and local blocks is unchanged.

@@ -245,7 +245,6 @@ impl ShmReadOnly {
 ///   contract every shared-memory block cache has).
 #[derive(Debug)]
 pub struct KvBlockWriter {
-    path: PathBuf,
     spec: KvCacheSpec,
     /// The mapping's start. Derived once from `map`, which is never borrowed again: every
     /// access goes through checkouts, so no reference to the whole mapping ever exists.
@@ -293,11 +292,7 @@ impl KvBlockWriter {
         if base.align_offset(std::mem::align_of::<f32>()) != 0 {
             return Err(ShmError::Misaligned { path: path.to_path_buf() });
         }
-        Ok(Self { path: path.to_path_buf(), spec, base, _map: map, checked_out: Mutex::new(HashSet::new()) })
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
+        Ok(Self { spec, base, _map: map, checked_out: Mutex::new(HashSet::new()) })
     }
 
     pub fn spec(&self) -> &KvCacheSpec {

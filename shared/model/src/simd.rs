@@ -15,22 +15,14 @@
 
 #![allow(unsafe_code)]
 
-/// Whether the AVX2+FMA paths may run (`PDMESH_MODEL_KERNELS=scalar` turns them off).
+use crate::kernels::Impl;
+
+/// Whether the AVX2+FMA paths may run: whenever the matmuls run vectorised, i.e. the same
+/// detection and the same `PDMESH_MODEL_KERNELS=scalar` switch ([`Impl::detect`]).
 pub(crate) fn avx2() -> bool {
     use std::sync::OnceLock;
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::env::var("PDMESH_MODEL_KERNELS").as_deref() != Ok("scalar")
-                && is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
+    *ON.get_or_init(|| Impl::detect() != Impl::Scalar)
 }
 
 /// `x[i] = x[i].exp()` for every element, bit for bit.
