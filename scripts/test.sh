@@ -9,10 +9,13 @@ if [[ "${PDMESH_SKIP_MODEL_TESTS:-0}" != "1" ]]; then
   export PDMESH_MODEL_PATH="${PDMESH_MODEL_PATH:-$(scripts/fetch-model.sh)}"
 fi
 cargo build --release --workspace --all-targets
-# The GPU feature must build on every machine (CUDA is loaded at run time); its tests run the
-# model and a two-process CUDA IPC read where a GPU is present and say they skip elsewhere.
-cargo test --release -p pdmesh-model -p pdmesh-kv-transfer --features pdmesh-model/cuda,pdmesh-kv-transfer/cuda \
-  --test cuda --test cuda_ipc -- --nocapture
+# The GPU feature must build on every machine (CUDA is loaded at run time): the binary with
+# the GPU executor and the cuda transfer backend, and the GPU tests, which run the model and the
+# cuda backend between two processes where a GPU is present and say they skip elsewhere.
+# Built workspace-wide so third-party crates keep the default build's features: only the crates
+# with GPU code are compiled twice.
+cargo build --release --workspace --all-targets --features pdmesh/cuda
+cargo test --release --workspace --features pdmesh/cuda --test cuda --test cuda_ipc -- --nocapture
 # Test binaries start whole meshes; two at a time is what a 2-core machine sustains.
 cargo test --release --workspace -- --test-threads="${PDMESH_TEST_THREADS:-2}"
 # Load-test smoke scenario (under 2 minutes): a synthetic P/D mesh under steady load, client

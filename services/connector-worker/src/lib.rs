@@ -13,8 +13,8 @@ pub mod pd;
 pub use executor_actor::{once, ExecutorActor, ExecutorFactory, RunStep};
 
 use actix::prelude::*;
-use pdmesh_config::{Service, Topology};
-use pdmesh_model_api::ModelFacts;
+use pdmesh_config::{Service, Topology, TransferBackendKind};
+use pdmesh_model_api::{KvCache, KvCacheSpec, ModelFacts};
 use pdmesh_protocol::{ErrorClass, Message, ServiceKind, WireError, WorkerInfo};
 use pdmesh_transport::{bind_router, RouterEvent, RouterHandle};
 use thiserror::Error;
@@ -31,6 +31,9 @@ pub enum WorkerError {
     Model(String),
     #[error("ops server: {0}")]
     Ops(String),
+    /// The KV cache's placement and the node's transfer backend disagree.
+    #[error("KV cache placement: {0}")]
+    Placement(String),
 }
 
 /// The socket side of the worker.
@@ -198,14 +201,95 @@ fn sweep_stale_shm() {
     }
 }
 
+/// Where a worker's KV cache lives.
+#[derive(Debug, Clone)]
+pub enum KvPlacement {
+    /// Host memory: a heap cache, or for P/D a shared-memory region the transfer agent serves.
+    Host,
+    /// The GPU executor's exported region (`kv_transfer.backend = "cuda"`, from
+    /// `CudaLlamaExecutor::use_exported_kv`): the executor attends over it, P's agent exports
+    /// it, D's reads land in it. The host cache handed to the executor is then never touched.
+    #[cfg(feature = "cuda")]
+    Device(std::sync::Arc<pdmesh_kv_transfer::cuda::DeviceKvRegion>),
+}
+
+/// The KV cache geometry of a worker of `node` running a model with `facts`.
+pub fn kv_spec(node: &pdmesh_config::NodeConfig, facts: &ModelFacts) -> pdmesh_model_api::KvCacheSpec {
+    pdmesh_model_api::KvCacheSpec {
+        num_layers: facts.num_layers,
+        num_blocks: node.engine.num_blocks,
+        block_size: node.engine.block_size,
+        num_kv_heads: facts.num_kv_heads,
+        head_dim: facts.head_dim,
+    }
+}
+
+/// The host cache of a worker without P/D (a GPU-resident cache exists for the `cuda`
+/// transfer backend only).
+fn place_host_only(placement: &KvPlacement, spec: KvCacheSpec) -> Result<KvCache, WorkerError> {
+    match placement {
+        KvPlacement::Host => Ok(KvCache::new_heap(spec)),
+        #[cfg(feature = "cuda")]
+        KvPlacement::Device(_) => Err(WorkerError::Placement(
+            "a GPU-resident KV cache is for kv_transfer.backend = \"cuda\"; this node has no kv_transfer".into(),
+        )),
+    }
+}
+
+/// The host cache and the P/D memory of a worker with `kv_transfer.backend = backend`.
+fn pd_memory(
+    placement: &KvPlacement,
+    backend: TransferBackendKind,
+    node: &pdmesh_config::NodeConfig,
+    rank: u32,
+    spec: KvCacheSpec,
+) -> Result<(KvCache, pd::PdMemory), WorkerError> {
+    match (placement, backend) {
+        (KvPlacement::Host, TransferBackendKind::Cuda) => Err(WorkerError::Placement(
+            "kv_transfer.backend = \"cuda\" needs the KV cache on the GPU: model.device = \"cuda\" and a \
+             build with --features cuda (docs/KV_TRANSFER.md)"
+                .into(),
+        )),
+        (KvPlacement::Host, _) => {
+            // P/D: the cache lives in shared memory so the transfer agent can serve it.
+            sweep_stale_shm();
+            let name = format!("pdmesh-{}-{}-{}", node.name, rank, std::process::id());
+            let region = pdmesh_kv_transfer::ShmRegion::create_for_spec(&name, &spec)
+                .map_err(|e| WorkerError::Model(e.to_string()))?;
+            let path = region.path().to_path_buf();
+            SHM_FILES.lock().unwrap_or_else(|p| p.into_inner()).push(path.clone());
+            let kv = region.into_kv_cache(spec).map_err(|e| WorkerError::Model(e.to_string()))?;
+            Ok((kv, pd::PdMemory::Host(path)))
+        }
+        #[cfg(feature = "cuda")]
+        (KvPlacement::Device(region), TransferBackendKind::Cuda) => {
+            if *region.spec() != spec {
+                return Err(WorkerError::Placement(format!(
+                    "the GPU KV region is {:?}, the node's cache is {spec:?}",
+                    region.spec()
+                )));
+            }
+            // The executor attends over the GPU region; its host cache is only the step's
+            // geometry and is never written, so its pages are never touched either.
+            Ok((KvCache::new_untouched(spec), pd::PdMemory::Device(region.clone())))
+        }
+        #[cfg(feature = "cuda")]
+        (KvPlacement::Device(_), _) => Err(WorkerError::Placement(
+            "a GPU-resident KV cache is served by kv_transfer.backend = \"cuda\" only".into(),
+        )),
+    }
+}
+
 /// Start the connector-worker of `rank` on `node`, running the executor that `factory`
-/// builds (on the executor thread) over a KV cache of the node's configured size.
+/// builds (on the executor thread) over a KV cache of the node's configured size, placed as
+/// `placement` says.
 pub async fn run(
     topology: &Topology,
     node_name: &str,
     rank: u32,
     factory: ExecutorFactory,
     facts: ModelFacts,
+    placement: KvPlacement,
 ) -> Result<Addr<WorkerActor>, WorkerError> {
     let node = topology.node(node_name)?;
     if rank >= node.dp_size {
@@ -220,13 +304,7 @@ pub async fn run(
     pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
         .map_err(|e| WorkerError::Ops(format!("port {port}: {e}")))?;
 
-    let spec = pdmesh_model_api::KvCacheSpec {
-        num_layers: facts.num_layers,
-        num_blocks: node.engine.num_blocks,
-        block_size: node.engine.block_size,
-        num_kv_heads: facts.num_kv_heads,
-        head_dim: facts.head_dim,
-    };
+    let spec = kv_spec(node, &facts);
     let max_model_len = if node.engine.max_model_len == 0 {
         facts.max_model_len
     } else {
@@ -247,16 +325,9 @@ pub async fn run(
     };
     metrics::KV_CACHE_BYTES.set((spec.bytes_per_block() * u64::from(spec.num_blocks)) as i64);
     let (kv, pd) = match &node.kv_transfer {
-        None => (pdmesh_model_api::KvCache::new_heap(spec), None),
+        None => (place_host_only(&placement, spec)?, None),
         Some(cfg) => {
-            // P/D: the cache lives in shared memory so the transfer agent can serve it.
-            sweep_stale_shm();
-            let name = format!("pdmesh-{}-{}-{}", node.name, rank, std::process::id());
-            let region = pdmesh_kv_transfer::ShmRegion::create_for_spec(&name, &spec)
-                .map_err(|e| WorkerError::Model(e.to_string()))?;
-            let path = region.path().to_path_buf();
-            SHM_FILES.lock().unwrap_or_else(|p| p.into_inner()).push(path.clone());
-            let kv = region.into_kv_cache(spec).map_err(|e| WorkerError::Model(e.to_string()))?;
+            let (kv, memory) = pd_memory(&placement, cfg.backend, node, rank, spec)?;
             let engine_id = if cfg.engine_id.is_empty() { node.name.clone() } else { cfg.engine_id.clone() };
             let side_port = cfg.side_channel_port.saturating_add(rank as u16);
             let backend = match cfg.backend {
@@ -265,6 +336,7 @@ pub async fn run(
                     bind: format!("{}:{}", node.bind_host, cfg.data_port.saturating_add(rank as u16)),
                     advertise_host: Some(cfg.side_channel_host.clone()),
                 },
+                pdmesh_config::TransferBackendKind::Cuda => pdmesh_kv_transfer::BackendConfig::Cuda,
             };
             // `PDMESH_FAULT` was folded into the config by `Topology::apply_env`.
             let faults = pdmesh_kv_transfer::FaultConfig::parse(&cfg.fault_injection)
@@ -284,7 +356,7 @@ pub async fn run(
                 faults,
                 give_up_notices: cfg.give_up_notices,
             };
-            let rt = pd::PdRuntime::start(setup, spec, &path).await.map_err(WorkerError::Model)?;
+            let rt = pd::PdRuntime::start(setup, spec, memory).await.map_err(WorkerError::Model)?;
             (kv, Some(std::rc::Rc::new(rt)))
         }
     };
@@ -295,4 +367,31 @@ pub async fn run(
     health.set_ready(true);
     tracing::info!(endpoint = %ep.bind, rank, kv_bytes = spec.bytes_per_block() * u64::from(spec.num_blocks), "connector-worker ready");
     Ok(actor)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node set up for the `cuda` backend whose model did not place its cache on the GPU (a
+    /// build without the feature, say) refuses to start, saying what is missing; it never
+    /// serves host memory under a GPU backend's name.
+    #[test]
+    fn a_cuda_backend_without_a_gpu_cache_is_refused_with_the_fix() {
+        let topo = Topology::from_toml(
+            r#"
+            [[nodes]]
+            name = "p"
+            model = { kind = "gguf", device = "cuda" }
+            kv_transfer = { kv_role = "kv_producer", backend = "cuda" }
+            "#,
+        )
+        .unwrap();
+        let node = topo.node("p").unwrap();
+        let spec = KvCacheSpec { num_layers: 2, num_blocks: 4, block_size: 4, num_kv_heads: 1, head_dim: 4 };
+        match pd_memory(&KvPlacement::Host, TransferBackendKind::Cuda, node, 0, spec) {
+            Err(WorkerError::Placement(why)) => assert!(why.contains("--features cuda"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+    }
 }

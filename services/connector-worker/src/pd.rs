@@ -2,8 +2,9 @@
 //! agent; D reads remote blocks, notifies P, and reports receives to the engine.
 //!
 //! D's reads run as async tasks beside the forward pass and land in place: the request's own
-//! blocks, checked out of a second mapping of D's shared-memory cache
-//! ([`KvBlockWriter`]), which nobody else touches until the receive is reported finished (the
+//! blocks, checked out of a second mapping of D's shared-memory cache ([`KvBlockWriter`]) or,
+//! with the `cuda` backend, of D's GPU region ([`LocalKv`]), which nobody else touches until
+//! the receive is reported finished (the
 //! scheduler does not schedule the request, nor free its blocks, before that). A receive is
 //! reported in the first step after its read and `read done` completed, so the scheduler never
 //! sees a request as loaded before its bytes are in place. When the engine-core restarts, the
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdmesh_kv_transfer::{
     compat_hash, side_channel_endpoint, AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig,
-    HeldBlockMs, HoldTable, HoldTableConfig, KvBlockWriter, Lease, RemoteAgent, RemoteAgents, SharedPolicy,
+    HeldBlockMs, HoldTable, HoldTableConfig, KvBlockWriter, Lease, LocalKv, RemoteAgent, RemoteAgents, SharedPolicy,
     TransferAgent, TransferClient, TransferError,
 };
 use pdmesh_model_api::KvCacheSpec;
@@ -63,7 +64,7 @@ pub struct PdRuntime {
     agents: Option<Arc<RemoteAgents>>,
     settled: Arc<Mutex<Vec<Settled>>>,
     /// D: writes reads into the requests' blocks of this worker's own cache region.
-    writer: Option<Arc<KvBlockWriter>>,
+    writer: Option<LocalKv>,
     /// D: READs in flight (cancelled when the engine-core restarts).
     reads: ReadTasks,
     /// D: receives started for the current engine-core; a load that settles for another
@@ -177,10 +178,19 @@ pub struct PdSetup {
     pub give_up_notices: bool,
 }
 
+/// Where this worker's KV cache lives, as the transfer agent serves it and receives fill it.
+#[derive(Debug, Clone)]
+pub enum PdMemory {
+    /// The shared-memory file holding the cache (`shm` and `tcp` backends).
+    Host(std::path::PathBuf),
+    /// The GPU executor's exported region (`cuda` backend).
+    #[cfg(feature = "cuda")]
+    Device(Arc<pdmesh_kv_transfer::cuda::DeviceKvRegion>),
+}
+
 impl PdRuntime {
-    /// Start the agent (P) and the client (D). `region` is the shared-memory file holding
-    /// this worker's KV cache.
-    pub async fn start(setup: PdSetup, spec: KvCacheSpec, region: &std::path::Path) -> Result<Self, String> {
+    /// Start the agent (P) and the client (D) over this worker's KV cache `memory`.
+    pub async fn start(setup: PdSetup, spec: KvCacheSpec, memory: PdMemory) -> Result<Self, String> {
         let hash = compat_hash(&CompatInputs::for_spec(setup.weights_id.clone(), &spec));
         let mut hold = None;
         let mut agent = None;
@@ -195,17 +205,35 @@ impl PdRuntime {
                 compat_hash: hash.clone(),
                 faults: setup.faults.clone(),
             };
-            agent = Some(TransferAgent::start(cfg, region, spec, policy).await.map_err(|e| e.to_string())?);
+            let started = match &memory {
+                PdMemory::Host(region) => TransferAgent::start(cfg, region, spec, policy).await,
+                #[cfg(feature = "cuda")]
+                PdMemory::Device(region) => {
+                    let handle = region.export().map_err(|e| format!("exporting the GPU KV region: {e}"))?;
+                    TransferAgent::start_device(cfg, handle.to_hex(), spec, policy).await
+                }
+            };
+            agent = Some(started.map_err(|e| e.to_string())?);
             hold = Some(table);
         }
         let agents = setup.consumes.then(|| {
             let mut cfg = ClientConfig::new(format!("{}/{}", setup.engine_id, setup.rank), spec, hash);
             cfg.faults = setup.faults.clone();
+            #[cfg(feature = "cuda")]
+            if let PdMemory::Device(region) = &memory {
+                cfg.local_device = Some(region.clone());
+            }
             Arc::new(RemoteAgents::new(TransferClient::new(cfg)))
         });
-        let writer = match setup.consumes {
-            true => Some(Arc::new(KvBlockWriter::open(region, spec).map_err(|e| e.to_string())?)),
-            false => None,
+        let writer = match (setup.consumes, &memory) {
+            (false, _) => None,
+            (true, PdMemory::Host(region)) => {
+                Some(LocalKv::Host(Arc::new(KvBlockWriter::open(region, spec).map_err(|e| e.to_string())?)))
+            }
+            #[cfg(feature = "cuda")]
+            (true, PdMemory::Device(region)) => {
+                Some(LocalKv::Device(Arc::new(pdmesh_kv_transfer::DeviceBlockWriter::new(region.clone()))))
+            }
         };
         Ok(Self {
             hold,
@@ -521,7 +549,7 @@ impl FailureKind {
 /// What a receive task shares with its worker.
 struct ReceiveCtx {
     agents: Arc<RemoteAgents>,
-    writer: Arc<KvBlockWriter>,
+    writer: LocalKv,
     reads: ReadTasks,
     settled: Arc<Mutex<Vec<Settled>>>,
     faults: FaultConfig,
@@ -641,7 +669,7 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
                 async move {
                     let mut blocks = writer.checkout(&local_tail).map_err(|e| fail(FailureKind::LocalBlocks, &e))?;
                     let stats = agent
-                        .read_blocks_into(&lease, &remote_tail, &mut blocks)
+                        .read_into(&lease, &remote_tail, &mut blocks)
                         .await
                         .map_err(|e| fail(FailureKind::Read, &e))?;
                     drop(blocks);

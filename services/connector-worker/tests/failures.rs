@@ -8,8 +8,11 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use pdmesh_connector_worker::pd::{PdRuntime, PdSetup};
-use pdmesh_kv_transfer::{BackendConfig, FaultConfig, ShmRegion};
+use pdmesh_connector_worker::pd::{PdMemory, PdRuntime, PdSetup};
+use pdmesh_kv_transfer::{
+    compat_hash, AgentConfig, BackendConfig, CompatInputs, FaultConfig, HoldTable, SharedPolicy, ShmRegion,
+    TransferAgent,
+};
 use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{KvCache, KvCacheSpec};
 use pdmesh_protocol::{KvConnectorMetadata, KvConnectorOutput, KvTransferParams, RecvRequest, SendRequest};
@@ -118,8 +121,10 @@ async fn pair(p_faults: &str, d_faults: &str) -> Pair {
     let tag = format!("{}-{port}", std::process::id());
     let p_region = ShmRegion::create_for_spec(&format!("pdmesh-failtest-p-{tag}"), &spec()).unwrap();
     let d_region = ShmRegion::create_for_spec(&format!("pdmesh-failtest-d-{tag}"), &spec()).unwrap();
-    let p = PdRuntime::start(setup("p", true, port, p_faults), spec(), p_region.path()).await.unwrap();
-    let d = PdRuntime::start(setup("d", false, free_port(), d_faults), spec(), d_region.path()).await.unwrap();
+    let p_memory = PdMemory::Host(p_region.path().to_path_buf());
+    let d_memory = PdMemory::Host(d_region.path().to_path_buf());
+    let p = PdRuntime::start(setup("p", true, port, p_faults), spec(), p_memory).await.unwrap();
+    let d = PdRuntime::start(setup("d", false, free_port(), d_faults), spec(), d_memory).await.unwrap();
     let mut p_kv = p_region.into_kv_cache(spec()).unwrap();
     for b in [1, 2] {
         for l in 0..spec().num_layers as usize {
@@ -204,6 +209,54 @@ fn transfer_exception_fails_the_request_and_p_frees_at_once() {
     let (out, p_released, _) = one_receive("", "transfer_exception");
     assert_failed_in_one_step(&out);
     assert!(p_released);
+}
+
+/// P's cache is GPU memory (the `cuda` backend) and D's is in host memory: D cannot read it,
+/// so the handshake refuses it and the request follows the load-failure policy like any
+/// handshake failure — reported with its blocks invalid in one step, nothing written.
+#[test]
+fn a_producer_on_another_backend_fails_the_request_at_handshake() {
+    let system = actix::System::new();
+    system.block_on(async {
+        let port = free_port();
+        let p_config = AgentConfig {
+            engine_id: "p".into(),
+            rank: 0,
+            side_channel: format!("tcp://127.0.0.1:{port}"),
+            backend: BackendConfig::Cuda,
+            compat_hash: compat_hash(&CompatInputs::for_spec("test-weights".to_string(), &spec())),
+            faults: FaultConfig::default(),
+        };
+        // P holds the request's blocks, so only the handshake can stop D from leasing them.
+        let table = std::sync::Arc::new(std::sync::Mutex::new(HoldTable::new(Default::default())));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        assert!(table.lock().unwrap().hold("req-p", vec![1, 2], vec![1, 1], deadline));
+        let policy: SharedPolicy = table.clone();
+        let p_agent = TransferAgent::start_device(p_config, "ab".repeat(64), spec(), policy).await.unwrap();
+        let d_region =
+            ShmRegion::create_for_spec(&format!("pdmesh-failtest-d-{}-{port}", std::process::id()), &spec()).unwrap();
+        let d_memory = PdMemory::Host(d_region.path().to_path_buf());
+        let d = PdRuntime::start(setup("d", false, free_port(), ""), spec(), d_memory).await.unwrap();
+        let d_kv = d_region.into_kv_cache(spec()).unwrap();
+        let (_, d_meta) = metas(port);
+        d.start_step(&d_meta, &Default::default());
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let out = loop {
+            let out = d.finish_step();
+            if !out.finished_recving.is_empty() {
+                break out;
+            }
+            assert!(Instant::now() < deadline, "the receive never settled");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        assert_failed_in_one_step(&out);
+        assert!(untouched(&d_kv, &[3, 4]), "nothing was read");
+        let stats = p_agent.stats();
+        let leases = stats.leases_granted.load(std::sync::atomic::Ordering::Relaxed)
+            + stats.leases_refused.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(leases, 0, "D asked for no lease: the handshake refused P");
+        assert!(p_agent.stats().metadata_requests.load(std::sync::atomic::Ordering::Relaxed) >= 1, "D asked P");
+    });
 }
 
 #[test]

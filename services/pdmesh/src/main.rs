@@ -97,8 +97,8 @@ fn main() -> anyhow::Result<()> {
         }),
         Command::ConnectorWorker(a) => serve("connector-worker", a, |topo, a| async move {
             let node = topo.node(&a.node)?.clone();
-            let (facts, factory) = model::executor_factory(&node).context("preparing the model")?;
-            let worker = pdmesh_connector_worker::run(&topo, &a.node, a.rank, factory, facts).await?;
+            let (facts, factory, placement) = model::executor_factory(&node).context("preparing the model")?;
+            let worker = pdmesh_connector_worker::run(&topo, &a.node, a.rank, factory, facts, placement).await?;
             wait_for_shutdown().await;
             // D gives P's blocks back before it goes (R4), while its sockets still work.
             pdmesh_connector_worker::shutdown(&worker).await;

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
-use pdmesh_config::{ModelKind, NodeConfig};
-use pdmesh_connector_worker::ExecutorFactory;
+use pdmesh_config::{ModelKind, NodeConfig, TransferBackendKind};
+use pdmesh_connector_worker::{ExecutorFactory, KvPlacement};
 use pdmesh_model_api::{ModelFacts, TextCodec};
 use pdmesh_synthetic_executor::{SyntheticConfig, SyntheticExecutor, SyntheticTextCodec};
 
@@ -107,25 +107,32 @@ fn served_name(node: &NodeConfig, path: &std::path::Path) -> String {
     stem.split('.').next().unwrap_or(&stem).to_string()
 }
 
-pub fn executor_factory(node: &NodeConfig) -> anyhow::Result<(ModelFacts, ExecutorFactory)> {
+/// The executor a connector-worker of `node` runs, its model's facts, and where its KV cache
+/// lives (on the GPU for the `cuda` transfer backend, else in host memory).
+pub fn executor_factory(node: &NodeConfig) -> anyhow::Result<(ModelFacts, ExecutorFactory, KvPlacement)> {
     match node.model.kind {
         ModelKind::Synthetic => {
             let cfg = synthetic_config(node);
             let facts = pdmesh_model_api::Executor::facts(&SyntheticExecutor::new(cfg.clone())).clone();
             let factory: ExecutorFactory = Arc::new(move || Ok(Box::new(SyntheticExecutor::new(cfg.clone())) as _));
-            Ok((facts, factory))
+            Ok((facts, factory, KvPlacement::Host))
         }
         ModelKind::Gguf => {
             let path = gguf_path(node)?;
             let started = std::time::Instant::now();
-            let ex = load_gguf_executor(node, &path)?;
+            let (ex, placement) = load_gguf_executor(node, &path)?;
             let mut facts = ex.facts().clone();
             facts.name = served_name(node, &path);
             tracing::info!(model = %facts.name, device = %node.model.device, layers = facts.num_layers,
                 load_ms = started.elapsed().as_millis() as u64, "model loaded");
-            Ok((facts, pdmesh_connector_worker::once(ex)))
+            Ok((facts, pdmesh_connector_worker::once(ex), placement))
         }
     }
+}
+
+/// Whether `node` serves its KV cache from GPU memory (`kv_transfer.backend = "cuda"`).
+fn kv_on_gpu(node: &NodeConfig) -> bool {
+    node.kv_transfer.as_ref().is_some_and(|k| k.backend == TransferBackendKind::Cuda)
 }
 
 /// The GPU a `model.device` names: `cuda` is GPU 0, `cuda:N` GPU N; `None` for the CPU.
@@ -143,17 +150,29 @@ fn cuda_ordinal(device: &str) -> anyhow::Result<Option<usize>> {
 fn load_gguf_executor(
     node: &NodeConfig,
     path: &std::path::Path,
-) -> anyhow::Result<Box<dyn pdmesh_model_api::Executor>> {
+) -> anyhow::Result<(Box<dyn pdmesh_model_api::Executor>, KvPlacement)> {
     match cuda_ordinal(&node.model.device)? {
-        None => Ok(Box::new(
-            pdmesh_model::LlamaExecutor::load(path, &gguf_options(node))
-                .with_context(|| format!("loading {}", path.display()))?,
+        None if kv_on_gpu(node) => bail!("kv_transfer.backend = \"cuda\" needs model.device = \"cuda\""),
+        None => Ok((
+            Box::new(
+                pdmesh_model::LlamaExecutor::load(path, &gguf_options(node))
+                    .with_context(|| format!("loading {}", path.display()))?,
+            ),
+            KvPlacement::Host,
         )),
         #[cfg(feature = "cuda")]
-        Some(ordinal) => Ok(Box::new(
-            pdmesh_model::cuda::CudaLlamaExecutor::load(path, &gguf_options(node), ordinal)
-                .with_context(|| format!("loading {} onto GPU {ordinal}", path.display()))?,
-        )),
+        Some(ordinal) => {
+            let mut ex = pdmesh_model::cuda::CudaLlamaExecutor::load(path, &gguf_options(node), ordinal)
+                .with_context(|| format!("loading {} onto GPU {ordinal}", path.display()))?;
+            let placement = if kv_on_gpu(node) {
+                let spec = pdmesh_connector_worker::kv_spec(node, pdmesh_model_api::Executor::facts(&ex));
+                let region = ex.use_exported_kv(spec).context("placing the KV cache on the GPU")?;
+                KvPlacement::Device(region)
+            } else {
+                KvPlacement::Host
+            };
+            Ok((Box::new(ex), placement))
+        }
         #[cfg(not(feature = "cuda"))]
         Some(_) => bail!(
             "model.device {:?} needs a GPU build: cargo build --release --features cuda (docs/MODEL.md)",

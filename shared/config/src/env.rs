@@ -16,6 +16,10 @@ pub const KV_LOAD_FAILURE_POLICY: &str = "PDMESH_KV_LOAD_FAILURE_POLICY";
 /// Where GGUF models run: `cpu` or `cuda` / `cuda:N` (overrides every node's `model.device`;
 /// `cuda` needs a binary built with the `cuda` feature).
 pub const MODEL_DEVICE: &str = "PDMESH_MODEL_DEVICE";
+/// `shm`, `tcp` or `cuda`: the transfer backend of every P/D node (overrides
+/// `kv_transfer.backend`; `cuda` also needs `model.device = "cuda"`, e.g. through
+/// `PDMESH_MODEL_DEVICE`). Runs the P/D test suites on another backend unchanged.
+pub const KV_BACKEND: &str = "PDMESH_KV_BACKEND";
 /// `true` or `false`: the R2/R4 give-up notices of D and the router (overrides
 /// `kv_transfer.give_up_notices` and `router.give_up_notices` on every node).
 pub const GIVE_UP_NOTICES: &str = "PDMESH_GIVE_UP_NOTICES";

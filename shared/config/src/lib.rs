@@ -115,7 +115,9 @@ pub struct KvTransferConfig {
     pub engine_id: String,
     #[serde(default)]
     pub kv_load_failure_policy: KvLoadFailurePolicy,
-    /// Transfer backend: `shm` (same host) or `tcp` (across hosts).
+    /// Transfer backend: `shm` (same host), `tcp` (across hosts) or `cuda` (GPU to GPU on one
+    /// host; needs `model.device = "cuda"` and a `cuda` build). Both nodes of a P/D pair use
+    /// the same one.
     #[serde(default)]
     pub backend: TransferBackendKind,
     /// Address peers use to reach this node's side channel (handshake, leases, notices).
@@ -222,6 +224,19 @@ pub enum TransferBackendKind {
     #[default]
     Shm,
     Tcp,
+    /// The KV cache lives in GPU memory, exported over CUDA IPC; D copies device to device.
+    Cuda,
+}
+
+impl TransferBackendKind {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "shm" => Some(Self::Shm),
+            "tcp" => Some(Self::Tcp),
+            "cuda" => Some(Self::Cuda),
+            _ => None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -566,12 +581,38 @@ impl Topology {
                 node.model.device = device.clone();
             }
         }
+        let backend = match env::get(env::KV_BACKEND) {
+            None => None,
+            Some(b) => Some(TransferBackendKind::parse(&b).ok_or_else(|| {
+                ConfigError::Invalid(format!("{}={b:?}: expected \"shm\", \"tcp\" or \"cuda\"", env::KV_BACKEND))
+            })?),
+        };
         for kv in self.nodes.iter_mut().filter_map(|n| n.kv_transfer.as_mut()) {
             if let Some(f) = &faults {
                 kv.fault_injection = f.clone();
             }
             if let Some(p) = policy {
                 kv.kv_load_failure_policy = p;
+            }
+            if let Some(b) = backend {
+                kv.backend = b;
+            }
+        }
+        self.check_backends()
+    }
+
+    /// A `cuda` transfer backend needs the node's model on a GPU: the cache it serves is the
+    /// GPU executor's.
+    fn check_backends(&self) -> Result<(), ConfigError> {
+        for n in &self.nodes {
+            let Some(kv) = &n.kv_transfer else { continue };
+            let on_gpu = n.model.kind == ModelKind::Gguf && n.model.device.starts_with("cuda");
+            if kv.backend == TransferBackendKind::Cuda && !on_gpu {
+                return Err(ConfigError::Invalid(format!(
+                    "node {:?}: kv_transfer.backend = \"cuda\" needs a GGUF model on a GPU (model.device = \"cuda\"), \
+                     found model.kind = {:?}, model.device = {:?}",
+                    n.name, n.model.kind, n.model.device
+                )));
             }
         }
         Ok(())
@@ -621,7 +662,7 @@ impl Topology {
                 return invalid(format!("router node {:?} needs router.prefill and router.decode upstreams", n.name));
             }
         }
-        Ok(())
+        self.check_backends()
     }
 }
 
@@ -699,6 +740,24 @@ mod tests {
         assert!(t.nodes.iter().all(|n| !n.router.give_up_notices));
         assert!(t.nodes.iter().filter_map(|n| n.kv_transfer.as_ref()).all(|k| !k.give_up_notices));
         assert!(refused.is_err(), "a typo is an error, never a silent default");
+    }
+
+    #[test]
+    fn cuda_backend_needs_a_gpu_model() {
+        let node = |device: &str| {
+            format!(
+                "[[nodes]]\nname = \"p\"\nmodel = {{ kind = \"gguf\", device = \"{device}\" }}\n\
+                 kv_transfer = {{ kv_role = \"kv_producer\", backend = \"cuda\" }}"
+            )
+        };
+        let t = Topology::from_toml(&node("cuda:1")).unwrap();
+        assert_eq!(t.nodes[0].kv_transfer.as_ref().unwrap().backend, TransferBackendKind::Cuda);
+        let e = Topology::from_toml(&node("cpu")).unwrap_err().to_string();
+        assert!(e.contains("model.device = \"cuda\""), "{e}");
+        let synthetic = "[[nodes]]\nname = \"p\"\nkv_transfer = { kv_role = \"kv_producer\", backend = \"cuda\" }";
+        assert!(Topology::from_toml(synthetic).is_err(), "the synthetic executor has no GPU cache");
+        assert_eq!(TransferBackendKind::parse("cuda"), Some(TransferBackendKind::Cuda));
+        assert_eq!(TransferBackendKind::parse("gpu"), None);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use crate::error::AgentError;
 use crate::fault::FaultConfig;
 use crate::hold::{LeasePolicy, NoticeOutcome, SharedPolicy};
 use crate::layout::region_bytes;
-use crate::shm::ShmRegion;
+use crate::shm::{ShmReadOnly, ShmRegion};
 use crate::tcp;
 
 /// Which data plane P offers.
@@ -33,6 +33,21 @@ pub enum BackendConfig {
     /// P serves block reads on `bind` (`host:port`, port 0 picks one); consumers connect to
     /// `advertise_host` (default: the bound IP, which must then not be unspecified).
     Tcp { bind: String, advertise_host: Option<String> },
+    /// P's cache is a GPU region exported over CUDA IPC ([`TransferAgent::start_device`]);
+    /// consumers on this host open it and copy device-to-device themselves.
+    Cuda,
+}
+
+/// What P's agent serves: its host region (shm, tcp) or its exported GPU region (cuda).
+enum ServedMemory<'a> {
+    Region(&'a Path),
+    Device { ipc_handle: String },
+}
+
+/// This host's kernel boot id (empty if unknown): names the host for CUDA IPC, which works only
+/// between processes of one host. Containers on one host share it.
+pub fn host_boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
 /// How to start P's agent.
@@ -119,23 +134,46 @@ impl TransferAgent {
         spec: KvCacheSpec,
         policy: SharedPolicy,
     ) -> Result<Self, AgentError> {
+        Self::serve(config, ServedMemory::Region(region_path), spec, policy).await
+    }
+
+    /// Bind the side channel for a KV cache in GPU memory, exported as `ipc_handle` (128 hex
+    /// digits: `pdmesh_cuda_kv::DeviceKvRegion::export`), with geometry `spec`; the backend
+    /// must be [`BackendConfig::Cuda`]. The agent itself makes no CUDA call: consumers open the
+    /// handle and read without P's help.
+    pub async fn start_device(
+        config: AgentConfig,
+        ipc_handle: String,
+        spec: KvCacheSpec,
+        policy: SharedPolicy,
+    ) -> Result<Self, AgentError> {
+        Self::serve(config, ServedMemory::Device { ipc_handle }, spec, policy).await
+    }
+
+    async fn serve(
+        config: AgentConfig,
+        memory: ServedMemory<'_>,
+        spec: KvCacheSpec,
+        policy: SharedPolicy,
+    ) -> Result<Self, AgentError> {
         if config.engine_id.is_empty() {
             return Err(AgentError::Config("engine_id is empty".into()));
         }
-        let region = ShmRegion::open_readonly(region_path)?;
-        let need = region_bytes(&spec);
-        if region.len_bytes() < need {
-            return Err(AgentError::Config(format!(
-                "region {} holds {} bytes, the cache needs {need}",
-                region_path.display(),
-                region.len_bytes()
-            )));
-        }
         let stats = Arc::new(AgentStats::default());
         let mut block_server = None;
-        let backend = match &config.backend {
-            BackendConfig::Shm => TransferBackend::Shm { path: absolute(region_path).display().to_string() },
-            BackendConfig::Tcp { bind, advertise_host } => {
+        let backend = match (&config.backend, memory) {
+            (BackendConfig::Cuda, ServedMemory::Device { ipc_handle }) => {
+                if ipc_handle.len() != 128 || !ipc_handle.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(AgentError::Config(format!("not a CUDA IPC handle: {ipc_handle:?}")));
+                }
+                TransferBackend::Cuda { ipc_handle, host_boot_id: host_boot_id() }
+            }
+            (BackendConfig::Shm, ServedMemory::Region(path)) => {
+                open_served_region(path, &spec)?;
+                TransferBackend::Shm { path: absolute(path).display().to_string() }
+            }
+            (BackendConfig::Tcp { bind, advertise_host }, ServedMemory::Region(path)) => {
+                let region = open_served_region(path, &spec)?;
                 let bind_err = |e: std::io::Error| AgentError::Bind { endpoint: bind.clone(), reason: e.to_string() };
                 let listener = tokio::net::TcpListener::bind(bind).await.map_err(bind_err)?;
                 let local = listener.local_addr().map_err(bind_err)?;
@@ -148,6 +186,12 @@ impl TransferAgent {
                 };
                 block_server = Some((listener, region));
                 TransferBackend::Tcp { host, port: local.port() }
+            }
+            (BackendConfig::Cuda, ServedMemory::Region(_)) => {
+                return Err(AgentError::Config("the cuda backend serves a GPU region (start_device)".into()))
+            }
+            (BackendConfig::Shm | BackendConfig::Tcp { .. }, ServedMemory::Device { .. }) => {
+                return Err(AgentError::Config("a GPU region is served by the cuda backend only".into()))
             }
         };
         let metadata = AgentMetadata {
@@ -209,6 +253,20 @@ impl Drop for TransferAgent {
             t.abort();
         }
     }
+}
+
+/// P's own host region, checked to hold the whole cache.
+fn open_served_region(path: &Path, spec: &KvCacheSpec) -> Result<ShmReadOnly, AgentError> {
+    let region = ShmRegion::open_readonly(path)?;
+    let need = region_bytes(spec);
+    if region.len_bytes() < need {
+        return Err(AgentError::Config(format!(
+            "region {} holds {} bytes, the cache needs {need}",
+            path.display(),
+            region.len_bytes()
+        )));
+    }
+    Ok(region)
 }
 
 fn absolute(path: &Path) -> PathBuf {

@@ -29,8 +29,13 @@ use crate::compat::check_geometry;
 use crate::error::{HandshakeError, TransferError};
 use crate::fault::FaultConfig;
 use crate::layout::{region_bytes, run_bytes, run_offset, wire_runs, SIDES};
+#[cfg(feature = "cuda")]
+use crate::local::DeviceCheckout;
+use crate::local::LocalBlocks;
 use crate::shm::{copy_run, floats_as_bytes_mut, BlockCheckout, ShmReadOnly, ShmRegion};
 use crate::tcp::TcpReader;
+#[cfg(feature = "cuda")]
+use pdmesh_cuda_kv::{DeviceKvRegion, IpcHandle, RemoteDeviceKv};
 
 /// Default limit for a handshake (vLLM: 5000 ms).
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -52,6 +57,10 @@ pub struct ClientConfig {
     pub call_timeout: Duration,
     pub read_timeout: Duration,
     pub faults: FaultConfig,
+    /// D's cache on the GPU (`kv_transfer.backend = "cuda"`): reads land in this region, and
+    /// only producers offering `cuda` can be read. `None`: the cache is in host memory.
+    #[cfg(feature = "cuda")]
+    pub local_device: Option<Arc<DeviceKvRegion>>,
 }
 
 impl ClientConfig {
@@ -64,7 +73,17 @@ impl ClientConfig {
             call_timeout: DEFAULT_CALL_TIMEOUT,
             read_timeout: DEFAULT_READ_TIMEOUT,
             faults: FaultConfig::default(),
+            #[cfg(feature = "cuda")]
+            local_device: None,
         }
+    }
+
+    /// Whether this node's cache is GPU memory (only a `cuda` producer can be read then).
+    fn local_on_device(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return self.local_device.is_some();
+        #[cfg(not(feature = "cuda"))]
+        false
     }
 }
 
@@ -132,6 +151,16 @@ impl TransferClient {
         check_geometry(&meta, &self.config.local_spec).map_err(HandshakeError::Incompatible)?;
         let remote_spec = KvCacheSpec { num_blocks: meta.num_blocks, ..self.config.local_spec };
         let data = match &meta.backend {
+            TransferBackend::Shm { .. } | TransferBackend::Tcp { .. } if self.config.local_on_device() => {
+                return Err(HandshakeError::Incompatible(format!(
+                    "this node's KV cache is on the GPU (kv_transfer.backend = \"cuda\") and the producer \
+                     serves host memory ({}): both nodes of a P/D pair need the same backend",
+                    backend_name(&meta.backend)
+                )));
+            }
+            TransferBackend::Cuda { ipc_handle, host_boot_id } => {
+                self.cuda_plane(ipc_handle, host_boot_id, remote_spec)?
+            }
             TransferBackend::Shm { path } => {
                 let region = ShmRegion::open_readonly(path)
                     .map_err(|e| HandshakeError::Incompatible(format!("cannot map the producer's region: {e}")))?;
@@ -148,6 +177,54 @@ impl TransferClient {
         };
         tracing::info!(endpoint, engine_id = %meta.engine_id, agent = %meta.agent_name, backend = ?meta.backend, "handshake done");
         Ok(RemoteAgent { endpoint: endpoint.to_string(), remote_spec, meta, config: self.config.clone(), link, data })
+    }
+
+    /// Open a `cuda` producer's exported region (same host, D's cache on the GPU).
+    #[cfg(feature = "cuda")]
+    fn cuda_plane(&self, handle: &str, boot_id: &str, remote_spec: KvCacheSpec) -> Result<DataPlane, HandshakeError> {
+        let Some(local) = &self.config.local_device else { return Err(host_cache_for_cuda()) };
+        check_same_host(boot_id)?;
+        let handle = IpcHandle::from_hex(handle)
+            .ok_or_else(|| HandshakeError::Incompatible(format!("undecodable CUDA IPC handle {handle:?}")))?;
+        let remote = RemoteDeviceKv::open(local.context().clone(), &handle, remote_spec)
+            .map_err(|e| HandshakeError::Incompatible(format!("cannot open the producer's GPU region: {e}")))?;
+        Ok(DataPlane::Cuda(remote))
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cuda_plane(&self, _: &str, boot_id: &str, _: KvCacheSpec) -> Result<DataPlane, HandshakeError> {
+        check_same_host(boot_id)?;
+        Err(host_cache_for_cuda())
+    }
+}
+
+/// The refusal when a `cuda` producer meets a consumer whose cache is in host memory.
+fn host_cache_for_cuda() -> HandshakeError {
+    HandshakeError::Incompatible(
+        "the producer serves GPU memory (cuda backend) and this node's KV cache is in host memory: \
+         both nodes of a P/D pair need the same backend (kv_transfer.backend)"
+            .into(),
+    )
+}
+
+/// CUDA IPC works between processes of one host only.
+fn check_same_host(producer_boot_id: &str) -> Result<(), HandshakeError> {
+    let mine = crate::agent::host_boot_id();
+    if !producer_boot_id.is_empty() && !mine.is_empty() && producer_boot_id != mine {
+        return Err(HandshakeError::Incompatible(
+            "the producer's GPU region is on another host and CUDA IPC works within one host: \
+             use the tcp backend across hosts"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+fn backend_name(b: &TransferBackend) -> &'static str {
+    match b {
+        TransferBackend::Shm { .. } => "shm",
+        TransferBackend::Tcp { .. } => "tcp",
+        TransferBackend::Cuda { .. } => "cuda",
     }
 }
 
@@ -311,6 +388,14 @@ async fn probe(endpoint: &str) -> Result<(), HandshakeError> {
 enum DataPlane {
     Shm(ShmReadOnly),
     Tcp(TcpReader),
+    /// P's exported GPU region, opened in D's context.
+    #[cfg(feature = "cuda")]
+    Cuda(RemoteDeviceKv),
+    /// A `cuda` producer met without the feature: never built (the handshake refuses it), but
+    /// keeps the match below exhaustive in every build.
+    #[cfg(not(feature = "cuda"))]
+    #[allow(dead_code)]
+    Cuda(std::convert::Infallible),
 }
 
 /// A producer agent D has handshaken with: its metadata, the side channel link, and the data
@@ -489,16 +574,8 @@ impl RemoteAgent {
         started: Instant,
     ) -> Result<ReadStats, TransferError> {
         let mut runs = runs;
+        self.before_read(lease).await?;
         let faults = &self.config.faults;
-        if let Some(delay) = faults.delay_transfer {
-            tokio::time::sleep(delay).await;
-            if Instant::now() >= lease.expires_at {
-                return Err(TransferError::LeaseInvalid(format!("lease {} expired while delayed", lease.lease_id)));
-            }
-        }
-        if faults.transfer_setup_error {
-            return Err(TransferError::Setup("fault injection: transfer_setup_error".into()));
-        }
         let total = remote_block_ids.len() as u64 * self.meta.bytes_per_block;
         let stop_after = faults.transfer_midway.then_some(total / 2);
         let read = match &self.data {
@@ -516,9 +593,78 @@ impl RemoteAgent {
                     Err(_) => Err(TransferError::Timeout(timeout)),
                 }
             }
+            DataPlane::Cuda(_) => {
+                Err(TransferError::BadRequest("the producer serves GPU memory; this read targets host memory".into()))
+            }
         };
         let bytes = read?;
         Ok(ReadStats { bytes, blocks: remote_block_ids.len() as u32, elapsed: started.elapsed() })
+    }
+
+    /// [`Self::read_blocks_into`] for a receive's blocks wherever they live ([`LocalBlocks`]:
+    /// host memory, or with the `cuda` feature the GPU).
+    pub async fn read_into(
+        &self,
+        lease: &Lease,
+        remote_block_ids: &[u32],
+        local: &mut LocalBlocks,
+    ) -> Result<ReadStats, TransferError> {
+        match local {
+            LocalBlocks::Host(blocks) => self.read_blocks_into(lease, remote_block_ids, blocks).await,
+            #[cfg(feature = "cuda")]
+            LocalBlocks::Device(blocks) => self.read_blocks_into_device(lease, remote_block_ids, blocks).await,
+        }
+    }
+
+    /// Copy the leased remote blocks of a `cuda` producer into blocks checked out of this
+    /// node's GPU region: device-to-device, one 2D copy per run of consecutive blocks, no host
+    /// staging and no work on P's side. Any driver error is treated as a read that may have
+    /// written part of the blocks.
+    #[cfg(feature = "cuda")]
+    pub async fn read_blocks_into_device(
+        &self,
+        lease: &Lease,
+        remote_block_ids: &[u32],
+        local: &mut DeviceCheckout,
+    ) -> Result<ReadStats, TransferError> {
+        let started = Instant::now();
+        self.check_read(lease, remote_block_ids, local.block_ids().len())?;
+        self.check_local_geometry(local.spec())?;
+        self.before_read(lease).await?;
+        let DataPlane::Cuda(remote) = &self.data else {
+            return Err(TransferError::BadRequest("the producer serves host memory; this read targets the GPU".into()));
+        };
+        let local_ids = local.block_ids().to_vec();
+        let failed = |bytes_done: u64, e: pdmesh_cuda_kv::CudaIpcError| TransferError::Midway {
+            bytes_done,
+            detail: format!("cuda read: {e}"),
+        };
+        if self.config.faults.transfer_midway {
+            // Half the blocks land, then the transfer fails: what a copy engine error midway
+            // leaves behind.
+            let half = remote_block_ids.len() / 2;
+            let (r, l) = (remote_block_ids.get(..half).unwrap_or(&[]), local_ids.get(..half).unwrap_or(&[]));
+            let done = remote.read_blocks(r, local.region(), l).map_err(|e| failed(0, e))?;
+            return Err(TransferError::Midway { bytes_done: done, detail: "fault injection: transfer_midway".into() });
+        }
+        let bytes = remote.read_blocks(remote_block_ids, local.region(), &local_ids).map_err(|e| failed(0, e))?;
+        Ok(ReadStats { bytes, blocks: remote_block_ids.len() as u32, elapsed: started.elapsed() })
+    }
+
+    /// The injected faults that strike before any byte moves: a delay (after which the lease
+    /// may have run out) and a setup error.
+    async fn before_read(&self, lease: &Lease) -> Result<(), TransferError> {
+        let faults = &self.config.faults;
+        if let Some(delay) = faults.delay_transfer {
+            tokio::time::sleep(delay).await;
+            if Instant::now() >= lease.expires_at {
+                return Err(TransferError::LeaseInvalid(format!("lease {} expired while delayed", lease.lease_id)));
+            }
+        }
+        if faults.transfer_setup_error {
+            return Err(TransferError::Setup("fault injection: transfer_setup_error".into()));
+        }
+        Ok(())
     }
 
     /// The lease and the remote side of a read of `remote` into `n_local` local blocks.
@@ -779,6 +925,19 @@ impl RemoteAgents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cuda_ipc_is_refused_across_hosts() {
+        let mine = crate::agent::host_boot_id();
+        assert!(check_same_host(&mine).is_ok());
+        assert!(check_same_host("").is_ok(), "a producer that cannot tell its host is tried");
+        if !mine.is_empty() {
+            match check_same_host("00000000-0000-4000-8000-000000000000") {
+                Err(HandshakeError::Incompatible(why)) => assert!(why.contains("another host"), "{why}"),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
 
     /// Compile-time check: the handles can be shared across threads and every call's future
     /// can be spawned (`tokio::spawn`) or run inside an actor.

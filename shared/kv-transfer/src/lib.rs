@@ -4,13 +4,18 @@
 //! - [`shm`]: the producer's KV cache as a shared-memory file ([`ShmRegion`], a
 //!   [`KvBacking`](pdmesh_model_api::kv_cache::KvBacking)), read-only views of it, and the
 //!   consumer's in-place writer into its own region ([`KvBlockWriter`]).
+//! - [`local`]: where a consumer's reads land ([`LocalKv`]: its host region, or with the
+//!   `cuda` feature its GPU region), one receive's blocks checked out at a time.
+//! - `cuda` (feature `cuda`): GPU regions exported over CUDA IPC, the `cuda` backend's data
+//!   path (`pdmesh-cuda-kv`).
 //! - [`compat`]: the compatibility hash and the handshake's geometry check.
 //! - [`hold`]: P's held requests and read leases ([`HoldTable`]) behind the [`LeasePolicy`]
 //!   seam — LIFECYCLE.md rules R2 and R5.
 //! - [`agent`]: P's side — [`TransferAgent`] binds the side channel (ZeroMQ ROUTER: handshake,
 //!   lease, read done, heartbeat, give up) and, for `tcp`, the block server.
 //! - [`client`]: D's side — [`TransferClient`] handshakes, [`RemoteAgent`] leases, reads
-//!   (`shm`: one-sided copy from P's mapping; `tcp`: streamed) and notifies; [`RemoteAgents`]
+//!   (`shm`: one-sided copy from P's mapping; `tcp`: streamed; `cuda`: one-sided GPU copy from
+//!   P's exported region) and notifies; [`RemoteAgents`]
 //!   caches one agent per remote engine.
 //! - [`fault`]: [`FaultConfig`], failures injected for real at the matching points.
 //!
@@ -25,16 +30,18 @@ compile_error!(
 pub mod agent;
 pub mod client;
 pub mod compat;
+/// The `cuda` backend's data path (CUDA IPC), from `pdmesh-cuda-kv`.
 #[cfg(feature = "cuda")]
-pub mod cuda;
+pub use pdmesh_cuda_kv as cuda;
 pub mod error;
 pub mod fault;
 pub mod hold;
 mod layout;
+pub mod local;
 pub mod shm;
 mod tcp;
 
-pub use agent::{AgentConfig, AgentStats, BackendConfig, TransferAgent};
+pub use agent::{host_boot_id, AgentConfig, AgentStats, BackendConfig, TransferAgent};
 pub use client::{
     side_channel_endpoint, ClientConfig, Lease, ReadStats, RemoteAgent, RemoteAgents, TransferClient,
     DEFAULT_CALL_TIMEOUT, DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_READ_TIMEOUT,
@@ -46,4 +53,7 @@ pub use hold::{
     HeldBlockMs, HeldInfo, HoldCounters, HoldTable, HoldTableConfig, LeaseGrant, LeasePolicy, LeaseRefusal,
     NoticeOutcome, SharedPolicy,
 };
-pub use shm::{BlockCheckout, CheckoutError, KvBlockWriter, ShmError, ShmReadOnly, ShmRegion};
+pub use local::{CheckoutError, LocalBlocks, LocalKv};
+#[cfg(feature = "cuda")]
+pub use local::{DeviceBlockWriter, DeviceCheckout};
+pub use shm::{BlockCheckout, KvBlockWriter, ShmError, ShmReadOnly, ShmRegion};

@@ -8,11 +8,10 @@
 //! page-aligned bytes as `f32` needs a reinterpretation. Each block says why it holds here.
 #![allow(unsafe_code)]
 
-use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use memmap2::{Mmap, MmapMut, MmapOptions};
 use pdmesh_model_api::kv_cache::KvBacking;
@@ -20,6 +19,7 @@ use pdmesh_model_api::{KvCache, KvCacheSpec};
 use thiserror::Error;
 
 use crate::layout::{run_bytes, run_offset, wire_runs};
+use crate::local::{BlockClaims, CheckoutError};
 
 /// Why a region could not be created or opened.
 #[derive(Debug, Error)]
@@ -252,7 +252,7 @@ pub struct KvBlockWriter {
     /// Keeps the mapping alive (unmapped on drop).
     _map: MmapMut,
     /// Blocks held by live checkouts.
-    checked_out: Mutex<HashSet<u32>>,
+    claims: BlockClaims,
 }
 
 // SAFETY: `base` points into `_map`, which lives as long as the writer; the writer only hands
@@ -261,17 +261,6 @@ pub struct KvBlockWriter {
 unsafe impl Send for KvBlockWriter {}
 // SAFETY: as above; `&KvBlockWriter` only allows `checkout` (locked) and reads of plain fields.
 unsafe impl Sync for KvBlockWriter {}
-
-/// Why blocks could not be checked out.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
-pub enum CheckoutError {
-    #[error("block {block} is outside the cache ({num_blocks} blocks)")]
-    OutOfRange { block: u32, num_blocks: u32 },
-    #[error("block {0} is named twice")]
-    Duplicate(u32),
-    #[error("block {0} is being written by another receive")]
-    Busy(u32),
-}
 
 impl KvBlockWriter {
     /// Map the region file at `path` (this process's own cache, laid out as `spec`) read-write.
@@ -292,7 +281,7 @@ impl KvBlockWriter {
         if base.align_offset(std::mem::align_of::<f32>()) != 0 {
             return Err(ShmError::Misaligned { path: path.to_path_buf() });
         }
-        Ok(Self { spec, base, _map: map, checked_out: Mutex::new(HashSet::new()) })
+        Ok(Self { spec, base, _map: map, claims: BlockClaims::default() })
     }
 
     pub fn spec(&self) -> &KvCacheSpec {
@@ -301,28 +290,14 @@ impl KvBlockWriter {
 
     /// Blocks held by live checkouts now.
     pub fn checked_out(&self) -> usize {
-        self.checked_out.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.claims.len()
     }
 
     /// Take `block_ids` (in the order the read fills them) for one receive, until the returned
     /// checkout is dropped. Refused if a block is out of range, named twice, or held by
     /// another checkout.
     pub fn checkout(self: &Arc<Self>, block_ids: &[u32]) -> Result<BlockCheckout, CheckoutError> {
-        let num_blocks = self.spec.num_blocks;
-        let mut seen = HashSet::with_capacity(block_ids.len());
-        for &b in block_ids {
-            if b >= num_blocks {
-                return Err(CheckoutError::OutOfRange { block: b, num_blocks });
-            }
-            if !seen.insert(b) {
-                return Err(CheckoutError::Duplicate(b));
-            }
-        }
-        let mut out = self.checked_out.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(&b) = block_ids.iter().find(|b| out.contains(b)) {
-            return Err(CheckoutError::Busy(b));
-        }
-        out.extend(block_ids.iter().copied());
+        self.claims.claim(block_ids, self.spec.num_blocks)?;
         Ok(BlockCheckout { writer: self.clone(), block_ids: block_ids.to_vec() })
     }
 }
@@ -365,10 +340,7 @@ impl BlockCheckout {
 
 impl Drop for BlockCheckout {
     fn drop(&mut self) {
-        let mut out = self.writer.checked_out.lock().unwrap_or_else(|p| p.into_inner());
-        for b in &self.block_ids {
-            out.remove(b);
-        }
+        self.writer.claims.release(&self.block_ids);
     }
 }
 

@@ -1,17 +1,26 @@
-//! The `cuda` data path between two real processes on one GPU: P exports its device KV region,
-//! D maps it and copies leased blocks device-to-device into its own region; every float is
-//! checked, and the read is timed against a same-process device copy of the same bytes.
+//! The `cuda` backend between two real processes on one GPU.
+//! - The data path: P exports its device KV region, D maps it and copies leased blocks
+//!   device-to-device into its own region; every float is checked, and the read is timed
+//!   against a same-process device copy of the same bytes.
+//! - The agent: P's transfer agent serves its exported region (`TransferAgent::start_device`);
+//!   D's client, whose cache is a GPU region too, handshakes, leases, reads into blocks checked
+//!   out of its region and confirms `read done`; a stale block generation is refused.
 //!
-//! Needs an NVIDIA GPU: without a CUDA driver the test says so and returns (the feature must
-//! build everywhere). The P process is this test binary re-run with `PDMESH_CUDA_IPC_ROLE=p`.
+//! Needs an NVIDIA GPU: without a CUDA driver each test says so and returns (the feature must
+//! build everywhere). The P process is this test binary re-run with `PDMESH_CUDA_IPC_ROLE`.
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: fail loudly
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
-use std::time::Instant;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use pdmesh_kv_transfer::cuda::{local_copy, open_device, DeviceKvRegion, IpcHandle, RemoteDeviceKv};
+use pdmesh_kv_transfer::{
+    AgentConfig, BackendConfig, ClientConfig, CompatInputs, DeviceBlockWriter, FaultConfig, HandshakeError, HoldTable,
+    HoldTableConfig, LocalKv, SharedPolicy, TransferAgent, TransferClient, TransferError,
+};
 use pdmesh_model_api::KvCacheSpec;
 
 /// SmolLM2-135M's cache geometry: 30 layers, 3 KV heads of 64, blocks of 16 (737 KB a block).
@@ -125,4 +134,126 @@ fn cuda_ipc_reads_p_blocks_from_another_process() {
     drop(remote);
     writeln!(p.stdin.take().unwrap()).unwrap();
     assert!(p.wait().unwrap().success());
+}
+
+/// Start this test binary as P running `test`, and read the line P prints after `marker`.
+fn start_p(test: &str, role: &str, marker: &str) -> (Child, String) {
+    let mut p = Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", test, "--nocapture", "--test-threads=1"])
+        .env("PDMESH_CUDA_IPC_ROLE", role)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(p.stdout.take().unwrap());
+    loop {
+        let mut line = String::new();
+        assert!(out.read_line(&mut line).unwrap() > 0, "P exited before printing {marker}");
+        // the harness may print "test NAME ... " on the same line first
+        if let Some(i) = line.find(marker) {
+            return (p, line[i + marker.len()..].trim().to_string());
+        }
+    }
+}
+
+const AGENT_BLOCKS: u32 = 64;
+const WEIGHTS: &str = "sha256:cuda-agent-test";
+
+fn compat(spec: &KvCacheSpec) -> String {
+    CompatInputs::for_spec(WEIGHTS, spec).hash()
+}
+
+/// P with a transfer agent: its GPU region holds `pattern`, request `req-p` holds blocks 3, 4
+/// and 9 (generation 1), and the agent serves the region until D closes P's stdin.
+#[test]
+#[ignore = "run by cuda_backend_leases_reads_and_confirms_between_processes as the P process"]
+fn p_agent_process() {
+    if std::env::var("PDMESH_CUDA_IPC_ROLE").as_deref() != Ok("agent") {
+        return;
+    }
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let spec = spec(AGENT_BLOCKS);
+        let region = DeviceKvRegion::new(open_device(0).unwrap(), spec).unwrap();
+        let data: Vec<f32> = (0..spec.total_floats()).map(pattern).collect();
+        region.upload(&data).unwrap();
+        let table = Arc::new(Mutex::new(HoldTable::new(HoldTableConfig::default())));
+        let deadline = Instant::now() + Duration::from_secs(120);
+        assert!(table.lock().unwrap().hold("req-p", vec![3, 4, 9], vec![1, 1, 1], deadline));
+        let config = AgentConfig {
+            engine_id: "p-gpu".into(),
+            rank: 0,
+            side_channel: "tcp://127.0.0.1:0".into(),
+            backend: BackendConfig::Cuda,
+            compat_hash: compat(&spec),
+            faults: FaultConfig::default(),
+        };
+        let policy: SharedPolicy = table.clone();
+        let handle = region.export().unwrap().to_hex();
+        let agent = TransferAgent::start_device(config, handle, spec, policy).await.unwrap();
+        println!("SIDE_CHANNEL {}", agent.side_channel_endpoint());
+        std::io::stdout().flush().unwrap();
+        tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new())).await.unwrap().unwrap();
+        // D confirmed its read: P's hold was released by `read done`.
+        assert_eq!(table.lock().unwrap().take_finished_sending(), vec!["req-p".to_string()]);
+        drop(region);
+    });
+}
+
+#[test]
+fn cuda_backend_leases_reads_and_confirms_between_processes() {
+    let ctx = match open_device(0) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("no GPU here ({e}): skipping the cuda backend test (built with the cuda feature)");
+            return;
+        }
+    };
+    let (mut p, endpoint) = start_p("p_agent_process", "agent", "SIDE_CHANNEL ");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let local_spec = spec(32);
+        // A consumer whose cache is in host memory cannot read GPU memory: refused at handshake.
+        let host = TransferClient::new(ClientConfig::new("d-host/0", local_spec, compat(&local_spec)));
+        match host.handshake(&endpoint, "p-gpu").await {
+            Err(HandshakeError::Incompatible(why)) => assert!(why.contains("same backend"), "{why}"),
+            other => panic!("a host-memory consumer read a cuda producer: {other:?}"),
+        }
+
+        let region = Arc::new(DeviceKvRegion::new(ctx.clone(), local_spec).unwrap());
+        let mut config = ClientConfig::new("d-gpu/0", local_spec, compat(&local_spec));
+        config.local_device = Some(region.clone());
+        let remote = TransferClient::new(config).handshake(&endpoint, "p-gpu").await.unwrap();
+
+        // A stale reference (another generation of the same blocks) is refused, nothing read.
+        match remote.lease("req-p", &[3, 4, 9], &[1, 2, 1]).await {
+            Err(TransferError::LeaseRefused { .. }) => {}
+            other => panic!("a stale generation was leased: {other:?}"),
+        }
+
+        let lease = remote.lease("req-p", &[3, 4, 9], &[1, 1, 1]).await.unwrap();
+        let local = LocalKv::Device(Arc::new(DeviceBlockWriter::new(region.clone())));
+        let mut blocks = local.checkout(&[20, 21, 5]).unwrap();
+        assert!(local.checkout(&[5]).is_err(), "a block being written is not handed out twice");
+        let stats = remote.read_into(&lease, &[3, 4, 9], &mut blocks).await.unwrap();
+        drop(blocks);
+        assert_eq!(stats.bytes, 3 * local_spec.bytes_per_block());
+        remote.read_done(&lease).await.unwrap();
+
+        let p_spec = spec(AGENT_BLOCKS);
+        for layer in 0..p_spec.num_layers as usize {
+            for side in 0..2usize {
+                for (r, l) in [(3u32, 20u32), (4, 21), (9, 5)] {
+                    let got = region.read_block(layer, side, l).unwrap();
+                    let src = pdmesh_kv_transfer::cuda::block_offset(&p_spec, layer, side, r);
+                    for (j, x) in got.iter().enumerate() {
+                        assert_eq!(*x, pattern(src + j), "layer {layer} side {side} block {r}->{l} float {j}");
+                    }
+                }
+                assert!(region.read_block(layer, side, 6).unwrap().iter().all(|&x| x == 0.0), "block 6 untouched");
+            }
+        }
+    });
+    writeln!(p.stdin.take().unwrap()).unwrap();
+    assert!(p.wait().unwrap().success(), "P saw its hold released by read done");
 }

@@ -36,6 +36,57 @@ async fn handshake_ok_shm_and_tcp() {
     }
 }
 
+/// A `cuda` producer (its cache in GPU memory) and a consumer whose cache is in host memory
+/// cannot pair: the consumer refuses at handshake, before mapping anything, with a reason that
+/// names the backends — the request then follows the load-failure policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_memory_consumer_refuses_a_cuda_producer() {
+    let handle = "5a".repeat(64);
+    let (agent, _table) = device_producer(&handle, 8).await;
+    match &agent.metadata().backend {
+        TransferBackend::Cuda { ipc_handle, host_boot_id: boot } => {
+            assert_eq!(ipc_handle, &handle);
+            assert_eq!(boot, &host_boot_id(), "P names its host");
+        }
+        other => panic!("advertised {other:?}"),
+    }
+    let d = client_for(spec(4), "");
+    match d.handshake(agent.side_channel_endpoint(), "p-0").await {
+        Err(HandshakeError::Incompatible(why)) => {
+            assert!(why.contains("GPU memory") && why.contains("same backend"), "{why}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(agent.stats().metadata_requests.load(std::sync::atomic::Ordering::Relaxed), 1);
+}
+
+/// The agent serves only memory its backend can: a host region is not served as `cuda`, a GPU
+/// handle not as `shm` or `tcp`, and a handle that is not 64 bytes of hex not at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_refuses_memory_its_backend_cannot_serve() {
+    let config = |backend: BackendConfig| AgentConfig {
+        engine_id: "p-0".into(),
+        rank: 0,
+        side_channel: "tcp://127.0.0.1:0".into(),
+        backend,
+        compat_hash: hash_of(&spec(4)),
+        faults: FaultConfig::default(),
+    };
+    let policy = || -> SharedPolicy { std::sync::Arc::new(std::sync::Mutex::new(HoldTable::new(Default::default()))) };
+    let region = ShmRegion::create_for_spec(&format!("pdmesh-test-{}", uuid::Uuid::new_v4()), &spec(4)).unwrap();
+    let handle = "ab".repeat(64);
+    let refused = [
+        TransferAgent::start(config(BackendConfig::Cuda), region.path(), spec(4), policy()).await,
+        TransferAgent::start_device(config(BackendConfig::Shm), handle.clone(), spec(4), policy()).await,
+        TransferAgent::start_device(config(tcp_backend()), handle, spec(4), policy()).await,
+        TransferAgent::start_device(config(BackendConfig::Cuda), "ab".repeat(63), spec(4), policy()).await,
+        TransferAgent::start_device(config(BackendConfig::Cuda), "zz".repeat(64), spec(4), policy()).await,
+    ];
+    for (i, r) in refused.into_iter().enumerate() {
+        assert!(matches!(r, Err(AgentError::Config(_))), "case {i}: {r:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handshake_timeout_when_p_does_not_answer() {
     let p = producer(BackendConfig::Shm, "handshake_timeout", 4).await;

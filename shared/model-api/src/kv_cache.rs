@@ -72,6 +72,13 @@ impl KvCache {
         Self { spec, data: KvMemory::Heap(v) }
     }
 
+    /// A heap cache whose pages are left untouched: zeroed memory from the allocator costs no
+    /// RAM until written. For an executor whose real cache lives elsewhere (a GPU-resident
+    /// cache), to which this one only gives the geometry.
+    pub fn new_untouched(spec: KvCacheSpec) -> Self {
+        Self { spec, data: KvMemory::Heap(vec![0.0f32; spec.total_floats()]) }
+    }
+
     /// A cache over externally provided memory. `None` if the memory is smaller than the
     /// spec needs.
     pub fn with_backing(spec: KvCacheSpec, backing: Box<dyn KvBacking>) -> Option<Self> {

@@ -175,3 +175,52 @@ fn gpu_decodes_from_kv_loaded_into_the_host_cache() {
     eprintln!("decoded from loaded K/V: {:?}", codec.decode(&d_side[0].generated).unwrap());
     assert_eq!(d_side[0].generated, want[0].generated, "GPU decode from host-loaded K/V vs colocated CPU");
 }
+
+/// Resident mode (the `cuda` transfer backend): the cache is one exported GPU region and the
+/// host cache is never written. Greedy tokens equal the mirrored mode's, batched and chunked,
+/// and the region holds, block for block, exactly the K/V the mirrored mode wrote to its host
+/// cache: the kernels address each layer side of the one region where a transfer reads it.
+#[test]
+fn gpu_resident_cache_equals_the_mirrored_one() {
+    let Some(mut mirrored) = gpu() else { return };
+    let Some(mut resident) = gpu() else { return };
+    let (_, codec) = common::load().unwrap();
+    let prompts: Vec<Vec<u32>> = common::EIGHT_PROMPTS.iter().map(|t| chat(&codec, t)).collect();
+    let bpr = 8u32;
+    let reqs = |tag: &str| -> Vec<common::Req> {
+        prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| common::Req::new(&format!("{tag}{i}"), p.clone(), i as u32 * bpr, bpr))
+            .collect()
+    };
+    let mut host_m = common::kv_cache(&mirrored, bpr * 8, 16);
+    let mut want = reqs("m");
+    common::run(&mut mirrored, &mut host_m, &mut want, 24, 5);
+
+    let spec = *host_m.spec();
+    let region = resident.use_exported_kv(spec).unwrap();
+    let mut host_r = common::kv_cache(&resident, bpr * 8, 16);
+    host_r.as_mut_slice().fill(f32::NAN);
+    let mut got = reqs("r");
+    common::run(&mut resident, &mut host_r, &mut got, 24, 5);
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(g.generated, w.generated, "{}: resident vs mirrored", g.id);
+    }
+    assert!(host_r.as_slice().iter().all(|x| x.is_nan()), "resident mode wrote to the host cache");
+
+    for r in &want {
+        let written = r.prompt.len() + r.generated.len() - 1;
+        for layer in 0..spec.num_layers as usize {
+            for (side, kv_side) in [(0, KvSide::Key), (1, KvSide::Value)] {
+                for (bi, &b) in r.blocks.iter().enumerate() {
+                    let n =
+                        written.saturating_sub(bi * 16).min(16) * spec.num_kv_heads as usize * spec.head_dim as usize;
+                    let on_gpu = region.read_block(layer, side, b).unwrap();
+                    let mirror = host_m.block(layer, kv_side, b).unwrap();
+                    assert_eq!(&on_gpu[..n], &mirror[..n], "layer {layer} side {side} block {b}");
+                }
+            }
+        }
+    }
+}

@@ -37,6 +37,17 @@ pub enum TransferBackend {
     Shm { path: String },
     /// The producer serves block reads on a TCP socket (across hosts).
     Tcp { host: String, port: u16 },
+    /// The producer's cache is GPU memory exported over CUDA IPC; a consumer on the same host
+    /// opens it and copies the blocks device-to-device itself (one-sided).
+    Cuda {
+        /// The 64-byte `cuIpcMemHandle` of the region, as 128 hex digits.
+        ipc_handle: String,
+        /// The producer's kernel boot id (`/proc/sys/kernel/random/boot_id`; empty if
+        /// unknown): CUDA IPC works only between processes of one host, and containers on one
+        /// host share it, so a consumer with another boot id is refused with a clear reason
+        /// instead of a driver error.
+        host_boot_id: String,
+    },
 }
 
 /// What a producer's agent tells a consumer at handshake: who it is, how to reach its bytes,

@@ -182,6 +182,10 @@ fn every_message() -> Vec<Message> {
         Message::XferGetMetadata,
         Message::XferMetadata(agent_metadata(TransferBackend::Shm { path: "/dev/shm/pdmesh-kv-p-0".into() })),
         Message::XferMetadata(agent_metadata(TransferBackend::Tcp { host: "10.0.0.1".into(), port: 5700 })),
+        Message::XferMetadata(agent_metadata(TransferBackend::Cuda {
+            ipc_handle: "ab".repeat(64),
+            host_boot_id: "6f1e2c3a-0d4b-4c5e-9f60-718293a4b5c6".into(),
+        })),
         Message::XferLease(XferLeaseRequest {
             p_request_id: "cmpl-1".into(),
             block_ids: vec![1, 2, 3],

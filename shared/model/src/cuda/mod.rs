@@ -10,16 +10,19 @@
 //! the CPU executor's order), so a request's tokens do not depend on batching or chunking, and
 //! the logits equal the CPU path's up to the last bit of `expf`.
 //!
-//! KV cache: the GPU holds its own copy of the worker's paged cache, per layer K and V as
-//! `[num_blocks, block_size, n_kv_heads, head_dim]`, the same layout as the host [`KvCache`].
-//! The host cache stays the copy the transfer backends (shm, tcp) read and write:
-//! - every K/V slot a step writes on the GPU is written to the host cache as well, at the end of
-//!   the step, so a P node's held blocks are readable by D;
-//! - a block a request reads but this GPU did not write for that request (its KV was loaded
-//!   from a P node into the host cache) is uploaded before the step.
-//!
-//! This is host staging, as vLLM does with a CPU KV buffer; GPU-to-GPU reads without it are the
-//! job of a `cuda` transfer backend.
+//! KV cache: one GPU region ([`DeviceKvRegion`]) in the host [`KvCache`]'s layout
+//! (`[layer][K|V][block][slot][head][dim]`); the kernels take each layer side's address in it.
+//! Two modes:
+//! - **mirrored** (the default, and every node whose transfer backend is `shm` or `tcp`): the
+//!   host cache stays the copy the transfer backends read and write. Every K/V slot a step
+//!   writes on the GPU is written to the host cache as well, at the end of the step, so a P
+//!   node's held blocks are readable by D; a block a request reads but this GPU did not write
+//!   for that request (its KV was loaded from a P node into the host cache) is uploaded before
+//!   the step. This is host staging, as vLLM does with a CPU KV buffer.
+//! - **resident** ([`CudaLlamaExecutor::use_exported_kv`], the `cuda` transfer backend): the
+//!   region is the cache's only copy. P's agent exports it over CUDA IPC and D's reads land in
+//!   it device-to-device, so nothing is mirrored or uploaded and the host cache is never
+//!   touched.
 //!
 //! `unsafe` here is the kernel launches (cudarc cannot check argument lists against a kernel's
 //! signature) and the library probe; each block says what it relies on.
@@ -30,6 +33,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::CompileOptions;
 use half::f16;
+use pdmesh_cuda_kv::DeviceKvRegion;
 use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{sampling, Executor, ExecutorError, KvCache, KvCacheSpec, ModelFacts};
 use pdmesh_protocol::{SampledToken, ScheduledChunk};
@@ -195,14 +199,30 @@ struct QActs {
     s: CudaSlice<f32>,
 }
 
-/// The GPU's copy of the paged KV cache and who wrote each block.
+/// The GPU's paged KV cache and, when the host cache is the truth, who wrote each block.
 struct DeviceKv {
-    spec: KvCacheSpec,
-    k: Vec<CudaSlice<f32>>,
-    v: Vec<CudaSlice<f32>>,
-    /// The request whose K/V this GPU last wrote into each block; a block read by another
-    /// request (or never written here) is uploaded from the host cache first.
+    region: Arc<DeviceKvRegion>,
+    /// The region is the cache's only copy (the `cuda` transfer backend): no mirror, no uploads.
+    resident: bool,
+    /// Mirrored mode: the request whose K/V this GPU last wrote into each block; a block read by
+    /// another request (or never written here) is uploaded from the host cache first.
     writer: Vec<Option<String>>,
+}
+
+impl DeviceKv {
+    fn spec(&self) -> &KvCacheSpec {
+        self.region.spec()
+    }
+
+    /// Device addresses of every layer's K and V, the kernels' cache arguments.
+    fn layer_ptrs(&self) -> Result<Vec<(u64, u64)>, ExecutorError> {
+        (0..self.spec().num_layers as usize)
+            .map(|li| match (self.region.layer_side_ptr(li, 0), self.region.layer_side_ptr(li, 1)) {
+                (Some(k), Some(v)) => Ok((k, v)),
+                _ => Err(ExecutorError::Model(format!("cuda: layer {li} is outside the KV region"))),
+            })
+            .collect()
+    }
 }
 
 /// A llama-architecture GGUF model on an NVIDIA GPU, implementing [`Executor`].
@@ -431,28 +451,45 @@ impl CudaLlamaExecutor {
         launch!(self, self.kernels.add_in_place, grid(n); x, y, &ni)
     }
 
-    /// Make the device cache match the host cache's geometry (allocating it on first use).
+    /// Put this executor's KV cache in one exportable GPU region of `spec`'s geometry and make it
+    /// the cache's only copy (resident mode: no host mirror, no uploads). For the `cuda`
+    /// transfer backend: the worker shares the returned region with its transfer agent, which
+    /// exports it to D (P), and with its transfer client, whose reads land in it (D). Every
+    /// later step must use a host cache of the same geometry.
+    pub fn use_exported_kv(&mut self, spec: KvCacheSpec) -> Result<Arc<DeviceKvRegion>, ModelError> {
+        let region = DeviceKvRegion::new(self.stream.context().clone(), spec)
+            .map_err(|e| cuda_err("allocate the KV region", e))?;
+        let region = Arc::new(region);
+        self.kv = Some(DeviceKv { region: region.clone(), resident: true, writer: Vec::new() });
+        tracing::info!(blocks = spec.num_blocks, bytes = spec.total_floats() * 4, "KV cache resident on the GPU");
+        Ok(region)
+    }
+
+    /// Make the device cache match the host cache's geometry (allocating it on first use; a
+    /// resident cache never changes).
     fn ensure_kv(&mut self, spec: KvCacheSpec) -> Result<(), ExecutorError> {
-        if self.kv.as_ref().is_some_and(|k| k.spec == spec) {
-            return Ok(());
+        match &self.kv {
+            Some(k) if *k.spec() == spec => return Ok(()),
+            Some(k) if k.resident => {
+                return Err(ExecutorError::Model(format!(
+                    "cuda: the step's cache geometry {spec:?} differs from the resident region's {:?}",
+                    k.spec()
+                )))
+            }
+            _ => {}
         }
-        let n = spec.floats_per_layer_side();
-        let mut k = Vec::with_capacity(spec.num_layers as usize);
-        let mut v = Vec::with_capacity(spec.num_layers as usize);
-        for _ in 0..spec.num_layers {
-            k.push(self.alloc::<f32>(n)?);
-            v.push(self.alloc::<f32>(n)?);
-        }
-        self.kv = Some(DeviceKv { spec, k, v, writer: vec![None; spec.num_blocks as usize] });
+        let region = DeviceKvRegion::new(self.stream.context().clone(), spec).map_err(exec_err)?;
+        self.kv =
+            Some(DeviceKv { region: Arc::new(region), resident: false, writer: vec![None; spec.num_blocks as usize] });
         Ok(())
     }
 
     /// Upload the blocks a chunk reads (positions before its start) that this GPU did not write
     /// for that request: their K/V came into the host cache from elsewhere (a KV transfer).
     fn upload_foreign_blocks(&mut self, host: &KvCache, chunks: &[ScheduledChunk]) -> Result<u64, ExecutorError> {
-        let Some(dev) = self.kv.as_mut() else { return Ok(0) };
-        let bs = dev.spec.block_size as usize;
-        let fpb = dev.spec.floats_per_block();
+        let Some(dev) = self.kv.as_mut().filter(|d| !d.resident) else { return Ok(0) };
+        let spec = *dev.spec();
+        let bs = spec.block_size as usize;
         let mut uploaded = 0u64;
         for c in chunks {
             let read_blocks = (c.start_pos as usize).div_ceil(bs);
@@ -461,12 +498,12 @@ impl CudaLlamaExecutor {
                 if dev.writer.get(bi).and_then(|w| w.as_deref()) == Some(c.request_id.as_str()) {
                     continue;
                 }
-                for li in 0..dev.spec.num_layers as usize {
-                    let off = bi * fpb;
-                    let src_k = host.block(li, KvSide::Key, b)?;
-                    let src_v = host.block(li, KvSide::Value, b)?;
-                    self.stream.memcpy_htod(src_k, &mut dev.k[li].slice_mut(off..off + fpb)).map_err(exec_err)?;
-                    self.stream.memcpy_htod(src_v, &mut dev.v[li].slice_mut(off..off + fpb)).map_err(exec_err)?;
+                for li in 0..spec.num_layers as usize {
+                    for (side, kv_side) in [(0, KvSide::Key), (1, KvSide::Value)] {
+                        let src = host.block(li, kv_side, b)?;
+                        let off = pdmesh_cuda_kv::block_offset(&spec, li, side, b);
+                        dev.region.write_floats(off, src).map_err(exec_err)?;
+                    }
                 }
                 if let Some(w) = dev.writer.get_mut(bi) {
                     *w = Some(c.request_id.clone());
@@ -479,16 +516,34 @@ impl CudaLlamaExecutor {
 
     fn forward(&mut self, host: &mut KvCache, chunks: &[ScheduledChunk]) -> Result<Vec<SampledToken>, ExecutorError> {
         let plan = plan_step(&self.cfg, self.facts.max_model_len as usize, host, chunks)?;
-        let n = plan.len();
-        if n == 0 {
+        if plan.is_empty() {
             return Ok(Vec::new());
         }
-        let spec = *host.spec();
-        self.ensure_kv(spec)?;
+        self.ensure_kv(*host.spec())?;
         self.upload_foreign_blocks(host, chunks)?;
-        // Taken out for the step and put back at its end: a step that fails midway drops the
-        // device copy, and the next step starts from a fresh one filled from the host cache.
-        let mut dev = self.kv.take().ok_or_else(|| ExecutorError::Model("cuda: no KV cache".into()))?;
+        let result = self.run_step(host, chunks, &plan);
+        if result.is_err() {
+            // A step that failed midway may have written part of its slots. Mirrored: trust
+            // nothing on the device, and the next steps upload what they read from the host
+            // cache. Resident: the failed step's requests are failed by the engine; every
+            // other block is untouched.
+            if let Some(dev) = self.kv.as_mut().filter(|d| !d.resident) {
+                dev.writer.fill(None);
+            }
+        }
+        result
+    }
+
+    fn run_step(
+        &mut self,
+        host: &mut KvCache,
+        chunks: &[ScheduledChunk],
+        plan: &[crate::executor::TokenPlan],
+    ) -> Result<Vec<SampledToken>, ExecutorError> {
+        let n = plan.len();
+        let spec = *host.spec();
+        let dev = self.kv.as_ref().ok_or_else(|| ExecutorError::Model("cuda: no KV cache".into()))?;
+        let (kv_ptrs, resident) = (dev.layer_ptrs()?, dev.resident);
         let cfg = self.cfg.clone();
         let (h, hd, nh, nkv) = (cfg.hidden, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
         let kv_dim = nkv * hd;
@@ -511,7 +566,7 @@ impl CudaLlamaExecutor {
         }
         let (mut pos, mut slot, mut bt_off) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
         let mut max_len = 0usize;
-        for tp in &plan {
+        for tp in plan {
             let c = &chunks[tp.chunk];
             pos.push(to_i32(tp.pos)?);
             slot.push(to_i32(c.block_ids[tp.pos / bs] as usize * bs + tp.pos % bs)?);
@@ -537,12 +592,18 @@ impl CudaLlamaExecutor {
             let [mut q, mut k, v] = self.matmuls([&layer.wq, &layer.wk, &layer.wv], &hn, n, h)?;
             launch!(self, self.kernels.rope, grid(n * nh * hd / 2); &mut q, &ni, &nhi, &hdi, &pos_d, &self.rope_cos, &self.rope_sin)?;
             launch!(self, self.kernels.rope, grid(n * nkv * hd / 2); &mut k, &ni, &nkvi, &hdi, &pos_d, &self.rope_cos, &self.rope_sin)?;
-            let (kc, vc) = (&mut dev.k[li], &mut dev.v[li]);
-            launch!(self, self.kernels.kv_write, grid(n * kv_dim); &k, &v, &ni, &kvdi, &slot_d, kc, vc)?;
+            // The layer's K and V in the cache region: raw device addresses, passed to the
+            // kernels exactly as a `CudaSlice`'s own address is (every launch is on the one
+            // default stream, so no event tracking is lost).
+            let (kc, vc) =
+                kv_ptrs.get(li).copied().ok_or_else(|| ExecutorError::Model(format!("cuda: no layer {li}")))?;
+            launch!(self, self.kernels.kv_write, grid(n * kv_dim); &k, &v, &ni, &kvdi, &slot_d, &kc, &vc)?;
             let mut attn = self.alloc::<f32>(n * nh * hd)?;
-            launch!(self, self.kernels.attention, grid(n * nh); &q, &dev.k[li], &dev.v[li], &ni, &nhi, &nkvi, &hdi, &bsi, &pos_d, &bt_off_d, &tables_d, &scale, &mut scores, &stride, &mut attn)?;
-            new_k.push(k);
-            new_v.push(v);
+            launch!(self, self.kernels.attention, grid(n * nh); &q, &kc, &vc, &ni, &nhi, &nkvi, &hdi, &bsi, &pos_d, &bt_off_d, &tables_d, &scale, &mut scores, &stride, &mut attn)?;
+            if !resident {
+                new_k.push(k);
+                new_v.push(v);
+            }
             let [proj] = self.matmuls([&layer.wo], &attn, n, nh * hd)?;
             self.add(&mut x, &proj, n * h)?;
             let hn = self.rms_norm(&x, &layer.ffn_norm, n)?;
@@ -587,6 +648,9 @@ impl CudaLlamaExecutor {
             out
         };
 
+        if resident {
+            return Ok(result);
+        }
         // Mirror this step's K/V into the host cache (what transfer backends read), and record
         // which request wrote each block.
         for (li, (k, v)) in new_k.iter().zip(&new_v).enumerate() {
@@ -599,7 +663,8 @@ impl CudaLlamaExecutor {
                 vc[off..off + kv_dim].copy_from_slice(&v_host[t * kv_dim..(t + 1) * kv_dim]);
             }
         }
-        for tp in &plan {
+        let Some(dev) = self.kv.as_mut() else { return Ok(result) };
+        for tp in plan {
             let c = &chunks[tp.chunk];
             if let Some(w) = dev.writer.get_mut(c.block_ids[tp.pos / bs] as usize) {
                 if w.as_deref() != Some(c.request_id.as_str()) {
@@ -607,7 +672,6 @@ impl CudaLlamaExecutor {
                 }
             }
         }
-        self.kv = Some(dev);
         Ok(result)
     }
 }

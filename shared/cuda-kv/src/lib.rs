@@ -1,18 +1,27 @@
-//! GPU-direct block reads between processes on one host: CUDA IPC (cargo feature `cuda`).
+//! KV cache regions in GPU memory that other processes can map: CUDA IPC.
 //!
-//! The `cuda` backend's data path, the GPU counterpart of [`crate::shm`]: P allocates its KV
-//! region in GPU memory with `cuMemAlloc` (IPC cannot export stream-ordered pool memory) and
-//! exports a 64-byte IPC handle; D opens the handle once per peer (`cuIpcOpenMemHandle`) and
-//! copies the blocks it leased device-to-device into its own region: one 2D copy per
-//! contiguous run of blocks (a row per layer side), with no host staging and no work on P's
-//! side.
+//! One type, [`DeviceKvRegion`], is both the GPU executor's KV cache (`pdmesh-model`, feature
+//! `cuda`) and what the `cuda` transfer backend serves (`pdmesh-kv-transfer`, feature `cuda`):
+//! the worker allocates it once and shares it (`Arc`) between the two, so P's kernels write the
+//! very memory D reads, and D's reads land where its kernels attend. That is why this is a crate
+//! of its own: the model and the transfer agent both need it, and neither should depend on the
+//! other.
+//!
+//! The `cuda` backend's data path is the GPU counterpart of the `shm` backend: P allocates its
+//! KV region with `cuMemAlloc` (IPC cannot export stream-ordered pool memory) and exports a
+//! 64-byte IPC handle; D opens the handle once per peer (`cuIpcOpenMemHandle`) and copies the
+//! blocks it leased device-to-device into its own region: one 2D copy per contiguous run of
+//! blocks (a row per layer side), with no host staging and no work on P's side.
 //!
 //! The region has the host cache's layout (`[layer][K|V][block][slot][head][dim]`, f32), so
 //! block offsets are computed exactly as for `shm` and `tcp`.
 //!
-//! Like the GPU executor, this uses cudarc with dynamic loading: it builds anywhere and fails
-//! with [`CudaIpcError`] where no driver is found. `unsafe` is the driver calls; each block
-//! says what it relies on.
+//! Every copy here runs on the context's legacy default stream, as the GPU executor's kernels
+//! do: a read into D's region is ordered with the forward passes of the same context without
+//! any event bookkeeping.
+//!
+//! cudarc with dynamic loading: this builds anywhere and fails with [`CudaIpcError`] where no
+//! driver is found. `unsafe` is the driver calls; each block says what it relies on.
 #![allow(unsafe_code)]
 
 use std::sync::Arc;
@@ -33,6 +42,8 @@ pub enum CudaIpcError {
     LengthMismatch { remote: usize, local: usize },
     #[error("geometry mismatch: remote {remote:?}, local {local:?}")]
     Geometry { remote: KvCacheSpec, local: KvCacheSpec },
+    #[error("{len} floats at offset {offset} do not fit a region of {total} floats")]
+    OutOfRegion { offset: usize, len: usize, total: usize },
 }
 
 fn check(what: &'static str, r: sys::CUresult) -> Result<(), CudaIpcError> {
@@ -77,8 +88,8 @@ pub fn open_device(ordinal: usize) -> Result<Arc<CudaContext>, CudaIpcError> {
     CudaContext::new(ordinal).map_err(|source| CudaIpcError::Driver { what: "open GPU", source })
 }
 
-/// Float offset of `(layer, side, block)` in a region of `spec`'s layout.
-fn block_offset(spec: &KvCacheSpec, layer: usize, side: usize, block: u32) -> usize {
+/// Float offset of `(layer, side, block)` in a region of `spec`'s layout (side 0 is K, 1 is V).
+pub fn block_offset(spec: &KvCacheSpec, layer: usize, side: usize, block: u32) -> usize {
     ((layer * 2 + side) * spec.num_blocks as usize + block as usize) * spec.floats_per_block()
 }
 
@@ -112,9 +123,50 @@ impl DeviceKvRegion {
         &self.spec
     }
 
+    /// The context the region was allocated in (the GPU executor's, on a worker).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
     /// Base device address (for kernels or copies in this process).
     pub fn device_ptr(&self) -> u64 {
         self.ptr
+    }
+
+    /// Device address of `layer`'s K (`side` 0) or V (`side` 1): `num_blocks` blocks of
+    /// `[slot][head][dim]` floats, the argument the executor's kernels take for one layer side.
+    /// `None` outside the region.
+    pub fn layer_side_ptr(&self, layer: usize, side: usize) -> Option<u64> {
+        (layer < self.spec.num_layers as usize && side < 2)
+            .then(|| self.ptr + (block_offset(&self.spec, layer, side, 0) * 4) as u64)
+    }
+
+    /// Copy `data` from the host to the region, starting `float_offset` floats in (the GPU
+    /// executor uploads blocks whose K/V came into its host cache this way). Synchronous.
+    pub fn write_floats(&self, float_offset: usize, data: &[f32]) -> Result<(), CudaIpcError> {
+        let total = self.spec.total_floats();
+        if float_offset.checked_add(data.len()).is_none_or(|end| end > total) {
+            return Err(CudaIpcError::OutOfRegion { offset: float_offset, len: data.len(), total });
+        }
+        self.bind()?;
+        let dst = self.ptr + (float_offset * 4) as u64;
+        // SAFETY: `float_offset + data.len()` floats lie inside the region (checked above) and
+        // `data` is a valid host slice of that length.
+        check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(dst, data.as_ptr().cast(), data.len() * 4) })
+    }
+
+    /// One block of one layer side, copied to the host (tests and diagnostics).
+    pub fn read_block(&self, layer: usize, side: usize, block: u32) -> Result<Vec<f32>, CudaIpcError> {
+        if block >= self.spec.num_blocks || layer >= self.spec.num_layers as usize || side >= 2 {
+            return Err(CudaIpcError::BlockOutOfRange { block, num_blocks: self.spec.num_blocks });
+        }
+        let n = self.spec.floats_per_block();
+        let mut out = vec![0f32; n];
+        let src = self.ptr + (block_offset(&self.spec, layer, side, block) * 4) as u64;
+        self.bind()?;
+        // SAFETY: the block lies inside the region (checked above); `out` holds `n` floats.
+        check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), src, n * 4) })?;
+        Ok(out)
     }
 
     /// The IPC handle another process opens with [`RemoteDeviceKv::open`].
