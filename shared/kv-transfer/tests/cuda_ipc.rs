@@ -11,15 +11,16 @@
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: fail loudly
 
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdmesh_kv_transfer::cuda::{local_copy, open_device, DeviceKvRegion, IpcHandle, RemoteDeviceKv};
 use pdmesh_kv_transfer::{
-    AgentConfig, BackendConfig, ClientConfig, CompatInputs, DeviceBlockWriter, FaultConfig, HandshakeError, HoldTable,
-    HoldTableConfig, LocalKv, SharedPolicy, TransferAgent, TransferClient, TransferError,
+    ClientConfig, CompatInputs, DeviceBlockWriter, HandshakeError, LocalKv, TransferClient, TransferError,
 };
 use pdmesh_model_api::KvCacheSpec;
 
@@ -137,6 +138,9 @@ fn cuda_ipc_reads_p_blocks_from_another_process() {
 }
 
 /// Start this test binary as P running `test`, and read the line P prints after `marker`.
+/// The caller waits for P; a failed assert ends this process, which closes P's stdin and so
+/// ends P too.
+#[allow(clippy::zombie_processes)]
 fn start_p(test: &str, role: &str, marker: &str) -> (Child, String) {
     let mut p = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", test, "--nocapture", "--test-threads=1"])
@@ -177,20 +181,10 @@ fn p_agent_process() {
         let region = DeviceKvRegion::new(open_device(0).unwrap(), spec).unwrap();
         let data: Vec<f32> = (0..spec.total_floats()).map(pattern).collect();
         region.upload(&data).unwrap();
-        let table = Arc::new(Mutex::new(HoldTable::new(HoldTableConfig::default())));
+        let handle = region.export().unwrap().to_hex();
+        let (agent, table) = common::device_agent("p-gpu", handle, spec, compat(&spec)).await;
         let deadline = Instant::now() + Duration::from_secs(120);
         assert!(table.lock().unwrap().hold("req-p", vec![3, 4, 9], vec![1, 1, 1], deadline));
-        let config = AgentConfig {
-            engine_id: "p-gpu".into(),
-            rank: 0,
-            side_channel: "tcp://127.0.0.1:0".into(),
-            backend: BackendConfig::Cuda,
-            compat_hash: compat(&spec),
-            faults: FaultConfig::default(),
-        };
-        let policy: SharedPolicy = table.clone();
-        let handle = region.export().unwrap().to_hex();
-        let agent = TransferAgent::start_device(config, handle, spec, policy).await.unwrap();
         println!("SIDE_CHANNEL {}", agent.side_channel_endpoint());
         std::io::stdout().flush().unwrap();
         tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new())).await.unwrap().unwrap();

@@ -108,23 +108,32 @@ pub async fn producer_with(backend: BackendConfig, faults: &str, num_blocks: u32
     Producer { agent, table, kv, spec }
 }
 
-/// A producer whose cache is GPU memory, as the `cuda` backend advertises it: the agent only
-/// hands out `ipc_handle` and makes no CUDA call, so it runs on any machine. No region stands
-/// behind the handle; a consumer must refuse it before opening anything.
-pub async fn device_producer(ipc_handle: &str, num_blocks: u32) -> (TransferAgent, Arc<Mutex<HoldTable>>) {
-    let spec = spec(num_blocks);
+/// P's agent serving a GPU region exported as `ipc_handle` (the `cuda` backend), with an empty
+/// hold table. The agent makes no CUDA call, so it runs on any machine.
+pub async fn device_agent(
+    engine_id: &str,
+    ipc_handle: String,
+    spec: KvCacheSpec,
+    compat_hash: String,
+) -> (TransferAgent, Arc<Mutex<HoldTable>>) {
     let table = Arc::new(Mutex::new(HoldTable::new(HoldTableConfig::default())));
     let config = AgentConfig {
-        engine_id: "p-0".into(),
+        engine_id: engine_id.into(),
         rank: 0,
         side_channel: "tcp://127.0.0.1:0".into(),
         backend: BackendConfig::Cuda,
-        compat_hash: hash_of(&spec),
+        compat_hash,
         faults: FaultConfig::default(),
     };
     let policy: SharedPolicy = table.clone();
-    let agent = TransferAgent::start_device(config, ipc_handle.to_string(), spec, policy).await.unwrap();
+    let agent = TransferAgent::start_device(config, ipc_handle, spec, policy).await.unwrap();
     (agent, table)
+}
+
+/// A producer whose cache is GPU memory, as the `cuda` backend advertises it. No region stands
+/// behind the handle; a consumer must refuse it before opening anything.
+pub async fn device_producer(ipc_handle: &str, num_blocks: u32) -> (TransferAgent, Arc<Mutex<HoldTable>>) {
+    device_agent("p-0", ipc_handle.to_string(), spec(num_blocks), hash_of(&spec(num_blocks))).await
 }
 
 impl Producer {
