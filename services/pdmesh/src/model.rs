@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context as _};
-use pdmesh_config::{ModelKind, NodeConfig, TransferBackendKind};
+use pdmesh_config::{ModelKind, NodeConfig};
 use pdmesh_connector_worker::{ExecutorFactory, KvPlacement};
 use pdmesh_model_api::{ModelFacts, TextCodec};
 use pdmesh_synthetic_executor::{SyntheticConfig, SyntheticExecutor, SyntheticTextCodec};
@@ -130,11 +130,6 @@ pub fn executor_factory(node: &NodeConfig) -> anyhow::Result<(ModelFacts, Execut
     }
 }
 
-/// Whether `node` serves its KV cache from GPU memory (`kv_transfer.backend = "cuda"`).
-fn kv_on_gpu(node: &NodeConfig) -> bool {
-    node.kv_transfer.as_ref().is_some_and(|k| k.backend == TransferBackendKind::Cuda)
-}
-
 /// The GPU a `model.device` names: `cuda` is GPU 0, `cuda:N` GPU N; `None` for the CPU.
 fn cuda_ordinal(device: &str) -> anyhow::Result<Option<usize>> {
     match device {
@@ -152,7 +147,6 @@ fn load_gguf_executor(
     path: &std::path::Path,
 ) -> anyhow::Result<(Box<dyn pdmesh_model_api::Executor>, KvPlacement)> {
     match cuda_ordinal(&node.model.device)? {
-        None if kv_on_gpu(node) => bail!("kv_transfer.backend = \"cuda\" needs model.device = \"cuda\""),
         None => Ok((
             Box::new(
                 pdmesh_model::LlamaExecutor::load(path, &gguf_options(node))
@@ -164,7 +158,11 @@ fn load_gguf_executor(
         Some(ordinal) => {
             let mut ex = pdmesh_model::cuda::CudaLlamaExecutor::load(path, &gguf_options(node), ordinal)
                 .with_context(|| format!("loading {} onto GPU {ordinal}", path.display()))?;
-            let placement = if kv_on_gpu(node) {
+            // `kv_transfer.backend = "cuda"`: the cache lives in the executor's exported region
+            // (the config refuses that backend for a model that is not on a GPU).
+            let on_gpu =
+                node.kv_transfer.as_ref().is_some_and(|k| k.backend == pdmesh_config::TransferBackendKind::Cuda);
+            let placement = if on_gpu {
                 let spec = pdmesh_connector_worker::kv_spec(node, pdmesh_model_api::Executor::facts(&ex));
                 let region = ex.use_exported_kv(spec).context("placing the KV cache on the GPU")?;
                 KvPlacement::Device(region)

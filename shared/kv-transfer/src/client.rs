@@ -391,11 +391,6 @@ enum DataPlane {
     /// P's exported GPU region, opened in D's context.
     #[cfg(feature = "cuda")]
     Cuda(RemoteDeviceKv),
-    /// A `cuda` producer met without the feature: never built (the handshake refuses it), but
-    /// keeps the match below exhaustive in every build.
-    #[cfg(not(feature = "cuda"))]
-    #[allow(dead_code)]
-    Cuda(std::convert::Infallible),
 }
 
 /// A producer agent D has handshaken with: its metadata, the side channel link, and the data
@@ -593,6 +588,7 @@ impl RemoteAgent {
                     Err(_) => Err(TransferError::Timeout(timeout)),
                 }
             }
+            #[cfg(feature = "cuda")]
             DataPlane::Cuda(_) => {
                 Err(TransferError::BadRequest("the producer serves GPU memory; this read targets host memory".into()))
             }

@@ -86,15 +86,6 @@ impl LocalKv {
             LocalKv::Device(w) => w.checkout(block_ids).map(LocalBlocks::Device),
         }
     }
-
-    /// Blocks held by live checkouts now.
-    pub fn checked_out(&self) -> usize {
-        match self {
-            LocalKv::Host(w) => w.checked_out(),
-            #[cfg(feature = "cuda")]
-            LocalKv::Device(w) => w.claims.len(),
-        }
-    }
 }
 
 /// The blocks of one receive, writable until dropped.
@@ -103,17 +94,6 @@ pub enum LocalBlocks {
     Host(BlockCheckout),
     #[cfg(feature = "cuda")]
     Device(DeviceCheckout),
-}
-
-impl LocalBlocks {
-    /// The local blocks, in the order a read fills them.
-    pub fn block_ids(&self) -> &[u32] {
-        match self {
-            LocalBlocks::Host(c) => c.block_ids(),
-            #[cfg(feature = "cuda")]
-            LocalBlocks::Device(c) => c.block_ids(),
-        }
-    }
 }
 
 #[cfg(feature = "cuda")]
@@ -132,16 +112,12 @@ mod device {
     #[derive(Debug)]
     pub struct DeviceBlockWriter {
         region: Arc<DeviceKvRegion>,
-        pub(super) claims: BlockClaims,
+        claims: BlockClaims,
     }
 
     impl DeviceBlockWriter {
         pub fn new(region: Arc<DeviceKvRegion>) -> Self {
             Self { region, claims: BlockClaims::default() }
-        }
-
-        pub fn region(&self) -> &Arc<DeviceKvRegion> {
-            &self.region
         }
 
         pub fn spec(&self) -> &KvCacheSpec {
