@@ -16,6 +16,20 @@ cargo build --release --workspace --all-targets
 # with GPU code are compiled twice.
 cargo build --release --workspace --all-targets --features pdmesh/cuda
 cargo test --release --workspace --features pdmesh/cuda --test cuda --test cuda_ipc -- --nocapture
+# The bundle a GPU machine without a toolchain runs (docs/BUILD.md) is made and unpacked here:
+# each transfer fits, the model reassembles to its sha256, the binaries run from their package
+# folders. Without a GPU the suite must then fail for that reason alone (the check refuses to
+# skip), never for a broken bundle; with one it must pass.
+if [[ "${PDMESH_SKIP_MODEL_TESTS:-0}" != "1" ]]; then
+  scripts/gpu-bundle.sh >/dev/null
+  gpu_dir=$(mktemp -d)
+  GPU_CHECK_DIR=$gpu_dir scripts/gpu-check.sh stage >/dev/null
+  if ! GPU_CHECK_DIR=$gpu_dir scripts/gpu-check.sh run executor >"$gpu_dir/check.log" 2>&1; then
+    grep -q "PDMESH_REQUIRE_GPU=1, but" "$gpu_dir/check.log" || { cat "$gpu_dir/check.log"; exit 1; }
+    echo "gpu-check bundle: unpacked and ran; its GPU tests refused to skip on this GPU-less machine"
+  fi
+  rm -rf "$gpu_dir" .gpu
+fi
 # Test binaries start whole meshes; two at a time is what a 2-core machine sustains.
 cargo test --release --workspace -- --test-threads="${PDMESH_TEST_THREADS:-2}"
 # Load-test smoke scenario (under 2 minutes): a synthetic P/D mesh under steady load, client

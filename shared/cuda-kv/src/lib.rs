@@ -211,11 +211,40 @@ impl Drop for DeviceKvRegion {
 }
 
 /// Another process's [`DeviceKvRegion`], mapped into this one.
+///
+/// Every `RemoteDeviceKv` of one handle in one context shares one mapping ([`MAPPINGS`]): the
+/// driver allows a context to open a given allocation once at a time (on some drivers a second
+/// `cuIpcOpenMemHandle` fails with `CUDA_ERROR_ALREADY_MAPPED`, on others it returns the same
+/// address and the first close unmaps it for both). A D worker opens a producer's handle again
+/// whenever it handshakes again with an unchanged P (after a side-channel timeout, say) while
+/// reads through the previous handshake may still be in flight.
 #[derive(Debug)]
 pub struct RemoteDeviceKv {
     ctx: Arc<CudaContext>,
     ptr: sys::CUdeviceptr,
     spec: KvCacheSpec,
+    key: MappingKey,
+}
+
+/// A context (by its driver handle) and the IPC handle opened in it.
+type MappingKey = (usize, [u8; 64]);
+
+/// The mappings open in this process: address and number of [`RemoteDeviceKv`]s using each.
+/// Opening and closing happen under this lock, so a close never races an open of the same
+/// handle.
+static MAPPINGS: std::sync::Mutex<Vec<(MappingKey, sys::CUdeviceptr, usize)>> = std::sync::Mutex::new(Vec::new());
+
+fn mappings() -> std::sync::MutexGuard<'static, Vec<(MappingKey, sys::CUdeviceptr, usize)>> {
+    // A panic while holding the lock cannot leave the list half-updated (each update is one
+    // push, remove or increment), so a poisoned lock is still usable.
+    MAPPINGS.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// How many [`RemoteDeviceKv`]s of `ctx` use `handle`'s mapping; 0 when it is not open
+/// (tests and diagnostics).
+pub fn mapping_users(ctx: &CudaContext, handle: &IpcHandle) -> usize {
+    let key: MappingKey = (ctx.cu_ctx() as usize, handle.0);
+    mappings().iter().find(|(k, _, _)| *k == key).map_or(0, |(_, _, users)| *users)
 }
 
 // SAFETY: as for DeviceKvRegion.
@@ -225,14 +254,24 @@ unsafe impl Sync for RemoteDeviceKv {}
 impl RemoteDeviceKv {
     /// Map the region a peer exported. A handle from another machine, a freed region or
     /// garbage bytes is an error, never a crash.
+    ///
+    /// A handle this context has open already is not opened again: the new value shares the
+    /// mapping, which is closed when the last value using it is dropped.
     pub fn open(ctx: Arc<CudaContext>, handle: &IpcHandle, spec: KvCacheSpec) -> Result<Self, CudaIpcError> {
+        let key: MappingKey = (ctx.cu_ctx() as usize, handle.0);
+        let mut open = mappings();
+        if let Some((_, ptr, users)) = open.iter_mut().find(|(k, _, _)| *k == key) {
+            *users += 1;
+            return Ok(Self { ctx, ptr: *ptr, spec, key });
+        }
         ctx.bind_to_thread().map_err(|source| CudaIpcError::Driver { what: "bind context", source })?;
         let h = sys::CUipcMemHandle_st { reserved: handle.0.map(|b| b as _) };
         let mut ptr: sys::CUdeviceptr = 0;
         let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
         // SAFETY: `ptr` is a valid out-pointer; the driver validates the handle.
         check("cuIpcOpenMemHandle", unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) })?;
-        Ok(Self { ctx, ptr, spec })
+        open.push((key, ptr, 1));
+        Ok(Self { ctx, ptr, spec, key })
     }
 
     /// Copy `remote_blocks[i]` of the peer into `local_blocks[i]` of `local`, every layer, K and
@@ -242,6 +281,28 @@ impl RemoteDeviceKv {
         remote_blocks: &[u32],
         local: &DeviceKvRegion,
         local_blocks: &[u32],
+    ) -> Result<u64, CudaIpcError> {
+        self.copy_blocks(remote_blocks, local, local_blocks, true)
+    }
+
+    /// [`Self::read_blocks`] through its fallback alone, a copy per row (run, layer, side): what
+    /// a device whose pitch limit refuses the 2D copy runs. Public so that its test can force it.
+    #[doc(hidden)]
+    pub fn read_blocks_row_by_row(
+        &self,
+        remote_blocks: &[u32],
+        local: &DeviceKvRegion,
+        local_blocks: &[u32],
+    ) -> Result<u64, CudaIpcError> {
+        self.copy_blocks(remote_blocks, local, local_blocks, false)
+    }
+
+    fn copy_blocks(
+        &self,
+        remote_blocks: &[u32],
+        local: &DeviceKvRegion,
+        local_blocks: &[u32],
+        two_d: bool,
     ) -> Result<u64, CudaIpcError> {
         let (rs, ls) = (self.spec, local.spec);
         if rs.num_layers != ls.num_layers || rs.floats_per_block() != ls.floats_per_block() {
@@ -291,7 +352,9 @@ impl RemoteDeviceKv {
                 Height: layer_sides,
             };
             // SAFETY: every row lies inside its region (block ids checked above).
-            if check("cuMemcpy2DAsync", unsafe { sys::cuMemcpy2DAsync_v2(&copy, std::ptr::null_mut()) }).is_err() {
+            if !two_d
+                || check("cuMemcpy2DAsync", unsafe { sys::cuMemcpy2DAsync_v2(&copy, std::ptr::null_mut()) }).is_err()
+            {
                 for layer in 0..rs.num_layers as usize {
                     for side in 0..2 {
                         let src = self.ptr + (block_offset(&rs, layer, side, r) * 4) as u64;
@@ -305,16 +368,22 @@ impl RemoteDeviceKv {
             }
             bytes += (n * fpb * 4 * layer_sides) as u64;
         }
-        // SAFETY: synchronises the legacy default stream the copies were queued on.
-        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) })?;
+        wait_for_queued_copies()?;
         Ok(bytes)
     }
 }
 
 impl Drop for RemoteDeviceKv {
     fn drop(&mut self) {
+        let mut open = mappings();
+        let Some(i) = open.iter().position(|(k, _, _)| *k == self.key) else { return };
+        open[i].2 -= 1;
+        if open[i].2 > 0 {
+            return;
+        }
+        open.swap_remove(i);
         if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed once.
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and its last user is gone: closed once.
             let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
         }
     }
@@ -327,8 +396,24 @@ pub fn local_copy(dst: &DeviceKvRegion, src: &DeviceKvRegion, bytes: usize) -> R
     dst.bind()?;
     // SAFETY: `bytes` fits both allocations.
     check("cuMemcpyDtoD", unsafe { sys::cuMemcpyDtoDAsync_v2(dst.ptr, src.ptr, bytes, std::ptr::null_mut()) })?;
-    // SAFETY: as above.
-    check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) })
+    wait_for_queued_copies()
+}
+
+/// Wait until the work queued so far on the current context's legacy default stream is done:
+/// an event recorded after the copies, not `cuStreamSynchronize`, so a read does not also wait
+/// for forward passes another thread queues on the same stream meanwhile.
+fn wait_for_queued_copies() -> Result<(), CudaIpcError> {
+    let mut event: sys::CUevent = std::ptr::null_mut();
+    let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    // SAFETY: `event` is a valid out-pointer; the caller bound the context.
+    check("cuEventCreate", unsafe { sys::cuEventCreate(&mut event, flags) })?;
+    // SAFETY: `event` was just created in this context; the null stream is the legacy one.
+    let waited = check("cuEventRecord", unsafe { sys::cuEventRecord(event, std::ptr::null_mut()) })
+        // SAFETY: as above.
+        .and_then(|()| check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event) }));
+    // SAFETY: created above and destroyed once.
+    let _ = unsafe { sys::cuEventDestroy_v2(event) };
+    waited
 }
 
 #[cfg(test)]

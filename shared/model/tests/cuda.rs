@@ -10,7 +10,7 @@
 
 mod common;
 
-use pdmesh_model::cuda::{cuda_available, CudaLlamaExecutor};
+use pdmesh_model::cuda::{missing_cuda_library, CudaLlamaExecutor};
 use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{ChatMessage, TextCodec};
 
@@ -19,10 +19,18 @@ const N_NEW: usize = 32;
 /// operation, glibc's `expf` included: the logits are the reference's, bit for bit.
 const MAX_LOGIT_DEVIATION: f32 = 0.0;
 
+/// The executor on GPU 0, or `None` (the test says why and passes) where this machine cannot
+/// run one. `PDMESH_REQUIRE_GPU=1` (set by scripts/gpu-check.sh) turns that skip into a
+/// failure, so a GPU check cannot pass by skipping.
 fn gpu() -> Option<CudaLlamaExecutor> {
-    let path = common::model_path()?;
-    if !cuda_available() {
-        eprintln!("no CUDA driver on this machine: skipping a GPU test (built with the cuda feature)");
+    let require = std::env::var("PDMESH_REQUIRE_GPU").as_deref() == Ok("1");
+    let Some(path) = common::model_path() else {
+        assert!(!require, "PDMESH_REQUIRE_GPU=1, but the model tests are skipped (PDMESH_SKIP_MODEL_TESTS)");
+        return None;
+    };
+    if let Some(missing) = missing_cuda_library() {
+        assert!(!require, "PDMESH_REQUIRE_GPU=1, but {missing} cannot be loaded");
+        eprintln!("{missing} cannot be loaded here: skipping a GPU test (built with the cuda feature)");
         return None;
     }
     let exec = CudaLlamaExecutor::load(&path, &Default::default(), 0).expect("load the model onto the GPU");

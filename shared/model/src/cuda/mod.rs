@@ -253,8 +253,21 @@ impl std::fmt::Debug for CudaLlamaExecutor {
 
 /// Whether a CUDA driver and NVRTC can be loaded on this machine (without touching a GPU).
 pub fn cuda_available() -> bool {
+    missing_cuda_library().is_none()
+}
+
+/// The library the GPU executor needs and cannot load here, named for the operator: the
+/// driver (`libcuda`, comes with the GPU's driver) or NVRTC (`libnvrtc`, the CUDA toolkit's
+/// runtime compiler, which builds the kernels at start-up).
+pub fn missing_cuda_library() -> Option<&'static str> {
     // SAFETY: these only try to dlopen the libraries; they call nothing in them.
-    unsafe { cudarc::driver::sys::is_culib_present() && cudarc::nvrtc::sys::is_culib_present() }
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        Some("the CUDA driver library (libcuda)")
+    } else if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        Some("NVRTC (libnvrtc, from the CUDA toolkit)")
+    } else {
+        None
+    }
 }
 
 fn grid(n: usize) -> LaunchConfig {
@@ -306,8 +319,8 @@ impl CudaLlamaExecutor {
         eos_token_ids: Vec<u32>,
         ordinal: usize,
     ) -> Result<Self, ModelError> {
-        if !cuda_available() {
-            return Err(ModelError::Cuda("no CUDA driver or NVRTC library found (libcuda, libnvrtc)".into()));
+        if let Some(missing) = missing_cuda_library() {
+            return Err(ModelError::Cuda(format!("{missing} cannot be loaded on this machine")));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("open GPU", e))?;
         let device_name = ctx.name().unwrap_or_else(|_| format!("cuda:{ordinal}"));
@@ -649,6 +662,12 @@ impl CudaLlamaExecutor {
         };
 
         if resident {
+            // The step's K/V is in the region only when its kernels have run: wait for them
+            // before reporting the step done, as the mirrored mode's copies back to the host
+            // do. The scheduler starts a P hold, and D reads, only after a step is reported
+            // done; without this only a step that samples (its logits copy waits) would
+            // guarantee that, and a kernel fault would surface in a later step.
+            self.stream.synchronize().map_err(exec_err)?;
             return Ok(result);
         }
         // Mirror this step's K/V into the host cache (what transfer backends read), and record

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Prepare a GPU check of the cuda feature for a machine that has an NVIDIA GPU but no Rust
+# toolchain, no network and a cap on what can be copied to it per transfer (docs/BUILD.md,
+# "Checking the GPU build on another machine").
+#
+# Builds here, with the cuda feature, the pdmesh binary and the test binaries that exercise
+# the GPU (`cuda`: the executor; `cuda_ipc`: the cuda transfer backend between two processes;
+# `model_mesh` and `faults`: the real model through whole meshes on the GPU, cuda backend), and writes under .gpu/:
+#   .gpu/a/model.part1            the model's first PART1_MIB MiB
+#   .gpu/b/model.part2            the rest of the model
+#   .gpu/b/bin.tar.gz             the binaries, stripped; bin/MANIFEST names each test binary
+# so that no transfer exceeds LIMIT_MIB. On the GPU machine, with the repository copied there:
+#   scripts/gpu-check.sh stage    (with .gpu/a present)  keeps part 1 outside the repository
+#   scripts/gpu-check.sh run ...  (with .gpu/b present)  assembles, verifies and runs
+# Where one transfer can hold everything, put both folders in it and run `stage` then `run`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+PART1_MIB=${PART1_MIB:-58}
+LIMIT_MIB=${LIMIT_MIB:-64}
+
+MODEL="${PDMESH_MODEL_PATH:-$(scripts/fetch-model.sh)}"
+OUT=.gpu
+rm -rf "$OUT"
+mkdir -p "$OUT/a" "$OUT/b" "$OUT/stage/bin"
+
+TESTS=(cuda cuda_ipc model_mesh faults)
+args=()
+for t in "${TESTS[@]}"; do args+=(--test "$t"); done
+# One cargo invocation for the binary and the tests, so both come from the same feature set.
+cargo build --release --workspace --features pdmesh/cuda --bins --message-format=json >"$OUT/build.json"
+cargo test --release --workspace --features pdmesh/cuda --no-run "${args[@]}" --message-format=json >"$OUT/tests.json"
+
+python3 - "$OUT" <<'EOF'
+import json, shutil, sys, os
+out = sys.argv[1]
+manifest = []
+def artifacts(path):
+    for line in open(path):
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue
+        if m.get("reason") == "compiler-artifact" and m.get("executable"):
+            yield m
+for m in artifacts(f"{out}/build.json"):
+    if m["target"]["name"] == "pdmesh" and "bin" in m["target"]["kind"]:
+        shutil.copy(m["executable"], f"{out}/stage/bin/pdmesh")
+for m in artifacts(f"{out}/tests.json"):
+    if "test" in m["target"]["kind"]:
+        name = m["target"]["name"]
+        # the package folder, relative to the repository: cargo runs a test binary there
+        pkg_dir = os.path.relpath(os.path.dirname(m["manifest_path"]))
+        shutil.copy(m["executable"], f"{out}/stage/bin/{name}")
+        manifest.append(f"{name} {pkg_dir}")
+if not os.path.exists(f"{out}/stage/bin/pdmesh"):
+    sys.exit("gpu-bundle: the pdmesh binary was not among the build's artifacts")
+open(f"{out}/stage/bin/MANIFEST", "w").write("\n".join(sorted(manifest)) + "\n")
+EOF
+strip "$OUT"/stage/bin/* 2>/dev/null || true
+tar -C "$OUT/stage" -czf "$OUT/b/bin.tar.gz" bin
+head -c "$((PART1_MIB * 1024 * 1024))" "$MODEL" >"$OUT/a/model.part1"
+tail -c "+$((PART1_MIB * 1024 * 1024 + 1))" "$MODEL" >"$OUT/b/model.part2"
+sha256sum "$MODEL" | cut -d' ' -f1 >"$OUT/b/model.sha256"
+pwd >"$OUT/b/repo_path"
+rm -rf "$OUT/stage" "$OUT/build.json" "$OUT/tests.json"
+
+# What travels besides each folder is the repository itself (tracked and unignored files).
+tree_kib=$(git ls-files -co --exclude-standard -z | du -c --files0-from=- -k 2>/dev/null | tail -1 | cut -f1)
+for part in a b; do
+  kib=$(du -sk "$OUT/$part" | cut -f1)
+  total=$((kib + tree_kib))
+  echo "transfer $part: .gpu/$part $((kib / 1024)) MiB + repository $((tree_kib / 1024)) MiB = $((total / 1024)) MiB" >&2
+  if ((total > LIMIT_MIB * 1024)); then
+    echo "gpu-bundle: transfer $part exceeds ${LIMIT_MIB} MiB; lower PART1_MIB or the binaries" >&2
+    exit 1
+  fi
+done
+echo "$OUT"
