@@ -5,19 +5,20 @@
 #
 # Builds here, with the cuda feature, the pdmesh binary and the test binaries that exercise
 # the GPU (`cuda`: the executor; `cuda_ipc`: the cuda transfer backend between two processes;
-# `model_mesh` and `faults`: the real model through whole meshes on the GPU, cuda backend), and writes under .gpu/:
-#   .gpu/a/model.part1            the model's first PART1_MIB MiB
-#   .gpu/b/model.part2            the rest of the model
-#   .gpu/b/bin.tar.gz             the binaries, stripped; bin/MANIFEST names each test binary
-# so that no transfer exceeds LIMIT_MIB. On the GPU machine, with the repository copied there:
-#   scripts/gpu-check.sh stage    (with .gpu/a present)  keeps part 1 outside the repository
-#   scripts/gpu-check.sh run ...  (with .gpu/b present)  assembles, verifies and runs
-# Where one transfer can hold everything, put both folders in it and run `stage` then `run`.
+# `model_mesh` and `faults`: the real model through whole meshes on the GPU, cuda backend),
+# and splits them and the model into two folders, each of which fits one transfer of
+# LIMIT_MIB (64) together with the repository:
+#   .gpu/a   the binaries (bin.tar.gz, stripped; bin/MANIFEST names each test binary and the
+#            package folder it runs from), the model's sha256, and as much of the model as fits
+#   .gpu/b   the rest of the model
+# On the GPU machine, with the repository copied there:
+#   scripts/gpu-check.sh stage && scripts/gpu-check.sh run ipc   (with .gpu/a; needs no model)
+#   scripts/gpu-check.sh run                                     (with .gpu/b; the rest)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
-PART1_MIB=${PART1_MIB:-58}
 LIMIT_MIB=${LIMIT_MIB:-64}
+MARGIN_KIB=2048
 
 MODEL="${PDMESH_MODEL_PATH:-$(scripts/fetch-model.sh)}"
 OUT=.gpu
@@ -27,7 +28,7 @@ mkdir -p "$OUT/a" "$OUT/b" "$OUT/stage/bin"
 TESTS=(cuda cuda_ipc model_mesh faults)
 args=()
 for t in "${TESTS[@]}"; do args+=(--test "$t"); done
-# One cargo invocation for the binary and the tests, so both come from the same feature set.
+# The binary and the tests with the same features (scripts/test.sh built them already).
 cargo build --release --workspace --features pdmesh/cuda --bins --message-format=json >"$OUT/build.json"
 cargo test --release --workspace --features pdmesh/cuda --no-run "${args[@]}" --message-format=json >"$OUT/tests.json"
 
@@ -55,24 +56,30 @@ for m in artifacts(f"{out}/tests.json"):
         manifest.append(f"{name} {pkg_dir}")
 if not os.path.exists(f"{out}/stage/bin/pdmesh"):
     sys.exit("gpu-bundle: the pdmesh binary was not among the build's artifacts")
+if len(manifest) != 4:
+    sys.exit(f"gpu-bundle: expected 4 test binaries, found {manifest}")
 open(f"{out}/stage/bin/MANIFEST", "w").write("\n".join(sorted(manifest)) + "\n")
 EOF
 strip "$OUT"/stage/bin/* 2>/dev/null || true
-tar -C "$OUT/stage" -czf "$OUT/b/bin.tar.gz" bin
-head -c "$((PART1_MIB * 1024 * 1024))" "$MODEL" >"$OUT/a/model.part1"
-tail -c "+$((PART1_MIB * 1024 * 1024 + 1))" "$MODEL" >"$OUT/b/model.part2"
-sha256sum "$MODEL" | cut -d' ' -f1 >"$OUT/b/model.sha256"
-pwd >"$OUT/b/repo_path"
+tar -C "$OUT/stage" -czf "$OUT/a/bin.tar.gz" bin
+sha256sum "$MODEL" | cut -d' ' -f1 >"$OUT/a/model.sha256"
+pwd >"$OUT/a/repo_path"
 rm -rf "$OUT/stage" "$OUT/build.json" "$OUT/tests.json"
 
 # What travels besides each folder is the repository itself (tracked and unignored files).
 tree_kib=$(git ls-files -co --exclude-standard -z | du -c --files0-from=- -k 2>/dev/null | tail -1 | cut -f1)
+room_kib=$((LIMIT_MIB * 1024 - tree_kib - MARGIN_KIB - $(du -sk "$OUT/a" | cut -f1)))
+if ((room_kib <= 0)); then
+  echo "gpu-bundle: the binaries and the repository leave no room in a ${LIMIT_MIB} MiB transfer" >&2
+  exit 1
+fi
+head -c "$((room_kib * 1024))" "$MODEL" >"$OUT/a/model.part1"
+tail -c "+$((room_kib * 1024 + 1))" "$MODEL" >"$OUT/b/model.part2"
 for part in a b; do
-  kib=$(du -sk "$OUT/$part" | cut -f1)
-  total=$((kib + tree_kib))
-  echo "transfer $part: .gpu/$part $((kib / 1024)) MiB + repository $((tree_kib / 1024)) MiB = $((total / 1024)) MiB" >&2
-  if ((total > LIMIT_MIB * 1024)); then
-    echo "gpu-bundle: transfer $part exceeds ${LIMIT_MIB} MiB; lower PART1_MIB or the binaries" >&2
+  kib=$(($(du -sk "$OUT/$part" | cut -f1) + tree_kib))
+  echo "transfer $part: .gpu/$part and the repository, $((kib / 1024)) MiB" >&2
+  if ((kib > LIMIT_MIB * 1024)); then
+    echo "gpu-bundle: transfer $part exceeds ${LIMIT_MIB} MiB" >&2
     exit 1
   fi
 done

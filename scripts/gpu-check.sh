@@ -3,51 +3,59 @@
 # scripts/gpu-bundle.sh prepared (docs/BUILD.md, "Checking the GPU build on another machine").
 # No Rust toolchain is needed here: the binaries were built elsewhere.
 #
-#   scripts/gpu-check.sh stage        keep .gpu/a's model part in $GPU_CHECK_DIR
-#   scripts/gpu-check.sh run [SUITE…] assemble the model (sha256 checked), unpack the binaries
-#                                     and run the suites, in order (default: all of them):
-#       executor  the GPU executor: resident cache = mirrored cache, tokens = the CPU's
+#   scripts/gpu-check.sh stage         with .gpu/a: unpack the binaries and keep the model's
+#                                      first part in $GPU_CHECK_DIR (outside the repository)
+#   scripts/gpu-check.sh run [SUITE…]  run the suites in order (default: executor ipc mesh
+#                                      faults); the model is assembled from the staged part and
+#                                      .gpu/b (sha256 checked) when a suite first needs it:
 #       ipc       the cuda backend between two processes: data path, agent path, bandwidth
+#                 (needs no model, so it can run right after `stage`)
+#       executor  the GPU executor: resident cache = mirrored cache, tokens = the reference's
 #       mesh      the real model through whole meshes on the GPU, the router's P/D output
 #                 equal to colocated over the cuda backend (model_mesh.rs)
 #       faults    every R3 fault on the cuda backend, under both policies (faults.rs)
-#       bench     the agent path's bandwidth alone (part of ipc; printed, not asserted)
-# Each suite's output goes to stdout and, where $OUT is set, to $OUT/<suite>.log. Exits non-zero
-# when any suite failed; every suite runs regardless. PDMESH_REQUIRE_GPU=1 makes a test that
+#       bench     the agent path's test alone, for its bandwidth table (part of ipc)
+# Each suite's output goes to stdout and, where $OUT is set, to $OUT/<suite>.log. Every suite
+# runs; the exit status is non-zero when any failed. PDMESH_REQUIRE_GPU=1 makes a test that
 # finds no GPU fail instead of skipping, so this check cannot pass without running.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 GPU_CHECK_DIR=${GPU_CHECK_DIR:-/tmp/pdmesh-gpu}
-mkdir -p "$GPU_CHECK_DIR"
+MODEL="$GPU_CHECK_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+die() {
+  echo "gpu-check: $*" >&2
+  exit 2
+}
 
 stage() {
-  [[ -f .gpu/a/model.part1 ]] || { echo "gpu-check: .gpu/a/model.part1 is not here" >&2; exit 2; }
-  cp .gpu/a/model.part1 "$GPU_CHECK_DIR/model.part1"
-  echo "staged model part 1 ($(du -h "$GPU_CHECK_DIR/model.part1" | cut -f1)) in $GPU_CHECK_DIR"
+  [[ -f .gpu/a/bin.tar.gz && -f .gpu/a/model.part1 ]] || die ".gpu/a is not here (scripts/gpu-bundle.sh makes it)"
+  mkdir -p "$GPU_CHECK_DIR"
+  rm -rf "$GPU_CHECK_DIR/bin"
+  tar -C "$GPU_CHECK_DIR" -xzf .gpu/a/bin.tar.gz || die "cannot unpack the binaries"
+  cp .gpu/a/model.part1 .gpu/a/model.sha256 .gpu/a/repo_path "$GPU_CHECK_DIR/" || die "cannot stage"
+  echo "staged in $GPU_CHECK_DIR: $(wc -l <"$GPU_CHECK_DIR/bin/MANIFEST") test binaries, model part 1"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 }
 
-prepare() {
-  local model="$GPU_CHECK_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
-  if [[ ! -f "$model" ]] || [[ "$(sha256sum "$model" | cut -d' ' -f1)" != "$(cat .gpu/b/model.sha256)" ]]; then
-    [[ -f "$GPU_CHECK_DIR/model.part1" ]] || {
-      echo "gpu-check: model part 1 is not staged in $GPU_CHECK_DIR (run 'stage' first, on this machine)" >&2
-      exit 2
-    }
-    cat "$GPU_CHECK_DIR/model.part1" .gpu/b/model.part2 >"$model"
-    if [[ "$(sha256sum "$model" | cut -d' ' -f1)" != "$(cat .gpu/b/model.sha256)" ]]; then
-      echo "gpu-check: the assembled model's sha256 differs from the bundle's" >&2
-      exit 2
-    fi
+# The model, assembled once from the staged part and .gpu/b, its sha256 checked.
+model() {
+  local want
+  want=$(cat "$GPU_CHECK_DIR/model.sha256")
+  if [[ -f "$MODEL" && "$(sha256sum "$MODEL" | cut -d' ' -f1)" == "$want" ]]; then
+    return 0
   fi
-  export PDMESH_MODEL_PATH=$model
-  rm -rf "$GPU_CHECK_DIR/bin"
-  tar -C "$GPU_CHECK_DIR" -xzf .gpu/b/bin.tar.gz
-  # Test binaries built elsewhere may hold that checkout's absolute paths (env!
-  # CARGO_MANIFEST_DIR): point the build checkout's path at this one where it is free.
+  [[ -f .gpu/b/model.part2 ]] || die "the model's second part (.gpu/b) is not here"
+  cat "$GPU_CHECK_DIR/model.part1" .gpu/b/model.part2 >"$MODEL"
+  [[ "$(sha256sum "$MODEL" | cut -d' ' -f1)" == "$want" ]] || die "the assembled model's sha256 differs from the bundle's"
+}
+
+# Test binaries built elsewhere may hold that checkout's absolute paths (env!
+# CARGO_MANIFEST_DIR): point the build checkout's path at this one where it is free.
+link_build_path() {
   local built_at
-  built_at=$(cat .gpu/b/repo_path 2>/dev/null || true)
+  built_at=$(cat "$GPU_CHECK_DIR/repo_path" 2>/dev/null || true)
   if [[ -n "$built_at" && "$built_at" != "$REPO" && ! -e "$built_at" ]]; then
     mkdir -p "$(dirname "$built_at")" && ln -s "$REPO" "$built_at"
   fi
@@ -55,9 +63,8 @@ prepare() {
 
 # run_test NAME [ARGS…]: run test binary NAME from its package folder, as cargo would.
 run_test() {
-  local name=$1
+  local name=$1 dir
   shift
-  local dir
   dir=$(awk -v n="$name" '$1 == n { print $2 }' "$GPU_CHECK_DIR/bin/MANIFEST")
   [[ -n "$dir" ]] || { echo "gpu-check: no test binary '$name' in the bundle" >&2; return 2; }
   (cd "$REPO/$dir" && "$GPU_CHECK_DIR/bin/$name" "$@")
@@ -65,13 +72,13 @@ run_test() {
 
 suite() {
   case $1 in
-    executor) run_test cuda --nocapture --test-threads=1 ;;
     ipc) run_test cuda_ipc --nocapture --test-threads=1 ;;
     bench) run_test cuda_ipc --nocapture --exact cuda_backend_leases_reads_and_confirms_between_processes ;;
+    executor) model && run_test cuda --nocapture --test-threads=1 ;;
     mesh | faults)
       local bin=$1
       [[ $bin == mesh ]] && bin=model_mesh
-      PDMESH_MODEL_DEVICE=cuda PDMESH_KV_BACKEND=cuda PDMESH_TEST_BIN="$GPU_CHECK_DIR/bin/pdmesh" \
+      model && PDMESH_MODEL_DEVICE=cuda PDMESH_KV_BACKEND=cuda PDMESH_TEST_BIN="$GPU_CHECK_DIR/bin/pdmesh" \
         run_test "$bin" --test-threads=1
       ;;
     *) echo "gpu-check: unknown suite '$1'" >&2; return 2 ;;
@@ -82,8 +89,9 @@ case ${1:-} in
   stage) stage ;;
   run)
     shift
-    prepare
-    export PDMESH_REQUIRE_GPU=1
+    [[ -f "$GPU_CHECK_DIR/bin/MANIFEST" ]] || die "nothing staged in $GPU_CHECK_DIR (run 'stage' with .gpu/a first)"
+    link_build_path
+    export PDMESH_REQUIRE_GPU=1 PDMESH_MODEL_PATH=$MODEL
     unset PDMESH_SKIP_MODEL_TESTS
     suites=("$@")
     ((${#suites[@]})) || suites=(executor ipc mesh faults)
@@ -92,9 +100,9 @@ case ${1:-} in
       echo "=== $s"
       start=$(date +%s)
       if [[ -n "${OUT:-}" ]]; then
-        suite "$s" 2>&1 | tee "$OUT/$s.log"
+        (suite "$s") 2>&1 | tee "$OUT/$s.log"
       else
-        suite "$s" 2>&1
+        (suite "$s") 2>&1
       fi
       rc=${PIPESTATUS[0]}
       echo "=== $s: exit $rc in $(($(date +%s) - start)) s"
@@ -107,7 +115,7 @@ case ${1:-} in
     echo "ALL PASSED: ${suites[*]}"
     ;;
   *)
-    sed -n '2,20p' "$0"
+    sed -n '2,21p' "$0"
     exit 2
     ;;
 esac
