@@ -229,6 +229,10 @@ pub struct RemoteDeviceKv {
 /// A context (by its driver handle) and the IPC handle opened in it.
 type MappingKey = (usize, [u8; 64]);
 
+fn mapping_key(ctx: &CudaContext, handle: &IpcHandle) -> MappingKey {
+    (ctx.cu_ctx() as usize, handle.0)
+}
+
 /// The mappings open in this process: address and number of [`RemoteDeviceKv`]s using each.
 /// Opening and closing happen under this lock, so a close never races an open of the same
 /// handle.
@@ -243,7 +247,7 @@ fn mappings() -> std::sync::MutexGuard<'static, Vec<(MappingKey, sys::CUdevicept
 /// How many [`RemoteDeviceKv`]s of `ctx` use `handle`'s mapping; 0 when it is not open
 /// (tests and diagnostics).
 pub fn mapping_users(ctx: &CudaContext, handle: &IpcHandle) -> usize {
-    let key: MappingKey = (ctx.cu_ctx() as usize, handle.0);
+    let key = mapping_key(ctx, handle);
     mappings().iter().find(|(k, _, _)| *k == key).map_or(0, |(_, _, users)| *users)
 }
 
@@ -258,7 +262,7 @@ impl RemoteDeviceKv {
     /// A handle this context has open already is not opened again: the new value shares the
     /// mapping, which is closed when the last value using it is dropped.
     pub fn open(ctx: Arc<CudaContext>, handle: &IpcHandle, spec: KvCacheSpec) -> Result<Self, CudaIpcError> {
-        let key: MappingKey = (ctx.cu_ctx() as usize, handle.0);
+        let key = mapping_key(&ctx, handle);
         let mut open = mappings();
         if let Some((_, ptr, users)) = open.iter_mut().find(|(k, _, _)| *k == key) {
             *users += 1;

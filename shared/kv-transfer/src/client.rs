@@ -630,9 +630,10 @@ impl RemoteAgent {
         let DataPlane::Cuda(remote) = &self.data else {
             return Err(TransferError::BadRequest("the producer serves host memory; this read targets the GPU".into()));
         };
-        let local_ids = local.block_ids().to_vec();
-        let failed = |bytes_done: u64, e: pdmesh_cuda_kv::CudaIpcError| TransferError::Midway {
-            bytes_done,
+        let local_ids = local.block_ids();
+        // A driver error may come after some of the copies landed: nothing is known to be done.
+        let failed = |e: pdmesh_cuda_kv::CudaIpcError| TransferError::Midway {
+            bytes_done: 0,
             detail: format!("cuda read: {e}"),
         };
         if self.config.faults.transfer_midway {
@@ -640,10 +641,10 @@ impl RemoteAgent {
             // leaves behind.
             let half = remote_block_ids.len() / 2;
             let (r, l) = (remote_block_ids.get(..half).unwrap_or(&[]), local_ids.get(..half).unwrap_or(&[]));
-            let done = remote.read_blocks(r, local.region(), l).map_err(|e| failed(0, e))?;
+            let done = remote.read_blocks(r, local.region(), l).map_err(failed)?;
             return Err(TransferError::Midway { bytes_done: done, detail: "fault injection: transfer_midway".into() });
         }
-        let bytes = remote.read_blocks(remote_block_ids, local.region(), &local_ids).map_err(|e| failed(0, e))?;
+        let bytes = remote.read_blocks(remote_block_ids, local.region(), local_ids).map_err(failed)?;
         Ok(ReadStats { bytes, blocks: remote_block_ids.len() as u32, elapsed: started.elapsed() })
     }
 
