@@ -3,7 +3,9 @@
 
 Every object needs apiVersion, kind and metadata.name; Deployments and StatefulSets need a
 selector that matches their pod template's labels; every Service selects the labels of some
-workload's pods, and every container port a Service targets by name exists. Run by
+workload's pods, and every container port a Service targets by name exists. Liveness probes
+must use `/live`: `/health` is readiness, and probing it for liveness restarts a healthy
+service whenever a peer behind it is slow to come up (docs/DECISIONS.md D36). Run by
 scripts/test.sh; skips (exit 0, with the reason) when PyYAML is not installed.
 """
 import glob
@@ -39,6 +41,10 @@ for path, doc in objects:
             errors.append(f"{path}: {doc['kind']} {doc['metadata']['name']}: selector {selector} does not match template labels {labels}")
         ports = {p.get("name") for c in (template.get("spec") or {}).get("containers", []) for p in c.get("ports", []) or []}
         pod_labels.append((doc["metadata"]["name"], labels, ports))
+        for c in (template.get("spec") or {}).get("containers", []):
+            live = ((c.get("livenessProbe") or {}).get("httpGet") or {}).get("path")
+            if live is not None and live != "/live":
+                errors.append(f"{path}: {doc['metadata']['name']}: livenessProbe probes {live}, not /live")
 
 for path, doc in objects:
     if doc["kind"] != "Service":

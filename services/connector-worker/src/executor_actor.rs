@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use actix::prelude::*;
-use pdmesh_model_api::{Executor, KvCache};
+use pdmesh_model_api::{Executor, ExecutorError, KvCache};
 use pdmesh_protocol::{ModelRunnerOutput, SchedulerOutput};
 
 use crate::metrics as m;
@@ -22,9 +22,61 @@ pub fn once(executor: Box<dyn Executor>) -> ExecutorFactory {
     })
 }
 
+/// The product's fault injection for the executor (`model.fault_injection`,
+/// `PDMESH_EXECUTOR_FAULT`): drills the worker's handling of failed forward passes on any
+/// model, the CPU ones included, without a broken GPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExecutorFaults {
+    /// Every N-th forward pass fails with a model error (the step's requests fail; the worker
+    /// serves on).
+    pub step_error_every: Option<u64>,
+    /// The N-th forward pass and every later one fail as a lost accelerator.
+    pub device_lost_at_step: Option<u64>,
+}
+
+impl ExecutorFaults {
+    /// Parse a comma list such as `"step_error_every=5"`; empty means none.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let mut f = Self::default();
+        for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            let (name, value) = item.split_once('=').unwrap_or((item, ""));
+            let n = value
+                .parse::<u64>()
+                .ok()
+                .filter(|n| *n > 0)
+                .ok_or_else(|| format!("{item:?}: expected {name}=N with N a step count of 1 or more"))?;
+            match name {
+                "step_error_every" => f.step_error_every = Some(n),
+                "device_lost_at_step" => f.device_lost_at_step = Some(n),
+                other => {
+                    return Err(format!(
+                        "unknown executor fault {other:?} (known: step_error_every=N, device_lost_at_step=N)"
+                    ))
+                }
+            }
+        }
+        Ok(f)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// The injected failure of forward pass number `n` (counted from 1), if any.
+    fn failure(&self, n: u64) -> Option<ExecutorError> {
+        if self.device_lost_at_step.is_some_and(|at| n >= at) {
+            return Some(ExecutorError::DeviceLost(format!("injected fault device_lost_at_step (forward pass {n})")));
+        }
+        if self.step_error_every.is_some_and(|every| n.is_multiple_of(every)) {
+            return Some(ExecutorError::Model(format!("injected fault step_error_every (forward pass {n})")));
+        }
+        None
+    }
+}
+
 /// Run one step.
 #[derive(Message)]
-#[rtype(result = "Result<ModelRunnerOutput, String>")]
+#[rtype(result = "Result<ModelRunnerOutput, ExecutorError>")]
 pub struct RunStep(pub SchedulerOutput);
 
 /// Owns the KV cache memory (allocated and touched at start) and the model.
@@ -32,6 +84,11 @@ pub struct ExecutorActor {
     executor: Option<Box<dyn Executor>>,
     kv: KvCache,
     load_error: Option<String>,
+    faults: ExecutorFaults,
+    /// Forward passes run so far (what the faults count).
+    forward_passes: u64,
+    /// Set once the accelerator is lost: every later step fails with it, unrun.
+    lost: Option<String>,
 }
 
 impl Actor for ExecutorActor {
@@ -39,21 +96,34 @@ impl Actor for ExecutorActor {
 }
 
 impl Handler<RunStep> for ExecutorActor {
-    type Result = Result<ModelRunnerOutput, String>;
+    type Result = Result<ModelRunnerOutput, ExecutorError>;
 
     fn handle(&mut self, msg: RunStep, _: &mut SyncContext<Self>) -> Self::Result {
         let step = msg.0;
         let Some(executor) = self.executor.as_mut() else {
-            return Err(format!("model not loaded: {}", self.load_error.clone().unwrap_or_default()));
+            return Err(ExecutorError::Model(format!(
+                "model not loaded: {}",
+                self.load_error.clone().unwrap_or_default()
+            )));
         };
         let started = Instant::now();
         let sampled = if step.chunks.is_empty() {
             Vec::new()
+        } else if let Some(why) = &self.lost {
+            return Err(ExecutorError::DeviceLost(why.clone()));
         } else {
-            executor.execute(&mut self.kv, &step.chunks).map_err(|e| {
+            self.forward_passes += 1;
+            let result = match self.faults.failure(self.forward_passes) {
+                Some(injected) => Err(injected),
+                None => executor.execute(&mut self.kv, &step.chunks),
+            };
+            result.map_err(|e| {
                 m::EXECUTE_ERRORS.inc();
                 tracing::error!(error = %e, step_id = step.step_id, "step failed");
-                e.to_string()
+                if let ExecutorError::DeviceLost(why) = &e {
+                    self.lost = Some(why.clone());
+                }
+                e
             })?
         };
         let elapsed = started.elapsed();
@@ -64,12 +134,13 @@ impl Handler<RunStep> for ExecutorActor {
             sampled,
             kv_connector_output: Default::default(),
             execute_us: elapsed.as_micros() as u64,
+            failure: None,
         })
     }
 }
 
 /// Start the executor thread over `kv` (heap, or shared memory for P/D).
-pub fn start(factory: ExecutorFactory, kv: KvCache) -> Addr<ExecutorActor> {
+pub fn start(factory: ExecutorFactory, kv: KvCache, faults: ExecutorFaults) -> Addr<ExecutorActor> {
     let spec = *kv.spec();
     let slot = std::sync::Mutex::new(Some(kv));
     SyncArbiter::start(1, move || {
@@ -81,6 +152,23 @@ pub fn start(factory: ExecutorFactory, kv: KvCache) -> Addr<ExecutorActor> {
                 (None, Some(e))
             }
         };
-        ExecutorActor { executor, kv, load_error }
+        ExecutorActor { executor, kv, load_error, faults, forward_passes: 0, lost: None }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn faults_parse_and_fire_on_their_steps() {
+        assert!(ExecutorFaults::parse("").unwrap().is_empty());
+        let f = ExecutorFaults::parse("step_error_every=3, device_lost_at_step=7").unwrap();
+        assert_eq!(f, ExecutorFaults { step_error_every: Some(3), device_lost_at_step: Some(7) });
+        let fired: Vec<(u64, bool)> = (1..=8).filter_map(|n| f.failure(n).map(|e| (n, e.is_device_lost()))).collect();
+        assert_eq!(fired, vec![(3, false), (6, false), (7, true), (8, true)]);
+        for bad in ["step_error_every=0", "step_error_every", "device_lost_at_step=x", "melt=1"] {
+            assert!(ExecutorFaults::parse(bad).is_err(), "{bad}");
+        }
+    }
 }

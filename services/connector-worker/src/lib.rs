@@ -4,18 +4,20 @@
 //! - [`ExecutorActor`] runs on its own OS thread (an actix `SyncArbiter`), because a forward
 //!   pass is CPU-bound and must not stall the socket actor.
 //! - [`WorkerActor`] binds the ROUTER engine-core talks to, answers `WorkerInfoQuery`, and
-//!   forwards `ExecuteStep` to the executor thread.
+//!   forwards `ExecuteStep` to the executor thread. A step the executor fails still answers
+//!   with the step's connector output; one that finds the accelerator lost also ends the
+//!   process ([`RunningWorker::device_lost`]), since nothing on that context can run again.
 
 pub mod executor_actor;
 pub mod metrics;
 pub mod pd;
 
-pub use executor_actor::{once, ExecutorActor, ExecutorFactory, RunStep};
+pub use executor_actor::{once, ExecutorActor, ExecutorFactory, ExecutorFaults, RunStep};
 
 use actix::prelude::*;
 use pdmesh_config::{Service, Topology, TransferBackendKind};
 use pdmesh_model_api::{KvCache, KvCacheSpec, ModelFacts};
-use pdmesh_protocol::{ErrorClass, Message, ServiceKind, WireError, WorkerInfo};
+use pdmesh_protocol::{ErrorClass, Message, ModelRunnerOutput, ServiceKind, WireError, WorkerInfo};
 use pdmesh_transport::{bind_router, RouterEvent, RouterHandle};
 use thiserror::Error;
 
@@ -44,10 +46,42 @@ pub struct WorkerActor {
     router: Option<RouterHandle>,
     /// pid of the engine-core last connected, to tell a restarted engine from a reconnect.
     engine_pid: Option<u32>,
+    /// Told once, when the executor reports the accelerator lost ([`RunningWorker`]).
+    device_lost: Option<tokio::sync::oneshot::Sender<String>>,
+}
+
+impl WorkerActor {
+    /// The accelerator is gone for this process: say so once; the service's main loop then
+    /// gives back what it holds and exits, so the supervisor starts a fresh worker.
+    fn device_lost(&mut self, why: &str) {
+        if let Some(tx) = self.device_lost.take() {
+            metrics::DEVICE_LOST.inc();
+            tracing::error!(error = %why, "the accelerator is lost: this worker stops so a fresh one can start");
+            let _ = tx.send(why.to_string());
+        }
+    }
+}
+
+/// A started worker: its actor, and what resolves if its accelerator is lost.
+pub struct RunningWorker {
+    pub actor: Addr<WorkerActor>,
+    /// Resolves with the reason once a step fails with [`pdmesh_model_api::ExecutorError::DeviceLost`]; the
+    /// caller should then [`shutdown`] the worker and exit with an error.
+    pub device_lost: tokio::sync::oneshot::Receiver<String>,
 }
 
 impl Actor for WorkerActor {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        if let Some(period) = self.pd.as_ref().and_then(|pd| pd.agent_sweep_period()) {
+            ctx.run_interval(period, |act, _| {
+                if let Some(pd) = &act.pd {
+                    pd.evict_idle_agents();
+                }
+            });
+        }
+    }
 }
 
 #[derive(Message)]
@@ -105,23 +139,30 @@ impl Handler<RouterEvent> for WorkerActor {
                     None => Default::default(),
                 };
                 let fut = self.executor.send(RunStep(step.clone()));
-                ctx.spawn(
-                    async move {
-                        let body = match fut.await {
-                            Ok(Ok(mut out)) => {
-                                out.kv_connector_output = kv_out;
-                                Message::StepResult(out)
-                            }
-                            Ok(Err(e)) => Message::Error(WireError::new(ErrorClass::Internal, e)),
-                            Err(e) => {
-                                Message::Error(WireError::new(ErrorClass::Unavailable, format!("executor thread: {e}")))
-                            }
-                        };
-                        let _ = router.send(&peer, envelope.reply(body));
-                        drop(spans);
-                    }
-                    .into_actor(self),
-                );
+                let step_id = step.step_id;
+                ctx.spawn(fut.into_actor(self).map(move |res, act, _| {
+                    // A failed step still carries its connector output (ModelRunnerOutput::failure).
+                    let failed = |error: WireError| ModelRunnerOutput {
+                        step_id,
+                        kv_connector_output: kv_out.clone(),
+                        failure: Some(error),
+                        ..Default::default()
+                    };
+                    let out = match res {
+                        Ok(Ok(mut out)) => {
+                            out.kv_connector_output = kv_out.clone();
+                            out
+                        }
+                        Ok(Err(e)) if e.is_device_lost() => {
+                            act.device_lost(&e.to_string());
+                            failed(WireError::new(ErrorClass::Unavailable, e.to_string()))
+                        }
+                        Ok(Err(e)) => failed(WireError::new(ErrorClass::Internal, e.to_string())),
+                        Err(e) => failed(WireError::new(ErrorClass::Unavailable, format!("executor thread: {e}"))),
+                    };
+                    let _ = router.send(&peer, envelope.reply(Message::StepResult(out)));
+                    drop(spans);
+                }));
             }
             Message::Hello(h) => {
                 tracing::info!(service = ?h.service, rank = h.rank, pid = h.pid, "peer connected");
@@ -290,7 +331,7 @@ pub async fn run(
     factory: ExecutorFactory,
     facts: ModelFacts,
     placement: KvPlacement,
-) -> Result<Addr<WorkerActor>, WorkerError> {
+) -> Result<RunningWorker, WorkerError> {
     let node = topology.node(node_name)?;
     if rank >= node.dp_size {
         return Err(WorkerError::BadRank { rank, dp_size: node.dp_size });
@@ -353,6 +394,7 @@ pub async fn run(
                 backend,
                 weights_id: facts.weights_id.clone(),
                 hold: cfg.hold_duration(),
+                remote_agent_idle: std::time::Duration::from_secs(cfg.remote_agent_idle_s.max(1)),
                 faults,
                 give_up_notices: cfg.give_up_notices,
             };
@@ -360,13 +402,19 @@ pub async fn run(
             (kv, Some(std::rc::Rc::new(rt)))
         }
     };
-    let executor = executor_actor::start(factory, kv);
-    let actor = WorkerActor { executor, pd, info, router: None, engine_pid: None }.start();
+    let faults = executor_actor::ExecutorFaults::parse(&node.model.fault_injection)
+        .map_err(|e| WorkerError::Model(format!("model.fault_injection: {e}")))?;
+    if !faults.is_empty() {
+        tracing::warn!(?faults, "executor fault injection is on");
+    }
+    let executor = executor_actor::start(factory, kv, faults);
+    let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
+    let actor = WorkerActor { executor, pd, info, router: None, engine_pid: None, device_lost: Some(lost_tx) }.start();
     let router = bind_router(&ep.bind, actor.clone().recipient()).await?;
     actor.do_send(SetRouter(router));
     health.set_ready(true);
     tracing::info!(endpoint = %ep.bind, rank, kv_bytes = spec.bytes_per_block() * u64::from(spec.num_blocks), "connector-worker ready");
-    Ok(actor)
+    Ok(RunningWorker { actor, device_lost: lost_rx })
 }
 
 #[cfg(test)]

@@ -8,6 +8,12 @@ pub static EXECUTE_SECONDS: LazyLock<Histogram> =
     LazyLock::new(|| histogram("pdmesh_worker_execute_seconds", "Forward pass time per step", latency_buckets()));
 pub static TOKENS_COMPUTED: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_worker_tokens_computed_total", "Tokens run through the model"));
+pub static DEVICE_LOST: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_worker_device_lost_total",
+        "Steps that found the accelerator lost; the worker exits to be restarted",
+    )
+});
 pub static EXECUTE_ERRORS: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_worker_execute_errors_total", "Steps the executor refused or failed"));
 pub static KV_CACHE_BYTES: LazyLock<IntGauge> =
@@ -71,6 +77,15 @@ pub static GIVE_UPS: LazyLock<IntCounterVec> = LazyLock::new(|| {
         "pdmesh_worker_kv_give_ups_total",
         "D: give-ups P acknowledged, by reason (rejection, abort, load_failure, shutdown)",
         &["reason"],
+    )
+});
+pub static REMOTE_AGENTS: LazyLock<IntGauge> = LazyLock::new(|| {
+    gauge("pdmesh_worker_kv_remote_agents", "D: prefill engines with a cached handshake (and an open data plane)")
+});
+pub static REMOTE_AGENTS_EVICTED: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_worker_kv_remote_agents_evicted_total",
+        "D: cached handshakes dropped, unused for remote_agent_idle_s or with a failed side channel",
     )
 });
 pub static REMOTE_REFERENCES: LazyLock<IntGauge> = LazyLock::new(|| {

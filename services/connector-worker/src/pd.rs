@@ -62,6 +62,8 @@ pub struct PdRuntime {
     hold_ttl: Duration,
     /// D: handshaken remote engines, and reads that settled since the last step.
     agents: Option<Arc<RemoteAgents>>,
+    /// D: how long a remote engine's handshake is kept unused.
+    agent_idle: Duration,
     settled: Arc<Mutex<Vec<Settled>>>,
     /// D: writes reads into the requests' blocks of this worker's own cache region.
     writer: Option<LocalKv>,
@@ -173,6 +175,8 @@ pub struct PdSetup {
     pub backend: BackendConfig,
     pub weights_id: String,
     pub hold: Duration,
+    /// `kv_transfer.remote_agent_idle_s`.
+    pub remote_agent_idle: Duration,
     pub faults: FaultConfig,
     /// `kv_transfer.give_up_notices`.
     pub give_up_notices: bool,
@@ -240,6 +244,7 @@ impl PdRuntime {
             agent,
             hold_ttl: setup.hold,
             agents,
+            agent_idle: setup.remote_agent_idle,
             settled: Arc::new(Mutex::new(Vec::new())),
             writer,
             reads: Default::default(),
@@ -284,6 +289,29 @@ impl PdRuntime {
                 0
             }
         }
+    }
+
+    /// D: drop the cached handshakes of prefill engines unused for `remote_agent_idle_s`, or
+    /// whose side channel failed, unless a read still uses them; this unmaps P's cache (`shm`)
+    /// or closes its connections (`tcp`). Run on a timer: a D with no requests runs no steps,
+    /// and that is when a departed P's mapping would otherwise stay forever. Returns how many
+    /// were dropped.
+    pub fn evict_idle_agents(&self) -> usize {
+        let Some(agents) = &self.agents else { return 0 };
+        let evicted = agents.evict_idle(Instant::now(), self.agent_idle);
+        for engine in &evicted {
+            tracing::info!(%engine, idle_s = self.agent_idle.as_secs(),
+                "dropped the cached handshake of a prefill engine (unused, or its side channel failed)");
+        }
+        m::REMOTE_AGENTS_EVICTED.inc_by(evicted.len() as u64);
+        m::REMOTE_AGENTS.set(agents.engines().len() as i64);
+        evicted.len()
+    }
+
+    /// How often [`Self::evict_idle_agents`] runs: a fraction of the idle time, so an engine
+    /// goes at most a quarter later than its idle time says.
+    pub fn agent_sweep_period(&self) -> Option<Duration> {
+        self.agents.as_ref().map(|_| (self.agent_idle / 4).clamp(Duration::from_secs(1), Duration::from_secs(30)))
     }
 
     /// Apply the step's connector metadata: start holds (P) and reads (D).

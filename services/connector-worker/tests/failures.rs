@@ -35,6 +35,7 @@ fn setup(name: &str, produces: bool, port: u16, faults: &str) -> PdSetup {
         backend: BackendConfig::Shm,
         weights_id: "test-weights".into(),
         hold: Duration::from_secs(30),
+        remote_agent_idle: Duration::from_secs(600),
         faults: FaultConfig::parse(faults).unwrap(),
         give_up_notices: true,
     }
@@ -117,6 +118,11 @@ fn p_value(b: u32, l: usize, s: KvSide) -> f32 {
 }
 
 async fn pair(p_faults: &str, d_faults: &str) -> Pair {
+    pair_with(p_faults, d_faults, Duration::from_secs(600)).await
+}
+
+/// [`pair`] with D forgetting a prefill engine's handshake after `d_idle` unused.
+async fn pair_with(p_faults: &str, d_faults: &str, d_idle: Duration) -> Pair {
     let port = free_port();
     let tag = format!("{}-{port}", std::process::id());
     let p_region = ShmRegion::create_for_spec(&format!("pdmesh-failtest-p-{tag}"), &spec()).unwrap();
@@ -124,7 +130,8 @@ async fn pair(p_faults: &str, d_faults: &str) -> Pair {
     let p_memory = PdMemory::Host(p_region.path().to_path_buf());
     let d_memory = PdMemory::Host(d_region.path().to_path_buf());
     let p = PdRuntime::start(setup("p", true, port, p_faults), spec(), p_memory).await.unwrap();
-    let d = PdRuntime::start(setup("d", false, free_port(), d_faults), spec(), d_memory).await.unwrap();
+    let d_setup = PdSetup { remote_agent_idle: d_idle, ..setup("d", false, free_port(), d_faults) };
+    let d = PdRuntime::start(d_setup, spec(), d_memory).await.unwrap();
     let mut p_kv = p_region.into_kv_cache(spec()).unwrap();
     for b in [1, 2] {
         for l in 0..spec().num_layers as usize {
@@ -181,6 +188,39 @@ fn a_successful_receive_is_loaded_in_place_and_p_releases() {
         }
     }
     assert!(untouched(&d_kv, &[0, 1, 2, 5, 6, 7]));
+}
+
+/// D forgets a prefill engine nobody asked for during `remote_agent_idle_s`, unmapping P's
+/// cache, and the next request for it handshakes again and loads as before.
+#[test]
+fn an_idle_prefill_engine_is_unmapped_and_handshaken_again_when_needed() {
+    let system = actix::System::new();
+    system.block_on(async {
+        let idle = Duration::from_millis(50);
+        let pair = pair_with("", "", idle).await;
+        let p_path = format!("pdmesh-failtest-p-{}-{}", std::process::id(), pair.port);
+        let mappings = || {
+            let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+            maps.lines().filter(|l| l.contains(&p_path)).count()
+        };
+        let p_own = mappings();
+        for round in 0..2 {
+            let (p_meta, d_meta) = metas(pair.port);
+            pair.p.start_step(&p_meta, &Default::default());
+            let _ = pair.p.finish_step();
+            pair.d.start_step(&d_meta, &Default::default());
+            let (out, released) = run_until_settled(&pair.p, &pair.d).await;
+            assert_eq!(out.finished_recving, vec!["req-d".to_string()], "round {round}");
+            assert!(out.invalid_block_ids.is_empty(), "round {round}: loaded");
+            assert!(released, "round {round}");
+            assert_eq!(mappings(), p_own + 1, "round {round}: D maps P's cache");
+            tokio::time::sleep(idle * 2).await;
+            assert_eq!(pair.d.evict_idle_agents(), 1, "round {round}: unused for longer than the idle time");
+            assert_eq!(mappings(), p_own, "round {round}: unmapped");
+            assert_eq!(pair.d.evict_idle_agents(), 0);
+        }
+        assert_eq!(pair.p.evict_idle_agents(), 0, "P caches no handshakes");
+    });
 }
 
 #[test]

@@ -60,8 +60,14 @@ enum Ev {
         prompt: u32,
         max_tokens: u32,
     },
-    PStep,
-    DStep,
+    /// A step; with `fails`, its forward pass fails (the step's requests fail, and the
+    /// worker's connector output of that step is still applied, as the engine does).
+    PStep {
+        fails: bool,
+    },
+    DStep {
+        fails: bool,
+    },
     /// The router hands P's answer to D.
     Forward {
         i: usize,
@@ -119,8 +125,10 @@ enum Ev {
 fn ev() -> impl Strategy<Value = Ev> {
     prop_oneof![
         4 => (1u32..40, 1u32..5).prop_map(|(prompt, max_tokens)| Ev::New { prompt, max_tokens }),
-        6 => Just(Ev::PStep),
-        6 => Just(Ev::DStep),
+        6 => Just(Ev::PStep { fails: false }),
+        6 => Just(Ev::DStep { fails: false }),
+        1 => Just(Ev::PStep { fails: true }),
+        1 => Just(Ev::DStep { fails: true }),
         4 => any::<usize>().prop_map(|i| Ev::Forward { i }),
         1 => (any::<usize>(), any::<bool>()).prop_map(|(i, fast)| Ev::Reject { i, fast }),
         1 => any::<usize>().prop_map(|i| Ev::Release { i }),
@@ -271,9 +279,11 @@ impl Node {
 
     /// Steps 5–7 of `run_step`, after the worker ran: sampled tokens, `request_finished`, the
     /// worker's connector output, outputs (P's hand-offs wait one more step).
-    fn end(&mut self, p: Pending, kv: KvConnectorOutput) -> Result<Vec<EngineOutput>, TestCaseError> {
+    fn end(&mut self, p: Pending, kv: KvConnectorOutput, fails: bool) -> Result<Vec<EngineOutput>, TestCaseError> {
         let mut outputs = p.outputs;
-        if p.run {
+        if p.run && fails && !p.chunks.is_empty() {
+            self.sched.fail_requests(&Scheduler::ids_of(&p.chunks), "worker error: injected");
+        } else if p.run {
             let sampled = p
                 .chunks
                 .iter()
@@ -394,7 +404,7 @@ impl World {
         }
     }
 
-    fn p_step(&mut self) -> Result<(), TestCaseError> {
+    fn p_step(&mut self, fails: bool) -> Result<(), TestCaseError> {
         let pending = self.p.begin()?;
         let mut kv = KvConnectorOutput::default();
         if pending.run {
@@ -404,7 +414,7 @@ impl World {
             });
             producer_finish_step(&mut self.table, now, &mut kv);
         }
-        for o in self.p.end(pending, kv)? {
+        for o in self.p.end(pending, kv, fails)? {
             if let Some(params) = o.kv_transfer_params.filter(KvTransferParams::wants_remote_prefill) {
                 prop_assert!(o.error.is_none());
                 self.ready.push(Handoff { id: o.request_id, params });
@@ -413,14 +423,14 @@ impl World {
         Ok(())
     }
 
-    fn d_step(&mut self) -> Result<(), TestCaseError> {
+    fn d_step(&mut self, fails: bool) -> Result<(), TestCaseError> {
         let pending = self.d.begin()?;
         let mut kv = KvConnectorOutput::default();
         if pending.run {
             self.d_worker_start(&pending.meta);
             kv = self.d_worker_finish()?;
         }
-        self.d.end(pending, kv)?;
+        self.d.end(pending, kv, fails)?;
         Ok(())
     }
 
@@ -580,8 +590,8 @@ impl World {
                 self.prompts.insert(id.clone(), (tokens, *max_tokens));
                 self.ids.push(id);
             }
-            Ev::PStep => self.p_step()?,
-            Ev::DStep => self.d_step()?,
+            Ev::PStep { fails } => self.p_step(*fails)?,
+            Ev::DStep { fails } => self.d_step(*fails)?,
             Ev::Forward { i } => {
                 if let Some(i) = pick(*i, self.ready.len()) {
                     let h = self.ready.remove(i);
@@ -740,8 +750,8 @@ impl World {
                     self.read_done(0)?;
                 }
             }
-            self.p_step()?;
-            self.d_step()?;
+            self.p_step(false)?;
+            self.d_step(false)?;
             self.check()?;
             let quiet = self.p.quiet()
                 && self.d.quiet()

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use pdmesh_config::{NodeConfig, Topology};
 use pdmesh_protocol::{
-    ConnectorCall, ConnectorReply, EngineOutput, EngineOutputBatch, EngineRequest, Envelope, FinishReason, Hello,
-    KvConnectorMetadata, KvConnectorOutput, MeshStats, Message, SchedulerOutput, ServiceKind, WorkerInfo,
+    ConnectorCall, ConnectorReply, EngineOutput, EngineOutputBatch, EngineRequest, Envelope, ErrorClass, FinishReason,
+    Hello, KvConnectorMetadata, KvConnectorOutput, MeshStats, Message, SchedulerOutput, ServiceKind, WorkerInfo,
 };
 use pdmesh_transport::{connect_dealer, connect_push, LinkConfig, LinkEvent, LinkHandle, PushHandle, TransportError};
 use thiserror::Error;
@@ -417,7 +417,19 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
         let mut st = state.borrow_mut();
         match res {
             Ok(Envelope { body: Message::StepResult(out), .. }) => {
-                st.sched.update_from_output(&chunks, &out);
+                match &out.failure {
+                    None => st.sched.update_from_output(&chunks, &out),
+                    Some(e) => {
+                        m::STEP_FAILURES.with_label_values(&["connector-worker"]).inc();
+                        tracing::error!(error = %e.message, "worker failed the step");
+                        let reason = match e.class {
+                            ErrorClass::Unavailable => format!("unavailable: connector-worker: {}", e.message),
+                            _ => format!("worker error: {}", e.message),
+                        };
+                        st.sched.fail_requests(&Scheduler::ids_of(&chunks), &reason);
+                    }
+                }
+                // Applied whether or not the model ran: the holds and loads it reports ended.
                 kv_output = out.kv_connector_output;
             }
             Ok(Envelope { body: Message::Error(e), .. }) => {

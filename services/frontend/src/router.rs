@@ -400,6 +400,7 @@ pub async fn run_router(topology: Topology, node_name: String) -> Result<(), Fro
             .route("/v1/chat/completions", web::post().to(chat))
             .route("/v1/models", web::get().to(passthrough_get))
             .route("/health", web::get().to(health))
+            .route("/live", web::get().to(pdmesh_telemetry::ops::live))
             .route("/metrics", web::get().to(pdmesh_telemetry::metrics::metrics_handler))
     })
     .tcp_nodelay(true)

@@ -119,6 +119,7 @@ pub fn app(
         .service(web::resource("/v1/kv/release").route(web::post().to(handlers::kv_release)))
         .service(web::resource("/v1/models").route(web::get().to(handlers::admin::models)))
         .service(web::resource("/health").route(web::get().to(handlers::admin::health)))
+        .service(web::resource("/live").route(web::get().to(pdmesh_telemetry::ops::live)))
         .service(web::resource("/metrics").route(web::get().to(pdmesh_telemetry::metrics::metrics_handler)))
         .service(web::resource("/debug/kv").route(web::get().to(handlers::admin::debug_kv)))
         .service(web::resource("/debug/engines").route(web::get().to(handlers::admin::debug_engines)))

@@ -595,6 +595,10 @@ async fn link_down_fails_requests_in_flight_and_health() {
     let (s, b) = get(&h, "/health").await;
     assert_eq!(s, 503);
     assert_eq!(json_of(&b)["error"]["code"], 503);
+    // not ready, but alive: an orchestrator must not restart the frontend for its dp-lb
+    let (s, b) = get(&h, "/live").await;
+    assert_eq!(s, 200);
+    assert_eq!(json_of(&b), json!({"status": "alive"}));
     let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x"}), &[]).await;
     assert_eq!(s, 503);
     assert!(json_of(&b)["error"]["message"].as_str().unwrap().starts_with("engine unavailable: "));

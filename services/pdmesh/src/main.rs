@@ -99,11 +99,25 @@ fn main() -> anyhow::Result<()> {
             let node = topo.node(&a.node)?.clone();
             let (facts, factory, placement) = model::executor_factory(&node).context("preparing the model")?;
             let worker = pdmesh_connector_worker::run(&topo, &a.node, a.rank, factory, facts, placement).await?;
-            wait_for_shutdown().await;
+            let device_lost = async {
+                match worker.device_lost.await {
+                    Ok(why) => why,
+                    // the actor is gone without a loss to report: wait for the signal
+                    Err(_) => std::future::pending().await,
+                }
+            };
+            let lost = tokio::select! {
+                () = wait_for_shutdown() => None,
+                why = device_lost => Some(why),
+            };
             // D gives P's blocks back before it goes (R4), while its sockets still work.
-            pdmesh_connector_worker::shutdown(&worker).await;
+            pdmesh_connector_worker::shutdown(&worker.actor).await;
             pdmesh_connector_worker::cleanup_shm();
-            Ok(())
+            match lost {
+                // Exit with an error: `pdmesh up`, compose or Kubernetes start a fresh process.
+                Some(why) => Err(anyhow::anyhow!("the accelerator is lost ({why}); exiting to be restarted")),
+                None => Ok(()),
+            }
         }),
     }
 }

@@ -137,6 +137,11 @@ pub struct KvTransferConfig {
     pub kv_lease_duration_s: u64,
     #[serde(default = "default_abort_timeout_s")]
     pub abort_request_timeout_s: u64,
+    /// D: drop a prefill engine's cached handshake (and with it the mapping of P's cache or
+    /// the data connections) after this long without a request for that engine, so engines
+    /// that went away are not kept mapped; a later request handshakes again.
+    #[serde(default = "default_remote_agent_idle_s")]
+    pub remote_agent_idle_s: u64,
     /// Rule R1: D notifies P when it refuses a remote-prefill request before admission
     /// (`false` only to measure the deadline-only baseline).
     #[serde(default = "yes")]
@@ -178,6 +183,9 @@ fn default_lease_s() -> u64 {
 }
 fn default_abort_timeout_s() -> u64 {
     480
+}
+fn default_remote_agent_idle_s() -> u64 {
+    600
 }
 
 impl KvTransferConfig {
@@ -300,6 +308,12 @@ pub struct ModelConfig {
     /// Synthetic executor: microseconds of simulated compute per step.
     #[serde(default)]
     pub per_step_cost_us: u64,
+    /// Fault injection for the executor of this node's workers, any model: `step_error_every=N`
+    /// (every N-th forward pass fails) or `device_lost_at_step=N` (the N-th and every later one
+    /// fails as a lost accelerator, and the worker exits to be restarted). Empty: none.
+    /// `PDMESH_EXECUTOR_FAULT` overrides it for one process.
+    #[serde(default)]
+    pub fault_injection: String,
 }
 
 impl Default for ModelConfig {
@@ -311,6 +325,7 @@ impl Default for ModelConfig {
             device: default_model_device(),
             per_token_cost_us: 0,
             per_step_cost_us: 0,
+            fault_injection: String::new(),
         }
     }
 }
@@ -538,7 +553,8 @@ impl Topology {
     }
 
     /// Apply the per-process overrides from the environment (`PDMESH_RUN_DIR`,
-    /// `PDMESH_FAULT`, `PDMESH_KV_LOAD_FAILURE_POLICY`, `PDMESH_GIVE_UP_NOTICES`) to every node
+    /// `PDMESH_FAULT`, `PDMESH_EXECUTOR_FAULT`, `PDMESH_KV_LOAD_FAILURE_POLICY`,
+    /// `PDMESH_GIVE_UP_NOTICES`, `PDMESH_MODEL_DEVICE`, `PDMESH_KV_BACKEND`) to every node
     /// that has the section they change. A service process serves one node, so the override
     /// acts on that node; set on `pdmesh up` it reaches every child.
     pub fn apply_env(&mut self) -> Result<(), ConfigError> {
@@ -579,6 +595,11 @@ impl Topology {
         if let Some(device) = env::get(env::MODEL_DEVICE) {
             for node in &mut self.nodes {
                 node.model.device = device.clone();
+            }
+        }
+        if let Some(fault) = env::get(env::EXECUTOR_FAULT) {
+            for node in &mut self.nodes {
+                node.model.fault_injection = fault.clone();
             }
         }
         let backend = match env::get(env::KV_BACKEND) {

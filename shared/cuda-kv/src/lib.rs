@@ -46,6 +46,39 @@ pub enum CudaIpcError {
     OutOfRegion { offset: usize, len: usize, total: usize },
 }
 
+impl CudaIpcError {
+    /// The driver's result code behind this error, where the driver reported one.
+    pub fn driver_code(&self) -> Option<sys::CUresult> {
+        match self {
+            Self::Driver { source, .. } => Some(source.0),
+            _ => None,
+        }
+    }
+}
+
+/// Whether a driver error leaves the context unusable for the rest of the process. CUDA calls
+/// these "sticky": after a kernel faults (illegal address or instruction, misaligned or
+/// out-of-space access, a bad PC, a launch failure) or the hardware reports an uncorrectable
+/// error, every later call in that process fails, and only a new process gets a working
+/// context. Anything else (out of memory, a bad argument, a handle another process closed)
+/// fails one call and leaves the context usable.
+pub fn is_sticky(code: sys::CUresult) -> bool {
+    use sys::CUresult as E;
+    matches!(
+        code,
+        E::CUDA_ERROR_ILLEGAL_ADDRESS
+            | E::CUDA_ERROR_ILLEGAL_INSTRUCTION
+            | E::CUDA_ERROR_MISALIGNED_ADDRESS
+            | E::CUDA_ERROR_INVALID_ADDRESS_SPACE
+            | E::CUDA_ERROR_INVALID_PC
+            | E::CUDA_ERROR_LAUNCH_FAILED
+            | E::CUDA_ERROR_HARDWARE_STACK_ERROR
+            | E::CUDA_ERROR_ECC_UNCORRECTABLE
+            | E::CUDA_ERROR_NVLINK_UNCORRECTABLE
+            | E::CUDA_ERROR_CONTEXT_IS_DESTROYED
+    )
+}
+
 fn check(what: &'static str, r: sys::CUresult) -> Result<(), CudaIpcError> {
     r.result().map_err(|source| CudaIpcError::Driver { what, source })
 }
@@ -434,5 +467,19 @@ mod tests {
         assert_eq!(IpcHandle::from_hex(&h.to_hex()), Some(h));
         assert_eq!(IpcHandle::from_hex("zz"), None);
         assert_eq!(IpcHandle::from_hex(&"g".repeat(128)), None);
+    }
+
+    #[test]
+    fn only_errors_that_poison_the_context_are_sticky() {
+        assert!(is_sticky(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert!(is_sticky(sys::CUresult::CUDA_ERROR_LAUNCH_FAILED));
+        assert!(!is_sticky(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+        assert!(!is_sticky(sys::CUresult::CUDA_ERROR_INVALID_VALUE));
+        let e = CudaIpcError::Driver {
+            what: "test",
+            source: cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
+        };
+        assert_eq!(e.driver_code(), Some(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS));
+        assert_eq!(CudaIpcError::NoDriver.driver_code(), None);
     }
 }

@@ -870,14 +870,25 @@ fn copy_from_region(
 /// One [`RemoteAgent`] per remote engine, handshaken on first use. A failed handshake is not
 /// cached (the next call tries again), and an agent whose side channel failed is replaced.
 /// Concurrent first uses of one engine share one handshake.
+///
+/// A cached agent keeps P's data plane open: the `shm` mapping of P's whole KV cache (which
+/// keeps those pages in memory even after P exits and its file is unlinked), the `tcp`
+/// connections, or the CUDA IPC mapping. [`RemoteAgents::evict_idle`] drops agents nobody has
+/// asked for in a while, so the prefill engines that went away (scaled down, replaced under
+/// another engine id) do not stay mapped in every decode worker for its lifetime.
 #[derive(Debug)]
 pub struct RemoteAgents {
     client: TransferClient,
     slots: std::sync::Mutex<HashMap<String, AgentSlot>>,
 }
 
-/// One engine's cached agent; the async lock makes concurrent first uses share a handshake.
-type AgentSlot = Arc<AsyncMutex<Option<Arc<RemoteAgent>>>>;
+/// One engine's cached agent, and when it was last asked for.
+#[derive(Debug)]
+struct AgentSlot {
+    /// The async lock makes concurrent first uses share a handshake.
+    cell: Arc<AsyncMutex<Option<Arc<RemoteAgent>>>>,
+    last_used: Instant,
+}
 
 impl RemoteAgents {
     pub fn new(client: TransferClient) -> Self {
@@ -888,34 +899,67 @@ impl RemoteAgents {
         &self.client
     }
 
+    fn lock_slots(&self) -> std::sync::MutexGuard<'_, HashMap<String, AgentSlot>> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// The agent for `engine_id` at `endpoint`, handshaking if there is none yet, if the cached
     /// one is unhealthy, or if the engine moved to another endpoint.
     pub async fn get(&self, engine_id: &str, endpoint: &str) -> Result<Arc<RemoteAgent>, HandshakeError> {
-        let slot = {
-            let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-            slots.entry(engine_id.to_string()).or_default().clone()
+        let cell = {
+            let mut slots = self.lock_slots();
+            let slot = slots
+                .entry(engine_id.to_string())
+                .or_insert_with(|| AgentSlot { cell: Arc::default(), last_used: Instant::now() });
+            slot.last_used = Instant::now();
+            slot.cell.clone()
         };
-        let mut slot = slot.lock().await;
-        if let Some(agent) = slot.as_ref() {
+        let mut cell = cell.lock().await;
+        if let Some(agent) = cell.as_ref() {
             if agent.is_healthy() && agent.endpoint() == endpoint {
                 return Ok(agent.clone());
             }
         }
-        *slot = None;
+        *cell = None;
         let agent = Arc::new(self.client.handshake(endpoint, engine_id).await?);
-        *slot = Some(agent.clone());
+        *cell = Some(agent.clone());
         Ok(agent)
     }
 
     /// Forget the agent of `engine_id` (e.g. after a read failed in a way that suggests P
     /// restarted), so the next `get` handshakes again.
     pub fn invalidate(&self, engine_id: &str) {
-        self.slots.lock().unwrap_or_else(|p| p.into_inner()).remove(engine_id);
+        self.lock_slots().remove(engine_id);
     }
 
     /// Engines with a cached agent slot.
     pub fn engines(&self) -> Vec<String> {
-        self.slots.lock().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect()
+        self.lock_slots().keys().cloned().collect()
+    }
+
+    /// Drop the agents that nobody uses now and that either were not asked for during `idle`
+    /// (before `now`) or whose side channel failed; dropping one closes its data plane (unmaps
+    /// P's cache). An agent a caller still holds (a read in flight), or a slot a handshake is
+    /// running in, is kept whatever its age. Returns the engines dropped.
+    pub fn evict_idle(&self, now: Instant, idle: Duration) -> Vec<String> {
+        let mut evicted = Vec::new();
+        self.lock_slots().retain(|engine, slot| {
+            // Another holder of the cell is a `get` between taking it and locking it.
+            if Arc::strong_count(&slot.cell) > 1 {
+                return true;
+            }
+            let Ok(cell) = slot.cell.try_lock() else { return true };
+            let idle_for = now.saturating_duration_since(slot.last_used);
+            let keep = match cell.as_ref() {
+                Some(agent) => Arc::strong_count(agent) > 1 || (agent.is_healthy() && idle_for < idle),
+                None => idle_for < idle,
+            };
+            if !keep {
+                evicted.push(engine.clone());
+            }
+            keep
+        });
+        evicted
     }
 }
 

@@ -187,6 +187,44 @@ async fn remote_agents_cache_success_and_retry_failure() {
     assert!(agents.get("p-0", &endpoint).await.is_err());
 }
 
+/// An agent nobody asked for during the idle time, or whose side channel failed, is dropped
+/// with its data plane: D's mapping of P's cache goes (which is what keeps a departed P's
+/// pages in memory); one in use is kept whatever its age.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_failed_agents_are_dropped_with_their_mapping() {
+    let idle = Duration::from_secs(60);
+    let agents = RemoteAgents::new(client_for(spec(4), ""));
+    let p = producer(BackendConfig::Shm, "", 4).await;
+    let mappings = |path: &std::path::Path| {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        // a mapping of an unlinked file ends in " (deleted)"
+        maps.lines().filter(|l| l.contains(path.to_str().unwrap())).count()
+    };
+    let p_own = mappings(&p.region);
+    let agent = agents.get("p-0", &p.endpoint()).await.unwrap();
+    assert_eq!(mappings(&p.region), p_own + 1, "D maps P's cache at the handshake");
+    let much_later = Instant::now() + Duration::from_secs(3600);
+    assert!(agents.evict_idle(much_later, idle).is_empty(), "an agent in use is kept");
+    drop(agent);
+    assert!(agents.evict_idle(Instant::now(), idle).is_empty(), "a recently used agent is kept");
+    assert_eq!(agents.evict_idle(much_later, idle), vec!["p-0".to_string()]);
+    assert!(agents.engines().is_empty());
+    assert_eq!(mappings(&p.region), p_own, "the mapping went with the agent");
+
+    // Asked for again: a second handshake, then P goes away and a call fails.
+    let agent = agents.get("p-0", &p.endpoint()).await.unwrap();
+    assert_eq!(p.agent.stats().metadata_requests.load(std::sync::atomic::Ordering::Relaxed), 2);
+    let region = p.region.clone();
+    drop(p);
+    assert!(agent.heartbeat(&["x".into()]).await.is_err());
+    assert!(!agent.is_healthy());
+    assert!(agents.evict_idle(Instant::now(), idle).is_empty(), "a failed agent still in use is kept");
+    assert_eq!(mappings(&region), 1, "P's cache stays mapped in D after P went");
+    drop(agent);
+    assert_eq!(agents.evict_idle(Instant::now(), idle), vec!["p-0".to_string()], "a failed agent goes at once");
+    assert_eq!(mappings(&region), 0, "nothing of the departed P stays mapped");
+}
+
 fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     l.local_addr().unwrap().port()

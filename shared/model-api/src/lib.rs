@@ -33,7 +33,7 @@ pub struct ModelFacts {
 }
 
 /// Why a step could not run. The worker reports it to engine-core, which fails the step's
-/// requests with a clear error; it never takes the process down.
+/// requests with a clear error. Only [`ExecutorError::DeviceLost`] ends the worker process.
 #[derive(Debug, Error)]
 pub enum ExecutorError {
     #[error("block {block} is outside the KV cache ({num_blocks} blocks)")]
@@ -44,6 +44,19 @@ pub enum ExecutorError {
     TokenOutOfRange { token: u32, vocab: u32 },
     #[error("model failure: {0}")]
     Model(String),
+    /// The accelerator is unusable for the rest of this process: a CUDA "sticky" error (an
+    /// illegal address, a kernel that faulted, an uncorrectable ECC error) poisons the context,
+    /// and every later call fails. The worker fails the step, gives back what it holds and
+    /// exits, so that its supervisor starts a fresh process on a fresh context.
+    #[error("accelerator lost: {0}")]
+    DeviceLost(String),
+}
+
+impl ExecutorError {
+    /// Whether no later step of this process can succeed.
+    pub fn is_device_lost(&self) -> bool {
+        matches!(self, Self::DeviceLost(_))
+    }
 }
 
 /// Runs the model for one engine step.

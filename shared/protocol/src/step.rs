@@ -73,6 +73,12 @@ pub struct ModelRunnerOutput {
     /// Microseconds the executor spent in the forward pass (for metrics and benchmarks).
     #[serde(default)]
     pub execute_us: u64,
+    /// The forward pass failed: every request scheduled in the step fails with this error,
+    /// and `sampled` is empty. The connector output is still the step's and must be applied:
+    /// holds that ended and loads that settled are facts whether or not the model ran, and
+    /// dropping them would strand P's blocks and leave D's requests waiting for ever.
+    #[serde(default)]
+    pub failure: Option<crate::WireError>,
 }
 
 /// Geometry of a worker's KV cache and facts about its model, read by engine-core at start.

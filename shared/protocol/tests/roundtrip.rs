@@ -138,6 +138,14 @@ fn every_message() -> Vec<Message> {
             sampled: vec![SampledToken { request_id: "r".into(), token_id: 3, logprobs: Some(logprobs) }],
             kv_connector_output: kv_out.clone(),
             execute_us: 5,
+            failure: None,
+        }),
+        Message::StepResult(ModelRunnerOutput {
+            step_id: 10,
+            sampled: vec![],
+            kv_connector_output: kv_out.clone(),
+            execute_us: 0,
+            failure: Some(WireError::new(ErrorClass::Unavailable, "accelerator lost")),
         }),
         Message::ConnectorCalls(vec![
             ConnectorCall::GetNumNewMatchedTokens {

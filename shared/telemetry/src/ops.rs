@@ -1,5 +1,12 @@
-//! The small HTTP server every non-frontend service runs for operators: `/metrics` and
-//! `/health`. (The frontend serves both on its API port.)
+//! The small HTTP server every non-frontend service runs for operators: `/metrics`, `/health`
+//! and `/live`. (The frontend serves all three on its API port.)
+//!
+//! `/health` is readiness: 200 only while the service can do its job, which depends on its
+//! peers (an engine-core is not ready while its worker reloads the model). `/live` is
+//! liveness: 200 whenever the process answers HTTP at all. Orchestrators restart a container
+//! whose liveness fails, so probing `/health` for liveness would restart a healthy dp-lb or
+//! frontend whenever a worker behind it takes long to load, and cascade one slow restart into
+//! many.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -27,20 +34,53 @@ async fn health(h: web::Data<Health>) -> HttpResponse {
     }
 }
 
+/// `GET /live`: the process is up and serving HTTP; says nothing about its peers.
+pub async fn live() -> HttpResponse {
+    HttpResponse::Ok().content_type("application/json").body("{\"status\":\"alive\"}")
+}
+
+/// The ops server's routes, over the service's readiness flag.
+fn routes(data: web::Data<Health>) -> impl FnOnce(&mut web::ServiceConfig) {
+    move |cfg| {
+        cfg.app_data(data)
+            .route("/metrics", web::get().to(crate::metrics::metrics_handler))
+            .route("/health", web::get().to(health))
+            .route("/live", web::get().to(live));
+    }
+}
+
 /// Start the ops server on `host:port` inside the current actix System. Errors (port in use)
 /// are returned so the service can fail its start-up with a clear message.
 pub fn spawn_ops_server(host: &str, port: u16, health_flag: Health) -> std::io::Result<()> {
     let data = web::Data::new(health_flag);
-    let server = HttpServer::new(move || {
-        App::new()
-            .app_data(data.clone())
-            .route("/metrics", web::get().to(crate::metrics::metrics_handler))
-            .route("/health", web::get().to(health))
-    })
-    .workers(1)
-    .disable_signals()
-    .bind((host, port))?
-    .run();
+    let server = HttpServer::new(move || App::new().configure(routes(data.clone())))
+        .workers(1)
+        .disable_signals()
+        .bind((host, port))?
+        .run();
     actix_web::rt::spawn(server);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use actix_web::test;
+
+    #[actix_web::test]
+    async fn live_answers_while_the_service_is_not_ready() {
+        let flag = Health::default();
+        let app = test::init_service(App::new().configure(routes(web::Data::new(flag.clone())))).await;
+        let status = |path: &'static str| {
+            let app = &app;
+            async move { test::call_service(app, test::TestRequest::get().uri(path).to_request()).await.status() }
+        };
+        assert_eq!(status("/health").await, 503);
+        assert_eq!(status("/live").await, 200);
+        flag.set_ready(true);
+        assert_eq!(status("/health").await, 200);
+        assert_eq!(status("/live").await, 200);
+        flag.set_ready(false);
+        assert_eq!(status("/health").await, 503, "readiness follows the flag back down");
+    }
 }

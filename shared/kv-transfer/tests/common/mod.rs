@@ -77,6 +77,8 @@ pub struct Producer {
     pub table: Arc<Mutex<HoldTable>>,
     pub kv: KvCache,
     pub spec: KvCacheSpec,
+    /// The file behind P's cache.
+    pub region: std::path::PathBuf,
 }
 
 pub fn tcp_backend() -> BackendConfig {
@@ -105,7 +107,7 @@ pub async fn producer_with(backend: BackendConfig, faults: &str, num_blocks: u32
     };
     let policy: SharedPolicy = table.clone();
     let agent = TransferAgent::start(config, &path, spec, policy).await.unwrap();
-    Producer { agent, table, kv, spec }
+    Producer { agent, table, kv, spec, region: path }
 }
 
 /// P's agent serving a GPU region exported as `ipc_handle` (the `cuda` backend), with an empty

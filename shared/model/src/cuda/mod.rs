@@ -52,8 +52,30 @@ fn cuda_err(what: &str, e: impl std::fmt::Display) -> ModelError {
     ModelError::Cuda(format!("{what}: {e}"))
 }
 
-fn exec_err(e: impl std::fmt::Display) -> ExecutorError {
-    ExecutorError::Model(format!("cuda: {e}"))
+/// A failed CUDA call, with the driver's result code where there is one.
+trait CudaFailure: std::fmt::Display {
+    fn driver_code(&self) -> Option<cudarc::driver::sys::CUresult>;
+}
+
+impl CudaFailure for cudarc::driver::DriverError {
+    fn driver_code(&self) -> Option<cudarc::driver::sys::CUresult> {
+        Some(self.0)
+    }
+}
+
+impl CudaFailure for pdmesh_cuda_kv::CudaIpcError {
+    fn driver_code(&self) -> Option<cudarc::driver::sys::CUresult> {
+        pdmesh_cuda_kv::CudaIpcError::driver_code(self)
+    }
+}
+
+/// A step's CUDA failure: a sticky one (the context is poisoned) is a lost device, and the
+/// worker exits to be restarted; any other fails the step's requests and nothing more.
+fn exec_err(e: impl CudaFailure) -> ExecutorError {
+    match e.driver_code() {
+        Some(code) if pdmesh_cuda_kv::is_sticky(code) => ExecutorError::DeviceLost(format!("cuda: {e}")),
+        _ => ExecutorError::Model(format!("cuda: {e}")),
+    }
 }
 
 /// Names of the kernels in `kernels.cu`.
