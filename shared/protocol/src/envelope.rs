@@ -9,7 +9,10 @@ use crate::Message;
 
 /// Version of the wire protocol. Bumped on any change that an older reader cannot tolerate
 /// (see `docs/PROTOCOL.md`); appended `#[serde(default)]` fields do not bump it.
-pub const PROTOCOL_VERSION: u16 = 1;
+///
+/// 2: a `StepResult` may report a failed forward pass (`ModelRunnerOutput::failure`); a
+/// version-1 engine would read it as a successful step that sampled nothing.
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// W3C trace context (<https://www.w3.org/TR/trace-context/>), carried on every hop so one
 /// client request is one trace across every process.
