@@ -141,25 +141,22 @@ impl Handler<RouterEvent> for WorkerActor {
                 let fut = self.executor.send(RunStep(step.clone()));
                 let step_id = step.step_id;
                 ctx.spawn(fut.into_actor(self).map(move |res, act, _| {
-                    // A failed step still carries its connector output (ModelRunnerOutput::failure).
-                    let failed = |error: WireError| ModelRunnerOutput {
-                        step_id,
-                        kv_connector_output: kv_out.clone(),
-                        failure: Some(error),
-                        ..Default::default()
-                    };
-                    let out = match res {
-                        Ok(Ok(mut out)) => {
-                            out.kv_connector_output = kv_out.clone();
-                            out
-                        }
+                    let result = match res {
+                        Ok(Ok(out)) => Ok(out),
                         Ok(Err(e)) if e.is_device_lost() => {
                             act.device_lost(&e.to_string());
-                            failed(WireError::new(ErrorClass::Unavailable, e.to_string()))
+                            Err(WireError::new(ErrorClass::Unavailable, e.to_string()))
                         }
-                        Ok(Err(e)) => failed(WireError::new(ErrorClass::Internal, e.to_string())),
-                        Err(e) => failed(WireError::new(ErrorClass::Unavailable, format!("executor thread: {e}"))),
+                        Ok(Err(e)) => Err(WireError::new(ErrorClass::Internal, e.to_string())),
+                        Err(e) => Err(WireError::new(ErrorClass::Unavailable, format!("executor thread: {e}"))),
                     };
+                    let mut out = result.unwrap_or_else(|error| ModelRunnerOutput {
+                        step_id,
+                        failure: Some(error),
+                        ..Default::default()
+                    });
+                    // Failed or not, the step carries its connector output (ModelRunnerOutput::failure).
+                    out.kv_connector_output = kv_out;
                     let _ = router.send(&peer, envelope.reply(Message::StepResult(out)));
                     drop(spans);
                 }));
