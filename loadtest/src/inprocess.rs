@@ -43,6 +43,7 @@ pub fn run(concurrency: usize, requests: usize, prompt_tokens: usize, max_tokens
             let prompt = (0..prompt_tokens).map(|i| (97 + (i + sent) % 26) as u32).collect();
             let req = EngineRequest {
                 request_id: id.clone(),
+                client_request_id: None,
                 prompt_token_ids: prompt,
                 sampling: SamplingParams { max_tokens, temperature: 0.0, ignore_eos: true, ..Default::default() },
                 eos_token_ids: vec![],

@@ -391,6 +391,10 @@ pub async fn run(
                 backend,
                 weights_id: facts.weights_id.clone(),
                 hold: cfg.hold_duration(),
+                hold_table: pdmesh_kv_transfer::HoldTableConfig {
+                    lease_ttl: cfg.read_lease(),
+                    heartbeat_extension: cfg.heartbeat_extension(),
+                },
                 remote_agent_idle: std::time::Duration::from_secs(cfg.remote_agent_idle_s.max(1)),
                 faults,
                 give_up_notices: cfg.give_up_notices,

@@ -175,6 +175,9 @@ pub struct PdSetup {
     pub backend: BackendConfig,
     pub weights_id: String,
     pub hold: Duration,
+    /// P's read-lease length and heartbeat extension (`kv_read_lease_s`,
+    /// `kv_lease_duration_s`).
+    pub hold_table: HoldTableConfig,
     /// `kv_transfer.remote_agent_idle_s`.
     pub remote_agent_idle: Duration,
     pub faults: FaultConfig,
@@ -199,7 +202,7 @@ impl PdRuntime {
         let mut hold = None;
         let mut agent = None;
         if setup.produces {
-            let table = Arc::new(Mutex::new(HoldTable::new(HoldTableConfig::default())));
+            let table = Arc::new(Mutex::new(HoldTable::new(setup.hold_table)));
             let policy: SharedPolicy = table.clone();
             let cfg = AgentConfig {
                 engine_id: setup.engine_id.clone(),

@@ -10,8 +10,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdmesh_connector_worker::pd::{PdMemory, PdRuntime, PdSetup};
 use pdmesh_kv_transfer::{
-    compat_hash, AgentConfig, BackendConfig, CompatInputs, FaultConfig, HoldTable, SharedPolicy, ShmRegion,
-    TransferAgent,
+    compat_hash, AgentConfig, BackendConfig, CompatInputs, FaultConfig, HoldTable, HoldTableConfig, SharedPolicy,
+    ShmRegion, TransferAgent,
 };
 use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{KvCache, KvCacheSpec};
@@ -35,6 +35,7 @@ fn setup(name: &str, produces: bool, port: u16, faults: &str) -> PdSetup {
         backend: BackendConfig::Shm,
         weights_id: "test-weights".into(),
         hold: Duration::from_secs(30),
+        hold_table: HoldTableConfig::default(),
         remote_agent_idle: Duration::from_secs(600),
         faults: FaultConfig::parse(faults).unwrap(),
         give_up_notices: true,
@@ -124,13 +125,18 @@ async fn pair(p_faults: &str, d_faults: &str) -> Pair {
 /// [`pair`] with D forgetting a prefill engine's handshake after `d_idle` unused.
 async fn pair_with(p_faults: &str, d_faults: &str, d_idle: Duration) -> Pair {
     let port = free_port();
+    let d_setup = PdSetup { remote_agent_idle: d_idle, ..setup("d", false, free_port(), d_faults) };
+    pair_from(setup("p", true, port, p_faults), d_setup, port).await
+}
+
+/// A pair from full setups; `port` is P's side-channel port.
+async fn pair_from(p_setup: PdSetup, d_setup: PdSetup, port: u16) -> Pair {
     let tag = format!("{}-{port}", std::process::id());
     let p_region = ShmRegion::create_for_spec(&format!("pdmesh-failtest-p-{tag}"), &spec()).unwrap();
     let d_region = ShmRegion::create_for_spec(&format!("pdmesh-failtest-d-{tag}"), &spec()).unwrap();
     let p_memory = PdMemory::Host(p_region.path().to_path_buf());
     let d_memory = PdMemory::Host(d_region.path().to_path_buf());
-    let p = PdRuntime::start(setup("p", true, port, p_faults), spec(), p_memory).await.unwrap();
-    let d_setup = PdSetup { remote_agent_idle: d_idle, ..setup("d", false, free_port(), d_faults) };
+    let p = PdRuntime::start(p_setup, spec(), p_memory).await.unwrap();
     let d = PdRuntime::start(d_setup, spec(), d_memory).await.unwrap();
     let mut p_kv = p_region.into_kv_cache(spec()).unwrap();
     for b in [1, 2] {
@@ -156,6 +162,36 @@ fn one_receive(p_faults: &str, d_faults: &str) -> (KvConnectorOutput, bool, KvCa
         let (out, released) = run_until_settled(&pair.p, &pair.d).await;
         (out, released, pair.d_kv)
     })
+}
+
+/// `kv_read_lease_s` reaches P's hold table: a read stalled (by D's own fault injection)
+/// longer than P's read lease loses its blocks — P releases them when the lease ends and
+/// refuses D's `read done`, so D reports the load failed — while the same stall under the
+/// default lease loads. Before the setting was honoured, every P used the default lease.
+#[test]
+fn ps_read_lease_setting_bounds_how_long_a_reader_keeps_the_blocks() {
+    let receive_with_lease = |lease: Duration| {
+        let system = actix::System::new();
+        system.block_on(async {
+            let port = free_port();
+            let p_setup = PdSetup {
+                hold_table: HoldTableConfig { lease_ttl: lease, ..Default::default() },
+                ..setup("p", true, port, "")
+            };
+            let pair = pair_from(p_setup, setup("d", false, free_port(), "delay_transfer_ms=600"), port).await;
+            let (p_meta, d_meta) = metas(pair.port);
+            pair.p.start_step(&p_meta, &Default::default());
+            let _ = pair.p.finish_step();
+            pair.d.start_step(&d_meta, &Default::default());
+            run_until_settled(&pair.p, &pair.d).await
+        })
+    };
+    let (out, p_released) = receive_with_lease(Duration::from_millis(100));
+    assert_failed_in_one_step(&out);
+    assert!(p_released, "P released the hold when the short lease ended");
+    let (out, p_released) = receive_with_lease(HoldTableConfig::default().lease_ttl);
+    assert!(out.invalid_block_ids.is_empty(), "under the default lease the stalled read still loads: {out:?}");
+    assert!(p_released);
 }
 
 fn assert_failed_in_one_step(out: &KvConnectorOutput) {

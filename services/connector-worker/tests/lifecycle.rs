@@ -576,6 +576,7 @@ impl World {
                 let tokens: Vec<u32> = (0..*prompt).map(|t| 10 + t).collect();
                 self.p.adds.push(EngineRequest {
                     request_id: id.clone(),
+                    client_request_id: None,
                     prompt_token_ids: tokens.clone(),
                     sampling: SamplingParams { max_tokens: 1, temperature: 0.0, ..Default::default() },
                     eos_token_ids: vec![EOS],
@@ -598,6 +599,7 @@ impl World {
                     let (tokens, max_tokens) = self.prompts.get(&h.id).cloned().unwrap_or_default();
                     self.d.adds.push(EngineRequest {
                         request_id: h.id,
+                        client_request_id: None,
                         prompt_token_ids: tokens,
                         sampling: SamplingParams { max_tokens, temperature: 0.0, ..Default::default() },
                         eos_token_ids: vec![EOS],

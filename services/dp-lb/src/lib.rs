@@ -10,6 +10,7 @@
 //!   `unavailable` error instead of hanging, and new requests avoid it.
 
 pub mod metrics;
+pub mod notices;
 pub mod policy;
 
 use std::collections::HashMap;
@@ -48,19 +49,30 @@ struct StatsGather {
     collected: MeshStats,
 }
 
+/// A request the dp-lb sent to a rank and has not seen finish.
+struct InFlight {
+    rank: u32,
+    /// P's params when the request reads its prompt's KV from a prefill node: if its rank is
+    /// lost before it finished, P is told to free them (rule R1 after admission).
+    remote_prefill: Option<pdmesh_protocol::KvTransferParams>,
+    trace: pdmesh_protocol::TraceContext,
+}
+
 /// The dp-lb actor.
 pub struct DpLb {
     dp_size: u32,
     ranks: Vec<RankLoad>,
     /// ZeroMQ identity of each connected rank.
     rank_peers: HashMap<PeerId, u32>,
-    in_flight: HashMap<String, u32>,
+    in_flight: HashMap<String, InFlight>,
     frontend: Option<RouterHandle>,
     engines: Option<RouterHandle>,
     outputs: Option<PushHandle>,
     stats: HashMap<u64, StatsGather>,
     next_corr: u64,
     health: pdmesh_telemetry::ops::Health,
+    /// Rejection notices that arrived while no rank was connected (rule R1).
+    pending_notices: notices::PendingNotices,
 }
 
 impl Actor for DpLb {
@@ -112,8 +124,8 @@ impl Handler<FromFrontend> for DpLb {
             }
             Message::Abort(a) => {
                 for id in &a.request_ids {
-                    match self.in_flight.get(id) {
-                        Some(&rank) => self.send_to_rank(
+                    match self.in_flight.get(id).map(|f| f.rank) {
+                        Some(rank) => self.send_to_rank(
                             rank,
                             Envelope::new(Message::Abort(pdmesh_protocol::AbortRequests {
                                 request_ids: vec![id.clone()],
@@ -129,21 +141,8 @@ impl Handler<FromFrontend> for DpLb {
             Message::RejectionNotice(n) => {
                 let id = n.params.remote_request_id.as_deref().unwrap_or("");
                 pdmesh_telemetry::trace::notice_hop("dp_lb", id, n.rejected_at_unix_us);
-                // Rule R1: without a rank header every rank gets it (the one that would have
-                // served the request is unknown); with one, only that rank.
-                let targets: Vec<u32> = match n.data_parallel_rank {
-                    Some(r) if r < self.dp_size => vec![r],
-                    Some(r) => {
-                        tracing::warn!(rank = r, "rejection notice for a rank outside dp_size; broadcasting");
-                        self.rank_peers.values().copied().collect()
-                    }
-                    None => self.rank_peers.values().copied().collect(),
-                };
-                let mode = if n.data_parallel_rank.is_some() { "pinned" } else { "broadcast" };
-                for rank in targets {
-                    m::NOTICES_FORWARDED.with_label_values(&[mode]).inc();
-                    self.send_to_rank(rank, envelope.clone());
-                }
+                let pinned = n.data_parallel_rank;
+                self.dispatch_notice(envelope.clone(), pinned);
             }
             Message::Ping => {
                 if let Some(f) = &self.frontend {
@@ -206,13 +205,53 @@ impl DpLb {
         if let Some(l) = self.ranks.get_mut(rank as usize) {
             l.pending += 1;
         }
-        self.in_flight.insert(id.clone(), rank);
+        let remote_prefill =
+            req.kv_transfer_params.clone().filter(pdmesh_protocol::KvTransferParams::wants_remote_prefill);
+        self.in_flight.insert(id.clone(), InFlight { rank, remote_prefill, trace: env.trace.clone() });
         m::IN_FLIGHT.set(self.in_flight.len() as i64);
         m::ROUTED.with_label_values(&[&rank.to_string()]).inc();
         tracing::info!(rank, "routed");
         let trace = pdmesh_telemetry::trace::outgoing(&tracing::Span::current(), &env.trace);
         self.send_to_rank(rank, Envelope::new(Message::AddRequest(req)).with_request_id(id).with_trace(trace));
         Message::Ack
+    }
+
+    /// Rule R1: a notice goes to the pinned rank if it is up, else to every connected rank
+    /// (any of them can free P); with none connected it waits for the first one.
+    fn dispatch_notice(&mut self, envelope: Envelope, pinned: Option<u32>) {
+        let connected: Vec<u32> = self.rank_peers.values().copied().collect();
+        let targets = notices::targets(pinned, &connected);
+        if targets.is_empty() {
+            tracing::warn!("rejection notice while no engine rank is connected; it waits for one");
+            m::NOTICES_FORWARDED.with_label_values(&["pending"]).inc();
+            self.pending_notices.push(envelope, std::time::Instant::now());
+            self.publish_pending();
+            return;
+        }
+        let mode = if targets.len() == 1 && pinned.is_some() { "pinned" } else { "broadcast" };
+        for rank in targets {
+            m::NOTICES_FORWARDED.with_label_values(&[mode]).inc();
+            self.send_to_rank(rank, envelope.clone());
+        }
+    }
+
+    fn publish_pending(&self) {
+        m::NOTICES_PENDING.set(self.pending_notices.len() as i64);
+        m::NOTICES_DROPPED.inc_by(self.pending_notices.dropped.saturating_sub(m::NOTICES_DROPPED.get()));
+    }
+
+    /// A rank connected: the notices that waited for one go to it.
+    fn flush_pending_notices(&mut self, rank: u32) {
+        if self.pending_notices.is_empty() {
+            return;
+        }
+        let pending = self.pending_notices.drain(std::time::Instant::now());
+        tracing::info!(rank, notices = pending.len(), "sending the rejection notices that waited for a rank");
+        for env in pending {
+            m::NOTICES_FORWARDED.with_label_values(&["after_wait"]).inc();
+            self.send_to_rank(rank, env);
+        }
+        self.publish_pending();
     }
 
     fn send_to_rank(&self, rank: u32, env: Envelope) {
@@ -263,7 +302,8 @@ impl DpLb {
         if let Some(l) = self.ranks.get_mut(rank as usize) {
             *l = RankLoad::default();
         }
-        let lost: Vec<String> = self.in_flight.iter().filter(|(_, &r)| r == rank).map(|(id, _)| id.clone()).collect();
+        let lost: Vec<String> =
+            self.in_flight.iter().filter(|(_, f)| f.rank == rank).map(|(id, _)| id.clone()).collect();
         tracing::error!(rank, in_flight = lost.len(), "engine rank lost; failing its in-flight requests");
         m::RANKS_UP.set(self.ranks.iter().filter(|l| l.connected).count() as i64);
         if lost.is_empty() {
@@ -283,7 +323,20 @@ impl DpLb {
             })
             .collect();
         for id in &lost {
-            self.in_flight.remove(id);
+            // Requests that would have read P's blocks: the lost rank can no longer say it gives
+            // up, so P is told from here (R1 after admission; a duplicate of the rank's own
+            // give-up, if its worker still sent one, is counted by P and harmless).
+            let Some(InFlight { remote_prefill: Some(params), trace, .. }) = self.in_flight.remove(id) else {
+                continue;
+            };
+            let notice = pdmesh_protocol::RejectionNotice {
+                params,
+                data_parallel_rank: None,
+                rejected_at_unix_us: Some(pdmesh_protocol::unix_micros()),
+                trace: trace.clone(),
+            };
+            tracing::info!(request_id = %id, "request lost with its rank; telling P to free its blocks");
+            self.dispatch_notice(Envelope::new(Message::RejectionNotice(notice)).with_trace(trace), None);
         }
         m::IN_FLIGHT.set(self.in_flight.len() as i64);
         m::FAILED_BY_RANK_LOSS.inc_by(lost.len() as u64);
@@ -318,6 +371,7 @@ impl Handler<FromEngines> for DpLb {
                     m::RANKS_UP.set(self.ranks.iter().filter(|l| l.connected).count() as i64);
                     self.health.set_ready(true);
                     tracing::info!(rank = h.rank, pid = h.pid, "engine rank connected");
+                    self.flush_pending_notices(h.rank);
                 }
                 Message::LoadReport(r) => {
                     if let Some(l) = self.ranks.get_mut(r.engine_rank as usize) {
@@ -399,6 +453,7 @@ pub async fn run(topology: &Topology, node_name: &str) -> Result<Addr<DpLb>, DpL
         stats: HashMap::new(),
         next_corr: 1,
         health,
+        pending_notices: notices::PendingNotices::default(),
     }
     .start();
     let fe_tag = Tag(actor.clone(), FromFrontend).start();

@@ -20,3 +20,12 @@ pub static OUTPUTS_DROPPED: LazyLock<IntCounter> =
 pub static NOTICES_FORWARDED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter_vec("pdmesh_dplb_rejection_notices_forwarded_total", "Rejection notices sent to ranks, by mode", &["mode"])
 });
+pub static NOTICES_PENDING: LazyLock<IntGauge> = LazyLock::new(|| {
+    gauge("pdmesh_dplb_rejection_notices_pending", "Rejection notices waiting for an engine rank to connect")
+});
+pub static NOTICES_DROPPED: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_dplb_rejection_notices_dropped_total",
+        "Rejection notices dropped unsent (no rank in time, or too many)",
+    )
+});

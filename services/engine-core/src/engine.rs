@@ -8,7 +8,8 @@ use actix::prelude::*;
 use pdmesh_config::{NodeConfig, Topology};
 use pdmesh_protocol::{
     ConnectorCall, ConnectorReply, EngineOutput, EngineOutputBatch, EngineRequest, Envelope, ErrorClass, FinishReason,
-    Hello, KvConnectorMetadata, KvConnectorOutput, MeshStats, Message, SchedulerOutput, ServiceKind, WorkerInfo,
+    Hello, KvConnectorMetadata, KvConnectorOutput, KvTransferParams, MeshStats, Message, RejectionNotice,
+    SchedulerOutput, ServiceKind, WorkerInfo,
 };
 use pdmesh_transport::{connect_dealer, connect_push, LinkConfig, LinkEvent, LinkHandle, PushHandle, TransportError};
 use thiserror::Error;
@@ -24,6 +25,8 @@ pub enum EngineError {
     BadRank { rank: u32, dp_size: u32 },
     #[error("ops server: {0}")]
     Ops(String),
+    #[error("engine.fault_injection: {0}")]
+    Faults(String),
 }
 
 /// Time allowed for one connector-scheduler round trip.
@@ -218,8 +221,13 @@ impl EngineCore {
         let Some(peers) = self.peers.clone() else { return };
         self.stepping = true;
         let state = self.state.clone();
-        ctx.spawn(run_step(state, peers).into_actor(self).map(|more, act, ctx| {
+        ctx.spawn(run_step(state, peers).into_actor(self).map(|(more, refused), act, ctx| {
             act.stepping = false;
+            // Rule R1 holds inside the engine too: a remote-prefill request it refused (too
+            // long, duplicate id...) after the dp-lb accepted it frees P at once.
+            for notice in refused {
+                act.notice_now(notice, ctx);
+            }
             match more {
                 StepNext::Now => ctx.notify(Tick),
                 StepNext::Soon => {
@@ -324,21 +332,32 @@ enum StepNext {
     Idle,
 }
 
-/// One engine step. The scheduler is borrowed only between awaits.
-async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
+/// One engine step. The scheduler is borrowed only between awaits. Returns what to do next
+/// and the rejection notices owed for remote-prefill requests the scheduler refused.
+async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> (StepNext, Vec<RejectionNotice>) {
     let started = Instant::now();
     // ---- 1. inputs
     let mut outputs: Vec<EngineOutput> = Vec::new();
+    let mut refused = Vec::new();
     {
         let mut st = state.borrow_mut();
         let adds = std::mem::take(&mut st.inbox.adds);
         let aborts = std::mem::take(&mut st.inbox.aborts);
         for req in adds {
             let id = req.request_id.clone();
+            let (params, rank) = (req.kv_transfer_params.clone(), st.rank);
             if let Err(e) = st.sched.add_request(req) {
-                m::REJECTED.inc();
+                m::REJECTED.with_label_values(&[e.label()]).inc();
                 tracing::warn!(request_id = %id, error = %e, "request refused");
                 outputs.push(error_output(&id, format!("invalid request: {e}")));
+                if let Some(params) = params.filter(KvTransferParams::wants_remote_prefill) {
+                    refused.push(RejectionNotice {
+                        params,
+                        data_parallel_rank: Some(rank),
+                        rejected_at_unix_us: Some(pdmesh_protocol::unix_micros()),
+                        trace: REQUEST_SPANS.contexts(std::iter::once(id.as_str())).remove(&id).unwrap_or_default(),
+                    });
+                }
             }
         }
         if !aborts.is_empty() {
@@ -526,7 +545,7 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
         let _ = dplb.send(Envelope::new(Message::LoadReport(load)));
     }
     m::STEP_SECONDS.observe(started.elapsed().as_secs_f64());
-    next
+    (next, refused)
 }
 
 fn publish_gauges(s: &Scheduler) {
@@ -603,7 +622,9 @@ pub fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<Engin
         return Err(EngineError::BadRank { rank, dp_size: node.dp_size });
     }
     let e = &node.engine;
-    let max_model_len = if e.max_model_len == 0 { 4096 } else { e.max_model_len };
+    // The engine does not load the model: without a configured length it allows the common
+    // 4096, cut (like the frontend's) to what the pool holds, so nothing it admits is too big.
+    let max_model_len = e.effective_max_model_len(if e.max_model_len == 0 { 4096 } else { e.max_model_len });
     let cfg = SchedulerConfig {
         block_size: e.block_size,
         num_blocks: e.num_blocks,
@@ -611,7 +632,12 @@ pub fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<Engin
         max_num_batched_tokens: e.max_num_batched_tokens,
         max_model_len,
     };
+    let faults = crate::scheduler::EngineFaults::parse(&e.fault_injection).map_err(EngineError::Faults)?;
+    if faults != Default::default() {
+        tracing::warn!(?faults, "engine fault injection is on");
+    }
     let mut sched = Scheduler::new(cfg);
+    sched.set_faults(faults);
     if let Some(kv) = &node.kv_transfer {
         sched.set_recompute_load_failures(kv.kv_load_failure_policy == pdmesh_config::KvLoadFailurePolicy::Recompute);
     }

@@ -45,8 +45,9 @@ pub static WORKER_RESTARTS: LazyLock<IntCounter> = LazyLock::new(|| {
 pub static STEP_FAILURES: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter_vec("pdmesh_engine_step_failures_total", "Steps whose peer call failed, by peer", &["peer"])
 });
-pub static REJECTED: LazyLock<IntCounter> =
-    LazyLock::new(|| counter("pdmesh_engine_requests_rejected_total", "Requests refused at admission"));
+pub static REJECTED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec("pdmesh_engine_requests_rejected_total", "Requests refused at admission, by reason", &["reason"])
+});
 pub static NOTICES: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter_vec("pdmesh_engine_rejection_notices_total", "Rejection notices received, by result", &["result"])
 });

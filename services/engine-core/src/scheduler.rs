@@ -49,6 +49,46 @@ pub enum AdmissionError {
     TooLong { prompt: u32, max: u32 },
     #[error("prompt needs {needed} KV blocks but the cache has {total}")]
     TooManyBlocks { needed: u32, total: u32 },
+    #[error("refused by fault injection (engine.fault_injection = refuse_admission_every={0})")]
+    Injected(u32),
+}
+
+/// The engine's own fault injection (`engine.fault_injection`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineFaults {
+    /// Refuse every N-th admission.
+    pub refuse_admission_every: Option<u32>,
+}
+
+impl EngineFaults {
+    /// Parse `refuse_admission_every=N` (empty: none). Unknown names are errors, so a typo
+    /// never silently turns a drill off.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut f = Self::default();
+        for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            match item.split_once('=') {
+                Some(("refuse_admission_every", n)) => match n.trim().parse::<u32>() {
+                    Ok(n) if n > 0 => f.refuse_admission_every = Some(n),
+                    _ => return Err(format!("refuse_admission_every needs a positive count, not {n:?}")),
+                },
+                _ => return Err(format!("unknown engine fault {item:?} (known: refuse_admission_every=N)")),
+            }
+        }
+        Ok(f)
+    }
+}
+
+impl AdmissionError {
+    /// A short label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            AdmissionError::DuplicateId(_) => "duplicate_id",
+            AdmissionError::EmptyPrompt => "empty_prompt",
+            AdmissionError::TooLong { .. } => "too_long",
+            AdmissionError::TooManyBlocks { .. } => "too_many_blocks",
+            AdmissionError::Injected(_) => "injected",
+        }
+    }
 }
 
 /// What one call to [`Scheduler::schedule`] produced.
@@ -117,6 +157,9 @@ pub struct Scheduler {
     counters: SchedulerCounters,
     /// `kv_load_failure_policy = recompute` (else `fail`, vLLM's default).
     recompute_load_failures: bool,
+    faults: EngineFaults,
+    /// Admissions asked for (for `refuse_admission_every`).
+    admissions: u64,
 }
 
 impl Scheduler {
@@ -139,7 +182,14 @@ impl Scheduler {
             outputs: Vec::new(),
             counters: SchedulerCounters::default(),
             recompute_load_failures: false,
+            faults: EngineFaults::default(),
+            admissions: 0,
         }
+    }
+
+    /// Turn on the engine's fault injection.
+    pub fn set_faults(&mut self, faults: EngineFaults) {
+        self.faults = faults;
     }
 
     /// `true`: a failed KV load is recomputed locally; `false`: the request fails.
@@ -161,7 +211,7 @@ impl Scheduler {
 
     /// Admit a request into the waiting queue.
     pub fn add_request(&mut self, req: EngineRequest) -> Result<(), AdmissionError> {
-        if self.requests.contains_key(&req.request_id) {
+        if self.id_in_use(&req.request_id) {
             return Err(AdmissionError::DuplicateId(req.request_id));
         }
         let prompt = req.prompt_token_ids.len() as u32;
@@ -175,10 +225,25 @@ impl Scheduler {
         if needed > self.pool.num_blocks() {
             return Err(AdmissionError::TooManyBlocks { needed, total: self.pool.num_blocks() });
         }
+        self.admissions += 1;
+        if let Some(n) = self.faults.refuse_admission_every {
+            if self.admissions.is_multiple_of(u64::from(n)) {
+                return Err(AdmissionError::Injected(n));
+            }
+        }
         let id = req.request_id.clone();
         self.requests.insert(id.clone(), Request::new(req));
         self.waiting.push_back(id);
         Ok(())
+    }
+
+    /// Whether `id` still names blocks here: a live request, a finished one whose blocks are
+    /// held for a remote reader, or one parked until its READ settles. Every table keyed by
+    /// request id (held, parked, the connector's and the hold table's) assumes one owner per
+    /// id, so a second request under a live id would alias the first one's blocks, and the
+    /// first one's would leak when the second one's entry overwrote it.
+    pub fn id_in_use(&self, id: &str) -> bool {
+        self.requests.contains_key(id) || self.held.contains_key(id) || self.free_on_recv.contains_key(id)
     }
 
     /// Abort requests (client disconnect, stop string). Unknown and already-finished ids are

@@ -1,7 +1,7 @@
 //! Scheduler state machine: batching, chunked prefill, preemption, aborts (R2), accounting (R5).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use pdmesh_engine_core::scheduler::{Scheduler, SchedulerConfig};
+use pdmesh_engine_core::scheduler::{AdmissionError, EngineFaults, Scheduler, SchedulerConfig};
 use pdmesh_protocol::{
     ConnectorCall, EngineRequest, FinishReason, KvConnectorOutput, KvTransferParams, ModelRunnerOutput, SampledToken,
     SamplingParams, ScheduledChunk,
@@ -14,6 +14,7 @@ fn cfg(num_blocks: u32, budget: u32) -> SchedulerConfig {
 fn req(id: &str, prompt_len: usize, max_tokens: u32) -> EngineRequest {
     EngineRequest {
         request_id: id.into(),
+        client_request_id: None,
         prompt_token_ids: (0..prompt_len as u32).map(|i| 10 + i).collect(),
         sampling: SamplingParams { max_tokens, temperature: 0.0, ..Default::default() },
         eos_token_ids: vec![2],
@@ -288,6 +289,59 @@ fn admission_refuses_bad_requests() {
     assert!(s.add_request(req("c", 20, 1)).is_err(), "needs more blocks than exist");
     s.add_request(req("d", 3, 1)).unwrap();
     assert!(s.add_request(req("d", 3, 1)).is_err(), "duplicate id");
+}
+
+/// A finished request whose blocks P holds for a reader still owns its id: a second request
+/// under it (a reused `X-Request-Id` that reached the engine unchanged) would overwrite the
+/// held entry, and the first request's blocks would never be freed (they leaked for good
+/// before the scheduler counted held ids as in use). It is refused instead, and the first
+/// request's blocks free as usual.
+#[test]
+fn a_held_request_id_cannot_be_admitted_again() {
+    let mut s = Scheduler::new(cfg(16, 64));
+    let mut r = req("p", 9, 1);
+    r.kv_transfer_params = Some(KvTransferParams { do_remote_decode: Some(true), ..Default::default() });
+    s.add_request(r.clone()).unwrap();
+    step_held(&mut s, "p");
+    assert_eq!(s.kv_usage().held_blocks, 3);
+    assert!(s.id_in_use("p"));
+    let refused = s.add_request(r).unwrap_err();
+    assert_eq!(refused, AdmissionError::DuplicateId("p".into()));
+    assert_eq!(refused.label(), "duplicate_id");
+    assert_eq!(s.kv_usage().held_blocks, 3, "the held request is untouched");
+    s.update_from_kv_output(&KvConnectorOutput { finished_sending: vec!["p".into()], ..Default::default() });
+    assert_eq!(s.kv_usage().free_blocks, 16, "and its blocks free once the reader is done");
+    assert!(!s.id_in_use("p"));
+    s.add_request(req("p", 3, 1)).unwrap();
+    check_accounting(&s);
+}
+
+/// Prefill `id` (one step, one sampled token) and hold its blocks as P's connector would.
+fn step_held(s: &mut Scheduler, id: &str) {
+    for call in s.match_queries() {
+        if let ConnectorCall::GetNumNewMatchedTokens { request_id, .. } = call {
+            s.apply_match(&request_id, Some(0), false);
+        }
+    }
+    let sched = s.schedule();
+    let sampled = vec![SampledToken { request_id: id.into(), token_id: 5, logprobs: None }];
+    s.update_from_output(&sched.chunks, &ModelRunnerOutput { step_id: 1, sampled, ..Default::default() });
+    finish_calls(s, true);
+}
+
+#[test]
+fn admission_fault_injection_refuses_every_nth_request() {
+    assert_eq!(EngineFaults::parse("").unwrap(), EngineFaults::default());
+    assert_eq!(EngineFaults::parse("refuse_admission_every=2").unwrap().refuse_admission_every, Some(2));
+    assert!(EngineFaults::parse("refuse_admission_every=0").is_err());
+    assert!(EngineFaults::parse("refuse_admision_every=2").is_err(), "a typo is an error, not silence");
+    let mut s = Scheduler::new(cfg(16, 64));
+    s.set_faults(EngineFaults::parse("refuse_admission_every=2").unwrap());
+    let results: Vec<bool> = (0..4).map(|i| s.add_request(req(&format!("r{i}"), 3, 1)).is_ok()).collect();
+    assert_eq!(results, vec![true, false, true, false]);
+    assert!(matches!(s.add_request(req("r5", 3, 1)), Ok(())));
+    assert_eq!(s.add_request(req("r6", 3, 1)).unwrap_err().label(), "injected");
+    assert!(!s.id_in_use("r1"), "a refused request leaves nothing behind");
 }
 
 /// D side: a request whose prompt comes from a remote prefill.

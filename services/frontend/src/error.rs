@@ -202,11 +202,15 @@ impl ApiError {
 
     /// A request the mesh failed after accepting it (`finish_reason = error`): 503 when the
     /// mesh says it was a capacity or liveness problem (message starts with "unavailable"),
-    /// 500 otherwise.
+    /// 400 when the engine refused the request itself at admission ("invalid request"), 500
+    /// otherwise.
     pub fn from_engine_failure(message: Option<&str>) -> Self {
         let message = message.unwrap_or("the engine failed the request");
-        if message.trim_start().to_ascii_lowercase().starts_with("unavailable") {
+        let lower = message.trim_start().to_ascii_lowercase();
+        if lower.starts_with("unavailable") {
             ApiError::Unavailable(message.to_string())
+        } else if lower.starts_with("invalid request") {
+            ApiError::invalid_request(message)
         } else {
             ApiError::EngineFailed(message.to_string())
         }

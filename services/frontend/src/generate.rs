@@ -35,7 +35,7 @@ pub enum Api {
 #[derive(Debug, Clone)]
 pub struct ResponseSettings {
     pub api: Api,
-    /// The engine request id (`X-Request-Id`).
+    /// The client's request id (`X-Request-Id`), echoed in the answer.
     pub request_id: String,
     pub created: u64,
     pub model: String,
@@ -104,7 +104,8 @@ pub fn prepare(
         prompt_tokens: u32::try_from(prompt_token_ids.len()).unwrap_or(u32::MAX),
     };
     let request = EngineRequest {
-        request_id: meta.request_id,
+        request_id: meta.engine_request_id,
+        client_request_id: Some(meta.request_id),
         prompt_token_ids,
         sampling,
         eos_token_ids: state.options.eos_token_ids.clone(),
@@ -116,7 +117,8 @@ pub fn prepare(
     // (the handler's ends when it returns a stream), holding the request's events.
     let span = tracing::info_span!(
         "frontend.generate",
-        request_id = %request.request_id,
+        request_id = %settings.request_id,
+        engine_request_id = %request.request_id,
         api = ?api,
         prompt_tokens = settings.prompt_tokens,
         max_tokens,
@@ -203,13 +205,14 @@ pub struct Accepted {
 /// Submit to the engine; errors are the mesh's refusals (before admission).
 pub async fn submit(state: &AppState, prepared: Prepared) -> Result<Accepted, ApiError> {
     let Prepared { settings, request, trace, arrival, span } = prepared;
+    let engine_request_id = request.request_id.clone();
     let ticket = next_ticket();
     let outputs =
         state.client.send(Submit { request, trace, ticket }).await.map_err(|e| {
             ApiError::Unavailable(format!("engine unavailable: the engine client is not running ({e})"))
         })??;
     PROMPT_TOKENS_TOTAL.inc_by(u64::from(settings.prompt_tokens));
-    let guard = RequestGuard::new(state.client.clone(), settings.request_id.clone(), ticket, arrival, span);
+    let guard = RequestGuard::new(state.client.clone(), engine_request_id, ticket, arrival, span);
     Ok(Accepted { settings, outputs, guard })
 }
 

@@ -13,11 +13,22 @@ pub const DATA_PARALLEL_RANK: &str = "x-data-parallel-rank";
 /// Longest accepted client request id.
 pub const MAX_REQUEST_ID_LEN: usize = 256;
 
+/// Sent by the router on its prefill leg: the suffix P's frontend gives the engine request id,
+/// so that the router can name P's request (to hand its blocks back) before P has answered.
+/// Only a suffix: the frontend still checks the whole id, and the engine refuses any id that
+/// still names blocks, so a client that sets it can collide with nothing but its own requests.
+pub const ENGINE_ID_SUFFIX: &str = "x-pdmesh-engine-id-suffix";
+
 /// What the headers of one generation request say.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RequestMeta {
-    /// The engine request id: the client's `X-Request-Id` as is, or a new uuid.
+    /// The client's request id: its `X-Request-Id` as sent, or a new uuid. Echoed in the
+    /// response header, the response `id`, logs and traces.
     pub request_id: String,
+    /// The engine request id: unique whatever the client sends (the client's id plus a
+    /// random suffix, as vLLM does), so that a retried or reused `X-Request-Id` can never
+    /// alias another request's blocks; P's `kv_transfer_params.remote_request_id` is this id.
+    pub engine_request_id: String,
     pub data_parallel_rank: Option<u32>,
     /// The context for the next hop (a child of the client's, or a new root).
     pub trace: TraceContext,
@@ -56,6 +67,27 @@ pub fn new_request_id() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
+/// A random engine-id suffix: 16 hex digits (60 random bits of a v4 uuid).
+pub fn new_engine_id_suffix() -> String {
+    let mut id = new_request_id();
+    id.truncate(16);
+    id
+}
+
+/// The engine request id for the client's `request_id`: `<client id>-<suffix>`, the suffix
+/// the router chose for its prefill leg when it is 16 hex digits, else a fresh random one.
+pub fn engine_request_id(request_id: &str, headers: &HeaderMap) -> String {
+    let routed = headers
+        .get(ENGINE_ID_SUFFIX)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|s| s.len() == 16 && s.bytes().all(|b| b.is_ascii_hexdigit()));
+    match routed {
+        Some(suffix) => format!("{request_id}-{}", suffix.to_ascii_lowercase()),
+        None => format!("{request_id}-{}", new_engine_id_suffix()),
+    }
+}
+
 /// `X-data-parallel-rank` as a number; anything else is a 400 (an out-of-range rank is the
 /// dp-lb's to refuse, since only it knows how many ranks there are).
 pub fn data_parallel_rank(headers: &HeaderMap) -> Result<Option<u32>, ApiError> {
@@ -87,10 +119,11 @@ pub fn client_trace(headers: &HeaderMap) -> TraceContext {
 pub fn request_meta(headers: &HeaderMap) -> Result<RequestMeta, (String, ApiError)> {
     let request_id = request_id(headers).map_err(|e| (new_request_id(), e))?;
     let data_parallel_rank = data_parallel_rank(headers).map_err(|e| (request_id.clone(), e))?;
+    let engine_request_id = engine_request_id(&request_id, headers);
     let parent = client_trace(headers);
     let trace = pdmesh_telemetry::trace::next_hop(&parent);
     let trace_id = pdmesh_telemetry::trace::trace_id(&trace);
-    Ok(RequestMeta { request_id, data_parallel_rank, trace, trace_id, parent })
+    Ok(RequestMeta { request_id, engine_request_id, data_parallel_rank, trace, trace_id, parent })
 }
 
 #[cfg(test)]

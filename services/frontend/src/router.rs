@@ -53,19 +53,40 @@ fn error(e: ApiError, request_id: &str) -> HttpResponse {
     crate::handlers::error_response(e, request_id)
 }
 
-/// Headers forwarded to both legs; `trace` is the leg's own context (its client span's, or a
-/// child of the client's when export is off).
+/// The client's header pinning the prefill leg to one of P's data-parallel ranks.
+pub const PREFILL_DP_RANK: &str = "x-prefill-data-parallel-rank";
+/// The client's header pinning the decode leg to one of D's data-parallel ranks (a plain
+/// `X-data-parallel-rank` does the same: the decode node is the one that answers).
+pub const DECODE_DP_RANK: &str = "x-decode-data-parallel-rank";
+
+/// Which leg of a P/D request a call is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leg {
+    Prefill,
+    Decode,
+}
+
+/// Headers forwarded to a leg; `trace` is the leg's own context (its client span's, or a
+/// child of the client's when export is off). P and D have their own ranks, so each leg gets
+/// only the rank meant for its node, as that node's `X-data-parallel-rank`.
 fn forward_headers(
     req: &HttpRequest,
     rb: reqwest::RequestBuilder,
     request_id: &str,
+    leg: Leg,
     trace: &TraceContext,
 ) -> reqwest::RequestBuilder {
     let mut rb = rb.header(REQUEST_ID, request_id);
-    for name in ["x-data-parallel-rank", "authorization"] {
-        if let Some(v) = req.headers().get(name).and_then(|v| v.to_str().ok()) {
-            rb = rb.header(name, v);
-        }
+    let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let rank = match leg {
+        Leg::Prefill => header(PREFILL_DP_RANK),
+        Leg::Decode => header(DECODE_DP_RANK).or_else(|| header(crate::headers::DATA_PARALLEL_RANK)),
+    };
+    if let Some(rank) = rank {
+        rb = rb.header(crate::headers::DATA_PARALLEL_RANK, rank);
+    }
+    if let Some(v) = header("authorization") {
+        rb = rb.header("authorization", v);
     }
     if let Some(tp) = &trace.traceparent {
         rb = rb.header("traceparent", tp);
@@ -85,12 +106,10 @@ fn request_span(req: &HttpRequest, request_id: &str, path: &str) -> (tracing::Sp
 }
 
 async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, path: &'static str) -> HttpResponse {
-    let request_id = req
-        .headers()
-        .get(REQUEST_ID)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string)
-        .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+    let request_id = match crate::headers::request_id(req.headers()) {
+        Ok(id) => id,
+        Err(e) => return error(e, &crate::headers::new_request_id()),
+    };
     let Ok(original) = serde_json::from_slice::<Value>(&body) else {
         return error(ApiError::invalid_request("request body is not valid JSON"), &request_id);
     };
@@ -119,18 +138,23 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     // them back so P frees at once (R4), not at its deadline. Before P answers it names P's
     // request by id (P's own abort covers a request still running; this covers one that just
     // finished and whose answer nobody will read).
+    // P's engine request id is the client's id plus a suffix the router picks, so the router
+    // can name it before P answers; P still makes it unique whatever the client sent.
+    let p_suffix = crate::headers::new_engine_id_suffix();
+    let p_engine_id = format!("{request_id}-{p_suffix}");
     let mut release = ReleaseOnDrop::new(
         &st.client,
         &p,
         &request_id,
-        &json!({"do_remote_prefill": true, "remote_request_id": request_id}),
+        &json!({"do_remote_prefill": true, "remote_request_id": p_engine_id}),
     );
     if !st.give_up_notices {
         release.disarm(); // deadline-only baseline: P frees at its hold deadline
     }
     let p_span = tracing::info_span!(parent: &span, "router.prefill", otel.kind = "client", upstream = %p);
     let p_trace = pdmesh_telemetry::trace::outgoing(&p_span, &client_trace);
-    let p_res = forward_headers(&req, st.client.post(format!("{p}{path}")), &request_id, &p_trace)
+    let p_res = forward_headers(&req, st.client.post(format!("{p}{path}")), &request_id, Leg::Prefill, &p_trace)
+        .header(crate::headers::ENGINE_ID_SUFFIX, p_suffix.as_str())
         .json(&p_body)
         .send()
         .instrument(p_span.clone())
@@ -167,7 +191,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     let stream = d_body["stream"].as_bool().unwrap_or(false);
     let d_span = tracing::info_span!(parent: &span, "router.decode", otel.kind = "client", upstream = %d, stream);
     let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, &client_trace);
-    let d_res = forward_headers(&req, st.client.post(format!("{d}{path}")), &request_id, &d_trace)
+    let d_res = forward_headers(&req, st.client.post(format!("{d}{path}")), &request_id, Leg::Decode, &d_trace)
         .json(&d_body)
         .send()
         .instrument(d_span.clone())

@@ -241,10 +241,20 @@ fn added(h: &Harness) -> Vec<Envelope> {
     h.seen.lock().unwrap().iter().filter(|e| matches!(e.body, WireMessage::AddRequest(_))).cloned().collect()
 }
 
+/// Whether `engine_id` is the engine request id the frontend made for the client's `client_id`
+/// (the client's id, a dash, 16 hex digits).
+fn is_engine_id_of(engine_id: &str, client_id: &str) -> bool {
+    engine_id
+        .strip_prefix(client_id)
+        .and_then(|rest| rest.strip_prefix('-'))
+        .is_some_and(|suffix| suffix.len() == 16 && suffix.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+/// Wait until the engine request of the client's request `id` is aborted.
 async fn wait_for_abort(h: &Harness, id: &str) -> bool {
     for _ in 0..300 {
         let aborted = h.seen.lock().unwrap().iter().any(|e| match &e.body {
-            WireMessage::Abort(a) => a.request_ids.iter().any(|r| r == id),
+            WireMessage::Abort(a) => a.request_ids.iter().any(|r| is_engine_id_of(r, id)),
             _ => false,
         });
         if aborted {
@@ -290,10 +300,11 @@ async fn completion_round_trip_follows_the_contract() {
 
     let sent = added(&h);
     assert_eq!(sent.len(), 1);
-    assert_eq!(sent[0].request_id.as_deref(), Some("req-1"));
     assert_eq!(pdmesh_telemetry::trace::trace_id(&sent[0].trace), "0af7651916cd43dd8448eb211c80319c");
     let WireMessage::AddRequest(req) = &sent[0].body else { unreachable!() };
-    assert_eq!(req.request_id, "req-1");
+    assert!(is_engine_id_of(&req.request_id, "req-1"), "{}", req.request_id);
+    assert_eq!(sent[0].request_id.as_deref(), Some(req.request_id.as_str()));
+    assert_eq!(req.client_request_id.as_deref(), Some("req-1"));
     assert_eq!(req.prompt_token_ids, vec![104, 105]);
     assert_eq!(req.sampling.max_tokens, 11);
     assert_eq!(req.sampling.temperature, 0.0);
@@ -517,29 +528,56 @@ async fn concurrent_requests_get_their_own_outputs() {
     assert_eq!(n, 0);
 }
 
+/// A reused `X-Request-Id` (a client's or a proxy's retry) is two requests, never one: each
+/// gets its own engine request id, so neither can alias the other's engine state or KV blocks,
+/// and each gets its own answer under the client's id.
 #[actix_web::test]
-async fn duplicate_in_flight_id_is_refused() {
+async fn a_reused_request_id_makes_two_engine_requests() {
     let h = harness(|_| Script { reply: Some(WireMessage::Ack), outputs: vec![] }).await;
     let app = test::init_service(app(h.state.clone())).await;
-    let first = test::TestRequest::post()
-        .uri("/v1/completions")
-        .insert_header(("x-request-id", "dup"))
-        .set_json(json!({"prompt": "x"}))
-        .to_request();
-    let second = async {
+    let post = |prompt: &str| {
+        test::TestRequest::post()
+            .uri("/v1/completions")
+            .insert_header(("x-request-id", "dup"))
+            .set_json(json!({"prompt": prompt}))
+            .to_request()
+    };
+    let answer = async {
+        let mut engine_ids = Vec::new();
         for _ in 0..300 {
-            if h.state.client.send(crate::engine_client::InFlightCount).await.unwrap() == 1 {
+            engine_ids = added(&h)
+                .iter()
+                .filter_map(|e| match &e.body {
+                    WireMessage::AddRequest(r) => Some(r.request_id.clone()),
+                    _ => None,
+                })
+                .collect();
+            if engine_ids.len() == 2 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "y"}), &[("x-request-id", "dup")]).await;
-        assert_eq!(s, 400, "{}", String::from_utf8_lossy(&b));
-        h.lb.send(PushOutputs(vec![output("dup", "z", Some(FinishReason::Length))])).await.unwrap();
+        assert_eq!(engine_ids.len(), 2, "both requests reach the engine");
+        assert_ne!(engine_ids[0], engine_ids[1]);
+        assert!(engine_ids.iter().all(|id| is_engine_id_of(id, "dup")), "{engine_ids:?}");
+        let outputs = engine_ids.iter().map(|id| output(id, &format!("z-{id}"), Some(FinishReason::Length))).collect();
+        h.lb.send(PushOutputs(outputs)).await.unwrap();
+        engine_ids
     };
-    let (res, ()) = futures::join!(test::call_service(&app, first), second);
-    assert_eq!(res.status(), 200);
-    assert_eq!(json_of(&test::read_body(res).await)["choices"][0]["text"], "z");
+    let (a, b, engine_ids) =
+        futures::join!(test::call_service(&app, post("x")), test::call_service(&app, post("y")), answer);
+    let mut texts = Vec::new();
+    for res in [a, b] {
+        assert_eq!(res.status(), 200);
+        assert_eq!(res.headers().get("x-request-id").unwrap(), "dup");
+        let v = json_of(&test::read_body(res).await);
+        assert_eq!(v["id"], "cmpl-dup");
+        texts.push(v["choices"][0]["text"].as_str().unwrap().to_string());
+    }
+    texts.sort();
+    let mut expected: Vec<String> = engine_ids.iter().map(|id| format!("z-{id}")).collect();
+    expected.sort();
+    assert_eq!(texts, expected, "each request got its own output");
 }
 
 #[actix_web::test]

@@ -29,11 +29,7 @@ fn synthetic_config(node: &NodeConfig) -> SyntheticConfig {
 }
 
 fn effective_max_len(node: &NodeConfig, model_max: u32) -> u32 {
-    if node.engine.max_model_len == 0 {
-        model_max
-    } else {
-        node.engine.max_model_len.min(model_max)
-    }
+    node.engine.effective_max_model_len(model_max)
 }
 
 pub fn load_text(node: &NodeConfig) -> anyhow::Result<LoadedText> {

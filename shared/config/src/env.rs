@@ -14,6 +14,9 @@ pub const FAULT: &str = "PDMESH_FAULT";
 /// Fault injection for the executor of this process's workers (overrides the node's
 /// `model.fault_injection`: `step_error_every=N` or `device_lost_at_step=N`).
 pub const EXECUTOR_FAULT: &str = "PDMESH_EXECUTOR_FAULT";
+/// Fault injection for the engine-core of this process (overrides the node's
+/// `engine.fault_injection`: `refuse_admission_every=N`).
+pub const ENGINE_FAULT: &str = "PDMESH_ENGINE_FAULT";
 /// `recompute` or `fail` (overrides the node's `kv_transfer.kv_load_failure_policy`).
 pub const KV_LOAD_FAILURE_POLICY: &str = "PDMESH_KV_LOAD_FAILURE_POLICY";
 /// Where GGUF models run: `cpu` or `cuda` / `cuda:N` (overrides every node's `model.device`;

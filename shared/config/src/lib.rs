@@ -133,8 +133,15 @@ pub struct KvTransferConfig {
     /// (`kv_lease_duration_s`), or vLLM's older fixed timeout (`abort_request_timeout_s`).
     #[serde(default)]
     pub hold_mode: HoldMode,
+    /// Lease mode: the hold P starts with, and how far each of D's heartbeats moves it on
+    /// (vLLM's `kv_lease_duration`).
     #[serde(default = "default_lease_s")]
     pub kv_lease_duration_s: u64,
+    /// How long one read lease protects the blocks D is reading: a reader that neither
+    /// finishes nor gives up within it loses them, and its `read done` is refused (its load
+    /// then follows `kv_load_failure_policy`). Beyond vLLM, which has no read leases.
+    #[serde(default = "default_read_lease_s")]
+    pub kv_read_lease_s: u64,
     #[serde(default = "default_abort_timeout_s")]
     pub abort_request_timeout_s: u64,
     /// D: drop a prefill engine's cached handshake (and with it the mapping of P's cache or
@@ -181,6 +188,9 @@ fn default_data_port() -> u16 {
 fn default_lease_s() -> u64 {
     30
 }
+fn default_read_lease_s() -> u64 {
+    10
+}
 fn default_abort_timeout_s() -> u64 {
     480
 }
@@ -189,6 +199,17 @@ fn default_remote_agent_idle_s() -> u64 {
 }
 
 impl KvTransferConfig {
+    /// How long a read lease lasts on P.
+    pub fn read_lease(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.kv_read_lease_s)
+    }
+
+    /// How far a heartbeat moves P's hold deadline on: `kv_lease_duration_s` (in both hold
+    /// modes: a fixed-timeout hold is still kept alive by a reader that says it is coming).
+    pub fn heartbeat_extension(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.kv_lease_duration_s)
+    }
+
     /// The hold deadline P starts with when a request finishes.
     pub fn hold_duration(&self) -> std::time::Duration {
         std::time::Duration::from_secs(match self.hold_mode {
@@ -365,6 +386,33 @@ pub struct EngineConfig {
     /// Worker step timeout in milliseconds (a hung worker fails the step instead of the engine).
     #[serde(default = "default_step_timeout_ms")]
     pub step_timeout_ms: u64,
+    /// Fault injection for the engine's scheduler: `refuse_admission_every=N` (every N-th
+    /// request the dp-lb hands it is refused at admission, as a request the pool could never
+    /// hold would be), to drill rule R1 inside the engine. Empty: none.
+    /// `PDMESH_ENGINE_FAULT` overrides it for one process.
+    #[serde(default)]
+    pub fault_injection: String,
+}
+
+impl EngineConfig {
+    /// Tokens the KV pool of one rank can hold: one request longer than this could never run.
+    pub fn pool_tokens(&self) -> u64 {
+        u64::from(self.num_blocks) * u64::from(self.block_size)
+    }
+
+    /// The longest prompt + output a rank accepts, given the model's own limit: the configured
+    /// `max_model_len` (never above the model's), or with `0` the model's limit cut to what the
+    /// pool can hold. [`Topology::validate`] refuses an explicit value the pool cannot hold, so
+    /// every request the frontend admits fits the pool and the engine never has to refuse one
+    /// for its size after admission.
+    pub fn effective_max_model_len(&self, model_max: u32) -> u32 {
+        let pool = u32::try_from(self.pool_tokens()).unwrap_or(u32::MAX);
+        if self.max_model_len == 0 {
+            model_max.min(pool)
+        } else {
+            self.max_model_len.min(model_max)
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -376,6 +424,7 @@ impl Default for EngineConfig {
             max_num_batched_tokens: default_max_batched(),
             max_model_len: 0,
             step_timeout_ms: default_step_timeout_ms(),
+            fault_injection: String::new(),
         }
     }
 }
@@ -602,6 +651,11 @@ impl Topology {
                 node.model.fault_injection = fault.clone();
             }
         }
+        if let Some(fault) = env::get(env::ENGINE_FAULT) {
+            for node in &mut self.nodes {
+                node.engine.fault_injection = fault.clone();
+            }
+        }
         let backend = match env::get(env::KV_BACKEND) {
             None => None,
             Some(b) => Some(TransferBackendKind::parse(&b).ok_or_else(|| {
@@ -676,8 +730,28 @@ impl Topology {
             if e.num_blocks < 2 {
                 return invalid(format!("node {:?}: num_blocks must be at least 2", n.name));
             }
+            if u64::from(e.max_model_len) > e.pool_tokens() {
+                return invalid(format!(
+                    "node {:?}: max_model_len {} does not fit the KV pool: {} blocks of {} tokens hold {} tokens; \
+                     raise num_blocks to at least {} or lower max_model_len",
+                    n.name,
+                    e.max_model_len,
+                    e.num_blocks,
+                    e.block_size,
+                    e.pool_tokens(),
+                    e.max_model_len.div_ceil(e.block_size)
+                ));
+            }
             if e.max_num_seqs == 0 || e.max_num_batched_tokens == 0 {
                 return invalid(format!("node {:?}: max_num_seqs and max_num_batched_tokens must be positive", n.name));
+            }
+            if let Some(kv) = &n.kv_transfer {
+                if kv.kv_lease_duration_s == 0 || kv.kv_read_lease_s == 0 || kv.abort_request_timeout_s == 0 {
+                    return invalid(format!(
+                        "node {:?}: kv_lease_duration_s, kv_read_lease_s and abort_request_timeout_s must be positive",
+                        n.name
+                    ));
+                }
             }
             if n.role == NodeRole::Router && (n.router.prefill.is_empty() || n.router.decode.is_empty()) {
                 return invalid(format!("router node {:?} needs router.prefill and router.decode upstreams", n.name));
@@ -704,6 +778,31 @@ mod tests {
             let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/topology").join(extra);
             Topology::load(&path).unwrap();
         }
+    }
+
+    /// A pool that cannot hold one `max_model_len` request is a start-up error, not a refusal
+    /// of that request after admission; without a configured length the pool caps it.
+    #[test]
+    fn the_pool_must_hold_one_max_model_len_request() {
+        let node = |engine: &str| format!("[[nodes]]\nname = \"n\"\nengine = {{ {engine} }}\n");
+        let err = Topology::from_toml(&node("block_size = 16, num_blocks = 64, max_model_len = 4096")).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("max_model_len 4096") && msg.contains("num_blocks to at least 256"), "{msg}");
+        let t = Topology::from_toml(&node("block_size = 16, num_blocks = 256, max_model_len = 4096")).unwrap();
+        assert_eq!(t.nodes[0].engine.effective_max_model_len(8192), 4096);
+        let t = Topology::from_toml(&node("block_size = 4, num_blocks = 24")).unwrap();
+        assert_eq!(t.nodes[0].engine.effective_max_model_len(4096), 96, "cut to the pool");
+        assert_eq!(t.nodes[0].engine.effective_max_model_len(50), 50, "never above the model's");
+    }
+
+    #[test]
+    fn lease_settings_must_be_positive() {
+        let t = "[[nodes]]\nname = \"p\"\nkv_transfer = { kv_role = \"kv_producer\", kv_read_lease_s = 0 }\n";
+        assert!(Topology::from_toml(t).unwrap_err().to_string().contains("kv_read_lease_s"));
+        let t = Topology::from_toml(&t.replace("kv_read_lease_s = 0", "kv_read_lease_s = 3, kv_lease_duration_s = 7"))
+            .unwrap();
+        let kv = t.nodes[0].kv_transfer.as_ref().unwrap();
+        assert_eq!((kv.read_lease().as_secs(), kv.heartbeat_extension().as_secs()), (3, 7));
     }
 
     #[test]

@@ -47,7 +47,12 @@ impl Default for SamplingParams {
 /// A request as the engine sees it: already tokenised.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EngineRequest {
+    /// The engine request id: unique among the node's live requests whatever the client
+    /// sent (the frontend suffixes the client's id).
     pub request_id: String,
+    /// The client's `X-Request-Id`, for logs and traces.
+    #[serde(default)]
+    pub client_request_id: Option<String>,
     pub prompt_token_ids: Vec<u32>,
     pub sampling: SamplingParams,
     /// End-of-sequence ids of the model (honoured unless `sampling.ignore_eos`).

@@ -54,6 +54,7 @@ fn every_message() -> Vec<Message> {
     vec![
         Message::AddRequest(EngineRequest {
             request_id: "cmpl-1".into(),
+            client_request_id: None,
             prompt_token_ids: vec![1, 2, 3],
             sampling: sampling.clone(),
             eos_token_ids: vec![2],
@@ -337,6 +338,7 @@ proptest! {
     fn truncated_frames_are_errors(cut in 0usize..64) {
         let env = Envelope::new(Message::AddRequest(EngineRequest {
             request_id: "x".into(),
+            client_request_id: None,
             prompt_token_ids: vec![1; 40],
             sampling: SamplingParams::default(),
             eos_token_ids: vec![],

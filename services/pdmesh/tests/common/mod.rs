@@ -42,6 +42,15 @@ impl Mesh {
         Self::launch_retrying(nodes, &[], engine_ports)
     }
 
+    /// [`Mesh::start_nodes`] with extra `pdmesh up` arguments (e.g. `--no-restart`).
+    pub fn start_nodes_with(
+        nodes: impl Fn(u16, u16) -> String,
+        up_args: &[&str],
+        engine_ports: impl Fn(u16) -> Vec<u16>,
+    ) -> Mesh {
+        Self::launch_retrying(nodes, up_args, engine_ports)
+    }
+
     /// Our listening ports lie inside Linux's ephemeral range, so a client socket of anything
     /// on the machine may hold one for a moment. A mesh whose process could not bind is
     /// stopped and started again on the next ports (up to 4 tries).
