@@ -1,12 +1,15 @@
-//! The baseline: the same scheduler and synthetic executor, called in one thread with no
-//! sockets, under the same closed-loop load.
+//! The baseline: the engine's own step machine ([`EngineStep`]) with the same scheduler, the
+//! no-op connector and the synthetic executor, called in one thread with no sockets, under the
+//! same closed-loop load. The mesh runs the same step code; only the process hops differ.
 
 use std::collections::HashMap;
 use std::time::Instant;
 
+use pdmesh_connector_scheduler::{dispatch, NoopConnector};
 use pdmesh_engine_core::scheduler::{Scheduler, SchedulerConfig};
+use pdmesh_engine_core::step::{EngineState, EngineStep, StepIo, WorkerAnswer};
 use pdmesh_model_api::{Executor, KvCache, KvCacheSpec};
-use pdmesh_protocol::{ConnectorCall, EngineRequest, ModelRunnerOutput, SamplingParams};
+use pdmesh_protocol::{EngineRequest, ModelRunnerOutput, SamplingParams, TraceContext};
 use pdmesh_synthetic_executor::{SyntheticConfig, SyntheticExecutor};
 
 use crate::stats::{summarize, RunResult};
@@ -28,7 +31,8 @@ pub fn run(concurrency: usize, requests: usize, prompt_tokens: usize, max_tokens
         num_kv_heads: facts.num_kv_heads,
         head_dim: facts.head_dim,
     });
-    let mut sched = Scheduler::new(cfg);
+    let mut state = EngineState::new(0, Scheduler::new(cfg));
+    let mut connector = NoopConnector::default();
     let mut started: HashMap<String, Instant> = HashMap::new();
     let mut first: HashMap<String, Instant> = HashMap::new();
     let (mut sent, mut done) = (0usize, 0usize);
@@ -51,28 +55,29 @@ pub fn run(concurrency: usize, requests: usize, prompt_tokens: usize, max_tokens
                 kv_transfer_params: None,
                 data_parallel_rank: None,
             };
-            if sched.add_request(req).is_ok() {
-                started.insert(id, Instant::now());
-            }
+            state.inbox.adds.push(req);
+            started.insert(id, Instant::now());
             sent += 1;
         }
         let s0 = Instant::now();
-        for call in sched.match_queries() {
-            if let ConnectorCall::GetNumNewMatchedTokens { request_id, .. } = call {
-                sched.apply_match(&request_id, Some(0), false);
-            }
-        }
-        let schedule = sched.schedule();
-        let sampled = exec.execute(&mut kv, &schedule.chunks).unwrap_or_default();
-        sched.update_from_output(&schedule.chunks, &ModelRunnerOutput { step_id: 0, sampled, ..Default::default() });
-        for call in sched.finishing_calls() {
-            if let ConnectorCall::RequestFinished { request_id, .. } = call {
-                sched.apply_finished(&request_id, false, None);
-            }
-        }
+        let (mut step, mut io) = EngineStep::start(&mut state, |_| TraceContext::default());
+        let stepped = loop {
+            io = match io {
+                StepIo::Connector(calls) => {
+                    let replies = calls.into_iter().map(|c| dispatch(&mut connector, c)).collect();
+                    step.on_connector(&mut state, Some(replies))
+                }
+                StepIo::Worker(output) => {
+                    let sampled = exec.execute(&mut kv, &output.chunks).unwrap_or_default();
+                    let out = ModelRunnerOutput { step_id: output.step_id, sampled, ..Default::default() };
+                    step.on_worker(&mut state, WorkerAnswer::Ran(out))
+                }
+                StepIo::Done(stepped) => break stepped,
+            };
+        };
         step_times.push(s0.elapsed().as_secs_f64() * 1000.0);
         let now = Instant::now();
-        for o in sched.take_outputs() {
+        for o in stepped.outputs {
             tokens += o.new_token_ids.len() as u64;
             if !o.new_token_ids.is_empty() && !first.contains_key(&o.request_id) {
                 if let Some(s) = started.get(&o.request_id) {

@@ -7,8 +7,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 use pdmesh_config::{NodeConfig, Topology};
 use pdmesh_protocol::{
-    ConnectorCall, ConnectorReply, EngineOutput, EngineOutputBatch, EngineRequest, Envelope, ErrorClass, FinishReason,
-    Hello, KvConnectorMetadata, KvConnectorOutput, KvTransferParams, MeshStats, Message, RejectionNotice,
+    ConnectorCall, ConnectorReply, EngineOutputBatch, Envelope, Hello, MeshStats, Message, RejectionNotice,
     SchedulerOutput, ServiceKind, WorkerInfo,
 };
 use pdmesh_transport::{connect_dealer, connect_push, LinkConfig, LinkEvent, LinkHandle, PushHandle, TransportError};
@@ -16,6 +15,7 @@ use thiserror::Error;
 
 use crate::metrics as m;
 use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::step::{self, EngineState, EngineStep, StepIo, StepNext, WorkerAnswer};
 
 #[derive(Debug, Error)]
 pub enum EngineError {
@@ -45,36 +45,15 @@ struct Peers {
     worker: LinkHandle,
 }
 
-/// Inputs that arrived between steps; applied at the start of the next step, as vLLM's
-/// engine core drains its input queue.
-#[derive(Default)]
-struct Inbox {
-    adds: Vec<EngineRequest>,
-    aborts: Vec<String>,
-    /// Rule R1: notify-only receives that [`EngineCore::notice_now`] could not push to the
-    /// worker: they go out with the next step's metadata instead.
-    undelivered_recvs: Vec<pdmesh_protocol::RecvRequest>,
-}
-
-struct State {
-    rank: u32,
-    /// P's final outputs (carrying the params D needs), held back until the worker has run the
-    /// step whose metadata registers their holds: D must never ask for a lease that P's worker
-    /// does not know yet.
-    deferred: Vec<EngineOutput>,
-    sched: Scheduler,
-    inbox: Inbox,
-    step_id: u64,
-    step_timeout: Duration,
-}
-
 /// `engine.request` spans, open from AddRequest until the request's finishing output is sent;
 /// steps and connector calls carry their contexts (`Envelope::traces`), see docs/TRACING.md.
 static REQUEST_SPANS: pdmesh_telemetry::trace::RequestSpans = pdmesh_telemetry::trace::RequestSpans::new();
 
 /// The engine-core actor of one rank.
 pub struct EngineCore {
-    state: Rc<RefCell<State>>,
+    state: Rc<RefCell<EngineState>>,
+    /// How long a worker step may take before its requests fail.
+    step_timeout: Duration,
     peers: Option<Peers>,
     stepping: bool,
     worker_info: Option<WorkerInfo>,
@@ -182,26 +161,15 @@ impl EngineCore {
         let (id, at) = (n.params.remote_request_id.clone().unwrap_or_default(), n.rejected_at_unix_us);
         let hop = move |hop: &'static str| pdmesh_telemetry::trace::notice_hop(hop, &id, at);
         let fut = async move {
-            let calls = vec![
-                ConnectorCall::RequestRejectedBeforeAdmission {
-                    params: n.params,
-                    rejected_at_unix_us: n.rejected_at_unix_us,
-                    trace: n.trace,
-                },
-                ConnectorCall::TakeRejectionRecvs,
-            ];
-            let replies = connector_call(&peers.connector, calls).await.ok()?;
+            let replies = connector_call(&peers.connector, step::notice_calls(n)).await.ok()?;
             hop("engine.connector_replied");
-            let result = if matches!(replies.first(), Some(ConnectorReply::Ack)) { "accepted" } else { "invalid" };
-            m::NOTICES.with_label_values(&[result]).inc();
-            let Some(ConnectorReply::Meta(meta)) = replies.get(1) else { return None };
-            if meta.reqs_to_recv.is_empty() {
-                return None;
-            }
+            let (accepted, meta) = step::notice_receives(&replies);
+            m::NOTICES.with_label_values(&[if accepted { "accepted" } else { "invalid" }]).inc();
+            let meta = meta?;
             let push = Envelope::new(Message::ConnectorMetadata(meta.clone()));
             if let Err(e) = peers.worker.call(push, Duration::from_secs(5)).await {
                 tracing::warn!(error = %e, "worker did not take the rejection notice; it goes out with the next step");
-                return Some(meta.reqs_to_recv.clone());
+                return Some(meta.reqs_to_recv);
             }
             hop("engine.worker_took");
             None
@@ -221,7 +189,7 @@ impl EngineCore {
         let Some(peers) = self.peers.clone() else { return };
         self.stepping = true;
         let state = self.state.clone();
-        ctx.spawn(run_step(state, peers).into_actor(self).map(|(more, refused), act, ctx| {
+        ctx.spawn(run_step(state, peers, self.step_timeout).into_actor(self).map(|(more, refused), act, ctx| {
             act.stepping = false;
             // Rule R1 holds inside the engine too: a remote-prefill request it refused (too
             // long, duplicate id...) after the dp-lb accepted it frees P at once.
@@ -326,198 +294,45 @@ impl EngineCore {
     }
 }
 
-enum StepNext {
-    Now,
-    Soon,
-    Idle,
-}
-
-/// One engine step. The scheduler is borrowed only between awaits. Returns what to do next
-/// and the rejection notices owed for remote-prefill requests the scheduler refused.
-async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> (StepNext, Vec<RejectionNotice>) {
+/// One engine step: the sans-IO [`EngineStep`] driven over the connector-scheduler and
+/// worker links. The state is borrowed only between awaits. Returns what to do next and the
+/// rejection notices owed for remote-prefill requests the scheduler refused.
+async fn run_step(
+    state: Rc<RefCell<EngineState>>,
+    peers: Peers,
+    step_timeout: Duration,
+) -> (StepNext, Vec<RejectionNotice>) {
     let started = Instant::now();
-    // ---- 1. inputs
-    let mut outputs: Vec<EngineOutput> = Vec::new();
-    let mut refused = Vec::new();
-    {
-        let mut st = state.borrow_mut();
-        let adds = std::mem::take(&mut st.inbox.adds);
-        let aborts = std::mem::take(&mut st.inbox.aborts);
-        for req in adds {
-            let id = req.request_id.clone();
-            let (params, rank) = (req.kv_transfer_params.clone(), st.rank);
-            if let Err(e) = st.sched.add_request(req) {
-                m::REJECTED.with_label_values(&[e.label()]).inc();
-                tracing::warn!(request_id = %id, error = %e, "request refused");
-                outputs.push(error_output(&id, format!("invalid request: {e}")));
-                if let Some(params) = params.filter(KvTransferParams::wants_remote_prefill) {
-                    refused.push(RejectionNotice {
-                        params,
-                        data_parallel_rank: Some(rank),
-                        rejected_at_unix_us: Some(pdmesh_protocol::unix_micros()),
-                        trace: REQUEST_SPANS.contexts(std::iter::once(id.as_str())).remove(&id).unwrap_or_default(),
-                    });
-                }
+    let unknown_before = state.borrow().sched.counters().unknown_ids;
+    let trace_of = |id: &str| REQUEST_SPANS.contexts(std::iter::once(id)).remove(id).unwrap_or_default();
+    let (mut step, mut io) = EngineStep::start(&mut state.borrow_mut(), trace_of);
+    let done = loop {
+        io = match io {
+            StepIo::Connector(calls) => {
+                let replies = connector_call(&peers.connector, calls).await.ok();
+                step.on_connector(&mut state.borrow_mut(), replies)
             }
-        }
-        if !aborts.is_empty() {
-            let before = st.sched.counters().unknown_ids;
-            st.sched.abort_requests(&aborts);
-            m::UNKNOWN_IDS.inc_by(st.sched.counters().unknown_ids - before);
-        }
-    }
-
-    // ---- 2. connector: how many tokens can come from outside
-    let queries = state.borrow().sched.match_queries();
-    if !queries.is_empty() {
-        let ids: Vec<String> = queries
-            .iter()
-            .filter_map(|c| match c {
-                ConnectorCall::GetNumNewMatchedTokens { request_id, .. } => Some(request_id.clone()),
-                _ => None,
-            })
-            .collect();
-        let replies = connector_call(&peers.connector, queries).await;
-        let mut st = state.borrow_mut();
-        for (i, id) in ids.iter().enumerate() {
-            match replies.as_ref().ok().and_then(|r| r.get(i)) {
-                Some(ConnectorReply::MatchedTokens { count, load_async }) => {
-                    st.sched.apply_match(id, *count, *load_async)
-                }
-                // Connector unreachable: no external tokens, compute locally.
-                _ => st.sched.apply_match(id, Some(0), false),
+            StepIo::Worker(output) => {
+                let answer = execute_on_worker(&peers.worker, output, step_timeout).await;
+                step.on_worker(&mut state.borrow_mut(), answer)
             }
-        }
-    }
-
-    // ---- 3. schedule; 4. tell the connector what was allocated and what finished; meta
-    let (schedule, step_id) = {
-        let mut st = state.borrow_mut();
-        st.step_id += 1;
-        (st.sched.schedule(), st.step_id)
-    };
-    let finishing = state.borrow_mut().sched.finishing_calls();
-    let mut calls: Vec<ConnectorCall> = schedule.alloc_calls.clone();
-    calls.extend(finishing.iter().cloned());
-    calls.push(ConnectorCall::BuildConnectorMeta { step_id });
-    let replies = connector_call(&peers.connector, calls).await;
-    let meta = {
-        let mut st = state.borrow_mut();
-        let offset = schedule.alloc_calls.len();
-        apply_finished_replies(
-            &mut st.sched,
-            &finishing,
-            replies.as_ref().ok().map(|r| r.get(offset..).unwrap_or(&[])),
-        );
-        let mut meta = match replies.as_ref().ok().and_then(|r| r.last()) {
-            Some(ConnectorReply::Meta(meta)) => meta.clone(),
-            _ => KvConnectorMetadata::default(),
+            StepIo::Done(done) => break done,
         };
-        meta.reqs_to_recv.extend(std::mem::take(&mut st.inbox.undelivered_recvs));
-        meta.reqs_aborted_after_finish = st.sched.take_aborted_held();
-        meta
     };
-
-    // ---- 5. run the step on the worker (its metadata registers holds queued last step)
-    let release_after_step = std::mem::take(&mut state.borrow_mut().deferred);
-    let chunks = schedule.chunks;
-    let mut kv_output = KvConnectorOutput::default();
-    let has_connector_work = state.borrow().sched.has_requests();
-    if !chunks.is_empty() || !meta.is_empty() || has_connector_work {
-        let timeout = state.borrow().step_timeout;
-        let step = SchedulerOutput {
-            step_id,
-            chunks: chunks.clone(),
-            finished_request_ids: schedule.finished_request_ids,
-            kv_connector_metadata: meta,
-        };
-        let traces = REQUEST_SPANS.contexts(step.request_ids());
-        let res = peers.worker.call(Envelope::new(Message::ExecuteStep(step)).with_traces(traces), timeout).await;
-        let mut st = state.borrow_mut();
-        match res {
-            Ok(Envelope { body: Message::StepResult(out), .. }) => {
-                match &out.failure {
-                    None => st.sched.update_from_output(&chunks, &out),
-                    Some(e) => {
-                        m::STEP_FAILURES.with_label_values(&["connector-worker"]).inc();
-                        tracing::error!(error = %e.message, "worker failed the step");
-                        let reason = match e.class {
-                            ErrorClass::Unavailable => format!("unavailable: connector-worker: {}", e.message),
-                            _ => format!("worker error: {}", e.message),
-                        };
-                        st.sched.fail_requests(&Scheduler::ids_of(&chunks), &reason);
-                    }
-                }
-                // Applied whether or not the model ran: the holds and loads it reports ended.
-                kv_output = out.kv_connector_output;
-            }
-            Ok(Envelope { body: Message::Error(e), .. }) => {
-                m::STEP_FAILURES.with_label_values(&["connector-worker"]).inc();
-                tracing::error!(error = %e.message, "worker failed the step");
-                st.sched.fail_requests(&Scheduler::ids_of(&chunks), &format!("worker error: {}", e.message));
-            }
-            Ok(other) => {
-                m::STEP_FAILURES.with_label_values(&["connector-worker"]).inc();
-                tracing::error!(kind = other.body.kind(), "unexpected worker answer");
-                st.sched.fail_requests(&Scheduler::ids_of(&chunks), "internal: unexpected worker answer");
-            }
-            Err(e) => {
-                m::STEP_FAILURES.with_label_values(&["connector-worker"]).inc();
-                tracing::error!(error = %e, "worker unreachable; failing the step's requests");
-                st.sched.fail_requests(&Scheduler::ids_of(&chunks), &unavailable("connector-worker", &e));
-            }
-        }
+    for (_, e) in &done.refusals {
+        m::REJECTED.with_label_values(&[e.label()]).inc();
+    }
+    if done.executed {
         m::STEPS.inc();
-        m::SCHEDULED_TOKENS.inc_by(u64::from(schedule.num_scheduled_tokens));
+        m::SCHEDULED_TOKENS.inc_by(u64::from(done.scheduled_tokens));
     }
-
-    outputs.extend(release_after_step);
-
-    // ---- 6. request_finished for what finished in this step; the worker's connector output
-    let finishing = state.borrow_mut().sched.finishing_calls();
-    let mut calls = finishing.clone();
-    if !kv_output.is_empty() {
-        calls.push(ConnectorCall::UpdateConnectorOutput(kv_output.clone()));
-    }
-    if !calls.is_empty() {
-        let replies = connector_call(&peers.connector, calls).await;
-        let mut st = state.borrow_mut();
-        apply_finished_replies(&mut st.sched, &finishing, replies.as_ref().ok().map(Vec::as_slice));
-    }
-    {
-        let mut st = state.borrow_mut();
-        let before = st.sched.counters().unknown_ids;
-        st.sched.update_from_kv_output(&kv_output);
-        m::UNKNOWN_IDS.inc_by(st.sched.counters().unknown_ids - before);
-    }
-
-    // ---- 7. outputs and load
-    let (next, rank) = {
-        let mut st = state.borrow_mut();
-        for o in st.sched.take_outputs() {
-            let hands_off = o.kv_transfer_params.as_ref().is_some_and(|p| p.wants_remote_prefill());
-            if hands_off {
-                st.deferred.push(o);
-            } else {
-                outputs.push(o);
-            }
-        }
+    let (rank, load) = {
+        let st = state.borrow();
         publish_gauges(&st.sched);
-        let next = if !chunks.is_empty()
-            || !st.deferred.is_empty()
-            || !st.inbox.adds.is_empty()
-            || !st.inbox.aborts.is_empty()
-            || !st.inbox.undelivered_recvs.is_empty()
-        {
-            StepNext::Now
-        } else if st.sched.has_requests() {
-            StepNext::Soon
-        } else {
-            StepNext::Idle
-        };
-        (next, st.rank)
+        m::UNKNOWN_IDS.inc_by(st.sched.counters().unknown_ids.saturating_sub(unknown_before));
+        (st.rank, st.load())
     };
-    for o in &outputs {
+    for o in &done.outputs {
         if let Some(r) = o.finish_reason {
             m::FINISHED.with_label_values(&[r.as_str()]).inc();
             if let Some(span) = REQUEST_SPANS.close(&o.request_id) {
@@ -526,26 +341,49 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> (StepNext, Vec<Rej
             }
         }
     }
-    if !outputs.is_empty() {
-        let batch = Envelope::new(Message::EngineOutputs(EngineOutputBatch { engine_rank: rank, outputs }));
+    if !done.outputs.is_empty() {
+        let batch =
+            Envelope::new(Message::EngineOutputs(EngineOutputBatch { engine_rank: rank, outputs: done.outputs }));
         if let Err(e) = peers.outputs.send(batch) {
             tracing::warn!(error = %e, "outputs not delivered: dp-lb unavailable");
         }
     }
-    let load = {
-        let st = state.borrow();
-        pdmesh_protocol::EngineLoadReport {
-            engine_rank: st.rank,
-            num_waiting: st.sched.num_waiting(),
-            num_running: st.sched.num_running(),
-            kv: st.sched.kv_usage(),
-        }
-    };
     if let Some(dplb) = &peers.dplb {
         let _ = dplb.send(Envelope::new(Message::LoadReport(load)));
     }
     m::STEP_SECONDS.observe(started.elapsed().as_secs_f64());
-    (next, refused)
+    (done.next, done.refused)
+}
+
+/// Run one step on the worker; every way it can go wrong becomes the reason its requests fail.
+async fn execute_on_worker(worker: &LinkHandle, output: SchedulerOutput, timeout: Duration) -> WorkerAnswer {
+    let traces = REQUEST_SPANS.contexts(output.request_ids());
+    let res = worker.call(Envelope::new(Message::ExecuteStep(output)).with_traces(traces), timeout).await;
+    let failed = |reason: String| {
+        m::STEP_FAILURES.with_label_values(&["connector-worker"]).inc();
+        WorkerAnswer::Failed(reason)
+    };
+    match res {
+        Ok(Envelope { body: Message::StepResult(out), .. }) => {
+            if let Some(e) = &out.failure {
+                m::STEP_FAILURES.with_label_values(&["connector-worker"]).inc();
+                tracing::error!(error = %e.message, "worker failed the step");
+            }
+            WorkerAnswer::Ran(out)
+        }
+        Ok(Envelope { body: Message::Error(e), .. }) => {
+            tracing::error!(error = %e.message, "worker failed the step");
+            failed(format!("worker error: {}", e.message))
+        }
+        Ok(other) => {
+            tracing::error!(kind = other.body.kind(), "unexpected worker answer");
+            failed("internal: unexpected worker answer".into())
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "worker unreachable; failing the step's requests");
+            failed(unavailable("connector-worker", &e))
+        }
+    }
 }
 
 fn publish_gauges(s: &Scheduler) {
@@ -567,32 +405,6 @@ fn publish_gauges(s: &Scheduler) {
 
 fn unavailable(peer: &str, e: &TransportError) -> String {
     format!("unavailable: {peer}: {e}")
-}
-
-fn error_output(id: &str, message: String) -> EngineOutput {
-    EngineOutput {
-        request_id: id.to_string(),
-        new_token_ids: vec![],
-        new_logprobs: None,
-        finish_reason: Some(FinishReason::Error),
-        stop_token_id: None,
-        kv_transfer_params: None,
-        num_external_tokens: 0,
-        error: Some(message),
-    }
-}
-
-/// Apply `request_finished` answers; without answers (connector unreachable) free at once.
-fn apply_finished_replies(sched: &mut Scheduler, calls: &[ConnectorCall], replies: Option<&[ConnectorReply]>) {
-    for (i, call) in calls.iter().enumerate() {
-        let ConnectorCall::RequestFinished { request_id, .. } = call else { continue };
-        match replies.and_then(|r| r.get(i)) {
-            Some(ConnectorReply::Finished { delay_free, kv_transfer_params }) => {
-                sched.apply_finished(request_id, *delay_free, kv_transfer_params.clone())
-            }
-            _ => sched.apply_finished(request_id, false, None),
-        }
-    }
 }
 
 /// One batched round trip to the connector-scheduler.
@@ -645,16 +457,10 @@ pub fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<Engin
     let port = node.metrics_port(pdmesh_config::Service::EngineCore, rank);
     pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
         .map_err(|err| EngineError::Ops(format!("port {port}: {err}")))?;
-    let state = State {
-        rank,
-        sched,
-        inbox: Inbox::default(),
-        step_id: 0,
-        step_timeout: Duration::from_millis(e.step_timeout_ms),
-        deferred: Vec::new(),
-    };
+    let state = EngineState::new(rank, sched);
     let actor = EngineCore {
         state: Rc::new(RefCell::new(state)),
+        step_timeout: Duration::from_millis(e.step_timeout_ms),
         peers: None,
         stepping: false,
         worker_info: None,

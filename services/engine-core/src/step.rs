@@ -1,0 +1,413 @@
+//! One engine step as a sans-IO state machine: vLLM's step sequence (inputs → connector
+//! matches → schedule → connector allocation calls and metadata → execute → sampled tokens →
+//! `request_finished` → the worker's connector output → outputs), with every call to another
+//! process turned into a value the driver answers.
+//!
+//! The engine actor drives it over ZeroMQ ([`crate::engine`]); the lifecycle property test
+//! (`connector-worker/tests/lifecycle.rs`) and the in-process benchmark (`pdmesh-load
+//! overhead`) drive it with direct calls. All three therefore run this code, and a rule the
+//! property test proves is a rule of the engine that serves requests.
+//!
+//! ```text
+//! let (mut step, mut io) = EngineStep::start(&mut state);
+//! loop {
+//!     io = match io {
+//!         StepIo::Connector(calls) => step.on_connector(&mut state, ask_connector(calls)),
+//!         StepIo::Worker(output) => step.on_worker(&mut state, run_on_worker(output)),
+//!         StepIo::Done(done) => break done,
+//!     }
+//! }
+//! ```
+
+use pdmesh_protocol::{
+    ConnectorCall, ConnectorReply, EngineLoadReport, EngineOutput, EngineRequest, ErrorClass, FinishReason,
+    KvConnectorMetadata, KvConnectorOutput, KvTransferParams, ModelRunnerOutput, RecvRequest, RejectionNotice,
+    ScheduledChunk, SchedulerOutput, TraceContext,
+};
+
+use crate::scheduler::{AdmissionError, Scheduler};
+
+/// Inputs that arrived between steps; applied at the start of the next step, as vLLM's
+/// engine core drains its input queue (docs/DECISIONS.md D6).
+#[derive(Debug, Default)]
+pub struct Inbox {
+    pub adds: Vec<EngineRequest>,
+    pub aborts: Vec<String>,
+    /// Rule R1: notify-only receives that could not be pushed to the worker at once: they go
+    /// out with the next step's metadata instead.
+    pub undelivered_recvs: Vec<RecvRequest>,
+}
+
+impl Inbox {
+    pub fn is_empty(&self) -> bool {
+        self.adds.is_empty() && self.aborts.is_empty() && self.undelivered_recvs.is_empty()
+    }
+}
+
+/// Everything the step loop of one rank owns besides its sockets.
+#[derive(Debug)]
+pub struct EngineState {
+    pub rank: u32,
+    pub sched: Scheduler,
+    pub inbox: Inbox,
+    /// P's final outputs (carrying the params D needs), held back until the worker has run the
+    /// step whose metadata registers their holds: D must never ask for a lease that P's worker
+    /// does not know yet (D16).
+    pub deferred: Vec<EngineOutput>,
+    pub step_id: u64,
+}
+
+impl EngineState {
+    pub fn new(rank: u32, sched: Scheduler) -> Self {
+        Self { rank, sched, inbox: Inbox::default(), deferred: Vec::new(), step_id: 0 }
+    }
+
+    /// The load report the dp-lb routes by.
+    pub fn load(&self) -> EngineLoadReport {
+        EngineLoadReport {
+            engine_rank: self.rank,
+            num_waiting: self.sched.num_waiting(),
+            num_running: self.sched.num_running(),
+            kv: self.sched.kv_usage(),
+        }
+    }
+}
+
+/// When the driver should run the next step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepNext {
+    /// Work is waiting: step again at once.
+    Now,
+    /// Only connector work (held blocks, loads in flight): poll again shortly.
+    Soon,
+    /// Nothing to do until an input arrives.
+    Idle,
+}
+
+/// What the step needs from outside before it can go on.
+#[derive(Debug)]
+pub enum StepIo {
+    /// Ask the connector-scheduler these calls, in order, and answer with
+    /// [`EngineStep::on_connector`] (`None`: it could not be reached).
+    Connector(Vec<ConnectorCall>),
+    /// Run this step on the worker and answer with [`EngineStep::on_worker`].
+    Worker(SchedulerOutput),
+    /// The step is over.
+    Done(StepDone),
+}
+
+/// The worker's answer to a step.
+#[derive(Debug)]
+pub enum WorkerAnswer {
+    /// The worker answered: a forward pass (ran or failed) and the step's connector output.
+    Ran(ModelRunnerOutput),
+    /// No usable answer (an error, an unexpected message, the worker unreachable): the
+    /// step's requests fail with this reason and no connector output arrives.
+    Failed(String),
+}
+
+/// What a finished step produced.
+#[derive(Debug)]
+pub struct StepDone {
+    /// Outputs for the clients, in order.
+    pub outputs: Vec<EngineOutput>,
+    /// Rule R1 inside the engine: remote-prefill requests the scheduler refused at admission;
+    /// the driver sends each one's notice so P frees at once.
+    pub refused: Vec<RejectionNotice>,
+    /// The requests refused at admission, and why.
+    pub refusals: Vec<(String, AdmissionError)>,
+    pub next: StepNext,
+    /// Whether the worker ran a step, and how many tokens it was given.
+    pub executed: bool,
+    pub scheduled_tokens: u32,
+}
+
+enum Phase {
+    /// Waiting for the answers to `get_num_new_matched_tokens`.
+    Matching {
+        ids: Vec<String>,
+    },
+    /// Waiting for `update_state_after_alloc` + owed `request_finished` + `build_connector_meta`.
+    Allocating {
+        chunks: Vec<ScheduledChunk>,
+        finished_request_ids: Vec<String>,
+        allocs: usize,
+        finishing: Vec<ConnectorCall>,
+        scheduled_tokens: u32,
+    },
+    /// Waiting for the worker.
+    Executing {
+        chunks: Vec<ScheduledChunk>,
+        release_after: Vec<EngineOutput>,
+    },
+    /// Waiting for the `request_finished` calls of this step and `update_connector_output`.
+    Finishing {
+        finishing: Vec<ConnectorCall>,
+        kv_output: KvConnectorOutput,
+    },
+    Over,
+}
+
+/// One engine step in progress. See the module docs for how it is driven.
+pub struct EngineStep {
+    phase: Phase,
+    outputs: Vec<EngineOutput>,
+    refused: Vec<RejectionNotice>,
+    refusals: Vec<(String, AdmissionError)>,
+    chunks_ran: bool,
+    executed: bool,
+    scheduled_tokens: u32,
+}
+
+impl EngineStep {
+    /// Apply the inputs and start the step. `trace_of` gives a refused request's trace
+    /// context, for its notice.
+    pub fn start(st: &mut EngineState, trace_of: impl Fn(&str) -> TraceContext) -> (Self, StepIo) {
+        let mut step = Self {
+            phase: Phase::Over,
+            outputs: Vec::new(),
+            refused: Vec::new(),
+            refusals: Vec::new(),
+            chunks_ran: false,
+            executed: false,
+            scheduled_tokens: 0,
+        };
+        for req in std::mem::take(&mut st.inbox.adds) {
+            let id = req.request_id.clone();
+            let params = req.kv_transfer_params.clone();
+            if let Err(e) = st.sched.add_request(req) {
+                tracing::warn!(request_id = %id, error = %e, "request refused");
+                step.outputs.push(error_output(&id, format!("invalid request: {e}")));
+                if let Some(params) = params.filter(KvTransferParams::wants_remote_prefill) {
+                    step.refused.push(RejectionNotice {
+                        params,
+                        data_parallel_rank: Some(st.rank),
+                        rejected_at_unix_us: Some(pdmesh_protocol::unix_micros()),
+                        trace: trace_of(&id),
+                    });
+                }
+                step.refusals.push((id, e));
+            }
+        }
+        let aborts = std::mem::take(&mut st.inbox.aborts);
+        if !aborts.is_empty() {
+            st.sched.abort_requests(&aborts);
+        }
+        let queries = st.sched.match_queries();
+        if queries.is_empty() {
+            let io = step.schedule(st);
+            return (step, io);
+        }
+        let ids = queries
+            .iter()
+            .filter_map(|c| match c {
+                ConnectorCall::GetNumNewMatchedTokens { request_id, .. } => Some(request_id.clone()),
+                _ => None,
+            })
+            .collect();
+        step.phase = Phase::Matching { ids };
+        (step, StepIo::Connector(queries))
+    }
+
+    /// The connector-scheduler's answers to the last [`StepIo::Connector`]; `None` when it
+    /// could not be reached (then: no external tokens, and every finished request frees now).
+    pub fn on_connector(&mut self, st: &mut EngineState, replies: Option<Vec<ConnectorReply>>) -> StepIo {
+        match std::mem::replace(&mut self.phase, Phase::Over) {
+            Phase::Matching { ids } => {
+                for (i, id) in ids.iter().enumerate() {
+                    match replies.as_ref().and_then(|r| r.get(i)) {
+                        Some(ConnectorReply::MatchedTokens { count, load_async }) => {
+                            st.sched.apply_match(id, *count, *load_async)
+                        }
+                        // Connector unreachable: no external tokens, compute locally.
+                        _ => st.sched.apply_match(id, Some(0), false),
+                    }
+                }
+                self.schedule(st)
+            }
+            Phase::Allocating { chunks, finished_request_ids, allocs, finishing, scheduled_tokens } => {
+                apply_finished_replies(
+                    &mut st.sched,
+                    &finishing,
+                    replies.as_deref().map(|r| r.get(allocs..).unwrap_or(&[])),
+                );
+                let mut meta = match replies.as_ref().and_then(|r| r.last()) {
+                    Some(ConnectorReply::Meta(meta)) => meta.clone(),
+                    _ => KvConnectorMetadata::default(),
+                };
+                meta.reqs_to_recv.extend(std::mem::take(&mut st.inbox.undelivered_recvs));
+                meta.reqs_aborted_after_finish = st.sched.take_aborted_held();
+                // Released after this step's worker call, whose metadata registers their holds.
+                let release_after = std::mem::take(&mut st.deferred);
+                self.chunks_ran = !chunks.is_empty();
+                if chunks.is_empty() && meta.is_empty() && !st.sched.has_requests() {
+                    self.outputs.extend(release_after);
+                    return self.finish(st, KvConnectorOutput::default());
+                }
+                self.executed = true;
+                self.scheduled_tokens = scheduled_tokens;
+                let output = SchedulerOutput {
+                    step_id: st.step_id,
+                    chunks: chunks.clone(),
+                    finished_request_ids,
+                    kv_connector_metadata: meta,
+                };
+                self.phase = Phase::Executing { chunks, release_after };
+                StepIo::Worker(output)
+            }
+            Phase::Finishing { finishing, kv_output } => {
+                apply_finished_replies(&mut st.sched, &finishing, replies.as_deref());
+                self.complete(st, kv_output)
+            }
+            other => {
+                self.phase = other;
+                tracing::error!("connector answer outside a connector phase; the step ends");
+                StepIo::Done(self.done(st))
+            }
+        }
+    }
+
+    /// The worker's answer to [`StepIo::Worker`].
+    pub fn on_worker(&mut self, st: &mut EngineState, answer: WorkerAnswer) -> StepIo {
+        let Phase::Executing { chunks, release_after } = std::mem::replace(&mut self.phase, Phase::Over) else {
+            tracing::error!("worker answer outside the execute phase; ignored");
+            return StepIo::Done(self.done(st));
+        };
+        let mut kv_output = KvConnectorOutput::default();
+        match answer {
+            WorkerAnswer::Ran(out) => {
+                match &out.failure {
+                    None => st.sched.update_from_output(&chunks, &out),
+                    Some(e) => {
+                        let reason = match e.class {
+                            ErrorClass::Unavailable => format!("unavailable: connector-worker: {}", e.message),
+                            _ => format!("worker error: {}", e.message),
+                        };
+                        st.sched.fail_requests(&Scheduler::ids_of(&chunks), &reason);
+                    }
+                }
+                // Applied whether or not the model ran: the holds and loads it reports ended.
+                kv_output = out.kv_connector_output;
+            }
+            WorkerAnswer::Failed(reason) => st.sched.fail_requests(&Scheduler::ids_of(&chunks), &reason),
+        }
+        self.outputs.extend(release_after);
+        self.finish(st, kv_output)
+    }
+
+    /// Schedule, then ask the connector what it allocated and what finished.
+    fn schedule(&mut self, st: &mut EngineState) -> StepIo {
+        st.step_id += 1;
+        let schedule = st.sched.schedule();
+        let finishing = st.sched.finishing_calls();
+        let mut calls: Vec<ConnectorCall> = schedule.alloc_calls;
+        let allocs = calls.len();
+        calls.extend(finishing.iter().cloned());
+        calls.push(ConnectorCall::BuildConnectorMeta { step_id: st.step_id });
+        self.phase = Phase::Allocating {
+            chunks: schedule.chunks,
+            finished_request_ids: schedule.finished_request_ids,
+            allocs,
+            finishing,
+            scheduled_tokens: schedule.num_scheduled_tokens,
+        };
+        StepIo::Connector(calls)
+    }
+
+    /// `request_finished` for what finished in this step, and the worker's connector output.
+    fn finish(&mut self, st: &mut EngineState, kv_output: KvConnectorOutput) -> StepIo {
+        let finishing = st.sched.finishing_calls();
+        let mut calls = finishing.clone();
+        if !kv_output.is_empty() {
+            calls.push(ConnectorCall::UpdateConnectorOutput(kv_output.clone()));
+        }
+        if calls.is_empty() {
+            return self.complete(st, kv_output);
+        }
+        self.phase = Phase::Finishing { finishing, kv_output };
+        StepIo::Connector(calls)
+    }
+
+    fn complete(&mut self, st: &mut EngineState, kv_output: KvConnectorOutput) -> StepIo {
+        st.sched.update_from_kv_output(&kv_output);
+        for o in st.sched.take_outputs() {
+            let hands_off = o.kv_transfer_params.as_ref().is_some_and(KvTransferParams::wants_remote_prefill);
+            if hands_off {
+                st.deferred.push(o);
+            } else {
+                self.outputs.push(o);
+            }
+        }
+        StepIo::Done(self.done(st))
+    }
+
+    fn done(&mut self, st: &EngineState) -> StepDone {
+        let next = if self.chunks_ran || !st.deferred.is_empty() || !st.inbox.is_empty() {
+            StepNext::Now
+        } else if st.sched.has_requests() {
+            StepNext::Soon
+        } else {
+            StepNext::Idle
+        };
+        StepDone {
+            outputs: std::mem::take(&mut self.outputs),
+            refused: std::mem::take(&mut self.refused),
+            refusals: std::mem::take(&mut self.refusals),
+            next,
+            executed: self.executed,
+            scheduled_tokens: self.scheduled_tokens,
+        }
+    }
+}
+
+/// The connector calls that hand a rejection notice (rule R1) to the connector at once, outside
+/// any step: the notice, then the notify-only receives it made. [`notice_receives`] reads the
+/// answer.
+pub fn notice_calls(notice: RejectionNotice) -> Vec<ConnectorCall> {
+    vec![
+        ConnectorCall::RequestRejectedBeforeAdmission {
+            params: notice.params,
+            rejected_at_unix_us: notice.rejected_at_unix_us,
+            trace: notice.trace,
+        },
+        ConnectorCall::TakeRejectionRecvs,
+    ]
+}
+
+/// The answer to [`notice_calls`]: whether the connector accepted the notice, and the
+/// metadata carrying its notify-only receives for the worker (when there are any).
+pub fn notice_receives(replies: &[ConnectorReply]) -> (bool, Option<KvConnectorMetadata>) {
+    let accepted = matches!(replies.first(), Some(ConnectorReply::Ack));
+    let meta = match replies.get(1) {
+        Some(ConnectorReply::Meta(meta)) if !meta.reqs_to_recv.is_empty() => Some(meta.clone()),
+        _ => None,
+    };
+    (accepted, meta)
+}
+
+/// An output that ends a request with `error`.
+pub fn error_output(id: &str, message: String) -> EngineOutput {
+    EngineOutput {
+        request_id: id.to_string(),
+        new_token_ids: vec![],
+        new_logprobs: None,
+        finish_reason: Some(FinishReason::Error),
+        stop_token_id: None,
+        kv_transfer_params: None,
+        num_external_tokens: 0,
+        error: Some(message),
+    }
+}
+
+/// Apply `request_finished` answers; without answers (connector unreachable) free at once.
+fn apply_finished_replies(sched: &mut Scheduler, calls: &[ConnectorCall], replies: Option<&[ConnectorReply]>) {
+    for (i, call) in calls.iter().enumerate() {
+        let ConnectorCall::RequestFinished { request_id, .. } = call else { continue };
+        match replies.and_then(|r| r.get(i)) {
+            Some(ConnectorReply::Finished { delay_free, kv_transfer_params }) => {
+                sched.apply_finished(request_id, *delay_free, kv_transfer_params.clone())
+            }
+            _ => sched.apply_finished(request_id, false, None),
+        }
+    }
+}
