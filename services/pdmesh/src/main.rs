@@ -133,7 +133,8 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             let config = is_config_error(&e);
-            eprintln!("Error: {e:?}");
+            // The cause chain on one line, no backtrace: `pdmesh up` shows this line.
+            eprintln!("Error: {e:#}");
             if config {
                 eprintln!("(a configuration error: exit status {})", pdmesh_config::EXIT_CONFIG);
                 ExitCode::from(pdmesh_config::EXIT_CONFIG)

@@ -7,7 +7,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus};
 use std::time::{Duration, Instant};
 
 use common::{pdmesh_bin, reserve_ports, Mesh};
