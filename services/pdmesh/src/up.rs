@@ -372,6 +372,21 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+async fn announce_when_ready(node: String, url: String) {
+    let client = reqwest::Client::new();
+    for _ in 0..1200 {
+        if let Ok(r) = client.get(format!("{url}/health")).send().await {
+            if r.status().is_success() {
+                tracing::info!(%node, %url, "node ready");
+                eprintln!("pdmesh up: node {node} ready on {url}");
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    tracing::error!(%node, %url, "node not ready after 5 minutes");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -390,19 +405,4 @@ mod tests {
         assert_eq!(a.len(), 64);
         assert!(a.bytes().all(|c| c.is_ascii_hexdigit()));
     }
-}
-
-async fn announce_when_ready(node: String, url: String) {
-    let client = reqwest::Client::new();
-    for _ in 0..1200 {
-        if let Ok(r) = client.get(format!("{url}/health")).send().await {
-            if r.status().is_success() {
-                tracing::info!(%node, %url, "node ready");
-                eprintln!("pdmesh up: node {node} ready on {url}");
-                return;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    tracing::error!(%node, %url, "node not ready after 5 minutes");
 }
