@@ -39,8 +39,10 @@ pub struct ApiKeyArgs {
     #[arg(long, env = env::API_KEY, hide_env_values = true)]
     pub api_key: Option<String>,
     /// A file of client API keys, one per line (blank lines and `#` comments ignored).
+    /// (A string, not a path: clap refuses an empty path, and an unset variable passed on by
+    /// compose is empty.)
     #[arg(long, env = env::API_KEY_FILE)]
-    pub api_key_file: Option<PathBuf>,
+    pub api_key_file: Option<String>,
 }
 
 impl ApiKeyArgs {
@@ -54,7 +56,7 @@ impl ApiKeyArgs {
     /// The key file, if one is named (an empty `PDMESH_API_KEY_FILE`, as compose passes an
     /// unset one, names none).
     pub fn key_file(&self) -> Option<&std::path::Path> {
-        self.api_key_file.as_deref().filter(|p| !p.as_os_str().is_empty())
+        self.api_key_file.as_deref().filter(|p| !p.is_empty()).map(std::path::Path::new)
     }
 }
 
@@ -272,5 +274,32 @@ async fn watch_parent() {
             tracing::warn!("parent pdmesh up is gone; exiting");
             std::process::exit(3);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configuration_errors_are_told_apart_from_other_failures() {
+        let config = anyhow::Error::from(pdmesh_config::ConfigError::Invalid("bad".into()));
+        assert!(is_config_error(&config));
+        let model = anyhow::anyhow!("model file not found").context(Misconfigured("preparing the model".into()));
+        assert!(is_config_error(&model.context("starting")), "a marked cause counts under more context");
+        let fault = anyhow::Error::from(pdmesh_connector_worker::WorkerError::Setting("unknown fault".into()));
+        assert!(is_config_error(&fault));
+        let bind =
+            pdmesh_frontend::FrontendError::HttpBind { addr: "x".into(), source: std::io::Error::other("in use") };
+        assert!(!is_config_error(&anyhow::Error::from(bind)), "a port in use is worth a restart");
+        assert!(!is_config_error(&anyhow::anyhow!("the accelerator is lost")));
+    }
+
+    #[test]
+    fn an_empty_key_file_setting_names_no_file() {
+        let cli = Cli::try_parse_from(["pdmesh", "frontend", "--api-key-file", "", "--api-key", "sk-a,sk-b"]).unwrap();
+        let Command::Frontend(args) = cli.command else { panic!("not the frontend command") };
+        assert!(args.keys.key_file().is_none(), "compose passes an unset variable as empty");
+        assert_eq!(args.keys.resolve().unwrap().client, ["sk-a", "sk-b"]);
     }
 }

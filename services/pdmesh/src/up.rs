@@ -87,6 +87,16 @@ fn restart_backoff(failures: u32) -> Duration {
     RESTART_BACKOFF_BASE.saturating_mul(1u32 << failures.min(16)).min(RESTART_BACKOFF_CAP)
 }
 
+/// Whether a child's exit says that starting it again cannot help: our configuration-error
+/// status, or clap's usage status 2 — `pdmesh up` passes only valid arguments, so that is a
+/// `PDMESH_*` variable behind a flag that clap refused.
+fn is_config_exit(status: std::process::ExitStatus) -> bool {
+    matches!(status.code(), Some(code) if code == i32::from(pdmesh_config::EXIT_CONFIG) || code == CLAP_USAGE_ERROR)
+}
+
+/// The status clap exits with when it refuses an argument or an environment value.
+const CLAP_USAGE_ERROR: i32 = 2;
+
 /// The last `n` lines of a child's log, for the terminal.
 fn log_tail(path: &Path, n: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
@@ -280,7 +290,7 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
                 if let Ok(Some(status)) = child.try_wait() {
                     p.child = None;
                     changed = true;
-                    if status.code() == Some(i32::from(pdmesh_config::EXIT_CONFIG)) {
+                    if is_config_exit(status) {
                         tracing::error!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
                             "child stopped on a configuration error; stopping the mesh");
                         eprintln!(
