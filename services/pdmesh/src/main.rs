@@ -39,8 +39,8 @@ pub struct ApiKeyArgs {
     #[arg(long, env = env::API_KEY, hide_env_values = true)]
     pub api_key: Option<String>,
     /// A file of client API keys, one per line (blank lines and `#` comments ignored).
-    /// (A string, not a path: clap refuses an empty path, and an unset variable passed on by
-    /// compose is empty.)
+    // A string, not a path: clap refuses an empty path, and compose passes an unset variable
+    // on as an empty one.
     #[arg(long, env = env::API_KEY_FILE)]
     pub api_key_file: Option<String>,
 }
