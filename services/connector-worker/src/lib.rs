@@ -31,6 +31,10 @@ pub enum WorkerError {
     Transport(#[from] pdmesh_transport::TransportError),
     #[error("model: {0}")]
     Model(String),
+    /// A setting of the node that cannot work (an unknown fault name): starting again cannot
+    /// help, so `pdmesh` exits with its configuration-error status.
+    #[error("invalid setting: {0}")]
+    Setting(String),
     #[error("ops server: {0}")]
     Ops(String),
     /// The KV cache's placement and the node's transfer backend disagree.
@@ -378,7 +382,7 @@ pub async fn run(
             };
             // `PDMESH_FAULT` was folded into the config by `Topology::apply_env`.
             let faults = pdmesh_kv_transfer::FaultConfig::parse(&cfg.fault_injection)
-                .map_err(|e| WorkerError::Model(format!("kv_transfer.fault_injection: {e}")))?;
+                .map_err(|e| WorkerError::Setting(format!("kv_transfer.fault_injection: {e}")))?;
             if !faults.is_empty() {
                 tracing::warn!(%faults, "fault injection is on");
             }
@@ -404,7 +408,7 @@ pub async fn run(
         }
     };
     let faults = executor_actor::ExecutorFaults::parse(&node.model.fault_injection)
-        .map_err(|e| WorkerError::Model(format!("model.fault_injection: {e}")))?;
+        .map_err(|e| WorkerError::Setting(format!("model.fault_injection: {e}")))?;
     if !faults.is_empty() {
         tracing::warn!(?faults, "executor fault injection is on");
     }

@@ -43,6 +43,10 @@ pub enum ApiError {
     /// `GET /v1/responses/{id}` names no stored response (404, OpenAI's `invalid_request_error`).
     #[error("Response with id '{0}' not found.")]
     ResponseNotFound(String),
+    /// No valid API key (401): the `Authorization: Bearer <key>` header is missing, malformed
+    /// or names no key this server accepts (docs/SECURITY.md, "API keys").
+    #[error("{0}")]
+    Unauthorized(String),
     /// The body is larger than the frontend accepts (413).
     #[error("{0}")]
     PayloadTooLarge(String),
@@ -65,7 +69,7 @@ pub enum ApiError {
 }
 
 /// The OpenAI error object (`{"error": {...}}`), as vLLM returns it: `code` is the HTTP
-/// status.
+/// status, except for a 401, where it is OpenAI's `"invalid_api_key"`.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
@@ -78,7 +82,16 @@ pub struct ErrorDetail {
     #[serde(rename = "type")]
     pub kind: &'static str,
     pub param: Option<String>,
-    pub code: u16,
+    pub code: ErrorCode,
+}
+
+/// The `code` of an [`ErrorDetail`]: vLLM puts the HTTP status there; OpenAI names some
+/// errors instead (`"invalid_api_key"`), and clients of either match on what they know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum ErrorCode {
+    Status(u16),
+    Name(&'static str),
 }
 
 impl ApiError {
@@ -105,6 +118,7 @@ impl ApiError {
             | ApiError::PreviousResponseNotFound(_)
             | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal(_) | ApiError::EngineFailed(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -119,7 +133,10 @@ impl ApiError {
             return "invalid_request_error";
         }
         match self.status() {
-            StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE => "invalid_request_error",
+            // OpenAI answers a missing or wrong key with `invalid_request_error` too.
+            StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNAUTHORIZED => {
+                "invalid_request_error"
+            }
             StatusCode::NOT_FOUND => "NotFoundError",
             StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
             StatusCode::GATEWAY_TIMEOUT => "TimeoutError",
@@ -150,6 +167,7 @@ impl ApiError {
             ApiError::NotFound(_) => "not_found",
             ApiError::PreviousResponseNotFound(_) | ApiError::ResponseNotFound(_) => "response_not_found",
             ApiError::PayloadTooLarge(_) => "payload_too_large",
+            ApiError::Unauthorized(_) => "unauthorized",
             ApiError::DuplicateRequestId(_) => "duplicate_request_id",
             ApiError::Unavailable(_) => "unavailable",
             ApiError::Timeout(_) => "timeout",
@@ -165,7 +183,10 @@ impl ApiError {
                 message: self.to_string(),
                 kind: self.error_type(),
                 param: self.param(),
-                code: self.status().as_u16(),
+                code: match self {
+                    ApiError::Unauthorized(_) => ErrorCode::Name("invalid_api_key"),
+                    _ => ErrorCode::Status(self.status().as_u16()),
+                },
             },
         }
     }
@@ -278,12 +299,17 @@ mod tests {
             (ApiError::Timeout("x".into()), 504, "TimeoutError"),
             (ApiError::Internal("x".into()), 500, "InternalServerError"),
             (ApiError::EngineFailed("x".into()), 500, "InternalServerError"),
+            (ApiError::Unauthorized("x".into()), 401, "invalid_request_error"),
         ];
         for (err, status, kind) in cases {
             assert_eq!(err.status().as_u16(), status, "{err:?}");
             assert_eq!(err.error_type(), kind, "{err:?}");
             let body = serde_json::to_value(err.body()).unwrap();
-            assert_eq!(body["error"]["code"], status);
+            if status == 401 {
+                assert_eq!(body["error"]["code"], "invalid_api_key", "OpenAI's code for a bad key");
+            } else {
+                assert_eq!(body["error"]["code"], status);
+            }
             assert_eq!(body["error"]["type"], kind);
             assert!(body["error"]["message"].is_string());
             assert!(body["error"].get("param").is_some());

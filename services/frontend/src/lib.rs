@@ -18,6 +18,7 @@
 //!   metrics) and start-up.
 //! - [`handlers`]: one module per endpoint group; generation requests share `handlers::serve`.
 //! - [`validation`]: OpenAI fields → engine parameters, or a 400/404 naming the field.
+//! - [`auth`]: API keys (`Authorization: Bearer`), checked before routing.
 //! - [`headers`]: `X-Request-Id`, `X-data-parallel-rank`, W3C trace context.
 //! - [`engine_client`]: the actor owning the dp-lb link and the request-id → channel table.
 //! - [`generate`]: submit, collect, and the guard that aborts abandoned requests.
@@ -33,6 +34,7 @@
 //! `logit_bias` (refused with 400), and the pre-admission rejection notice to P for
 //! remote-prefill requests (vLLM #41269), for which the wire has no message yet.
 
+pub mod auth;
 pub mod engine_client;
 pub mod error;
 pub mod generate;
@@ -52,6 +54,7 @@ mod tests;
 
 use std::sync::Arc;
 
+pub use auth::ApiKeys;
 pub use error::{ApiError, FrontendError};
 
 /// Facts about the served model that the frontend needs to validate requests. They come from
@@ -89,14 +92,15 @@ impl FrontendOptions {
 /// Run the frontend of node `node_name` until the actix System stops or the HTTP server is
 /// told to stop (SIGINT/SIGTERM: actix-web's own signal handling, then a graceful drain of up
 /// to [`server::SHUTDOWN_TIMEOUT_S`] seconds). Must be called inside an actix System
-/// (`actix_rt::System` / `#[actix_web::main]`).
+/// (`actix_rt::System` / `#[actix_web::main]`). `api_keys`: what clients must present.
 pub async fn run(
     topology: pdmesh_config::Topology,
     node_name: String,
     codec: Arc<dyn pdmesh_model_api::TextCodec>,
     options: FrontendOptions,
+    api_keys: ApiKeys,
 ) -> Result<(), FrontendError> {
-    let started = server::start(&topology, &node_name, codec, options).await?;
+    let started = server::start(&topology, &node_name, codec, options, api_keys).await?;
     tracing::info!(node = %node_name, addrs = ?started.addrs, "frontend listening");
     started.server.await.map_err(FrontendError::Server)?;
     tracing::info!(node = %node_name, "frontend stopped");

@@ -35,6 +35,12 @@ pub const ENGINE_LINK_UP: &str = "pdmesh_frontend_engine_link_up";
 /// Requests carrying `kv_transfer_params.do_remote_prefill = true` that the frontend refused
 /// before admission (their P blocks stay held until P's deadline; see the crate docs).
 pub const REMOTE_PREFILL_REJECTIONS: &str = "pdmesh_frontend_remote_prefill_rejections_total";
+/// Requests refused with 401 because no valid API key came with them, by reason (`missing`,
+/// `malformed`, `invalid`); docs/SECURITY.md.
+pub const UNAUTHORIZED: &str = "pdmesh_frontend_unauthorized_total";
+/// Requests let through by a valid API key, by kind of key (`client`, or `internal`: the
+/// router calling this node); counted only where keys are required.
+pub const AUTHORIZED: &str = "pdmesh_frontend_authorized_total";
 /// Messages from the dp-lb that the frontend does not expect, by message kind.
 pub const UNEXPECTED_MESSAGES: &str = "pdmesh_frontend_unexpected_messages_total";
 
@@ -85,6 +91,14 @@ pub(crate) static REJECTION_NOTICES_SENT: LazyLock<IntCounter> = LazyLock::new(|
 pub(crate) static REMOTE_PREFILL_REJECTIONS_TOTAL: LazyLock<IntCounter> =
     LazyLock::new(|| counter(REMOTE_PREFILL_REJECTIONS, "Remote-prefill requests refused before admission"));
 
+pub(crate) static UNAUTHORIZED_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(UNAUTHORIZED, "Requests refused with 401 for a missing, malformed or unknown API key", &["reason"])
+});
+
+pub(crate) static AUTHORIZED_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(AUTHORIZED, "Requests let through by a valid API key, by kind of key", &["credential"])
+});
+
 pub(crate) static UNEXPECTED_MESSAGES_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(UNEXPECTED_MESSAGES, "Unexpected messages from the dp-lb, by kind", &["kind"]));
 
@@ -105,4 +119,6 @@ pub(crate) fn init() {
     LazyLock::force(&LINK_UP);
     LazyLock::force(&REMOTE_PREFILL_REJECTIONS_TOTAL);
     LazyLock::force(&UNEXPECTED_MESSAGES_TOTAL);
+    LazyLock::force(&UNAUTHORIZED_TOTAL);
+    LazyLock::force(&AUTHORIZED_TOTAL);
 }

@@ -8,9 +8,14 @@
 //! carry the same `X-Request-Id` and trace context. A client that disconnects drops the
 //! upstream request of whichever leg is running, which each node's frontend turns into an
 //! abort.
+//!
+//! With API keys, the router checks the client's key ([`crate::auth`]) and presents the mesh's
+//! internal key (`PDMESH_INTERNAL_API_KEY`) on every call to P and D — both legs, `/v1/models`
+//! and `/v1/kv/release` — or, without one, passes the client's `Authorization` on.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use actix_web::http::header::AUTHORIZATION;
 use actix_web::http::StatusCode;
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
 use futures::StreamExt;
@@ -19,6 +24,7 @@ use pdmesh_protocol::TraceContext;
 use serde_json::{json, Value};
 use tracing::Instrument;
 
+use crate::auth::ApiKeys;
 use crate::error::{ApiError, FrontendError};
 use crate::headers::REQUEST_ID;
 use crate::metrics::HTTP_REQUESTS_TOTAL;
@@ -32,6 +38,8 @@ pub struct RouterState {
     client: reqwest::Client,
     /// `router.give_up_notices`: hand P's blocks back when a request ends between the legs.
     give_up_notices: bool,
+    /// `Bearer <internal key>` for every call to P and D, when the mesh has an internal key.
+    internal_authorization: Option<String>,
 }
 
 impl RouterState {
@@ -40,6 +48,14 @@ impl RouterState {
             return None;
         }
         list.get(next.fetch_add(1, Ordering::Relaxed) % list.len()).cloned()
+    }
+
+    /// The `Authorization` value for calls to P and D on behalf of `req`: the internal key's
+    /// when there is one, else the client's own header (nodes that share the client keys).
+    fn upstream_authorization(&self, req: &HttpRequest) -> Option<String> {
+        self.internal_authorization
+            .clone()
+            .or_else(|| req.headers().get(AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_string))
     }
 }
 
@@ -68,13 +84,15 @@ enum Leg {
 
 /// Headers forwarded to a leg; `trace` is the leg's own context (its client span's, or a
 /// child of the client's when export is off). P and D have their own ranks, so each leg gets
-/// only the rank meant for its node, as that node's `X-data-parallel-rank`.
+/// only the rank meant for its node, as that node's `X-data-parallel-rank`; `authorization`
+/// is [`RouterState::upstream_authorization`].
 fn forward_headers(
     req: &HttpRequest,
     rb: reqwest::RequestBuilder,
     request_id: &str,
     leg: Leg,
     trace: &TraceContext,
+    authorization: Option<&str>,
 ) -> reqwest::RequestBuilder {
     let mut rb = rb.header(REQUEST_ID, request_id);
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
@@ -85,8 +103,8 @@ fn forward_headers(
     if let Some(rank) = rank {
         rb = rb.header(crate::headers::DATA_PARALLEL_RANK, rank);
     }
-    if let Some(v) = header("authorization") {
-        rb = rb.header("authorization", v);
+    if let Some(v) = authorization {
+        rb = rb.header(AUTHORIZATION.as_str(), v);
     }
     if let Some(tp) = &trace.traceparent {
         rb = rb.header("traceparent", tp);
@@ -117,6 +135,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         return error(ApiError::invalid_request("request body must be a JSON object"), &request_id);
     }
     let (span, client_trace) = request_span(&req, &request_id, path);
+    let authorization = st.upstream_authorization(&req);
     let (Some(p), Some(d)) = (RouterState::pick(&st.prefill, &st.next_p), RouterState::pick(&st.decode, &st.next_d))
     else {
         return error(ApiError::Unavailable("unavailable: no prefill or decode upstream".into()), "");
@@ -147,18 +166,26 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         &p,
         &request_id,
         &json!({"do_remote_prefill": true, "remote_request_id": p_engine_id}),
+        authorization.clone(),
     );
     if !st.give_up_notices {
         release.disarm(); // deadline-only baseline: P frees at its hold deadline
     }
     let p_span = tracing::info_span!(parent: &span, "router.prefill", otel.kind = "client", upstream = %p);
     let p_trace = pdmesh_telemetry::trace::outgoing(&p_span, &client_trace);
-    let p_res = forward_headers(&req, st.client.post(format!("{p}{path}")), &request_id, Leg::Prefill, &p_trace)
-        .header(crate::headers::ENGINE_ID_SUFFIX, p_suffix.as_str())
-        .json(&p_body)
-        .send()
-        .instrument(p_span.clone())
-        .await;
+    let p_res = forward_headers(
+        &req,
+        st.client.post(format!("{p}{path}")),
+        &request_id,
+        Leg::Prefill,
+        &p_trace,
+        authorization.as_deref(),
+    )
+    .header(crate::headers::ENGINE_ID_SUFFIX, p_suffix.as_str())
+    .json(&p_body)
+    .send()
+    .instrument(p_span.clone())
+    .await;
     let p_res = match p_res {
         Ok(r) => r,
         Err(e) => {
@@ -191,11 +218,18 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     let stream = d_body["stream"].as_bool().unwrap_or(false);
     let d_span = tracing::info_span!(parent: &span, "router.decode", otel.kind = "client", upstream = %d, stream);
     let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, &client_trace);
-    let d_res = forward_headers(&req, st.client.post(format!("{d}{path}")), &request_id, Leg::Decode, &d_trace)
-        .json(&d_body)
-        .send()
-        .instrument(d_span.clone())
-        .await;
+    let d_res = forward_headers(
+        &req,
+        st.client.post(format!("{d}{path}")),
+        &request_id,
+        Leg::Decode,
+        &d_trace,
+        authorization.as_deref(),
+    )
+    .json(&d_body)
+    .send()
+    .instrument(d_span.clone())
+    .await;
     let d_res = match d_res {
         Ok(r) => {
             // D answered, so D owns the reference now (it tells P itself if it gives up).
@@ -283,14 +317,16 @@ fn last_event_end(buf: &[u8]) -> Option<usize> {
 /// request ended (client disconnect drops the handler) before D took it, or D was unreachable.
 struct ReleaseOnDrop {
     armed: Option<(reqwest::Client, String, String, Value)>,
+    /// P's `/v1/kv/release` is under `/v1`: it needs the same credential as the legs.
+    authorization: Option<String>,
 }
 
 impl ReleaseOnDrop {
-    fn new(client: &reqwest::Client, p: &str, request_id: &str, params: &Value) -> Self {
+    fn new(client: &reqwest::Client, p: &str, request_id: &str, params: &Value, authorization: Option<String>) -> Self {
         let usable = params.get("remote_request_id").is_some_and(Value::is_string);
         let armed =
             usable.then(|| (client.clone(), format!("{p}/v1/kv/release"), request_id.to_string(), params.clone()));
-        Self { armed }
+        Self { armed, authorization }
     }
 
     fn disarm(&mut self) {
@@ -310,16 +346,16 @@ impl ReleaseOnDrop {
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
         let Some((client, url, request_id, params)) = self.armed.take() else { return };
+        let authorization = self.authorization.take();
         // Dropped on a runtime thread (the handler future); without one there is nothing to do.
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         tracing::info!(%request_id, "decode leg never started; handing P's blocks back");
         rt.spawn(async move {
-            let res = client
-                .post(&url)
-                .header(REQUEST_ID, request_id.as_str())
-                .json(&json!({"kv_transfer_params": params}))
-                .send()
-                .await;
+            let mut rb = client.post(&url).header(REQUEST_ID, request_id.as_str());
+            if let Some(v) = authorization {
+                rb = rb.header(AUTHORIZATION.as_str(), v);
+            }
+            let res = rb.json(&json!({"kv_transfer_params": params})).send().await;
             match res {
                 Ok(r) if r.status().is_success() => {}
                 Ok(r) => tracing::warn!(%request_id, status = r.status().as_u16(), "P refused the release"),
@@ -342,7 +378,11 @@ async fn passthrough_get(req: HttpRequest, st: web::Data<RouterState>) -> HttpRe
     let Some(d) = st.decode.first() else {
         return error(ApiError::Unavailable("unavailable: no decode upstream".into()), "");
     };
-    match st.client.get(format!("{d}{}", req.path())).send().await {
+    let mut rb = st.client.get(format!("{d}{}", req.path()));
+    if let Some(v) = st.upstream_authorization(&req) {
+        rb = rb.header(AUTHORIZATION.as_str(), v);
+    }
+    match rb.send().await {
         Ok(r) => {
             let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
             HttpResponse::build(status).content_type("application/json").body(r.bytes().await.unwrap_or_default())
@@ -389,9 +429,17 @@ async fn healthy_upstreams(client: &reqwest::Client, list: &[String]) -> usize {
     futures::future::join_all(checks).await.into_iter().filter(|ok| *ok).count()
 }
 
-/// Run the router frontend of `node_name` until the actix System stops.
-pub async fn run_router(topology: Topology, node_name: String) -> Result<(), FrontendError> {
+/// Run the router frontend of `node_name` until the actix System stops. `client_keys`: what
+/// clients must present (empty: nothing); `internal_key`: what the router presents to P and D
+/// (none: the client's own `Authorization` is passed on).
+pub async fn run_router(
+    topology: Topology,
+    node_name: String,
+    client_keys: ApiKeys,
+    internal_key: Option<String>,
+) -> Result<(), FrontendError> {
     let node = topology.node(&node_name)?.clone();
+    crate::metrics::init();
     let client = reqwest::Client::builder()
         .tcp_nodelay(true)
         .build()
@@ -403,12 +451,22 @@ pub async fn run_router(topology: Topology, node_name: String) -> Result<(), Fro
         next_d: AtomicUsize::new(0),
         client,
         give_up_notices: node.router.give_up_notices,
+        internal_authorization: internal_key.map(|k| format!("Bearer {k}")),
     });
+    tracing::info!(
+        api_keys = client_keys.enabled(),
+        internal_key = state.internal_authorization.is_some(),
+        "API keys {}",
+        if client_keys.enabled() { "required" } else { "not required" }
+    );
+    let client_keys = web::Data::new(client_keys);
     let addr = format!("{}:{}", node.http_host, node.http_port);
     let server = HttpServer::new(move || {
         App::new()
             .app_data(state.clone())
+            .app_data(client_keys.clone())
             .app_data(web::PayloadConfig::new(crate::server::MAX_BODY_BYTES))
+            .wrap(actix_web::middleware::from_fn(crate::auth::require_api_key))
             .wrap_fn(|req, srv| {
                 let fut = actix_web::dev::Service::call(srv, req);
                 async move {
@@ -449,6 +507,47 @@ mod tests {
         );
         let out: Vec<web::Bytes> = futures::executor::block_on(whole_events(upstream, "r".into()).collect());
         out.iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect()
+    }
+
+    fn state(internal: Option<&str>) -> RouterState {
+        RouterState {
+            prefill: vec!["http://p".into()],
+            decode: vec!["http://d".into()],
+            next_p: AtomicUsize::new(0),
+            next_d: AtomicUsize::new(0),
+            client: reqwest::Client::new(),
+            give_up_notices: true,
+            internal_authorization: internal.map(|k| format!("Bearer {k}")),
+        }
+    }
+
+    #[test]
+    fn the_internal_key_goes_upstream_instead_of_the_clients() {
+        let req = actix_web::test::TestRequest::default()
+            .insert_header(("authorization", "Bearer sk-client"))
+            .insert_header(("x-data-parallel-rank", "1"))
+            .to_http_request();
+        let st = state(Some("mesh-internal"));
+        let auth = st.upstream_authorization(&req);
+        assert_eq!(auth.as_deref(), Some("Bearer mesh-internal"));
+        let built = forward_headers(
+            &req,
+            st.client.post("http://p/v1/completions"),
+            "r1",
+            Leg::Decode,
+            &TraceContext::default(),
+            auth.as_deref(),
+        )
+        .build()
+        .unwrap();
+        let headers = built.headers();
+        assert_eq!(headers.get_all("authorization").iter().count(), 1, "the client's key is not passed on beside it");
+        assert_eq!(headers["authorization"], "Bearer mesh-internal");
+        assert_eq!(headers["x-data-parallel-rank"], "1");
+        // Without an internal key the client's own header goes on (nodes sharing the client keys).
+        assert_eq!(state(None).upstream_authorization(&req).as_deref(), Some("Bearer sk-client"));
+        let anonymous = actix_web::test::TestRequest::default().to_http_request();
+        assert_eq!(state(None).upstream_authorization(&anonymous), None);
     }
 
     #[test]

@@ -8,11 +8,13 @@ use actix::Addr;
 use actix_web::body::MessageBody;
 use actix_web::dev::{Server, Service, ServiceFactory, ServiceRequest, ServiceResponse};
 use actix_web::http::header::HeaderName;
+use actix_web::middleware::from_fn;
 use actix_web::{web, App, HttpServer, ResponseError};
 use pdmesh_config::Topology;
 use pdmesh_model_api::TextCodec;
 use pdmesh_transport::{bind_pull, LinkHandle};
 
+use crate::auth::ApiKeys;
 use crate::engine_client::EngineClient;
 use crate::error::{ApiError, FrontendError};
 use crate::generate::unix_now;
@@ -37,6 +39,8 @@ pub struct AppState {
     pub started: u64,
     /// Stored responses of the Responses API (`store: true`).
     pub responses: Arc<crate::responses::ResponseStore>,
+    /// The API keys clients must present (none: no key required); [`crate::auth`].
+    pub api_keys: ApiKeys,
 }
 
 impl AppState {
@@ -53,6 +57,7 @@ impl AppState {
             options,
             started: unix_now(),
             responses: Arc::new(crate::responses::ResponseStore::default()),
+            api_keys: ApiKeys::default(),
         }
     }
 
@@ -80,7 +85,8 @@ pub fn json_config() -> web::JsonConfig {
     })
 }
 
-/// The application: every route, with a middleware counting requests by route and status.
+/// The application: every route, behind the API-key check ([`crate::auth`]) and a middleware
+/// counting requests by route and status.
 pub fn app(
     state: web::Data<AppState>,
 ) -> App<
@@ -92,9 +98,12 @@ pub fn app(
         InitError = (),
     >,
 > {
+    let api_keys = web::Data::new(state.api_keys.clone());
     App::new()
         .app_data(state)
+        .app_data(api_keys)
         .app_data(json_config())
+        .wrap(from_fn(crate::auth::require_api_key))
         .wrap_fn(|req, srv| {
             let fut = srv.call(req);
             async move {
@@ -134,12 +143,13 @@ pub struct Started {
 }
 
 /// Start the engine client, bind the output socket and the HTTP listener. Must run inside
-/// an actix System.
+/// an actix System. `api_keys`: what clients must present (empty: nothing).
 pub async fn start(
     topology: &Topology,
     node_name: &str,
     codec: Arc<dyn TextCodec>,
     options: FrontendOptions,
+    api_keys: ApiKeys,
 ) -> Result<Started, FrontendError> {
     options.validate()?;
     crate::metrics::init();
@@ -150,7 +160,14 @@ pub async fn start(
         .await
         .map_err(FrontendError::OutputSocket)?;
     tracing::info!(dp_lb = %endpoints.dplb_frontend.connect, %outputs, "engine client started");
-    let state = web::Data::new(AppState::new(client, link, codec, options));
+    tracing::info!(
+        api_keys = api_keys.enabled(),
+        "API keys {}",
+        if api_keys.enabled() { "required" } else { "not required" }
+    );
+    let mut app_state = AppState::new(client, link, codec, options);
+    app_state.api_keys = api_keys;
+    let state = web::Data::new(app_state);
     let app_state = state.clone();
     let addr = format!("{}:{}", node.http_host, node.http_port);
     let server = HttpServer::new(move || app(app_state.clone()))

@@ -20,6 +20,7 @@ use pdmesh_transport::{bind_router, connect_push, PushHandle, RouterEvent, Route
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::auth::ApiKeys;
 use crate::server::{app, start, AppState};
 use crate::FrontendOptions;
 
@@ -153,6 +154,11 @@ impl Drop for Harness {
 const MODEL: &str = "pdmesh-synthetic";
 
 async fn harness(script: impl Fn(&EngineRequest) -> Script + Send + 'static) -> Harness {
+    harness_with_keys(script, ApiKeys::default()).await
+}
+
+/// [`harness`] with API keys required.
+async fn harness_with_keys(script: impl Fn(&EngineRequest) -> Script + Send + 'static, keys: ApiKeys) -> Harness {
     let run_dir = std::env::temp_dir().join(format!("pdmesh-fe-{}", uuid::Uuid::new_v4().simple()));
     let topology = Topology::from_toml(&format!(
         "run_dir = {:?}\n[[nodes]]\nname = \"main\"\nhttp_port = 0\n",
@@ -171,7 +177,7 @@ async fn harness(script: impl Fn(&EngineRequest) -> Script + Send + 'static) -> 
         eos_token_ids: vec![256],
         rejection_notices: true,
     };
-    let started = start(&topology, "main", Arc::new(SyntheticTextCodec), options).await.unwrap();
+    let started = start(&topology, "main", Arc::new(SyntheticTextCodec), options, keys).await.unwrap();
     let push = connect_push(&endpoints.frontend_outputs.connect);
     let lb = ctx.run(FakeLb { router, push: push.clone(), script: Box::new(script), seen: seen.clone(), ranks_up: 1 });
     let addr = started.addrs[0];
@@ -976,4 +982,77 @@ async fn responses_template_error_is_400() {
     let (s, _, _) = call(&h, "/v1/responses", json!({"model": MODEL}), &[]).await;
     assert_eq!(s, 400, "input is required");
     assert!(added(&h).is_empty());
+}
+
+/// API keys over the real HTTP listener: every route but the probes needs a valid key, a
+/// refusal is an OpenAI 401 that reaches no engine and is counted, and a valid key serves.
+#[actix_web::test]
+async fn api_keys_guard_everything_but_the_probes() {
+    let h = harness_with_keys(generates("hi", Some(FinishReason::Stop)), ApiKeys::new(["sk-right", "sk-other"])).await;
+    let client = reqwest::Client::new();
+    let url = |p: &str| format!("http://{}{p}", h.addr);
+    let body = json!({"model": MODEL, "prompt": "x", "max_tokens": 2});
+    let refused = |reason: &str| crate::metrics::UNAUTHORIZED_TOTAL.with_label_values(&[reason]).get();
+    let (missing, invalid, malformed) = (refused("missing"), refused("invalid"), refused("malformed"));
+
+    for auth in [None, Some("Bearer sk-wrong"), Some("Bearer sk-righ"), Some("Basic sk-right"), Some("sk-right")] {
+        let mut rb = client.post(url("/v1/completions")).json(&body);
+        if let Some(a) = auth {
+            rb = rb.header("authorization", a);
+        }
+        let r = rb.send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 401, "{auth:?}");
+        assert_eq!(r.headers()["www-authenticate"], "Bearer");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "invalid_api_key", "{v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    }
+    assert!(added(&h).is_empty(), "no refused request reached the engine");
+    assert!(refused("missing") > missing && refused("invalid") >= invalid + 2 && refused("malformed") >= malformed + 2);
+
+    let r = client.post(url("/v1/completions")).bearer_auth("sk-other").json(&body).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["choices"][0]["text"], "hi");
+    assert_eq!(added(&h).len(), 1);
+
+    // The admin routes need the key too: /debug/* reveal request ids, /v1/kv/release frees blocks.
+    for (method, path) in [
+        ("GET", "/v1/models"),
+        ("GET", "/debug/kv"),
+        ("GET", "/debug/engines"),
+        ("POST", "/v1/kv/release"),
+        ("GET", "/nowhere"),
+    ] {
+        let rb = |key: Option<&str>| {
+            let rb = if method == "GET" { client.get(url(path)) } else { client.post(url(path)).json(&json!({})) };
+            match key {
+                Some(k) => rb.bearer_auth(k),
+                None => rb,
+            }
+        };
+        assert_eq!(rb(None).send().await.unwrap().status().as_u16(), 401, "{path} without a key");
+        let with_key = rb(Some("sk-right")).send().await.unwrap().status().as_u16();
+        assert_ne!(with_key, 401, "{path} with the key");
+    }
+    // Probes stay open.
+    for path in ["/health", "/live", "/metrics"] {
+        let status = client.get(url(path)).send().await.unwrap().status().as_u16();
+        assert_eq!(status, 200, "{path} without a key");
+    }
+    let metrics = client.get(url("/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("pdmesh_frontend_unauthorized_total{reason=\"missing\"}"), "listed in /metrics");
+}
+
+/// Without keys nothing is asked for (vLLM's default).
+#[actix_web::test]
+async fn without_api_keys_no_key_is_needed() {
+    let h = harness(generates("ok", Some(FinishReason::Stop))).await;
+    let client = reqwest::Client::new();
+    let body = json!({"model": MODEL, "prompt": "x", "max_tokens": 2});
+    let r = client.post(format!("http://{}/v1/completions", h.addr)).json(&body).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let r = client.get(format!("http://{}/debug/kv", h.addr)).bearer_auth("anything").send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
 }

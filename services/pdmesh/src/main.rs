@@ -4,10 +4,11 @@ mod model;
 mod up;
 
 use std::path::PathBuf;
+use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
-use pdmesh_config::{env, Topology};
+use pdmesh_config::{env, ApiKeySettings, Topology};
 
 #[derive(Parser)]
 #[command(name = "pdmesh", version, about = "A service mesh for disaggregated prefill/decode LLM serving")]
@@ -29,12 +30,50 @@ struct ServiceArgs {
     rank: u32,
 }
 
+/// API keys of a frontend (docs/SECURITY.md, "API keys"). The internal key is read from
+/// `PDMESH_INTERNAL_API_KEY` only: a flag would show it to `ps`.
+#[derive(Args, Clone)]
+pub struct ApiKeyArgs {
+    /// Client API keys, comma-separated: `/v1/*` and `/debug/*` then need
+    /// `Authorization: Bearer <key>` (prefer the environment or a file: `ps` shows flags).
+    #[arg(long, env = env::API_KEY, hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// A file of client API keys, one per line (blank lines and `#` comments ignored).
+    // A string, not a path: clap refuses an empty path, and compose passes an unset variable
+    // on as an empty one.
+    #[arg(long, env = env::API_KEY_FILE)]
+    pub api_key_file: Option<String>,
+}
+
+impl ApiKeyArgs {
+    /// The keys of this process: the flags (or their variables) and `PDMESH_INTERNAL_API_KEY`.
+    pub fn resolve(&self) -> anyhow::Result<ApiKeySettings> {
+        let internal = env::get(env::INTERNAL_API_KEY);
+        ApiKeySettings::resolve(self.api_key.as_deref(), self.key_file(), internal.as_deref())
+            .map_err(anyhow::Error::from)
+    }
+
+    /// The key file, if one is named (an empty `PDMESH_API_KEY_FILE`, as compose passes an
+    /// unset one, names none).
+    pub fn key_file(&self) -> Option<&std::path::Path> {
+        self.api_key_file.as_deref().filter(|p| !p.is_empty()).map(std::path::Path::new)
+    }
+}
+
+#[derive(Args, Clone)]
+struct FrontendArgs {
+    #[command(flatten)]
+    service: ServiceArgs,
+    #[command(flatten)]
+    keys: ApiKeyArgs,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Start a whole mesh from a topology file as child processes.
     Up(up::UpArgs),
     /// The OpenAI-compatible HTTP frontend of a node.
-    Frontend(ServiceArgs),
+    Frontend(FrontendArgs),
     /// The data-parallel load balancer of a node.
     DpLb(ServiceArgs),
     /// One engine-core rank (scheduler + step loop).
@@ -60,7 +99,59 @@ fn load_topology(path: &Option<PathBuf>) -> anyhow::Result<Topology> {
     Ok(topo)
 }
 
-fn main() -> anyhow::Result<()> {
+/// Marks an error as a configuration error (a missing model file, a bad setting): the
+/// process exits with [`pdmesh_config::EXIT_CONFIG`] so that `pdmesh up` stops the mesh and
+/// shows it instead of restarting the process in a loop. Attached with `.context(...)`.
+#[derive(Debug)]
+pub struct Misconfigured(pub String);
+
+impl std::fmt::Display for Misconfigured {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Whether `e` is a configuration error: marked [`Misconfigured`], or caused by a topology or
+/// setting error of a library.
+fn is_config_error(e: &anyhow::Error) -> bool {
+    use pdmesh_connector_worker::WorkerError;
+    use pdmesh_frontend::FrontendError;
+    e.downcast_ref::<Misconfigured>().is_some()
+        || e.chain().any(|c| {
+            c.is::<pdmesh_config::ConfigError>()
+                || matches!(
+                    c.downcast_ref::<FrontendError>(),
+                    Some(FrontendError::Config(_) | FrontendError::Options(_))
+                )
+                || matches!(
+                    c.downcast_ref::<WorkerError>(),
+                    Some(WorkerError::BadRank { .. } | WorkerError::Setting(_))
+                )
+                || matches!(
+                    c.downcast_ref::<pdmesh_engine_core::EngineError>(),
+                    Some(pdmesh_engine_core::EngineError::BadRank { .. } | pdmesh_engine_core::EngineError::Faults(_))
+                )
+        })
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let config = is_config_error(&e);
+            // The cause chain on one line, no backtrace: `pdmesh up` shows this line.
+            eprintln!("Error: {e:#}");
+            if config {
+                eprintln!("(a configuration error: exit status {})", pdmesh_config::EXIT_CONFIG);
+                ExitCode::from(pdmesh_config::EXIT_CONFIG)
+            } else {
+                ExitCode::FAILURE
+            }
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Up(args) => up::run(args),
@@ -70,14 +161,17 @@ fn main() -> anyhow::Result<()> {
             anyhow::ensure!(status.is_success(), "GET {url}: {status}");
             Ok(())
         }
-        Command::Frontend(a) => serve("frontend", a, |topo, a| async move {
+        Command::Frontend(FrontendArgs { service, keys }) => serve("frontend", service, |topo, a| async move {
             let node = topo.node(&a.node)?.clone();
+            let keys = keys.resolve()?;
             if node.role == pdmesh_config::NodeRole::Router {
-                pdmesh_frontend::router::run_router(topo, a.node.clone()).await?;
+                let client_keys = pdmesh_frontend::ApiKeys::new(keys.router_keys());
+                pdmesh_frontend::router::run_router(topo, a.node.clone(), client_keys, keys.internal).await?;
                 return Ok(());
             }
-            let loaded = model::load_text(&node).context("loading the tokenizer")?;
-            pdmesh_frontend::run(topo, a.node.clone(), loaded.codec, loaded.options).await?;
+            let loaded = model::load_text(&node).context(Misconfigured("loading the tokenizer".into()))?;
+            let api_keys = pdmesh_frontend::ApiKeys::with_internal(&keys.client, keys.internal.as_deref());
+            pdmesh_frontend::run(topo, a.node.clone(), loaded.codec, loaded.options, api_keys).await?;
             Ok(())
         }),
         Command::DpLb(a) => serve("dp-lb", a, |topo, a| async move {
@@ -97,7 +191,8 @@ fn main() -> anyhow::Result<()> {
         }),
         Command::ConnectorWorker(a) => serve("connector-worker", a, |topo, a| async move {
             let node = topo.node(&a.node)?.clone();
-            let (facts, factory, placement) = model::executor_factory(&node).context("preparing the model")?;
+            let (facts, factory, placement) =
+                model::executor_factory(&node).context(Misconfigured("preparing the model".into()))?;
             let worker = pdmesh_connector_worker::run(&topo, &a.node, a.rank, factory, facts, placement).await?;
             let device_lost = async {
                 match worker.device_lost.await {
@@ -183,5 +278,32 @@ async fn watch_parent() {
             tracing::warn!("parent pdmesh up is gone; exiting");
             std::process::exit(3);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configuration_errors_are_told_apart_from_other_failures() {
+        let config = anyhow::Error::from(pdmesh_config::ConfigError::Invalid("bad".into()));
+        assert!(is_config_error(&config));
+        let model = anyhow::anyhow!("model file not found").context(Misconfigured("preparing the model".into()));
+        assert!(is_config_error(&model.context("starting")), "a marked cause counts under more context");
+        let fault = anyhow::Error::from(pdmesh_connector_worker::WorkerError::Setting("unknown fault".into()));
+        assert!(is_config_error(&fault));
+        let bind =
+            pdmesh_frontend::FrontendError::HttpBind { addr: "x".into(), source: std::io::Error::other("in use") };
+        assert!(!is_config_error(&anyhow::Error::from(bind)), "a port in use is worth a restart");
+        assert!(!is_config_error(&anyhow::anyhow!("the accelerator is lost")));
+    }
+
+    #[test]
+    fn an_empty_key_file_setting_names_no_file() {
+        let cli = Cli::try_parse_from(["pdmesh", "frontend", "--api-key-file", "", "--api-key", "sk-a,sk-b"]).unwrap();
+        let Command::Frontend(args) = cli.command else { panic!("not the frontend command") };
+        assert!(args.keys.key_file().is_none(), "compose passes an unset variable as empty");
+        assert_eq!(args.keys.resolve().unwrap().client, ["sk-a", "sk-b"]);
     }
 }

@@ -4,7 +4,16 @@
 //! Every child's output goes to `<run_dir>/logs/<node>.<service>[.<rank>].log`. The live
 //! process table is kept in `<run_dir>/mesh.json` (service, node, rank, pid, log), so operators
 //! and tests can find a process. A child that dies is reported loudly with its exit status and,
-//! unless `--no-restart`, started again with a backoff; the rest of the mesh keeps serving.
+//! unless `--no-restart`, started again after an exponential backoff (reset once it ran
+//! [`STABLE_AFTER`]); the rest of the mesh keeps serving. A child that exits on a configuration
+//! error ([`pdmesh_config::EXIT_CONFIG`]) stops the whole mesh instead, with its last log lines
+//! on this terminal: restarting it could only fail the same way (docs/SECURITY.md, "Fail fast").
+//!
+//! API keys (docs/SECURITY.md): `--api-key`, `--api-key-file` or their variables reach every
+//! frontend child through its environment, with the mesh's internal key — the one given in
+//! `PDMESH_INTERNAL_API_KEY`, or a fresh random one per run when client keys are set — which the
+//! router presents to P and D. Keys never go on a child's command line, where `ps` shows them,
+//! and other children do not get them.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -13,6 +22,17 @@ use anyhow::Context as _;
 use clap::Args;
 use pdmesh_config::{env, NodeRole, Service, Topology};
 use tokio::process::{Child, Command};
+
+use crate::{ApiKeyArgs, Misconfigured};
+
+/// First restart delay of a child that died; doubled per consecutive failure.
+const RESTART_BACKOFF_BASE: Duration = Duration::from_millis(500);
+/// Longest restart delay.
+const RESTART_BACKOFF_CAP: Duration = Duration::from_secs(8);
+/// A child that ran this long before dying starts its backoff from the beginning again.
+const STABLE_AFTER: Duration = Duration::from_secs(30);
+/// Log lines of a child shown on the terminal when it stops the mesh.
+const LOG_TAIL_LINES: usize = 20;
 
 #[derive(Args, Clone)]
 pub struct UpArgs {
@@ -25,6 +45,63 @@ pub struct UpArgs {
     /// Seconds to wait for children to stop after SIGTERM before killing them.
     #[arg(long, default_value_t = 10)]
     shutdown_timeout_s: u64,
+    #[command(flatten)]
+    keys: ApiKeyArgs,
+}
+
+/// What every frontend child gets in its environment for API keys (and no other child).
+#[derive(Default)]
+struct KeyEnv {
+    api_key: Option<String>,
+    api_key_file: Option<PathBuf>,
+    internal: Option<String>,
+}
+
+impl KeyEnv {
+    fn apply(&self, cmd: &mut Command, service: Service) {
+        let vars = [
+            (env::API_KEY, self.api_key.clone()),
+            (env::API_KEY_FILE, self.api_key_file.as_ref().map(|p| p.display().to_string())),
+            (env::INTERNAL_API_KEY, self.internal.clone()),
+        ];
+        for (name, value) in vars {
+            match value {
+                Some(v) if service == Service::Frontend => cmd.env(name, v),
+                _ => cmd.env_remove(name),
+            };
+        }
+    }
+}
+
+/// A fresh internal key: 32 bytes from the operating system's generator, hex.
+fn generate_internal_key() -> String {
+    use rand::RngCore as _;
+    let mut bytes = [0u8; 32];
+    rand::rngs::OsRng.fill_bytes(&mut bytes);
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Delay before restarting a child after `failures` consecutive deaths (0 for the first):
+/// [`RESTART_BACKOFF_BASE`] doubled per failure, at most [`RESTART_BACKOFF_CAP`].
+fn restart_backoff(failures: u32) -> Duration {
+    RESTART_BACKOFF_BASE.saturating_mul(1u32 << failures.min(16)).min(RESTART_BACKOFF_CAP)
+}
+
+/// Whether a child's exit says that starting it again cannot help: our configuration-error
+/// status, or clap's usage status 2 — `pdmesh up` passes only valid arguments, so that is a
+/// `PDMESH_*` variable behind a flag that clap refused.
+fn is_config_exit(status: std::process::ExitStatus) -> bool {
+    matches!(status.code(), Some(code) if code == i32::from(pdmesh_config::EXIT_CONFIG) || code == CLAP_USAGE_ERROR)
+}
+
+/// The status clap exits with when it refuses an argument or an environment value.
+const CLAP_USAGE_ERROR: i32 = 2;
+
+/// The last `n` lines of a child's log, for the terminal.
+fn log_tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].iter().map(|l| format!("  | {l}\n")).collect()
 }
 
 struct ChildSpec {
@@ -51,6 +128,9 @@ struct Running {
     child: Option<Child>,
     pid: u32,
     restarts: u32,
+    /// Deaths since the child last ran [`STABLE_AFTER`]: the exponent of its backoff.
+    failures: u32,
+    started_at: tokio::time::Instant,
     next_start: Option<tokio::time::Instant>,
 }
 
@@ -93,7 +173,7 @@ fn children_of(topo: &Topology, logs: &Path) -> Vec<ChildSpec> {
     out
 }
 
-fn spawn(spec: &ChildSpec, topology_path: &Path, run_dir: &Path) -> anyhow::Result<Child> {
+fn spawn(spec: &ChildSpec, topology_path: &Path, run_dir: &Path, keys: &KeyEnv) -> anyhow::Result<Child> {
     let exe = std::env::current_exe().context("locating the pdmesh binary")?;
     let log = std::fs::OpenOptions::new().create(true).append(true).open(&spec.log)?;
     let log2 = log.try_clone()?;
@@ -112,6 +192,7 @@ fn spawn(spec: &ChildSpec, topology_path: &Path, run_dir: &Path) -> anyhow::Resu
         .stdout(log)
         .stderr(log2)
         .kill_on_drop(true);
+    keys.apply(&mut cmd, spec.service);
     Ok(cmd.spawn()?)
 }
 
@@ -150,8 +231,20 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
         Some(p) => Topology::load(p)?,
         None => Topology::default_mesh()?,
     };
-    if let Some(dir) = env::get(env::RUN_DIR) {
-        topo.run_dir = PathBuf::from(dir);
+    // The children apply the same overrides; a bad one stops the mesh before it starts.
+    topo.apply_env()?;
+    let keys = args.keys.resolve().context(Misconfigured("API keys".into()))?;
+    let key_env = KeyEnv {
+        api_key: args.keys.api_key.clone(),
+        api_key_file: args.keys.key_file().map(Path::to_path_buf),
+        internal: keys.internal.clone().or_else(|| (!keys.client.is_empty()).then(generate_internal_key)),
+    };
+    if !keys.client.is_empty() {
+        tracing::info!(
+            client_keys = keys.client.len(),
+            internal_key_given = keys.internal.is_some(),
+            "API keys required on every frontend"
+        );
     }
     let run_dir = topo.run_dir.clone();
     let logs = run_dir.join("logs");
@@ -166,10 +259,12 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
 
     let mut procs: Vec<Running> = Vec::new();
     for spec in children_of(&topo, &logs) {
-        let child = spawn(&spec, &topology_path, &run_dir).with_context(|| format!("starting {}", spec.label()))?;
+        let child =
+            spawn(&spec, &topology_path, &run_dir, &key_env).with_context(|| format!("starting {}", spec.label()))?;
         let pid = child.id().unwrap_or(0);
         tracing::info!(process = %spec.label(), pid, log = %spec.log.display(), "started");
-        procs.push(Running { spec, child: Some(child), pid, restarts: 0, next_start: None });
+        let started_at = tokio::time::Instant::now();
+        procs.push(Running { spec, child: Some(child), pid, restarts: 0, failures: 0, started_at, next_start: None });
     }
     write_state(&run_dir, &procs);
     for node in &topo.nodes {
@@ -181,7 +276,9 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
-    loop {
+    // Set when a child stopped on a configuration error: the mesh stops with it.
+    let mut misconfigured: Option<String> = None;
+    while misconfigured.is_none() {
         tokio::select! {
             _ = term.recv() => break,
             _ = int.recv() => break,
@@ -191,6 +288,26 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
         for p in procs.iter_mut() {
             if let Some(child) = p.child.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
+                    p.child = None;
+                    changed = true;
+                    if is_config_exit(status) {
+                        tracing::error!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
+                            "child stopped on a configuration error; stopping the mesh");
+                        eprintln!(
+                            "pdmesh up: {} (pid {}) stopped on a configuration error ({status}); stopping the mesh. \
+                             Its last lines ({}):\n{}",
+                            p.spec.label(),
+                            p.pid,
+                            p.spec.log.display(),
+                            log_tail(&p.spec.log, LOG_TAIL_LINES)
+                        );
+                        misconfigured = Some(format!(
+                            "{} stopped on a configuration error; see {}",
+                            p.spec.label(),
+                            p.spec.log.display()
+                        ));
+                        break;
+                    }
                     tracing::error!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
                         "child process died");
                     eprintln!(
@@ -199,19 +316,24 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
                         p.pid,
                         p.spec.log.display()
                     );
-                    p.child = None;
-                    changed = true;
+                    if p.started_at.elapsed() >= STABLE_AFTER {
+                        p.failures = 0;
+                    }
                     if !args.no_restart {
-                        let backoff = Duration::from_millis(500 * 2u64.pow(p.restarts.min(4)));
+                        let backoff = restart_backoff(p.failures);
+                        p.failures = p.failures.saturating_add(1);
+                        tracing::info!(process = %p.spec.label(), backoff_ms = backoff.as_millis() as u64,
+                            "restarting after a backoff");
                         p.next_start = Some(tokio::time::Instant::now() + backoff);
                     }
                 }
             } else if p.next_start.is_some_and(|t| t <= tokio::time::Instant::now()) {
                 p.next_start = None;
-                match spawn(&p.spec, &topology_path, &run_dir) {
+                match spawn(&p.spec, &topology_path, &run_dir, &key_env) {
                     Ok(child) => {
                         p.pid = child.id().unwrap_or(0);
                         p.child = Some(child);
+                        p.started_at = tokio::time::Instant::now();
                         p.restarts += 1;
                         tracing::warn!(process = %p.spec.label(), pid = p.pid, restarts = p.restarts, "restarted");
                         changed = true;
@@ -250,6 +372,9 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
         }
     }
     let _ = std::fs::remove_file(run_dir.join("mesh.json"));
+    if let Some(why) = misconfigured {
+        return Err(anyhow::Error::msg(why).context(Misconfigured("the mesh stopped".into())));
+    }
     if forced > 0 {
         anyhow::bail!("{forced} process(es) had to be killed at shutdown");
     }
@@ -270,4 +395,24 @@ async fn announce_when_ready(node: String, url: String) {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     tracing::error!(%node, %url, "node not ready after 5 minutes");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restarts_back_off_exponentially_up_to_a_cap() {
+        let delays: Vec<u64> = (0..8).map(|f| restart_backoff(f).as_millis() as u64).collect();
+        assert_eq!(delays, [500, 1000, 2000, 4000, 8000, 8000, 8000, 8000]);
+        assert_eq!(restart_backoff(u32::MAX), RESTART_BACKOFF_CAP);
+    }
+
+    #[test]
+    fn generated_internal_keys_are_fresh_and_plain() {
+        let (a, b) = (generate_internal_key(), generate_internal_key());
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 64);
+        assert!(a.bytes().all(|c| c.is_ascii_hexdigit()));
+    }
 }

@@ -39,7 +39,8 @@ fn mesh(d_ranks: u32, d_engine: &str, up_args: &'static [&'static str]) -> Mesh 
         let (head, tail) = t.split_at(at);
         format!("{head}{}", tail.replacen(ENGINE, &d_engine, 1))
     };
-    Mesh::start_nodes_with(topology, up_args, |h| vec![h + 1, h + 2, h + 3])
+    let options = common::UpOptions { args: up_args.iter().map(|a| a.to_string()).collect(), ..Default::default() };
+    Mesh::start_nodes_with(topology, |h| vec![h + 1, h + 2, h + 3], &options)
 }
 
 /// Prefill `prompt` on P for a remote decode; P's params.

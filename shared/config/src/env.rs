@@ -29,6 +29,18 @@ pub const KV_BACKEND: &str = "PDMESH_KV_BACKEND";
 /// `true` or `false`: the R2/R4 give-up notices of D and the router (overrides
 /// `kv_transfer.give_up_notices` and `router.give_up_notices` on every node).
 pub const GIVE_UP_NOTICES: &str = "PDMESH_GIVE_UP_NOTICES";
+/// Client API keys of every frontend, the router included, comma-separated (vLLM's
+/// `--api-key`; `pdmesh frontend --api-key` and `pdmesh up --api-key` take the same list).
+/// Unset: no key is required.
+pub const API_KEY: &str = "PDMESH_API_KEY";
+/// A file of client API keys, one per line (blank lines and `#` comments ignored); adds to
+/// [`API_KEY`]. Keeps keys out of the environment listing and the command line.
+pub const API_KEY_FILE: &str = "PDMESH_API_KEY_FILE";
+/// The mesh's internal credential: the router presents it to the P and D nodes, which accept
+/// it in addition to the client keys. `pdmesh up` generates a fresh one per run when client
+/// keys are set and this is not. Only read from the environment, never a flag (`ps` shows
+/// command lines).
+pub const INTERNAL_API_KEY: &str = "PDMESH_INTERNAL_API_KEY";
 /// `json` for JSON log lines.
 pub const LOG_FORMAT: &str = "PDMESH_LOG_FORMAT";
 

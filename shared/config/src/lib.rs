@@ -6,7 +6,10 @@
 //! (see [`env`]) < command-line flags. Cross-field checks run in [`Topology::validate`] so a
 //! bad file fails at start-up with a clear message.
 
+pub mod api_keys;
 pub mod env;
+
+pub use api_keys::ApiKeySettings;
 
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -14,6 +17,11 @@ use thiserror::Error;
 
 /// The default local mesh that `pdmesh up` starts when no topology is given.
 pub const DEFAULT_TOPOLOGY: &str = include_str!("../../../deploy/topology/default.toml");
+
+/// Exit status of a service that stopped on a configuration error (the BSD `EX_CONFIG`):
+/// starting it again cannot help, so `pdmesh up` stops the whole mesh and shows the error
+/// instead of restarting it (docs/SECURITY.md, "Fail fast").
+pub const EXIT_CONFIG: u8 = 78;
 
 #[derive(Debug, Error)]
 pub enum ConfigError {

@@ -65,8 +65,11 @@ fn install(id: &ServiceIdentity, want_otlp: bool) -> TelemetryGuard {
         (None, None)
     };
     let otel_layer = pipeline.as_ref().map(|p| tracing_opentelemetry::layer().with_tracer(p.tracer()));
-    let fmt_layer =
-        if json { fmt::layer().json().with_current_span(true).boxed() } else { fmt::layer().with_target(true).boxed() };
+    let fmt_layer = if json {
+        fmt::layer().json().with_current_span(true).boxed()
+    } else {
+        fmt::layer().with_target(true).with_ansi(colour_wanted()).boxed()
+    };
     let result = tracing_subscriber::registry().with(filter).with(fmt_layer).with(otel_layer).try_init();
     if result.is_err() {
         // Already installed (in-process tests): keep the first subscriber; drop our pipeline.
@@ -86,3 +89,11 @@ fn install(id: &ServiceIdentity, want_otlp: bool) -> TelemetryGuard {
 }
 
 pub mod ops;
+
+/// Colour codes only on a terminal: log lines go to standard output, which `pdmesh up`,
+/// compose and Kubernetes point at files, where escape codes only hinder `grep` and log
+/// shippers. `NO_COLOR` (https://no-color.org) turns them off on a terminal too.
+fn colour_wanted() -> bool {
+    use std::io::IsTerminal as _;
+    std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
+}

@@ -15,6 +15,19 @@ pub struct Mesh {
     pub run_dir: PathBuf,
     pub http_port: u16,
     pub base_port: u16,
+    /// The API key the helpers present on `/debug/*` when the mesh requires one.
+    pub api_key: Option<String>,
+}
+
+/// How to start `pdmesh up` beyond its topology.
+#[derive(Debug, Clone, Default)]
+pub struct UpOptions {
+    /// Extra arguments of `pdmesh up`.
+    pub args: Vec<String>,
+    /// Extra environment of `pdmesh up` (and so of every child).
+    pub env: Vec<(String, String)>,
+    /// The key the helpers present (`Authorization: Bearer`) when the mesh requires one.
+    pub api_key: Option<String>,
 }
 
 /// Ports unique to this test process and this mesh: HTTP ports `http..http+4` (one per node
@@ -28,6 +41,16 @@ fn ports() -> (u16, u16) {
     (18000 + slot, 20000 + ((u32::from(slot) * 80) % 12000) as u16)
 }
 
+/// Ports for a mesh a test starts by hand (`http`, `base`), apart from every [`Mesh`]'s.
+pub fn reserve_ports() -> (u16, u16) {
+    ports()
+}
+
+/// The `pdmesh` binary under test (`PDMESH_TEST_BIN` overrides it).
+pub fn pdmesh_bin() -> std::ffi::OsString {
+    std::env::var_os("PDMESH_TEST_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_pdmesh").into())
+}
+
 /// A side-channel port range of this mesh (8 ports), apart from the HTTP and base ranges.
 pub fn side_ports(http_port: u16) -> u16 {
     61000 + ((http_port - 18000) * 2) % 4000
@@ -39,16 +62,16 @@ impl Mesh {
     /// 0..150). `engine_ports` are the HTTP ports of the nodes that have engines (checked for
     /// readiness); `http_port` of the returned mesh is the first node's.
     pub fn start_nodes(nodes: impl Fn(u16, u16) -> String, engine_ports: impl Fn(u16) -> Vec<u16>) -> Mesh {
-        Self::launch_retrying(nodes, &[], engine_ports)
+        Self::launch_retrying(nodes, &UpOptions::default(), engine_ports)
     }
 
-    /// [`Mesh::start_nodes`] with extra `pdmesh up` arguments (e.g. `--no-restart`).
+    /// [`Mesh::start_nodes`] with more arguments and environment for `pdmesh up`.
     pub fn start_nodes_with(
         nodes: impl Fn(u16, u16) -> String,
-        up_args: &[&str],
         engine_ports: impl Fn(u16) -> Vec<u16>,
+        options: &UpOptions,
     ) -> Mesh {
-        Self::launch_retrying(nodes, up_args, engine_ports)
+        Self::launch_retrying(nodes, options, engine_ports)
     }
 
     /// Our listening ports lie inside Linux's ephemeral range, so a client socket of anything
@@ -56,12 +79,12 @@ impl Mesh {
     /// stopped and started again on the next ports (up to 4 tries).
     fn launch_retrying(
         nodes: impl Fn(u16, u16) -> String,
-        up_args: &[&str],
+        options: &UpOptions,
         engine_ports: impl Fn(u16) -> Vec<u16>,
     ) -> Mesh {
         for attempt in 0.. {
             let (http_port, base_port) = ports();
-            match Self::launch(nodes(http_port, base_port), up_args, http_port, base_port, &engine_ports(http_port)) {
+            match Self::launch(nodes(http_port, base_port), options, http_port, base_port, &engine_ports(http_port)) {
                 Ok(mesh) => return mesh,
                 Err(mesh) if attempt < 3 && mesh.port_clash() => {
                     eprintln!("mesh on ports {http_port}/{base_port}: a port was taken; retrying on others");
@@ -85,7 +108,7 @@ impl Mesh {
     /// `engine_ports` has its engines connected.
     fn launch(
         nodes: String,
-        up_args: &[&str],
+        options: &UpOptions,
         http_port: u16,
         base_port: u16,
         engine_ports: &[u16],
@@ -98,19 +121,19 @@ impl Mesh {
         std::fs::write(&path, topo).unwrap();
         // PDMESH_TEST_BIN: run these tests against another build of the binary (e.g. the
         // `cuda` build on a GPU machine, docs/MODEL.md).
-        let bin = std::env::var_os("PDMESH_TEST_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_pdmesh").into());
-        let up = Command::new(bin)
+        let up = Command::new(pdmesh_bin())
             .arg("up")
             .arg("--topology")
             .arg(&path)
-            .args(up_args)
+            .args(&options.args)
+            .envs(options.env.iter().map(|(k, v)| (k, v)))
             .env("PDMESH_RUN_DIR", &run_dir)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(run_dir.join("up.log")).unwrap())
             .spawn()
             .unwrap();
-        let mut mesh = Mesh { up, run_dir, http_port, base_port };
+        let mut mesh = Mesh { up, run_dir, http_port, base_port, api_key: options.api_key.clone() };
         for &port in engine_ports {
             let saved = mesh.http_port;
             mesh.http_port = port;
@@ -128,9 +151,19 @@ impl Mesh {
         format!("http://127.0.0.1:{port}{path}")
     }
 
+    /// `GET url`, with the mesh's API key when it has one.
+    pub fn get(&self, url: &str) -> reqwest::Result<reqwest::blocking::Response> {
+        let rb = reqwest::blocking::Client::new().get(url);
+        match &self.api_key {
+            Some(k) => rb.bearer_auth(k),
+            None => rb,
+        }
+        .send()
+    }
+
     /// `GET /debug/kv` of the node on `port`.
     pub fn kv_on(&self, port: u16) -> serde_json::Value {
-        reqwest::blocking::get(self.url_on(port, "/debug/kv")).unwrap().json().unwrap()
+        self.get(&self.url_on(port, "/debug/kv")).unwrap().json().unwrap()
     }
 
     /// Wait until `cond` holds on `/debug/kv` of the node on `port`.
@@ -150,12 +183,18 @@ impl Mesh {
     /// Start a one-node mesh. `node_extra` is appended to the node's TOML table, `sections`
     /// after it (e.g. `[nodes.model]` overrides).
     pub fn start(node_extra: &str, sections: &str, up_args: &[&str]) -> Mesh {
+        let options = UpOptions { args: up_args.iter().map(|a| a.to_string()).collect(), ..Default::default() };
+        Self::start_with(node_extra, sections, &options)
+    }
+
+    /// [`Mesh::start`] with more arguments and environment for `pdmesh up`.
+    pub fn start_with(node_extra: &str, sections: &str, options: &UpOptions) -> Mesh {
         let nodes = |http_port: u16, base_port: u16| {
             format!(
                 "[[nodes]]\nname = \"main\"\nhttp_port = {http_port}\nbase_port = {base_port}\n{node_extra}\n{sections}"
             )
         };
-        Self::launch_retrying(nodes, up_args, |h| vec![h])
+        Self::launch_retrying(nodes, options, |h| vec![h])
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -171,7 +210,7 @@ impl Mesh {
             if let Ok(r) = client.get(self.url("/health")).send() {
                 if r.status().is_success() {
                     // the engine ranks must be connected too
-                    if let Ok(r) = client.get(self.url("/debug/engines")).send() {
+                    if let Ok(r) = self.get(&self.url("/debug/engines")) {
                         if let Ok(v) = r.json::<serde_json::Value>() {
                             if v["unreachable_ranks"].as_array().is_some_and(|a| a.is_empty())
                                 && v["engines"].as_array().is_some_and(|a| !a.is_empty())
@@ -228,7 +267,7 @@ impl Mesh {
 
     /// `GET /debug/kv` as JSON.
     pub fn kv(&self) -> serde_json::Value {
-        reqwest::blocking::get(self.url("/debug/kv")).unwrap().json().unwrap()
+        self.get(&self.url("/debug/kv")).unwrap().json().unwrap()
     }
 
     /// Wait until `cond` holds on `/debug/kv`, or fail with the last value.

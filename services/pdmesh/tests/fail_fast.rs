@@ -1,0 +1,141 @@
+//! Fail fast (docs/SECURITY.md, "Fail fast"): a child of `pdmesh up` that exits on a
+//! configuration error stops the whole mesh, with the child's error on `pdmesh up`'s terminal
+//! and a non-zero exit, instead of being restarted forever; and log files carry no terminal
+//! colour codes.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus};
+use std::time::{Duration, Instant};
+
+use common::{pdmesh_bin, reserve_ports, Mesh};
+
+/// The configuration-error exit status (`pdmesh_config::EXIT_CONFIG`).
+const EXIT_CONFIG: i32 = 78;
+
+struct Outcome {
+    status: ExitStatus,
+    stderr: String,
+    stdout: String,
+    run_dir: PathBuf,
+}
+
+/// Run `pdmesh up` on a one-node topology (`node_extra` appended to the node) with `env`, and
+/// wait for it to exit: a restart loop never exits, so a bounded wait tells the two apart.
+fn up_until_exit(node_extra: &str, env: &[(&str, &str)]) -> Outcome {
+    let (http, base) = reserve_ports();
+    let run_dir = std::env::temp_dir().join(format!("pdmesh-failfast-{}-{http}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let topology = run_dir.join("topology-in.toml");
+    std::fs::write(
+        &topology,
+        format!(
+            "run_dir = {:?}\n[[nodes]]\nname = \"main\"\nhttp_port = {http}\nbase_port = {base}\n{node_extra}\n",
+            run_dir.display().to_string()
+        ),
+    )
+    .unwrap();
+    let (out, err) = (run_dir.join("up.out"), run_dir.join("up.err"));
+    let mut up = Command::new(pdmesh_bin())
+        .arg("up")
+        .arg("--topology")
+        .arg(&topology)
+        .envs(env.iter().copied())
+        .env("PDMESH_RUN_DIR", &run_dir)
+        .env("RUST_LOG", "info")
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let status = loop {
+        if let Some(status) = up.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ =
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(up.id() as i32), nix::sys::signal::Signal::SIGTERM);
+            let _ = up.wait();
+            panic!(
+                "pdmesh up was still running after 90 s (restarting a misconfigured child?); stderr:\n{}",
+                std::fs::read_to_string(&err).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let stderr = std::fs::read_to_string(&err).unwrap();
+    let stdout = std::fs::read_to_string(&out).unwrap();
+    Outcome { status, stderr, stdout, run_dir }
+}
+
+/// Pids of live processes whose environment names `run_dir` (children of that mesh).
+fn processes_of(run_dir: &Path) -> Vec<String> {
+    let needle = format!("PDMESH_RUN_DIR={}", run_dir.display());
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().bytes().all(|b| b.is_ascii_digit()))
+        .filter(|e| {
+            std::fs::read(e.path().join("environ"))
+                .is_ok_and(|env| env.split(|b| *b == 0).any(|kv| kv == needle.as_bytes()))
+        })
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+fn assert_stopped_on_config_error(o: &Outcome, service: &str, error: &str) {
+    assert_eq!(o.status.code(), Some(EXIT_CONFIG), "exit status; stderr:\n{}", o.stderr);
+    assert!(o.stderr.contains(&format!("main.{service}")), "the child is named:\n{}", o.stderr);
+    assert!(o.stderr.contains("configuration error"), "{}", o.stderr);
+    assert!(o.stderr.contains(error), "the child's own error reaches the terminal:\n{}", o.stderr);
+    assert!(!o.stdout.contains("restarted"), "a misconfigured child is not restarted:\n{}", o.stdout);
+    assert!(processes_of(&o.run_dir).is_empty(), "every child of the mesh is stopped");
+    assert!(!o.stdout.contains('\u{1b}') && !o.stderr.contains('\u{1b}'), "no colour codes in up's own output");
+    let _ = std::fs::remove_dir_all(&o.run_dir);
+}
+
+#[test]
+fn an_unknown_transfer_fault_stops_the_mesh_with_the_childs_error() {
+    let o = up_until_exit(
+        "kv_transfer = { kv_role = \"kv_both\", side_channel_port = 0 }",
+        &[("PDMESH_FAULT", "no_such_fault")],
+    );
+    assert_stopped_on_config_error(&o, "connector-worker.0", "unknown fault \"no_such_fault\"");
+}
+
+#[test]
+fn a_missing_model_file_stops_the_mesh_with_the_childs_error() {
+    let o = up_until_exit("model = { kind = \"gguf\", path = \"/nonexistent/pdmesh-test.gguf\" }", &[]);
+    assert_eq!(o.status.code(), Some(EXIT_CONFIG), "stderr:\n{}", o.stderr);
+    assert!(o.stderr.contains("/nonexistent/pdmesh-test.gguf") && o.stderr.contains("not found"), "{}", o.stderr);
+    // Either the frontend (tokenizer) or the worker (weights) reports it first.
+    let service = if o.stderr.contains("main.frontend (pid") { "frontend" } else { "connector-worker.0" };
+    assert_stopped_on_config_error(&o, service, "not found");
+}
+
+#[test]
+fn a_bad_key_file_stops_up_before_any_child_starts() {
+    let o = up_until_exit("", &[("PDMESH_API_KEY_FILE", "/nonexistent/pdmesh-keys")]);
+    assert_eq!(o.status.code(), Some(EXIT_CONFIG), "stderr:\n{}", o.stderr);
+    assert!(o.stderr.contains("/nonexistent/pdmesh-keys"), "{}", o.stderr);
+    assert!(!o.run_dir.join("logs").exists() || processes_of(&o.run_dir).is_empty());
+    let _ = std::fs::remove_dir_all(&o.run_dir);
+}
+
+#[test]
+fn log_files_carry_no_colour_codes() {
+    let mesh = Mesh::start("", "", &[]);
+    let r = reqwest::blocking::Client::new()
+        .post(mesh.url("/v1/completions"))
+        .json(&serde_json::json!({"prompt": "hi", "max_tokens": 2}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let logs = mesh.logs();
+    assert!(logs.contains("INFO"), "the logs were written: {logs}");
+    assert!(!logs.contains('\u{1b}'), "an escape code in a log file: {logs}");
+    assert!(mesh.stop().success());
+}
