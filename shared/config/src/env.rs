@@ -26,6 +26,11 @@ pub const KV_BACKEND: &str = "PDMESH_KV_BACKEND";
 /// `true` or `false`: the R2/R4 give-up notices of D and the router (overrides
 /// `kv_transfer.give_up_notices` and `router.give_up_notices` on every node).
 pub const GIVE_UP_NOTICES: &str = "PDMESH_GIVE_UP_NOTICES";
+/// The mesh secret (at least 32 characters; `openssl rand -hex 32`): every P/D side channel,
+/// `tcp` block server and `tcp` internal link authenticates with it (docs/SECURITY.md).
+/// Overrides the topology's `mesh_secret_file`. `pdmesh up` generates one per run when neither
+/// is given and passes it to its children in this variable (never on a command line).
+pub const MESH_SECRET: &str = "PDMESH_MESH_SECRET";
 /// `json` for JSON log lines.
 pub const LOG_FORMAT: &str = "PDMESH_LOG_FORMAT";
 

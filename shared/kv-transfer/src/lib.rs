@@ -49,8 +49,9 @@ pub use client::{
 pub use compat::{check_geometry, compat_hash, CompatInputs};
 pub use error::{AgentError, HandshakeError, TransferError};
 pub use fault::{FaultConfig, FaultParseError};
+pub use pdmesh_mesh_auth::MeshSecret;
 pub use hold::{
-    HeldBlockMs, HeldInfo, HoldCounters, HoldTable, HoldTableConfig, LeaseGrant, LeasePolicy, LeaseRefusal,
+    CapabilityCheck, HeldBlockMs, HeldInfo, HoldCounters, HoldTable, HoldTableConfig, LeaseGrant, LeasePolicy, LeaseRefusal,
     NoticeOutcome, SharedPolicy,
 };
 pub use local::{CheckoutError, LocalBlocks, LocalKv};
