@@ -466,10 +466,33 @@ async fn serve_side_channel(
 }
 
 /// Count a message that carried the wrong capability token for a held request.
-pub(crate) fn capability_refused(served: &Served, p_request_id: &str, what: &str) {
+fn capability_refused(served: &Served, p_request_id: &str, what: &str) {
     AgentStats::inc(&served.stats.capability_refused);
     pdmesh_mesh_auth::metrics::CAPABILITY_REFUSED.inc();
     tracing::warn!(p_request_id, what, "refused: wrong capability token for a held request");
+}
+
+/// `call` on the policy, under one lock, if `capability` is the token `p_request_id` is held
+/// under (or the request is not held: the policy's own unknown-request answer applies).
+/// Otherwise the refusal is counted and the answer is `as_unknown()`: what a request P does not
+/// hold gets, so that a wrong token tells a prober nothing.
+pub(crate) fn if_capable<T>(
+    served: &Served,
+    p_request_id: &str,
+    capability: &str,
+    what: &str,
+    as_unknown: impl FnOnce() -> T,
+    call: impl FnOnce(&mut dyn LeasePolicy) -> T,
+) -> T {
+    let mut policy = served.policy();
+    match policy.capability(p_request_id, capability) {
+        CapabilityCheck::Mismatch => {
+            drop(policy);
+            capability_refused(served, p_request_id, what);
+            as_unknown()
+        }
+        CapabilityCheck::Match | CapabilityCheck::NotHeld => call(&mut *policy),
+    }
 }
 
 /// The encoded answer to one message, or `None` when nothing is to be sent.
@@ -502,20 +525,11 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
             let decision = if faults.lease_refused {
                 Err(LeaseRefusal::new(LeaseRefusalReason::FaultInjected, "fault injection: lease_refused"))
             } else {
-                let mut policy = served.policy();
-                match policy.capability(&req.p_request_id, &req.capability) {
-                    CapabilityCheck::Mismatch => {
-                        capability_refused(served, &req.p_request_id, "lease");
-                        Err(LeaseRefusal::not_held(&req.p_request_id))
-                    }
-                    CapabilityCheck::Match | CapabilityCheck::NotHeld => policy.grant(
-                        &req.p_request_id,
-                        &req.block_ids,
-                        &req.block_generations,
-                        &req.consumer,
-                        now,
-                    ),
-                }
+                let id = &req.p_request_id;
+                let as_unknown = || Err(LeaseRefusal::not_held(id));
+                if_capable(served, id, &req.capability, "lease", as_unknown, |policy| {
+                    policy.grant(id, &req.block_ids, &req.block_generations, &req.consumer, now)
+                })
             };
             match decision {
                 Ok(grant) => {
@@ -537,16 +551,9 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
             }
         }
         Message::XferReadDone(n) => {
-            let outcome = {
-                let mut policy = served.policy();
-                match policy.capability(&n.p_request_id, &n.capability) {
-                    CapabilityCheck::Mismatch => {
-                        capability_refused(served, &n.p_request_id, "read_done");
-                        NoticeOutcome::Unknown
-                    }
-                    _ => policy.read_done(&n.p_request_id, n.lease_id, &n.consumer, now),
-                }
-            };
+            let outcome = if_capable(served, &n.p_request_id, &n.capability, "read_done", || NoticeOutcome::Unknown, |p| {
+                p.read_done(&n.p_request_id, n.lease_id, &n.consumer, now)
+            });
             tracing::Span::current().record("request_id", n.p_request_id.as_str());
             tracing::info!(lease_id = n.lease_id, consumer = %n.consumer, ?outcome, "read done");
             if outcome == NoticeOutcome::Released {
@@ -586,16 +593,9 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
         }
         Message::XferGiveUp(g) => {
             AgentStats::inc(&stats.give_ups);
-            let outcome = {
-                let mut policy = served.policy();
-                match policy.capability(&g.p_request_id, &g.capability) {
-                    CapabilityCheck::Mismatch => {
-                        capability_refused(served, &g.p_request_id, "give_up");
-                        NoticeOutcome::Unknown
-                    }
-                    _ => policy.give_up(&g.p_request_id, g.lease_id, &g.consumer, now),
-                }
-            };
+            let outcome = if_capable(served, &g.p_request_id, &g.capability, "give_up", || NoticeOutcome::Unknown, |p| {
+                p.give_up(&g.p_request_id, g.lease_id, &g.consumer, now)
+            });
             if let (Some(at), crate::hold::NoticeOutcome::Released) = (g.rejected_at_unix_us, outcome) {
                 let us = pdmesh_protocol::micros_since(at);
                 pdmesh_telemetry::trace::notice_hop("p.released", &g.p_request_id, Some(at));

@@ -23,8 +23,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
-use crate::agent::{capability_refused, AgentStats, Served};
-use crate::hold::{CapabilityCheck, LeaseRefusal};
+use crate::agent::{if_capable, AgentStats, Served};
+use crate::hold::LeaseRefusal;
 use crate::error::TransferError;
 use crate::layout::{run_bytes, run_offset, wire_runs};
 use crate::shm::ShmReadOnly;
@@ -221,17 +221,12 @@ fn check_request(req: &XferReadBlocks, spec: &KvCacheSpec, served: &Served) -> R
             detail: format!("block {b} is outside the cache ({} blocks)", spec.num_blocks),
         });
     }
-    let policy = served.policy();
-    let checked = match policy.capability(&req.p_request_id, &req.capability) {
-        CapabilityCheck::Mismatch => {
-            capability_refused(served, &req.p_request_id, "read");
-            Err(LeaseRefusal::not_active_lease(&req.p_request_id, req.lease_id))
-        }
-        CapabilityCheck::Match | CapabilityCheck::NotHeld => {
-            policy.check_read(&req.p_request_id, req.lease_id, &req.block_ids, Instant::now())
-        }
-    };
-    checked.map_err(|r| XferLeaseRefused { reason: r.reason, detail: r.detail })
+    let id = &req.p_request_id;
+    let as_unknown = || Err(LeaseRefusal::not_active_lease(id, req.lease_id));
+    if_capable(served, id, &req.capability, "read", as_unknown, |policy| {
+        policy.check_read(id, req.lease_id, &req.block_ids, Instant::now())
+    })
+    .map_err(|r| XferLeaseRefused { reason: r.reason, detail: r.detail })
 }
 
 /// The region's runs for `block_ids`, in wire order, borrowed from the mapping.
