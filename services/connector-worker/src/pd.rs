@@ -18,8 +18,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdmesh_kv_transfer::{
     compat_hash, side_channel_endpoint, AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig,
-    HeldBlockMs, HoldTable, HoldTableConfig, KvBlockWriter, Lease, LocalKv, MeshSecret,
-    RemoteAgent, RemoteAgents, SharedPolicy, TransferAgent, TransferClient, TransferError,
+    HeldBlockMs, HoldTable, HoldTableConfig, KvBlockWriter, Lease, LocalKv, MeshSecret, RemoteAgent, RemoteAgents,
+    SharedPolicy, TransferAgent, TransferClient, TransferError,
 };
 use pdmesh_model_api::KvCacheSpec;
 use pdmesh_protocol::{
@@ -232,12 +232,8 @@ impl PdRuntime {
             hold = Some(table);
         }
         let agents = setup.consumes.then(|| {
-            let mut cfg = ClientConfig::new(
-                format!("{}/{}", setup.engine_id, setup.rank),
-                spec,
-                hash,
-                setup.mesh_secret.clone(),
-            );
+            let mut cfg =
+                ClientConfig::new(format!("{}/{}", setup.engine_id, setup.rank), spec, hash, setup.mesh_secret.clone());
             cfg.faults = setup.faults.clone();
             #[cfg(feature = "cuda")]
             if let PdMemory::Device(region) = &memory {
@@ -501,7 +497,13 @@ pub fn producer_start_step(
 ) {
     for s in &meta.reqs_to_send {
         let deadline = deadline_of(s);
-        t.hold_with_capability(&s.request_id, s.block_ids.clone(), s.block_generations.clone(), deadline, s.capability.clone());
+        t.hold_with_capability(
+            &s.request_id,
+            s.block_ids.clone(),
+            s.block_generations.clone(),
+            deadline,
+            s.capability.clone(),
+        );
     }
     for id in &meta.reqs_aborted_after_finish {
         let outcome = t.abort(id);

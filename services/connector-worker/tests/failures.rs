@@ -10,8 +10,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdmesh_connector_worker::pd::{PdMemory, PdRuntime, PdSetup};
 use pdmesh_kv_transfer::{
-    compat_hash, AgentConfig, BackendConfig, CompatInputs, FaultConfig, HoldTable, MeshSecret, SharedPolicy,
-    ShmRegion, TransferAgent,
+    compat_hash, AgentConfig, BackendConfig, CompatInputs, FaultConfig, HoldTable, MeshSecret, SharedPolicy, ShmRegion,
+    TransferAgent,
 };
 use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{KvCache, KvCacheSpec};
@@ -281,7 +281,13 @@ fn a_producer_on_another_backend_fails_the_request_at_handshake() {
         // P holds the request's blocks, so only the handshake can stop D from leasing them.
         let table = std::sync::Arc::new(std::sync::Mutex::new(HoldTable::new(Default::default())));
         let deadline = Instant::now() + Duration::from_secs(60);
-        assert!(table.lock().unwrap().hold_with_capability("req-p", vec![1, 2], vec![1, 1], deadline, CAPABILITY.into()));
+        assert!(table.lock().unwrap().hold_with_capability(
+            "req-p",
+            vec![1, 2],
+            vec![1, 1],
+            deadline,
+            CAPABILITY.into()
+        ));
         let policy: SharedPolicy = table.clone();
         let p_agent = TransferAgent::start_device(p_config, "ab".repeat(64), spec(), policy).await.unwrap();
         let d_region =

@@ -79,7 +79,8 @@ fn foreign_peers_get_nothing_from_p_and_the_real_request_completes() {
     // The worker refuses forged leases, reads and notices; P's engine forged releases.
     let p_engine = format!("http://127.0.0.2:{}/metrics", mesh.base_port + 20 + 110);
     let refused = || {
-        metric(&p_worker, "pdmesh_kv_capability_refused_total") + metric(&p_engine, "pdmesh_kv_capability_refused_total")
+        metric(&p_worker, "pdmesh_kv_capability_refused_total")
+            + metric(&p_engine, "pdmesh_kv_capability_refused_total")
     };
 
     // P's leg, as the router runs it: P prefills and holds the blocks for D (hold deadline
@@ -160,12 +161,8 @@ fn foreign_peers_get_nothing_from_p_and_the_real_request_completes() {
         // 3. The right secret (an insider of the mesh) without the request's capability: the
         // lease is refused exactly as for a request P never held; a give-up, a heartbeat and a
         // data-plane read change nothing.
-        let insider = TransferClient::new(ClientConfig::new(
-            "insider",
-            any_spec(),
-            hash,
-            MeshSecret::parse(SECRET).unwrap(),
-        ));
+        let insider =
+            TransferClient::new(ClientConfig::new("insider", any_spec(), hash, MeshSecret::parse(SECRET).unwrap()));
         // The compatibility hash differs (the insider is not a real D), so the handshake ends
         // after authentication with a typed mismatch: P served the metadata to a mesh member.
         match insider.handshake(&side_channel, "p").await {

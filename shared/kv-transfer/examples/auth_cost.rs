@@ -158,10 +158,18 @@ async fn main() -> Result<(), Box<dyn Error>> {
     let (db, db90) = stats(data_before);
     let (da, da90) = stats(data_after);
     let (rd, rd90) = stats(reads);
-    println!("| what (n = {n}, loopback) | before D40: p50 / p90 µs | with the mesh handshake: p50 / p90 µs | ratio (p50) |");
+    println!(
+        "| what (n = {n}, loopback) | before D40: p50 / p90 µs | with the mesh handshake: p50 / p90 µs | ratio (p50) |"
+    );
     println!("|---|---|---|---|");
-    println!("| side channel: new connection ready for requests | {sb:.0} / {sb90:.0} | {sa:.0} / {sa90:.0} | {:.2} |", sa / sb);
-    println!("| data plane: new connection, first frame answered | {db:.0} / {db90:.0} | {da:.0} / {da90:.0} | {:.2} |", da / db);
+    println!(
+        "| side channel: new connection ready for requests | {sb:.0} / {sb90:.0} | {sa:.0} / {sa90:.0} | {:.2} |",
+        sa / sb
+    );
+    println!(
+        "| data plane: new connection, first frame answered | {db:.0} / {db90:.0} | {da:.0} / {da90:.0} | {:.2} |",
+        da / db
+    );
     println!("| data plane: 1-block read ({} KiB) on a pooled connection | — | {rd:.0} / {rd90:.0} | unchanged (no handshake) |", spec.bytes_per_block() / 1024);
     println!("| CPU: one handshake's nonces and 4 HMAC-SHA256, both sides | — | {crypto_us:.1} | — |");
     drop(agent);

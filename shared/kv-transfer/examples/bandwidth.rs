@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use pdmesh_kv_transfer::{
     AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig, HoldTable, HoldTableConfig, KvBlockWriter,
-    SharedPolicy, ShmRegion, TransferAgent, TransferClient, MeshSecret,
+    MeshSecret, SharedPolicy, ShmRegion, TransferAgent, TransferClient,
 };
 use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{KvCache, KvCacheSpec};

@@ -311,7 +311,10 @@ struct Sessions {
 
 enum PeerAuth {
     /// Sent our challenge; waiting for the peer's proof.
-    Challenged { challenge: ServerChallenge, since: Instant },
+    Challenged {
+        challenge: ServerChallenge,
+        since: Instant,
+    },
     Authenticated,
 }
 
@@ -551,9 +554,14 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
             }
         }
         Message::XferReadDone(n) => {
-            let outcome = if_capable(served, &n.p_request_id, &n.capability, "read_done", || NoticeOutcome::Unknown, |p| {
-                p.read_done(&n.p_request_id, n.lease_id, &n.consumer, now)
-            });
+            let outcome = if_capable(
+                served,
+                &n.p_request_id,
+                &n.capability,
+                "read_done",
+                || NoticeOutcome::Unknown,
+                |p| p.read_done(&n.p_request_id, n.lease_id, &n.consumer, now),
+            );
             tracing::Span::current().record("request_id", n.p_request_id.as_str());
             tracing::info!(lease_id = n.lease_id, consumer = %n.consumer, ?outcome, "read done");
             if outcome == NoticeOutcome::Released {
@@ -593,9 +601,14 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
         }
         Message::XferGiveUp(g) => {
             AgentStats::inc(&stats.give_ups);
-            let outcome = if_capable(served, &g.p_request_id, &g.capability, "give_up", || NoticeOutcome::Unknown, |p| {
-                p.give_up(&g.p_request_id, g.lease_id, &g.consumer, now)
-            });
+            let outcome = if_capable(
+                served,
+                &g.p_request_id,
+                &g.capability,
+                "give_up",
+                || NoticeOutcome::Unknown,
+                |p| p.give_up(&g.p_request_id, g.lease_id, &g.consumer, now),
+            );
             if let (Some(at), crate::hold::NoticeOutcome::Released) = (g.rejected_at_unix_us, outcome) {
                 let us = pdmesh_protocol::micros_since(at);
                 pdmesh_telemetry::trace::notice_hop("p.released", &g.p_request_id, Some(at));

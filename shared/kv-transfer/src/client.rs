@@ -126,12 +126,13 @@ impl TransferClient {
     pub async fn handshake(&self, endpoint: &str, expected_engine_id: &str) -> Result<RemoteAgent, HandshakeError> {
         let timeout = self.config.handshake_timeout;
         let deadline = tokio::time::Instant::now() + timeout;
-        let link = match tokio::time::timeout_at(deadline, SideLink::connect(endpoint, timeout, &self.config.mesh_secret))
-            .await
-        {
-            Ok(r) => r?,
-            Err(_) => return Err(HandshakeError::Timeout(timeout)),
-        };
+        let link =
+            match tokio::time::timeout_at(deadline, SideLink::connect(endpoint, timeout, &self.config.mesh_secret))
+                .await
+            {
+                Ok(r) => r?,
+                Err(_) => return Err(HandshakeError::Timeout(timeout)),
+            };
         let reply = tokio::time::timeout_at(deadline, link.call(Message::XferGetMetadata)).await;
         let meta = match reply {
             Err(_) => {

@@ -47,7 +47,10 @@ impl LeaseRefusal {
     /// The refusal of a read under a lease that is not the request's active lease (also what a
     /// wrong capability token gets).
     pub fn not_active_lease(p_request_id: &str, lease_id: u64) -> Self {
-        Self::new(LeaseRefusalReason::LeaseInvalid, format!("lease {lease_id} is not an active lease of {p_request_id}"))
+        Self::new(
+            LeaseRefusalReason::LeaseInvalid,
+            format!("lease {lease_id} is not an active lease of {p_request_id}"),
+        )
     }
 }
 

@@ -24,8 +24,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
 use crate::agent::{if_capable, AgentStats, Served};
-use crate::hold::LeaseRefusal;
 use crate::error::TransferError;
+use crate::hold::LeaseRefusal;
 use crate::layout::{run_bytes, run_offset, wire_runs};
 use crate::shm::ShmReadOnly;
 

@@ -109,8 +109,14 @@ async fn lease_refused_unknown_stale_freed_and_injected() {
             other => panic!("{name}: {other:?}"),
         };
         assert_eq!(reason(agent.lease("unknown", &cap("unknown"), &[1, 2], &[1, 1]).await), LeaseRefusalReason::Gone);
-        assert_eq!(reason(agent.lease("held", &cap("held"), &[1, 2], &[1, 2]).await), LeaseRefusalReason::GenerationMismatch);
-        assert_eq!(reason(agent.lease("held", &cap("held"), &[1, 3], &[1, 1]).await), LeaseRefusalReason::BlockMismatch);
+        assert_eq!(
+            reason(agent.lease("held", &cap("held"), &[1, 2], &[1, 2]).await),
+            LeaseRefusalReason::GenerationMismatch
+        );
+        assert_eq!(
+            reason(agent.lease("held", &cap("held"), &[1, 3], &[1, 1]).await),
+            LeaseRefusalReason::BlockMismatch
+        );
         // Freed on P (aborted there): a later lease is refused, nothing is read.
         assert_eq!(p.table.lock().unwrap().abort("held"), NoticeOutcome::Released);
         assert_eq!(reason(agent.lease("held", &cap("held"), &[1, 2], &[1, 1]).await), LeaseRefusalReason::Gone);

@@ -14,8 +14,8 @@ use common::*;
 use pdmesh_kv_transfer::*;
 use pdmesh_mesh_auth::{client_proof, Channel, ClientHello, MeshSecret};
 use pdmesh_protocol::{
-    AuthHello, AuthProof, Envelope, ErrorClass, LeaseRefusalReason, Message,
-    XferGiveUp, XferHeartbeat, XferLeaseRequest, XferReadBlocks, XferReadDone,
+    AuthHello, AuthProof, Envelope, ErrorClass, LeaseRefusalReason, Message, XferGiveUp, XferHeartbeat,
+    XferLeaseRequest, XferReadBlocks, XferReadDone,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -110,7 +110,10 @@ async fn a_peer_without_the_secret_gets_only_refusals_on_the_side_channel() {
         }
         assert_eq!(counted(), 6, "{name}: every refusal is counted");
         // A proof without a challenge is refused too.
-        assert_unauthenticated(&ask(&mut raw, Message::AuthProof(AuthProof { client_proof: vec![0; 32] })).await, &name);
+        assert_unauthenticated(
+            &ask(&mut raw, Message::AuthProof(AuthProof { client_proof: vec![0; 32] })).await,
+            &name,
+        );
 
         // A wrong secret: P's proof does not verify for the intruder, and its own proof fails.
         let (client, hello) = ClientHello::new(Channel::SideChannel);
@@ -172,7 +175,8 @@ async fn d_with_the_wrong_secret_is_refused_and_refuses_an_impostor() {
             let env = Envelope::decode(&frames.pop().unwrap()).unwrap();
             kinds.push(env.body.kind());
             if let Message::AuthHello(h) = &env.body {
-                let made_up = pdmesh_mesh_auth::server_proof(&wrong_secret(), Channel::SideChannel, &h.client_nonce, &[9; 32]);
+                let made_up =
+                    pdmesh_mesh_auth::server_proof(&wrong_secret(), Channel::SideChannel, &h.client_nonce, &[9; 32]);
                 let reply = env.reply(Message::AuthChallenge(pdmesh_protocol::AuthChallenge {
                     server_nonce: vec![9; 32],
                     server_proof: made_up,
@@ -213,7 +217,10 @@ async fn the_right_secret_with_a_wrong_capability_is_refused_like_an_unknown_req
     insider.give_up("r", &wrong, "forged", None).await.unwrap();
     insider.heartbeat(&[("r".into(), wrong.clone())]).await.unwrap();
     let after = p.table.lock().unwrap().counters().clone();
-    assert_eq!((after.give_ups, after.heartbeats, after.released), (before.give_ups, before.heartbeats, before.released));
+    assert_eq!(
+        (after.give_ups, after.heartbeats, after.released),
+        (before.give_ups, before.heartbeats, before.released)
+    );
     assert!(p.table.lock().unwrap().is_held("r"));
 
     // The real reader leases; a forger with the lease id (but not the token) can neither read
@@ -221,14 +228,24 @@ async fn the_right_secret_with_a_wrong_capability_is_refused_like_an_unknown_req
     let reader = client_for(spec(4), "").handshake(&p.endpoint(), "p-0").await.unwrap();
     let lease = reader.lease("r", &cap("r"), &[1, 2], &[1, 1]).await.unwrap();
     let mut stream = authenticated_tcp(&p, &secret()).await;
-    let read = XferReadBlocks { p_request_id: "r".into(), lease_id: lease.lease_id(), block_ids: vec![1, 2], capability: wrong.clone() };
+    let read = XferReadBlocks {
+        p_request_id: "r".into(),
+        lease_id: lease.lease_id(),
+        block_ids: vec![1, 2],
+        capability: wrong.clone(),
+    };
     match tcp_call(&mut stream, Message::XferReadBlocks(read)).await {
         Message::XferLeaseRefused(r) => assert_eq!(r.reason, LeaseRefusalReason::LeaseInvalid),
         other => panic!("a forged read got {other:?}"),
     }
     let mut raw = raw_dealer(&p.endpoint()).await;
     authenticate_raw(&mut raw, &secret()).await;
-    let done = XferReadDone { p_request_id: "r".into(), lease_id: lease.lease_id(), consumer: "x".into(), capability: wrong.clone() };
+    let done = XferReadDone {
+        p_request_id: "r".into(),
+        lease_id: lease.lease_id(),
+        consumer: "x".into(),
+        capability: wrong.clone(),
+    };
     assert!(matches!(ask(&mut raw, Message::XferReadDone(done)).await, Message::Error(_)));
     let give_up = XferGiveUp {
         p_request_id: "r".into(),
@@ -259,7 +276,12 @@ async fn the_block_server_serves_no_byte_before_the_mesh_handshake() {
     // A real reader's lease, so a read request names a live lease and the real token.
     let reader = client_for(spec(4), "").handshake(&p.endpoint(), "p-0").await.unwrap();
     let lease = reader.lease("r", &cap("r"), &[1, 2], &[1, 1]).await.unwrap();
-    let read = || XferReadBlocks { p_request_id: "r".into(), lease_id: lease.lease_id(), block_ids: vec![1, 2], capability: cap("r") };
+    let read = || XferReadBlocks {
+        p_request_id: "r".into(),
+        lease_id: lease.lease_id(),
+        block_ids: vec![1, 2],
+        capability: cap("r"),
+    };
     let counted = || p.agent.stats().tcp_unauthenticated.load(Ordering::Relaxed);
 
     // No handshake: a read request, with every right id and the token, gets one refusal and
@@ -278,7 +300,10 @@ async fn the_block_server_serves_no_byte_before_the_mesh_handshake() {
     let Message::AuthChallenge(c) = tcp_call(&mut s, Message::AuthHello(hello.clone())).await else { panic!() };
     assert!(client.answer(&wrong_secret(), &c).is_err(), "P proved itself to the wrong secret");
     let forged = client_proof(&wrong_secret(), Channel::TcpData, &hello.client_nonce, &c.server_nonce);
-    assert!(matches!(tcp_call(&mut s, Message::AuthProof(AuthProof { client_proof: forged })).await, Message::Error(_)));
+    assert!(matches!(
+        tcp_call(&mut s, Message::AuthProof(AuthProof { client_proof: forged })).await,
+        Message::Error(_)
+    ));
     assert_closed(&mut s).await;
     assert_eq!(counted(), 2);
 

@@ -43,7 +43,11 @@ pub struct ServerChallenge {
 
 impl ServerChallenge {
     /// Answer a client's hello on `channel`: a fresh nonce and this server's proof.
-    pub fn answer(secret: &MeshSecret, channel: Channel, hello: &AuthHello) -> Result<(Self, AuthChallenge), AuthFailure> {
+    pub fn answer(
+        secret: &MeshSecret,
+        channel: Channel,
+        hello: &AuthHello,
+    ) -> Result<(Self, AuthChallenge), AuthFailure> {
         if hello.channel != channel.label() {
             return Err(AuthFailure::WrongChannel { expected: channel.label(), got: hello.channel.clone() });
         }
@@ -116,7 +120,9 @@ mod tests {
         // A client with another secret refuses the real server, and the server refuses it.
         let other = MeshSecret::generate();
         assert_eq!(client.answer(&other, &challenge), Err(AuthFailure::ServerNotInMesh));
-        let forged = AuthProof { client_proof: crate::client_proof(&other, Channel::TcpData, &hello.client_nonce, &challenge.server_nonce) };
+        let forged = AuthProof {
+            client_proof: crate::client_proof(&other, Channel::TcpData, &hello.client_nonce, &challenge.server_nonce),
+        };
         assert_eq!(server.verify(&k, &forged), Err(AuthFailure::BadProof));
 
         // A proof from one connection is worthless on the next (fresh server nonce).
@@ -128,7 +134,10 @@ mod tests {
         assert_eq!(server.verify(&k, &reflected), Err(AuthFailure::BadProof));
 
         // A hello for another channel, or with a short nonce, gets no challenge.
-        assert!(matches!(ServerChallenge::answer(&k, Channel::SideChannel, &hello), Err(AuthFailure::WrongChannel { .. })));
+        assert!(matches!(
+            ServerChallenge::answer(&k, Channel::SideChannel, &hello),
+            Err(AuthFailure::WrongChannel { .. })
+        ));
         let short = AuthHello { client_nonce: vec![0; 8], ..hello };
         assert_eq!(ServerChallenge::answer(&k, Channel::TcpData, &short).err(), Some(AuthFailure::BadNonce(8)));
     }

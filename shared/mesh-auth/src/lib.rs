@@ -47,7 +47,9 @@ pub const CAPABILITY_BYTES: usize = 16;
 /// What can be wrong with a mesh secret.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SecretError {
-    #[error("the mesh secret is {len} bytes long; at least {MIN_SECRET_LEN} are required (e.g. `openssl rand -hex 32`)")]
+    #[error(
+        "the mesh secret is {len} bytes long; at least {MIN_SECRET_LEN} are required (e.g. `openssl rand -hex 32`)"
+    )]
     TooShort { len: usize },
     #[error("cannot read the mesh secret file {path}: {reason}")]
     File { path: String, reason: String },

@@ -164,9 +164,9 @@ pub async fn kv_release(
         .and_then(|v| serde_json::from_value::<KvTransferParams>(v["kv_transfer_params"].clone()).ok());
     // The capability token P handed out with the params is required: a request id alone
     // releases nothing (P checks the token; docs/SECURITY.md).
-    let Some(params) = params.filter(|p| {
-        p.wants_remote_prefill() && p.remote_request_id.is_some() && p.remote_capability.is_some()
-    }) else {
+    let Some(params) =
+        params.filter(|p| p.wants_remote_prefill() && p.remote_request_id.is_some() && p.remote_capability.is_some())
+    else {
         return error_response(
             ApiError::invalid_request(
                 "kv_transfer_params with do_remote_prefill, remote_request_id and remote_capability are required",

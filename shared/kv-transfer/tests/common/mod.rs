@@ -159,7 +159,13 @@ impl Producer {
     pub fn hold(&self, request_id: &str, blocks: &[u32]) {
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut table = self.table.lock().unwrap();
-        assert!(table.hold_with_capability(request_id, blocks.to_vec(), vec![1; blocks.len()], deadline, cap(request_id)));
+        assert!(table.hold_with_capability(
+            request_id,
+            blocks.to_vec(),
+            vec![1; blocks.len()],
+            deadline,
+            cap(request_id)
+        ));
     }
 
     pub fn finished(&self) -> Vec<String> {
