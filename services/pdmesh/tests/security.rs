@@ -243,5 +243,40 @@ fn foreign_peers_get_nothing_from_p_and_the_real_request_completes() {
     assert_eq!(s, 200, "{d_answer}");
     assert_eq!(d_answer["choices"][0]["text"].as_str().unwrap(), expected);
     mesh.wait_kv_on(p, "P freed by D's read done", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
+
+    // `pdmesh up` handed the secret to its children in their environment, never on a command
+    // line (which every user of the host can read), and no log line shows it.
+    for proc in mesh.processes() {
+        let pid = proc["pid"].as_i64().unwrap();
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        assert!(!String::from_utf8_lossy(&cmdline).contains(SECRET), "secret in the command line of {proc}");
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        assert!(String::from_utf8_lossy(&environ).contains(SECRET), "{proc} did not get the secret");
+    }
+    assert!(!mesh.logs().contains(SECRET), "the secret was logged");
     assert!(!mesh.logs().contains("panicked"));
+}
+
+/// A P/D connector-worker started on its own (not by `pdmesh up`) without a mesh secret does
+/// not start at all: it would otherwise serve its side channel to anyone, or be unable to read.
+#[test]
+fn a_pd_worker_without_a_mesh_secret_refuses_to_start() {
+    let dir = std::env::temp_dir().join(format!("pdmesh-nosecret-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let topo = dir.join("topology.toml");
+    let text =
+        format!("run_dir = {:?}\n{}", dir.display().to_string(), common::pd_topology(18990, 31000, "shm", 1, ENGINE));
+    std::fs::write(&topo, text).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pdmesh"))
+        .args(["connector-worker", "--topology"])
+        .arg(&topo)
+        .args(["--node", "p", "--rank", "0"])
+        .env_remove("PDMESH_MESH_SECRET")
+        .env("PDMESH_RUN_DIR", &dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "started without a secret: {stderr}");
+    assert!(stderr.contains("PDMESH_MESH_SECRET"), "the error says what to set: {stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
