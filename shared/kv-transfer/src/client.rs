@@ -514,6 +514,12 @@ impl RemoteAgent {
     async fn call(&self, body: Message) -> Result<Message, TransferError> {
         let timeout = self.config.call_timeout;
         match tokio::time::timeout(timeout, self.link.call(body)).await {
+            Ok(Ok(Message::Error(e))) if e.class == pdmesh_protocol::ErrorClass::Unauthenticated => {
+                // P no longer knows this connection's session (it restarted and the socket
+                // reconnected underneath): handshake again rather than keep being refused.
+                self.link.healthy.store(false, Ordering::Release);
+                Err(TransferError::SideChannel(e.message))
+            }
             Ok(Ok(m)) => Ok(m),
             Ok(Err(LinkError::Io(e) | LinkError::Undecodable(e))) => Err(TransferError::SideChannel(e)),
             Err(_) => {
