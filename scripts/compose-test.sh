@@ -49,6 +49,8 @@ docker build -q -f deploy/Dockerfile -t "$IMAGE" \
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 export PDMESH_IMAGE="$IMAGE" PDMESH_COMPOSE_TOPOLOGY=/etc/pdmesh/compose-synthetic.toml
 export PDMESH_HTTP_PORT="$(free_port)" JAEGER_UI_PORT="$(free_port)" PDMESH_MODEL_DIR="$WORK/models"
+# The mesh secret every container shares (compose refuses to start without one).
+export PDMESH_MESH_SECRET="${PDMESH_MESH_SECRET:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
 mkdir -p "$PDMESH_MODEL_DIR"
 cat >"$WORK/override.yml" <<YAML
 services:

@@ -256,6 +256,15 @@ impl KvConnectorScheduler for PdConnector {
             return (false, None);
         }
         let delay = !block_ids.is_empty();
+        // The capability for the held blocks: only whoever holds these params may lease, read
+        // or release them; the request id alone is not enough (docs/SECURITY.md). The one who
+        // asked for the prefill may have chosen it (the router, to release before P answers);
+        // it is theirs to share, and anyone else still cannot guess it.
+        let capability = p
+            .remote_capability
+            .clone()
+            .filter(|c| pdmesh_mesh_auth::is_capability(c))
+            .unwrap_or_else(pdmesh_mesh_auth::new_capability);
         if delay {
             self.counters.holds_started += 1;
             self.need_send.push(SendRequest {
@@ -263,6 +272,7 @@ impl KvConnectorScheduler for PdConnector {
                 block_ids: block_ids.to_vec(),
                 block_generations: block_generations.to_vec(),
                 deadline_unix_ms: now_ms() + self.hold.as_millis() as u64,
+                capability: capability.clone(),
             });
         }
         let out = KvTransferParams {
@@ -276,6 +286,7 @@ impl KvConnectorScheduler for PdConnector {
             tp_size: Some(1),
             remote_block_generations: Some(block_generations.to_vec()),
             remote_dp_rank: Some(producer.dp_rank),
+            remote_capability: Some(capability),
         };
         (delay, Some(out))
     }
@@ -451,6 +462,25 @@ mod tests {
         assert_eq!(meta.reqs_to_send.len(), 1);
         assert!(meta.reqs_to_send[0].deadline_unix_ms > now_ms() + 25_000, "hold deadline = now + lease");
         assert_eq!(meta.reqs_to_send[0].block_ids, vec![7, 8, 9]);
+        // The capability D must present is the one the hold is registered with, unguessable.
+        let token = out.remote_capability.clone().unwrap();
+        assert_eq!(token.len(), 32);
+        assert!(token.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(meta.reqs_to_send[0].capability, token);
+        c.update_state_after_alloc("r2", &[1], 0);
+        let (_, out2) = c.request_finished("r2", FinishedStatus::LengthCapped, &[1], &[], Some(&p));
+        assert_ne!(out2.unwrap().remote_capability.unwrap(), token, "one token per request");
+        // A token chosen by whoever asked for the prefill (the router) is adopted when it is a
+        // real one; anything else gets a fresh token.
+        let chosen = pdmesh_mesh_auth::new_capability();
+        for (offered, adopted) in [(chosen.clone(), true), ("weak".to_string(), false)] {
+            let asked = KvTransferParams { remote_capability: Some(offered.clone()), ..p.clone() };
+            c.update_state_after_alloc("r3", &[2], 0);
+            let (_, out3) = c.request_finished("r3", FinishedStatus::LengthCapped, &[2], &[], Some(&asked));
+            let got = out3.unwrap().remote_capability.unwrap();
+            assert_eq!(got == offered, adopted, "{offered}");
+            assert!(pdmesh_mesh_auth::is_capability(&got));
+        }
     }
 
     #[test]

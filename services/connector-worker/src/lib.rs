@@ -386,7 +386,19 @@ pub async fn run(
             if !faults.is_empty() {
                 tracing::warn!(%faults, "fault injection is on");
             }
+            // P serves its side channel and block server only to peers that know the mesh
+            // secret, and D presents it: without one, no P/D (docs/SECURITY.md).
+            let mesh_secret = pdmesh_mesh_auth::MeshSecret::resolve(topology.mesh_secret_file.as_deref())
+                .map_err(|e| WorkerError::Model(e.to_string()))?
+                .ok_or_else(|| {
+                    WorkerError::Model(format!(
+                        "no mesh secret: set {} (e.g. `openssl rand -hex 32`) or the topology's mesh_secret_file \
+                         (pdmesh up generates one per run)",
+                        pdmesh_mesh_auth::MESH_SECRET_ENV
+                    ))
+                })?;
             let setup = pd::PdSetup {
+                mesh_secret,
                 engine_id,
                 rank,
                 produces: cfg.kv_role.produces(),

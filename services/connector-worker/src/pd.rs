@@ -18,8 +18,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdmesh_kv_transfer::{
     compat_hash, side_channel_endpoint, AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig,
-    HeldBlockMs, HoldTable, HoldTableConfig, KvBlockWriter, Lease, LocalKv, RemoteAgent, RemoteAgents, SharedPolicy,
-    TransferAgent, TransferClient, TransferError,
+    HeldBlockMs, HoldTable, HoldTableConfig, KvBlockWriter, Lease, LocalKv, MeshSecret, RemoteAgent, RemoteAgents,
+    SharedPolicy, TransferAgent, TransferClient, TransferError,
 };
 use pdmesh_model_api::KvCacheSpec;
 use pdmesh_protocol::{
@@ -91,6 +91,8 @@ type RefKey = (String, String);
 #[derive(Debug, Clone)]
 struct RemoteRef {
     endpoint: String,
+    /// The request's capability token (`remote_capability`), for the give-up at shutdown.
+    capability: String,
     /// The read lease, once granted: a give-up that names it frees P at once even mid-READ.
     lease: Option<Arc<Lease>>,
     /// Last step that mentioned it (taken in, or heartbeat); stale entries are dropped.
@@ -105,24 +107,30 @@ pub struct RemoteRefs {
 }
 
 impl RemoteRefs {
-    fn key(p: &KvTransferParams) -> Option<(RefKey, String)> {
+    fn key(p: &KvTransferParams) -> Option<(RefKey, String, String)> {
         let (Some(engine), Some(host), Some(port), Some(id)) =
             (p.remote_engine_id.as_ref(), p.remote_host.as_deref(), p.remote_port, p.remote_request_id.as_ref())
         else {
             return None;
         };
-        Some(((engine.clone(), id.clone()), side_channel_endpoint(host, port)))
+        let capability = p.remote_capability.clone().unwrap_or_default();
+        Some(((engine.clone(), id.clone()), side_channel_endpoint(host, port), capability))
     }
 
     /// A request D took in; a heartbeat of one refreshes it.
     fn take(&mut self, p: &KvTransferParams, now: Instant) {
-        if let Some((key, endpoint)) = Self::key(p) {
-            self.refs.entry(key).and_modify(|r| r.seen = now).or_insert(RemoteRef { endpoint, lease: None, seen: now });
+        if let Some((key, endpoint, capability)) = Self::key(p) {
+            self.refs.entry(key).and_modify(|r| r.seen = now).or_insert(RemoteRef {
+                endpoint,
+                capability,
+                lease: None,
+                seen: now,
+            });
         }
     }
 
     fn refresh(&mut self, p: &KvTransferParams, now: Instant) {
-        if let Some((key, _)) = Self::key(p) {
+        if let Some((key, ..)) = Self::key(p) {
             if let Some(r) = self.refs.get_mut(&key) {
                 r.seen = now;
             }
@@ -130,7 +138,7 @@ impl RemoteRefs {
     }
 
     fn leased(&mut self, p: &KvTransferParams, lease: &Arc<Lease>) {
-        if let Some((key, _)) = Self::key(p) {
+        if let Some((key, ..)) = Self::key(p) {
             if let Some(r) = self.refs.get_mut(&key) {
                 r.lease = Some(lease.clone());
             }
@@ -138,7 +146,7 @@ impl RemoteRefs {
     }
 
     fn end(&mut self, p: &KvTransferParams) {
-        if let Some((key, _)) = Self::key(p) {
+        if let Some((key, ..)) = Self::key(p) {
             self.refs.remove(&key);
         }
     }
@@ -183,6 +191,8 @@ pub struct PdSetup {
     pub faults: FaultConfig,
     /// `kv_transfer.give_up_notices`.
     pub give_up_notices: bool,
+    /// The mesh secret the side channel and block server demand, and D presents to producers.
+    pub mesh_secret: MeshSecret,
 }
 
 /// Where this worker's KV cache lives, as the transfer agent serves it and receives fill it.
@@ -211,6 +221,7 @@ impl PdRuntime {
                 backend: setup.backend.clone(),
                 compat_hash: hash.clone(),
                 faults: setup.faults.clone(),
+                mesh_secret: setup.mesh_secret.clone(),
             };
             let started = match &memory {
                 PdMemory::Host(region) => TransferAgent::start(cfg, region, spec, policy).await,
@@ -224,7 +235,8 @@ impl PdRuntime {
             hold = Some(table);
         }
         let agents = setup.consumes.then(|| {
-            let mut cfg = ClientConfig::new(format!("{}/{}", setup.engine_id, setup.rank), spec, hash);
+            let mut cfg =
+                ClientConfig::new(format!("{}/{}", setup.engine_id, setup.rank), spec, hash, setup.mesh_secret.clone());
             cfg.faults = setup.faults.clone();
             #[cfg(feature = "cuda")]
             if let PdMemory::Device(region) = &memory {
@@ -487,7 +499,14 @@ pub fn producer_start_step(
     deadline_of: impl Fn(&SendRequest) -> Instant,
 ) {
     for s in &meta.reqs_to_send {
-        t.hold(&s.request_id, s.block_ids.clone(), s.block_generations.clone(), deadline_of(s));
+        let deadline = deadline_of(s);
+        t.hold_with_capability(
+            &s.request_id,
+            s.block_ids.clone(),
+            s.block_generations.clone(),
+            deadline,
+            s.capability.clone(),
+        );
     }
     for id in &meta.reqs_aborted_after_finish {
         let outcome = t.abort(id);
@@ -520,12 +539,13 @@ pub fn producer_finish_step_with_causes(
 /// delivered is counted; P then frees at its deadline and D's later lease follows the
 /// load-failure policy.
 async fn heartbeat(agents: Arc<RemoteAgents>, params: Vec<pdmesh_protocol::KvTransferParams>) {
-    let mut by_engine: std::collections::BTreeMap<(String, String), Vec<String>> = Default::default();
+    let mut by_engine: std::collections::BTreeMap<(String, String), Vec<(String, String)>> = Default::default();
     for p in params {
         if let (Some(engine), Some(host), Some(port), Some(id)) =
             (p.remote_engine_id, p.remote_host, p.remote_port, p.remote_request_id)
         {
-            by_engine.entry((engine, side_channel_endpoint(&host, port))).or_default().push(id);
+            let token = p.remote_capability.unwrap_or_default();
+            by_engine.entry((engine, side_channel_endpoint(&host, port))).or_default().push((id, token));
         }
     }
     for ((engine, endpoint), ids) in by_engine {
@@ -592,11 +612,12 @@ struct ReceiveCtx {
 /// Give P back every reference in `refs` (shutdown), per remote engine, naming active leases.
 /// Returns how many P acknowledged; the rest are counted as undelivered notices.
 async fn give_up_all(agents: Arc<RemoteAgents>, refs: Vec<(RefKey, RemoteRef)>, reason: &str) -> usize {
-    /// P's request ids (with the active lease, if any) per (engine, side channel).
-    type ByEngine = BTreeMap<(String, String), Vec<(String, Option<Arc<Lease>>)>>;
+    /// P's request ids (with their capability and the active lease, if any) per (engine,
+    /// side channel).
+    type ByEngine = BTreeMap<(String, String), Vec<(String, String, Option<Arc<Lease>>)>>;
     let mut by_engine = ByEngine::new();
     for ((engine, p_req), r) in refs {
-        by_engine.entry((engine, r.endpoint)).or_default().push((p_req, r.lease));
+        by_engine.entry((engine, r.endpoint)).or_default().push((p_req, r.capability, r.lease));
     }
     let mut acked = 0;
     for ((engine, endpoint), reqs) in by_engine {
@@ -608,7 +629,7 @@ async fn give_up_all(agents: Arc<RemoteAgents>, refs: Vec<(RefKey, RemoteRef)>, 
                 continue;
             }
         };
-        let sends = reqs.iter().map(|(p_req, lease)| agent.give_up(p_req, reason, lease.as_deref()));
+        let sends = reqs.iter().map(|(p_req, token, lease)| agent.give_up(p_req, token, reason, lease.as_deref()));
         for res in futures::future::join_all(sends).await {
             match res {
                 Ok(()) => {
@@ -638,6 +659,8 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
         return;
     };
     let endpoint = side_channel_endpoint(host, port);
+    // The capability P handed out with the params: every message about these blocks carries it.
+    let token = p.remote_capability.as_deref().unwrap_or("");
     let notify_only = r.local_block_ids.is_empty();
     let hop = |hop: &'static str| trace::notice_hop(hop, p_req, r.rejected_at_unix_us);
     hop("worker.receive");
@@ -658,7 +681,7 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
                 &r.trace,
             );
             agent
-                .give_up_at(p_req, reason, None, r.rejected_at_unix_us)
+                .give_up_at(p_req, token, reason, None, r.rejected_at_unix_us)
                 .instrument(span.clone())
                 .await
                 .map_err(|e| fail(FailureKind::Lease, &e))?;
@@ -669,7 +692,7 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
         }
         if shutting_down.load(Ordering::Acquire) {
             // Too late to read: give the reference back rather than take a lease.
-            if give_up_notices && agent.give_up(p_req, "decode worker shutting down", None).await.is_ok() {
+            if give_up_notices && agent.give_up(p_req, token, "decode worker shutting down", None).await.is_ok() {
                 m::GIVE_UPS.with_label_values(&["shutdown"]).inc();
             }
             return Err(fail(FailureKind::Shutdown, &"the worker is shutting down"));
@@ -682,7 +705,7 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
         let gens_tail =
             if gens.len() == remote.len() { gens.get(gens.len() - n..).unwrap_or(&[]).to_vec() } else { gens };
         let (agent, lease) =
-            lease_blocks(&agents, agent, engine, &endpoint, p_req, &remote_tail, &gens_tail, give_up_notices)
+            lease_blocks(&agents, agent, engine, &endpoint, (p_req, token), &remote_tail, &gens_tail, give_up_notices)
                 .await
                 .map_err(|e| fail(FailureKind::Lease, &e))?;
         tracing::info!(blocks = remote_tail.len(), "lease granted");
@@ -738,7 +761,7 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
             }
             Err(failure) => {
                 // D gives up (R4): P frees at once instead of at its deadline.
-                match agent.give_up(p_req, "read failed", Some(lease.as_ref())).await {
+                match agent.give_up(p_req, token, "read failed", Some(lease.as_ref())).await {
                     Ok(()) => m::GIVE_UPS.with_label_values(&["load_failure"]).inc(),
                     Err(e) => {
                         m::NOTIFY_FAILURES.inc();
@@ -790,12 +813,12 @@ async fn lease_blocks(
     agent: Arc<RemoteAgent>,
     engine: &str,
     endpoint: &str,
-    p_req: &str,
+    (p_req, token): (&str, &str),
     blocks: &[u32],
     generations: &[u64],
     give_up_notices: bool,
 ) -> Result<(Arc<RemoteAgent>, Lease), TransferError> {
-    let first = agent.lease(p_req, blocks, generations).await;
+    let first = agent.lease(p_req, token, blocks, generations).await;
     let (agent, result) = match first {
         Err(
             e @ (TransferError::ProducerRestarted { .. } | TransferError::SideChannel(_) | TransferError::Timeout(_)),
@@ -804,7 +827,7 @@ async fn lease_blocks(
             tracing::info!(engine, error = %e, "lease failed on a stale view of P: handshaking again");
             agent.mark_stale();
             let fresh = agents.get(engine, endpoint).await.map_err(|h| TransferError::SideChannel(h.to_string()))?;
-            let again = fresh.lease(p_req, blocks, generations).await;
+            let again = fresh.lease(p_req, token, blocks, generations).await;
             (fresh, again)
         }
         other => (agent, other),
@@ -813,7 +836,7 @@ async fn lease_blocks(
         Ok(lease) => Ok((agent, lease)),
         Err(e @ TransferError::LeaseRefused { reason: LeaseRefusalReason::FaultInjected, .. }) if give_up_notices => {
             // P refused although it may hold the blocks (a drill): D will never read them.
-            match agent.give_up(p_req, "lease failed", None).await {
+            match agent.give_up(p_req, token, "lease failed", None).await {
                 Ok(()) => m::GIVE_UPS.with_label_values(&["load_failure"]).inc(),
                 Err(notify) => {
                     m::NOTIFY_FAILURES.inc();

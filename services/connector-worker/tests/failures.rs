@@ -10,8 +10,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdmesh_connector_worker::pd::{PdMemory, PdRuntime, PdSetup};
 use pdmesh_kv_transfer::{
-    compat_hash, AgentConfig, BackendConfig, CompatInputs, FaultConfig, HoldTable, HoldTableConfig, SharedPolicy,
-    ShmRegion, TransferAgent,
+    compat_hash, AgentConfig, BackendConfig, CompatInputs, FaultConfig, HoldTable, HoldTableConfig, MeshSecret,
+    SharedPolicy, ShmRegion, TransferAgent,
 };
 use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{KvCache, KvCacheSpec};
@@ -39,8 +39,16 @@ fn setup(name: &str, produces: bool, port: u16, faults: &str) -> PdSetup {
         remote_agent_idle: Duration::from_secs(600),
         faults: FaultConfig::parse(faults).unwrap(),
         give_up_notices: true,
+        mesh_secret: secret(),
     }
 }
+
+/// The mesh secret both nodes of these tests share.
+fn secret() -> MeshSecret {
+    MeshSecret::parse("pdmesh-failures-test-mesh-secret-0123456789").unwrap()
+}
+
+const CAPABILITY: &str = "0123456789abcdef0123456789abcdef";
 
 /// P holds blocks 1 and 2 of `req-p`; D receives them into its blocks 3 and 4.
 fn metas(port: u16) -> (KvConnectorMetadata, KvConnectorMetadata) {
@@ -51,6 +59,7 @@ fn metas(port: u16) -> (KvConnectorMetadata, KvConnectorMetadata) {
             block_ids: vec![1, 2],
             block_generations: vec![1, 1],
             deadline_unix_ms: now_ms + 30_000,
+            capability: CAPABILITY.into(),
         }],
         ..Default::default()
     };
@@ -62,6 +71,7 @@ fn metas(port: u16) -> (KvConnectorMetadata, KvConnectorMetadata) {
         remote_block_generations: Some(vec![1, 1]),
         remote_host: Some("127.0.0.1".into()),
         remote_port: Some(port),
+        remote_capability: Some(CAPABILITY.into()),
         ..Default::default()
     };
     let d = KvConnectorMetadata {
@@ -302,11 +312,18 @@ fn a_producer_on_another_backend_fails_the_request_at_handshake() {
             backend: BackendConfig::Cuda,
             compat_hash: compat_hash(&CompatInputs::for_spec("test-weights".to_string(), &spec())),
             faults: FaultConfig::default(),
+            mesh_secret: secret(),
         };
         // P holds the request's blocks, so only the handshake can stop D from leasing them.
         let table = std::sync::Arc::new(std::sync::Mutex::new(HoldTable::new(Default::default())));
         let deadline = Instant::now() + Duration::from_secs(60);
-        assert!(table.lock().unwrap().hold("req-p", vec![1, 2], vec![1, 1], deadline));
+        assert!(table.lock().unwrap().hold_with_capability(
+            "req-p",
+            vec![1, 2],
+            vec![1, 1],
+            deadline,
+            CAPABILITY.into()
+        ));
         let policy: SharedPolicy = table.clone();
         let p_agent = TransferAgent::start_device(p_config, "ab".repeat(64), spec(), policy).await.unwrap();
         let d_region =

@@ -42,7 +42,7 @@ use pdmesh_engine_core::scheduler::{EngineFaults, Scheduler, SchedulerConfig};
 use pdmesh_engine_core::step::{
     notice_calls, notice_receives, EngineState, EngineStep, StepDone, StepIo, WorkerAnswer,
 };
-use pdmesh_kv_transfer::{HoldTable, HoldTableConfig, LeasePolicy, NoticeOutcome};
+use pdmesh_kv_transfer::{CapabilityCheck, HoldTable, HoldTableConfig, LeasePolicy, NoticeOutcome};
 use pdmesh_protocol::{
     ConnectorCall, ConnectorReply, EngineRequest, ErrorClass, KvConnectorMetadata, KvConnectorOutput, KvTransferParams,
     ModelRunnerOutput, RejectionNotice, SampledToken, SamplingParams, SchedulerOutput, TraceContext, WireError,
@@ -298,6 +298,8 @@ struct Recv {
     remote: Vec<u32>,
     gens: Vec<u64>,
     lease: Option<u64>,
+    /// The capability token from P's params, presented with every message (as D's worker does).
+    token: String,
     /// What each part of the READ saw in P's pool: (block, allocated, generation).
     observed: Vec<(u32, bool, Option<u64>)>,
 }
@@ -313,6 +315,7 @@ struct LeaseView {
 struct GiveUp {
     p_id: String,
     lease: Option<u64>,
+    token: String,
 }
 
 struct Handoff {
@@ -436,9 +439,10 @@ impl World {
         }
         for r in &meta.reqs_to_recv {
             let p_id = r.params.remote_request_id.clone().unwrap_or_default();
+            let token = r.params.remote_capability.clone().unwrap_or_default();
             if r.local_block_ids.is_empty() {
                 // Notify only (rejection, or finished before its receive): give up at once.
-                self.outbox.push(GiveUp { p_id, lease: None });
+                self.outbox.push(GiveUp { p_id, lease: None, token });
                 continue;
             }
             let remote = r.params.remote_block_ids.clone().unwrap_or_default();
@@ -454,6 +458,7 @@ impl World {
                 remote: remote[remote.len() - n..].to_vec(),
                 gens: if gens.len() == remote.len() { gens[gens.len() - n..].to_vec() } else { gens },
                 lease: None,
+                token,
                 observed: Vec::new(),
             });
         }
@@ -485,7 +490,7 @@ impl World {
     fn settle(&mut self, k: usize, loaded: bool, give_up: bool) {
         let r = self.inflight.remove(k);
         if give_up {
-            self.outbox.push(GiveUp { p_id: r.p_id.clone(), lease: r.lease });
+            self.outbox.push(GiveUp { p_id: r.p_id.clone(), lease: r.lease, token: r.token.clone() });
         }
         self.settled.push((r, loaded));
     }
@@ -495,6 +500,11 @@ impl World {
         if r.lease.is_some() {
             return Ok(()); // the worker asks once per receive
         }
+        // P's side channel checks the token first: the one D got with the params always passes
+        // (held, or unknown), and a forged one never touches the hold.
+        prop_assert_ne!(self.table.capability(&r.p_id, &r.token), CapabilityCheck::Mismatch);
+        let forged = pdmesh_mesh_auth::new_capability();
+        prop_assert_ne!(self.table.capability(&r.p_id, &forged), CapabilityCheck::Match);
         match self.table.grant(&r.p_id, &r.remote, &r.gens, "d/0", self.now) {
             Ok(g) => {
                 let blocks = r.remote.iter().copied().zip(r.gens.iter().copied()).collect();
@@ -552,14 +562,19 @@ impl World {
         Ok(())
     }
 
-    fn deliver(&mut self, i: usize) {
+    fn deliver(&mut self, i: usize) -> Result<(), TestCaseError> {
         let g = self.outbox.remove(i);
+        if self.table.capability(&g.p_id, &g.token) == CapabilityCheck::Mismatch {
+            // Would be refused by the side channel: never the case for D's own notices.
+            return Err(TestCaseError::fail(format!("{}: D's give-up carries a wrong capability", g.p_id)));
+        }
         let outcome = self.table.give_up(&g.p_id, g.lease, "d/0", self.now);
         if let Some(l) = g.lease {
             if outcome == NoticeOutcome::Released || self.leases.get(&l).is_some_and(|v| v.p_id == g.p_id) {
                 self.leases.remove(&l);
             }
         }
+        Ok(())
     }
 
     fn apply(&mut self, ev: &Ev) -> Result<(), TestCaseError> {
@@ -698,7 +713,7 @@ impl World {
             }
             Ev::Deliver { i } => {
                 if let Some(i) = pick(*i, self.outbox.len()) {
-                    self.deliver(i);
+                    self.deliver(i)?;
                 }
             }
             Ev::Advance { ms } => self.now += Duration::from_millis(*ms),
@@ -749,7 +764,7 @@ impl World {
             self.ready.clear(); // the router's last hand-offs are lost
             if deliver_notices {
                 while !self.outbox.is_empty() {
-                    self.deliver(0);
+                    self.deliver(0)?;
                 }
             } else {
                 self.outbox.clear();

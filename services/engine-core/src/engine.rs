@@ -261,7 +261,20 @@ impl EngineCore {
                 pdmesh_telemetry::trace::notice_hop("engine.received", id, n.rejected_at_unix_us);
                 // A release addressed to the blocks' holder (P): the router gave up between
                 // the legs. It is an abort after finish of P's own request.
-                let held_here = n.params.remote_request_id.as_deref().filter(|id| self.state.borrow().sched.holds(id));
+                // Only with the request's capability token: knowing its id is not enough.
+                let token = n.params.remote_capability.as_deref().unwrap_or("");
+                let held_here = n
+                    .params
+                    .remote_request_id
+                    .as_deref()
+                    .filter(|id| self.state.borrow().sched.holds_with_capability(id, token));
+                if held_here.is_none() && id_held(&self.state.borrow().sched, &n.params) {
+                    // Held here, wrong token: refused like an unknown request, and counted.
+                    pdmesh_mesh_auth::metrics::CAPABILITY_REFUSED.inc();
+                    tracing::warn!(request_id = %id, "release refused: wrong capability token");
+                    m::NOTICES.with_label_values(&["invalid"]).inc();
+                    return;
+                }
                 if let Some(id) = held_here.map(str::to_string) {
                     tracing::info!(request_id = %id, "release of held blocks requested");
                     m::NOTICES.with_label_values(&["release"]).inc();
@@ -469,4 +482,9 @@ pub fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<Engin
         run_dir: topology.run_dir.clone(),
     };
     Ok(actor.start())
+}
+
+/// Whether the scheduler holds the request `params` name (whatever token they carry).
+fn id_held(sched: &crate::scheduler::Scheduler, params: &pdmesh_protocol::KvTransferParams) -> bool {
+    params.remote_request_id.as_deref().is_some_and(|id| sched.holds(id))
 }

@@ -127,6 +127,9 @@ pub struct SchedulerCounters {
 struct Held {
     blocks: Vec<u32>,
     since: Instant,
+    /// The capability token handed out with the request's params: a release from outside
+    /// (`POST /v1/kv/release`) must carry it.
+    capability: String,
 }
 
 #[derive(Debug)]
@@ -658,6 +661,7 @@ impl Scheduler {
         let mut out = Self::take_new_output(&mut req);
         out.finish_reason = req.status.finish_reason();
         out.stop_token_id = req.stop_token_id;
+        let out_capability = params.as_ref().and_then(|p| p.remote_capability.clone());
         out.kv_transfer_params = params;
         out.error = req.error.clone();
         self.outputs.push(out);
@@ -668,7 +672,9 @@ impl Scheduler {
         }
         let aborted = self.abort_when_held.remove(id);
         if delay_free && !blocks.is_empty() {
-            self.held.insert(id.to_string(), Held { blocks, since: req.finished_at.unwrap_or_else(Instant::now) });
+            let since = req.finished_at.unwrap_or_else(Instant::now);
+            let capability = out_capability.unwrap_or_default();
+            self.held.insert(id.to_string(), Held { blocks, since, capability });
             if aborted {
                 self.aborted_held.push(id.to_string());
             }
@@ -754,6 +760,12 @@ impl Scheduler {
     /// Whether the connector holds this finished request's blocks for a remote reader.
     pub fn holds(&self, id: &str) -> bool {
         self.held.contains_key(id)
+    }
+
+    /// Whether the connector holds this request's blocks under `capability` (compared in
+    /// constant time): a release from outside the engine needs the token, not just the id.
+    pub fn holds_with_capability(&self, id: &str, capability: &str) -> bool {
+        self.held.get(id).is_some_and(|h| pdmesh_mesh_auth::capability_matches(&h.capability, capability))
     }
 
     /// Held requests aborted after finish since the last call: the connector-worker's hold

@@ -212,7 +212,8 @@ impl ApiError {
             ErrorClass::NotFound => ApiError::NotFound(err.message),
             ErrorClass::Unavailable => ApiError::Unavailable(err.message),
             ErrorClass::Timeout => ApiError::Timeout(err.message),
-            ErrorClass::Internal => ApiError::Internal(err.message),
+            // A mesh-internal link that failed authentication: a deployment fault, not the client's.
+            ErrorClass::Internal | ErrorClass::Unauthenticated => ApiError::Internal(err.message),
         }
     }
 

@@ -143,7 +143,11 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
 
     // ---- prefill leg
     let mut p_body = original.clone();
-    p_body["kv_transfer_params"] = json!({"do_remote_decode": true, "do_remote_prefill": false});
+    // The router chooses P's capability token for this request (P adopts a well-formed one),
+    // so that it can hand P's blocks back even before P has answered (see below).
+    let p_capability = pdmesh_mesh_auth::new_capability();
+    p_body["kv_transfer_params"] =
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_capability": p_capability});
     p_body["max_tokens"] = json!(1);
     if p_body.get("max_completion_tokens").is_some() {
         p_body["max_completion_tokens"] = json!(1);
@@ -165,7 +169,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         &st.client,
         &p,
         &request_id,
-        &json!({"do_remote_prefill": true, "remote_request_id": p_engine_id}),
+        &json!({"do_remote_prefill": true, "remote_request_id": p_engine_id, "remote_capability": p_capability}),
         authorization.clone(),
     );
     if !st.give_up_notices {

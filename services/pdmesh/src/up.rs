@@ -173,6 +173,25 @@ fn children_of(topo: &Topology, logs: &Path) -> Vec<ChildSpec> {
     out
 }
 
+/// This run's mesh secret, handed to every child (resolved once in [`supervise`]).
+static MESH_SECRET: std::sync::OnceLock<pdmesh_mesh_auth::MeshSecret> = std::sync::OnceLock::new();
+
+/// `PDMESH_MESH_SECRET`, else the topology's `mesh_secret_file`, else a fresh 256-bit secret for
+/// this run: a mesh started by `pdmesh up` is never open to peers without it.
+fn mesh_secret(topo: &Topology) -> anyhow::Result<pdmesh_mesh_auth::MeshSecret> {
+    match pdmesh_mesh_auth::MeshSecret::resolve(topo.mesh_secret_file.as_deref())? {
+        Some(secret) => Ok(secret),
+        None => {
+            tracing::info!(
+                "generated a fresh mesh secret for this run (set {} or mesh_secret_file to share one with \
+                 nodes started elsewhere)",
+                env::MESH_SECRET
+            );
+            Ok(pdmesh_mesh_auth::MeshSecret::generate())
+        }
+    }
+}
+
 fn spawn(spec: &ChildSpec, topology_path: &Path, run_dir: &Path, keys: &KeyEnv) -> anyhow::Result<Child> {
     let exe = std::env::current_exe().context("locating the pdmesh binary")?;
     let log = std::fs::OpenOptions::new().create(true).append(true).open(&spec.log)?;
@@ -188,6 +207,9 @@ fn spawn(spec: &ChildSpec, topology_path: &Path, run_dir: &Path, keys: &KeyEnv) 
         .env("PDMESH_PARENT_PID", std::process::id().to_string())
         .env(env::RUN_DIR, run_dir)
         .env("OTEL_SERVICE_NAME", child_service_name(spec))
+        // The mesh secret goes through the environment, never the command line (process
+        // arguments are readable by every user of the host).
+        .env(env::MESH_SECRET, MESH_SECRET.get().map_or("", |s| s.expose_text()))
         .stdin(std::process::Stdio::null())
         .stdout(log)
         .stderr(log2)
@@ -246,6 +268,7 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
             "API keys required on every frontend"
         );
     }
+    let _ = MESH_SECRET.set(mesh_secret(&topo)?);
     let run_dir = topo.run_dir.clone();
     let logs = run_dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;

@@ -218,6 +218,41 @@ fn router_hands_p_blocks_back_when_the_decode_leg_never_starts() {
     let (s, v) = post(&mesh.url_on(p, "/v1/kv/release"), "rel-2", &json!({"kv_transfer_params": {"x": 1}}));
     assert_eq!(s, 400, "{v}");
 
+    // What the router's guard sends when its client leaves before P answered: it chose the
+    // engine-id suffix and the capability of its prefill leg, so it can name P's request
+    // without P's answer. A wrong capability releases nothing.
+    let (suffix, token) = ("00112233445566ff", "0123456789abcdef0123456789abcdef");
+    let r = client()
+        .post(mesh.url_on(p, "/v1/completions"))
+        .header("X-Request-Id", "pre")
+        .header("X-Pdmesh-Engine-Id-Suffix", suffix)
+        .json(&json!({"prompt": "hold me too", "max_tokens": 1,
+                      "kv_transfer_params": {"do_remote_decode": true, "remote_capability": token}}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["kv_transfer_params"]["remote_request_id"], format!("pre-{suffix}"));
+    assert_eq!(v["kv_transfer_params"]["remote_capability"], token);
+    let named = |capability: &str| {
+        json!({"kv_transfer_params": {"do_remote_prefill": true,
+        "remote_request_id": format!("pre-{suffix}"), "remote_capability": capability}})
+    };
+    let p_engine_metrics = format!("http://127.0.0.1:{}/metrics", mesh.base_port + 20 + 110);
+    let refused = || metric(&p_engine_metrics, "pdmesh_kv_capability_refused_total");
+    let before = refused();
+    let (s, _) = post(&mesh.url_on(p, "/v1/kv/release"), "pre", &named("ffffffffffffffffffffffffffffffff"));
+    assert_eq!(s, 202, "the notice is sent; P checks the token");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while refused() == before {
+        assert!(std::time::Instant::now() < deadline, "P's engine never judged the release");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(mesh.kv_on(p)["held_blocks"].as_u64().unwrap() > 0, "a wrong capability released nothing");
+    let (s, _) = post(&mesh.url_on(p, "/v1/kv/release"), "pre", &named(token));
+    assert_eq!(s, 202);
+    mesh.wait_kv_on(p, "released by id and capability alone", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
+
     // Through the router with D's frontend gone: the client gets a clear 503, P frees at once.
     let mut attempts = 0;
     loop {

@@ -41,6 +41,11 @@ pub const API_KEY_FILE: &str = "PDMESH_API_KEY_FILE";
 /// keys are set and this is not. Only read from the environment, never a flag (`ps` shows
 /// command lines).
 pub const INTERNAL_API_KEY: &str = "PDMESH_INTERNAL_API_KEY";
+/// The mesh secret (at least 32 characters; `openssl rand -hex 32`): every P/D side channel,
+/// `tcp` block server and `tcp` internal link authenticates with it (docs/SECURITY.md).
+/// Overrides the topology's `mesh_secret_file`. `pdmesh up` generates one per run when neither
+/// is given and passes it to its children in this variable (never on a command line).
+pub const MESH_SECRET: &str = "PDMESH_MESH_SECRET";
 /// `json` for JSON log lines.
 pub const LOG_FORMAT: &str = "PDMESH_LOG_FORMAT";
 

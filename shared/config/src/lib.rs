@@ -42,6 +42,11 @@ pub struct Topology {
     /// Where `ipc://` sockets live (one sub-directory per node).
     #[serde(default = "default_run_dir")]
     pub run_dir: PathBuf,
+    /// A file holding the mesh secret (docs/SECURITY.md); `PDMESH_MESH_SECRET` overrides it.
+    /// Neither set: `pdmesh up` generates a fresh secret per run, and a P/D service started
+    /// on its own refuses to start.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mesh_secret_file: Option<PathBuf>,
     pub nodes: Vec<NodeConfig>,
 }
 

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use pdmesh_kv_transfer::{
     AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig, HoldTable, HoldTableConfig, KvBlockWriter,
-    SharedPolicy, ShmRegion, TransferAgent, TransferClient,
+    MeshSecret, SharedPolicy, ShmRegion, TransferAgent, TransferClient,
 };
 use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{KvCache, KvCacheSpec};
@@ -113,12 +113,14 @@ async fn main() -> Res<()> {
         ..Default::default()
     })));
     let all: Vec<u32> = (0..max).collect();
-    table.lock().map_err(|e| e.to_string())?.hold(
+    table.lock().map_err(|e| e.to_string())?.hold_with_capability(
         "bench",
         all.clone(),
         vec![1; all.len()],
         Instant::now() + Duration::from_secs(3600),
+        "bench-capability".into(),
     );
+    let secret = MeshSecret::generate();
     let hash = CompatInputs::for_spec("bench", &spec).hash();
     let start = |backend| {
         let policy: SharedPolicy = table.clone();
@@ -129,6 +131,7 @@ async fn main() -> Res<()> {
             backend,
             compat_hash: hash.clone(),
             faults: FaultConfig::default(),
+            mesh_secret: secret.clone(),
         };
         TransferAgent::start(config, &path, spec, policy)
     };
@@ -136,13 +139,13 @@ async fn main() -> Res<()> {
     let tcp_agent = start(BackendConfig::Tcp { bind: "127.0.0.1:0".into(), advertise_host: None }).await?;
 
     // ---- D
-    let client = TransferClient::new(ClientConfig::new("bench-d", spec, hash.clone()));
+    let client = TransferClient::new(ClientConfig::new("bench-d", spec, hash.clone(), secret.clone()));
     let shm = client.handshake(shm_agent.side_channel_endpoint(), "p").await?;
     let tcp = client.handshake(tcp_agent.side_channel_endpoint(), "p").await?;
     let gens = vec![1; all.len()];
     // One lease, granted to our consumer: both agents share the table, so ask once.
-    let shm_lease = shm.lease("bench", &all, &gens).await?;
-    let tcp_lease = tcp.lease("bench", &all, &gens).await?;
+    let shm_lease = shm.lease("bench", "bench-capability", &all, &gens).await?;
+    let tcp_lease = tcp.lease("bench", "bench-capability", &all, &gens).await?;
     // D's cache on its own region (the executor's view), and the writer reads land through.
     let d_region = ShmRegion::create_for_spec(&format!("pdmesh-bench-d-{}", std::process::id()), &spec)?;
     let writer = Arc::new(KvBlockWriter::open(d_region.path(), spec)?);

@@ -10,17 +10,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
+use futures::StreamExt;
+use pdmesh_mesh_auth::{Channel, LogLimiter, MeshSecret, ServerChallenge};
 use pdmesh_model_api::KvCacheSpec;
 use pdmesh_protocol::{
     AgentMetadata, Envelope, ErrorClass, LeaseRefusalReason, Message, TransferBackend, WireError, XferLeaseGranted,
     XferLeaseRefused, KV_DTYPE_F32, KV_LAYOUT, TRANSFER_VERSION,
 };
 use tokio::task::JoinHandle;
-use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{RouterSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::error::AgentError;
 use crate::fault::FaultConfig;
-use crate::hold::{LeasePolicy, NoticeOutcome, SharedPolicy};
+use crate::hold::{CapabilityCheck, LeasePolicy, LeaseRefusal, NoticeOutcome, SharedPolicy};
 use crate::layout::region_bytes;
 use crate::shm::{ShmReadOnly, ShmRegion};
 use crate::tcp;
@@ -63,6 +65,9 @@ pub struct AgentConfig {
     /// [`crate::compat_hash`] of this engine's model and cache.
     pub compat_hash: String,
     pub faults: FaultConfig,
+    /// The mesh secret every side channel and block server connection must prove it knows
+    /// before anything is served (docs/SECURITY.md).
+    pub mesh_secret: MeshSecret,
 }
 
 /// Counters of what the agent served (for metrics and tests).
@@ -81,6 +86,12 @@ pub struct AgentStats {
     pub tcp_reads_refused: AtomicU64,
     pub tcp_bytes_sent: AtomicU64,
     pub tcp_errors: AtomicU64,
+    /// Side channel messages refused because their peer had not authenticated (or failed to).
+    pub unauthenticated: AtomicU64,
+    /// Block server connections refused for want of authentication.
+    pub tcp_unauthenticated: AtomicU64,
+    /// Leases, reads and notices that carried a wrong capability token for a held request.
+    pub capability_refused: AtomicU64,
     /// Rejection → release latencies (µs) of give-ups for rejections before admission (R1),
     /// drained by the worker into its histogram.
     pub rejection_to_release_us: std::sync::Mutex<Vec<u64>>,
@@ -105,6 +116,7 @@ pub(crate) struct Served {
     pub policy: SharedPolicy,
     pub faults: FaultConfig,
     pub stats: Arc<AgentStats>,
+    pub secret: MeshSecret,
 }
 
 impl Served {
@@ -215,16 +227,19 @@ impl TransferAgent {
             policy,
             faults: config.faults.clone(),
             stats: stats.clone(),
+            secret: config.mesh_secret.clone(),
         });
 
         let mut socket = RouterSocket::new();
+        // Peer disconnects end their authenticated sessions (a reconnect authenticates again).
+        let events = socket.monitor();
         prepare_ipc(&config.side_channel);
         let bound = socket
             .bind(&config.side_channel)
             .await
             .map_err(|e| AgentError::Bind { endpoint: config.side_channel.clone(), reason: e.to_string() })?
             .to_string();
-        let mut handles = vec![tokio::spawn(serve_side_channel(socket, served.clone()))];
+        let mut handles = vec![tokio::spawn(serve_side_channel(socket, events, served.clone()))];
         if let Some((listener, region)) = block_server {
             handles.push(tokio::spawn(tcp::serve_blocks(listener, Arc::new(region), spec, served.clone())));
         }
@@ -283,12 +298,131 @@ fn prepare_ipc(endpoint: &str) {
     }
 }
 
+/// Where each side channel peer stands in the mesh handshake, by the routing id the ROUTER
+/// assigned to its connection.
+///
+/// D's DEALER sets no identity, so the ROUTER names each connection with 128 random bits that
+/// never leave P: another peer cannot name (and so cannot ride) an authenticated session. A
+/// session ends when its connection does; a reconnect authenticates again.
+#[derive(Default)]
+struct Sessions {
+    peers: std::collections::HashMap<Vec<u8>, PeerAuth>,
+}
+
+enum PeerAuth {
+    /// Sent our challenge; waiting for the peer's proof.
+    Challenged {
+        challenge: ServerChallenge,
+        since: Instant,
+    },
+    Authenticated,
+}
+
+/// Peers in the handshake or authenticated at once; beyond it, challenges older than
+/// [`CHALLENGE_TTL`] are dropped, and if that is not enough new hellos are refused, so a flood
+/// of half-open handshakes cannot grow P's memory.
+const MAX_SESSIONS: usize = 8192;
+const CHALLENGE_TTL: Duration = Duration::from_secs(10);
+
+/// One refused-peer log line per second per channel at most.
+static SIDE_CHANNEL_LOG: LogLimiter = LogLimiter::new(Duration::from_secs(1));
+
+impl Sessions {
+    fn is_authenticated(&self, peer: &[u8]) -> bool {
+        matches!(self.peers.get(peer), Some(PeerAuth::Authenticated))
+    }
+
+    fn make_room(&mut self, now: Instant) -> bool {
+        if self.peers.len() >= MAX_SESSIONS {
+            self.peers.retain(|_, p| match p {
+                PeerAuth::Challenged { since, .. } => now.duration_since(*since) < CHALLENGE_TTL,
+                PeerAuth::Authenticated => true,
+            });
+        }
+        self.peers.len() < MAX_SESSIONS
+    }
+}
+
+/// Count and (rate-limited) log a refused side channel message.
+fn refuse_unauthenticated(served: &Served, why: &dyn std::fmt::Display) {
+    AgentStats::inc(&served.stats.unauthenticated);
+    pdmesh_mesh_auth::metrics::unauthenticated(Channel::SideChannel);
+    if let Some(suppressed) = SIDE_CHANNEL_LOG.allow() {
+        tracing::warn!(reason = %why, suppressed, "side channel: refused an unauthenticated peer");
+    }
+}
+
+/// The handshake step for a peer's `auth_hello` / `auth_proof`, or the refusal of any other
+/// message from a peer that has not authenticated. `None`: the peer is authenticated and the
+/// message goes to [`answer`].
+fn authenticate(served: &Served, sessions: &mut Sessions, peer: &[u8], env: &Envelope) -> Option<Message> {
+    let now = Instant::now();
+    match &env.body {
+        Message::AuthHello(hello) => {
+            // A new hello restarts the handshake (and ends an earlier session of this peer).
+            sessions.peers.remove(peer);
+            if !sessions.make_room(now) {
+                refuse_unauthenticated(served, &"too many handshakes in progress");
+                return Some(Message::Error(pdmesh_mesh_auth::refusal("busy")));
+            }
+            match ServerChallenge::answer(&served.secret, Channel::SideChannel, hello) {
+                Ok((challenge, reply)) => {
+                    sessions.peers.insert(peer.to_vec(), PeerAuth::Challenged { challenge, since: now });
+                    Some(Message::AuthChallenge(reply))
+                }
+                Err(e) => {
+                    refuse_unauthenticated(served, &e);
+                    Some(Message::Error(pdmesh_mesh_auth::refusal("bad hello")))
+                }
+            }
+        }
+        Message::AuthProof(proof) => match sessions.peers.remove(peer) {
+            Some(PeerAuth::Challenged { challenge, .. }) => match challenge.verify(&served.secret, proof) {
+                Ok(()) => {
+                    sessions.peers.insert(peer.to_vec(), PeerAuth::Authenticated);
+                    tracing::debug!("side channel: peer authenticated");
+                    Some(Message::Ack)
+                }
+                Err(e) => {
+                    refuse_unauthenticated(served, &e);
+                    Some(Message::Error(pdmesh_mesh_auth::refusal("wrong mesh secret")))
+                }
+            },
+            _ => {
+                refuse_unauthenticated(served, &"auth_proof without a challenge");
+                Some(Message::Error(pdmesh_mesh_auth::refusal("no handshake in progress")))
+            }
+        },
+        other if !sessions.is_authenticated(peer) => {
+            refuse_unauthenticated(served, &format_args!("{} before the handshake", other.kind()));
+            Some(Message::Error(pdmesh_mesh_auth::refusal("authenticate first (auth_hello)")))
+        }
+        _ => None,
+    }
+}
+
 /// One task answers every side channel message in arrival order. Each answer takes
 /// microseconds (a policy call under its lock), so one task is plenty and keeps the policy's
-/// calls serial.
-async fn serve_side_channel(mut socket: RouterSocket, served: Arc<Served>) {
+/// calls serial. Every peer authenticates first ([`authenticate`]); until it has, every other
+/// message gets only a refusal.
+async fn serve_side_channel(
+    mut socket: RouterSocket,
+    mut events: futures::channel::mpsc::Receiver<SocketEvent>,
+    served: Arc<Served>,
+) {
+    let mut sessions = Sessions::default();
     loop {
-        let msg = match socket.recv().await {
+        let msg = tokio::select! {
+            biased;
+            Some(event) = events.next() => {
+                if let SocketEvent::Disconnected(peer) = event {
+                    sessions.peers.remove(peer.as_ref());
+                }
+                continue;
+            }
+            msg = socket.recv() => msg,
+        };
+        let msg = match msg {
             Ok(m) => m,
             Err(e) => {
                 tracing::warn!(error = %e, "side channel socket closed");
@@ -303,17 +437,20 @@ async fn serve_side_channel(mut socket: RouterSocket, served: Arc<Served>) {
         let peer = frames.remove(0);
         let Some(frame) = frames.pop() else { continue };
         let reply = match Envelope::decode(&frame) {
-            Ok(env) => {
-                // A span per side-channel message, child of the reader's span on D, so the
-                // handshake, lease and read done of one request join its trace across nodes.
-                let span = pdmesh_telemetry::trace::child_of(
-                    tracing::info_span!("kv.side_channel", otel.kind = "server",
-                        otel.name = %format_args!("kv.serve.{}", env.body.kind()), message = env.body.kind(),
-                        request_id = tracing::field::Empty),
-                    &env.trace,
-                );
-                span.in_scope(|| answer(&served, &env))
-            }
+            Ok(env) => match authenticate(&served, &mut sessions, &peer, &env) {
+                Some(step) => env.reply(step).encode().ok(),
+                None => {
+                    // A span per side-channel message, child of the reader's span on D, so the
+                    // handshake, lease and read done of one request join its trace across nodes.
+                    let span = pdmesh_telemetry::trace::child_of(
+                        tracing::info_span!("kv.side_channel", otel.kind = "server",
+                            otel.name = %format_args!("kv.serve.{}", env.body.kind()), message = env.body.kind(),
+                            request_id = tracing::field::Empty),
+                        &env.trace,
+                    );
+                    span.in_scope(|| answer(&served, &env))
+                }
+            },
             Err(e) => {
                 AgentStats::inc(&served.stats.decode_errors);
                 tracing::warn!(error = %e, "side channel: dropping undecodable frame");
@@ -328,6 +465,36 @@ async fn serve_side_channel(mut socket: RouterSocket, served: Arc<Served>) {
             Ok(Err(e)) => tracing::debug!(error = %e, "side channel: peer gone before the answer"),
             Err(_) => tracing::warn!("side channel: answer not accepted within 5 s"),
         }
+    }
+}
+
+/// Count a message that carried the wrong capability token for a held request.
+fn capability_refused(served: &Served, p_request_id: &str, what: &str) {
+    AgentStats::inc(&served.stats.capability_refused);
+    pdmesh_mesh_auth::metrics::CAPABILITY_REFUSED.inc();
+    tracing::warn!(p_request_id, what, "refused: wrong capability token for a held request");
+}
+
+/// `call` on the policy, under one lock, if `capability` is the token `p_request_id` is held
+/// under (or the request is not held: the policy's own unknown-request answer applies).
+/// Otherwise the refusal is counted and the answer is `as_unknown()`: what a request P does not
+/// hold gets, so that a wrong token tells a prober nothing.
+pub(crate) fn if_capable<T>(
+    served: &Served,
+    p_request_id: &str,
+    capability: &str,
+    what: &str,
+    as_unknown: impl FnOnce() -> T,
+    call: impl FnOnce(&mut dyn LeasePolicy) -> T,
+) -> T {
+    let mut policy = served.policy();
+    match policy.capability(p_request_id, capability) {
+        CapabilityCheck::Mismatch => {
+            drop(policy);
+            capability_refused(served, p_request_id, what);
+            as_unknown()
+        }
+        CapabilityCheck::Match | CapabilityCheck::NotHeld => call(&mut *policy),
     }
 }
 
@@ -359,9 +526,13 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
         }
         Message::XferLease(req) => {
             let decision = if faults.lease_refused {
-                Err(crate::hold::LeaseRefusal::new(LeaseRefusalReason::FaultInjected, "fault injection: lease_refused"))
+                Err(LeaseRefusal::new(LeaseRefusalReason::FaultInjected, "fault injection: lease_refused"))
             } else {
-                served.policy().grant(&req.p_request_id, &req.block_ids, &req.block_generations, &req.consumer, now)
+                let id = &req.p_request_id;
+                let as_unknown = || Err(LeaseRefusal::not_held(id));
+                if_capable(served, id, &req.capability, "lease", as_unknown, |policy| {
+                    policy.grant(id, &req.block_ids, &req.block_generations, &req.consumer, now)
+                })
             };
             match decision {
                 Ok(grant) => {
@@ -383,7 +554,14 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
             }
         }
         Message::XferReadDone(n) => {
-            let outcome = served.policy().read_done(&n.p_request_id, n.lease_id, &n.consumer, now);
+            let outcome = if_capable(
+                served,
+                &n.p_request_id,
+                &n.capability,
+                "read_done",
+                || NoticeOutcome::Unknown,
+                |p| p.read_done(&n.p_request_id, n.lease_id, &n.consumer, now),
+            );
             tracing::Span::current().record("request_id", n.p_request_id.as_str());
             tracing::info!(lease_id = n.lease_id, consumer = %n.consumer, ?outcome, "read done");
             if outcome == NoticeOutcome::Released {
@@ -400,12 +578,37 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
         }
         Message::XferHeartbeat(h) => {
             AgentStats::inc(&stats.heartbeats);
-            served.policy().heartbeat(&h.p_request_ids, now);
+            let mut policy = served.policy();
+            // Only the requests whose token matches are extended; the rest are left alone.
+            let ids: Vec<String> = h
+                .p_request_ids
+                .iter()
+                .enumerate()
+                .filter(|(i, id)| {
+                    let token = h.capabilities.get(*i).map_or("", String::as_str);
+                    match policy.capability(id, token) {
+                        CapabilityCheck::Mismatch => {
+                            capability_refused(served, id, "heartbeat");
+                            false
+                        }
+                        _ => true,
+                    }
+                })
+                .map(|(_, id)| id.clone())
+                .collect();
+            policy.heartbeat(&ids, now);
             Message::Ack
         }
         Message::XferGiveUp(g) => {
             AgentStats::inc(&stats.give_ups);
-            let outcome = served.policy().give_up(&g.p_request_id, g.lease_id, &g.consumer, now);
+            let outcome = if_capable(
+                served,
+                &g.p_request_id,
+                &g.capability,
+                "give_up",
+                || NoticeOutcome::Unknown,
+                |p| p.give_up(&g.p_request_id, g.lease_id, &g.consumer, now),
+            );
             if let (Some(at), crate::hold::NoticeOutcome::Released) = (g.rejected_at_unix_us, outcome) {
                 let us = pdmesh_protocol::micros_since(at);
                 pdmesh_telemetry::trace::notice_hop("p.released", &g.p_request_id, Some(at));

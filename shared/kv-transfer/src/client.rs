@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pdmesh_mesh_auth::{Channel, ClientHello, MeshSecret};
 use pdmesh_model_api::{KvCache, KvCacheSpec};
 use pdmesh_protocol::{
     AgentMetadata, Envelope, Message, TransferBackend, XferGiveUp, XferHeartbeat, XferLeaseRequest, XferReadBlocks,
@@ -57,6 +58,9 @@ pub struct ClientConfig {
     pub call_timeout: Duration,
     pub read_timeout: Duration,
     pub faults: FaultConfig,
+    /// The mesh secret: D proves it knows it to every producer, and a producer that cannot
+    /// prove the same is never sent a request (docs/SECURITY.md).
+    pub mesh_secret: MeshSecret,
     /// D's cache on the GPU (`kv_transfer.backend = "cuda"`): reads land in this region, and
     /// only producers offering `cuda` can be read. `None`: the cache is in host memory.
     #[cfg(feature = "cuda")]
@@ -64,8 +68,14 @@ pub struct ClientConfig {
 }
 
 impl ClientConfig {
-    pub fn new(consumer: impl Into<String>, local_spec: KvCacheSpec, compat_hash: impl Into<String>) -> Self {
+    pub fn new(
+        consumer: impl Into<String>,
+        local_spec: KvCacheSpec,
+        compat_hash: impl Into<String>,
+        mesh_secret: MeshSecret,
+    ) -> Self {
         Self {
+            mesh_secret,
             consumer: consumer.into(),
             local_spec,
             compat_hash: compat_hash.into(),
@@ -116,10 +126,13 @@ impl TransferClient {
     pub async fn handshake(&self, endpoint: &str, expected_engine_id: &str) -> Result<RemoteAgent, HandshakeError> {
         let timeout = self.config.handshake_timeout;
         let deadline = tokio::time::Instant::now() + timeout;
-        let link = match tokio::time::timeout_at(deadline, SideLink::connect(endpoint, timeout)).await {
-            Ok(r) => r?,
-            Err(_) => return Err(HandshakeError::Timeout(timeout)),
-        };
+        let link =
+            match tokio::time::timeout_at(deadline, SideLink::connect(endpoint, timeout, &self.config.mesh_secret))
+                .await
+            {
+                Ok(r) => r?,
+                Err(_) => return Err(HandshakeError::Timeout(timeout)),
+            };
         let reply = tokio::time::timeout_at(deadline, link.call(Message::XferGetMetadata)).await;
         let meta = match reply {
             Err(_) => {
@@ -173,7 +186,9 @@ impl TransferClient {
                 }
                 DataPlane::Shm(region)
             }
-            TransferBackend::Tcp { host, port } => DataPlane::Tcp(TcpReader::new(host, *port)),
+            TransferBackend::Tcp { host, port } => {
+                DataPlane::Tcp(TcpReader::new(host, *port, self.config.mesh_secret.clone()))
+            }
         };
         tracing::info!(endpoint, engine_id = %meta.engine_id, agent = %meta.agent_name, backend = ?meta.backend, "handshake done");
         Ok(RemoteAgent { endpoint: endpoint.to_string(), remote_spec, meta, config: self.config.clone(), link, data })
@@ -289,7 +304,10 @@ impl Drop for Waiting<'_> {
 }
 
 impl SideLink {
-    async fn connect(endpoint: &str, timeout: Duration) -> Result<Self, HandshakeError> {
+    /// Connect and run the mesh handshake: P proves it knows the mesh secret before D sends it
+    /// anything else, then D proves it (P serves nothing before). The DEALER sets no identity,
+    /// so P's ROUTER names this connection with random bits nobody else knows.
+    async fn connect(endpoint: &str, timeout: Duration, secret: &MeshSecret) -> Result<Self, HandshakeError> {
         probe(endpoint).await?;
         let mut options = SocketOptions::default();
         options.connect_timeout(timeout);
@@ -299,7 +317,28 @@ impl SideLink {
         let waiters = Arc::new(Waiters::default());
         let healthy = Arc::new(AtomicBool::new(true));
         let reader = tokio::spawn(read_answers(recv, waiters.clone(), healthy.clone()));
-        Ok(Self { send: AsyncMutex::new(send), waiters, next_corr: AtomicU64::new(1), healthy, reader })
+        let link = Self { send: AsyncMutex::new(send), waiters, next_corr: AtomicU64::new(1), healthy, reader };
+        link.authenticate(secret).await?;
+        Ok(link)
+    }
+
+    async fn authenticate(&self, secret: &MeshSecret) -> Result<(), HandshakeError> {
+        let failed = |e: LinkError| match e {
+            LinkError::Undecodable(e) => HandshakeError::UndecodableMetadata(e),
+            LinkError::Io(e) => HandshakeError::Unreachable(e),
+        };
+        let (client, hello) = ClientHello::new(Channel::SideChannel);
+        let challenge = match self.call(Message::AuthHello(hello)).await.map_err(failed)? {
+            Message::AuthChallenge(c) => c,
+            Message::Error(e) => return Err(HandshakeError::Unauthenticated(e.message)),
+            other => return Err(HandshakeError::Unauthenticated(format!("unexpected {} to auth_hello", other.kind()))),
+        };
+        let proof = client.answer(secret, &challenge).map_err(|e| HandshakeError::Unauthenticated(e.to_string()))?;
+        match self.call(Message::AuthProof(proof)).await.map_err(failed)? {
+            Message::Ack => Ok(()),
+            Message::Error(e) => Err(HandshakeError::Unauthenticated(e.message)),
+            other => Err(HandshakeError::Unauthenticated(format!("unexpected {} to auth_proof", other.kind()))),
+        }
     }
 
     /// Send `body` and wait for its answer (no timeout here: callers bound it).
@@ -411,6 +450,8 @@ pub struct RemoteAgent {
 pub struct Lease {
     agent_name: String,
     p_request_id: String,
+    /// The request's capability token, presented with every read and notice under the lease.
+    capability: String,
     lease_id: u64,
     block_ids: Vec<u32>,
     expires_at: Instant,
@@ -473,6 +514,12 @@ impl RemoteAgent {
     async fn call(&self, body: Message) -> Result<Message, TransferError> {
         let timeout = self.config.call_timeout;
         match tokio::time::timeout(timeout, self.link.call(body)).await {
+            Ok(Ok(Message::Error(e))) if e.class == pdmesh_protocol::ErrorClass::Unauthenticated => {
+                // P no longer knows this connection's session (it restarted and the socket
+                // reconnected underneath): handshake again rather than keep being refused.
+                self.link.healthy.store(false, Ordering::Release);
+                Err(TransferError::SideChannel(e.message))
+            }
             Ok(Ok(m)) => Ok(m),
             Ok(Err(LinkError::Io(e) | LinkError::Undecodable(e))) => Err(TransferError::SideChannel(e)),
             Err(_) => {
@@ -484,9 +531,12 @@ impl RemoteAgent {
 
     /// Ask P for a read lease on `block_ids` (with their `generations`, exactly as P handed
     /// them out) of `p_request_id`.
+    /// `capability`: the token from the request's `kv_transfer_params` (`remote_capability`);
+    /// without the right one P answers as if it did not hold the request.
     pub async fn lease(
         &self,
         p_request_id: &str,
+        capability: &str,
         block_ids: &[u32],
         generations: &[u64],
     ) -> Result<Lease, TransferError> {
@@ -496,6 +546,7 @@ impl RemoteAgent {
             block_ids: block_ids.to_vec(),
             block_generations: generations.to_vec(),
             consumer: self.config.consumer.clone(),
+            capability: capability.to_string(),
         };
         match self.call(Message::XferLease(req)).await? {
             Message::XferLeaseGranted(g) if !g.agent_name.is_empty() && g.agent_name != self.meta.agent_name => {
@@ -512,6 +563,7 @@ impl RemoteAgent {
             Message::XferLeaseGranted(g) => Ok(Lease {
                 agent_name: self.meta.agent_name.clone(),
                 p_request_id: p_request_id.to_string(),
+                capability: capability.to_string(),
                 lease_id: g.lease_id,
                 block_ids: block_ids.to_vec(),
                 // From when we asked: P's clock started no earlier, so we never overrun it.
@@ -580,8 +632,12 @@ impl RemoteAgent {
             DataPlane::Tcp(reader) => {
                 let (block_ids, ordered) = dest_order(remote_block_ids, runs, 2 * self.remote_spec.num_layers as usize);
                 runs = ordered;
-                let req =
-                    XferReadBlocks { p_request_id: lease.p_request_id.clone(), lease_id: lease.lease_id, block_ids };
+                let req = XferReadBlocks {
+                    p_request_id: lease.p_request_id.clone(),
+                    lease_id: lease.lease_id,
+                    block_ids,
+                    capability: lease.capability.clone(),
+                };
                 let timeout = self.config.read_timeout;
                 match tokio::time::timeout(timeout, reader.read(&req, &mut runs, stop_after)).await {
                     Ok(r) => r,
@@ -712,6 +768,7 @@ impl RemoteAgent {
             p_request_id: lease.p_request_id.clone(),
             lease_id: lease.lease_id,
             consumer: self.config.consumer.clone(),
+            capability: lease.capability.clone(),
         };
         match self.call(Message::XferReadDone(notice)).await? {
             Message::Ack => Ok(()),
@@ -722,8 +779,14 @@ impl RemoteAgent {
 
     /// Tell P that D will never read `p_request_id` (rejection, abort, failed load,
     /// shutdown), ending `lease` if D holds one, so that P frees at once.
-    pub async fn give_up(&self, p_request_id: &str, reason: &str, lease: Option<&Lease>) -> Result<(), TransferError> {
-        self.give_up_at(p_request_id, reason, lease, None).await
+    pub async fn give_up(
+        &self,
+        p_request_id: &str,
+        capability: &str,
+        reason: &str,
+        lease: Option<&Lease>,
+    ) -> Result<(), TransferError> {
+        self.give_up_at(p_request_id, capability, reason, lease, None).await
     }
 
     /// [`Self::give_up`] for a rejection before admission at `rejected_at_unix_us`, so that P
@@ -731,6 +794,7 @@ impl RemoteAgent {
     pub async fn give_up_at(
         &self,
         p_request_id: &str,
+        capability: &str,
         reason: &str,
         lease: Option<&Lease>,
         rejected_at_unix_us: Option<u64>,
@@ -744,13 +808,19 @@ impl RemoteAgent {
             consumer: self.config.consumer.clone(),
             lease_id: lease.map(|l| l.lease_id),
             rejected_at_unix_us,
+            capability: capability.to_string(),
         };
         self.expect_ack(Message::XferGiveUp(notice)).await
     }
 
-    /// Keep P's holds of these requests alive while they wait on D.
-    pub async fn heartbeat(&self, p_request_ids: &[String]) -> Result<(), TransferError> {
-        let hb = XferHeartbeat { p_request_ids: p_request_ids.to_vec(), consumer: self.config.consumer.clone() };
+    /// Keep P's holds of these requests (P's request id, capability token) alive while they
+    /// wait on D.
+    pub async fn heartbeat(&self, requests: &[(String, String)]) -> Result<(), TransferError> {
+        let hb = XferHeartbeat {
+            p_request_ids: requests.iter().map(|(id, _)| id.clone()).collect(),
+            consumer: self.config.consumer.clone(),
+            capabilities: requests.iter().map(|(_, token)| token.clone()).collect(),
+        };
         self.expect_ack(Message::XferHeartbeat(hb)).await
     }
 
@@ -990,10 +1060,10 @@ mod tests {
         send_sync(agents);
         send_sync(lease);
         send(agents.get("e", "tcp://h:1"));
-        send(agent.lease("r", &[], &[]));
+        send(agent.lease("r", "t", &[], &[]));
         send(agent.read_blocks(lease, &[], kv, &[]));
         send(agent.read_done(lease));
-        send(agent.give_up("r", "why", None));
+        send(agent.give_up("r", "t", "why", None));
         send(agent.heartbeat(&[]));
     }
 
@@ -1012,6 +1082,7 @@ mod tests {
         let _kv = region.into_kv_cache(spec).unwrap();
         let table = Arc::new(std::sync::Mutex::new(HoldTable::default()));
         let policy: SharedPolicy = table.clone();
+        let secret = MeshSecret::generate();
         let config = AgentConfig {
             engine_id: "p".into(),
             rank: 0,
@@ -1019,17 +1090,20 @@ mod tests {
             backend: BackendConfig::Tcp { bind: "127.0.0.1:0".into(), advertise_host: None },
             compat_hash: "h".into(),
             faults: FaultConfig::default(),
+            mesh_secret: secret.clone(),
         };
         let agent = TransferAgent::start(config, &path, spec, policy).await.unwrap();
-        table.lock().unwrap().hold("r", vec![1], vec![1], Instant::now() + Duration::from_secs(60));
-        let client = TransferClient::new(ClientConfig::new("d", spec, "h"));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        table.lock().unwrap().hold_with_capability("r", vec![1], vec![1], deadline, "tok".into());
+        let client = TransferClient::new(ClientConfig::new("d", spec, "h", secret));
         let remote = client.handshake(agent.side_channel_endpoint(), "p").await.unwrap();
-        let lease = remote.lease("r", &[1], &[1]).await.unwrap();
+        let lease = remote.lease("r", "tok", &[1], &[1]).await.unwrap();
         let mut local = KvCache::new_heap(spec);
         for forged_blocks in [vec![1, 2], vec![1, 7]] {
             let forged = Lease {
                 agent_name: lease.agent_name.clone(),
                 p_request_id: "r".into(),
+                capability: "tok".into(),
                 lease_id: lease.lease_id,
                 block_ids: forged_blocks.clone(),
                 expires_at: lease.expires_at,

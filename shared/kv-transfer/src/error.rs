@@ -33,6 +33,10 @@ pub enum HandshakeError {
     /// P answered with an error or an unexpected message.
     #[error("side channel refused the handshake: {0}")]
     Remote(String),
+
+    /// The mesh handshake failed: P did not prove it knows the mesh secret, or refused ours.
+    #[error("mesh authentication failed: {0}")]
+    Unauthenticated(String),
 }
 
 /// Why a lease, a read or a notice failed. After any error from `read_blocks` the local

@@ -37,6 +37,33 @@ impl LeaseRefusal {
     pub fn new(reason: LeaseRefusalReason, detail: impl Into<String>) -> Self {
         Self { reason, detail: detail.into() }
     }
+
+    /// The refusal of a lease for a request P does not hold. A wrong capability token gets this
+    /// very refusal, so a prober cannot tell a held request from an unknown one.
+    pub fn not_held(p_request_id: &str) -> Self {
+        Self::new(LeaseRefusalReason::Gone, format!("request {p_request_id} is not held"))
+    }
+
+    /// The refusal of a read under a lease that is not the request's active lease (also what a
+    /// wrong capability token gets).
+    pub fn not_active_lease(p_request_id: &str, lease_id: u64) -> Self {
+        Self::new(
+            LeaseRefusalReason::LeaseInvalid,
+            format!("lease {lease_id} is not an active lease of {p_request_id}"),
+        )
+    }
+}
+
+/// Whether a message may touch a held request: does it carry the request's capability token?
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CapabilityCheck {
+    /// The token matches the one the request is held under.
+    Match,
+    /// The request is held, and the token is wrong (or the hold has none): refuse exactly as
+    /// for an unknown request, and count.
+    Mismatch,
+    /// The request is not held: the policy's own unknown-request answer applies.
+    NotHeld,
 }
 
 /// What became of a `read done`, `give up` or `abort`.
@@ -89,6 +116,12 @@ pub trait LeasePolicy: Send {
 
     /// The consumer still intends to read these requests. Returns how many were extended.
     fn heartbeat(&mut self, p_request_ids: &[String], now: Instant) -> usize;
+
+    /// Does `presented` match the capability token `p_request_id` is held under (compared in
+    /// constant time)? The side channel and the block server ask before every other call for
+    /// a request, under the same lock, so a message without the token never reaches the
+    /// lease rules.
+    fn capability(&self, p_request_id: &str, presented: &str) -> CapabilityCheck;
 }
 
 /// How the side channel shares the policy with its owner.
@@ -183,6 +216,9 @@ struct Hold {
     /// Aborted or given up while someone else's lease was active: no new lease, released when
     /// the lease ends.
     aborted: bool,
+    /// The capability token D must present (empty: none was given, and no remote message can
+    /// touch the hold).
+    capability: String,
 }
 
 /// How many released ids are remembered to tell a duplicate notice from an unknown one.
@@ -245,7 +281,23 @@ impl HoldTable {
     /// reader until `deadline` (extended by heartbeats). Returns false (and counts) when the
     /// request is already held: `request_finished` runs once per request, so that is a bug
     /// upstream, and the first hold stands.
+    ///
+    /// A hold made here has no capability token, so no remote message can touch it (only P's own
+    /// abort and expiry end it); the worker holds with [`Self::hold_with_capability`].
     pub fn hold(&mut self, request_id: &str, block_ids: Vec<u32>, generations: Vec<u64>, deadline: Instant) -> bool {
+        self.hold_with_capability(request_id, block_ids, generations, deadline, String::new())
+    }
+
+    /// [`Self::hold`] under the capability token P handed out in the request's
+    /// `kv_transfer_params`: every lease, read and notice for the request must carry it.
+    pub fn hold_with_capability(
+        &mut self,
+        request_id: &str,
+        block_ids: Vec<u32>,
+        generations: Vec<u64>,
+        deadline: Instant,
+        capability: String,
+    ) -> bool {
         if self.holds.contains_key(request_id) {
             self.counters.duplicate_holds += 1;
             tracing::warn!(request_id, "request already held; keeping the first hold");
@@ -259,7 +311,16 @@ impl HoldTable {
         self.order.insert(seq, request_id.to_string());
         self.holds.insert(
             request_id.to_string(),
-            Hold { seq, block_ids, generations, deadline, held_since: Instant::now(), lease: None, aborted: false },
+            Hold {
+                seq,
+                block_ids,
+                generations,
+                deadline,
+                held_since: Instant::now(),
+                lease: None,
+                aborted: false,
+                capability,
+            },
         );
         self.counters.holds += 1;
         true
@@ -460,8 +521,11 @@ impl LeasePolicy for HoldTable {
     ) -> Result<LeaseGrant, LeaseRefusal> {
         let gone = |what: &str| format!("request {p_request_id} is {what}");
         let Some(hold) = self.holds.get(p_request_id) else {
-            let what = if self.recent_set.contains(p_request_id) { "already released" } else { "not held" };
-            return self.refuse(LeaseRefusalReason::Gone, gone(what));
+            if self.recent_set.contains(p_request_id) {
+                return self.refuse(LeaseRefusalReason::Gone, gone("already released"));
+            }
+            self.counters.leases_refused += 1;
+            return Err(LeaseRefusal::not_held(p_request_id));
         };
         if hold.aborted {
             return self.refuse(LeaseRefusalReason::Aborted, gone("aborted"));
@@ -507,7 +571,7 @@ impl LeasePolicy for HoldTable {
     ) -> Result<(), LeaseRefusal> {
         let invalid = |detail: String| Err(LeaseRefusal::new(LeaseRefusalReason::LeaseInvalid, detail));
         if self.leases.get(&lease_id).map(String::as_str) != Some(p_request_id) {
-            return invalid(format!("lease {lease_id} is not an active lease of {p_request_id}"));
+            return Err(LeaseRefusal::not_active_lease(p_request_id, lease_id));
         }
         let Some(hold) = self.holds.get(p_request_id) else {
             return invalid(format!("request {p_request_id} is not held"));
@@ -576,6 +640,14 @@ impl LeasePolicy for HoldTable {
             }
         }
         extended
+    }
+
+    fn capability(&self, p_request_id: &str, presented: &str) -> CapabilityCheck {
+        match self.holds.get(p_request_id) {
+            None => CapabilityCheck::NotHeld,
+            Some(hold) if pdmesh_mesh_auth::capability_matches(&hold.capability, presented) => CapabilityCheck::Match,
+            Some(_) => CapabilityCheck::Mismatch,
+        }
     }
 }
 

@@ -50,10 +50,11 @@ pub use compat::{check_geometry, compat_hash, CompatInputs};
 pub use error::{AgentError, HandshakeError, TransferError};
 pub use fault::{FaultConfig, FaultParseError};
 pub use hold::{
-    HeldBlockMs, HeldInfo, HoldCounters, HoldTable, HoldTableConfig, LeaseGrant, LeasePolicy, LeaseRefusal,
-    NoticeOutcome, SharedPolicy,
+    CapabilityCheck, HeldBlockMs, HeldInfo, HoldCounters, HoldTable, HoldTableConfig, LeaseGrant, LeasePolicy,
+    LeaseRefusal, NoticeOutcome, SharedPolicy,
 };
 pub use local::{CheckoutError, LocalBlocks, LocalKv};
 #[cfg(feature = "cuda")]
 pub use local::{DeviceBlockWriter, DeviceCheckout};
+pub use pdmesh_mesh_auth::MeshSecret;
 pub use shm::{BlockCheckout, KvBlockWriter, ShmError, ShmReadOnly, ShmRegion};

@@ -14,6 +14,7 @@ use std::io::{IoSlice, IoSliceMut};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use pdmesh_mesh_auth::{Channel, ClientHello, LogLimiter, MeshSecret, ServerChallenge};
 use pdmesh_model_api::KvCacheSpec;
 use pdmesh_protocol::{
     Envelope, ErrorClass, LeaseRefusalReason, Message, WireError, XferLeaseRefused, XferReadBlocks, XferReadReady,
@@ -22,8 +23,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
-use crate::agent::{AgentStats, Served};
+use crate::agent::{if_capable, AgentStats, Served};
 use crate::error::TransferError;
+use crate::hold::LeaseRefusal;
 use crate::layout::{run_bytes, run_offset, wire_runs};
 use crate::shm::ShmReadOnly;
 
@@ -33,6 +35,14 @@ const MAX_FRAME: usize = 16 << 20;
 const IOV_BATCH: usize = 512;
 /// Idle connections D keeps per remote agent.
 const MAX_IDLE: usize = 8;
+/// Longest a connection may take to authenticate; a peer that stalls is dropped.
+const AUTH_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest frame read before a connection authenticated (a hello or a proof is ~100 bytes),
+/// so an unauthenticated peer cannot make P allocate [`MAX_FRAME`].
+const MAX_AUTH_FRAME: usize = 4096;
+
+/// One refused-peer log line per second at most.
+static TCP_AUTH_LOG: LogLimiter = LogLimiter::new(Duration::from_secs(1));
 
 async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, env: &Envelope) -> std::io::Result<()> {
     let bytes = env.encode().map_err(std::io::Error::other)?;
@@ -45,6 +55,10 @@ async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, env: &Envelope) -> std::i
 
 /// `Ok(None)` on a clean end of stream before the frame.
 async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Option<Envelope>> {
+    read_frame_limited(r, MAX_FRAME).await
+}
+
+async fn read_frame_limited<R: AsyncRead + Unpin>(r: &mut R, max: usize) -> std::io::Result<Option<Envelope>> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len).await {
         Ok(_) => {}
@@ -52,8 +66,8 @@ async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> std::io::Result<Option<E
         Err(e) => return Err(e),
     }
     let len = u32::from_be_bytes(len) as usize;
-    if len > MAX_FRAME {
-        return Err(std::io::Error::other(format!("frame of {len} bytes exceeds {MAX_FRAME}")));
+    if len > max {
+        return Err(std::io::Error::other(format!("frame of {len} bytes exceeds {max}")));
     }
     let mut buf = vec![0u8; len];
     r.read_exact(&mut buf).await?;
@@ -88,8 +102,57 @@ pub(crate) async fn serve_blocks(
     }
 }
 
+/// P's side of the mesh handshake on a new connection: `Ok` once the peer proved it knows the
+/// mesh secret; otherwise the peer got one refusal (and the caller closes the connection).
+async fn authenticate_peer(stream: &mut TcpStream, secret: &MeshSecret) -> Result<(), String> {
+    let refuse = |detail: &str| Message::Error(pdmesh_mesh_auth::refusal(detail));
+    let hello = match read_frame_limited(stream, MAX_AUTH_FRAME).await {
+        Ok(Some(env)) => env,
+        Ok(None) => return Err("closed before authenticating".into()),
+        Err(e) => return Err(format!("bad first frame: {e}")),
+    };
+    let Message::AuthHello(h) = &hello.body else {
+        let _ = write_frame(stream, &hello.reply(refuse("authenticate first (auth_hello)"))).await;
+        return Err(format!("{} before the handshake", hello.body.kind()));
+    };
+    let (challenge, reply) = match ServerChallenge::answer(secret, Channel::TcpData, h) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = write_frame(stream, &hello.reply(refuse("bad hello"))).await;
+            return Err(e.to_string());
+        }
+    };
+    write_frame(stream, &hello.reply(Message::AuthChallenge(reply))).await.map_err(|e| e.to_string())?;
+    let proof = match read_frame_limited(stream, MAX_AUTH_FRAME).await {
+        Ok(Some(env)) => env,
+        Ok(None) => return Err("closed during the handshake".into()),
+        Err(e) => return Err(format!("bad proof frame: {e}")),
+    };
+    let verified = match &proof.body {
+        Message::AuthProof(p) => challenge.verify(secret, p).map_err(|e| e.to_string()),
+        other => Err(format!("{} instead of auth_proof", other.kind())),
+    };
+    match verified {
+        Ok(()) => write_frame(stream, &proof.reply(Message::Ack)).await.map_err(|e| e.to_string()),
+        Err(e) => {
+            let _ = write_frame(stream, &proof.reply(refuse("wrong mesh secret"))).await;
+            Err(e)
+        }
+    }
+}
+
 async fn serve_connection(mut stream: TcpStream, region: Arc<ShmReadOnly>, spec: KvCacheSpec, served: Arc<Served>) {
     let stats = &served.stats;
+    let authenticated = tokio::time::timeout(AUTH_TIMEOUT, authenticate_peer(&mut stream, &served.secret)).await;
+    if let Err(why) = authenticated.unwrap_or_else(|_| Err("no handshake within the time limit".into())) {
+        AgentStats::inc(&stats.tcp_unauthenticated);
+        pdmesh_mesh_auth::metrics::unauthenticated(Channel::TcpData);
+        if let Some(suppressed) = TCP_AUTH_LOG.allow() {
+            let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+            tracing::warn!(%peer, reason = %why, suppressed, "block server: refused an unauthenticated connection");
+        }
+        return;
+    }
     loop {
         let env = match read_frame(&mut stream).await {
             Ok(Some(env)) => env,
@@ -158,10 +221,12 @@ fn check_request(req: &XferReadBlocks, spec: &KvCacheSpec, served: &Served) -> R
             detail: format!("block {b} is outside the cache ({} blocks)", spec.num_blocks),
         });
     }
-    served
-        .policy()
-        .check_read(&req.p_request_id, req.lease_id, &req.block_ids, Instant::now())
-        .map_err(|r| XferLeaseRefused { reason: r.reason, detail: r.detail })
+    let id = &req.p_request_id;
+    let as_unknown = || Err(LeaseRefusal::not_active_lease(id, req.lease_id));
+    if_capable(served, id, &req.capability, "read", as_unknown, |policy| {
+        policy.check_read(id, req.lease_id, &req.block_ids, Instant::now())
+    })
+    .map_err(|r| XferLeaseRefused { reason: r.reason, detail: r.detail })
 }
 
 /// The region's runs for `block_ids`, in wire order, borrowed from the mapping.
@@ -206,6 +271,7 @@ async fn write_runs(stream: &mut TcpStream, runs: &[&[u8]]) -> std::io::Result<(
 pub(crate) struct TcpReader {
     addr: String,
     idle: Mutex<Vec<TcpStream>>,
+    secret: MeshSecret,
 }
 
 /// Where a read failed, so the caller knows whether local blocks were touched.
@@ -219,13 +285,13 @@ enum ReadFailure {
 }
 
 impl TcpReader {
-    pub(crate) fn new(host: &str, port: u16) -> Self {
+    pub(crate) fn new(host: &str, port: u16, secret: MeshSecret) -> Self {
         let addr = if host.contains(':') && !host.starts_with('[') {
             format!("[{host}]:{port}")
         } else {
             format!("{host}:{port}")
         };
-        Self { addr, idle: Mutex::new(Vec::new()) }
+        Self { addr, idle: Mutex::new(Vec::new()), secret }
     }
 
     fn take_idle(&self) -> Option<TcpStream> {
@@ -244,7 +310,12 @@ impl TcpReader {
             .await
             .map_err(|e| TransferError::Setup(format!("connect {}: {e}", self.addr)))?;
         let _ = stream.set_nodelay(true);
-        Ok(stream)
+        let mut stream = stream;
+        match tokio::time::timeout(AUTH_TIMEOUT, authenticate_to(&mut stream, &self.secret)).await {
+            Ok(Ok(())) => Ok(stream),
+            Ok(Err(e)) => Err(TransferError::Setup(format!("block server {}: {e}", self.addr))),
+            Err(_) => Err(TransferError::Setup(format!("block server {}: no mesh handshake answer", self.addr))),
+        }
     }
 
     /// Read `req.block_ids` into `runs`: every run of the local blocks, in wire order (one
@@ -336,6 +407,29 @@ impl TcpReader {
     }
 }
 
+/// D's side of the mesh handshake on a new block server connection: P must prove it knows the
+/// mesh secret before D asks it for anything, and D proves it too.
+pub(crate) async fn authenticate_to(stream: &mut TcpStream, secret: &MeshSecret) -> Result<(), String> {
+    let (client, hello) = ClientHello::new(Channel::TcpData);
+    write_frame(stream, &Envelope::new(Message::AuthHello(hello))).await.map_err(|e| e.to_string())?;
+    let challenge = match read_frame_limited(stream, MAX_AUTH_FRAME).await {
+        Ok(Some(Envelope { body: Message::AuthChallenge(c), .. })) => c,
+        Ok(Some(Envelope { body: Message::Error(e), .. })) => return Err(e.message),
+        Ok(Some(other)) => return Err(format!("unexpected {} to auth_hello", other.body.kind())),
+        Ok(None) => return Err("closed during the mesh handshake".into()),
+        Err(e) => return Err(e.to_string()),
+    };
+    let proof = client.answer(secret, &challenge).map_err(|e| e.to_string())?;
+    write_frame(stream, &Envelope::new(Message::AuthProof(proof))).await.map_err(|e| e.to_string())?;
+    match read_frame_limited(stream, MAX_AUTH_FRAME).await {
+        Ok(Some(Envelope { body: Message::Ack, .. })) => Ok(()),
+        Ok(Some(Envelope { body: Message::Error(e), .. })) => Err(e.message),
+        Ok(Some(other)) => Err(format!("unexpected {} to auth_proof", other.body.kind())),
+        Ok(None) => Err("closed during the mesh handshake".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// Receive straight into `runs`, in order, with vectored reads of up to [`IOV_BATCH`] runs.
 async fn receive_into(stream: &TcpStream, runs: &mut [&mut [u8]]) -> Result<u64, TransferError> {
     let mut done = 0u64;
@@ -370,6 +464,7 @@ mod tests {
             p_request_id: "r".into(),
             lease_id: 9,
             block_ids: vec![1, 2],
+            capability: "c".into(),
         }));
         write_frame(&mut a, &env).await.unwrap();
         assert_eq!(read_frame(&mut b).await.unwrap(), Some(env));

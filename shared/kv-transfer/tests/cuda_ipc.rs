@@ -219,10 +219,12 @@ fn p_agent_process() {
         let handle = region.export().unwrap().to_hex();
         let (agent, table) = common::device_agent("p-gpu", handle, spec, compat(&spec)).await;
         let deadline = Instant::now() + Duration::from_secs(120);
-        assert!(table.lock().unwrap().hold("req-p", vec![3, 4, 9], vec![1, 1, 1], deadline));
+        let mut t = table.lock().unwrap();
+        assert!(t.hold_with_capability("req-p", vec![3, 4, 9], vec![1, 1, 1], deadline, common::cap("req-p")));
         for (id, n) in bw_requests() {
-            assert!(table.lock().unwrap().hold(&id, (0..n).collect(), vec![1; n as usize], deadline));
+            assert!(t.hold_with_capability(&id, (0..n).collect(), vec![1; n as usize], deadline, common::cap(&id)));
         }
+        drop(t);
         println!("SIDE_CHANNEL {}", agent.side_channel_endpoint());
         std::io::stdout().flush().unwrap();
         tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new())).await.unwrap().unwrap();
@@ -249,24 +251,24 @@ fn cuda_backend_leases_reads_and_confirms_between_processes() {
         // D's block count differs from P's (only the geometry must match).
         let local_spec = spec(D_BLOCKS);
         // A consumer whose cache is in host memory cannot read GPU memory: refused at handshake.
-        let host = TransferClient::new(ClientConfig::new("d-host/0", local_spec, compat(&local_spec)));
+        let host = TransferClient::new(ClientConfig::new("d-host/0", local_spec, compat(&local_spec), common::secret()));
         match host.handshake(&endpoint, "p-gpu").await {
             Err(HandshakeError::Incompatible(why)) => assert!(why.contains("same backend"), "{why}"),
             other => panic!("a host-memory consumer read a cuda producer: {other:?}"),
         }
 
         let region = Arc::new(DeviceKvRegion::new(ctx.clone(), local_spec).unwrap());
-        let mut config = ClientConfig::new("d-gpu/0", local_spec, compat(&local_spec));
+        let mut config = ClientConfig::new("d-gpu/0", local_spec, compat(&local_spec), common::secret());
         config.local_device = Some(region.clone());
         let remote = TransferClient::new(config).handshake(&endpoint, "p-gpu").await.unwrap();
 
         // A stale reference (another generation of the same blocks) is refused, nothing read.
-        match remote.lease("req-p", &[3, 4, 9], &[1, 2, 1]).await {
+        match remote.lease("req-p", &common::cap("req-p"), &[3, 4, 9], &[1, 2, 1]).await {
             Err(TransferError::LeaseRefused { .. }) => {}
             other => panic!("a stale generation was leased: {other:?}"),
         }
 
-        let lease = remote.lease("req-p", &[3, 4, 9], &[1, 1, 1]).await.unwrap();
+        let lease = remote.lease("req-p", &common::cap("req-p"), &[3, 4, 9], &[1, 1, 1]).await.unwrap();
         let local = LocalKv::Device(Arc::new(DeviceBlockWriter::new(region.clone())));
         let mut blocks = local.checkout(&[20, 21, 5]).unwrap();
         assert!(local.checkout(&[5]).is_err(), "a block being written is not handed out twice");
@@ -301,7 +303,8 @@ fn cuda_backend_leases_reads_and_confirms_between_processes() {
             let (mut read, mut whole, mut base) = (Vec::new(), Vec::new(), Vec::new());
             for i in 0..BW_READS {
                 let t0 = Instant::now();
-                let lease = remote.lease(&format!("bw-{n}-{i}"), &ids, &generations).await.unwrap();
+                let id = format!("bw-{n}-{i}");
+                let lease = remote.lease(&id, &common::cap(&id), &ids, &generations).await.unwrap();
                 let mut blocks = local.checkout(&ids).unwrap();
                 let t1 = Instant::now();
                 let stats = remote.read_into(&lease, &ids, &mut blocks).await.unwrap();

@@ -71,6 +71,7 @@ async fn the_agent_refuses_memory_its_backend_cannot_serve() {
         backend,
         compat_hash: hash_of(&spec(4)),
         faults: FaultConfig::default(),
+        mesh_secret: secret(),
     };
     let policy = || -> SharedPolicy { std::sync::Arc::new(std::sync::Mutex::new(HoldTable::new(Default::default()))) };
     let region = ShmRegion::create_for_spec(&format!("pdmesh-test-{}", uuid::Uuid::new_v4()), &spec(4)).unwrap();
@@ -112,7 +113,7 @@ async fn handshake_compat_mismatch_injected_and_real() {
     // A D with other weights hashes differently for real.
     let p = producer(BackendConfig::Shm, "", 4).await;
     let local = spec(4);
-    let other = ClientConfig::new("d", local, CompatInputs::for_spec("sha256:other-weights", &local).hash());
+    let other = ClientConfig::new("d", local, CompatInputs::for_spec("sha256:other-weights", &local).hash(), secret());
     let err = TransferClient::new(other).handshake(&p.endpoint(), "p-0").await.unwrap_err();
     assert!(matches!(err, HandshakeError::CompatMismatch { .. }), "{err:?}");
 }
@@ -142,7 +143,7 @@ async fn handshake_incompatible_geometry() {
     // check still refuses, naming what differs.
     let p = producer(BackendConfig::Shm, "", 4).await;
     let local = pdmesh_model_api::KvCacheSpec { head_dim: 32, ..spec(4) };
-    let config = ClientConfig::new("d", local, hash_of(&spec(4)));
+    let config = ClientConfig::new("d", local, hash_of(&spec(4)), secret());
     match TransferClient::new(config).handshake(&p.endpoint(), "p-0").await {
         Err(HandshakeError::Incompatible(why)) => assert!(why.contains("head_dim"), "{why}"),
         other => panic!("{other:?}"),
@@ -181,7 +182,7 @@ async fn remote_agents_cache_success_and_retry_failure() {
     // replaced (here by a failing handshake, reported, not cached).
     let endpoint = p.endpoint();
     drop(p);
-    let err = third.heartbeat(&["x".into()]).await.unwrap_err();
+    let err = third.heartbeat(&[("x".into(), cap("x"))]).await.unwrap_err();
     assert!(matches!(err, TransferError::Timeout(_) | TransferError::SideChannel(_)), "{err:?}");
     assert!(!third.is_healthy());
     assert!(agents.get("p-0", &endpoint).await.is_err());
@@ -216,7 +217,7 @@ async fn idle_and_failed_agents_are_dropped_with_their_mapping() {
     assert_eq!(p.agent.stats().metadata_requests.load(std::sync::atomic::Ordering::Relaxed), 2);
     let region = p.region.clone();
     drop(p);
-    assert!(agent.heartbeat(&["x".into()]).await.is_err());
+    assert!(agent.heartbeat(&[("x".into(), cap("x"))]).await.is_err());
     assert!(!agent.is_healthy());
     assert!(agents.evict_idle(Instant::now(), idle).is_empty(), "a failed agent still in use is kept");
     assert_eq!(mappings(&region), 1, "P's cache stays mapped in D after P went");

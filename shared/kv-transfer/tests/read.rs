@@ -25,7 +25,7 @@ async fn read_n_blocks(backend: BackendConfig, n: u32) {
     p.hold("req-1", &remote);
     let d = client_for(spec(n + 10), "");
     let agent = d.handshake(&p.endpoint(), "p-0").await.unwrap();
-    let lease = agent.lease("req-1", &remote, &vec![1; n as usize]).await.unwrap();
+    let lease = agent.lease("req-1", &cap("req-1"), &remote, &vec![1; n as usize]).await.unwrap();
     let mut local = local_cache(spec(n + 10), UNTOUCHED);
     let local_ids: Vec<u32> = (0..n).map(|i| n + 9 - i).collect();
     let stats = agent.read_blocks(&lease, &remote, &mut local, &local_ids).await.unwrap();
@@ -66,7 +66,7 @@ async fn reads_land_in_place_in_blocks_checked_out_of_ds_own_region() {
         let mut kv = region.into_kv_cache(spec(16)).unwrap();
         kv.as_mut_slice().fill(UNTOUCHED);
         let local_ids = [3, 4, 5, 15, 0];
-        let lease = agent.lease("req-1", &remote, &[1; 5]).await.unwrap();
+        let lease = agent.lease("req-1", &cap("req-1"), &remote, &[1; 5]).await.unwrap();
         let mut blocks = writer.checkout(&local_ids).unwrap();
         let stats = agent.read_blocks_into(&lease, &remote, &mut blocks).await.unwrap();
         assert_eq!(stats.bytes, 5 * spec(1).bytes_per_block(), "{name}");
@@ -87,7 +87,7 @@ async fn partial_read_under_a_lease_and_connection_reuse() {
     p.hold("r", &[4, 5, 6, 7]);
     let d = client_for(spec(8), "");
     let agent = d.handshake(&p.endpoint(), "p-0").await.unwrap();
-    let lease = agent.lease("r", &[4, 5, 6, 7], &[1; 4]).await.unwrap();
+    let lease = agent.lease("r", &cap("r"), &[4, 5, 6, 7], &[1; 4]).await.unwrap();
     let mut local = local_cache(spec(8), UNTOUCHED);
     // Prefix hit on D: only the last two blocks are read, in two reads on one connection.
     agent.read_blocks(&lease, &[6], &mut local, &[0]).await.unwrap();
@@ -108,18 +108,24 @@ async fn lease_refused_unknown_stale_freed_and_injected() {
             Err(TransferError::LeaseRefused { reason, .. }) => reason,
             other => panic!("{name}: {other:?}"),
         };
-        assert_eq!(reason(agent.lease("unknown", &[1, 2], &[1, 1]).await), LeaseRefusalReason::Gone);
-        assert_eq!(reason(agent.lease("held", &[1, 2], &[1, 2]).await), LeaseRefusalReason::GenerationMismatch);
-        assert_eq!(reason(agent.lease("held", &[1, 3], &[1, 1]).await), LeaseRefusalReason::BlockMismatch);
+        assert_eq!(reason(agent.lease("unknown", &cap("unknown"), &[1, 2], &[1, 1]).await), LeaseRefusalReason::Gone);
+        assert_eq!(
+            reason(agent.lease("held", &cap("held"), &[1, 2], &[1, 2]).await),
+            LeaseRefusalReason::GenerationMismatch
+        );
+        assert_eq!(
+            reason(agent.lease("held", &cap("held"), &[1, 3], &[1, 1]).await),
+            LeaseRefusalReason::BlockMismatch
+        );
         // Freed on P (aborted there): a later lease is refused, nothing is read.
         assert_eq!(p.table.lock().unwrap().abort("held"), NoticeOutcome::Released);
-        assert_eq!(reason(agent.lease("held", &[1, 2], &[1, 1]).await), LeaseRefusalReason::Gone);
+        assert_eq!(reason(agent.lease("held", &cap("held"), &[1, 2], &[1, 1]).await), LeaseRefusalReason::Gone);
         assert_eq!(p.agent.stats().leases_refused.load(Ordering::Relaxed), 4);
     }
     let p = producer(BackendConfig::Shm, "lease_refused", 16).await;
     p.hold("held", &[1]);
     let agent = client_for(spec(4), "").handshake(&p.endpoint(), "p-0").await.unwrap();
-    match agent.lease("held", &[1], &[1]).await {
+    match agent.lease("held", &cap("held"), &[1], &[1]).await {
         Err(TransferError::LeaseRefused { reason: LeaseRefusalReason::FaultInjected, .. }) => {}
         other => panic!("{other:?}"),
     }
@@ -139,7 +145,7 @@ async fn reads_outside_a_valid_lease_are_refused_and_touch_nothing() {
         p.hold("r", &[1, 2]);
         let agent = client_for(spec(4), "").handshake(&p.endpoint(), "p-0").await.unwrap();
         let mut local = local_cache(spec(4), UNTOUCHED);
-        let lease = agent.lease("r", &[1, 2], &[1, 1]).await.unwrap();
+        let lease = agent.lease("r", &cap("r"), &[1, 2], &[1, 1]).await.unwrap();
         // A block the lease does not cover, and an out-of-range local block.
         let err = agent.read_blocks(&lease, &[3], &mut local, &[0]).await.unwrap_err();
         assert!(matches!(err, TransferError::LeaseInvalid(_)), "{name}: {err:?}");
@@ -158,8 +164,9 @@ async fn reads_outside_a_valid_lease_are_refused_and_touch_nothing() {
         assert_eq!(p.table.lock().unwrap().expire(Instant::now()), 1);
         assert!(matches!(agent.read_done(&lease).await, Err(TransferError::LeaseLost(_))), "{name}");
         // A stale reference (blocks reused with a new generation) never gets a lease.
-        p.table.lock().unwrap().hold("r2", vec![1, 2], vec![2, 2], Instant::now() + Duration::from_secs(9));
-        let err = agent.lease("r2", &[1, 2], &[1, 1]).await.unwrap_err();
+        let deadline = Instant::now() + Duration::from_secs(9);
+        p.table.lock().unwrap().hold_with_capability("r2", vec![1, 2], vec![2, 2], deadline, cap("r2"));
+        let err = agent.lease("r2", &cap("r2"), &[1, 2], &[1, 1]).await.unwrap_err();
         assert!(
             matches!(err, TransferError::LeaseRefused { reason: LeaseRefusalReason::GenerationMismatch, .. }),
             "{name}: {err:?}"
@@ -173,7 +180,7 @@ async fn a_read_after_read_done_is_refused() {
         let p = producer(backend, "", 16).await;
         p.hold("r", &[1]);
         let agent = client_for(spec(4), "").handshake(&p.endpoint(), "p-0").await.unwrap();
-        let lease = agent.lease("r", &[1], &[1]).await.unwrap();
+        let lease = agent.lease("r", &cap("r"), &[1], &[1]).await.unwrap();
         let mut local = local_cache(spec(4), UNTOUCHED);
         agent.read_blocks(&lease, &[1], &mut local, &[0]).await.unwrap();
         agent.read_done(&lease).await.unwrap();
@@ -195,7 +202,7 @@ async fn p_side_release_is_detected_shm_at_read_done_tcp_at_read() {
         let p = producer(backend, "", 16).await;
         p.hold("r", &[1]);
         let agent = client_for(spec(4), "").handshake(&p.endpoint(), "p-0").await.unwrap();
-        let lease = agent.lease("r", &[1], &[1]).await.unwrap();
+        let lease = agent.lease("r", &cap("r"), &[1], &[1]).await.unwrap();
         assert_eq!(p.table.lock().unwrap().expire(Instant::now() + Duration::from_secs(3600)), 1);
         let mut local = local_cache(spec(4), UNTOUCHED);
         let read = agent.read_blocks(&lease, &[1], &mut local, &[0]).await;
@@ -220,18 +227,18 @@ async fn give_up_and_heartbeat_reach_the_hold_table() {
     p.hold("rejected", &[2]);
     p.hold("failed", &[3]);
     let agent = client_for(spec(4), "").handshake(&p.endpoint(), "p-0").await.unwrap();
-    agent.heartbeat(&["waiting".into(), "ghost".into()]).await.unwrap();
+    agent.heartbeat(&[("waiting".into(), cap("waiting")), ("ghost".into(), cap("ghost"))]).await.unwrap();
     assert_eq!(p.table.lock().unwrap().counters().unknown_heartbeats, 1);
     // R1/R4: D gives up without a lease -> P frees at once.
-    agent.give_up("rejected", "rejected before admission", None).await.unwrap();
+    agent.give_up("rejected", &cap("rejected"), "rejected before admission", None).await.unwrap();
     // R4: a load failure after a lease -> giving up under it ends the lease and frees.
-    let lease = agent.lease("failed", &[3], &[1]).await.unwrap();
-    agent.give_up("failed", "transfer failed", Some(&lease)).await.unwrap();
+    let lease = agent.lease("failed", &cap("failed"), &[3], &[1]).await.unwrap();
+    agent.give_up("failed", &cap("failed"), "transfer failed", Some(&lease)).await.unwrap();
     let mut local = local_cache(spec(4), UNTOUCHED);
     assert!(agent.read_blocks(&lease, &[3], &mut local, &[0]).await.is_err(), "a given-up lease reads nothing");
     assert_eq!(p.finished(), vec!["rejected".to_string(), "failed".to_string()]);
     // Duplicates (e.g. every DP rank forwarding the same rejection) are counted, not errors.
-    agent.give_up("rejected", "again", None).await.unwrap();
+    agent.give_up("rejected", &cap("rejected"), "again", None).await.unwrap();
     assert_eq!(p.table.lock().unwrap().counters().duplicate_give_ups, 1);
     assert!(p.table.lock().unwrap().is_held("waiting"));
 }
@@ -242,13 +249,13 @@ async fn fault_transfer_setup_error_touches_nothing() {
         let p = producer(backend, "", 16).await;
         p.hold("r", &[1, 2]);
         let agent = client_for(spec(4), "transfer_setup_error").handshake(&p.endpoint(), "p-0").await.unwrap();
-        let lease = agent.lease("r", &[1, 2], &[1, 1]).await.unwrap();
+        let lease = agent.lease("r", &cap("r"), &[1, 2], &[1, 1]).await.unwrap();
         let mut local = local_cache(spec(4), UNTOUCHED);
         let err = agent.read_blocks(&lease, &[1, 2], &mut local, &[0, 1]).await.unwrap_err();
         assert!(matches!(err, TransferError::Setup(_)), "{name}: {err:?}");
         assert!(!err.local_blocks_touched());
         assert!(local.as_slice().iter().all(|x| *x == UNTOUCHED));
-        agent.give_up("r", "load failed", Some(&lease)).await.unwrap();
+        agent.give_up("r", &cap("r"), "load failed", Some(&lease)).await.unwrap();
         assert_eq!(p.finished(), vec!["r".to_string()]);
     }
 }
@@ -259,7 +266,7 @@ async fn fault_transfer_midway_writes_about_half() {
         let p = producer(backend, "", 16).await;
         p.hold("r", &[1, 2, 3, 4]);
         let agent = client_for(spec(4), "transfer_midway").handshake(&p.endpoint(), "p-0").await.unwrap();
-        let lease = agent.lease("r", &[1, 2, 3, 4], &[1; 4]).await.unwrap();
+        let lease = agent.lease("r", &cap("r"), &[1, 2, 3, 4], &[1; 4]).await.unwrap();
         let mut local = local_cache(spec(4), UNTOUCHED);
         let err = agent.read_blocks(&lease, &[1, 2, 3, 4], &mut local, &[0, 1, 2, 3]).await.unwrap_err();
         let total = 4 * spec(1).bytes_per_block();
@@ -272,7 +279,7 @@ async fn fault_transfer_midway_writes_about_half() {
         assert!(err.local_blocks_touched());
         // The first blocks arrived, the last did not.
         assert_blocks_moved_prefix(&local);
-        agent.give_up("r", "load failed", Some(&lease)).await.unwrap();
+        agent.give_up("r", &cap("r"), "load failed", Some(&lease)).await.unwrap();
         assert_eq!(p.finished(), vec!["r".to_string()]);
         if name == "tcp" {
             // P really saw the reader go away mid-stream.
@@ -304,7 +311,7 @@ async fn fault_drop_read_done_leaves_p_to_expire_the_lease() {
     .await;
     p.hold("r", &[1]);
     let agent = client_for(spec(4), "drop_read_done").handshake(&p.endpoint(), "p-0").await.unwrap();
-    let lease = agent.lease("r", &[1], &[1]).await.unwrap();
+    let lease = agent.lease("r", &cap("r"), &[1], &[1]).await.unwrap();
     let mut local = local_cache(spec(4), UNTOUCHED);
     agent.read_blocks(&lease, &[1], &mut local, &[0]).await.unwrap();
     agent.read_done(&lease).await.unwrap();
@@ -321,7 +328,7 @@ async fn fault_delay_transfer() {
         let p = producer(backend, "", 16).await;
         p.hold("r", &[1]);
         let agent = client_for(spec(4), "delay_transfer_ms=200").handshake(&p.endpoint(), "p-0").await.unwrap();
-        let lease = agent.lease("r", &[1], &[1]).await.unwrap();
+        let lease = agent.lease("r", &cap("r"), &[1], &[1]).await.unwrap();
         let mut local = local_cache(spec(4), UNTOUCHED);
         let stats = agent.read_blocks(&lease, &[1], &mut local, &[0]).await.unwrap();
         assert!(stats.elapsed >= Duration::from_millis(200), "{name}: {stats:?}");
@@ -338,7 +345,7 @@ fn works_inside_an_actix_system() {
             let p = producer(backend, "", 16).await;
             p.hold("r", &[5, 6]);
             let agent = client_for(spec(4), "").handshake(&p.endpoint(), "p-0").await.unwrap();
-            let lease = agent.lease("r", &[5, 6], &[1, 1]).await.unwrap();
+            let lease = agent.lease("r", &cap("r"), &[5, 6], &[1, 1]).await.unwrap();
             let mut local = local_cache(spec(4), UNTOUCHED);
             agent.read_blocks(&lease, &[5, 6], &mut local, &[2, 0]).await.unwrap();
             assert_blocks_moved(&local, &[5, 6], &[2, 0], UNTOUCHED);

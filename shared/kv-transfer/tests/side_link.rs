@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use common::*;
 use pdmesh_kv_transfer::*;
+use pdmesh_mesh_auth::{Channel, ServerChallenge};
 use pdmesh_protocol::{Envelope, Message, XferLeaseGranted};
 use tokio::sync::mpsc;
 use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -24,6 +25,7 @@ async fn held_back_side_channel(
     let (to_test, from_p) = mpsc::unbounded_channel();
     let (answer, mut answers) = mpsc::unbounded_channel::<(bytes::Bytes, Envelope)>();
     tokio::spawn(async move {
+        let mut challenge = None;
         loop {
             tokio::select! {
                 msg = socket.recv() => {
@@ -31,8 +33,22 @@ async fn held_back_side_channel(
                     let mut frames = msg.into_vec();
                     let peer = frames.remove(0);
                     let env = Envelope::decode(frames.last().unwrap()).unwrap();
-                    if matches!(env.body, Message::XferGetMetadata) {
-                        let mut out = ZmqMessage::from(env.reply(Message::XferMetadata(metadata.clone())).encode().unwrap());
+                    // The mesh handshake and the metadata are answered at once, as P does.
+                    let now = match &env.body {
+                        Message::XferGetMetadata => Some(Message::XferMetadata(metadata.clone())),
+                        Message::AuthHello(h) => {
+                            let (c, reply) = ServerChallenge::answer(&secret(), Channel::SideChannel, h).unwrap();
+                            challenge = Some(c);
+                            Some(Message::AuthChallenge(reply))
+                        }
+                        Message::AuthProof(proof) => {
+                            challenge.take().unwrap().verify(&secret(), proof).unwrap();
+                            Some(Message::Ack)
+                        }
+                        _ => None,
+                    };
+                    if let Some(body) = now {
+                        let mut out = ZmqMessage::from(env.reply(body).encode().unwrap());
                         out.push_front(peer);
                         socket.send(out).await.unwrap();
                     } else {
@@ -61,7 +77,7 @@ async fn a_give_up_is_answered_while_a_lease_waits_on_the_same_link() {
     // A lease for one request goes out first; P holds its answer back.
     let lease = tokio::spawn({
         let agent = agent.clone();
-        async move { agent.lease("accepted", &[1, 2], &[1, 1]).await }
+        async move { agent.lease("accepted", &cap("accepted"), &[1, 2], &[1, 1]).await }
     });
     let (lease_peer, lease_req) = tokio::time::timeout(Duration::from_secs(10), from_p.recv()).await.unwrap().unwrap();
     assert!(matches!(lease_req.body, Message::XferLease(_)), "{:?}", lease_req.body);
@@ -69,7 +85,7 @@ async fn a_give_up_is_answered_while_a_lease_waits_on_the_same_link() {
     // Another request's rejection notice on the same link reaches P and is answered at once.
     let give_up = tokio::spawn({
         let agent = agent.clone();
-        async move { agent.give_up_at("rejected", "rejected before admission", None, Some(1)).await }
+        async move { agent.give_up_at("rejected", &cap("rejected"), "rejected before admission", None, Some(1)).await }
     });
     let (peer, req) = tokio::time::timeout(Duration::from_secs(10), from_p.recv())
         .await
@@ -104,9 +120,9 @@ async fn concurrent_calls_on_one_link_each_get_their_own_answer() {
             tokio::spawn(async move {
                 let id = format!("r{b}");
                 if b % 2 == 1 {
-                    return agent.give_up(&id, "rejected", None).await.map(|()| None);
+                    return agent.give_up(&id, &cap(&id), "rejected", None).await.map(|()| None);
                 }
-                let lease = agent.lease(&id, &[b], &[1]).await?;
+                let lease = agent.lease(&id, &cap(&id), &[b], &[1]).await?;
                 assert_eq!((lease.p_request_id(), lease.block_ids()), (id.as_str(), &[b][..]));
                 let mut local = local_cache(spec(4), 0.0);
                 agent.read_blocks(&lease, &[b], &mut local, &[0]).await?;

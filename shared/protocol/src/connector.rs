@@ -135,6 +135,10 @@ pub struct SendRequest {
     pub block_generations: Vec<u64>,
     /// Hold deadline, milliseconds since the Unix epoch.
     pub deadline_unix_ms: u64,
+    /// The capability token P handed out in the request's `kv_transfer_params`; the hold
+    /// table serves the blocks only to messages that carry it.
+    #[serde(default)]
+    pub capability: String,
 }
 
 /// Per-step connector metadata (vLLM's `NixlConnectorMetadata`).

@@ -30,6 +30,11 @@ pub struct KvTransferParams {
     /// Beyond vLLM: the data-parallel rank on P that holds the blocks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_dp_rank: Option<u32>,
+    /// Beyond vLLM: the capability token for the held blocks (128 bits from a CSPRNG, 32 hex
+    /// digits). P hands it out with the params; every lease, read, heartbeat, `read done`,
+    /// `give up` and release of the request must carry it (docs/SECURITY.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_capability: Option<String>,
 }
 
 impl KvTransferParams {

@@ -122,6 +122,16 @@ pub enum Message {
     /// engine-core → connector-worker: connector metadata to act on now, outside a step
     /// (the notify-only receives of rejections; answered with `Ack`).
     ConnectorMetadata(KvConnectorMetadata),
+
+    // ---- mesh authentication (docs/SECURITY.md): first on every side channel, `tcp` data
+    // plane and `tcp` internal connection
+    /// Client → server: the client's fresh nonce.
+    AuthHello(AuthHello),
+    /// Server → client: the server's nonce and its proof of the mesh secret.
+    AuthChallenge(AuthChallenge),
+    /// Client → server: the client's proof; answered with [`Message::Ack`] or an
+    /// `unauthenticated` [`Message::Error`].
+    AuthProof(AuthProof),
 }
 
 impl Message {
@@ -159,6 +169,9 @@ impl Message {
             Message::XferReadReady(_) => "xfer_read_ready",
             Message::RejectionNotice(_) => "rejection_notice",
             Message::ConnectorMetadata(_) => "connector_metadata",
+            Message::AuthHello(_) => "auth_hello",
+            Message::AuthChallenge(_) => "auth_challenge",
+            Message::AuthProof(_) => "auth_proof",
         }
     }
 }
@@ -219,6 +232,9 @@ pub enum ErrorClass {
     Internal,
     /// The request ran past a deadline (504).
     Timeout,
+    /// A mesh peer did not prove knowledge of the mesh secret (or its handshake failed): the
+    /// answer to every message on a connection that is not authenticated (docs/SECURITY.md).
+    Unauthenticated,
 }
 
 /// An error answer on the wire.

@@ -19,7 +19,13 @@ use serde::{Deserialize, Serialize};
 /// for any change to [`AgentMetadata`] semantics, the lease rules or the byte layout of a block
 /// on the wire, so that mismatched P and D refuse each other at handshake instead of moving
 /// wrong bytes.
-pub const TRANSFER_VERSION: u32 = 1;
+///
+/// 2: every side channel and `tcp` data plane connection authenticates with the mesh secret
+/// first ([`AuthHello`] / [`AuthChallenge`] / [`AuthProof`]), and every lease, read and notice
+/// carries the request's capability token (docs/DECISIONS.md D40). A version-1 peer neither
+/// authenticates nor presents tokens, so it would be refused message by message; the
+/// handshake's version check names the real cause instead.
+pub const TRANSFER_VERSION: u32 = 2;
 
 /// The one KV layout this build speaks: the cache is `[layer][K|V][block][slot][kv_head][head_dim]`,
 /// so one block of one layer side is one contiguous run.
@@ -89,6 +95,10 @@ pub struct XferLeaseRequest {
     pub block_generations: Vec<u64>,
     /// Who will read (D's engine id, rank and agent), for logs and for matching notices.
     pub consumer: String,
+    /// The request's capability token (`kv_transfer_params.remote_capability`). A wrong one is
+    /// refused exactly like an unknown request.
+    #[serde(default)]
+    pub capability: String,
 }
 
 /// P granted a lease: the blocks stay put until `XferReadDone`, `XferGiveUp` or the lease TTL.
@@ -143,6 +153,9 @@ pub struct XferReadDone {
     pub p_request_id: String,
     pub lease_id: u64,
     pub consumer: String,
+    /// The request's capability token.
+    #[serde(default)]
+    pub capability: String,
 }
 
 /// D still intends to read these requests; P extends their hold deadlines.
@@ -151,6 +164,10 @@ pub struct XferHeartbeat {
     pub p_request_ids: Vec<String>,
     #[serde(default)]
     pub consumer: String,
+    /// The capability token of each of `p_request_ids`, in the same order; a request whose
+    /// token does not match is not extended.
+    #[serde(default)]
+    pub capabilities: Vec<String>,
 }
 
 /// D will never read this request (rejection, abort, load failure, shutdown): P frees at once
@@ -167,6 +184,9 @@ pub struct XferGiveUp {
     /// A give-up for a rejection before admission: when D refused (Unix µs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rejected_at_unix_us: Option<u64>,
+    /// The request's capability token.
+    #[serde(default)]
+    pub capability: String,
 }
 
 /// TCP data plane: read these blocks under a lease. Sent as one length-prefixed envelope.
@@ -176,6 +196,9 @@ pub struct XferReadBlocks {
     pub lease_id: u64,
     /// Remote block ids, in the order the bytes are wanted.
     pub block_ids: Vec<u32>,
+    /// The request's capability token.
+    #[serde(default)]
+    pub capability: String,
 }
 
 /// TCP data plane: the read was accepted; exactly `bytes` raw bytes follow (per block in
@@ -184,4 +207,36 @@ pub struct XferReadBlocks {
 pub struct XferReadReady {
     pub blocks: u32,
     pub bytes: u64,
+}
+
+/// First message on every side channel and `tcp` data plane connection (and, over `tcp`
+/// transport, every internal link): the client's fresh nonce. Anything else before the
+/// handshake completed is refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuthHello {
+    /// Which channel the client means (`side_channel`, `tcp_data`, `internal`); bound into
+    /// both proofs, so a proof for one channel is worthless on another.
+    pub channel: String,
+    /// 32 bytes from a CSPRNG.
+    #[serde(with = "serde_bytes")]
+    pub client_nonce: Vec<u8>,
+}
+
+/// The server's answer to [`AuthHello`]: its own fresh nonce and its proof that it knows the
+/// mesh secret (HMAC-SHA256 over role, channel and both nonces), so the client never hands a
+/// request to an impostor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuthChallenge {
+    #[serde(with = "serde_bytes")]
+    pub server_nonce: Vec<u8>,
+    #[serde(with = "serde_bytes")]
+    pub server_proof: Vec<u8>,
+}
+
+/// The client's proof for this connection; answered with `Ack`, or an `Unauthenticated` error
+/// (and, on a stream, a closed connection).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AuthProof {
+    #[serde(with = "serde_bytes")]
+    pub client_proof: Vec<u8>,
 }

@@ -16,6 +16,7 @@ fn params() -> KvTransferParams {
         tp_size: Some(1),
         remote_block_generations: Some(vec![7, 7, 8]),
         remote_dp_rank: Some(1),
+        remote_capability: Some("0123456789abcdef0123456789abcdef".into()),
     }
 }
 
@@ -44,6 +45,7 @@ fn every_message() -> Vec<Message> {
             block_ids: vec![1, 2],
             block_generations: vec![3, 3],
             deadline_unix_ms: 123,
+            capability: "0123456789abcdef0123456789abcdef".into(),
         }],
         reqs_in_batch: vec!["x".into()],
         reqs_not_processed: vec!["y".into()],
@@ -200,6 +202,7 @@ fn every_message() -> Vec<Message> {
             block_ids: vec![1, 2, 3],
             block_generations: vec![7, 7, 8],
             consumer: "d-0/0".into(),
+            capability: "0123456789abcdef0123456789abcdef".into(),
         }),
         Message::XferLeaseGranted(XferLeaseGranted {
             lease_id: u64::MAX - 1,
@@ -210,14 +213,24 @@ fn every_message() -> Vec<Message> {
             reason: LeaseRefusalReason::GenerationMismatch,
             detail: "block 2: held generation 9".into(),
         }),
-        Message::XferReadDone(XferReadDone { p_request_id: "cmpl-1".into(), lease_id: 3, consumer: "d-0/0".into() }),
-        Message::XferHeartbeat(XferHeartbeat { p_request_ids: vec!["a".into(), "b".into()], consumer: "d".into() }),
+        Message::XferReadDone(XferReadDone {
+            p_request_id: "cmpl-1".into(),
+            lease_id: 3,
+            consumer: "d-0/0".into(),
+            capability: "c".into(),
+        }),
+        Message::XferHeartbeat(XferHeartbeat {
+            p_request_ids: vec!["a".into(), "b".into()],
+            consumer: "d".into(),
+            capabilities: vec!["ca".into(), "cb".into()],
+        }),
         Message::XferGiveUp(XferGiveUp {
             p_request_id: "cmpl-1".into(),
             reason: "rejected".into(),
             consumer: "d".into(),
             lease_id: Some(3),
             rejected_at_unix_us: Some(1_700_000_000_000_000),
+            capability: "c".into(),
         }),
         Message::XferGiveUp(XferGiveUp {
             p_request_id: "x".into(),
@@ -225,8 +238,18 @@ fn every_message() -> Vec<Message> {
             consumer: String::new(),
             lease_id: None,
             rejected_at_unix_us: None,
+            capability: String::new(),
         }),
-        Message::XferReadBlocks(XferReadBlocks { p_request_id: "cmpl-1".into(), lease_id: 3, block_ids: vec![3, 1] }),
+        Message::XferReadBlocks(XferReadBlocks {
+            p_request_id: "cmpl-1".into(),
+            lease_id: 3,
+            block_ids: vec![3, 1],
+            capability: "c".into(),
+        }),
+        Message::AuthHello(AuthHello { channel: "side_channel".into(), client_nonce: vec![7; 32] }),
+        Message::AuthChallenge(AuthChallenge { server_nonce: vec![1; 32], server_proof: vec![2; 32] }),
+        Message::AuthProof(AuthProof { client_proof: vec![3; 32] }),
+        Message::Error(WireError::new(ErrorClass::Unauthenticated, "authenticate first")),
         Message::XferReadReady(XferReadReady { blocks: 2, bytes: 2 * 737_280 }),
     ]
 }

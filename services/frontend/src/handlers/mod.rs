@@ -151,7 +151,8 @@ where
 /// legs) hands it back. Sent to P, the engine that holds the request treats it as an abort
 /// after finish (freed at once without an active lease); sent to D, it is a rejection notice
 /// (D's worker tells P). `202` when the notice was sent, `400` for params that name no held
-/// request. The rank in `remote_dp_rank` (or the `X-data-parallel-rank` header) pins it.
+/// request or carry no capability token (P frees only for the right token, and answers a wrong
+/// one exactly like an unknown request). The rank in `remote_dp_rank` (or the `X-data-parallel-rank` header) pins it.
 pub async fn kv_release(
     req: HttpRequest,
     body: actix_web::web::Bytes,
@@ -161,9 +162,15 @@ pub async fn kv_release(
     let params = serde_json::from_slice::<serde_json::Value>(&body)
         .ok()
         .and_then(|v| serde_json::from_value::<KvTransferParams>(v["kv_transfer_params"].clone()).ok());
-    let Some(params) = params.filter(|p| p.wants_remote_prefill() && p.remote_request_id.is_some()) else {
+    // The capability token P handed out with the params is required: a request id alone
+    // releases nothing (P checks the token; docs/SECURITY.md).
+    let Some(params) =
+        params.filter(|p| p.wants_remote_prefill() && p.remote_request_id.is_some() && p.remote_capability.is_some())
+    else {
         return error_response(
-            ApiError::invalid_request("kv_transfer_params with do_remote_prefill and remote_request_id are required"),
+            ApiError::invalid_request(
+                "kv_transfer_params with do_remote_prefill, remote_request_id and remote_capability are required",
+            ),
             &request_id,
         );
     };

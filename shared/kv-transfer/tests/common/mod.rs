@@ -11,6 +11,16 @@ use pdmesh_model_api::{KvCache, KvCacheSpec};
 
 pub const WEIGHTS: &str = "sha256:test-weights";
 
+/// The mesh secret every fixture of these tests shares.
+pub fn secret() -> MeshSecret {
+    MeshSecret::parse("pdmesh-test-mesh-secret-0123456789abcdef").unwrap()
+}
+
+/// The capability token the fixtures hold `request_id` under (tests need not guess it).
+pub fn cap(request_id: &str) -> String {
+    format!("cap-{request_id}")
+}
+
 /// Small but real geometry (3 layers, 16 slots, 3 heads, 64 dims = 12 KiB runs).
 pub fn spec(num_blocks: u32) -> KvCacheSpec {
     KvCacheSpec { num_layers: 3, num_blocks, block_size: 16, num_kv_heads: 3, head_dim: 64 }
@@ -104,6 +114,7 @@ pub async fn producer_with(backend: BackendConfig, faults: &str, num_blocks: u32
         backend,
         compat_hash: hash_of(&spec),
         faults: FaultConfig::parse(faults).unwrap(),
+        mesh_secret: secret(),
     };
     let policy: SharedPolicy = table.clone();
     let agent = TransferAgent::start(config, &path, spec, policy).await.unwrap();
@@ -126,6 +137,7 @@ pub async fn device_agent(
         backend: BackendConfig::Cuda,
         compat_hash,
         faults: FaultConfig::default(),
+        mesh_secret: secret(),
     };
     let policy: SharedPolicy = table.clone();
     let agent = TransferAgent::start_device(config, ipc_handle, spec, policy).await.unwrap();
@@ -143,10 +155,17 @@ impl Producer {
         self.agent.side_channel_endpoint().to_string()
     }
 
-    /// Hold `blocks` for `request_id` (generation 1 each) for a minute.
+    /// Hold `blocks` for `request_id` (generation 1 each) for a minute, under [`cap`].
     pub fn hold(&self, request_id: &str, blocks: &[u32]) {
         let deadline = Instant::now() + Duration::from_secs(60);
-        assert!(self.table.lock().unwrap().hold(request_id, blocks.to_vec(), vec![1; blocks.len()], deadline));
+        let mut table = self.table.lock().unwrap();
+        assert!(table.hold_with_capability(
+            request_id,
+            blocks.to_vec(),
+            vec![1; blocks.len()],
+            deadline,
+            cap(request_id)
+        ));
     }
 
     pub fn finished(&self) -> Vec<String> {
@@ -155,7 +174,7 @@ impl Producer {
 }
 
 pub fn client_for(local: KvCacheSpec, faults: &str) -> TransferClient {
-    let mut config = ClientConfig::new("d-0/0", local, hash_of(&local));
+    let mut config = ClientConfig::new("d-0/0", local, hash_of(&local), secret());
     config.handshake_timeout = Duration::from_millis(1500);
     config.call_timeout = Duration::from_secs(2);
     config.faults = FaultConfig::parse(faults).unwrap();
