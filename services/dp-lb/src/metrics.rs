@@ -20,3 +20,10 @@ pub static OUTPUTS_DROPPED: LazyLock<IntCounter> =
 pub static NOTICES_FORWARDED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter_vec("pdmesh_dplb_rejection_notices_forwarded_total", "Rejection notices sent to ranks, by mode", &["mode"])
 });
+pub static OVERLOAD_REFUSALS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(
+        "pdmesh_dplb_overload_refusals_total",
+        "Requests refused because a bound was reached, by reason (in_flight, waiting)",
+        &["reason"],
+    )
+});

@@ -336,9 +336,8 @@ async fn run_step(state: Rc<RefCell<State>>, peers: Peers) -> StepNext {
         for req in adds {
             let id = req.request_id.clone();
             if let Err(e) = st.sched.add_request(req) {
-                m::REJECTED.inc();
-                tracing::warn!(request_id = %id, error = %e, "request refused");
-                outputs.push(error_output(&id, format!("invalid request: {e}")));
+                m::note_refusal(&id, &e);
+                outputs.push(error_output(&id, e.output_message()));
             }
         }
         if !aborts.is_empty() {
@@ -612,6 +611,10 @@ pub fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<Engin
         max_model_len,
     };
     let mut sched = Scheduler::new(cfg);
+    sched.set_admission_limits(crate::scheduler::AdmissionLimits {
+        max_waiting: e.max_waiting,
+        max_held_fraction: e.max_held_fraction,
+    });
     if let Some(kv) = &node.kv_transfer {
         sched.set_recompute_load_failures(kv.kv_load_failure_policy == pdmesh_config::KvLoadFailurePolicy::Recompute);
     }

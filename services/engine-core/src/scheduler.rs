@@ -49,6 +49,50 @@ pub enum AdmissionError {
     TooLong { prompt: u32, max: u32 },
     #[error("prompt needs {needed} KV blocks but the cache has {total}")]
     TooManyBlocks { needed: u32, total: u32 },
+    /// Overload: the waiting queue holds `max_waiting` requests.
+    #[error("overloaded: the waiting queue is full ({waiting} requests, engine.max_waiting = {max})")]
+    WaitingQueueFull { waiting: u32, max: u32 },
+    /// Overload (prefill nodes): the blocks held for remote decoders, plus those promised to
+    /// remote-decode requests not finished yet, plus this one's would exceed
+    /// `max_held_fraction` of the pool.
+    #[error(
+        "overloaded: KV blocks held for remote decoders would exceed their share of the pool \
+         ({committed} held or promised + {needed} needed > {cap} of {total}, engine.max_held_fraction)"
+    )]
+    HeldBlocksFull { committed: u32, needed: u32, cap: u32, total: u32 },
+}
+
+impl AdmissionError {
+    /// Whether the refusal is about load (the client may retry later: 503 with
+    /// `Retry-After`) rather than about the request itself.
+    pub fn is_overload(&self) -> bool {
+        matches!(self, AdmissionError::WaitingQueueFull { .. } | AdmissionError::HeldBlocksFull { .. })
+    }
+
+    /// The error text of the request's error output. The frontend maps a text starting with
+    /// `overloaded` to 503 + `Retry-After`, anything else here to an error of the request.
+    pub fn output_message(&self) -> String {
+        if self.is_overload() {
+            self.to_string()
+        } else {
+            format!("invalid request: {self}")
+        }
+    }
+}
+
+/// Overload bounds checked at admission (see [`AdmissionError`]); the defaults bound nothing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdmissionLimits {
+    /// Requests in the waiting queue (0: no bound).
+    pub max_waiting: u32,
+    /// Share of the pool that held and promised-to-be-held blocks may take (1.0: no bound).
+    pub max_held_fraction: f64,
+}
+
+impl Default for AdmissionLimits {
+    fn default() -> Self {
+        Self { max_waiting: 0, max_held_fraction: 1.0 }
+    }
 }
 
 /// What one call to [`Scheduler::schedule`] produced.
@@ -117,6 +161,7 @@ pub struct Scheduler {
     counters: SchedulerCounters,
     /// `kv_load_failure_policy = recompute` (else `fail`, vLLM's default).
     recompute_load_failures: bool,
+    limits: AdmissionLimits,
 }
 
 impl Scheduler {
@@ -139,7 +184,13 @@ impl Scheduler {
             outputs: Vec::new(),
             counters: SchedulerCounters::default(),
             recompute_load_failures: false,
+            limits: AdmissionLimits::default(),
         }
+    }
+
+    /// Set the overload bounds checked by [`Scheduler::add_request`].
+    pub fn set_admission_limits(&mut self, limits: AdmissionLimits) {
+        self.limits = limits;
     }
 
     /// `true`: a failed KV load is recomputed locally; `false`: the request fails.
@@ -175,10 +226,38 @@ impl Scheduler {
         if needed > self.pool.num_blocks() {
             return Err(AdmissionError::TooManyBlocks { needed, total: self.pool.num_blocks() });
         }
+        let waiting = self.waiting.len() as u32;
+        if self.limits.max_waiting > 0 && waiting >= self.limits.max_waiting {
+            return Err(AdmissionError::WaitingQueueFull { waiting, max: self.limits.max_waiting });
+        }
+        if self.limits.max_held_fraction < 1.0 && req.kv_transfer_params.as_ref().is_some_and(|p| p.wants_remote_decode())
+        {
+            let total = self.pool.num_blocks();
+            let cap = (f64::from(total) * self.limits.max_held_fraction).floor() as u32;
+            let committed = self.held_or_promised_blocks();
+            if committed.saturating_add(needed) > cap {
+                return Err(AdmissionError::HeldBlocksFull { committed, needed, cap, total });
+            }
+        }
         let id = req.request_id.clone();
         self.requests.insert(id.clone(), Request::new(req));
         self.waiting.push_back(id);
         Ok(())
+    }
+
+    /// Blocks held for remote decoders (and parked while a read may write them), plus the
+    /// prompt blocks of remote-decode requests not yet handed to the connector (waiting,
+    /// running, or finished before `request_finished` is answered): what P's holds will take
+    /// once the requests admitted so far finish. Counting the promised ones keeps a
+    /// burst from being admitted wholesale before the first of it is held.
+    fn held_or_promised_blocks(&self) -> u32 {
+        let promised: u32 = self
+            .requests
+            .values()
+            .filter(|r| r.kv_transfer_params.as_ref().is_some_and(|p| p.wants_remote_decode()))
+            .map(|r| self.blocks_for(r.prompt.len() as u32 + 1))
+            .sum();
+        self.kv_usage().held_blocks.saturating_add(promised)
     }
 
     /// Abort requests (client disconnect, stop string). Unknown and already-finished ids are

@@ -19,6 +19,7 @@ use crate::generate::unix_now;
 use crate::handlers;
 use crate::headers::REQUEST_ID;
 use crate::metrics::HTTP_REQUESTS_TOTAL;
+use crate::overload::InFlightLimit;
 use crate::FrontendOptions;
 
 /// Largest accepted request body (413 above).
@@ -37,6 +38,8 @@ pub struct AppState {
     pub started: u64,
     /// Stored responses of the Responses API (`store: true`).
     pub responses: Arc<crate::responses::ResponseStore>,
+    /// The bound on generation requests in flight (`limits.max_in_flight`).
+    pub in_flight: InFlightLimit,
 }
 
 impl AppState {
@@ -45,6 +48,7 @@ impl AppState {
         link: LinkHandle,
         codec: Arc<dyn TextCodec>,
         options: FrontendOptions,
+        in_flight: InFlightLimit,
     ) -> Self {
         Self {
             client,
@@ -53,6 +57,7 @@ impl AppState {
             options,
             started: unix_now(),
             responses: Arc::new(crate::responses::ResponseStore::default()),
+            in_flight,
         }
     }
 
@@ -145,12 +150,15 @@ pub async fn start(
     crate::metrics::init();
     let node = topology.node(node_name)?;
     let endpoints = node.endpoints(&topology.run_dir);
-    let (client, link) = EngineClient::start(endpoints.dplb_frontend.connect.clone());
+    crate::error::set_retry_after_s(node.limits.retry_after_s);
+    let (client, link) =
+        EngineClient::start(endpoints.dplb_frontend.connect.clone(), node.limits.output_buffer as usize);
     let outputs = bind_pull(&endpoints.frontend_outputs.bind, client.clone().recipient())
         .await
         .map_err(FrontendError::OutputSocket)?;
     tracing::info!(dp_lb = %endpoints.dplb_frontend.connect, %outputs, "engine client started");
-    let state = web::Data::new(AppState::new(client, link, codec, options));
+    let in_flight = InFlightLimit::new(node.limits.max_in_flight, "frontend");
+    let state = web::Data::new(AppState::new(client, link, codec, options, in_flight));
     let app_state = state.clone();
     let addr = format!("{}:{}", node.http_host, node.http_port);
     let server = HttpServer::new(move || app(app_state.clone()))

@@ -219,6 +219,9 @@ pub enum ErrorClass {
     Internal,
     /// The request ran past a deadline (504).
     Timeout,
+    /// A bounded queue is full: the caller should come back later (503 with `Retry-After`).
+    /// Appended after the others, so the encoding of the older classes does not change.
+    Overloaded,
 }
 
 /// An error answer on the wire.
