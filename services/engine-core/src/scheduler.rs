@@ -230,7 +230,8 @@ impl Scheduler {
         if self.limits.max_waiting > 0 && waiting >= self.limits.max_waiting {
             return Err(AdmissionError::WaitingQueueFull { waiting, max: self.limits.max_waiting });
         }
-        if self.limits.max_held_fraction < 1.0 && req.kv_transfer_params.as_ref().is_some_and(|p| p.wants_remote_decode())
+        if self.limits.max_held_fraction < 1.0
+            && req.kv_transfer_params.as_ref().is_some_and(|p| p.wants_remote_decode())
         {
             let total = self.pool.num_blocks();
             let cap = (f64::from(total) * self.limits.max_held_fraction).floor() as u32;

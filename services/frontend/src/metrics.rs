@@ -92,9 +92,8 @@ pub(crate) static REJECTION_NOTICES_SENT: LazyLock<IntCounter> = LazyLock::new(|
 pub(crate) static REMOTE_PREFILL_REJECTIONS_TOTAL: LazyLock<IntCounter> =
     LazyLock::new(|| counter(REMOTE_PREFILL_REJECTIONS, "Remote-prefill requests refused before admission"));
 
-pub(crate) static HTTP_IN_FLIGHT: LazyLock<IntGauge> = LazyLock::new(|| {
-    gauge(HTTP_IN_FLIGHT_REQUESTS, "Generation requests holding a place under limits.max_in_flight")
-});
+pub(crate) static HTTP_IN_FLIGHT: LazyLock<IntGauge> =
+    LazyLock::new(|| gauge(HTTP_IN_FLIGHT_REQUESTS, "Generation requests holding a place under limits.max_in_flight"));
 
 pub(crate) static OVERLOAD_REFUSALS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter_vec(OVERLOAD_REFUSALS, "Requests refused at this server's in-flight bound, by source", &["source"])

@@ -446,7 +446,9 @@ mod tests {
     }
 
     /// A router whose prefill upstream answers every request with a 503, `Retry-After: 7`.
-    async fn router_before_an_overloaded_p(max_in_flight: u32) -> (web::Data<RouterState>, actix_web::dev::ServerHandle) {
+    async fn router_before_an_overloaded_p(
+        max_in_flight: u32,
+    ) -> (web::Data<RouterState>, actix_web::dev::ServerHandle) {
         let p = HttpServer::new(|| {
             App::new().route(
                 "/v1/completions",

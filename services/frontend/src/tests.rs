@@ -1032,7 +1032,8 @@ async fn requests_beyond_max_in_flight_get_503_retry_after_and_p_is_notified() {
     let (status, body) = first.await.unwrap();
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     assert_eq!(h.state.in_flight.current(), 0);
-    let (status, _, body) = call_with_headers(&h, "/v1/completions", json!({"prompt": "c", "max_tokens": 5}), &[]).await;
+    let (status, _, body) =
+        call_with_headers(&h, "/v1/completions", json!({"prompt": "c", "max_tokens": 5}), &[]).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     assert_eq!(json_of(&body)["choices"][0]["text"], "ok");
 }
@@ -1074,7 +1075,8 @@ async fn overload_refusals_from_the_dp_lb_and_the_engine_are_503_with_retry_afte
         },
         _ => {
             let mut refused = output(&req.request_id, "", Some(FinishReason::Error));
-            refused.error = Some("overloaded: the waiting queue is full (128 requests, engine.max_waiting = 128)".into());
+            refused.error =
+                Some("overloaded: the waiting queue is full (128 requests, engine.max_waiting = 128)".into());
             Script { reply: Some(WireMessage::Ack), outputs: vec![refused] }
         }
     })
@@ -1100,7 +1102,8 @@ async fn a_client_that_stops_reading_is_cut_off_at_the_output_buffer() {
     // 300 one-byte outputs (the fake engine ignores max_tokens): more than the SSE body
     // buffer and the 4-output buffer together
     let h = harness_with("limits = { output_buffer = 4 }", |req| {
-        let outputs = (0..300).map(|i| output(&req.request_id, "x", (i == 299).then_some(FinishReason::Length))).collect();
+        let outputs =
+            (0..300).map(|i| output(&req.request_id, "x", (i == 299).then_some(FinishReason::Length))).collect();
         Script { reply: Some(WireMessage::Ack), outputs }
     })
     .await;

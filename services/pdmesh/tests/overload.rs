@@ -35,15 +35,19 @@ const UNBOUNDED: &str = r#"limits = { max_in_flight = 0, dp_lb_max_in_flight = 0
 fn start_mesh(limits: &str, unbounded_engines: bool) -> Mesh {
     let mut settings = NODE_SETTINGS.to_string();
     if unbounded_engines {
-        settings = settings.replace("max_model_len = 4096 }", "max_model_len = 4096, max_waiting = 0, max_held_fraction = 1.0 }");
+        settings = settings
+            .replace("max_model_len = 4096 }", "max_model_len = 4096, max_waiting = 0, max_held_fraction = 1.0 }");
     }
     settings.push('\n');
     settings.push_str(limits);
     let limits = limits.to_string();
     Mesh::start_nodes(
         move |h, b| {
-            pd_topology(h, b, "shm", 2, &settings)
-                .replacen("role = \"router\"\n", &format!("role = \"router\"\n{limits}\n"), 1)
+            pd_topology(h, b, "shm", 2, &settings).replacen(
+                "role = \"router\"\n",
+                &format!("role = \"router\"\n{limits}\n"),
+                1,
+            )
         },
         |h| vec![h + 1, h + 2, h + 3],
     )
@@ -82,7 +86,7 @@ fn refusal(status: u16, retry_after: Option<String>, body: &str) -> Outcome {
 }
 
 async fn one_request(client: &reqwest::Client, url: &str, i: usize) -> Outcome {
-    let stream = i % 4 == 0;
+    let stream = i.is_multiple_of(4);
     let body = json!({
         "prompt": format!("storm request {i}: tell me about the number {i} and its neighbours"),
         "max_tokens": 8, "temperature": 0, "stream": stream,
@@ -138,7 +142,7 @@ impl Storm {
 }
 
 /// 2,000 requests at once (every fourth streamed), each with its own timeout.
-fn storm(url: &str) -> Storm {
+fn run_storm(url: &str) -> Storm {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(async {
         let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
@@ -198,6 +202,21 @@ fn peak_memory(mesh: &Mesh) -> Vec<(String, f64)> {
     v
 }
 
+/// A counter of a node's `/metrics` (0 when absent).
+fn metric(mesh: &Mesh, port: u16, series: &str) -> u64 {
+    let text = reqwest::blocking::get(mesh.url_on(port, "/metrics")).and_then(|r| r.text()).unwrap_or_default();
+    text.lines().find_map(|l| l.strip_prefix(series)).and_then(|v| v.trim().parse::<f64>().ok()).unwrap_or(0.0) as u64
+}
+
+/// Who refused: the router's own bound, and the overload answers of P's and D's frontends
+/// (their own bound, their dp-lb's or their engine's).
+fn refusers(mesh: &Mesh) -> String {
+    let h = mesh.http_port;
+    let router = metric(mesh, h, "pdmesh_frontend_overload_refusals_total{source=\"router\"}");
+    let node = |port| metric(mesh, port, "pdmesh_frontend_request_errors_total{kind=\"overloaded\"}");
+    format!("router {router}, P {}, D {}", node(h + 1), node(h + 2))
+}
+
 /// A greedy completion through `url`.
 fn greedy(url: &str) -> String {
     let r = reqwest::blocking::Client::new()
@@ -214,8 +233,9 @@ fn greedy(url: &str) -> String {
 /// mesh serves normally and P and D end holding and using nothing.
 fn storm_and_settle(mesh: &Mesh) -> (Storm, Vec<(String, f64)>) {
     let h = mesh.http_port;
-    let storm = storm(&mesh.url("/v1/completions"));
+    let storm = run_storm(&mesh.url("/v1/completions"));
     let memory = peak_memory(mesh);
+    eprintln!("refused by: {}", refusers(mesh));
     let reference = greedy(&mesh.url_on(h + 3, "/v1/completions"));
     assert_eq!(greedy(&mesh.url("/v1/completions")), reference, "the mesh serves the right output after the storm");
     mesh.wait_kv_on(h + 1, "P holds and uses nothing after the storm", |kv| {
@@ -288,8 +308,9 @@ fn bench_storm_with_and_without_limits() {
     report("default", &storm, &memory);
     bounded.stop();
     let unbounded = start_mesh(UNBOUNDED, true);
-    let storm = storm(&unbounded.url("/v1/completions"));
+    let storm = run_storm(&unbounded.url("/v1/completions"));
     let memory = peak_memory(&unbounded);
+    eprintln!("refused by: {}", refusers(&unbounded));
     report("none", &storm, &memory);
     unbounded.stop();
 }

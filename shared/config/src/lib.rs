@@ -791,7 +791,12 @@ mod tests {
         .unwrap();
         assert_eq!((t.nodes[0].limits.max_in_flight, t.nodes[0].limits.retry_after_s), (3, 7));
         assert_eq!(t.nodes[0].engine.max_waiting, 0);
-        for bad in ["engine = { max_held_fraction = 0.0 }", "engine = { max_held_fraction = 1.5 }", "limits = { output_buffer = 0 }", "limits = { nope = 1 }"] {
+        for bad in [
+            "engine = { max_held_fraction = 0.0 }",
+            "engine = { max_held_fraction = 1.5 }",
+            "limits = { output_buffer = 0 }",
+            "limits = { nope = 1 }",
+        ] {
             assert!(Topology::from_toml(&format!("[[nodes]]\nname = \"a\"\n{bad}\n")).is_err(), "{bad}");
         }
     }
