@@ -195,6 +195,23 @@ impl Handler<FromFrontend> for DpLb {
 }
 
 impl DpLb {
+    /// A dp-lb for `dp_size` ranks, none connected yet, not wired to its sockets.
+    fn new(dp_size: u32, health: pdmesh_telemetry::ops::Health, limits: Limits) -> Self {
+        DpLb {
+            dp_size,
+            ranks: vec![RankLoad::default(); dp_size as usize],
+            rank_peers: HashMap::new(),
+            in_flight: HashMap::new(),
+            frontend: None,
+            engines: None,
+            outputs: None,
+            stats: HashMap::new(),
+            next_corr: 1,
+            health,
+            limits,
+        }
+    }
+
     fn route(&mut self, req: pdmesh_protocol::EngineRequest, env: &Envelope) -> Message {
         let rank = match req.data_parallel_rank {
             Some(r) if r >= self.dp_size => {
@@ -450,20 +467,8 @@ pub async fn run(topology: &Topology, node_name: &str) -> Result<Addr<DpLb>, DpL
     let port = node.metrics_port(Service::DpLb, 0);
     pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
         .map_err(|e| DpLbError::Ops(format!("port {port}: {e}")))?;
-    let actor = DpLb {
-        dp_size: node.dp_size,
-        ranks: vec![RankLoad::default(); node.dp_size as usize],
-        rank_peers: HashMap::new(),
-        in_flight: HashMap::new(),
-        frontend: None,
-        engines: None,
-        outputs: None,
-        stats: HashMap::new(),
-        next_corr: 1,
-        health,
-        limits: Limits { max_in_flight: node.limits.dp_lb_max_in_flight, max_waiting: node.engine.max_waiting },
-    }
-    .start();
+    let limits = Limits { max_in_flight: node.limits.dp_lb_max_in_flight, max_waiting: node.engine.max_waiting };
+    let actor = DpLb::new(node.dp_size, health, limits).start();
     let fe_tag = Tag(actor.clone(), FromFrontend).start();
     let en_tag = Tag(actor.clone(), FromEngines).start();
     let frontend = bind_router(&eps.dplb_frontend.bind, fe_tag.recipient()).await?;
@@ -483,19 +488,11 @@ mod tests {
 
     /// A dp-lb with `connected` ranks and no sockets (what it sends goes nowhere).
     fn dp_lb(connected: u32, limits: Limits) -> DpLb {
-        DpLb {
-            dp_size: connected,
-            ranks: vec![RankLoad { connected: true, ..Default::default() }; connected as usize],
-            rank_peers: HashMap::new(),
-            in_flight: HashMap::new(),
-            frontend: None,
-            engines: None,
-            outputs: None,
-            stats: HashMap::new(),
-            next_corr: 1,
-            health: Default::default(),
-            limits,
+        let mut lb = DpLb::new(connected, Default::default(), limits);
+        for rank in &mut lb.ranks {
+            rank.connected = true;
         }
+        lb
     }
 
     fn add(lb: &mut DpLb, id: &str, rank: Option<u32>) -> Message {

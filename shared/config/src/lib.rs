@@ -123,7 +123,7 @@ pub struct LimitsConfig {
     #[serde(default = "default_dp_lb_max_in_flight")]
     pub dp_lb_max_in_flight: u32,
     /// Seconds a refused client is told to wait (`Retry-After`) on every 503.
-    #[serde(default = "one_u32")]
+    #[serde(default = "one")]
     pub retry_after_s: u32,
 }
 
@@ -146,9 +146,6 @@ fn default_output_buffer() -> u32 {
 }
 fn default_dp_lb_max_in_flight() -> u32 {
     512
-}
-fn one_u32() -> u32 {
-    1
 }
 
 /// vLLM's `kv_transfer_config`, with pdmesh's transfer knobs.
