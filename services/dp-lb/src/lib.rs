@@ -8,6 +8,11 @@
 //! - Engine outputs (PULL) are forwarded to the frontend (PUSH).
 //! - When a rank's connection drops, its in-flight requests end at once with an
 //!   `unavailable` error instead of hanging, and new requests avoid it.
+//! - Overload control: a request is refused with an `overloaded` error (503 + `Retry-After`
+//!   at the frontend, which also sends P its rejection notice, rule R1) when the in-flight
+//!   table holds `limits.dp_lb_max_in_flight` requests, or when no rank's waiting queue —
+//!   as reported in its last `LoadReport`, plus what was sent since — has room under
+//!   `engine.max_waiting`.
 
 pub mod metrics;
 pub mod notices;
@@ -73,6 +78,30 @@ pub struct DpLb {
     health: pdmesh_telemetry::ops::Health,
     /// Rejection notices that arrived while no rank was connected (rule R1).
     pending_notices: notices::PendingNotices,
+    limits: Limits,
+}
+
+/// The dp-lb's bounds (see the crate docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Requests in the in-flight table (0: no bound).
+    pub max_in_flight: u32,
+    /// Waiting requests per rank (the engine's `max_waiting`; 0: no bound).
+    pub max_waiting: u32,
+}
+
+/// One line a second about refusals, whatever their rate.
+static REFUSAL_LOG: pdmesh_telemetry::log_limit::LogLimiter =
+    pdmesh_telemetry::log_limit::LogLimiter::new(Duration::from_secs(1));
+
+/// An `overloaded` refusal, counted under `reason` and logged (rate-limited).
+fn overloaded(reason: &'static str, message: String) -> Message {
+    m::ROUTED.with_label_values(&["overloaded"]).inc();
+    m::OVERLOAD_REFUSALS.with_label_values(&[reason]).inc();
+    if let Some(suppressed) = REFUSAL_LOG.check() {
+        tracing::warn!(reason, suppressed, "{message}");
+    }
+    Message::Error(WireError::new(ErrorClass::Overloaded, message))
 }
 
 impl Actor for DpLb {
@@ -165,6 +194,24 @@ impl Handler<FromFrontend> for DpLb {
 }
 
 impl DpLb {
+    /// A dp-lb for `dp_size` ranks, none connected yet, not wired to its sockets.
+    fn new(dp_size: u32, health: pdmesh_telemetry::ops::Health, limits: Limits) -> Self {
+        DpLb {
+            dp_size,
+            ranks: vec![RankLoad::default(); dp_size as usize],
+            rank_peers: HashMap::new(),
+            in_flight: HashMap::new(),
+            frontend: None,
+            engines: None,
+            outputs: None,
+            stats: HashMap::new(),
+            next_corr: 1,
+            health,
+            limits,
+            pending_notices: notices::PendingNotices::default(),
+        }
+    }
+
     fn route(&mut self, req: pdmesh_protocol::EngineRequest, env: &Envelope) -> Message {
         let rank = match req.data_parallel_rank {
             Some(r) if r >= self.dp_size => {
@@ -175,23 +222,42 @@ impl DpLb {
                 ));
             }
             Some(r) => {
-                if !self.ranks.get(r as usize).is_some_and(|l| l.connected) {
+                let Some(load) = self.ranks.get(r as usize).filter(|l| l.connected) else {
                     m::ROUTED.with_label_values(&["unavailable"]).inc();
                     return Message::Error(WireError::new(
                         ErrorClass::Unavailable,
                         format!("unavailable: engine rank {r} is not connected"),
                     ));
+                };
+                if !load.has_room(self.limits.max_waiting) {
+                    return overloaded(
+                        "waiting",
+                        format!(
+                            "overloaded: engine rank {r} already has {} requests waiting (engine.max_waiting = {})",
+                            load.waiting + load.pending,
+                            self.limits.max_waiting
+                        ),
+                    );
                 }
                 r
             }
-            None => match policy::least_loaded(&self.ranks) {
-                Some(r) => r,
-                None => {
+            None => match policy::choose(&self.ranks, self.limits.max_waiting) {
+                Ok(r) => r,
+                Err(policy::NoRank::Unavailable) => {
                     m::ROUTED.with_label_values(&["unavailable"]).inc();
                     return Message::Error(WireError::new(
                         ErrorClass::Unavailable,
                         "unavailable: no engine rank is connected (engine-core down or restarting)",
                     ));
+                }
+                Err(policy::NoRank::Full) => {
+                    return overloaded(
+                        "waiting",
+                        format!(
+                            "overloaded: every engine rank has engine.max_waiting = {} requests waiting",
+                            self.limits.max_waiting
+                        ),
+                    );
                 }
             },
         };
@@ -201,6 +267,15 @@ impl DpLb {
                 ErrorClass::InvalidRequest,
                 format!("request id {id:?} is already in flight"),
             ));
+        }
+        if self.limits.max_in_flight > 0 && self.in_flight.len() >= self.limits.max_in_flight as usize {
+            return overloaded(
+                "in_flight",
+                format!(
+                    "overloaded: the node already has {} requests in flight (limits.dp_lb_max_in_flight)",
+                    self.in_flight.len()
+                ),
+            );
         }
         if let Some(l) = self.ranks.get_mut(rank as usize) {
             l.pending += 1;
@@ -252,6 +327,16 @@ impl DpLb {
             self.send_to_rank(rank, env);
         }
         self.publish_pending();
+    }
+
+    /// Finished requests leave the in-flight table (and free their place under its bound).
+    fn forget_finished(&mut self, batch: &EngineOutputBatch) {
+        for o in &batch.outputs {
+            if o.finish_reason.is_some() {
+                self.in_flight.remove(&o.request_id);
+            }
+        }
+        m::IN_FLIGHT.set(self.in_flight.len() as i64);
     }
 
     fn send_to_rank(&self, rank: u32, env: Envelope) {
@@ -400,12 +485,7 @@ impl Handler<PullEvent> for DpLb {
     type Result = ();
     fn handle(&mut self, ev: PullEvent, _: &mut Context<Self>) {
         if let Message::EngineOutputs(batch) = &ev.envelope.body {
-            for o in &batch.outputs {
-                if o.finish_reason.is_some() {
-                    self.in_flight.remove(&o.request_id);
-                }
-            }
-            m::IN_FLIGHT.set(self.in_flight.len() as i64);
+            self.forget_finished(batch);
         }
         if let Some(o) = &self.outputs {
             if o.send(ev.envelope).is_err() {
@@ -442,20 +522,8 @@ pub async fn run(topology: &Topology, node_name: &str) -> Result<Addr<DpLb>, DpL
     let port = node.metrics_port(Service::DpLb, 0);
     pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
         .map_err(|e| DpLbError::Ops(format!("port {port}: {e}")))?;
-    let actor = DpLb {
-        dp_size: node.dp_size,
-        ranks: vec![RankLoad::default(); node.dp_size as usize],
-        rank_peers: HashMap::new(),
-        in_flight: HashMap::new(),
-        frontend: None,
-        engines: None,
-        outputs: None,
-        stats: HashMap::new(),
-        next_corr: 1,
-        health,
-        pending_notices: notices::PendingNotices::default(),
-    }
-    .start();
+    let limits = Limits { max_in_flight: node.limits.dp_lb_max_in_flight, max_waiting: node.engine.max_waiting };
+    let actor = DpLb::new(node.dp_size, health, limits).start();
     let fe_tag = Tag(actor.clone(), FromFrontend).start();
     let en_tag = Tag(actor.clone(), FromEngines).start();
     let frontend = bind_router(&eps.dplb_frontend.bind, fe_tag.recipient()).await?;
@@ -465,4 +533,93 @@ pub async fn run(topology: &Topology, node_name: &str) -> Result<Addr<DpLb>, DpL
     actor.do_send(Wire { frontend, engines, outputs });
     tracing::info!(frontend = %eps.dplb_frontend.bind, engines = %eps.dplb_engines.bind, dp_size = node.dp_size, "dp-lb ready");
     Ok(actor)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+    use super::*;
+    use pdmesh_protocol::{EngineRequest, KvTransferParams};
+
+    /// A dp-lb with `connected` ranks and no sockets (what it sends goes nowhere).
+    fn dp_lb(connected: u32, limits: Limits) -> DpLb {
+        let mut lb = DpLb::new(connected, Default::default(), limits);
+        for rank in &mut lb.ranks {
+            rank.connected = true;
+        }
+        lb
+    }
+
+    fn add(lb: &mut DpLb, id: &str, rank: Option<u32>) -> Message {
+        let req = EngineRequest {
+            request_id: id.into(),
+            client_request_id: None,
+            prompt_token_ids: vec![1, 2, 3],
+            sampling: Default::default(),
+            eos_token_ids: vec![],
+            arrival_unix_ms: 0,
+            kv_transfer_params: Some(KvTransferParams { do_remote_prefill: Some(true), ..Default::default() }),
+            data_parallel_rank: rank,
+        };
+        let env = Envelope::new(Message::AddRequest(req.clone()));
+        lb.route(req, &env)
+    }
+
+    fn finish(lb: &mut DpLb, id: &str) {
+        let output = EngineOutput {
+            request_id: id.into(),
+            new_token_ids: vec![],
+            new_logprobs: None,
+            finish_reason: Some(FinishReason::Stop),
+            stop_token_id: None,
+            kv_transfer_params: None,
+            num_external_tokens: 0,
+            error: None,
+        };
+        lb.forget_finished(&EngineOutputBatch { engine_rank: 0, outputs: vec![output] });
+    }
+
+    fn class(reply: &Message) -> Option<ErrorClass> {
+        match reply {
+            Message::Ack => None,
+            Message::Error(e) => Some(e.class),
+            other => panic!("unexpected reply {}", other.kind()),
+        }
+    }
+
+    #[test]
+    fn the_in_flight_table_is_bounded_and_frees_places_on_finish() {
+        let mut lb = dp_lb(2, Limits { max_in_flight: 3, max_waiting: 0 });
+        for id in ["a", "b", "c"] {
+            assert_eq!(class(&add(&mut lb, id, None)), None);
+        }
+        let before = m::OVERLOAD_REFUSALS.with_label_values(&["in_flight"]).get();
+        assert_eq!(class(&add(&mut lb, "d", None)), Some(ErrorClass::Overloaded));
+        assert_eq!(m::OVERLOAD_REFUSALS.with_label_values(&["in_flight"]).get(), before + 1);
+        assert_eq!(lb.in_flight.len(), 3, "a refused request is not tracked");
+        finish(&mut lb, "b");
+        assert_eq!(class(&add(&mut lb, "d", None)), None);
+        assert_eq!(class(&add(&mut lb, "e", None)), Some(ErrorClass::Overloaded));
+    }
+
+    #[test]
+    fn full_waiting_queues_are_refused_from_the_load_reports() {
+        let mut lb = dp_lb(2, Limits { max_in_flight: 0, max_waiting: 2 });
+        // two per rank fit (pending counts what was sent since the last report)
+        for id in ["a", "b", "c", "d"] {
+            assert_eq!(class(&add(&mut lb, id, None)), None, "{id}");
+        }
+        assert_eq!(class(&add(&mut lb, "e", None)), Some(ErrorClass::Overloaded));
+        // a pinned rank with a full queue is refused too, not sent elsewhere
+        assert_eq!(class(&add(&mut lb, "f", Some(1))), Some(ErrorClass::Overloaded));
+        // rank 1 reports that its queue drained: it takes requests again
+        lb.ranks[1] = RankLoad { connected: true, waiting: 0, running: 2, pending: 0 };
+        assert_eq!(class(&add(&mut lb, "f", Some(1))), None);
+        assert_eq!(class(&add(&mut lb, "g", None)), None);
+        assert_eq!(lb.in_flight.get("g").map(|f| f.rank), Some(1));
+        // no rank connected stays `unavailable`, not `overloaded`
+        let mut down = dp_lb(1, Limits { max_in_flight: 1, max_waiting: 1 });
+        down.ranks[0].connected = false;
+        assert_eq!(class(&add(&mut down, "x", None)), Some(ErrorClass::Unavailable));
+    }
 }

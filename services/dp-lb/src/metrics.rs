@@ -29,3 +29,10 @@ pub static NOTICES_DROPPED: LazyLock<IntCounter> = LazyLock::new(|| {
         "Rejection notices dropped unsent (no rank in time, or too many)",
     )
 });
+pub static OVERLOAD_REFUSALS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(
+        "pdmesh_dplb_overload_refusals_total",
+        "Requests refused because a bound was reached, by reason (in_flight, waiting)",
+        &["reason"],
+    )
+});

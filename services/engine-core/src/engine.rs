@@ -332,8 +332,8 @@ async fn run_step(
             StepIo::Done(done) => break done,
         };
     };
-    for (_, e) in &done.refusals {
-        m::REJECTED.with_label_values(&[e.label()]).inc();
+    for (id, e) in &done.refusals {
+        m::note_refusal(id, e);
     }
     if done.executed {
         m::STEPS.inc();
@@ -463,6 +463,10 @@ pub fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<Engin
     }
     let mut sched = Scheduler::new(cfg);
     sched.set_faults(faults);
+    sched.set_admission_limits(crate::scheduler::AdmissionLimits {
+        max_waiting: e.max_waiting,
+        max_held_fraction: e.max_held_fraction,
+    });
     if let Some(kv) = &node.kv_transfer {
         sched.set_recompute_load_failures(kv.kv_load_failure_policy == pdmesh_config::KvLoadFailurePolicy::Recompute);
     }

@@ -51,3 +51,33 @@ pub static REJECTED: LazyLock<IntCounterVec> = LazyLock::new(|| {
 pub static NOTICES: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter_vec("pdmesh_engine_rejection_notices_total", "Rejection notices received, by result", &["result"])
 });
+pub static OVERLOAD_REFUSALS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(
+        "pdmesh_engine_overload_refusals_total",
+        "Requests refused at admission for load, by bound (waiting_queue, held_blocks)",
+        &["bound"],
+    )
+});
+
+/// One line a second about overload refusals, whatever their rate.
+static OVERLOAD_LOG: pdmesh_telemetry::log_limit::LogLimiter =
+    pdmesh_telemetry::log_limit::LogLimiter::new(std::time::Duration::from_secs(1));
+
+/// Count and log a refusal at admission: every one at `warn`, except overload refusals, which
+/// come in storms and are logged at most once a second (with how many were not).
+pub fn note_refusal(request_id: &str, error: &crate::scheduler::AdmissionError) {
+    use crate::scheduler::AdmissionError;
+    REJECTED.with_label_values(&[error.label()]).inc();
+    let bound = match error {
+        AdmissionError::WaitingQueueFull { .. } => "waiting_queue",
+        AdmissionError::HeldBlocksFull { .. } => "held_blocks",
+        _ => {
+            tracing::warn!(request_id, error = %error, "request refused");
+            return;
+        }
+    };
+    OVERLOAD_REFUSALS.with_label_values(&[bound]).inc();
+    if let Some(suppressed) = OVERLOAD_LOG.check() {
+        tracing::warn!(request_id, error = %error, suppressed, "request refused: overloaded");
+    }
+}

@@ -51,6 +51,17 @@ pub enum AdmissionError {
     TooManyBlocks { needed: u32, total: u32 },
     #[error("refused by fault injection (engine.fault_injection = refuse_admission_every={0})")]
     Injected(u32),
+    /// Overload: the waiting queue holds `max_waiting` requests.
+    #[error("overloaded: the waiting queue is full ({waiting} requests, engine.max_waiting = {max})")]
+    WaitingQueueFull { waiting: u32, max: u32 },
+    /// Overload (prefill nodes): the blocks held for remote decoders, plus those promised to
+    /// remote-decode requests not finished yet, plus this one's would exceed
+    /// `max_held_fraction` of the pool.
+    #[error(
+        "overloaded: KV blocks held for remote decoders would exceed their share of the pool \
+         ({committed} held or promised + {needed} needed > {cap} of {total}, engine.max_held_fraction)"
+    )]
+    HeldBlocksFull { committed: u32, needed: u32, cap: u32, total: u32 },
 }
 
 /// The engine's own fault injection (`engine.fault_injection`).
@@ -87,7 +98,40 @@ impl AdmissionError {
             AdmissionError::TooLong { .. } => "too_long",
             AdmissionError::TooManyBlocks { .. } => "too_many_blocks",
             AdmissionError::Injected(_) => "injected",
+            AdmissionError::WaitingQueueFull { .. } => "waiting_queue_full",
+            AdmissionError::HeldBlocksFull { .. } => "held_blocks_full",
         }
+    }
+
+    /// Whether the refusal is about load (the client may retry later: 503 with
+    /// `Retry-After`) rather than about the request itself.
+    pub fn is_overload(&self) -> bool {
+        matches!(self, AdmissionError::WaitingQueueFull { .. } | AdmissionError::HeldBlocksFull { .. })
+    }
+
+    /// The error text of the request's error output. The frontend maps a text starting with
+    /// `overloaded` to 503 + `Retry-After`, anything else here to an error of the request.
+    pub fn output_message(&self) -> String {
+        if self.is_overload() {
+            self.to_string()
+        } else {
+            format!("invalid request: {self}")
+        }
+    }
+}
+
+/// Overload bounds checked at admission (see [`AdmissionError`]); the defaults bound nothing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdmissionLimits {
+    /// Requests in the waiting queue (0: no bound).
+    pub max_waiting: u32,
+    /// Share of the pool that held and promised-to-be-held blocks may take (1.0: no bound).
+    pub max_held_fraction: f64,
+}
+
+impl Default for AdmissionLimits {
+    fn default() -> Self {
+        Self { max_waiting: 0, max_held_fraction: 1.0 }
     }
 }
 
@@ -163,6 +207,7 @@ pub struct Scheduler {
     faults: EngineFaults,
     /// Admissions asked for (for `refuse_admission_every`).
     admissions: u64,
+    limits: AdmissionLimits,
 }
 
 impl Scheduler {
@@ -187,12 +232,18 @@ impl Scheduler {
             recompute_load_failures: false,
             faults: EngineFaults::default(),
             admissions: 0,
+            limits: AdmissionLimits::default(),
         }
     }
 
     /// Turn on the engine's fault injection.
     pub fn set_faults(&mut self, faults: EngineFaults) {
         self.faults = faults;
+    }
+
+    /// Set the overload bounds checked by [`Scheduler::add_request`].
+    pub fn set_admission_limits(&mut self, limits: AdmissionLimits) {
+        self.limits = limits;
     }
 
     /// `true`: a failed KV load is recomputed locally; `false`: the request fails.
@@ -228,6 +279,20 @@ impl Scheduler {
         if needed > self.pool.num_blocks() {
             return Err(AdmissionError::TooManyBlocks { needed, total: self.pool.num_blocks() });
         }
+        let waiting = self.waiting.len() as u32;
+        if self.limits.max_waiting > 0 && waiting >= self.limits.max_waiting {
+            return Err(AdmissionError::WaitingQueueFull { waiting, max: self.limits.max_waiting });
+        }
+        if self.limits.max_held_fraction < 1.0
+            && req.kv_transfer_params.as_ref().is_some_and(|p| p.wants_remote_decode())
+        {
+            let total = self.pool.num_blocks();
+            let cap = (f64::from(total) * self.limits.max_held_fraction).floor() as u32;
+            let committed = self.held_or_promised_blocks();
+            if committed.saturating_add(needed) > cap {
+                return Err(AdmissionError::HeldBlocksFull { committed, needed, cap, total });
+            }
+        }
         self.admissions += 1;
         if let Some(n) = self.faults.refuse_admission_every {
             if self.admissions.is_multiple_of(u64::from(n)) {
@@ -247,6 +312,21 @@ impl Scheduler {
     /// first one's would leak when the second one's entry overwrote it.
     pub fn id_in_use(&self, id: &str) -> bool {
         self.requests.contains_key(id) || self.held.contains_key(id) || self.free_on_recv.contains_key(id)
+    }
+
+    /// Blocks held for remote decoders (and parked while a read may write them), plus the
+    /// prompt blocks of remote-decode requests not yet handed to the connector (waiting,
+    /// running, or finished before `request_finished` is answered): what P's holds will take
+    /// once the requests admitted so far finish. Counting the promised ones keeps a
+    /// burst from being admitted wholesale before the first of it is held.
+    fn held_or_promised_blocks(&self) -> u32 {
+        let promised: u32 = self
+            .requests
+            .values()
+            .filter(|r| r.kv_transfer_params.as_ref().is_some_and(|p| p.wants_remote_decode()))
+            .map(|r| self.blocks_for(r.prompt.len() as u32 + 1))
+            .sum();
+        self.kv_usage().held_blocks.saturating_add(promised)
     }
 
     /// Abort requests (client disconnect, stop string). Unknown and already-finished ids are

@@ -176,8 +176,7 @@ impl EngineStep {
             let id = req.request_id.clone();
             let params = req.kv_transfer_params.clone();
             if let Err(e) = st.sched.add_request(req) {
-                tracing::warn!(request_id = %id, error = %e, "request refused");
-                step.outputs.push(error_output(&id, format!("invalid request: {e}")));
+                step.outputs.push(error_output(&id, e.output_message()));
                 if let Some(params) = params.filter(KvTransferParams::wants_remote_prefill) {
                     step.refused.push(RejectionNotice {
                         params,

@@ -1,7 +1,7 @@
 //! Scheduler state machine: batching, chunked prefill, preemption, aborts (R2), accounting (R5).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
-use pdmesh_engine_core::scheduler::{AdmissionError, EngineFaults, Scheduler, SchedulerConfig};
+use pdmesh_engine_core::scheduler::{AdmissionError, AdmissionLimits, EngineFaults, Scheduler, SchedulerConfig};
 use pdmesh_protocol::{
     ConnectorCall, EngineRequest, FinishReason, KvConnectorOutput, KvTransferParams, ModelRunnerOutput, SampledToken,
     SamplingParams, ScheduledChunk,
@@ -342,6 +342,82 @@ fn admission_fault_injection_refuses_every_nth_request() {
     assert!(matches!(s.add_request(req("r5", 3, 1)), Ok(())));
     assert_eq!(s.add_request(req("r6", 3, 1)).unwrap_err().label(), "injected");
     assert!(!s.id_in_use("r1"), "a refused request leaves nothing behind");
+}
+
+#[test]
+fn the_waiting_queue_is_bounded() {
+    let mut s = Scheduler::new(cfg(64, 64));
+    s.set_admission_limits(AdmissionLimits { max_waiting: 2, ..Default::default() });
+    s.add_request(req("a", 3, 2)).unwrap();
+    s.add_request(req("b", 3, 2)).unwrap();
+    let refused = s.add_request(req("c", 3, 2)).unwrap_err();
+    assert!(matches!(refused, AdmissionError::WaitingQueueFull { waiting: 2, max: 2 }), "{refused:?}");
+    assert!(refused.is_overload());
+    assert!(refused.output_message().starts_with("overloaded"), "the frontend maps it to 503");
+    assert!(!AdmissionError::EmptyPrompt.is_overload());
+    assert!(AdmissionError::EmptyPrompt.output_message().starts_with("invalid request"));
+    // a refused request left nothing behind; once scheduled, the queue has room again
+    assert_eq!(s.num_waiting(), 2);
+    step(&mut s, 5);
+    assert_eq!(s.num_waiting(), 0);
+    s.add_request(req("c", 3, 2)).unwrap();
+    check_accounting(&s);
+}
+
+/// P side: prefill every waiting request and let the connector hold their blocks.
+fn prefill_and_hold(s: &mut Scheduler) {
+    for call in s.match_queries() {
+        if let ConnectorCall::GetNumNewMatchedTokens { request_id, .. } = call {
+            s.apply_match(&request_id, Some(0), false);
+        }
+    }
+    let sched = s.schedule();
+    let sampled = sched
+        .chunks
+        .iter()
+        .filter(|c| c.sample)
+        .map(|c| SampledToken { request_id: c.request_id.clone(), token_id: 5, logprobs: None })
+        .collect();
+    s.update_from_output(&sched.chunks, &ModelRunnerOutput { step_id: 1, sampled, ..Default::default() });
+    finish_calls(s, true);
+    check_accounting(s);
+}
+
+fn to_decode_remotely(id: &str, prompt_len: usize) -> EngineRequest {
+    let mut r = req(id, prompt_len, 1);
+    r.kv_transfer_params = Some(KvTransferParams { do_remote_decode: Some(true), ..Default::default() });
+    r
+}
+
+#[test]
+fn held_and_promised_blocks_are_bounded_to_their_share_of_the_pool() {
+    // 16 blocks of 4 tokens, holds may take half: 8 blocks. A 9-token prompt needs 3.
+    let mut s = Scheduler::new(cfg(16, 64));
+    s.set_admission_limits(AdmissionLimits { max_held_fraction: 0.5, ..Default::default() });
+    s.add_request(to_decode_remotely("p1", 9)).unwrap();
+    s.add_request(to_decode_remotely("p2", 9)).unwrap();
+    // promised (waiting) blocks count already: 6 + 3 > 8
+    let refused = s.add_request(to_decode_remotely("p3", 9)).unwrap_err();
+    assert_eq!(refused, AdmissionError::HeldBlocksFull { committed: 6, needed: 3, cap: 8, total: 16 });
+    assert!(refused.output_message().starts_with("overloaded"));
+    // still refused once they are held for a reader that does not come
+    prefill_and_hold(&mut s);
+    assert_eq!(s.kv_usage().held_blocks, 6);
+    assert!(matches!(s.add_request(to_decode_remotely("p3", 9)), Err(AdmissionError::HeldBlocksFull { .. })));
+    // a request that will not be held is not limited by holds (2 blocks fit under the cap too)
+    s.add_request(req("local", 9, 50)).unwrap(); // still running after the step
+    s.add_request(to_decode_remotely("small", 3)).unwrap();
+    prefill_and_hold(&mut s);
+    assert_eq!(s.kv_usage().held_blocks, 7);
+    // the reader took p1's blocks: room for p3 again
+    s.update_from_kv_output(&KvConnectorOutput { finished_sending: vec!["p1".into()], ..Default::default() });
+    s.add_request(to_decode_remotely("p3", 9)).unwrap();
+    check_accounting(&s);
+    // 1.0 bounds nothing
+    let mut unbounded = Scheduler::new(cfg(16, 64));
+    for i in 0..5 {
+        unbounded.add_request(to_decode_remotely(&format!("u{i}"), 9)).unwrap();
+    }
 }
 
 /// D side: a request whose prompt comes from a remote prefill.

@@ -47,8 +47,12 @@ pub fn next_ticket() -> u64 {
     NEXT_TICKET.fetch_add(1, Ordering::Relaxed)
 }
 
-/// The receiving end of one request's outputs.
-pub type OutputReceiver = mpsc::UnboundedReceiver<EngineOutput>;
+/// The receiving end of one request's outputs (bounded by `limits.output_buffer`).
+pub type OutputReceiver = mpsc::Receiver<EngineOutput>;
+
+/// One line a second about requests cut off because their client does not read.
+static OVERFLOW_LOG: pdmesh_telemetry::log_limit::LogLimiter =
+    pdmesh_telemetry::log_limit::LogLimiter::new(Duration::from_secs(1));
 
 /// Why the frontend aborts an engine request (label of `pdmesh_frontend_aborts_sent_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +67,8 @@ pub enum AbortReason {
     SubmitTimeout,
     /// The frontend could not turn the outputs into a response (e.g. detokenisation failed).
     OutputError,
+    /// The request's output buffer is full: its client stopped reading (`limits.output_buffer`).
+    OutputOverflow,
 }
 
 impl AbortReason {
@@ -73,6 +79,7 @@ impl AbortReason {
             AbortReason::ReceiverGone => "receiver_gone",
             AbortReason::SubmitTimeout => "submit_timeout",
             AbortReason::OutputError => "output_error",
+            AbortReason::OutputOverflow => "output_overflow",
         }
     }
 }
@@ -114,19 +121,23 @@ pub struct InFlightCount;
 
 struct InFlight {
     ticket: u64,
-    tx: mpsc::UnboundedSender<EngineOutput>,
+    tx: mpsc::Sender<EngineOutput>,
 }
 
 /// The actor (see the module docs).
 pub struct EngineClient {
     link: LinkHandle,
     in_flight: HashMap<String, InFlight>,
+    /// Capacity of each request's output channel.
+    output_buffer: usize,
 }
 
 impl EngineClient {
     /// Start the actor and its DEALER link to the dp-lb at `endpoint` (which reconnects by
-    /// itself). The returned handle tells whether the link is up (for `/health`).
-    pub fn start(endpoint: String) -> (Addr<Self>, LinkHandle) {
+    /// itself). Each request's outputs are buffered up to `output_buffer` (at least 1); a
+    /// request whose handler falls that far behind is aborted. The returned handle tells
+    /// whether the link is up (for `/health`).
+    pub fn start(endpoint: String, output_buffer: usize) -> (Addr<Self>, LinkHandle) {
         let ctx = Context::<Self>::new();
         let hello = Envelope::new(WireMessage::Hello(Hello {
             service: ServiceKind::Frontend,
@@ -135,7 +146,8 @@ impl EngineClient {
         }));
         let config = LinkConfig::new(endpoint).identity(LINK_IDENTITY).hello(hello);
         let link = connect_dealer(config, ctx.address().recipient());
-        let addr = ctx.run(EngineClient { link: link.clone(), in_flight: HashMap::new() });
+        let output_buffer = output_buffer.max(1);
+        let addr = ctx.run(EngineClient { link: link.clone(), in_flight: HashMap::new(), output_buffer });
         (addr, link)
     }
 
@@ -148,14 +160,31 @@ impl EngineClient {
             return;
         };
         let request_id = output.request_id.clone();
-        if entry.tx.send(output).is_err() {
-            // The handler is gone without aborting (it was cancelled mid-submit).
-            self.in_flight.remove(&request_id);
-            if !finished {
-                self.send_abort(vec![request_id], AbortReason::ReceiverGone);
+        match entry.tx.try_send(output) {
+            Ok(()) if finished => {
+                self.in_flight.remove(&request_id);
             }
-        } else if finished {
-            self.in_flight.remove(&request_id);
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                // The handler is gone without aborting (it was cancelled mid-submit).
+                self.in_flight.remove(&request_id);
+                if !finished {
+                    self.send_abort(vec![request_id], AbortReason::ReceiverGone);
+                }
+            }
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                // The client stopped reading: do not buffer its output without bound. Dropping
+                // the sender ends the handler's stream after what it has buffered (an error for
+                // the client), and the engine stops generating.
+                self.in_flight.remove(&request_id);
+                if let Some(suppressed) = OVERFLOW_LOG.check() {
+                    tracing::warn!(%request_id, buffer = self.output_buffer, suppressed,
+                        "output buffer full (client not reading); aborting the request");
+                }
+                if !finished {
+                    self.send_abort(vec![request_id], AbortReason::OutputOverflow);
+                }
+            }
         }
     }
 
@@ -187,7 +216,8 @@ impl EngineClient {
     fn fail_all(&mut self, message: &str) {
         let n = self.in_flight.len();
         for (request_id, entry) in self.in_flight.drain() {
-            let _ = entry.tx.send(EngineOutput {
+            // A full buffer gets no error output, but the dropped sender ends the stream.
+            let _ = entry.tx.try_send(EngineOutput {
                 request_id,
                 new_token_ids: Vec::new(),
                 new_logprobs: None,
@@ -279,7 +309,7 @@ impl Handler<Submit> for EngineClient {
         }
         // Register before sending: the first output may overtake the Ack (they travel on
         // different sockets).
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(self.output_buffer);
         self.in_flight.insert(request_id.clone(), InFlight { ticket, tx });
         let envelope =
             Envelope::new(WireMessage::AddRequest(request)).with_request_id(request_id.clone()).with_trace(trace);

@@ -6,10 +6,15 @@
 //! [`TransportError`] and are mapped here too. [`FrontendError`] is why the service could not
 //! start or stopped abnormally.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
 use actix_web::error::JsonPayloadError;
+use actix_web::http::header::RETRY_AFTER;
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
 use pdmesh_protocol::{ErrorClass, WireError};
+use pdmesh_telemetry::log_limit::LogLimiter;
 use pdmesh_transport::TransportError;
 use serde::Serialize;
 use thiserror::Error;
@@ -54,9 +59,13 @@ pub enum ApiError {
     /// are routed by id, so two live requests cannot share one.
     #[error("request id `{0}` is already used by a request in flight")]
     DuplicateRequestId(String),
-    /// The engine side is down, restarting or refused for lack of capacity (503).
+    /// The engine side is down or restarting (503, with `Retry-After`).
     #[error("{0}")]
     Unavailable(String),
+    /// A bounded queue of the mesh is full — this frontend's in-flight bound, the dp-lb's, an
+    /// engine's waiting queue or P's held-block share (503, with `Retry-After`).
+    #[error("{0}")]
+    Overloaded(String),
     /// The engine side did not answer in time (504).
     #[error("{0}")]
     Timeout(String),
@@ -119,7 +128,7 @@ impl ApiError {
             | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
-            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable(_) | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal(_) | ApiError::EngineFailed(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -170,6 +179,7 @@ impl ApiError {
             ApiError::Unauthorized(_) => "unauthorized",
             ApiError::DuplicateRequestId(_) => "duplicate_request_id",
             ApiError::Unavailable(_) => "unavailable",
+            ApiError::Overloaded(_) => "overloaded",
             ApiError::Timeout(_) => "timeout",
             ApiError::Internal(_) => "internal",
             ApiError::EngineFailed(_) => "engine_error",
@@ -196,6 +206,13 @@ impl ApiError {
     pub fn record(&self) {
         REQUEST_ERRORS_TOTAL.with_label_values(&[self.kind()]).inc();
         let status = self.status().as_u16();
+        if matches!(self, ApiError::Overloaded(_)) {
+            // Refusals come in storms: one line a second says it is happening.
+            if let Some(suppressed) = OVERLOAD_LOG.check() {
+                tracing::warn!(status, kind = self.kind(), error = %self, suppressed, "request refused: overloaded");
+            }
+            return;
+        }
         match status {
             500.. if matches!(self, ApiError::Internal(_)) => {
                 tracing::error!(status, kind = self.kind(), error = %self, "request failed")
@@ -214,6 +231,7 @@ impl ApiError {
             ErrorClass::Timeout => ApiError::Timeout(err.message),
             // A mesh-internal link that failed authentication: a deployment fault, not the client's.
             ErrorClass::Internal | ErrorClass::Unauthenticated => ApiError::Internal(err.message),
+            ErrorClass::Overloaded => ApiError::Overloaded(err.message),
         }
     }
 
@@ -223,13 +241,15 @@ impl ApiError {
     }
 
     /// A request the mesh failed after accepting it (`finish_reason = error`): 503 when the
-    /// mesh says it was a capacity or liveness problem (message starts with "unavailable"),
-    /// 400 when the engine refused the request itself at admission ("invalid request"), 500
-    /// otherwise.
+    /// mesh says it was a capacity or liveness problem (message starts with "overloaded" or
+    /// "unavailable"), 400 when the engine refused the request itself at admission ("invalid
+    /// request"), 500 otherwise.
     pub fn from_engine_failure(message: Option<&str>) -> Self {
         let message = message.unwrap_or("the engine failed the request");
         let lower = message.trim_start().to_ascii_lowercase();
-        if lower.starts_with("unavailable") {
+        if lower.starts_with("overloaded") {
+            ApiError::Overloaded(message.to_string())
+        } else if lower.starts_with("unavailable") {
             ApiError::Unavailable(message.to_string())
         } else if lower.starts_with("invalid request") {
             ApiError::invalid_request(message)
@@ -254,13 +274,37 @@ impl ApiError {
     }
 }
 
+/// `Retry-After` of every 503 (and 429) this process sends (`limits.retry_after_s`).
+static RETRY_AFTER_S: AtomicU32 = AtomicU32::new(1);
+
+/// One overload log line a second, whatever the rate of refusals.
+static OVERLOAD_LOG: LogLimiter = LogLimiter::new(Duration::from_secs(1));
+
+/// Set the `Retry-After` this process sends (once, at start-up, from the node's limits).
+pub fn set_retry_after_s(seconds: u32) {
+    RETRY_AFTER_S.store(seconds, Ordering::Relaxed);
+}
+
+impl ApiError {
+    /// The `Retry-After` header of this error: on 503 and 429 answers, which tell the client
+    /// to come back rather than that it erred.
+    pub fn retry_after_s(&self) -> Option<u32> {
+        matches!(self.status(), StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS)
+            .then(|| RETRY_AFTER_S.load(Ordering::Relaxed))
+    }
+}
+
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
         self.status()
     }
 
     fn error_response(&self) -> HttpResponse {
-        HttpResponse::build(self.status()).json(self.body())
+        let mut response = HttpResponse::build(self.status());
+        if let Some(seconds) = self.retry_after_s() {
+            response.insert_header((RETRY_AFTER, seconds.to_string()));
+        }
+        response.json(self.body())
     }
 }
 
@@ -297,6 +341,7 @@ mod tests {
             (ApiError::ModelNotFound("m".into()), 404, "NotFoundError"),
             (ApiError::PayloadTooLarge("x".into()), 413, "invalid_request_error"),
             (ApiError::Unavailable("x".into()), 503, "ServiceUnavailableError"),
+            (ApiError::Overloaded("x".into()), 503, "ServiceUnavailableError"),
             (ApiError::Timeout("x".into()), 504, "TimeoutError"),
             (ApiError::Internal("x".into()), 500, "InternalServerError"),
             (ApiError::EngineFailed("x".into()), 500, "InternalServerError"),
@@ -333,6 +378,8 @@ mod tests {
         assert_eq!(s(ErrorClass::Unavailable), 503);
         assert_eq!(s(ErrorClass::Timeout), 504);
         assert_eq!(s(ErrorClass::Internal), 500);
+        assert_eq!(s(ErrorClass::Overloaded), 503);
+        assert_eq!(ApiError::from_wire(WireError::new(ErrorClass::Overloaded, "m")).kind(), "overloaded");
         let t = ApiError::from_transport(&TransportError::PeerGone("ipc://x".into()));
         assert_eq!(t.status().as_u16(), 503);
         assert!(t.to_string().starts_with("engine unavailable: "));
@@ -343,5 +390,24 @@ mod tests {
         assert_eq!(ApiError::from_engine_failure(Some("unavailable: rank 0 died")).status().as_u16(), 503);
         assert_eq!(ApiError::from_engine_failure(Some("KV load failed")).status().as_u16(), 500);
         assert_eq!(ApiError::from_engine_failure(None).status().as_u16(), 500);
+        let full = ApiError::from_engine_failure(Some("overloaded: waiting queue full"));
+        assert_eq!((full.status().as_u16(), full.kind()), (503, "overloaded"));
+    }
+
+    #[test]
+    fn every_503_carries_retry_after_and_others_do_not() {
+        for (err, header) in [
+            (ApiError::Overloaded("x".into()), true),
+            (ApiError::Unavailable("x".into()), true),
+            (ApiError::invalid_request("x"), false),
+            (ApiError::Internal("x".into()), false),
+        ] {
+            let response = err.error_response();
+            let got = response.headers().get(RETRY_AFTER).map(|v| v.to_str().unwrap().to_string());
+            assert_eq!(got.is_some(), header, "{err:?}");
+            if let Some(v) = got {
+                assert!(v.parse::<u32>().unwrap() >= 1);
+            }
+        }
     }
 }

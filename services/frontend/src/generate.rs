@@ -142,12 +142,19 @@ pub struct RequestGuard {
     last_tokens_at: Option<Instant>,
     finished: bool,
     span: tracing::Span,
+    /// The request's place under `limits.max_in_flight`, given back with the guard.
+    permit: Option<crate::overload::InFlightPermit>,
 }
 
 impl RequestGuard {
     fn new(client: Addr<EngineClient>, request_id: String, ticket: u64, arrival: Instant, span: tracing::Span) -> Self {
         IN_FLIGHT.inc();
-        Self { client, request_id, ticket, arrival, last_tokens_at: None, finished: false, span }
+        Self { client, request_id, ticket, arrival, last_tokens_at: None, finished: false, span, permit: None }
+    }
+
+    /// Keep the request's in-flight permit until the answer is over (the guard is dropped).
+    pub fn hold(&mut self, permit: crate::overload::InFlightPermit) {
+        self.permit = Some(permit);
     }
 
     /// Record the arrival of `n` new tokens (TTFT for the first, inter-token latency after).

@@ -29,6 +29,7 @@
 //! - [`error`]: [`ApiError`] (HTTP status / OpenAI type mapping in one place) and
 //!   [`FrontendError`].
 //! - [`metrics`]: metric names and definitions.
+//! - [`overload`]: the bound on requests in flight (503 + `Retry-After` beyond it).
 //!
 //! Not done here (see the module docs where relevant): `n > 1`, `echo`, penalties and
 //! `logit_bias` (refused with 400), and the pre-admission rejection notice to P for
@@ -43,6 +44,7 @@ pub mod headers;
 pub mod metrics;
 pub mod openai;
 pub mod output;
+pub mod overload;
 pub mod responses;
 pub mod router;
 pub mod server;

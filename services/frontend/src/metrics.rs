@@ -28,7 +28,7 @@ pub const REQUESTS_IN_FLIGHT: &str = "pdmesh_frontend_requests_in_flight";
 /// Engine outputs naming a request id that no handler waits for (e.g. already aborted).
 pub const UNKNOWN_REQUEST_OUTPUTS: &str = "pdmesh_frontend_unknown_request_outputs_total";
 /// Abort messages sent to the dp-lb, by reason (`client_disconnect`, `stop_string`,
-/// `receiver_gone`, `submit_timeout`, `output_error`).
+/// `receiver_gone`, `submit_timeout`, `output_error`, `output_overflow`).
 pub const ABORTS_SENT: &str = "pdmesh_frontend_aborts_sent_total";
 /// 1 while the DEALER link to the dp-lb is connected, else 0.
 pub const ENGINE_LINK_UP: &str = "pdmesh_frontend_engine_link_up";
@@ -41,6 +41,13 @@ pub const UNAUTHORIZED: &str = "pdmesh_frontend_unauthorized_total";
 /// Requests let through by a valid API key, by kind of key (`client`, or `internal`: the
 /// router calling this node); counted only where keys are required.
 pub const AUTHORIZED: &str = "pdmesh_frontend_authorized_total";
+/// Generation requests holding a place under `limits.max_in_flight` (from the handler's
+/// start to the end of the answer).
+pub const HTTP_IN_FLIGHT_REQUESTS: &str = "pdmesh_frontend_http_in_flight_requests";
+/// Requests refused because this server's in-flight bound was reached, by `source`
+/// (`frontend`, `router`). Refusals decided further in (dp-lb, engine) are counted in
+/// `pdmesh_frontend_request_errors_total{kind="overloaded"}` with these.
+pub const OVERLOAD_REFUSALS: &str = "pdmesh_frontend_overload_refusals_total";
 /// Messages from the dp-lb that the frontend does not expect, by message kind.
 pub const UNEXPECTED_MESSAGES: &str = "pdmesh_frontend_unexpected_messages_total";
 
@@ -99,6 +106,13 @@ pub(crate) static AUTHORIZED_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter_vec(AUTHORIZED, "Requests let through by a valid API key, by kind of key", &["credential"])
 });
 
+pub(crate) static HTTP_IN_FLIGHT: LazyLock<IntGauge> =
+    LazyLock::new(|| gauge(HTTP_IN_FLIGHT_REQUESTS, "Generation requests holding a place under limits.max_in_flight"));
+
+pub(crate) static OVERLOAD_REFUSALS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(OVERLOAD_REFUSALS, "Requests refused at this server's in-flight bound, by source", &["source"])
+});
+
 pub(crate) static UNEXPECTED_MESSAGES_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(UNEXPECTED_MESSAGES, "Unexpected messages from the dp-lb, by kind", &["kind"]));
 
@@ -121,4 +135,6 @@ pub(crate) fn init() {
     LazyLock::force(&UNEXPECTED_MESSAGES_TOTAL);
     LazyLock::force(&UNAUTHORIZED_TOTAL);
     LazyLock::force(&AUTHORIZED_TOTAL);
+    LazyLock::force(&HTTP_IN_FLIGHT);
+    LazyLock::force(&OVERLOAD_REFUSALS_TOTAL);
 }

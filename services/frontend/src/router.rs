@@ -40,6 +40,8 @@ pub struct RouterState {
     give_up_notices: bool,
     /// `Bearer <internal key>` for every call to P and D, when the mesh has an internal key.
     internal_authorization: Option<String>,
+    /// The router's own bound on requests in flight (`limits.max_in_flight`).
+    in_flight: crate::overload::InFlightLimit,
 }
 
 impl RouterState {
@@ -67,6 +69,13 @@ fn error(e: ApiError, request_id: &str) -> HttpResponse {
         return actix_web::ResponseError::error_response(&e);
     }
     crate::handlers::error_response(e, request_id)
+}
+
+/// A node's `Retry-After` (on its 503/429) passed to the client unchanged.
+fn pass_retry_after(builder: &mut actix_web::HttpResponseBuilder, value: Option<reqwest::header::HeaderValue>) {
+    if let Some(v) = value.and_then(|v| actix_web::http::header::HeaderValue::from_bytes(v.as_bytes()).ok()) {
+        builder.insert_header((actix_web::http::header::RETRY_AFTER, v));
+    }
 }
 
 /// The client's header pinning the prefill leg to one of P's data-parallel ranks.
@@ -134,6 +143,11 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     if !original.is_object() {
         return error(ApiError::invalid_request("request body must be a JSON object"), &request_id);
     }
+    // Overload control: refused here, before P is asked, nothing is held anywhere yet.
+    let permit = match st.in_flight.try_acquire() {
+        Ok(permit) => permit,
+        Err(e) => return error(e, &request_id),
+    };
     let (span, client_trace) = request_span(&req, &request_id, path);
     let authorization = st.upstream_authorization(&req);
     let (Some(p), Some(d)) = (RouterState::pick(&st.prefill, &st.next_p), RouterState::pick(&st.decode, &st.next_d))
@@ -199,17 +213,18 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         }
     };
     let p_status = p_res.status();
+    let p_retry_after = p_res.headers().get(reqwest::header::RETRY_AFTER).cloned();
     let p_bytes = p_res.bytes().await.unwrap_or_default();
     tracing::info!(parent: &p_span, status = p_status.as_u16(), "prefill answered");
     drop(p_span);
     if !p_status.is_success() {
         release.disarm();
-        // P refused the request (bad input, too long...): the client gets P's answer.
+        // P refused the request (bad input, too long, overloaded...): the client gets P's
+        // answer, `Retry-After` included.
         let status = StatusCode::from_u16(p_status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-        return HttpResponse::build(status)
-            .insert_header((REQUEST_ID, request_id))
-            .content_type("application/json")
-            .body(p_bytes);
+        let mut builder = HttpResponse::build(status);
+        pass_retry_after(&mut builder, p_retry_after);
+        return builder.insert_header((REQUEST_ID, request_id)).content_type("application/json").body(p_bytes);
     }
     let params =
         serde_json::from_slice::<Value>(&p_bytes).ok().map(|v| v["kv_transfer_params"].clone()).unwrap_or(Value::Null);
@@ -253,12 +268,13 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         .unwrap_or(if stream { "text/event-stream" } else { "application/json" })
         .to_string();
     let mut builder = HttpResponse::build(status);
+    pass_retry_after(&mut builder, d_res.headers().get(reqwest::header::RETRY_AFTER).cloned());
     let request_id_for_stream = request_id.clone();
     builder.insert_header((REQUEST_ID, request_id)).content_type(content_type);
     tracing::info!(parent: &d_span, status = status.as_u16(), "decode answered");
     if stream && status.is_success() {
         // The spans end when the stream does (dropped with it), so they cover the whole answer.
-        let spans = (span, d_span);
+        let spans = (span, d_span, permit);
         let upstream = d_res.bytes_stream().map(|chunk| chunk.map_err(|e| e.to_string()));
         builder.streaming(whole_events(upstream, request_id_for_stream).map(move |chunk| {
             let _ = &spans;
@@ -456,7 +472,9 @@ pub async fn run_router(
         client,
         give_up_notices: node.router.give_up_notices,
         internal_authorization: internal_key.map(|k| format!("Bearer {k}")),
+        in_flight: crate::overload::InFlightLimit::new(node.limits.max_in_flight, "router"),
     });
+    crate::error::set_retry_after_s(node.limits.retry_after_s);
     tracing::info!(
         api_keys = client_keys.enabled(),
         internal_key = state.internal_authorization.is_some(),
@@ -522,6 +540,7 @@ mod tests {
             client: reqwest::Client::new(),
             give_up_notices: true,
             internal_authorization: internal.map(|k| format!("Bearer {k}")),
+            in_flight: crate::overload::InFlightLimit::new(0, "router"),
         }
     }
 
@@ -552,6 +571,80 @@ mod tests {
         assert_eq!(state(None).upstream_authorization(&req).as_deref(), Some("Bearer sk-client"));
         let anonymous = actix_web::test::TestRequest::default().to_http_request();
         assert_eq!(state(None).upstream_authorization(&anonymous), None);
+    }
+
+    /// A router whose prefill upstream answers every request with a 503, `Retry-After: 7`.
+    async fn router_before_an_overloaded_p(
+        max_in_flight: u32,
+    ) -> (web::Data<RouterState>, actix_web::dev::ServerHandle) {
+        let p = HttpServer::new(|| {
+            App::new().route(
+                "/v1/completions",
+                web::post().to(|| async {
+                    HttpResponse::ServiceUnavailable()
+                        .insert_header(("retry-after", "7"))
+                        .json(json!({"error": {"message": "overloaded: P is full", "type": "ServiceUnavailableError",
+                                               "param": null, "code": 503}}))
+                }),
+            )
+        })
+        .workers(1)
+        .bind(("127.0.0.1", 0))
+        .unwrap();
+        let p_addr = p.addrs()[0];
+        let p = p.run();
+        let handle = p.handle();
+        actix_web::rt::spawn(p);
+        let state = web::Data::new(RouterState {
+            prefill: vec![format!("http://{p_addr}")],
+            decode: vec![format!("http://{p_addr}")],
+            next_p: AtomicUsize::new(0),
+            next_d: AtomicUsize::new(0),
+            client: reqwest::Client::new(),
+            give_up_notices: true,
+            internal_authorization: None,
+            in_flight: crate::overload::InFlightLimit::new(max_in_flight, "router"),
+        });
+        (state, handle)
+    }
+
+    async fn post(state: &web::Data<RouterState>) -> (StatusCode, Option<String>, Value) {
+        let app = actix_web::test::init_service(
+            App::new().app_data(state.clone()).route("/v1/completions", web::post().to(completions)),
+        )
+        .await;
+        let req = actix_web::test::TestRequest::post().uri("/v1/completions").set_json(json!({"prompt": "x"}));
+        let res = actix_web::test::call_service(&app, req.to_request()).await;
+        let retry = res.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+        let status = res.status();
+        let body = actix_web::test::read_body(res).await;
+        (status, retry, serde_json::from_slice(&body).unwrap())
+    }
+
+    #[actix_web::test]
+    async fn a_nodes_503_and_retry_after_pass_through_unchanged() {
+        let (state, p) = router_before_an_overloaded_p(0).await;
+        let (status, retry, body) = post(&state).await;
+        assert_eq!(status, 503);
+        assert_eq!(retry.as_deref(), Some("7"), "P's Retry-After, not the router's own");
+        assert_eq!(body["error"]["message"], "overloaded: P is full");
+        assert_eq!(state.in_flight.current(), 0);
+        p.stop(false).await;
+    }
+
+    #[actix_web::test]
+    async fn the_router_refuses_beyond_its_own_bound_before_asking_p() {
+        let (state, p) = router_before_an_overloaded_p(1).await;
+        let held = state.in_flight.try_acquire().unwrap();
+        let (status, retry, body) = post(&state).await;
+        assert_eq!(status, 503);
+        assert!(retry.unwrap().parse::<u32>().unwrap() >= 1);
+        assert_eq!(body["error"]["type"], "ServiceUnavailableError");
+        assert!(body["error"]["message"].as_str().unwrap().starts_with("overloaded"), "{body}");
+        drop(held);
+        let (_, retry, body) = post(&state).await;
+        assert_eq!((retry.as_deref(), &body["error"]["message"]), (Some("7"), &json!("overloaded: P is full")));
+        p.stop(false).await;
     }
 
     #[test]

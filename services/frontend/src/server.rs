@@ -21,6 +21,7 @@ use crate::generate::unix_now;
 use crate::handlers;
 use crate::headers::REQUEST_ID;
 use crate::metrics::HTTP_REQUESTS_TOTAL;
+use crate::overload::InFlightLimit;
 use crate::FrontendOptions;
 
 /// Largest accepted request body (413 above).
@@ -41,6 +42,8 @@ pub struct AppState {
     pub responses: Arc<crate::responses::ResponseStore>,
     /// The API keys clients must present (none: no key required); [`crate::auth`].
     pub api_keys: ApiKeys,
+    /// The bound on generation requests in flight (`limits.max_in_flight`).
+    pub in_flight: InFlightLimit,
 }
 
 impl AppState {
@@ -49,6 +52,7 @@ impl AppState {
         link: LinkHandle,
         codec: Arc<dyn TextCodec>,
         options: FrontendOptions,
+        in_flight: InFlightLimit,
     ) -> Self {
         Self {
             client,
@@ -58,6 +62,7 @@ impl AppState {
             started: unix_now(),
             responses: Arc::new(crate::responses::ResponseStore::default()),
             api_keys: ApiKeys::default(),
+            in_flight,
         }
     }
 
@@ -155,17 +160,20 @@ pub async fn start(
     crate::metrics::init();
     let node = topology.node(node_name)?;
     let endpoints = node.endpoints(&topology.run_dir);
-    let (client, link) = EngineClient::start(endpoints.dplb_frontend.connect.clone());
+    crate::error::set_retry_after_s(node.limits.retry_after_s);
+    let (client, link) =
+        EngineClient::start(endpoints.dplb_frontend.connect.clone(), node.limits.output_buffer as usize);
     let outputs = bind_pull(&endpoints.frontend_outputs.bind, client.clone().recipient())
         .await
         .map_err(FrontendError::OutputSocket)?;
     tracing::info!(dp_lb = %endpoints.dplb_frontend.connect, %outputs, "engine client started");
+    let in_flight = InFlightLimit::new(node.limits.max_in_flight, "frontend");
     tracing::info!(
         api_keys = api_keys.enabled(),
         "API keys {}",
         if api_keys.enabled() { "required" } else { "not required" }
     );
-    let mut app_state = AppState::new(client, link, codec, options);
+    let mut app_state = AppState::new(client, link, codec, options, in_flight);
     app_state.api_keys = api_keys;
     let state = web::Data::new(app_state);
     let app_state = state.clone();

@@ -154,14 +154,27 @@ impl Drop for Harness {
 const MODEL: &str = "pdmesh-synthetic";
 
 async fn harness(script: impl Fn(&EngineRequest) -> Script + Send + 'static) -> Harness {
-    harness_with_keys(script, ApiKeys::default()).await
+    harness_full("", script, ApiKeys::default()).await
 }
 
 /// [`harness`] with API keys required.
 async fn harness_with_keys(script: impl Fn(&EngineRequest) -> Script + Send + 'static, keys: ApiKeys) -> Harness {
+    harness_full("", script, keys).await
+}
+
+/// A harness whose node has `node_toml` appended to its `[[nodes]]` table (e.g. limits).
+async fn harness_with(node_toml: &str, script: impl Fn(&EngineRequest) -> Script + Send + 'static) -> Harness {
+    harness_full(node_toml, script, ApiKeys::default()).await
+}
+
+async fn harness_full(
+    node_toml: &str,
+    script: impl Fn(&EngineRequest) -> Script + Send + 'static,
+    keys: ApiKeys,
+) -> Harness {
     let run_dir = std::env::temp_dir().join(format!("pdmesh-fe-{}", uuid::Uuid::new_v4().simple()));
     let topology = Topology::from_toml(&format!(
-        "run_dir = {:?}\n[[nodes]]\nname = \"main\"\nhttp_port = 0\n",
+        "run_dir = {:?}\n[[nodes]]\nname = \"main\"\nhttp_port = 0\n{node_toml}\n",
         run_dir.display().to_string()
     ))
     .unwrap();
@@ -1055,4 +1068,191 @@ async fn without_api_keys_no_key_is_needed() {
     assert_eq!(r.status().as_u16(), 200);
     let r = client.get(format!("http://{}/debug/kv", h.addr)).bearer_auth("anything").send().await.unwrap();
     assert_eq!(r.status().as_u16(), 200);
+}
+
+// ---- overload control
+
+/// `call`, with the response headers.
+async fn call_with_headers(
+    h: &Harness,
+    path: &str,
+    body: Value,
+    headers: &[(&str, &str)],
+) -> (StatusCode, actix_web::http::header::HeaderMap, Bytes) {
+    let app = test::init_service(app(h.state.clone())).await;
+    let mut req = test::TestRequest::post().uri(path).set_json(body);
+    for (k, v) in headers {
+        req = req.insert_header((*k, *v));
+    }
+    let res = test::call_service(&app, req.to_request()).await;
+    let (status, headers) = (res.status(), res.headers().clone());
+    (status, headers, test::read_body(res).await)
+}
+
+/// A 503 that tells the client to come back: `Retry-After` and the OpenAI error body.
+fn assert_overloaded(status: StatusCode, headers: &actix_web::http::header::HeaderMap, body: &Bytes) {
+    assert_eq!(status, 503, "{}", String::from_utf8_lossy(body));
+    let retry = headers.get("retry-after").expect("Retry-After on a 503").to_str().unwrap();
+    assert!(retry.parse::<u32>().unwrap() >= 1, "{retry}");
+    let v = json_of(body);
+    assert_eq!(v["error"]["type"], "ServiceUnavailableError");
+    assert_eq!(v["error"]["code"], 503);
+    assert!(v["error"].get("param").is_some());
+    assert!(v["error"]["message"].as_str().unwrap().starts_with("overloaded"), "{v}");
+}
+
+async fn added_count(h: &Harness) -> usize {
+    added(h).len()
+}
+
+#[actix_web::test]
+async fn requests_beyond_max_in_flight_get_503_retry_after_and_p_is_notified() {
+    // the first request is accepted and then hangs until its output is pushed
+    let rest = generates("ok", Some(FinishReason::Stop));
+    let h = harness_with("limits = { max_in_flight = 1 }", move |req| {
+        if req.client_request_id.as_deref() == Some("slow") {
+            Script { reply: Some(WireMessage::Ack), outputs: vec![] }
+        } else {
+            rest(req)
+        }
+    })
+    .await;
+    let state = h.state.clone();
+    let first = actix_web::rt::spawn(async move {
+        let app = test::init_service(app(state)).await;
+        let req = test::TestRequest::post()
+            .uri("/v1/completions")
+            .insert_header(("x-request-id", "slow"))
+            .set_json(json!({"prompt": "a", "max_tokens": 5}));
+        let res = test::call_service(&app, req.to_request()).await;
+        (res.status(), test::read_body(res).await)
+    });
+    for _ in 0..300 {
+        if added_count(&h).await == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(added_count(&h).await, 1);
+    assert_eq!(h.state.in_flight.current(), 1);
+
+    // the second one is refused at once, before the dp-lb hears of it, and P is told (R1)
+    let refusals = crate::metrics::OVERLOAD_REFUSALS_TOTAL.with_label_values(&["frontend"]).get();
+    let (status, headers, body) = call_with_headers(
+        &h,
+        "/v1/completions",
+        json!({"prompt": "b", "max_tokens": 5, "kv_transfer_params": p_params()}),
+        &[("x-request-id", "refused"), ("X-data-parallel-rank", "1")],
+    )
+    .await;
+    assert_overloaded(status, &headers, &body);
+    assert_eq!(headers.get("x-request-id").unwrap(), "refused");
+    assert_eq!(crate::metrics::OVERLOAD_REFUSALS_TOTAL.with_label_values(&["frontend"]).get(), refusals + 1);
+    assert_eq!(added_count(&h).await, 1, "the refused request never reached the dp-lb");
+    let notice = wait_for_notice(&h, "p-req-7").await.expect("rejection notice for P");
+    assert_eq!(notice.data_parallel_rank, Some(1));
+
+    // the first request finishes: its place is free again
+    let slow = added(&h)
+        .iter()
+        .find_map(|e| match &e.body {
+            WireMessage::AddRequest(r) if r.client_request_id.as_deref() == Some("slow") => Some(r.request_id.clone()),
+            _ => None,
+        })
+        .unwrap();
+    h.lb.send(PushOutputs(vec![output(&slow, "hello", Some(FinishReason::Length))])).await.unwrap();
+    let (status, body) = first.await.unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(h.state.in_flight.current(), 0);
+    let (status, _, body) =
+        call_with_headers(&h, "/v1/completions", json!({"prompt": "c", "max_tokens": 5}), &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["choices"][0]["text"], "ok");
+}
+
+#[actix_web::test]
+async fn a_stream_keeps_its_place_until_it_ends() {
+    let h = harness_with("limits = { max_in_flight = 1 }", generates("abc", Some(FinishReason::Stop))).await;
+    let app = test::init_service(app(h.state.clone())).await;
+    let req = test::TestRequest::post()
+        .uri("/v1/completions")
+        .set_json(json!({"prompt": "a", "max_tokens": 5, "stream": true}));
+    let res = test::call_service(&app, req.to_request()).await;
+    assert_eq!(res.status(), 200);
+    // the handler returned, the stream is not over: its place is still taken
+    let (status, headers, body) = call_with_headers(&h, "/v1/completions", json!({"prompt": "b"}), &[]).await;
+    assert_overloaded(status, &headers, &body);
+    let events = sse_events(&test::read_body(res).await);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    for _ in 0..300 {
+        if h.state.in_flight.current() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(h.state.in_flight.current(), 0, "given back when the stream ended");
+    let (status, _, _) = call_with_headers(&h, "/v1/completions", json!({"prompt": "c", "max_tokens": 3}), &[]).await;
+    assert_eq!(status, 200);
+}
+
+#[actix_web::test]
+async fn overload_refusals_from_the_dp_lb_and_the_engine_are_503_with_retry_after() {
+    let h = harness(|req| match req.request_id.as_str() {
+        "lb-full" => Script {
+            reply: Some(WireMessage::Error(WireError::new(
+                ErrorClass::Overloaded,
+                "overloaded: every engine rank has engine.max_waiting = 128 requests waiting",
+            ))),
+            outputs: vec![],
+        },
+        _ => {
+            let mut refused = output(&req.request_id, "", Some(FinishReason::Error));
+            refused.error =
+                Some("overloaded: the waiting queue is full (128 requests, engine.max_waiting = 128)".into());
+            Script { reply: Some(WireMessage::Ack), outputs: vec![refused] }
+        }
+    })
+    .await;
+    let before = crate::metrics::REQUEST_ERRORS_TOTAL.with_label_values(&["overloaded"]).get();
+    for id in ["lb-full", "engine-full"] {
+        let (status, headers, body) = call_with_headers(
+            &h,
+            "/v1/completions",
+            json!({"prompt": "b", "max_tokens": 5, "kv_transfer_params": p_params()}),
+            &[("x-request-id", id)],
+        )
+        .await;
+        assert_overloaded(status, &headers, &body);
+    }
+    assert_eq!(crate::metrics::REQUEST_ERRORS_TOTAL.with_label_values(&["overloaded"]).get(), before + 2);
+    // R1: the dp-lb's refusal is a refusal before admission, so the frontend tells P
+    assert!(wait_for_notice(&h, "p-req-7").await.is_some());
+}
+
+#[actix_web::test]
+async fn a_client_that_stops_reading_is_cut_off_at_the_output_buffer() {
+    // 300 one-byte outputs (the fake engine ignores max_tokens): more than the SSE body
+    // buffer and the 4-output buffer together
+    let h = harness_with("limits = { output_buffer = 4 }", |req| {
+        let outputs =
+            (0..300).map(|i| output(&req.request_id, "x", (i == 299).then_some(FinishReason::Length))).collect();
+        Script { reply: Some(WireMessage::Ack), outputs }
+    })
+    .await;
+    let app = test::init_service(app(h.state.clone())).await;
+    let req = test::TestRequest::post()
+        .uri("/v1/completions")
+        .insert_header(("x-request-id", "stalled"))
+        .set_json(json!({"prompt": "a", "max_tokens": 60, "stream": true}));
+    let before = crate::metrics::ABORTS_SENT_TOTAL.with_label_values(&["output_overflow"]).get();
+    let res = test::call_service(&app, req.to_request()).await;
+    assert_eq!(res.status(), 200);
+    // nobody reads the body: the frontend stops buffering and aborts the engine request
+    assert!(wait_for_abort(&h, "stalled").await, "the stalled request is aborted");
+    assert_eq!(crate::metrics::ABORTS_SENT_TOTAL.with_label_values(&["output_overflow"]).get(), before + 1);
+    // the client that finally reads gets what was buffered, then an error event, not a hang
+    let body = test::read_body(res).await;
+    let events = sse_events(&body);
+    assert!(events.iter().any(|e| e["error"]["code"] == 503), "{}", String::from_utf8_lossy(&body));
+    assert_eq!(events.last().unwrap(), "[DONE]");
 }

@@ -113,6 +113,52 @@ pub struct NodeConfig {
     /// KV transfer (vLLM's `kv_transfer_config`); absent on colocated nodes.
     #[serde(default)]
     pub kv_transfer: Option<KvTransferConfig>,
+    /// Overload control: the bounds of the node's queues outside the engine (the engine's own
+    /// are in [`EngineConfig`]).
+    #[serde(default)]
+    pub limits: LimitsConfig,
+}
+
+/// Bounds of a node's queues outside the engine. Beyond each one a request is refused with a
+/// 503, `Retry-After` and an OpenAI error body instead of waiting in an unbounded queue.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Frontend (and router): generation requests in flight over HTTP, from the handler's
+    /// start to the last byte of the answer. 0: no bound.
+    #[serde(default = "default_max_in_flight")]
+    pub max_in_flight: u32,
+    /// Frontend: engine outputs queued for one request whose client does not read; beyond it
+    /// the request is aborted (a stalled client cannot make the frontend buffer its output).
+    #[serde(default = "default_output_buffer")]
+    pub output_buffer: u32,
+    /// dp-lb: requests in its in-flight table (routed, not finished). 0: no bound.
+    #[serde(default = "default_dp_lb_max_in_flight")]
+    pub dp_lb_max_in_flight: u32,
+    /// Seconds a refused client is told to wait (`Retry-After`) on every 503.
+    #[serde(default = "one")]
+    pub retry_after_s: u32,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_in_flight: default_max_in_flight(),
+            output_buffer: default_output_buffer(),
+            dp_lb_max_in_flight: default_dp_lb_max_in_flight(),
+            retry_after_s: 1,
+        }
+    }
+}
+
+fn default_max_in_flight() -> u32 {
+    256
+}
+fn default_output_buffer() -> u32 {
+    1024
+}
+fn default_dp_lb_max_in_flight() -> u32 {
+    512
 }
 
 /// vLLM's `kv_transfer_config`, with pdmesh's transfer knobs.
@@ -405,6 +451,16 @@ pub struct EngineConfig {
     /// `PDMESH_ENGINE_FAULT` overrides it for one process.
     #[serde(default)]
     pub fault_injection: String,
+    /// Requests in the waiting queue of one rank; beyond it new requests are refused (503).
+    /// The dp-lb also refuses, from the ranks' load reports, before a rank would. 0: no bound.
+    #[serde(default = "default_max_waiting")]
+    pub max_waiting: u32,
+    /// Prefill nodes: the share of the KV pool that blocks held for remote decoders (and
+    /// blocks promised to remote-decode requests still being prefilled) may take. A
+    /// remote-decode request that would push them above it is refused (503), so holds that
+    /// nobody reads cannot fill P. 1.0: no bound.
+    #[serde(default = "default_max_held_fraction")]
+    pub max_held_fraction: f64,
 }
 
 impl EngineConfig {
@@ -438,6 +494,8 @@ impl Default for EngineConfig {
             max_model_len: 0,
             step_timeout_ms: default_step_timeout_ms(),
             fault_injection: String::new(),
+            max_waiting: default_max_waiting(),
+            max_held_fraction: default_max_held_fraction(),
         }
     }
 }
@@ -456,6 +514,12 @@ fn default_max_batched() -> u32 {
 }
 fn default_step_timeout_ms() -> u64 {
     60_000
+}
+fn default_max_waiting() -> u32 {
+    256
+}
+fn default_max_held_fraction() -> f64 {
+    0.5
 }
 
 /// The router role's upstreams.
@@ -766,6 +830,12 @@ impl Topology {
                     ));
                 }
             }
+            if !(e.max_held_fraction > 0.0 && e.max_held_fraction <= 1.0) {
+                return invalid(format!("node {:?}: engine.max_held_fraction must be in (0, 1]", n.name));
+            }
+            if n.limits.output_buffer == 0 {
+                return invalid(format!("node {:?}: limits.output_buffer must be at least 1", n.name));
+            }
             if n.role == NodeRole::Router && (n.router.prefill.is_empty() || n.router.decode.is_empty()) {
                 return invalid(format!("router node {:?} needs router.prefill and router.decode upstreams", n.name));
             }
@@ -816,6 +886,28 @@ mod tests {
             .unwrap();
         let kv = t.nodes[0].kv_transfer.as_ref().unwrap();
         assert_eq!((kv.read_lease().as_secs(), kv.heartbeat_extension().as_secs()), (3, 7));
+    }
+
+    #[test]
+    fn overload_limits_have_defaults_and_are_checked() {
+        let t = Topology::from_toml("[[nodes]]\nname = \"a\"\n").unwrap();
+        let n = &t.nodes[0];
+        assert_eq!((n.limits.max_in_flight, n.limits.dp_lb_max_in_flight, n.limits.retry_after_s), (256, 512, 1));
+        assert_eq!((n.engine.max_waiting, n.engine.max_held_fraction), (256, 0.5));
+        let t = Topology::from_toml(
+            "[[nodes]]\nname = \"a\"\nlimits = { max_in_flight = 3, retry_after_s = 7 }\nengine = { max_waiting = 0 }\n",
+        )
+        .unwrap();
+        assert_eq!((t.nodes[0].limits.max_in_flight, t.nodes[0].limits.retry_after_s), (3, 7));
+        assert_eq!(t.nodes[0].engine.max_waiting, 0);
+        for bad in [
+            "engine = { max_held_fraction = 0.0 }",
+            "engine = { max_held_fraction = 1.5 }",
+            "limits = { output_buffer = 0 }",
+            "limits = { nope = 1 }",
+        ] {
+            assert!(Topology::from_toml(&format!("[[nodes]]\nname = \"a\"\n{bad}\n")).is_err(), "{bad}");
+        }
     }
 
     #[test]

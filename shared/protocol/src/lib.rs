@@ -235,6 +235,9 @@ pub enum ErrorClass {
     /// A mesh peer did not prove knowledge of the mesh secret (or its handshake failed): the
     /// answer to every message on a connection that is not authenticated (docs/SECURITY.md).
     Unauthenticated,
+    /// A bounded queue is full: the caller should come back later (503 with `Retry-After`).
+    /// Appended after the others, so the encoding of the older classes does not change.
+    Overloaded,
 }
 
 /// An error answer on the wire.

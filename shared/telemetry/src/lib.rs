@@ -6,7 +6,9 @@
 //! - [`trace`] parents spans on the W3C context of an incoming Envelope or HTTP request, and
 //!   puts the current span's context on outgoing ones, so one request is one trace.
 //! - [`metrics`] builds metrics in the process-wide registry and serves `/metrics`.
+//! - [`log_limit`] keeps storms of one event (overload refusals) to one log line a second.
 
+pub mod log_limit;
 pub mod metrics;
 pub mod otlp;
 pub mod trace;

@@ -113,6 +113,15 @@ where
     };
     let request_id = meta.request_id.clone();
     let dp_rank = meta.data_parallel_rank;
+    // Overload control: a place under `limits.max_in_flight` for the whole answer, or a 503
+    // now (and P's blocks handed back, R1) rather than a wait in an unbounded queue.
+    let permit = match state.in_flight.try_acquire() {
+        Ok(permit) => permit,
+        Err(error) => {
+            note_rejection(state, remote_prefill.as_ref(), dp_rank, &error);
+            return error_response(error, &request_id);
+        }
+    };
     let span = tracing::info_span!("frontend.request", otel.kind = "server", request_id = %meta.request_id,
         trace_id = %meta.trace_id, endpoint);
     pdmesh_telemetry::trace::set_parent(&span, &meta.parent);
@@ -131,7 +140,11 @@ where
             Err(e) => Err(e),
         };
         let (accepted, extra) = match accepted {
-            Ok(accepted) => accepted,
+            Ok((mut accepted, extra)) => {
+                // The permit lives as long as the answer (a stream's, too).
+                accepted.guard.hold(permit);
+                (accepted, extra)
+            }
             Err(error) => {
                 note_rejection(state, remote_prefill.as_ref(), dp_rank, &error);
                 return error_response(error, &request_id);
@@ -139,7 +152,13 @@ where
         };
         match answer(accepted, extra).await {
             Ok(response) => response,
-            Err(error) => error_response(error, &request_id),
+            Err(error) => {
+                // An engine that refused the request for load never admitted it (R1).
+                if matches!(error, ApiError::Overloaded(_)) {
+                    note_rejection(state, remote_prefill.as_ref(), dp_rank, &error);
+                }
+                error_response(error, &request_id)
+            }
         }
     }
     .instrument(span)
