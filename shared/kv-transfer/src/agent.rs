@@ -302,31 +302,38 @@ async fn serve_side_channel(mut socket: RouterSocket, served: Arc<Served>) {
         }
         let peer = frames.remove(0);
         let Some(frame) = frames.pop() else { continue };
-        let reply = match Envelope::decode(&frame) {
-            Ok(env) => {
-                // A span per side-channel message, child of the reader's span on D, so the
-                // handshake, lease and read done of one request join its trace across nodes.
-                let span = pdmesh_telemetry::trace::child_of(
-                    tracing::info_span!("kv.side_channel", otel.kind = "server",
-                        otel.name = %format_args!("kv.serve.{}", env.body.kind()), message = env.body.kind(),
-                        request_id = tracing::field::Empty),
-                    &env.trace,
-                );
-                span.in_scope(|| answer(&served, &env))
-            }
-            Err(e) => {
-                AgentStats::inc(&served.stats.decode_errors);
-                tracing::warn!(error = %e, "side channel: dropping undecodable frame");
-                continue;
-            }
-        };
-        let Some(bytes) = reply else { continue };
+        let Some(bytes) = handle_frame(&served, &frame) else { continue };
         let mut out = ZmqMessage::from(bytes);
         out.push_front(peer);
         match tokio::time::timeout(Duration::from_secs(5), socket.send(out)).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => tracing::debug!(error = %e, "side channel: peer gone before the answer"),
             Err(_) => tracing::warn!("side channel: answer not accepted within 5 s"),
+        }
+    }
+}
+
+/// The encoded answer to one side-channel frame: decode, dispatch, encode. `None` when nothing
+/// is to be sent (an undecodable frame, counted and dropped; or a fault that withholds the
+/// answer). The socket loop only moves frames around it, so this is also what the fuzz
+/// targets drive (`fuzz/`, through [`crate::fuzzing`]).
+pub(crate) fn handle_frame(served: &Served, frame: &[u8]) -> Option<Vec<u8>> {
+    match Envelope::decode(frame) {
+        Ok(env) => {
+            // A span per side-channel message, child of the reader's span on D, so the
+            // handshake, lease and read done of one request join its trace across nodes.
+            let span = pdmesh_telemetry::trace::child_of(
+                tracing::info_span!("kv.side_channel", otel.kind = "server",
+                    otel.name = %format_args!("kv.serve.{}", env.body.kind()), message = env.body.kind(),
+                    request_id = tracing::field::Empty),
+                &env.trace,
+            );
+            span.in_scope(|| answer(served, &env))
+        }
+        Err(e) => {
+            AgentStats::inc(&served.stats.decode_errors);
+            tracing::warn!(error = %e, "side channel: dropping undecodable frame");
+            None
         }
     }
 }

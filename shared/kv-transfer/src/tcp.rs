@@ -88,7 +88,14 @@ pub(crate) async fn serve_blocks(
     }
 }
 
-async fn serve_connection(mut stream: TcpStream, region: Arc<ShmReadOnly>, spec: KvCacheSpec, served: Arc<Served>) {
+/// Answer one connection's block reads until it ends. Generic over the stream so the fuzz
+/// targets drive this very function over an in-memory stream.
+pub(crate) async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    region: Arc<ShmReadOnly>,
+    spec: KvCacheSpec,
+    served: Arc<Served>,
+) {
     let stats = &served.stats;
     loop {
         let env = match read_frame(&mut stream).await {
@@ -152,6 +159,15 @@ async fn serve_connection(mut stream: TcpStream, region: Arc<ShmReadOnly>, spec:
 }
 
 fn check_request(req: &XferReadBlocks, spec: &KvCacheSpec, served: &Served) -> Result<(), XferLeaseRefused> {
+    // A lease covers distinct blocks of one request, so an honest read names at most the whole
+    // cache. Without this bound a lease holder could name a covered block millions of times in
+    // one frame and make P build (and stream) a run list many times its cache.
+    if req.block_ids.len() > spec.num_blocks as usize {
+        return Err(XferLeaseRefused {
+            reason: LeaseRefusalReason::LeaseInvalid,
+            detail: format!("a read of {} blocks exceeds the cache ({} blocks)", req.block_ids.len(), spec.num_blocks),
+        });
+    }
     if let Some(b) = req.block_ids.iter().find(|b| **b >= spec.num_blocks) {
         return Err(XferLeaseRefused {
             reason: LeaseRefusalReason::LeaseInvalid,
@@ -184,7 +200,7 @@ fn collect_runs<'a>(
 }
 
 /// Write every run with `writev`, up to [`IOV_BATCH`] runs per call, resuming partial writes.
-async fn write_runs(stream: &mut TcpStream, runs: &[&[u8]]) -> std::io::Result<()> {
+async fn write_runs<W: AsyncWrite + Unpin>(stream: &mut W, runs: &[&[u8]]) -> std::io::Result<()> {
     for batch in runs.chunks(IOV_BATCH) {
         let mut slices: Vec<IoSlice<'_>> = batch.iter().map(|r| IoSlice::new(r)).collect();
         let mut pending = &mut slices[..];
@@ -362,6 +378,68 @@ async fn receive_into(stream: &TcpStream, runs: &mut [&mut [u8]]) -> Result<u64,
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fault::FaultConfig;
+    use crate::hold::{HoldTable, LeasePolicy};
+    use crate::shm::ShmRegion;
+    use pdmesh_protocol::{AgentMetadata, TransferBackend};
+
+    /// Found by the `tcp_server` fuzz target's review: a lease holder named one covered block
+    /// over and over, and P built a run list (and a stream) many times its cache.
+    #[tokio::test]
+    async fn a_read_naming_more_blocks_than_the_cache_is_refused() {
+        let spec = KvCacheSpec { num_layers: 2, num_blocks: 8, block_size: 1, num_kv_heads: 1, head_dim: 1 };
+        let dir = std::env::temp_dir().join(format!("pdmesh-tcp-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("repeat.kv");
+        let _region = ShmRegion::create_at(&path, crate::layout::region_bytes(&spec)).unwrap();
+        let readonly = Arc::new(ShmRegion::open_readonly(&path).unwrap());
+        let mut table = HoldTable::default();
+        let now = Instant::now();
+        table.hold("r", vec![1, 2], vec![1, 1], now + Duration::from_secs(60));
+        let lease_id = table.grant("r", &[1, 2], &[1, 1], "d", now).unwrap().lease_id;
+        let metadata = AgentMetadata {
+            engine_id: "p".into(),
+            agent_name: "a".into(),
+            rank: 0,
+            backend: TransferBackend::Tcp { host: "127.0.0.1".into(), port: 1 },
+            layout: pdmesh_protocol::KV_LAYOUT.into(),
+            num_layers: spec.num_layers,
+            num_blocks: spec.num_blocks,
+            block_size: spec.block_size,
+            num_kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+            dtype: pdmesh_protocol::KV_DTYPE_F32.into(),
+            bytes_per_block: spec.bytes_per_block(),
+            compat_hash: "h".into(),
+            protocol_version: pdmesh_protocol::TRANSFER_VERSION,
+        };
+        let served = Arc::new(Served {
+            metadata,
+            policy: Arc::new(std::sync::Mutex::new(table)),
+            faults: FaultConfig::none(),
+            stats: Arc::new(AgentStats::default()),
+        });
+        let (mut client, server) = tokio::io::duplex(1 << 16);
+        let task = tokio::spawn(serve_connection(server, readonly, spec, served));
+        let read = |block_ids: Vec<u32>| {
+            Envelope::new(Message::XferReadBlocks(XferReadBlocks { p_request_id: "r".into(), lease_id, block_ids }))
+        };
+        // Nine reads of a covered block exceed the eight-block cache: refused, nothing streamed.
+        write_frame(&mut client, &read(vec![1; 9])).await.unwrap();
+        let answer = read_frame(&mut client).await.unwrap().unwrap();
+        assert!(
+            matches!(&answer.body, Message::XferLeaseRefused(r) if r.reason == LeaseRefusalReason::LeaseInvalid),
+            "{answer:?}"
+        );
+        // Within the bound the read is served, so the refusal above is the bound's.
+        write_frame(&mut client, &read(vec![1, 2, 1])).await.unwrap();
+        let answer = read_frame(&mut client).await.unwrap().unwrap();
+        let run = run_bytes(&spec) as u64;
+        assert_eq!(answer.body, Message::XferReadReady(XferReadReady { blocks: 3, bytes: 3 * 4 * run }));
+        drop(client);
+        task.await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[tokio::test]
     async fn frames_round_trip_and_oversize_is_refused() {
