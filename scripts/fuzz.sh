@@ -98,7 +98,7 @@ run_target() {
   cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$done")
   ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$done")
   corp_n=$(find "$FUZZ_DIR/corpus/$t" -type f | wc -l)
-  corp_kb=$(du -sk "$FUZZ_DIR/corpus/$t" | cut -f1)
+  corp_kb=$(du -sk --apparent-size "$FUZZ_DIR/corpus/$t" | cut -f1)
   crashes=$(find "$FUZZ_DIR/artifacts/$t" -name 'crash-*' -o -name 'oom-*' -o -name 'leak-*' | wc -l)
   hangs=$(find "$FUZZ_DIR/artifacts/$t" -name 'timeout-*' | wc -l)
   printf '| %s | %s | %s s | %s | %s files, %s KiB | %s | %s | %s | %s |\n' "$t" "${execs:-?}" "$elapsed" \

@@ -1,13 +1,3 @@
 //! Request bodies through the frontend's decode and validation (see `pdmesh_fuzz::http`).
 #![no_main]
-use std::sync::Mutex;
-
-static HARNESS: Mutex<Option<pdmesh_fuzz::http::Harness>> = Mutex::new(None);
-
-libfuzzer_sys::fuzz_target!(
-    init: pdmesh_fuzz::write_seeds_if_asked(pdmesh_fuzz::http::seeds),
-    |data: &[u8]| {
-        let mut harness = HARNESS.lock().unwrap_or_else(|p| p.into_inner());
-        harness.get_or_insert_with(Default::default).check(data)
-    }
-);
+pdmesh_fuzz::fuzz_with_harness!(pdmesh_fuzz::http::Harness, pdmesh_fuzz::http::seeds);

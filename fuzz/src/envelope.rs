@@ -68,7 +68,8 @@ struct Stub<B> {
 /// Every variant name the decoder knows (from its own "expected one of" error), so that a
 /// message added without a sample still gets a seed of its kind.
 pub fn variant_names() -> Vec<String> {
-    let probe = rmp_serde::to_vec_named(&Stub { version: PROTOCOL_VERSION, corr: 0, body: "\u{1}" }).unwrap_or_default();
+    let probe =
+        rmp_serde::to_vec_named(&Stub { version: PROTOCOL_VERSION, corr: 0, body: "\u{1}" }).unwrap_or_default();
     let Err(e) = Envelope::decode(&probe) else { return Vec::new() };
     let text = e.to_string();
     let Some((_, list)) = text.split_once("expected one of") else { return Vec::new() };
@@ -91,7 +92,10 @@ fn stub_seeds(samples: &[Message]) -> Vec<Vec<u8>> {
     let mut out = Vec::new();
     for name in variant_names().into_iter().filter(|n| !sampled.contains(n)) {
         eprintln!("envelope seeds: no sample of {name} in every_message(); seeding a stub");
-        out.push(rmp_serde::to_vec_named(&Stub { version: PROTOCOL_VERSION, corr: 1, body: name.clone() }).unwrap_or_default());
+        out.push(
+            rmp_serde::to_vec_named(&Stub { version: PROTOCOL_VERSION, corr: 1, body: name.clone() })
+                .unwrap_or_default(),
+        );
         let body: BTreeMap<String, BTreeMap<String, u8>> = [(name, BTreeMap::new())].into();
         out.push(rmp_serde::to_vec_named(&Stub { version: PROTOCOL_VERSION, corr: 1, body }).unwrap_or_default());
     }

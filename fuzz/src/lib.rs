@@ -43,6 +43,21 @@ pub fn write_seeds_if_asked(seeds: impl FnOnce() -> Vec<Vec<u8>>) {
     std::process::exit(0);
 }
 
+/// A target whose harness is built once per process (a region file, a socket, a model's
+/// codec) and whose seeds come from `$seeds`: `fuzz_with_harness!(tcp::ServerHarness,
+/// tcp::server_seeds);` is a whole target file.
+#[macro_export]
+macro_rules! fuzz_with_harness {
+    ($harness:ty, $seeds:path) => {
+        static HARNESS: std::sync::Mutex<Option<$harness>> = std::sync::Mutex::new(None);
+
+        libfuzzer_sys::fuzz_target!(init: $crate::write_seeds_if_asked($seeds), |data: &[u8]| {
+            let mut harness = HARNESS.lock().unwrap_or_else(|p| p.into_inner());
+            harness.get_or_insert_with(<$harness>::default).check(data)
+        });
+    };
+}
+
 /// Inputs that carry several frames (a side-channel session, a tcp stream's replies): each
 /// frame is a little-endian `u16` length and that many bytes; a short last frame takes what is
 /// left. Any byte string splits into frames, so every input means something.

@@ -11,9 +11,7 @@ use std::sync::atomic::Ordering;
 
 use pdmesh_kv_transfer::fuzzing::AgentHarness;
 use pdmesh_kv_transfer::FaultConfig;
-use pdmesh_protocol::{
-    Envelope, Message, XferGiveUp, XferHeartbeat, XferLeaseRequest, XferReadDone,
-};
+use pdmesh_protocol::{Envelope, Message, XferGiveUp, XferHeartbeat, XferLeaseRequest, XferReadDone};
 
 /// The agent, built once per process (its region file lives in the temp directory).
 pub struct Harness {
@@ -130,7 +128,10 @@ fn lease(id: u64, p_request_id: &str, block_ids: Vec<u32>, generations: Vec<u64>
 }
 
 fn read_done(id: u64, p_request_id: &str, lease_id: u64) -> Vec<u8> {
-    frame(id, Message::XferReadDone(XferReadDone { p_request_id: p_request_id.into(), lease_id, consumer: "d-0".into() }))
+    frame(
+        id,
+        Message::XferReadDone(XferReadDone { p_request_id: p_request_id.into(), lease_id, consumer: "d-0".into() }),
+    )
 }
 
 fn give_up(id: u64, p_request_id: &str, lease_id: Option<u64>, rejected: bool) -> Vec<u8> {

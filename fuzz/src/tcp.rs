@@ -229,7 +229,8 @@ impl Default for ClientHarness {
 /// size or stop short.
 pub fn client_seeds() -> Vec<Vec<u8>> {
     let total = client_read_bytes();
-    let ready = |bytes: u64| framed(&Envelope::new(Message::XferReadReady(XferReadReady { blocks: 2, bytes })).with_corr(0));
+    let ready =
+        |bytes: u64| framed(&Envelope::new(Message::XferReadReady(XferReadReady { blocks: 2, bytes })).with_corr(0));
     let payload = expected_bytes(&client_request().block_ids);
     let refused = Message::XferLeaseRefused(pdmesh_protocol::XferLeaseRefused {
         reason: pdmesh_protocol::LeaseRefusalReason::LeaseInvalid,

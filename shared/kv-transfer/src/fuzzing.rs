@@ -76,7 +76,13 @@ impl<P: LeasePolicy> LeasePolicy for SequentialLeases<P> {
         Ok(LeaseGrant { lease_id: wire, ttl: grant.ttl })
     }
 
-    fn check_read(&self, p_request_id: &str, lease_id: u64, block_ids: &[u32], now: Instant) -> Result<(), LeaseRefusal> {
+    fn check_read(
+        &self,
+        p_request_id: &str,
+        lease_id: u64,
+        block_ids: &[u32],
+        now: Instant,
+    ) -> Result<(), LeaseRefusal> {
         self.inner.check_read(p_request_id, self.inner_id(lease_id), block_ids, now)
     }
 
@@ -122,7 +128,8 @@ impl std::fmt::Debug for AgentHarness {
 
 impl AgentHarness {
     /// The geometry of the harness's cache: 2 layers, 8 blocks, 16-byte runs.
-    pub const SPEC: KvCacheSpec = KvCacheSpec { num_layers: 2, num_blocks: 8, block_size: 2, num_kv_heads: 1, head_dim: 2 };
+    pub const SPEC: KvCacheSpec =
+        KvCacheSpec { num_layers: 2, num_blocks: 8, block_size: 2, num_kv_heads: 1, head_dim: 2 };
 
     /// A region file at `region_path` (replaced if present) whose every float names its run
     /// (`layer * 100 + side * 10 + block`), so a reader can check it got the right bytes.

@@ -383,8 +383,8 @@ mod tests {
     use crate::shm::ShmRegion;
     use pdmesh_protocol::{AgentMetadata, TransferBackend};
 
-    /// Found by the `tcp_server` fuzz target's review: a lease holder named one covered block
-    /// over and over, and P built a run list (and a stream) many times its cache.
+    /// Found while writing the `tcp_server` fuzz target: a lease holder could name one covered block
+    /// over and over, and P would build a run list (and a stream) many times its cache.
     #[tokio::test]
     async fn a_read_naming_more_blocks_than_the_cache_is_refused() {
         let spec = KvCacheSpec { num_layers: 2, num_blocks: 8, block_size: 1, num_kv_heads: 1, head_dim: 1 };
