@@ -110,10 +110,33 @@ run_target() {
   fi
 }
 
+# The campaign must fail on a crash and on a hang: a target given the selfcheck input
+# (fuzz/src/lib.rs, SELFCHECK_INPUT) panics or spins, and each must be reported as such.
+selfcheck() {
+  local dir=$FUZZ_DIR/selfcheck mode rc kind
+  for mode in panic hang; do
+    rm -rf "$dir" && mkdir -p "$dir/in" "$dir/artifacts"
+    printf 'pdmesh-fuzz-selfcheck' >"$dir/in/trigger"
+    rc=0
+    PDMESH_FUZZ_SELFCHECK=$mode "$(bin envelope)" -timeout=2 -runs=100 -artifact_prefix="$dir/artifacts/" \
+      "$dir/in" >"$dir/$mode.log" 2>&1 || rc=$?
+    kind=crash
+    [[ $mode == hang ]] && kind=timeout
+    if [[ $rc -eq 0 ]] || ! compgen -G "$dir/artifacts/$kind-*" >/dev/null; then
+      echo "fuzz: selfcheck: a ${mode}ing input was not caught (exit $rc)" >&2
+      tail -20 "$dir/$mode.log" >&2
+      exit 1
+    fi
+  done
+  rm -rf "$dir"
+  echo "fuzz: selfcheck: a panicking and a hanging input both fail a run"
+}
+
 campaign() {
   local secs=$1 failed=0 started
   started=$(date +%s)
   build
+  selfcheck
   echo "fuzz: ${#TARGETS[@]} targets, $secs s each, per-input limit ${FUZZ_INPUT_TIMEOUT_S} s, corpus in $FUZZ_DIR/corpus"
   echo "| target | inputs run | time | inputs/s | corpus | coverage (edges) | features | crashes | hangs |"
   echo "|---|---|---|---|---|---|---|---|---|"

@@ -7,6 +7,16 @@ use std::collections::{BTreeMap, HashSet};
 use pdmesh_protocol::{Envelope, Message, TraceContext, PROTOCOL_VERSION};
 use serde::Serialize;
 
+/// The target's harness (it keeps no state).
+#[derive(Debug, Default)]
+pub struct Harness;
+
+impl Harness {
+    pub fn check(&mut self, data: &[u8]) {
+        check(data)
+    }
+}
+
 /// One input.
 pub fn check(data: &[u8]) {
     let Ok(env) = Envelope::decode(data) else { return };

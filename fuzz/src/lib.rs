@@ -43,6 +43,25 @@ pub fn write_seeds_if_asked(seeds: impl FnOnce() -> Vec<Vec<u8>>) {
     std::process::exit(0);
 }
 
+/// The input that makes every target panic (`PDMESH_FUZZ_SELFCHECK=panic`) or hang
+/// (`=hang`): `scripts/fuzz.sh` feeds it to check that a campaign fails on both.
+pub const SELFCHECK_INPUT: &[u8] = b"pdmesh-fuzz-selfcheck";
+
+/// See [`SELFCHECK_INPUT`]; a no-op on every other input or without the variable.
+pub fn selfcheck(data: &[u8]) {
+    static MODE: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    if data != SELFCHECK_INPUT {
+        return;
+    }
+    match MODE.get_or_init(|| std::env::var("PDMESH_FUZZ_SELFCHECK").ok()).as_deref() {
+        Some("panic") => panic!("selfcheck: a panicking input"),
+        Some("hang") => loop {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        },
+        _ => {}
+    }
+}
+
 /// A target whose harness is built once per process (a region file, a socket, a model's
 /// codec) and whose seeds come from `$seeds`: `fuzz_with_harness!(tcp::ServerHarness,
 /// tcp::server_seeds);` is a whole target file.
@@ -52,6 +71,7 @@ macro_rules! fuzz_with_harness {
         static HARNESS: std::sync::Mutex<Option<$harness>> = std::sync::Mutex::new(None);
 
         libfuzzer_sys::fuzz_target!(init: $crate::write_seeds_if_asked($seeds), |data: &[u8]| {
+            $crate::selfcheck(data);
             let mut harness = HARNESS.lock().unwrap_or_else(|p| p.into_inner());
             harness.get_or_insert_with(<$harness>::default).check(data)
         });
