@@ -5,6 +5,7 @@
 mod client;
 mod inprocess;
 mod load;
+mod offload;
 mod rejections;
 mod report;
 mod stats;
@@ -34,6 +35,9 @@ enum Cmd {
     /// P strands, with rejection notices on versus off, against no rejections (three meshes
     /// started here, measured in interleaved rounds).
     Rejections(rejections::RejectionArgs),
+    /// Host-memory KV offload on versus off (two colocated nodes of one mesh): TTFT and
+    /// prefilled tokens when earlier prompts are revisited after leaving the device pool.
+    Offload(offload::OffloadArgs),
 }
 
 #[derive(Args, Clone)]
@@ -62,6 +66,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Run(a) => rt.block_on(load::run(*a)),
         Cmd::Overhead(a) => rt.block_on(overhead(a)),
         Cmd::Rejections(a) => rt.block_on(rejections::run(a)),
+        Cmd::Offload(a) => rt.block_on(offload::run(a)),
     }
 }
 
