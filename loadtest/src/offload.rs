@@ -157,7 +157,8 @@ pub async fn run(a: OffloadArgs) -> anyhow::Result<()> {
         .spawn()
         .with_context(|| format!("starting {}", pdmesh.display()))?;
     let urls = [format!("http://127.0.0.1:{http}"), format!("http://127.0.0.1:{}", http + 1)];
-    let workers = [format!("http://127.0.0.1:{}/metrics", base + 112), format!("http://127.0.0.1:{}/metrics", base + 152)];
+    let workers =
+        [format!("http://127.0.0.1:{}/metrics", base + 112), format!("http://127.0.0.1:{}/metrics", base + 152)];
     let on_scheduler = format!("http://127.0.0.1:{}/metrics", base + 151);
     for u in &urls {
         crate::client::wait_ready(u, Duration::from_secs(180)).await?;

@@ -90,11 +90,8 @@ mod tests {
     #[test]
     fn receives_and_invalid_blocks_pass_through() {
         let mut merge = OutputMerge::default();
-        let a = KvConnectorOutput {
-            finished_recving: vec!["a".into()],
-            invalid_block_ids: vec![3],
-            ..Default::default()
-        };
+        let a =
+            KvConnectorOutput { finished_recving: vec!["a".into()], invalid_block_ids: vec![3], ..Default::default() };
         let b = KvConnectorOutput { finished_recving: vec!["b".into()], ..Default::default() };
         let out = merge.merge([a, b]);
         assert_eq!(out.finished_recving, vec!["a".to_string(), "b".to_string()]);

@@ -187,13 +187,15 @@ mod tests {
         fill(&mut kv, 1, 1.0);
         fill(&mut kv, 2, 2.0);
         let mut store = OffloadStore::new(spec(), 4);
-        let out = store.apply(&mut kv, &OffloadMetadata { saves: vec![t("a", &[1, 2], &[0, 3], &[11, 22])], loads: vec![] });
+        let out =
+            store.apply(&mut kv, &OffloadMetadata { saves: vec![t("a", &[1, 2], &[0, 3], &[11, 22])], loads: vec![] });
         assert_eq!(out.finished_sending, vec!["a".to_string()]);
         assert_eq!((store.stored_blocks(), store.stored_bytes()), (2, 2 * spec().bytes_per_block()));
         // the engine reuses blocks 1 and 2 for other requests
         fill(&mut kv, 1, 9.0);
         fill(&mut kv, 2, 9.0);
-        let out = store.apply(&mut kv, &OffloadMetadata { saves: vec![], loads: vec![t("b", &[4, 5], &[0, 3], &[11, 22])] });
+        let out =
+            store.apply(&mut kv, &OffloadMetadata { saves: vec![], loads: vec![t("b", &[4, 5], &[0, 3], &[11, 22])] });
         assert_eq!(out.finished_recving, vec!["b".to_string()]);
         assert!(out.invalid_block_ids.is_empty());
         for layer in 0..2 {
@@ -212,7 +214,8 @@ mod tests {
         let mut store = OffloadStore::new(spec(), 4);
         store.apply(&mut kv, &OffloadMetadata { saves: vec![t("a", &[1], &[0], &[11])], loads: vec![] });
         // slot 0 holds block 1, slot 1 is empty (as in a restarted store): the second block is refused
-        let out = store.apply(&mut kv, &OffloadMetadata { saves: vec![], loads: vec![t("b", &[3, 4], &[0, 1], &[11, 22])] });
+        let out =
+            store.apply(&mut kv, &OffloadMetadata { saves: vec![], loads: vec![t("b", &[3, 4], &[0, 1], &[11, 22])] });
         assert_eq!(out.invalid_block_ids, vec![4]);
         assert_eq!(out.finished_recving, vec!["b".to_string()], "a refused load still settles");
         // slot 0 holds another block than the one asked for

@@ -76,11 +76,34 @@ fn a_revisited_prompt_loads_from_the_offload_store_with_identical_output() {
 /// reads the result from P as usual; the output equals the colocated reference.
 #[test]
 fn p_with_multi_connector_frees_after_both_children_and_revisits_load_from_the_store() {
+    let loaded = check_multi_pd("engine = { block_size = 4, num_blocks = 48, max_model_len = 64 }");
+    assert_eq!(loaded, LOADABLE_TOKENS / 4.0, "one byte per token: 9 full blocks before the last token");
+}
+
+/// The same with the real model (SmolLM2 GGUF): loaded blocks give the colocated node's
+/// greedy text.
+#[test]
+fn real_model_p_with_multi_connector_loads_revisits_from_the_store() {
+    if std::env::var("PDMESH_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        eprintln!("PDMESH_SKIP_MODEL_TESTS=1: skipping");
+        return;
+    }
+    let path = pdmesh_model::default_model_path();
+    assert!(path.is_file(), "model {} missing: run scripts/fetch-model.sh", path.display());
+    let settings = format!(
+        "model = {{ kind = \"gguf\", path = {:?} }}\nengine = {{ block_size = 4, num_blocks = 48, max_model_len = 64 }}",
+        path.display().to_string()
+    );
+    assert!(check_multi_pd(&settings) >= 1.0, "at least one full block loaded");
+}
+
+/// Returns the blocks P loaded from its store for the revisit.
+fn check_multi_pd(node_settings: &str) -> f64 {
     let multi = "kv_connector = \"MultiConnector\", kv_connector_children = [\"PdConnector\", \"OffloadConnector\"], \
                  offload = { cpu_blocks = 64 }, kv_role = \"kv_producer\"";
+    let node_settings = node_settings.to_string();
     let topology = move |http: u16, base: u16| {
-        common::pd_topology(http, base, "shm", 1, "engine = { block_size = 4, num_blocks = 48, max_model_len = 64 }")
-            .replace("kv_role = \"kv_producer\"", multi)
+        common::pd_topology(http, base, "shm", 1, &node_settings).replace("kv_role = \"kv_producer\"", multi)
     };
     let mesh = Mesh::start_nodes(topology, |h| vec![h + 1, h + 2, h + 3]);
     let router = mesh.url("/v1/completions");
@@ -101,8 +124,9 @@ fn p_with_multi_connector_frees_after_both_children_and_revisits_load_from_the_s
     );
     assert_eq!(complete(&router, PROMPT, true), expected, "streamed revisit");
     assert_eq!(metric(p_scheduler, "pdmesh_offload_hits_total"), 1.0);
-    assert_eq!(metric(p_worker, "pdmesh_offload_loaded_blocks_total"), LOADABLE_TOKENS / 4.0);
+    assert_eq!(metric(p_worker, "pdmesh_offload_load_failures_total"), 0.0);
     mesh.wait_kv_on(p, "P holds nothing", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
     mesh.wait_kv_on(mesh.http_port + 2, "D's blocks are free", |kv| kv["used_blocks"] == 0);
     assert!(!mesh.logs().contains("panicked"));
+    metric(p_worker, "pdmesh_offload_loaded_blocks_total")
 }

@@ -257,9 +257,14 @@ impl KvTransferConfig {
         };
         if self.kv_connector != "MultiConnector" {
             if !self.kv_connector_children.is_empty() {
-                return Err(format!("kv_connector_children is for kv_connector = \"MultiConnector\", not {:?}", self.kv_connector));
+                return Err(format!(
+                    "kv_connector_children is for kv_connector = \"MultiConnector\", not {:?}",
+                    self.kv_connector
+                ));
             }
-            return ConnectorKind::parse(&self.kv_connector).map(|k| vec![k]).ok_or_else(|| unknown(&self.kv_connector));
+            return ConnectorKind::parse(&self.kv_connector)
+                .map(|k| vec![k])
+                .ok_or_else(|| unknown(&self.kv_connector));
         }
         if self.kv_connector_children.is_empty() {
             return Err("kv_connector = \"MultiConnector\" needs kv_connector_children, e.g. [\"PdConnector\", \"OffloadConnector\"]".into());
