@@ -287,7 +287,7 @@ pub async fn run(
     let connector: Box<dyn KvConnectorScheduler> = match &node.kv_transfer {
         None => Box::new(NoopConnector::default()),
         Some(kv) => {
-            let kinds = kv.connectors().map_err(|why| ConnectorSchedulerError::Connector(why))?;
+            let kinds = kv.connectors().map_err(ConnectorSchedulerError::Connector)?;
             let mut children: Vec<Box<dyn KvConnectorScheduler>> = kinds
                 .iter()
                 .map(|kind| -> Box<dyn KvConnectorScheduler> {

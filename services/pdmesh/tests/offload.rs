@@ -24,7 +24,7 @@ const OTHERS: [&str; 4] = [
 fn metric(port: u16, name: &str) -> f64 {
     let text = reqwest::blocking::get(format!("http://127.0.0.1:{port}/metrics")).unwrap().text().unwrap();
     text.lines()
-        .filter(|l| l.split(|c: char| c == ' ' || c == '{').next() == Some(name))
+        .filter(|l| l.split([' ', '{']).next() == Some(name))
         .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
         .sum::<f64>()
         + 0.0

@@ -991,4 +991,39 @@ mod tests {
         assert!(Topology::from_toml("[[nodes]]\nname = \"a\"\nbogus = 1").is_err());
         assert!(Topology::from_toml("[[nodes]]\nname = \"r\"\nrole = \"router\"").is_err());
     }
+
+    #[test]
+    fn connectors_are_parsed_in_order_and_bad_lists_are_refused() {
+        let node = |kv: &str| format!("[[nodes]]\nname = \"n\"\nkv_transfer = {{ kv_role = \"kv_both\", {kv} }}\n");
+        let t = Topology::from_toml(&node(
+            "kv_connector = \"MultiConnector\", kv_connector_children = [\"PdConnector\", \"OffloadConnector\"], offload = { cpu_blocks = 8 }",
+        ))
+        .unwrap();
+        let kv = t.nodes[0].kv_transfer.as_ref().unwrap();
+        assert_eq!(kv.connectors().unwrap(), vec![ConnectorKind::Pd, ConnectorKind::Offload]);
+        assert!(kv.uses_pd() && kv.uses_offload());
+        assert_eq!(kv.offload.cpu_blocks, 8);
+        let t = Topology::from_toml(&node("kv_connector = \"OffloadConnector\"")).unwrap();
+        let kv = t.nodes[0].kv_transfer.as_ref().unwrap();
+        assert!(!kv.uses_pd() && kv.uses_offload());
+        assert_eq!(kv.offload.cpu_blocks, 1024, "default");
+        // the default stays the P/D connector
+        assert!(Topology::from_toml(&node("engine_id = \"x\"")).unwrap().nodes[0]
+            .kv_transfer
+            .as_ref()
+            .unwrap()
+            .uses_pd());
+        for (bad, why) in [
+            ("kv_connector = \"MultiConnector\"", "needs kv_connector_children"),
+            ("kv_connector = \"MultiConnector\", kv_connector_children = [\"PdConnector\", \"PdConnector\"]", "twice"),
+            ("kv_connector = \"MultiConnector\", kv_connector_children = [\"LMCache\"]", "unknown connector"),
+            ("kv_connector = \"Nixl\"", "unknown connector"),
+            ("kv_connector_children = [\"OffloadConnector\"]", "is for kv_connector = \"MultiConnector\""),
+            ("kv_connector = \"OffloadConnector\", offload = { cpu_blocks = 0 }", "cpu_blocks"),
+            ("kv_connector = \"OffloadConnector\", offload = { cpu_bytes = 1 }", "unknown field"),
+        ] {
+            let err = Topology::from_toml(&node(bad)).unwrap_err().to_string();
+            assert!(err.contains(why), "{bad}: {err}");
+        }
+    }
 }
