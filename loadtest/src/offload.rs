@@ -12,7 +12,6 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use anyhow::Context as _;
 use clap::Args;
 use futures::StreamExt;
 
@@ -109,10 +108,7 @@ struct Phase {
 }
 
 pub async fn run(a: OffloadArgs) -> anyhow::Result<()> {
-    let pdmesh = match &a.pdmesh {
-        Some(p) => p.clone(),
-        None => std::env::current_exe()?.with_file_name("pdmesh"),
-    };
+    let pdmesh = crate::client::pdmesh_binary(a.pdmesh.as_deref())?;
     let run_dir = std::env::temp_dir().join(format!("pdmesh-offload-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&run_dir);
     std::fs::create_dir_all(&run_dir)?;
@@ -146,16 +142,7 @@ pub async fn run(a: OffloadArgs) -> anyhow::Result<()> {
     );
     let topo_path = run_dir.join("offload.toml");
     std::fs::write(&topo_path, &topo)?;
-    let _up = tokio::process::Command::new(&pdmesh)
-        .arg("up")
-        .arg("--topology")
-        .arg(&topo_path)
-        .env("PDMESH_RUN_DIR", &run_dir)
-        .env("RUST_LOG", "warn")
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {}", pdmesh.display()))?;
+    let _up = crate::client::spawn_mesh(&pdmesh, &topo_path, &run_dir, "warn")?;
     let urls = [format!("http://127.0.0.1:{http}"), format!("http://127.0.0.1:{}", http + 1)];
     let workers =
         [format!("http://127.0.0.1:{}/metrics", base + 112), format!("http://127.0.0.1:{}/metrics", base + 152)];
