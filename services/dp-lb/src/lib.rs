@@ -23,9 +23,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use pdmesh_config::{Service, Topology};
-use pdmesh_protocol::{
-    EngineOutput, EngineOutputBatch, Envelope, ErrorClass, FinishReason, MeshStats, Message, WireError,
-};
+use pdmesh_protocol::{EngineOutput, EngineOutputBatch, Envelope, ErrorClass, MeshStats, Message, WireError};
 use pdmesh_transport::{
     bind_pull, bind_router, connect_push, PeerId, PullEvent, PushHandle, RouterEvent, RouterHandle,
 };
@@ -396,15 +394,8 @@ impl DpLb {
         }
         let outputs = lost
             .iter()
-            .map(|id| EngineOutput {
-                request_id: id.clone(),
-                new_token_ids: vec![],
-                new_logprobs: None,
-                finish_reason: Some(FinishReason::Error),
-                stop_token_id: None,
-                kv_transfer_params: None,
-                num_external_tokens: 0,
-                error: Some(format!("unavailable: engine rank {rank} stopped while serving this request")),
+            .map(|id| {
+                EngineOutput::failed(id, format!("unavailable: engine rank {rank} stopped while serving this request"))
             })
             .collect();
         for id in &lost {
@@ -539,7 +530,7 @@ pub async fn run(topology: &Topology, node_name: &str) -> Result<Addr<DpLb>, DpL
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
-    use pdmesh_protocol::{EngineRequest, KvTransferParams};
+    use pdmesh_protocol::{EngineRequest, FinishReason, KvTransferParams};
 
     /// A dp-lb with `connected` ranks and no sockets (what it sends goes nowhere).
     fn dp_lb(connected: u32, limits: Limits) -> DpLb {

@@ -20,9 +20,9 @@
 //! ```
 
 use pdmesh_protocol::{
-    ConnectorCall, ConnectorReply, EngineLoadReport, EngineOutput, EngineRequest, ErrorClass, FinishReason,
-    KvConnectorMetadata, KvConnectorOutput, KvTransferParams, ModelRunnerOutput, RecvRequest, RejectionNotice,
-    ScheduledChunk, SchedulerOutput, TraceContext,
+    ConnectorCall, ConnectorReply, EngineLoadReport, EngineOutput, EngineRequest, ErrorClass, KvConnectorMetadata,
+    KvConnectorOutput, KvTransferParams, ModelRunnerOutput, RecvRequest, RejectionNotice, ScheduledChunk,
+    SchedulerOutput, TraceContext,
 };
 
 use crate::scheduler::{AdmissionError, Scheduler};
@@ -176,7 +176,7 @@ impl EngineStep {
             let id = req.request_id.clone();
             let params = req.kv_transfer_params.clone();
             if let Err(e) = st.sched.add_request(req) {
-                step.outputs.push(error_output(&id, e.output_message()));
+                step.outputs.push(EngineOutput::failed(&id, e.output_message()));
                 if let Some(params) = params.filter(KvTransferParams::wants_remote_prefill) {
                     step.refused.push(RejectionNotice {
                         params,
@@ -382,20 +382,6 @@ pub fn notice_receives(replies: &[ConnectorReply]) -> (bool, Option<KvConnectorM
         _ => None,
     };
     (accepted, meta)
-}
-
-/// An output that ends a request with `error`.
-pub fn error_output(id: &str, message: String) -> EngineOutput {
-    EngineOutput {
-        request_id: id.to_string(),
-        new_token_ids: vec![],
-        new_logprobs: None,
-        finish_reason: Some(FinishReason::Error),
-        stop_token_id: None,
-        kv_transfer_params: None,
-        num_external_tokens: 0,
-        error: Some(message),
-    }
 }
 
 /// Apply `request_finished` answers; without answers (connector unreachable) free at once.

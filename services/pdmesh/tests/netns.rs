@@ -138,6 +138,16 @@ fn unavailable() -> Option<String> {
     }
 }
 
+/// One mesh secret for every host of this test run (64 hex digits).
+fn mesh_secret() -> &'static str {
+    static SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SECRET.get_or_init(|| {
+        let nanos =
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        format!("{:032x}{:032x}", u128::from(std::process::id()), nanos)
+    })
+}
+
 /// `pdmesh up` inside a namespace, stopped (SIGTERM, then SIGKILL) on drop.
 struct HostMesh {
     up: Child,
@@ -159,6 +169,9 @@ impl HostMesh {
             .arg(&path)
             .env("PDMESH_RUN_DIR", &run_dir)
             .env("RUST_LOG", "info")
+            // Hosts started apart share the mesh's secret, as a real deployment does; each
+            // `pdmesh up` would otherwise make its own and P would refuse D (docs/SECURITY.md).
+            .env("PDMESH_MESH_SECRET", mesh_secret())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(run_dir.join("up.log")).unwrap())
             .spawn()

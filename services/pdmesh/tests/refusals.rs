@@ -7,7 +7,7 @@
 mod common;
 
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::Mesh;
 use serde_json::{json, Value};
@@ -123,13 +123,13 @@ fn an_engine_unavailable_refusal_frees_p_once_a_rank_connects() {
     let held = p_holds(&mesh);
     assert!(held > 0);
     mesh.kill9_on("d", "engine-core", 0);
-    wait_until("D reports no engine rank", || {
+    common::wait_for("D reports no engine rank", || {
         client().get(mesh.url_on(d, "/health")).send().map(|r| r.status().as_u16() == 503).unwrap_or(false)
     });
     let (status, v) = post(&mesh.url_on(d, "/v1/completions"), &[], &decode_body(prompt, &params));
     assert_eq!(status, 503, "{v}");
     let d_dplb_metrics = format!("http://127.0.0.1:{}/metrics", mesh.base_port + 40 + 100);
-    wait_until("the notice waits in D's dp-lb", || {
+    common::wait_for("the notice waits in D's dp-lb", || {
         metric(&d_dplb_metrics, "pdmesh_dplb_rejection_notices_pending") == 1.0
     });
     assert_eq!(p_holds(&mesh), held, "nobody has told P yet");
@@ -181,17 +181,6 @@ fn data_parallel_ranks_are_per_leg_and_a_rank_out_of_range_is_refused() {
     assert!(v["error"]["message"].as_str().unwrap().contains("out of range"), "{v}");
     mesh.wait_kv_on(p, "P freed at once", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
     mesh.wait_kv_on(d, "D holds nothing", |kv| kv["used_blocks"] == 0);
-}
-
-fn wait_until(what: &str, cond: impl Fn() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if cond() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("{what}: never true");
 }
 
 /// One unlabelled sample of a Prometheus text page (NaN when absent or unreachable).

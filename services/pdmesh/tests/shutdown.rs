@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::Mesh;
 use serde_json::{json, Value};
@@ -50,17 +50,6 @@ fn metric(url: &str, name: &str) -> f64 {
     text.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok()).sum()
 }
 
-fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if cond() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("{what}: never true");
-}
-
 #[test]
 fn a_decode_node_stopping_gracefully_gives_p_its_blocks_back() {
     let mesh = Mesh::start_nodes(topology, |h| vec![h, h + 1]);
@@ -98,7 +87,9 @@ fn a_decode_node_stopping_gracefully_gives_p_its_blocks_back() {
     mesh.wait_kv_on(p, "P holds six requests, two of them leased", |kv| {
         kv["held_requests"].as_array().is_some_and(|h| h.len() == 6) && kv["leased_blocks"].as_u64() == Some(22)
     });
-    wait_for("D's worker references all six", || metric(&d_worker, "pdmesh_worker_kv_remote_references") == 6.0);
+    common::wait_for("D's worker references all six", || {
+        metric(&d_worker, "pdmesh_worker_kv_remote_references") == 6.0
+    });
     let held_before = mesh.kv_on(p)["held_blocks"].as_u64().unwrap();
     assert_eq!(held_before, 66);
 

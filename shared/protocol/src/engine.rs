@@ -131,6 +131,23 @@ pub struct EngineOutput {
     pub error: Option<String>,
 }
 
+impl EngineOutput {
+    /// The output that ends request `request_id` with `error` and says why: what every process
+    /// that fails a request (the engine, the dp-lb for a lost rank) sends.
+    pub fn failed(request_id: impl Into<String>, message: impl Into<String>) -> Self {
+        EngineOutput {
+            request_id: request_id.into(),
+            new_token_ids: vec![],
+            new_logprobs: None,
+            finish_reason: Some(FinishReason::Error),
+            stop_token_id: None,
+            kv_transfer_params: None,
+            num_external_tokens: 0,
+            error: Some(message.into()),
+        }
+    }
+}
+
 /// All outputs of one engine step of one rank.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EngineOutputBatch {

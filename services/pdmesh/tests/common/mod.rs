@@ -431,3 +431,15 @@ pub fn complete(url: &str, prompt: &str, stream: bool) -> String {
     }
     out
 }
+
+/// Wait until `cond` holds (polled every 20 ms), or fail the test after 30 s saying `what`.
+pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if cond() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("{what}: never true");
+}
