@@ -613,4 +613,35 @@ mod tests {
         down.ranks[0].connected = false;
         assert_eq!(class(&add(&mut down, "x", None)), Some(ErrorClass::Unavailable));
     }
+
+    /// Rule R1 after admission: requests that were to read P's blocks and die with their rank
+    /// cannot say so themselves; the dp-lb sends P's notice for them (here it waits, as no
+    /// rank is connected, for the first one that connects). Requests that finished, or read
+    /// nothing from P, get none.
+    #[test]
+    fn requests_lost_with_their_rank_tell_p_to_free() {
+        let mut lb = dp_lb(1, Limits { max_in_flight: 0, max_waiting: 0 });
+        assert_eq!(class(&add(&mut lb, "remote", Some(0))), None);
+        assert_eq!(class(&add(&mut lb, "finished", Some(0))), None);
+        finish(&mut lb, "finished");
+        let local = EngineRequest {
+            request_id: "local".into(),
+            client_request_id: None,
+            prompt_token_ids: vec![1],
+            sampling: Default::default(),
+            eos_token_ids: vec![],
+            arrival_unix_ms: 0,
+            kv_transfer_params: None,
+            data_parallel_rank: Some(0),
+        };
+        let env = Envelope::new(Message::AddRequest(local.clone()));
+        assert_eq!(class(&lb.route(local, &env)), None);
+        assert!(lb.pending_notices.is_empty());
+        lb.rank_lost(0);
+        assert!(lb.in_flight.is_empty(), "every request of the lost rank ended");
+        let pending = lb.pending_notices.drain(std::time::Instant::now());
+        assert_eq!(pending.len(), 1, "one notice, for the request that would have read P's blocks");
+        let Message::RejectionNotice(n) = &pending[0].body else { panic!("{:?}", pending[0].body.kind()) };
+        assert!(n.params.wants_remote_prefill());
+    }
 }
