@@ -8,6 +8,35 @@ use tokio::sync::Mutex;
 
 use crate::stats::{summarize, RunResult};
 
+/// The pdmesh binary: `given`, else the one next to this program.
+pub fn pdmesh_binary(given: Option<&std::path::Path>) -> anyhow::Result<std::path::PathBuf> {
+    Ok(match given {
+        Some(p) => p.to_path_buf(),
+        None => std::env::current_exe()?.with_file_name("pdmesh"),
+    })
+}
+
+/// Start `pdmesh up` on `topology` with its run dir and log filter; killed when dropped.
+pub fn spawn_mesh(
+    pdmesh: &std::path::Path,
+    topology: &std::path::Path,
+    run_dir: &std::path::Path,
+    rust_log: &str,
+) -> anyhow::Result<tokio::process::Child> {
+    use anyhow::Context as _;
+    tokio::process::Command::new(pdmesh)
+        .arg("up")
+        .arg("--topology")
+        .arg(topology)
+        .env("PDMESH_RUN_DIR", run_dir)
+        .env("RUST_LOG", rust_log)
+        .env("NO_COLOR", "1")
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .with_context(|| format!("starting {}", pdmesh.display()))
+}
+
 pub async fn wait_ready(url: &str, limit: Duration) -> anyhow::Result<()> {
     let client = reqwest::Client::new();
     let deadline = Instant::now() + limit;

@@ -5,6 +5,7 @@
 mod client;
 mod inprocess;
 mod load;
+mod offload;
 mod rejections;
 mod report;
 mod stats;
@@ -12,7 +13,6 @@ mod stats;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
@@ -34,6 +34,9 @@ enum Cmd {
     /// P strands, with rejection notices on versus off, against no rejections (three meshes
     /// started here, measured in interleaved rounds).
     Rejections(rejections::RejectionArgs),
+    /// Host-memory KV offload on versus off (two colocated nodes of one mesh): TTFT and
+    /// prefilled tokens when earlier prompts are revisited after leaving the device pool.
+    Offload(offload::OffloadArgs),
 }
 
 #[derive(Args, Clone)]
@@ -62,14 +65,12 @@ fn main() -> anyhow::Result<()> {
         Cmd::Run(a) => rt.block_on(load::run(*a)),
         Cmd::Overhead(a) => rt.block_on(overhead(a)),
         Cmd::Rejections(a) => rt.block_on(rejections::run(a)),
+        Cmd::Offload(a) => rt.block_on(offload::run(a)),
     }
 }
 
 async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
-    let pdmesh = match &a.pdmesh {
-        Some(p) => p.clone(),
-        None => std::env::current_exe()?.with_file_name("pdmesh"),
-    };
+    let pdmesh = client::pdmesh_binary(a.pdmesh.as_deref())?;
     let run_dir = std::env::temp_dir().join(format!("pdmesh-overhead-{}", std::process::id()));
     std::fs::create_dir_all(&run_dir)?;
     let port = 18900 + (std::process::id() % 500) as u16;
@@ -80,16 +81,7 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
     );
     let topo_path = run_dir.join("overhead.toml");
     std::fs::write(&topo_path, topo)?;
-    let mut up = tokio::process::Command::new(&pdmesh)
-        .arg("up")
-        .arg("--topology")
-        .arg(&topo_path)
-        .env("PDMESH_RUN_DIR", &run_dir)
-        .env("RUST_LOG", "warn")
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {}", pdmesh.display()))?;
+    let mut up = client::spawn_mesh(&pdmesh, &topo_path, &run_dir, "warn")?;
     let url = format!("http://127.0.0.1:{port}");
     client::wait_ready(&url, Duration::from_secs(60)).await?;
     let engine_metrics = format!("http://127.0.0.1:{}/metrics", base + 110);

@@ -21,7 +21,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use clap::Args;
 use tokio::sync::Mutex;
 
@@ -159,17 +158,8 @@ async fn start_mesh(i: u16, a: &RejectionArgs, variant: Variant, pdmesh: &std::p
     let (topo, http, p_http, p_base) = topology(i, a, variant, &run_dir);
     let topo_path = run_dir.join("topology.toml");
     std::fs::write(&topo_path, topo)?;
-    let child = tokio::process::Command::new(pdmesh)
-        .arg("up")
-        .arg("--topology")
-        .arg(&topo_path)
-        .env("PDMESH_RUN_DIR", &run_dir)
-        .env("RUST_LOG", if a.hops && variant == Variant::NoticesOn { "warn,pdmesh_notice=debug" } else { "warn" })
-        .env("NO_COLOR", "1")
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {}", pdmesh.display()))?;
+    let log = if a.hops && variant == Variant::NoticesOn { "warn,pdmesh_notice=debug" } else { "warn" };
+    let child = crate::client::spawn_mesh(pdmesh, &topo_path, &run_dir, log)?;
     let p_url = format!("http://127.0.0.1:{p_http}");
     crate::client::wait_ready(&p_url, Duration::from_secs(60)).await?;
     crate::client::wait_ready(&format!("http://127.0.0.1:{}", p_http + 1), Duration::from_secs(60)).await?;
@@ -368,10 +358,7 @@ fn latency_report(buckets: &[(f64, f64)]) -> serde_json::Value {
 }
 
 pub async fn run(a: RejectionArgs) -> anyhow::Result<()> {
-    let pdmesh = match &a.pdmesh {
-        Some(p) => p.clone(),
-        None => std::env::current_exe()?.with_file_name("pdmesh"),
-    };
+    let pdmesh = crate::client::pdmesh_binary(a.pdmesh.as_deref())?;
     let variants: &[Variant] = if a.latency_only {
         &[Variant::Baseline, Variant::NoticesOn]
     } else {

@@ -6,6 +6,12 @@ use pdmesh_protocol::{FinishedStatus, KvConnectorMetadata, KvConnectorOutput, Kv
 /// within a step; every method is total (unknown ids are counted by the implementation, never
 /// a panic).
 pub trait KvConnectorScheduler: Send {
+    /// The prompt's token ids, given just before the request's first
+    /// [`Self::get_num_new_matched_tokens`] (a connector that finds KV by content hashes
+    /// them; the others ignore them).
+    fn observe_prompt(&mut self, request_id: &str, prompt_token_ids: &[u32]) {
+        let _ = (request_id, prompt_token_ids);
+    }
     /// `(count, load_async)`: tokens beyond `num_computed_tokens` that can come from outside;
     /// `None` = cannot decide yet.
     fn get_num_new_matched_tokens(

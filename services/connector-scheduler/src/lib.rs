@@ -11,15 +11,19 @@
 //! one process hop less than through engine-core on a notice's way to P.
 
 pub mod connector;
+pub mod multi;
+pub mod offload;
 pub mod pd;
 
 pub use connector::{KvConnectorScheduler, NoopConnector};
+pub use multi::MultiConnector;
+pub use offload::{OffloadConnector, OffloadIndex};
 pub use pd::{PdConnector, ProducerIdentity};
 
 use std::time::Duration;
 
 use actix::prelude::*;
-use pdmesh_config::{Service, Topology};
+use pdmesh_config::{ConnectorKind, Service, Topology};
 use pdmesh_protocol::{ConnectorCall, ConnectorReply, Envelope, Hello, KvConnectorMetadata, Message, ServiceKind};
 use pdmesh_transport::{bind_router, connect_dealer, LinkConfig, LinkEvent, LinkHandle, RouterEvent, RouterHandle};
 use thiserror::Error;
@@ -34,6 +38,31 @@ pub enum ConnectorSchedulerError {
     Transport(#[from] pdmesh_transport::TransportError),
     #[error("ops server: {0}")]
     Ops(String),
+    #[error("kv_transfer: {0}")]
+    Connector(String),
+}
+
+/// The P/D connector of `rank` on `node`.
+fn pd_connector(node: &pdmesh_config::NodeConfig, kv: &pdmesh_config::KvTransferConfig, rank: u32) -> PdConnector {
+    let producer = kv.kv_role.produces().then(|| ProducerIdentity {
+        engine_id: if kv.engine_id.is_empty() { node.name.clone() } else { kv.engine_id.clone() },
+        side_channel_host: kv.side_channel_host.clone(),
+        side_channel_port: kv.side_channel_port.saturating_add(rank as u16),
+        dp_rank: rank,
+    });
+    let mut c = PdConnector::new(producer, kv.kv_role.consumes(), kv.hold_duration());
+    c.set_give_up_notices(kv.give_up_notices);
+    if !kv.give_up_notices {
+        tracing::warn!("give-up notices are off (kv_transfer.give_up_notices = false): P frees at its deadline");
+    }
+    c
+}
+
+/// What roots the offload connector's hash chains: blocks computed by another model (or the
+/// same file under another configuration) never match.
+fn offload_identity(node: &pdmesh_config::NodeConfig) -> String {
+    let m = &node.model;
+    format!("kind={:?}|name={}|path={}|device={}", m.kind, m.name, m.path, m.device)
 }
 
 /// Time allowed for the worker to take notify-only receives handed to it directly.
@@ -194,7 +223,11 @@ pub fn dispatch(c: &mut dyn KvConnectorScheduler, call: ConnectorCall) -> Connec
             num_prompt_tokens,
             num_computed_tokens,
             kv_transfer_params,
+            prompt_token_ids,
         } => {
+            if !prompt_token_ids.is_empty() {
+                c.observe_prompt(&request_id, &prompt_token_ids);
+            }
             let (count, load_async) = c.get_num_new_matched_tokens(
                 &request_id,
                 num_prompt_tokens,
@@ -250,24 +283,31 @@ pub async fn run(
     let port = node.metrics_port(Service::ConnectorScheduler, rank);
     pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
         .map_err(|e| ConnectorSchedulerError::Ops(format!("port {port}: {e}")))?;
-    let consumes = node.kv_transfer.as_ref().is_some_and(|kv| kv.kv_role.consumes());
+    let consumes = node.kv_transfer.as_ref().is_some_and(|kv| kv.uses_pd() && kv.kv_role.consumes());
     let connector: Box<dyn KvConnectorScheduler> = match &node.kv_transfer {
         None => Box::new(NoopConnector::default()),
         Some(kv) => {
-            let producer = kv.kv_role.produces().then(|| ProducerIdentity {
-                engine_id: if kv.engine_id.is_empty() { node.name.clone() } else { kv.engine_id.clone() },
-                side_channel_host: kv.side_channel_host.clone(),
-                side_channel_port: kv.side_channel_port.saturating_add(rank as u16),
-                dp_rank: rank,
-            });
-            let mut c = PdConnector::new(producer, kv.kv_role.consumes(), kv.hold_duration());
-            c.set_give_up_notices(kv.give_up_notices);
-            if !kv.give_up_notices {
-                tracing::warn!(
-                    "give-up notices are off (kv_transfer.give_up_notices = false): P frees at its deadline"
-                );
+            let kinds = kv.connectors().map_err(ConnectorSchedulerError::Connector)?;
+            let mut children: Vec<Box<dyn KvConnectorScheduler>> = kinds
+                .iter()
+                .map(|kind| -> Box<dyn KvConnectorScheduler> {
+                    match kind {
+                        ConnectorKind::Pd => Box::new(pd_connector(node, kv, rank)),
+                        ConnectorKind::Offload => Box::new(OffloadConnector::new(
+                            node.engine.block_size,
+                            kv.offload.cpu_blocks,
+                            &offload_identity(node),
+                        )),
+                    }
+                })
+                .collect();
+            match (kv.kv_connector == "MultiConnector", children.pop()) {
+                (false, Some(only)) if children.is_empty() => only,
+                (_, last) => {
+                    children.extend(last);
+                    Box::new(MultiConnector::new(children))
+                }
             }
-            Box::new(c)
         }
     };
     let worker_ep = eps.connector_worker.get(rank as usize).filter(|_| consumes).map(|w| w.connect.clone());

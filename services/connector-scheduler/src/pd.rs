@@ -211,6 +211,7 @@ impl KvConnectorScheduler for PdConnector {
             reqs_aborted_after_finish: Vec::new(),
             reqs_to_heartbeat: self.due_heartbeats(),
             reqs_referenced: std::mem::take(&mut self.referenced),
+            ..Default::default()
         }
     }
 

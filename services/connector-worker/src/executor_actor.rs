@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use actix::prelude::*;
 use pdmesh_model_api::{Executor, ExecutorError, KvCache};
-use pdmesh_protocol::{ModelRunnerOutput, SchedulerOutput};
+use pdmesh_protocol::{KvConnectorOutput, ModelRunnerOutput, OffloadMetadata, SchedulerOutput};
 
 use crate::metrics as m;
 
@@ -89,6 +89,37 @@ pub struct ExecutorActor {
     forward_passes: u64,
     /// Set once the accelerator is lost: every later step fails with it, unrun.
     lost: Option<String>,
+    /// The host-memory offload store, when the node runs the `OffloadConnector`: it lives on
+    /// this thread because the copies touch the KV cache the forward pass uses.
+    offload: Option<crate::offload::OffloadStore>,
+}
+
+/// Apply a step's offload copies, before that step's [`RunStep`] (the thread handles its
+/// messages in order, so the forward pass sees the loaded blocks). Answers the offload
+/// child's connector output.
+#[derive(Message)]
+#[rtype(result = "KvConnectorOutput")]
+pub struct ApplyOffload(pub OffloadMetadata);
+
+impl Handler<ApplyOffload> for ExecutorActor {
+    type Result = MessageResult<ApplyOffload>;
+
+    fn handle(&mut self, msg: ApplyOffload, _: &mut SyncContext<Self>) -> Self::Result {
+        MessageResult(match self.offload.as_mut() {
+            Some(store) => store.apply(&mut self.kv, &msg.0),
+            None => {
+                // Not configured here: settle everything so nothing waits for ever; a load
+                // that cannot happen is refused block for block.
+                tracing::warn!("offload copies asked of a worker without an offload store");
+                KvConnectorOutput {
+                    finished_sending: msg.0.saves.iter().map(|t| t.request_id.clone()).collect(),
+                    finished_recving: msg.0.loads.iter().map(|t| t.request_id.clone()).collect(),
+                    invalid_block_ids: msg.0.loads.iter().flat_map(|t| t.block_ids.iter().copied()).collect(),
+                    ..Default::default()
+                }
+            }
+        })
+    }
 }
 
 impl Actor for ExecutorActor {
@@ -139,10 +170,17 @@ impl Handler<RunStep> for ExecutorActor {
     }
 }
 
-/// Start the executor thread over `kv` (heap, or shared memory for P/D).
-pub fn start(factory: ExecutorFactory, kv: KvCache, faults: ExecutorFaults) -> Addr<ExecutorActor> {
+/// Start the executor thread over `kv` (heap, or shared memory for P/D), with the offload
+/// store `offload` if the node offloads.
+pub fn start(
+    factory: ExecutorFactory,
+    kv: KvCache,
+    faults: ExecutorFaults,
+    offload: Option<crate::offload::OffloadStore>,
+) -> Addr<ExecutorActor> {
     let spec = *kv.spec();
     let slot = std::sync::Mutex::new(Some(kv));
+    let offload_slot = std::sync::Mutex::new(offload);
     SyncArbiter::start(1, move || {
         let kv = slot.lock().ok().and_then(|mut s| s.take()).unwrap_or_else(|| KvCache::new_heap(spec));
         let (executor, load_error) = match factory() {
@@ -152,7 +190,8 @@ pub fn start(factory: ExecutorFactory, kv: KvCache, faults: ExecutorFaults) -> A
                 (None, Some(e))
             }
         };
-        ExecutorActor { executor, kv, load_error, faults, forward_passes: 0, lost: None }
+        let offload = offload_slot.lock().ok().and_then(|mut s| s.take());
+        ExecutorActor { executor, kv, load_error, faults, forward_passes: 0, lost: None, offload }
     })
 }
 

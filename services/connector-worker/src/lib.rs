@@ -10,6 +10,8 @@
 
 pub mod executor_actor;
 pub mod metrics;
+pub mod multi;
+pub mod offload;
 pub mod pd;
 
 pub use executor_actor::{once, ExecutorActor, ExecutorFactory, ExecutorFaults, RunStep};
@@ -52,6 +54,8 @@ pub struct WorkerActor {
     engine_pid: Option<u32>,
     /// Told once, when the executor reports the accelerator lost ([`RunningWorker`]).
     device_lost: Option<tokio::sync::oneshot::Sender<String>>,
+    /// One connector output from the P/D and offload children's (`MultiConnector`).
+    merge: multi::OutputMerge,
 }
 
 impl WorkerActor {
@@ -135,16 +139,31 @@ impl Handler<RouterEvent> for WorkerActor {
                         ))
                     })
                     .collect();
-                let kv_out = match &self.pd {
+                let pd_out = match &self.pd {
                     Some(pd) => {
                         pd.start_step(&step.kv_connector_metadata, &envelope.traces);
                         pd.finish_step()
                     }
                     None => Default::default(),
                 };
-                let fut = self.executor.send(RunStep(step.clone()));
+                self.merge.expect(&step.kv_connector_metadata.extra_async_saves);
+                // Queued before the step, so the executor thread copies before the forward pass.
+                let offload_meta = &step.kv_connector_metadata.offload;
+                let offload_fut = (!offload_meta.is_empty())
+                    .then(|| self.executor.send(executor_actor::ApplyOffload(offload_meta.clone())));
+                let step_fut = self.executor.send(RunStep(step.clone()));
+                let fut = async move {
+                    let offload_out = match offload_fut {
+                        Some(f) => f.await.unwrap_or_else(|e| {
+                            tracing::error!(error = %e, "executor thread gone before the offload copies");
+                            Default::default()
+                        }),
+                        None => Default::default(),
+                    };
+                    (offload_out, step_fut.await)
+                };
                 let step_id = step.step_id;
-                ctx.spawn(fut.into_actor(self).map(move |res, act, _| {
+                ctx.spawn(fut.into_actor(self).map(move |(offload_out, res), act, _| {
                     let result = match res {
                         Ok(Ok(out)) => Ok(out),
                         Ok(Err(e)) if e.is_device_lost() => {
@@ -160,7 +179,7 @@ impl Handler<RouterEvent> for WorkerActor {
                         ..Default::default()
                     });
                     // Failed or not, the step carries its connector output (ModelRunnerOutput::failure).
-                    out.kv_connector_output = kv_out;
+                    out.kv_connector_output = act.merge.merge([pd_out, offload_out]);
                     let _ = router.send(&peer, envelope.reply(Message::StepResult(out)));
                     drop(spans);
                 }));
@@ -173,6 +192,9 @@ impl Handler<RouterEvent> for WorkerActor {
                     self.engine_pid = Some(h.pid);
                     if let (true, Some(pd)) = (restarted, &self.pd) {
                         pd.engine_restarted();
+                    }
+                    if restarted {
+                        self.merge.clear();
                     }
                 }
             }
@@ -366,7 +388,7 @@ pub async fn run(
         incarnation: format!("{}-{}", std::process::id(), uuid::Uuid::new_v4()),
     };
     metrics::KV_CACHE_BYTES.set((spec.bytes_per_block() * u64::from(spec.num_blocks)) as i64);
-    let (kv, pd) = match &node.kv_transfer {
+    let (kv, pd) = match node.kv_transfer.as_ref().filter(|k| k.uses_pd()) {
         None => (place_host_only(&placement, spec)?, None),
         Some(cfg) => {
             let (kv, memory) = pd_memory(&placement, cfg.backend, node, rank, spec)?;
@@ -424,9 +446,34 @@ pub async fn run(
     if !faults.is_empty() {
         tracing::warn!(?faults, "executor fault injection is on");
     }
-    let executor = executor_actor::start(factory, kv, faults);
+    let offload = match node.kv_transfer.as_ref().filter(|k| k.uses_offload()) {
+        None => None,
+        Some(cfg) => {
+            if !matches!(placement, KvPlacement::Host) {
+                return Err(WorkerError::Placement(
+                    "the OffloadConnector copies a host KV cache; this worker's cache is on the GPU".into(),
+                ));
+            }
+            tracing::info!(
+                cpu_blocks = cfg.offload.cpu_blocks,
+                max_bytes = u64::from(cfg.offload.cpu_blocks) * spec.bytes_per_block(),
+                "host-memory KV offload store (allocated as it fills)"
+            );
+            Some(offload::OffloadStore::new(spec, cfg.offload.cpu_blocks))
+        }
+    };
+    let executor = executor_actor::start(factory, kv, faults, offload);
     let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
-    let actor = WorkerActor { executor, pd, info, router: None, engine_pid: None, device_lost: Some(lost_tx) }.start();
+    let actor = WorkerActor {
+        executor,
+        pd,
+        info,
+        router: None,
+        engine_pid: None,
+        device_lost: Some(lost_tx),
+        merge: Default::default(),
+    }
+    .start();
     let router = bind_router(&ep.bind, actor.clone().recipient()).await?;
     actor.do_send(SetRouter(router));
     health.set_ready(true);

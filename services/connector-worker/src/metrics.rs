@@ -94,3 +94,29 @@ pub static REMOTE_REFERENCES: LazyLock<IntGauge> = LazyLock::new(|| {
         "D: references to P's blocks this worker holds (requests taken in whose receive has not ended)",
     )
 });
+pub static OFFLOAD_STORED_BLOCKS: LazyLock<IntGauge> =
+    LazyLock::new(|| gauge("pdmesh_offload_stored_blocks", "KV blocks in the worker's offload store"));
+pub static OFFLOAD_STORED_BYTES: LazyLock<IntGauge> =
+    LazyLock::new(|| gauge("pdmesh_offload_stored_bytes", "Bytes of KV in the worker's offload store"));
+pub static OFFLOAD_SAVES: LazyLock<IntCounter> =
+    LazyLock::new(|| counter("pdmesh_offload_saves_total", "Requests whose blocks were copied to the offload store"));
+pub static OFFLOAD_SAVED_BLOCKS: LazyLock<IntCounter> =
+    LazyLock::new(|| counter("pdmesh_offload_saved_blocks_total", "KV blocks copied to the offload store"));
+pub static OFFLOAD_LOADS: LazyLock<IntCounter> =
+    LazyLock::new(|| counter("pdmesh_offload_loads_total", "Requests loaded from the offload store"));
+pub static OFFLOAD_LOADED_BLOCKS: LazyLock<IntCounter> =
+    LazyLock::new(|| counter("pdmesh_offload_loaded_blocks_total", "KV blocks copied from the offload store"));
+pub static OFFLOAD_LOAD_FAILURES: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_offload_load_failures_total",
+        "Offload loads refused (the slot did not hold the block); the request follows kv_load_failure_policy",
+    )
+});
+pub static OFFLOAD_SAVE_FAILURES: LazyLock<IntCounter> =
+    LazyLock::new(|| counter("pdmesh_offload_save_failures_total", "Blocks that could not be copied to the store"));
+pub static MULTI_SWALLOWED_SENDS: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_worker_multi_held_sends_total",
+        "MultiConnector: finished_sending reports kept back until every child that delayed the request was done",
+    )
+});

@@ -2,7 +2,9 @@
 //!
 //! A P and a D engine in one process: on each side the engine's own step machine
 //! (`pdmesh_engine_core::step::EngineStep`, the code `engine-core` runs over its sockets) with
-//! the real `Scheduler`, block pool and `PdConnector` answering its connector calls; on P the
+//! the real `Scheduler`, block pool and `MultiConnector(PdConnector, OffloadConnector)`
+//! answering its connector calls, and the worker's own offload store (`OffloadStore`, saves and
+//! loads of real bytes in a real `KvCache`) and output merge (`OutputMerge`); on P the
 //! real `HoldTable`, driven through the worker's own step functions (`producer_start_step`,
 //! `producer_finish_step`) and, as P's side channel would, through its `LeasePolicy`. The test
 //! plays the router, D's READs and the side-channel messages between the nodes, and interleaves
@@ -14,6 +16,12 @@
 //! hand-offs, aborts on either side (before, at and after finish, unknown ids), lease requests,
 //! READ progress (one-sided shm or checked tcp), `read done`, duplicate `read done`, transfer
 //! failures, failed forward passes, heartbeats, delayed or lost give-ups, and time.
+//!
+//! Every prompt is a prefix of one token sequence, so later requests find earlier ones' blocks
+//! in the offload store (a store smaller than the prompts sent, so it also evicts). The test's
+//! model writes each token's KV as a value naming its position and token, and reads the KV of
+//! every position before each chunk it runs: whether computed there, loaded from the offload
+//! store, or copied from P's blocks by D's READ, it must be that request's own.
 //!
 //! After every event: no block is freed twice; no block P lent under a lease is freed or reused
 //! while the lease is active; no block of D's that a READ may still write is freed or reused;
@@ -31,18 +39,28 @@
 //! that reaches P while the first request's blocks are held overwrites the held entry — both
 //! tests fail within the first cases with "P still owns blocks at quiescence"
 //! (`used_blocks: 1, held_blocks: 0`: the leak the issue reported on the real mesh).
+//! A second: let `MultiConnector::request_finished` never send `extra_async_saves` (free on the
+//! first child's `finished_sending`), and a request P holds for D while the offload child saves
+//! it is freed on the save's report: the property test fails ("P's hold table is not empty"
+//! at quiescence, its blocks having gone back while D could still read them).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use pdmesh_connector_scheduler::{dispatch, PdConnector, ProducerIdentity};
+use pdmesh_connector_scheduler::{
+    dispatch, KvConnectorScheduler, MultiConnector, OffloadConnector, PdConnector, ProducerIdentity,
+};
+use pdmesh_connector_worker::multi::OutputMerge;
+use pdmesh_connector_worker::offload::OffloadStore;
 use pdmesh_connector_worker::pd::{producer_finish_step, producer_start_step};
 use pdmesh_engine_core::scheduler::{EngineFaults, Scheduler, SchedulerConfig};
 use pdmesh_engine_core::step::{
     notice_calls, notice_receives, EngineState, EngineStep, StepDone, StepIo, WorkerAnswer,
 };
 use pdmesh_kv_transfer::{CapabilityCheck, HoldTable, HoldTableConfig, LeasePolicy, NoticeOutcome};
+use pdmesh_model_api::kv_cache::KvSide;
+use pdmesh_model_api::{KvCache, KvCacheSpec};
 use pdmesh_protocol::{
     ConnectorCall, ConnectorReply, EngineRequest, ErrorClass, KvConnectorMetadata, KvConnectorOutput, KvTransferParams,
     ModelRunnerOutput, RejectionNotice, SampledToken, SamplingParams, SchedulerOutput, TraceContext, WireError,
@@ -58,6 +76,16 @@ const LEASE_TTL: Duration = Duration::from_millis(300);
 const HEARTBEAT_EXTENSION: Duration = Duration::from_millis(1000);
 const EOS: u32 = 2;
 const TOKEN: u32 = 7;
+/// Slots of each node's host-memory offload store: fewer than the blocks of the prompts a
+/// case sends, so the store evicts, and entries a load pinned are tested against eviction.
+const OFFLOAD_SLOTS: u32 = 12;
+
+/// What the test's model writes as the KV of the token `token` at position `pos` (every prompt
+/// is a prefix of one token sequence, so position and token name the KV exactly). Exact in
+/// `f32` for the positions and tokens the test uses.
+fn kv_value(pos: u32, token: u32) -> f32 {
+    (pos * 1000 + token) as f32
+}
 
 /// D's engine refuses every 7th request it is handed (its own fault injection).
 fn d_engine_faults() -> EngineFaults {
@@ -178,7 +206,23 @@ fn ev() -> impl Strategy<Value = Ev> {
 /// real connector, driven by the engine's own [`EngineStep`].
 struct Node {
     state: EngineState,
-    conn: PdConnector,
+    /// `MultiConnector(P/D transfer, host-memory offload)`, as a node with
+    /// `kv_connector = "MultiConnector"` runs it.
+    conn: Box<dyn KvConnectorScheduler>,
+    /// The worker's KV cache (one layer, one value per token), its offload store and its
+    /// merge of the two children's outputs: the worker's own types.
+    kv: KvCache,
+    store: OffloadStore,
+    merge: OutputMerge,
+    /// `extra_async_saves` the connector sent (a request two children delayed).
+    extra_saves: u64,
+    /// Blocks the worker loaded from its offload store and the model then read as right.
+    offload_blocks_checked: u64,
+    /// The prompt of each request id this engine runs, from the engine's own connector query
+    /// (on D an id may carry another request's prompt: a hand-off under an earlier id).
+    prompts: HashMap<String, Vec<u32>>,
+    /// Blocks the offload store loaded that no pass has read or written since.
+    loaded_unread: std::collections::HashSet<u32>,
     /// How many times each id was admitted (an id may come back once its request is gone).
     admitted: HashMap<String, u32>,
     finished_calls: HashMap<String, u32>,
@@ -187,7 +231,10 @@ struct Node {
 }
 
 impl Node {
-    fn new(conn: PdConnector, num_blocks: u32, recompute: bool, faults: EngineFaults) -> Self {
+    fn new(pd: PdConnector, num_blocks: u32, recompute: bool, faults: EngineFaults) -> Self {
+        let spec = KvCacheSpec { num_layers: 1, num_blocks, block_size: BS, num_kv_heads: 1, head_dim: 1 };
+        let offload = OffloadConnector::new(BS, OFFLOAD_SLOTS, "test-model");
+        let conn: Box<dyn KvConnectorScheduler> = Box::new(MultiConnector::new(vec![Box::new(pd), Box::new(offload)]));
         let mut sched = Scheduler::new(SchedulerConfig {
             block_size: BS,
             num_blocks,
@@ -200,6 +247,13 @@ impl Node {
         Self {
             state: EngineState::new(0, sched),
             conn,
+            kv: KvCache::new_heap(spec),
+            store: OffloadStore::new(spec, OFFLOAD_SLOTS),
+            merge: OutputMerge::default(),
+            extra_saves: 0,
+            offload_blocks_checked: 0,
+            prompts: HashMap::new(),
+            loaded_unread: Default::default(),
             admitted: HashMap::new(),
             finished_calls: HashMap::new(),
             refused: 0,
@@ -214,6 +268,10 @@ impl Node {
     fn call(&mut self, calls: Vec<ConnectorCall>) -> Result<Vec<ConnectorReply>, TestCaseError> {
         let mut replies = Vec::with_capacity(calls.len());
         for c in calls {
+            // The admitted request's prompt, as the engine asks the connector about it.
+            if let ConnectorCall::GetNumNewMatchedTokens { request_id, prompt_token_ids, .. } = &c {
+                self.prompts.insert(request_id.clone(), prompt_token_ids.clone());
+            }
             if let ConnectorCall::RequestFinished { request_id, .. } = &c {
                 let n = self.finished_calls.entry(request_id.clone()).or_insert(0);
                 *n += 1;
@@ -226,7 +284,7 @@ impl Node {
                     admitted
                 );
             }
-            replies.push(dispatch(&mut self.conn, c));
+            replies.push(dispatch(self.conn.as_mut(), c));
         }
         Ok(replies)
     }
@@ -252,6 +310,59 @@ impl Node {
     fn notice(&mut self, notice: RejectionNotice) -> Result<Option<KvConnectorMetadata>, TestCaseError> {
         let replies = self.call(notice_calls(notice))?;
         Ok(notice_receives(&replies).1)
+    }
+
+    /// The offload child's copies of a step, before its forward pass (`ApplyOffload`), and the
+    /// merged connector output the worker answers with (`OutputMerge`), as the worker does.
+    fn offload_and_merge(&mut self, meta: &KvConnectorMetadata, pd_out: KvConnectorOutput) -> KvConnectorOutput {
+        self.merge.expect(&meta.extra_async_saves);
+        self.extra_saves += meta.extra_async_saves.values().map(|&n| u64::from(n)).sum::<u64>();
+        let offload_out = self.store.apply(&mut self.kv, &meta.offload);
+        for t in &meta.offload.loads {
+            let refused = t.block_ids.iter().position(|b| offload_out.invalid_block_ids.contains(b));
+            self.loaded_unread.extend(&t.block_ids[..refused.unwrap_or(t.block_ids.len())]);
+        }
+        self.merge.merge([pd_out, offload_out])
+    }
+
+    /// The model's pass over `step`: every chunk reads the KV of the positions before it, which
+    /// must be its own tokens' (computed here, loaded from the offload store, or read from P),
+    /// and writes its tokens' KV unless the pass fails.
+    fn model_pass(&mut self, step: &SchedulerOutput, fails: bool) -> Result<(), TestCaseError> {
+        for c in &step.chunks {
+            let prompt = self.prompts.get(&c.request_id).map(Vec::as_slice).unwrap_or(&[]);
+            for pos in 0..c.start_pos {
+                let want = prompt.get(pos as usize).copied().unwrap_or(TOKEN);
+                let block = c.block_ids.get((pos / BS) as usize).copied().unwrap_or(u32::MAX);
+                let got = self.kv.block(0, KvSide::Key, block).ok().and_then(|b| b.get((pos % BS) as usize).copied());
+                prop_assert_eq!(
+                    got,
+                    Some(kv_value(pos, want)),
+                    "{}: the KV of position {} (block {}) is not its token's",
+                    &c.request_id,
+                    pos,
+                    block
+                );
+                if pos % BS == BS - 1 && self.loaded_unread.remove(&block) {
+                    self.offload_blocks_checked += 1;
+                }
+            }
+            if fails {
+                continue;
+            }
+            for (i, &token) in c.token_ids.iter().enumerate() {
+                let pos = c.start_pos + i as u32;
+                let Some(&block) = c.block_ids.get((pos / BS) as usize) else { continue };
+                self.loaded_unread.remove(&block);
+                for side in [KvSide::Key, KvSide::Value] {
+                    if let Some(v) = self.kv.block_mut(0, side, block).ok().and_then(|b| b.get_mut((pos % BS) as usize))
+                    {
+                        *v = kv_value(pos, token);
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     fn quiet(&self) -> bool {
@@ -397,7 +508,7 @@ impl World {
                     step.on_connector(&mut self.node(side).state, Some(replies))
                 }
                 StepIo::Worker(output) => {
-                    let kv = match side {
+                    let pd_out = match side {
                         Side::P => {
                             let mut kv = KvConnectorOutput::default();
                             let (now, wall) = (self.now, wall_ms());
@@ -412,6 +523,8 @@ impl World {
                             self.d_worker_finish()?
                         }
                     };
+                    let kv = self.node(side).offload_and_merge(&output.kv_connector_metadata, pd_out);
+                    self.node(side).model_pass(&output, fails)?;
                     step.on_worker(&mut self.node(side).state, model_answer(&output, kv, fails))
                 }
                 StepIo::Done(done) => break done,
@@ -552,12 +665,26 @@ impl World {
                 (b, alloc, gen)
             })
             .collect();
+        // The READ's bytes: P's blocks into D's (only a read P confirms counts as loaded).
+        for (&from, &to) in r.remote.iter().zip(&r.local) {
+            for side in [KvSide::Key, KvSide::Value] {
+                let bytes = self.p.kv.block(0, side, from).map(<[f32]>::to_vec).unwrap_or_default();
+                if let Ok(dst) = self.d.kv.block_mut(0, side, to) {
+                    if dst.len() == bytes.len() {
+                        dst.copy_from_slice(&bytes);
+                    }
+                }
+            }
+        }
         self.inflight[k].observed.extend(seen);
     }
 
     fn read_done(&mut self, k: usize) -> Result<(), TestCaseError> {
+        let Some(lease) = self.inflight[k].lease else { return Ok(()) };
+        if self.inflight[k].observed.is_empty() {
+            self.read(k, false); // the READ ran to its end before D's worker says so
+        }
         let r = &self.inflight[k];
-        let Some(lease) = r.lease else { return Ok(()) };
         if !self.p_accepts(&r.p_id, &r.token) {
             self.settle(k, false, false);
             return Ok(());
@@ -880,6 +1007,7 @@ fn the_generator_reaches_the_race_windows() {
     let mut totals = pdmesh_kv_transfer::HoldCounters::default();
     let (mut p_finished, mut d_finished) = (0, 0);
     let (mut reused, mut refused_p, mut refused_d, mut stale) = (0, 0, 0, 0);
+    let (mut saved, mut loaded, mut checked, mut extra_saves) = (0, 0, 0, 0);
     for _ in 0..200 {
         let events = proptest::collection::vec(ev(), 1..160).new_tree(&mut runner).unwrap().current();
         let mut w = World::new(false);
@@ -902,16 +1030,28 @@ fn the_generator_reaches_the_race_windows() {
         stale += w.stale_notices_refused;
         refused_p += w.p.refused;
         refused_d += w.d.refused;
+        for n in [&w.p, &w.d] {
+            saved += n.store.counters.blocks_saved;
+            loaded += n.store.counters.blocks_loaded;
+            checked += n.offload_blocks_checked;
+            extra_saves += n.extra_saves;
+        }
     }
     eprintln!(
         "{totals:?}; request_finished P {p_finished} D {d_finished}; reused ids {reused}, refused by P's engine \
-         {refused_p}, by D's {refused_d}; stale give-ups refused by their token {stale}"
+         {refused_p}, by D's {refused_d}; stale give-ups refused by their token {stale}; offload: blocks saved \
+         {saved}, loaded {loaded}, loaded and read right by the model {checked}, requests two children delayed \
+         {extra_saves}"
     );
     for (what, n) in [
         ("reused request ids", reused),
         ("refusals inside P's engine (reused ids)", refused_p),
         ("refusals inside D's engine", refused_d),
         ("give-ups for a reused id refused by their old token", stale),
+        ("blocks saved to the offload store", saved),
+        ("blocks loaded back from the offload store", loaded),
+        ("loaded blocks the model read", checked),
+        ("requests both children delayed (held for D while saved)", extra_saves),
         ("leases granted", totals.leases_granted),
         ("confirmed reads", totals.read_done),
         ("aborts after finish", totals.aborts),

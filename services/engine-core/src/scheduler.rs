@@ -453,6 +453,7 @@ impl Scheduler {
                 num_prompt_tokens: r.prompt.len() as u32,
                 num_computed_tokens: r.num_computed_tokens,
                 kv_transfer_params: r.kv_transfer_params.clone(),
+                prompt_token_ids: r.prompt.clone(),
             })
             .collect()
     }

@@ -165,9 +165,18 @@ fn default_dp_lb_max_in_flight() -> u32 {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KvTransferConfig {
-    /// Connector implementation: `PdConnector` (pdmesh's NIXL-like connector).
+    /// Connector implementation: `PdConnector` (pdmesh's NIXL-like connector),
+    /// `OffloadConnector` (host-memory KV offload) or `MultiConnector` (the children listed in
+    /// `kv_connector_children`, in order).
     #[serde(default = "default_connector")]
     pub kv_connector: String,
+    /// `MultiConnector` only: its children, in the order they are asked for a request's
+    /// external KV (the first that has some loads it), e.g. `["PdConnector", "OffloadConnector"]`.
+    #[serde(default)]
+    pub kv_connector_children: Vec<String>,
+    /// The offload connector's CPU store.
+    #[serde(default)]
+    pub offload: OffloadConfig,
     pub kv_role: KvRole,
     /// Identity of this engine for remote peers; empty: `<node name>`.
     #[serde(default)]
@@ -232,6 +241,48 @@ fn yes() -> bool {
     true
 }
 
+/// The host-memory KV offload connector (`OffloadConnector`, alone or as a `MultiConnector`
+/// child): finished requests' full prompt blocks are copied to a CPU store and loaded back for
+/// a later request with the same prefix.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OffloadConfig {
+    /// Capacity of the CPU store in KV blocks (each `bytes_per_block` of the worker's cache:
+    /// layers × 2 × block_size × kv_heads × head_dim × 4 bytes); the least recently used
+    /// unpinned block is evicted when it is full.
+    #[serde(default = "default_offload_cpu_blocks")]
+    pub cpu_blocks: u32,
+}
+
+fn default_offload_cpu_blocks() -> u32 {
+    1024
+}
+
+impl Default for OffloadConfig {
+    fn default() -> Self {
+        Self { cpu_blocks: default_offload_cpu_blocks() }
+    }
+}
+
+/// One KV connector a node runs (alone, or as a `MultiConnector` child).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConnectorKind {
+    /// P/D transfer (`PdConnector`).
+    Pd,
+    /// Host-memory offload (`OffloadConnector`).
+    Offload,
+}
+
+impl ConnectorKind {
+    fn parse(name: &str) -> Option<Self> {
+        match name {
+            "PdConnector" => Some(Self::Pd),
+            "OffloadConnector" => Some(Self::Offload),
+            _ => None,
+        }
+    }
+}
+
 fn default_connector() -> String {
     "PdConnector".into()
 }
@@ -258,6 +309,46 @@ fn default_remote_agent_idle_s() -> u64 {
 }
 
 impl KvTransferConfig {
+    /// The connectors this node runs, in `MultiConnector` order (one for a plain connector).
+    pub fn connectors(&self) -> Result<Vec<ConnectorKind>, String> {
+        let unknown = |n: &str| {
+            format!("unknown connector {n:?} (known: \"PdConnector\", \"OffloadConnector\", \"MultiConnector\")")
+        };
+        if self.kv_connector != "MultiConnector" {
+            if !self.kv_connector_children.is_empty() {
+                return Err(format!(
+                    "kv_connector_children is for kv_connector = \"MultiConnector\", not {:?}",
+                    self.kv_connector
+                ));
+            }
+            return ConnectorKind::parse(&self.kv_connector)
+                .map(|k| vec![k])
+                .ok_or_else(|| unknown(&self.kv_connector));
+        }
+        if self.kv_connector_children.is_empty() {
+            return Err("kv_connector = \"MultiConnector\" needs kv_connector_children, e.g. [\"PdConnector\", \"OffloadConnector\"]".into());
+        }
+        let mut kinds = Vec::new();
+        for name in &self.kv_connector_children {
+            let kind = ConnectorKind::parse(name).ok_or_else(|| unknown(name))?;
+            if kinds.contains(&kind) {
+                return Err(format!("kv_connector_children names {name:?} twice"));
+            }
+            kinds.push(kind);
+        }
+        Ok(kinds)
+    }
+
+    /// Whether this node takes part in P/D (runs the `PdConnector`, alone or as a child).
+    pub fn uses_pd(&self) -> bool {
+        self.connectors().is_ok_and(|k| k.contains(&ConnectorKind::Pd))
+    }
+
+    /// Whether this node offloads KV to host memory (runs the `OffloadConnector`).
+    pub fn uses_offload(&self) -> bool {
+        self.connectors().is_ok_and(|k| k.contains(&ConnectorKind::Offload))
+    }
+
     /// How long a read lease lasts on P.
     pub fn read_lease(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.kv_read_lease_s)
@@ -823,6 +914,18 @@ impl Topology {
                 return invalid(format!("node {:?}: max_num_seqs and max_num_batched_tokens must be positive", n.name));
             }
             if let Some(kv) = &n.kv_transfer {
+                if let Err(why) = kv.connectors() {
+                    return invalid(format!("node {:?}: kv_transfer: {why}", n.name));
+                }
+                if kv.uses_offload() && kv.offload.cpu_blocks == 0 {
+                    return invalid(format!("node {:?}: kv_transfer.offload.cpu_blocks must be positive", n.name));
+                }
+                if kv.uses_offload() && kv.backend == TransferBackendKind::Cuda {
+                    return invalid(format!(
+                        "node {:?}: the OffloadConnector copies a host KV cache; kv_transfer.backend = \"cuda\" keeps it on the GPU",
+                        n.name
+                    ));
+                }
                 if kv.kv_lease_duration_s == 0 || kv.kv_read_lease_s == 0 || kv.abort_request_timeout_s == 0 {
                     return invalid(format!(
                         "node {:?}: kv_lease_duration_s, kv_read_lease_s and abort_request_timeout_s must be positive",
@@ -992,5 +1095,40 @@ mod tests {
         assert!(Topology::from_toml("[[nodes]]\nname = \"a\"\n[[nodes]]\nname = \"a\"\nhttp_port = 1").is_err());
         assert!(Topology::from_toml("[[nodes]]\nname = \"a\"\nbogus = 1").is_err());
         assert!(Topology::from_toml("[[nodes]]\nname = \"r\"\nrole = \"router\"").is_err());
+    }
+
+    #[test]
+    fn connectors_are_parsed_in_order_and_bad_lists_are_refused() {
+        let node = |kv: &str| format!("[[nodes]]\nname = \"n\"\nkv_transfer = {{ kv_role = \"kv_both\", {kv} }}\n");
+        let t = Topology::from_toml(&node(
+            "kv_connector = \"MultiConnector\", kv_connector_children = [\"PdConnector\", \"OffloadConnector\"], offload = { cpu_blocks = 8 }",
+        ))
+        .unwrap();
+        let kv = t.nodes[0].kv_transfer.as_ref().unwrap();
+        assert_eq!(kv.connectors().unwrap(), vec![ConnectorKind::Pd, ConnectorKind::Offload]);
+        assert!(kv.uses_pd() && kv.uses_offload());
+        assert_eq!(kv.offload.cpu_blocks, 8);
+        let t = Topology::from_toml(&node("kv_connector = \"OffloadConnector\"")).unwrap();
+        let kv = t.nodes[0].kv_transfer.as_ref().unwrap();
+        assert!(!kv.uses_pd() && kv.uses_offload());
+        assert_eq!(kv.offload.cpu_blocks, 1024, "default");
+        // the default stays the P/D connector
+        assert!(Topology::from_toml(&node("engine_id = \"x\"")).unwrap().nodes[0]
+            .kv_transfer
+            .as_ref()
+            .unwrap()
+            .uses_pd());
+        for (bad, why) in [
+            ("kv_connector = \"MultiConnector\"", "needs kv_connector_children"),
+            ("kv_connector = \"MultiConnector\", kv_connector_children = [\"PdConnector\", \"PdConnector\"]", "twice"),
+            ("kv_connector = \"MultiConnector\", kv_connector_children = [\"LMCache\"]", "unknown connector"),
+            ("kv_connector = \"Nixl\"", "unknown connector"),
+            ("kv_connector_children = [\"OffloadConnector\"]", "is for kv_connector = \"MultiConnector\""),
+            ("kv_connector = \"OffloadConnector\", offload = { cpu_blocks = 0 }", "cpu_blocks"),
+            ("kv_connector = \"OffloadConnector\", offload = { cpu_bytes = 1 }", "unknown field"),
+        ] {
+            let err = Topology::from_toml(&node(bad)).unwrap_err().to_string();
+            assert!(err.contains(why), "{bad}: {err}");
+        }
     }
 }

@@ -28,6 +28,11 @@ pub enum ConnectorCall {
         num_prompt_tokens: u32,
         num_computed_tokens: u32,
         kv_transfer_params: Option<KvTransferParams>,
+        /// The prompt's token ids, for connectors that find KV by content (the offload
+        /// connector hashes them block by block). Empty from an engine that does not send them:
+        /// such a connector then matches nothing.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        prompt_token_ids: Vec<u32>,
     },
     /// Blocks were allocated for the request; `num_external_tokens` of them will be loaded.
     UpdateStateAfterAlloc { request_id: String, block_ids: Vec<u32>, num_external_tokens: u32 },
@@ -166,11 +171,54 @@ pub struct KvConnectorMetadata {
     /// reference it still has, queued requests included (R4).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reqs_referenced: Vec<KvTransferParams>,
+    /// Host-memory offload: block copies between the device cache and the worker's CPU store
+    /// (docs/KV_TRANSFER.md, "Offload").
+    #[serde(default, skip_serializing_if = "OffloadMetadata::is_empty")]
+    pub offload: OffloadMetadata,
+    /// MultiConnector: requests whose blocks more than one child delays, with how many
+    /// `finished_sending` beyond the first the worker must see before it reports the request
+    /// (vLLM's `extra_async_saves`). The engine frees on the first report it gets.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub extra_async_saves: std::collections::BTreeMap<String, u32>,
+}
+
+/// One request's copy between device blocks and CPU store slots: `block_ids[i]` ↔
+/// `slots[i]`, the slot stamped `stamps[i]` (the block's content hash, truncated), so that a
+/// load from a slot that does not hold that content (a restarted worker's empty store) is
+/// refused instead of copied.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffloadTransfer {
+    pub request_id: String,
+    pub block_ids: Vec<u32>,
+    pub slots: Vec<u32>,
+    pub stamps: Vec<u64>,
+}
+
+/// The offload connector's part of a step's metadata. The worker applies the loads first,
+/// then the saves, before the forward pass: a slot the scheduler evicted and reuses for a save
+/// in the same step is read by its load first.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OffloadMetadata {
+    /// Store → device: the request then waits for its `finished_recving`.
+    #[serde(default)]
+    pub loads: Vec<OffloadTransfer>,
+    /// Device → store, of a finished request whose blocks the engine keeps until the
+    /// request's `finished_sending`.
+    #[serde(default)]
+    pub saves: Vec<OffloadTransfer>,
+}
+
+impl OffloadMetadata {
+    pub fn is_empty(&self) -> bool {
+        self.loads.is_empty() && self.saves.is_empty()
+    }
 }
 
 impl KvConnectorMetadata {
     pub fn is_empty(&self) -> bool {
-        self.reqs_to_recv.is_empty()
+        self.offload.is_empty()
+            && self.extra_async_saves.is_empty()
+            && self.reqs_to_recv.is_empty()
             && self.reqs_to_send.is_empty()
             && self.reqs_aborted_after_finish.is_empty()
             && self.reqs_in_batch.is_empty()

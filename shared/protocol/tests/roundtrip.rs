@@ -52,6 +52,21 @@ fn every_message() -> Vec<Message> {
         reqs_aborted_after_finish: vec!["z".into()],
         reqs_to_heartbeat: vec![params()],
         reqs_referenced: vec![params()],
+        offload: pdmesh_protocol::OffloadMetadata {
+            loads: vec![pdmesh_protocol::OffloadTransfer {
+                request_id: "l".into(),
+                block_ids: vec![5, 6],
+                slots: vec![0, 7],
+                stamps: vec![u64::MAX, 1],
+            }],
+            saves: vec![pdmesh_protocol::OffloadTransfer {
+                request_id: "s".into(),
+                block_ids: vec![1],
+                slots: vec![2],
+                stamps: vec![3],
+            }],
+        },
+        extra_async_saves: [("s".to_string(), 1)].into(),
     };
     vec![
         Message::AddRequest(EngineRequest {
@@ -156,6 +171,7 @@ fn every_message() -> Vec<Message> {
                 num_prompt_tokens: 5,
                 num_computed_tokens: 0,
                 kv_transfer_params: Some(params()),
+                prompt_token_ids: vec![1, 2, 3, 4, 5],
             },
             ConnectorCall::UpdateStateAfterAlloc { request_id: "r".into(), block_ids: vec![1], num_external_tokens: 4 },
             ConnectorCall::BuildConnectorMeta { step_id: 1 },
