@@ -85,6 +85,8 @@ pub enum StepNext {
 }
 
 /// What the step needs from outside before it can go on.
+// One value per step stage, handed straight to the driver: boxing a variant saves nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum StepIo {
     /// Ask the connector-scheduler these calls, in order, and answer with
