@@ -27,13 +27,29 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(90);
 const NODE_SETTINGS: &str = r#"model = { kind = "synthetic", per_token_cost_us = 40, per_step_cost_us = 1500 }
 engine = { block_size = 16, num_blocks = 512, max_num_seqs = 64, max_num_batched_tokens = 1024, max_model_len = 4096 }"#;
 
+/// The real model in place of the synthetic executor (`PDMESH_MODEL_PATH`), for the storm
+/// against the default mesh itself: the same engine sizes as `deploy/topology/default.toml`.
+fn real_model_settings() -> Option<String> {
+    let path = std::env::var("PDMESH_MODEL_PATH").ok().filter(|p| std::path::Path::new(p).is_file())?;
+    Some(NODE_SETTINGS.replacen(
+        r#"model = { kind = "synthetic", per_token_cost_us = 40, per_step_cost_us = 1500 }"#,
+        &format!("model = {{ kind = \"gguf\", path = {path:?} }}"),
+        1,
+    ))
+}
+
 /// Limits that bound nothing, for the side-by-side run of the benchmark.
 const UNBOUNDED: &str = r#"limits = { max_in_flight = 0, dp_lb_max_in_flight = 0 }"#;
 
 /// The default mesh's shape with `limits` on every node (empty: the defaults) and, for the
 /// unbounded run, engines without a waiting or held-block bound.
 fn start_mesh(limits: &str, unbounded_engines: bool) -> Mesh {
-    let mut settings = NODE_SETTINGS.to_string();
+    start_mesh_with(NODE_SETTINGS, limits, unbounded_engines)
+}
+
+/// [`start_mesh`] with other node settings (the real model).
+fn start_mesh_with(node_settings: &str, limits: &str, unbounded_engines: bool) -> Mesh {
+    let mut settings = node_settings.to_string();
     if unbounded_engines {
         settings = settings
             .replace("max_model_len = 4096 }", "max_model_len = 4096, max_waiting = 0, max_held_fraction = 1.0 }");
@@ -277,6 +293,14 @@ fn a_storm_of_2000_requests_ends_in_answers_or_503s_and_leaves_nothing_held() {
     let mesh = start_mesh("", false);
     let (storm, memory) = storm_and_settle(&mesh);
     report("default limits", &storm, &memory);
+    check_storm(&mesh, &storm, &memory);
+    mesh.stop();
+}
+
+/// What every storm must show, on any executor: each request ended in 200 or a well-formed
+/// refusal, none hung, some were served and some refused, the queueing processes stayed
+/// small, and refusals were logged at a bounded rate.
+fn check_storm(mesh: &Mesh, storm: &Storm, memory: &[(String, f64)]) {
     let others: Vec<_> = storm.outcomes.iter().filter(|(o, _)| matches!(o, Outcome::Other(_))).take(5).collect();
     assert!(others.is_empty(), "every request ends in 200 or 503/429 + Retry-After: {others:?}");
     assert_eq!(storm.count(|o| *o == Outcome::Hung), 0, "no request hangs");
@@ -284,31 +308,55 @@ fn a_storm_of_2000_requests_ends_in_answers_or_503s_and_leaves_nothing_held() {
     assert!(storm.count(|o| *o == Outcome::Refused) > 0, "the bounds refuse part of a storm of {STORM}");
     // bounded queues keep every queueing process far below what 2,000 buffered requests
     // would need; the figures of the unbounded run are in docs/benchmarks.md
-    for (name, mib) in &memory {
+    for (name, mib) in memory {
         assert!(*mib < 1024.0, "{name} peaked at {mib:.0} MiB");
     }
     // refusals are logged at most once a second per process, not once per request
     let refusal_lines = mesh.logs().matches("request refused: overloaded").count();
     assert!(refusal_lines >= 1, "refusals are logged");
     assert!(refusal_lines < storm.count(|o| *o == Outcome::Refused), "{refusal_lines} log lines about refusals");
-    mesh.stop();
 }
 
 /// The benchmark of `docs/benchmarks.md`: the same storm against the default limits and
-/// against limits that bound nothing, side by side (`cargo test --release -p pdmesh --test
-/// overload -- --ignored --nocapture`).
+/// against limits that bound nothing, side by side, on the synthetic executor
+/// (`cargo test --release -p pdmesh --test overload -- --ignored --nocapture bench_storm_with`).
 #[test]
 #[ignore = "benchmark: run by hand"]
 fn bench_storm_with_and_without_limits() {
+    bench_storm(NODE_SETTINGS, "synthetic");
+}
+
+/// The same benchmark against the default mesh itself: SmolLM2-135M-Instruct on every worker
+/// (`PDMESH_MODEL_PATH`), the default engine sizes; the bounded run passes the checks of the
+/// ordinary test (`cargo test --release -p pdmesh --test overload -- --ignored --nocapture
+/// bench_storm_on_the_real_model`).
+#[test]
+#[ignore = "benchmark: the real model, run by hand"]
+fn bench_storm_on_the_real_model_with_and_without_limits() {
+    let Some(settings) = real_model_settings() else {
+        panic!("PDMESH_MODEL_PATH must name the GGUF model (scripts/fetch-model.sh)");
+    };
+    assert!(settings.contains("kind = \"gguf\""), "the real model replaces the synthetic executor");
+    bench_storm(&settings, "real model");
+}
+
+/// One storm against a mesh with the default limits (checked as in the ordinary test), then
+/// one against a mesh whose limits bound nothing, reported side by side.
+fn bench_storm(settings: &str, executor: &str) {
     raise_open_files_limit();
-    eprintln!("| limits | 200 | 503 | 429 | hung | other | ms to answer p50 / p99 | ms to refusal p50 / p99 | peak RSS (MiB) |");
+    eprintln!("| limits ({executor}) | 200 | 503 | 429 | hung | other | ms to answer p50 / p99 | ms to refusal p50 / p99 | peak RSS (MiB) |");
     eprintln!("|---|---|---|---|---|---|---|---|---|");
-    let bounded = start_mesh("", false);
+    let bounded = start_mesh_with(settings, "", false);
+    let started = Instant::now();
     let (storm, memory) = storm_and_settle(&bounded);
+    eprintln!("storm and settle: {:.1} s", started.elapsed().as_secs_f64());
     report("default", &storm, &memory);
+    check_storm(&bounded, &storm, &memory);
     bounded.stop();
-    let unbounded = start_mesh(UNBOUNDED, true);
+    let unbounded = start_mesh_with(settings, UNBOUNDED, true);
+    let started = Instant::now();
     let storm = run_storm(&unbounded.url("/v1/completions"));
+    eprintln!("storm: {:.1} s", started.elapsed().as_secs_f64());
     let memory = peak_memory(&unbounded);
     eprintln!("refused by: {}", refusers(&unbounded));
     report("none", &storm, &memory);
