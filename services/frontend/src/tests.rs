@@ -1256,3 +1256,79 @@ async fn a_client_that_stops_reading_is_cut_off_at_the_output_buffer() {
     assert!(events.iter().any(|e| e["error"]["code"] == 503), "{}", String::from_utf8_lossy(&body));
     assert_eq!(events.last().unwrap(), "[DONE]");
 }
+
+// ---- per-key bound (limits.max_in_flight_per_key)
+
+/// A 429 that tells the client to come back: `Retry-After` and OpenAI's rate-limit body.
+fn assert_rate_limited(status: StatusCode, headers: &actix_web::http::header::HeaderMap, body: &Bytes) {
+    assert_eq!(status, 429, "{}", String::from_utf8_lossy(body));
+    let retry = headers.get("retry-after").expect("Retry-After on a 429").to_str().unwrap();
+    assert!(retry.parse::<u32>().unwrap() >= 1, "{retry}");
+    let v = json_of(body);
+    assert_eq!(v["error"]["type"], "requests", "{v}");
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded", "{v}");
+    assert!(v["error"].get("param").is_some(), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().starts_with("rate limited"), "{v}");
+}
+
+/// With `max_in_flight_per_key = 1`: a stream of key A keeps A's place until its last event, so
+/// A's next request is a 429 that reaches no engine and, for a remote-prefill request, sends P
+/// its rejection notice (R1); key B and the router's internal key are served meanwhile; once
+/// A's stream is read to its end, A is served again. Fails if the key is not taken from the
+/// auth check, if the permit is dropped with the handler instead of the stream, if the
+/// internal key is bounded, or if a 429 forgets P.
+#[actix_web::test]
+async fn a_key_at_its_bound_gets_429_while_other_keys_are_served() {
+    let keys = ApiKeys::with_internal(["sk-a", "sk-b"], Some("mesh-internal"));
+    let h = harness_full("limits = { max_in_flight_per_key = 1 }", generates("abc", Some(FinishReason::Stop)), keys)
+        .await;
+    let app = test::init_service(app(h.state.clone())).await;
+    let stream = test::TestRequest::post()
+        .uri("/v1/completions")
+        .insert_header(("authorization", "Bearer sk-a"))
+        .set_json(json!({"prompt": "a", "max_tokens": 5, "stream": true}));
+    let held = test::call_service(&app, stream.to_request()).await;
+    assert_eq!(held.status(), 200);
+    assert_eq!(added_count(&h).await, 1);
+
+    let refusals = crate::metrics::KEY_LIMIT_REFUSALS_TOTAL.with_label_values(&["frontend"]).get();
+    let errors = crate::metrics::REQUEST_ERRORS_TOTAL.with_label_values(&["rate_limited"]).get();
+    let (status, headers, body) = call_with_headers(
+        &h,
+        "/v1/completions",
+        json!({"prompt": "b", "max_tokens": 5, "kv_transfer_params": p_params()}),
+        &[("authorization", "Bearer sk-a"), ("x-request-id", "over"), ("X-data-parallel-rank", "1")],
+    )
+    .await;
+    assert_rate_limited(status, &headers, &body);
+    assert_eq!(headers.get("x-request-id").unwrap(), "over");
+    assert!(crate::metrics::KEY_LIMIT_REFUSALS_TOTAL.with_label_values(&["frontend"]).get() > refusals);
+    assert!(crate::metrics::REQUEST_ERRORS_TOTAL.with_label_values(&["rate_limited"]).get() > errors);
+    assert_eq!(added_count(&h).await, 1, "the refused request never reached the dp-lb");
+    let notice = wait_for_notice(&h, "p-req-7").await.expect("a 429 on D tells P too (R1)");
+    assert_eq!(notice.data_parallel_rank, Some(1));
+
+    for other in ["Bearer sk-b", "Bearer mesh-internal"] {
+        let (status, _, body) = call_with_headers(
+            &h,
+            "/v1/completions",
+            json!({"prompt": "c", "max_tokens": 3}),
+            &[("authorization", other)],
+        )
+        .await;
+        assert_eq!(status, 200, "{other}: {}", String::from_utf8_lossy(&body));
+    }
+
+    // A's stream ends: its place is given back.
+    let events = sse_events(&test::read_body(held).await);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let (status, _, body) = call_with_headers(
+        &h,
+        "/v1/completions",
+        json!({"prompt": "d", "max_tokens": 3}),
+        &[("authorization", "Bearer sk-a")],
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["choices"][0]["text"], "abc");
+}
