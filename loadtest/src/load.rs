@@ -1117,7 +1117,10 @@ mod tests {
         assert!(headers[reqwest::header::AUTHORIZATION].is_sensitive());
         assert!(!format!("{a:?}").contains("sk-secret-1"), "Debug redacts the key");
         let json = serde_json::to_string(&a).unwrap();
-        assert!(!json.contains("sk-secret-1") && !json.contains("api_key"), "the report's config leaves it out: {json}");
+        assert!(
+            !json.contains("sk-secret-1") && !json.contains("api_key"),
+            "the report's config leaves it out: {json}"
+        );
         let none = LoadArgs::try_parse_from_for_test(&[]);
         if std::env::var_os("PDMESH_LOAD_API_KEY").is_none() {
             assert!(none.api_key.is_none());

@@ -151,7 +151,17 @@ pub struct RequestGuard {
 impl RequestGuard {
     fn new(client: Addr<EngineClient>, request_id: String, ticket: u64, arrival: Instant, span: tracing::Span) -> Self {
         IN_FLIGHT.inc();
-        Self { client, request_id, ticket, arrival, last_tokens_at: None, finished: false, span, permit: None, key_permit: None }
+        Self {
+            client,
+            request_id,
+            ticket,
+            arrival,
+            last_tokens_at: None,
+            finished: false,
+            span,
+            permit: None,
+            key_permit: None,
+        }
     }
 
     /// Keep the request's in-flight permits until the answer is over (the guard is dropped).

@@ -1280,8 +1280,8 @@ fn assert_rate_limited(status: StatusCode, headers: &actix_web::http::header::He
 #[actix_web::test]
 async fn a_key_at_its_bound_gets_429_while_other_keys_are_served() {
     let keys = ApiKeys::with_internal(["sk-a", "sk-b"], Some("mesh-internal"));
-    let h = harness_full("limits = { max_in_flight_per_key = 1 }", generates("abc", Some(FinishReason::Stop)), keys)
-        .await;
+    let h =
+        harness_full("limits = { max_in_flight_per_key = 1 }", generates("abc", Some(FinishReason::Stop)), keys).await;
     let app = test::init_service(app(h.state.clone())).await;
     let stream = test::TestRequest::post()
         .uri("/v1/completions")
