@@ -1271,23 +1271,51 @@ fn assert_rate_limited(status: StatusCode, headers: &actix_web::http::header::He
     assert!(v["error"]["message"].as_str().unwrap().starts_with("rate limited"), "{v}");
 }
 
-/// With `max_in_flight_per_key = 1`: a stream of key A keeps A's place until its last event, so
-/// A's next request is a 429 that reaches no engine and, for a remote-prefill request, sends P
-/// its rejection notice (R1); key B and the router's internal key are served meanwhile; once
-/// A's stream is read to its end, A is served again. Fails if the key is not taken from the
-/// auth check, if the permit is dropped with the handler instead of the stream, if the
-/// internal key is bounded, or if a 429 forgets P.
+/// Engine request id of the request the client sent as `client_id`.
+fn engine_id_of(h: &Harness, client_id: &str) -> String {
+    added(h)
+        .iter()
+        .find_map(|e| match &e.body {
+            WireMessage::AddRequest(r) if r.client_request_id.as_deref() == Some(client_id) => {
+                Some(r.request_id.clone())
+            }
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no AddRequest for {client_id}"))
+}
+
+/// With `max_in_flight_per_key = 1`: a stream of key A — its first token sent, its end held
+/// back by the fake engine — keeps A's place until its last event, so A's next request is a 429
+/// that reaches no engine and, for a remote-prefill request, sends P its rejection notice (R1);
+/// key B is served meanwhile, and so is the router's internal key while a stream of its own is
+/// open; once A's stream ends, A is served again. Fails if the key is not taken from the auth
+/// check, if the permit is given back with the handler instead of the stream, if the internal
+/// key is bounded per key, or if a 429 forgets P.
 #[actix_web::test]
 async fn a_key_at_its_bound_gets_429_while_other_keys_are_served() {
     let keys = ApiKeys::with_internal(["sk-a", "sk-b"], Some("mesh-internal"));
-    let h =
-        harness_full("limits = { max_in_flight_per_key = 1 }", generates("abc", Some(FinishReason::Stop)), keys).await;
+    let rest = generates("abc", Some(FinishReason::Stop));
+    let h = harness_full(
+        "limits = { max_in_flight_per_key = 1 }",
+        move |req| match req.client_request_id.as_deref() {
+            Some("held-a" | "held-internal") => {
+                Script { reply: Some(WireMessage::Ack), outputs: vec![output(&req.request_id, "x", None)] }
+            }
+            _ => rest(req),
+        },
+        keys,
+    )
+    .await;
     let app = test::init_service(app(h.state.clone())).await;
-    let stream = test::TestRequest::post()
-        .uri("/v1/completions")
-        .insert_header(("authorization", "Bearer sk-a"))
-        .set_json(json!({"prompt": "a", "max_tokens": 5, "stream": true}));
-    let held = test::call_service(&app, stream.to_request()).await;
+    let open = |id: &'static str, key: &'static str| {
+        test::TestRequest::post()
+            .uri("/v1/completions")
+            .insert_header(("authorization", key))
+            .insert_header(("x-request-id", id))
+            .set_json(json!({"prompt": "a", "max_tokens": 5, "stream": true}))
+            .to_request()
+    };
+    let held = test::call_service(&app, open("held-a", "Bearer sk-a")).await;
     assert_eq!(held.status(), 200);
     assert_eq!(added_count(&h).await, 1);
 
@@ -1308,6 +1336,10 @@ async fn a_key_at_its_bound_gets_429_while_other_keys_are_served() {
     let notice = wait_for_notice(&h, "p-req-7").await.expect("a 429 on D tells P too (R1)");
     assert_eq!(notice.data_parallel_rank, Some(1));
 
+    // The router's internal key carries every client of the router: with a stream of its own
+    // open, it is still served (a bound of 1 would refuse it).
+    let internal_held = test::call_service(&app, open("held-internal", "Bearer mesh-internal")).await;
+    assert_eq!(internal_held.status(), 200);
     for other in ["Bearer sk-b", "Bearer mesh-internal"] {
         let (status, _, body) = call_with_headers(
             &h,
@@ -1318,10 +1350,25 @@ async fn a_key_at_its_bound_gets_429_while_other_keys_are_served() {
         .await;
         assert_eq!(status, 200, "{other}: {}", String::from_utf8_lossy(&body));
     }
+    let (status, headers, body) = call_with_headers(
+        &h,
+        "/v1/completions",
+        json!({"prompt": "b", "max_tokens": 5}),
+        &[("authorization", "Bearer sk-a")],
+    )
+    .await;
+    assert_rate_limited(status, &headers, &body);
 
-    // A's stream ends: its place is given back.
-    let events = sse_events(&test::read_body(held).await);
-    assert_eq!(events.last().unwrap(), "[DONE]");
+    // The held streams end: A's place is given back.
+    for id in ["held-a", "held-internal"] {
+        h.lb.send(PushOutputs(vec![output(&engine_id_of(&h, id), "y", Some(FinishReason::Stop))])).await.unwrap();
+    }
+    for res in [held, internal_held] {
+        let events = sse_events(&test::read_body(res).await);
+        assert_eq!(events.last().unwrap(), "[DONE]");
+    }
+    let a = h.state.api_keys.identify("sk-a").and_then(crate::auth::KeyMatch::client_key).unwrap();
+    assert_eq!(h.state.key_limit.current(a), 0, "given back when the stream ended");
     let (status, _, body) = call_with_headers(
         &h,
         "/v1/completions",

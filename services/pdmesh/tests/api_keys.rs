@@ -176,9 +176,10 @@ fn up_hands_keys_to_frontends_through_the_environment_only() {
     assert!(mesh.stop().success());
 }
 
-/// Synthetic tokens that each cost a step of 80 ms: a 64-token stream stays in flight for
-/// about five seconds after its first event, far longer than the few requests the test makes
-/// meanwhile.
+/// Synthetic tokens that each cost a step of 80 ms: a 100-token stream stays in flight for
+/// about eight seconds after its first event (the executor sleeps, so a loaded machine does not
+/// shorten it), far longer than the few requests the test makes meanwhile, the first of them
+/// right after the first event.
 const SLOW_NODES: &str = r#"model = { kind = "synthetic", per_token_cost_us = 40, per_step_cost_us = 80000 }
 engine = { block_size = 16, num_blocks = 512, max_model_len = 4096 }
 limits = { max_in_flight_per_key = 1 }"#;
@@ -191,7 +192,7 @@ struct OpenStream {
 
 impl OpenStream {
     fn open(url: &str, key: &str) -> OpenStream {
-        let body = json!({"prompt": "a stream that holds its place", "max_tokens": 64, "ignore_eos": true,
+        let body = json!({"prompt": "a stream that holds its place", "max_tokens": 100, "ignore_eos": true,
                           "temperature": 0, "stream": true});
         let r = client().post(url).bearer_auth(key).json(&body).send().unwrap();
         assert_eq!(r.status().as_u16(), 200, "{url}");
