@@ -659,6 +659,43 @@ mod tests {
         p.stop(false).await;
     }
 
+    /// A node's 429 (its per-key bound; reached when the router passes its client's key on)
+    /// reaches the client as the node wrote it: status, `Retry-After` and OpenAI's body.
+    #[actix_web::test]
+    async fn a_nodes_429_and_retry_after_pass_through_unchanged() {
+        let p = HttpServer::new(|| {
+            App::new().route(
+                "/v1/completions",
+                web::post().to(|| async {
+                    let mut r = actix_web::ResponseError::error_response(&ApiError::RateLimited(
+                        "rate limited: this API key already has its limit of 2 requests in flight; retry later".into(),
+                    ));
+                    r.headers_mut().insert(
+                        actix_web::http::header::RETRY_AFTER,
+                        actix_web::http::header::HeaderValue::from_static("9"),
+                    );
+                    r
+                }),
+            )
+        })
+        .workers(1)
+        .bind(("127.0.0.1", 0))
+        .unwrap();
+        let p_addr = p.addrs()[0];
+        let p = p.run();
+        let handle = p.handle();
+        actix_web::rt::spawn(p);
+        let mut st = state(None);
+        st.prefill = vec![format!("http://{p_addr}")];
+        let st = web::Data::new(st);
+        let (status, retry, body) = post(&st).await;
+        assert_eq!(status, 429);
+        assert_eq!(retry.as_deref(), Some("9"), "P's Retry-After, not the router's own");
+        assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+        assert_eq!(body["error"]["type"], "requests", "{body}");
+        handle.stop(false).await;
+    }
+
     #[test]
     fn a_whole_stream_passes_unchanged_even_when_split_mid_event() {
         let got = collect(vec![Ok("data: {\"a\":1}\n\nda"), Ok("ta: {\"b\":2}\n"), Ok("\ndata: [DONE]\n\n")]);
