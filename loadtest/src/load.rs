@@ -139,6 +139,47 @@ pub struct LoadArgs {
     /// A progress line on stderr every second.
     #[arg(long)]
     pub progress: bool,
+    /// API key sent as `Authorization: Bearer <key>` on every request (a mesh started with
+    /// keys). Also read from `PDMESH_LOAD_API_KEY`; never from `PDMESH_API_KEY`, which is the
+    /// server's own setting and must not change what an existing run sends. Never written to
+    /// the report.
+    #[arg(long, env = "PDMESH_LOAD_API_KEY", hide_env_values = true)]
+    #[serde(skip)]
+    pub api_key: Option<ApiKey>,
+}
+
+/// A client API key: shown as `<redacted>` by `Debug`, so no log or panic message prints it.
+#[derive(Clone)]
+pub struct ApiKey(String);
+
+impl std::str::FromStr for ApiKey {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let key = s.trim();
+        if key.is_empty() {
+            return Err("the API key is empty".into());
+        }
+        Ok(ApiKey(key.to_string()))
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// The headers every request of a run carries: `Authorization` when a key is given (marked
+/// sensitive, so reqwest never shows it either).
+fn default_headers(key: Option<&ApiKey>) -> anyhow::Result<reqwest::header::HeaderMap> {
+    let mut headers = reqwest::header::HeaderMap::new();
+    if let Some(ApiKey(key)) = key {
+        let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+            .context("the API key is not a valid header value")?;
+        value.set_sensitive(true);
+        headers.insert(reqwest::header::AUTHORIZATION, value);
+    }
+    Ok(headers)
 }
 
 /// Metrics kept from scraped pages by default: block ownership and the counters that explain
@@ -643,6 +684,11 @@ pub struct RunSummary {
     pub succeeded: usize,
     pub disconnected: usize,
     pub failed: usize,
+    /// Refused with 503 (an overloaded mesh: `Retry-After`, OpenAI body), included in `failed`.
+    pub overloaded_503: usize,
+    /// Refused with 429 (the API key's own bound, `limits.max_in_flight_per_key`), included in
+    /// `failed`: the client, not the mesh, is over its share.
+    pub rate_limited_429: usize,
     pub errors_by_kind: BTreeMap<String, usize>,
     pub warmup_requests: usize,
     pub warmup_failed: usize,
@@ -756,6 +802,7 @@ fn summarize_records(
         }
     }
     let failed = errors.values().sum();
+    let (overloaded_503, rate_limited_429) = refusals(&errors);
     let (prompt_total, source) = if all_usage && ok > 0 { (prompt_tokens, "usage") } else { (prompt_words, "words") };
     let d = duration_s.max(1e-9);
     let goodput = (a.slo_ttft_ms.is_some() || a.slo_tpot_ms.is_some()).then(|| Goodput {
@@ -776,6 +823,8 @@ fn summarize_records(
         succeeded: ok,
         disconnected,
         failed,
+        overloaded_503,
+        rate_limited_429,
         errors_by_kind: errors,
         warmup_requests: 0,
         warmup_failed: 0,
@@ -792,6 +841,19 @@ fn summarize_records(
         goodput,
     };
     (summary, tl, cdfs)
+}
+
+/// 503s and 429s among the errors, clean or not (a body that is not an OpenAI error is its own
+/// kind, `http_<status>_bad_body`, but the status still says who refused).
+fn refusals(errors: &BTreeMap<String, usize>) -> (usize, usize) {
+    let count = |status: &str| {
+        errors
+            .iter()
+            .filter(|(k, _)| k.strip_prefix("http_").is_some_and(|rest| rest.split('_').next() == Some(status)))
+            .map(|(_, n)| n)
+            .sum()
+    };
+    (count("503"), count("429"))
 }
 
 fn progress(s: Arc<Shared>, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
@@ -822,6 +884,7 @@ pub async fn run(a: LoadArgs) -> anyhow::Result<()> {
     let url = a.url.trim_end_matches('/').to_string();
     let cap = a.concurrency.unwrap_or(if a.rate.is_some() { 0 } else { 8 });
     let client = reqwest::Client::builder()
+        .default_headers(default_headers(a.api_key.as_ref())?)
         .tcp_nodelay(true)
         .pool_max_idle_per_host(if a.fresh_connections { 0 } else { cap.max(64) })
         .timeout(Duration::from_secs_f64(a.request_timeout_s))
@@ -1020,6 +1083,53 @@ mod tests {
     }
 
     #[test]
+    fn rate_limited_429s_are_counted_apart_from_overloaded_503s() {
+        let a = LoadArgs::try_parse_from_for_test(&[]);
+        let err = |kind: &str| Record {
+            outcome: Outcome::Error(kind.into()),
+            prompt_words: 1,
+            tokens_per_second: vec![],
+            end_s: 0.1,
+        };
+        let recs = vec![err("http_429"), err("http_429"), err("http_429_bad_body"), err("http_503"), err("transport")];
+        let (s, _, _) = summarize_records(&a, &recs, 1.0, 5);
+        assert_eq!((s.rate_limited_429, s.overloaded_503, s.failed), (3, 1, 5));
+        let md = report::markdown(&Report {
+            schema: "pdmesh-load/run/v1",
+            name: "t".into(),
+            started_at_unix_s: 0,
+            config: a.clone(),
+            model: None,
+            mode: "closed_loop",
+            summary: s,
+            timeline: Timeline::default(),
+            cdf: BTreeMap::new(),
+            scrape: vec![],
+        });
+        assert!(md.contains("| refused: 503 overloaded / 429 rate limited | 1 / 3 |"), "{md}");
+    }
+
+    #[test]
+    fn the_api_key_is_sent_but_never_shown_or_reported() {
+        let a = LoadArgs::try_parse_from_for_test(&["--api-key", "sk-secret-1"]);
+        let headers = default_headers(a.api_key.as_ref()).unwrap();
+        assert_eq!(headers[reqwest::header::AUTHORIZATION], "Bearer sk-secret-1");
+        assert!(headers[reqwest::header::AUTHORIZATION].is_sensitive());
+        assert!(!format!("{a:?}").contains("sk-secret-1"), "Debug redacts the key");
+        let json = serde_json::to_string(&a).unwrap();
+        assert!(
+            !json.contains("sk-secret-1") && !json.contains("api_key"),
+            "the report's config leaves it out: {json}"
+        );
+        let none = LoadArgs::try_parse_from_for_test(&[]);
+        if std::env::var_os("PDMESH_LOAD_API_KEY").is_none() {
+            assert!(none.api_key.is_none());
+            assert!(default_headers(None).unwrap().is_empty(), "no key, no Authorization header");
+        }
+        assert!(W::parse(&["--api-key", " "]).is_err(), "an empty key is refused");
+    }
+
+    #[test]
     fn cdf_is_monotonic_ends_at_one_and_is_bounded() {
         let samples: Vec<f64> = (0..1000).map(|i| ((i * 37) % 1000) as f64).collect();
         let c = cdf(&samples, 200);
@@ -1079,17 +1189,24 @@ mod tests {
         }
     }
 
-    impl LoadArgs {
-        fn try_parse_from_for_test(extra: &[&str]) -> LoadArgs {
+    #[derive(clap::Parser)]
+    struct W {
+        #[command(flatten)]
+        a: LoadArgs,
+    }
+
+    impl W {
+        fn parse(extra: &[&str]) -> Result<LoadArgs, clap::Error> {
             use clap::Parser;
-            #[derive(Parser)]
-            struct W {
-                #[command(flatten)]
-                a: LoadArgs,
-            }
             let mut argv = vec!["x"];
             argv.extend_from_slice(extra);
-            W::try_parse_from(argv).unwrap().a
+            W::try_parse_from(argv).map(|w| w.a)
+        }
+    }
+
+    impl LoadArgs {
+        fn try_parse_from_for_test(extra: &[&str]) -> LoadArgs {
+            W::parse(extra).unwrap()
         }
     }
 }

@@ -54,6 +54,13 @@ pub fn markdown(r: &Report) -> String {
         "| requests sent / succeeded / disconnected by the client / failed | {} / {} / {} / {} |",
         s.requests_sent, s.succeeded, s.disconnected, s.failed
     );
+    if s.overloaded_503 + s.rate_limited_429 > 0 {
+        let _ = writeln!(
+            m,
+            "| refused: 503 overloaded / 429 rate limited | {} / {} |",
+            s.overloaded_503, s.rate_limited_429
+        );
+    }
     if !s.errors_by_kind.is_empty() {
         let kinds: Vec<String> = s.errors_by_kind.iter().map(|(k, v)| format!("{k}: {v}")).collect();
         let _ = writeln!(m, "| errors by kind | {} |", kinds.join(", "));

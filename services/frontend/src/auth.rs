@@ -7,6 +7,11 @@
 //! is checked. Keys are kept as SHA-256 digests and compared in constant time ([`subtle`]), so
 //! neither the time an answer takes nor the process memory gives a key away.
 //! docs/SECURITY.md, "API keys".
+//!
+//! The check also says *which* client key matched, as its position in the configured list
+//! ([`ClientKey`], put in the request's extensions), so that the per-key bound on requests in
+//! flight ([`crate::overload::KeyLimit`]) can count per client without ever keeping or logging
+//! the key itself. The position is selected in constant time as well.
 
 use std::sync::Arc;
 
@@ -14,9 +19,9 @@ use actix_web::body::{EitherBody, MessageBody};
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::header::{HeaderMap, AUTHORIZATION, WWW_AUTHENTICATE};
 use actix_web::middleware::Next;
-use actix_web::{web, ResponseError};
+use actix_web::{web, HttpMessage, ResponseError};
 use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
+use subtle::{ConditionallySelectable, ConstantTimeEq};
 
 use crate::error::ApiError;
 use crate::metrics::{AUTHORIZED_TOTAL, REQUEST_ERRORS_TOTAL, UNAUTHORIZED_TOTAL};
@@ -47,6 +52,34 @@ impl Credential {
             Credential::Client => "client",
             Credential::Internal => "internal",
         }
+    }
+}
+
+/// Which client key a request presented: its position in the configured list of keys (never
+/// the key nor its digest). Inserted into the request's extensions by [`require_api_key`] for
+/// client keys only: the internal key aggregates every client of the router, so a per-client
+/// bound must not apply to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClientKey(usize);
+
+impl ClientKey {
+    /// The key's position in the list the frontend was started with.
+    pub fn slot(self) -> usize {
+        self.0
+    }
+}
+
+/// What a valid key turned out to be: its kind and its position in the list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyMatch {
+    pub credential: Credential,
+    slot: usize,
+}
+
+impl KeyMatch {
+    /// The per-client identity of a client key; `None` for the internal key.
+    pub fn client_key(self) -> Option<ClientKey> {
+        (self.credential == Credential::Client).then_some(ClientKey(self.slot))
     }
 }
 
@@ -111,29 +144,49 @@ impl ApiKeys {
         !self.digests.is_empty()
     }
 
-    /// Which key `token` is, if any. Every key is compared, each in constant time, so the
-    /// answer takes as long for a near miss as for a far one, and for either kind.
+    /// How many keys there are (client and internal): the slots a per-key count needs.
+    pub fn len(&self) -> usize {
+        self.digests.len()
+    }
+
+    /// Whether no key is configured (same as `!enabled()`).
+    pub fn is_empty(&self) -> bool {
+        self.digests.is_empty()
+    }
+
+    /// Which kind of key `token` is, if any (see [`ApiKeys::identify`]).
     pub fn accepts(&self, token: &str) -> Option<Credential> {
+        self.identify(token).map(|m| m.credential)
+    }
+
+    /// Which key `token` is, if any: its kind and its position. Every key is compared, each in
+    /// constant time, and the matching position is taken with a constant-time select, so the
+    /// answer takes as long for a near miss as for a far one, for either kind and whichever
+    /// position matches. (A key listed twice matches at its last position.)
+    pub fn identify(&self, token: &str) -> Option<KeyMatch> {
         let presented = digest(token);
         let (mut client, mut internal) = (subtle::Choice::from(0), subtle::Choice::from(0));
-        for (d, kind) in self.digests.iter() {
+        let mut slot = 0u64;
+        for (i, (d, kind)) in self.digests.iter().enumerate() {
             let equal = d.ct_eq(&presented);
             let is_internal = subtle::Choice::from(u8::from(*kind == Credential::Internal));
             client |= equal & !is_internal;
             internal |= equal & is_internal;
+            slot.conditional_assign(&(i as u64), equal);
         }
+        let slot = slot as usize;
         if bool::from(internal) {
-            Some(Credential::Internal)
+            Some(KeyMatch { credential: Credential::Internal, slot })
         } else if bool::from(client) {
-            Some(Credential::Client)
+            Some(KeyMatch { credential: Credential::Client, slot })
         } else {
             None
         }
     }
 
     /// Check a request's headers for path `path`: `Ok(None)` when no key is needed,
-    /// `Ok(Some(kind))` when a valid key is present.
-    pub fn check(&self, path: &str, headers: &HeaderMap) -> Result<Option<Credential>, Refusal> {
+    /// `Ok(Some(match))` when a valid key is present.
+    pub fn check(&self, path: &str, headers: &HeaderMap) -> Result<Option<KeyMatch>, Refusal> {
         if !self.enabled() || OPEN_PATHS.contains(&path) {
             return Ok(None);
         }
@@ -146,7 +199,7 @@ impl ApiKeys {
             .map(|(_, token)| token.trim())
             .filter(|t| !t.is_empty())
             .ok_or(Refusal::Malformed)?;
-        self.accepts(token).map(Some).ok_or(Refusal::Invalid)
+        self.identify(token).map(Some).ok_or(Refusal::Invalid)
     }
 }
 
@@ -167,7 +220,8 @@ pub fn refuse(refusal: Refusal, path: &str, peer: Option<std::net::SocketAddr>) 
 }
 
 /// The middleware of both apps (node frontend and router): every request but the probes needs
-/// a valid key when the app holds [`ApiKeys`] that are enabled.
+/// a valid key when the app holds [`ApiKeys`] that are enabled. A client key's [`ClientKey`]
+/// goes into the request's extensions for the per-key bound.
 pub async fn require_api_key<B: MessageBody + 'static>(
     req: ServiceRequest,
     next: Next<B>,
@@ -177,9 +231,12 @@ pub async fn require_api_key<B: MessageBody + 'static>(
         None => Ok(None),
     };
     match verdict {
-        Ok(credential) => {
-            if let Some(c) = credential {
-                AUTHORIZED_TOTAL.with_label_values(&[c.label()]).inc();
+        Ok(matched) => {
+            if let Some(m) = matched {
+                AUTHORIZED_TOTAL.with_label_values(&[m.credential.label()]).inc();
+                if let Some(key) = m.client_key() {
+                    req.extensions_mut().insert(key);
+                }
             }
             next.call(req).await.map(ServiceResponse::map_into_left_body)
         }
@@ -207,9 +264,9 @@ mod tests {
     fn keys_are_checked_on_everything_but_the_probes() {
         let keys = ApiKeys::new(["sk-one", "sk-two"]);
         assert!(keys.enabled());
-        let client = Ok(Some(Credential::Client));
-        assert_eq!(keys.check("/v1/completions", &headers(Some("Bearer sk-two"))), client);
-        assert_eq!(keys.check("/v1/completions", &headers(Some("bearer  sk-one"))), client, "scheme is case-blind");
+        let client = |slot| Ok(Some(KeyMatch { credential: Credential::Client, slot }));
+        assert_eq!(keys.check("/v1/completions", &headers(Some("Bearer sk-two"))), client(1));
+        assert_eq!(keys.check("/v1/completions", &headers(Some("bearer  sk-one"))), client(0), "scheme is case-blind");
         assert_eq!(keys.check("/v1/completions", &headers(None)), Err(Refusal::Missing));
         assert_eq!(keys.check("/v1/completions", &headers(Some("Bearer sk-three"))), Err(Refusal::Invalid));
         assert_eq!(keys.check("/v1/completions", &headers(Some("Bearer sk-on"))), Err(Refusal::Invalid));
@@ -234,6 +291,18 @@ mod tests {
         assert_eq!(router.accepts("mesh-internal"), None, "the router's clients cannot use the internal key");
         let internal_only = ApiKeys::with_internal(Vec::<String>::new(), Some("mesh-internal"));
         assert!(internal_only.enabled(), "an internal key alone closes a node");
+    }
+
+    #[test]
+    fn each_client_key_is_told_apart_and_the_internal_key_has_no_client_identity() {
+        let keys = ApiKeys::with_internal(["sk-a", "sk-b", "sk-c"], Some("mesh-internal"));
+        assert_eq!(keys.len(), 4);
+        let slot = |t: &str| keys.identify(t).and_then(KeyMatch::client_key).map(ClientKey::slot);
+        assert_eq!((slot("sk-a"), slot("sk-b"), slot("sk-c")), (Some(0), Some(1), Some(2)));
+        assert_eq!(slot("sk-d"), None);
+        let internal = keys.identify("mesh-internal").unwrap();
+        assert_eq!(internal.credential, Credential::Internal);
+        assert_eq!(internal.client_key(), None, "the internal key is exempt from per-client bounds");
     }
 
     #[test]

@@ -66,6 +66,11 @@ pub enum ApiError {
     /// engine's waiting queue or P's held-block share (503, with `Retry-After`).
     #[error("{0}")]
     Overloaded(String),
+    /// The client's API key already has `limits.max_in_flight_per_key` requests in flight
+    /// (429, with `Retry-After`; OpenAI's rate-limit body: `type: "requests"`,
+    /// `code: "rate_limit_exceeded"`).
+    #[error("{0}")]
+    RateLimited(String),
     /// The engine side did not answer in time (504).
     #[error("{0}")]
     Timeout(String),
@@ -78,7 +83,8 @@ pub enum ApiError {
 }
 
 /// The OpenAI error object (`{"error": {...}}`), as vLLM returns it: `code` is the HTTP
-/// status, except for a 401, where it is OpenAI's `"invalid_api_key"`.
+/// status, except for a 401 and a 429, where it is OpenAI's own name (`"invalid_api_key"`,
+/// `"rate_limit_exceeded"`).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
@@ -128,6 +134,7 @@ impl ApiError {
             | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Internal(_) | ApiError::EngineFailed(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -147,6 +154,9 @@ impl ApiError {
                 "invalid_request_error"
             }
             StatusCode::NOT_FOUND => "NotFoundError",
+            // OpenAI's rate-limit errors name the unit that ran out; ours is requests. vLLM has
+            // no 429 of its own, so OpenAI's shape is what clients know.
+            StatusCode::TOO_MANY_REQUESTS => "requests",
             StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
             StatusCode::GATEWAY_TIMEOUT => "TimeoutError",
             _ => "InternalServerError",
@@ -180,6 +190,7 @@ impl ApiError {
             ApiError::DuplicateRequestId(_) => "duplicate_request_id",
             ApiError::Unavailable(_) => "unavailable",
             ApiError::Overloaded(_) => "overloaded",
+            ApiError::RateLimited(_) => "rate_limited",
             ApiError::Timeout(_) => "timeout",
             ApiError::Internal(_) => "internal",
             ApiError::EngineFailed(_) => "engine_error",
@@ -195,6 +206,7 @@ impl ApiError {
                 param: self.param(),
                 code: match self {
                     ApiError::Unauthorized(_) => ErrorCode::Name("invalid_api_key"),
+                    ApiError::RateLimited(_) => ErrorCode::Name("rate_limit_exceeded"),
                     _ => ErrorCode::Status(self.status().as_u16()),
                 },
             },
@@ -210,6 +222,13 @@ impl ApiError {
             // Refusals come in storms: one line a second says it is happening.
             if let Some(suppressed) = OVERLOAD_LOG.check() {
                 tracing::warn!(status, kind = self.kind(), error = %self, suppressed, "request refused: overloaded");
+            }
+            return;
+        }
+        if matches!(self, ApiError::RateLimited(_)) {
+            // One client over its bound can send as fast as a storm; the message names no key.
+            if let Some(suppressed) = RATE_LIMITED_LOG.check() {
+                tracing::info!(status, kind = self.kind(), error = %self, suppressed, "request refused: rate limited");
             }
             return;
         }
@@ -280,6 +299,9 @@ static RETRY_AFTER_S: AtomicU32 = AtomicU32::new(1);
 /// One overload log line a second, whatever the rate of refusals.
 static OVERLOAD_LOG: LogLimiter = LogLimiter::new(Duration::from_secs(1));
 
+/// One per-key refusal log line a second.
+static RATE_LIMITED_LOG: LogLimiter = LogLimiter::new(Duration::from_secs(1));
+
 /// Set the `Retry-After` this process sends (once, at start-up, from the node's limits).
 pub fn set_retry_after_s(seconds: u32) {
     RETRY_AFTER_S.store(seconds, Ordering::Relaxed);
@@ -342,6 +364,7 @@ mod tests {
             (ApiError::PayloadTooLarge("x".into()), 413, "invalid_request_error"),
             (ApiError::Unavailable("x".into()), 503, "ServiceUnavailableError"),
             (ApiError::Overloaded("x".into()), 503, "ServiceUnavailableError"),
+            (ApiError::RateLimited("x".into()), 429, "requests"),
             (ApiError::Timeout("x".into()), 504, "TimeoutError"),
             (ApiError::Internal("x".into()), 500, "InternalServerError"),
             (ApiError::EngineFailed("x".into()), 500, "InternalServerError"),
@@ -353,6 +376,8 @@ mod tests {
             let body = serde_json::to_value(err.body()).unwrap();
             if status == 401 {
                 assert_eq!(body["error"]["code"], "invalid_api_key", "OpenAI's code for a bad key");
+            } else if status == 429 {
+                assert_eq!(body["error"]["code"], "rate_limit_exceeded", "OpenAI's code for a rate limit");
             } else {
                 assert_eq!(body["error"]["code"], status);
             }
@@ -399,6 +424,7 @@ mod tests {
         for (err, header) in [
             (ApiError::Overloaded("x".into()), true),
             (ApiError::Unavailable("x".into()), true),
+            (ApiError::RateLimited("x".into()), true),
             (ApiError::invalid_request("x"), false),
             (ApiError::Internal("x".into()), false),
         ] {

@@ -144,17 +144,30 @@ pub struct RequestGuard {
     span: tracing::Span,
     /// The request's place under `limits.max_in_flight`, given back with the guard.
     permit: Option<crate::overload::InFlightPermit>,
+    /// Its place under its key's `limits.max_in_flight_per_key`, given back with the guard.
+    key_permit: Option<crate::overload::KeyPermit>,
 }
 
 impl RequestGuard {
     fn new(client: Addr<EngineClient>, request_id: String, ticket: u64, arrival: Instant, span: tracing::Span) -> Self {
         IN_FLIGHT.inc();
-        Self { client, request_id, ticket, arrival, last_tokens_at: None, finished: false, span, permit: None }
+        Self {
+            client,
+            request_id,
+            ticket,
+            arrival,
+            last_tokens_at: None,
+            finished: false,
+            span,
+            permit: None,
+            key_permit: None,
+        }
     }
 
-    /// Keep the request's in-flight permit until the answer is over (the guard is dropped).
-    pub fn hold(&mut self, permit: crate::overload::InFlightPermit) {
+    /// Keep the request's in-flight permits until the answer is over (the guard is dropped).
+    pub fn hold(&mut self, permit: crate::overload::InFlightPermit, key_permit: Option<crate::overload::KeyPermit>) {
         self.permit = Some(permit);
+        self.key_permit = key_permit;
     }
 
     /// Record the arrival of `n` new tokens (TTFT for the first, inter-token latency after).

@@ -29,7 +29,8 @@
 //! - [`error`]: [`ApiError`] (HTTP status / OpenAI type mapping in one place) and
 //!   [`FrontendError`].
 //! - [`metrics`]: metric names and definitions.
-//! - [`overload`]: the bound on requests in flight (503 + `Retry-After` beyond it).
+//! - [`overload`]: the bounds on requests in flight, per server (503 + `Retry-After` beyond it)
+//!   and per client API key (429 + `Retry-After`).
 //!
 //! Not done here (see the module docs where relevant): `n > 1`, `echo`, penalties and
 //! `logit_bias` (refused with 400), and the pre-admission rejection notice to P for

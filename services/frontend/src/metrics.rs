@@ -48,6 +48,10 @@ pub const HTTP_IN_FLIGHT_REQUESTS: &str = "pdmesh_frontend_http_in_flight_reques
 /// (`frontend`, `router`). Refusals decided further in (dp-lb, engine) are counted in
 /// `pdmesh_frontend_request_errors_total{kind="overloaded"}` with these.
 pub const OVERLOAD_REFUSALS: &str = "pdmesh_frontend_overload_refusals_total";
+/// Requests refused with 429 because their API key had `limits.max_in_flight_per_key`
+/// requests in flight, by `source` (`frontend`, `router`). No key in the labels: keys are
+/// secret and their number is unbounded.
+pub const KEY_LIMIT_REFUSALS: &str = "pdmesh_frontend_key_limit_refusals_total";
 /// Messages from the dp-lb that the frontend does not expect, by message kind.
 pub const UNEXPECTED_MESSAGES: &str = "pdmesh_frontend_unexpected_messages_total";
 
@@ -113,6 +117,10 @@ pub(crate) static OVERLOAD_REFUSALS_TOTAL: LazyLock<IntCounterVec> = LazyLock::n
     counter_vec(OVERLOAD_REFUSALS, "Requests refused at this server's in-flight bound, by source", &["source"])
 });
 
+pub(crate) static KEY_LIMIT_REFUSALS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(KEY_LIMIT_REFUSALS, "Requests refused with 429 at limits.max_in_flight_per_key, by source", &["source"])
+});
+
 pub(crate) static UNEXPECTED_MESSAGES_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(UNEXPECTED_MESSAGES, "Unexpected messages from the dp-lb, by kind", &["kind"]));
 
@@ -137,4 +145,5 @@ pub(crate) fn init() {
     LazyLock::force(&AUTHORIZED_TOTAL);
     LazyLock::force(&HTTP_IN_FLIGHT);
     LazyLock::force(&OVERLOAD_REFUSALS_TOTAL);
+    LazyLock::force(&KEY_LIMIT_REFUSALS_TOTAL);
 }

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use actix_web::http::header::AUTHORIZATION;
 use actix_web::http::StatusCode;
-use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use actix_web::{web, App, HttpMessage, HttpRequest, HttpResponse, HttpServer};
 use futures::StreamExt;
 use pdmesh_config::Topology;
 use pdmesh_protocol::TraceContext;
@@ -42,6 +42,8 @@ pub struct RouterState {
     internal_authorization: Option<String>,
     /// The router's own bound on requests in flight (`limits.max_in_flight`).
     in_flight: crate::overload::InFlightLimit,
+    /// The router's bound per client key (`limits.max_in_flight_per_key`).
+    key_limit: crate::overload::KeyLimit,
 }
 
 impl RouterState {
@@ -143,7 +145,13 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     if !original.is_object() {
         return error(ApiError::invalid_request("request body must be a JSON object"), &request_id);
     }
-    // Overload control: refused here, before P is asked, nothing is held anywhere yet.
+    // Overload control: refused here, before P is asked, nothing is held anywhere yet — the
+    // client key's bound (429) first, then the router's (503).
+    let client_key = req.extensions().get::<crate::auth::ClientKey>().copied();
+    let key_permit = match st.key_limit.try_acquire(client_key) {
+        Ok(permit) => permit,
+        Err(e) => return error(e, &request_id),
+    };
     let permit = match st.in_flight.try_acquire() {
         Ok(permit) => permit,
         Err(e) => return error(e, &request_id),
@@ -274,7 +282,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     tracing::info!(parent: &d_span, status = status.as_u16(), "decode answered");
     if stream && status.is_success() {
         // The spans end when the stream does (dropped with it), so they cover the whole answer.
-        let spans = (span, d_span, permit);
+        let spans = (span, d_span, permit, key_permit);
         let upstream = d_res.bytes_stream().map(|chunk| chunk.map_err(|e| e.to_string()));
         builder.streaming(whole_events(upstream, request_id_for_stream).map(move |chunk| {
             let _ = &spans;
@@ -473,11 +481,13 @@ pub async fn run_router(
         give_up_notices: node.router.give_up_notices,
         internal_authorization: internal_key.map(|k| format!("Bearer {k}")),
         in_flight: crate::overload::InFlightLimit::new(node.limits.max_in_flight, "router"),
+        key_limit: crate::overload::KeyLimit::new(node.limits.max_in_flight_per_key, client_keys.len(), "router"),
     });
     crate::error::set_retry_after_s(node.limits.retry_after_s);
     tracing::info!(
         api_keys = client_keys.enabled(),
         internal_key = state.internal_authorization.is_some(),
+        max_in_flight_per_key = node.limits.max_in_flight_per_key,
         "API keys {}",
         if client_keys.enabled() { "required" } else { "not required" }
     );
@@ -541,6 +551,7 @@ mod tests {
             give_up_notices: true,
             internal_authorization: internal.map(|k| format!("Bearer {k}")),
             in_flight: crate::overload::InFlightLimit::new(0, "router"),
+            key_limit: crate::overload::KeyLimit::disabled("router"),
         }
     }
 
@@ -604,6 +615,7 @@ mod tests {
             give_up_notices: true,
             internal_authorization: None,
             in_flight: crate::overload::InFlightLimit::new(max_in_flight, "router"),
+            key_limit: crate::overload::KeyLimit::disabled("router"),
         });
         (state, handle)
     }
@@ -645,6 +657,43 @@ mod tests {
         let (_, retry, body) = post(&state).await;
         assert_eq!((retry.as_deref(), &body["error"]["message"]), (Some("7"), &json!("overloaded: P is full")));
         p.stop(false).await;
+    }
+
+    /// A node's 429 (its per-key bound; reached when the router passes its client's key on)
+    /// reaches the client as the node wrote it: status, `Retry-After` and OpenAI's body.
+    #[actix_web::test]
+    async fn a_nodes_429_and_retry_after_pass_through_unchanged() {
+        let p = HttpServer::new(|| {
+            App::new().route(
+                "/v1/completions",
+                web::post().to(|| async {
+                    let mut r = actix_web::ResponseError::error_response(&ApiError::RateLimited(
+                        "rate limited: this API key already has its limit of 2 requests in flight; retry later".into(),
+                    ));
+                    r.headers_mut().insert(
+                        actix_web::http::header::RETRY_AFTER,
+                        actix_web::http::header::HeaderValue::from_static("9"),
+                    );
+                    r
+                }),
+            )
+        })
+        .workers(1)
+        .bind(("127.0.0.1", 0))
+        .unwrap();
+        let p_addr = p.addrs()[0];
+        let p = p.run();
+        let handle = p.handle();
+        actix_web::rt::spawn(p);
+        let mut st = state(None);
+        st.prefill = vec![format!("http://{p_addr}")];
+        let st = web::Data::new(st);
+        let (status, retry, body) = post(&st).await;
+        assert_eq!(status, 429);
+        assert_eq!(retry.as_deref(), Some("9"), "P's Retry-After, not the router's own");
+        assert_eq!(body["error"]["code"], "rate_limit_exceeded", "{body}");
+        assert_eq!(body["error"]["type"], "requests", "{body}");
+        handle.stop(false).await;
     }
 
     #[test]

@@ -21,7 +21,7 @@ use crate::generate::unix_now;
 use crate::handlers;
 use crate::headers::REQUEST_ID;
 use crate::metrics::HTTP_REQUESTS_TOTAL;
-use crate::overload::InFlightLimit;
+use crate::overload::{InFlightLimit, KeyLimit};
 use crate::FrontendOptions;
 
 /// Largest accepted request body (413 above).
@@ -44,6 +44,8 @@ pub struct AppState {
     pub api_keys: ApiKeys,
     /// The bound on generation requests in flight (`limits.max_in_flight`).
     pub in_flight: InFlightLimit,
+    /// The bound per client API key (`limits.max_in_flight_per_key`); sized by `api_keys`.
+    pub key_limit: KeyLimit,
 }
 
 impl AppState {
@@ -63,6 +65,7 @@ impl AppState {
             responses: Arc::new(crate::responses::ResponseStore::default()),
             api_keys: ApiKeys::default(),
             in_flight,
+            key_limit: KeyLimit::disabled("frontend"),
         }
     }
 
@@ -170,10 +173,12 @@ pub async fn start(
     let in_flight = InFlightLimit::new(node.limits.max_in_flight, "frontend");
     tracing::info!(
         api_keys = api_keys.enabled(),
+        max_in_flight_per_key = node.limits.max_in_flight_per_key,
         "API keys {}",
         if api_keys.enabled() { "required" } else { "not required" }
     );
     let mut app_state = AppState::new(client, link, codec, options, in_flight);
+    app_state.key_limit = KeyLimit::new(node.limits.max_in_flight_per_key, api_keys.len(), "frontend");
     app_state.api_keys = api_keys;
     let state = web::Data::new(app_state);
     let app_state = state.clone();

@@ -1256,3 +1256,126 @@ async fn a_client_that_stops_reading_is_cut_off_at_the_output_buffer() {
     assert!(events.iter().any(|e| e["error"]["code"] == 503), "{}", String::from_utf8_lossy(&body));
     assert_eq!(events.last().unwrap(), "[DONE]");
 }
+
+// ---- per-key bound (limits.max_in_flight_per_key)
+
+/// A 429 that tells the client to come back: `Retry-After` and OpenAI's rate-limit body.
+fn assert_rate_limited(status: StatusCode, headers: &actix_web::http::header::HeaderMap, body: &Bytes) {
+    assert_eq!(status, 429, "{}", String::from_utf8_lossy(body));
+    let retry = headers.get("retry-after").expect("Retry-After on a 429").to_str().unwrap();
+    assert!(retry.parse::<u32>().unwrap() >= 1, "{retry}");
+    let v = json_of(body);
+    assert_eq!(v["error"]["type"], "requests", "{v}");
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded", "{v}");
+    assert!(v["error"].get("param").is_some(), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().starts_with("rate limited"), "{v}");
+}
+
+/// Engine request id of the request the client sent as `client_id`.
+fn engine_id_of(h: &Harness, client_id: &str) -> String {
+    added(h)
+        .iter()
+        .find_map(|e| match &e.body {
+            WireMessage::AddRequest(r) if r.client_request_id.as_deref() == Some(client_id) => {
+                Some(r.request_id.clone())
+            }
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no AddRequest for {client_id}"))
+}
+
+/// With `max_in_flight_per_key = 1`: a stream of key A — its first token sent, its end held
+/// back by the fake engine — keeps A's place until its last event, so A's next request is a 429
+/// that reaches no engine and, for a remote-prefill request, sends P its rejection notice (R1);
+/// key B is served meanwhile, and so is the router's internal key while a stream of its own is
+/// open; once A's stream ends, A is served again. Fails if the key is not taken from the auth
+/// check, if the permit is given back with the handler instead of the stream, if the internal
+/// key is bounded per key, or if a 429 forgets P.
+#[actix_web::test]
+async fn a_key_at_its_bound_gets_429_while_other_keys_are_served() {
+    let keys = ApiKeys::with_internal(["sk-a", "sk-b"], Some("mesh-internal"));
+    let rest = generates("abc", Some(FinishReason::Stop));
+    let h = harness_full(
+        "limits = { max_in_flight_per_key = 1 }",
+        move |req| match req.client_request_id.as_deref() {
+            Some("held-a" | "held-internal") => {
+                Script { reply: Some(WireMessage::Ack), outputs: vec![output(&req.request_id, "x", None)] }
+            }
+            _ => rest(req),
+        },
+        keys,
+    )
+    .await;
+    let app = test::init_service(app(h.state.clone())).await;
+    let open = |id: &'static str, key: &'static str| {
+        test::TestRequest::post()
+            .uri("/v1/completions")
+            .insert_header(("authorization", key))
+            .insert_header(("x-request-id", id))
+            .set_json(json!({"prompt": "a", "max_tokens": 5, "stream": true}))
+            .to_request()
+    };
+    let held = test::call_service(&app, open("held-a", "Bearer sk-a")).await;
+    assert_eq!(held.status(), 200);
+    assert_eq!(added_count(&h).await, 1);
+
+    let refusals = crate::metrics::KEY_LIMIT_REFUSALS_TOTAL.with_label_values(&["frontend"]).get();
+    let errors = crate::metrics::REQUEST_ERRORS_TOTAL.with_label_values(&["rate_limited"]).get();
+    let (status, headers, body) = call_with_headers(
+        &h,
+        "/v1/completions",
+        json!({"prompt": "b", "max_tokens": 5, "kv_transfer_params": p_params()}),
+        &[("authorization", "Bearer sk-a"), ("x-request-id", "over"), ("X-data-parallel-rank", "1")],
+    )
+    .await;
+    assert_rate_limited(status, &headers, &body);
+    assert_eq!(headers.get("x-request-id").unwrap(), "over");
+    assert!(crate::metrics::KEY_LIMIT_REFUSALS_TOTAL.with_label_values(&["frontend"]).get() > refusals);
+    assert!(crate::metrics::REQUEST_ERRORS_TOTAL.with_label_values(&["rate_limited"]).get() > errors);
+    assert_eq!(added_count(&h).await, 1, "the refused request never reached the dp-lb");
+    let notice = wait_for_notice(&h, "p-req-7").await.expect("a 429 on D tells P too (R1)");
+    assert_eq!(notice.data_parallel_rank, Some(1));
+
+    // The router's internal key carries every client of the router: with a stream of its own
+    // open, it is still served (a bound of 1 would refuse it).
+    let internal_held = test::call_service(&app, open("held-internal", "Bearer mesh-internal")).await;
+    assert_eq!(internal_held.status(), 200);
+    for other in ["Bearer sk-b", "Bearer mesh-internal"] {
+        let (status, _, body) = call_with_headers(
+            &h,
+            "/v1/completions",
+            json!({"prompt": "c", "max_tokens": 3}),
+            &[("authorization", other)],
+        )
+        .await;
+        assert_eq!(status, 200, "{other}: {}", String::from_utf8_lossy(&body));
+    }
+    let (status, headers, body) = call_with_headers(
+        &h,
+        "/v1/completions",
+        json!({"prompt": "b", "max_tokens": 5}),
+        &[("authorization", "Bearer sk-a")],
+    )
+    .await;
+    assert_rate_limited(status, &headers, &body);
+
+    // The held streams end: A's place is given back.
+    for id in ["held-a", "held-internal"] {
+        h.lb.send(PushOutputs(vec![output(&engine_id_of(&h, id), "y", Some(FinishReason::Stop))])).await.unwrap();
+    }
+    for res in [held, internal_held] {
+        let events = sse_events(&test::read_body(res).await);
+        assert_eq!(events.last().unwrap(), "[DONE]");
+    }
+    let a = h.state.api_keys.identify("sk-a").and_then(crate::auth::KeyMatch::client_key).unwrap();
+    assert_eq!(h.state.key_limit.current(a), 0, "given back when the stream ended");
+    let (status, _, body) = call_with_headers(
+        &h,
+        "/v1/completions",
+        json!({"prompt": "d", "max_tokens": 3}),
+        &[("authorization", "Bearer sk-a")],
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert_eq!(json_of(&body)["choices"][0]["text"], "abc");
+}

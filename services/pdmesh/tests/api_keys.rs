@@ -2,10 +2,14 @@
 //! frontend — the router, P, D and a colocated node — refuses `/v1/*` and `/debug/*` without a
 //! valid key with an OpenAI 401, serves with one and leaves the probes open; the router, given
 //! a client's key, gets a full P/D answer by presenting the mesh's internal key to P and D; and
-//! keys reach the children through their environment, never their command line.
+//! keys reach the children through their environment, never their command line; and the
+//! per-key bound on requests in flight (`limits.max_in_flight_per_key`) answers a key over its
+//! share with a 429 while other keys, and the router's internal key on the nodes, are served.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+
+use std::io::{BufRead, BufReader, Read};
 
 use common::{pd_topology, sse_events, Mesh, UpOptions};
 use serde_json::{json, Value};
@@ -168,6 +172,126 @@ fn up_hands_keys_to_frontends_through_the_environment_only() {
             assert_eq!(environ(pid, "PDMESH_API_KEY"), None, "{}: only frontends get keys", p["service"]);
             assert_eq!(environ(pid, "PDMESH_INTERNAL_API_KEY"), None, "{}: only frontends get keys", p["service"]);
         }
+    }
+    assert!(mesh.stop().success());
+}
+
+/// Synthetic tokens that each cost a step of 80 ms: a 100-token stream stays in flight for
+/// about eight seconds after its first event (the executor sleeps, so a loaded machine does not
+/// shorten it), far longer than the few requests the test makes meanwhile, the first of them
+/// right after the first event.
+const SLOW_NODES: &str = r#"model = { kind = "synthetic", per_token_cost_us = 40, per_step_cost_us = 80000 }
+engine = { block_size = 16, num_blocks = 512, max_model_len = 4096 }
+limits = { max_in_flight_per_key = 1 }"#;
+
+/// A stream opened and read up to its first event (so the server has admitted it and holds
+/// its place), the rest left unread for now.
+struct OpenStream {
+    reader: BufReader<reqwest::blocking::Response>,
+}
+
+impl OpenStream {
+    fn open(url: &str, key: &str) -> OpenStream {
+        let body = json!({"prompt": "a stream that holds its place", "max_tokens": 100, "ignore_eos": true,
+                          "temperature": 0, "stream": true});
+        let r = client().post(url).bearer_auth(key).json(&body).send().unwrap();
+        assert_eq!(r.status().as_u16(), 200, "{url}");
+        let mut reader = BufReader::new(r);
+        let mut line = String::new();
+        while !line.starts_with("data: ") {
+            line.clear();
+            assert!(reader.read_line(&mut line).unwrap() > 0, "{url}: the stream ended before its first event");
+        }
+        OpenStream { reader }
+    }
+
+    /// Read the stream to its end: its events (the first one excluded).
+    fn finish(mut self) -> Vec<String> {
+        let mut rest = String::new();
+        self.reader.read_to_string(&mut rest).unwrap();
+        sse_events(&rest)
+    }
+}
+
+/// `limits.max_in_flight_per_key` on a real P/D mesh with two client keys: the router's bound
+/// is 2, the nodes' 1. Key A holds two streams open through the router (each read to its first
+/// event, so both are admitted); a third request with A gets the router's 429 with
+/// `Retry-After` and OpenAI's rate-limit body, before P is asked; a request with key B is
+/// served meanwhile — through D, which already carries A's two streams under the router's
+/// internal key, so it fails if the internal key were bounded per key on the nodes. The
+/// colocated node applies its own bound to A the same way. Once A's streams have ended, A is
+/// served again, P and D hold no KV block, and the refusal counters moved by exactly the
+/// refusals made. Fails if the bound is not applied, if a stream gives its place back before
+/// its end, if one key's requests count against another's, or if a refusal leaks blocks.
+#[test]
+fn a_key_over_its_share_gets_429_while_other_keys_and_the_router_are_served() {
+    let options = UpOptions {
+        env: vec![
+            ("PDMESH_API_KEY".into(), "sk-key-a,sk-key-b".into()),
+            ("PDMESH_INTERNAL_API_KEY".into(), INTERNAL_KEY.into()),
+        ],
+        api_key: Some("sk-key-b".into()),
+        ..Default::default()
+    };
+    let mesh = Mesh::start_nodes_with(
+        |h, b| {
+            pd_topology(h, b, "shm", 1, SLOW_NODES).replacen(
+                "role = \"router\"\n",
+                "role = \"router\"\nlimits = { max_in_flight_per_key = 2, retry_after_s = 3 }\n",
+                1,
+            )
+        },
+        |h| vec![h + 1, h + 2, h + 3],
+        &options,
+    );
+    let (router, p, d, c) = (mesh.http_port, mesh.http_port + 1, mesh.http_port + 2, mesh.http_port + 3);
+    let refusals = |port, source: &str| {
+        counter(&mesh, port, &format!("pdmesh_frontend_key_limit_refusals_total{{source=\"{source}\"}}"))
+    };
+    let (router_before, c_before) = (refusals(router, "router"), refusals(c, "frontend"));
+    let completions = |port| mesh.url_on(port, "/v1/completions");
+    let short = json!({"prompt": "hello", "max_tokens": 2, "temperature": 0});
+
+    let held = [OpenStream::open(&completions(router), "sk-key-a"), OpenStream::open(&completions(router), "sk-key-a")];
+    let p_prefills = counter(&mesh, p, "pdmesh_frontend_authorized_total{credential=\"internal\"}");
+    let r = client().post(completions(router)).bearer_auth("sk-key-a").json(&short).send().unwrap();
+    assert_eq!(r.status().as_u16(), 429);
+    assert_eq!(r.headers().get("retry-after").and_then(|v| v.to_str().ok()), Some("3"), "limits.retry_after_s");
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["error"]["type"], "requests", "{v}");
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded", "{v}");
+    assert!(v["error"].get("param").is_some(), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().starts_with("rate limited"), "{v}");
+    assert_eq!(
+        counter(&mesh, p, "pdmesh_frontend_authorized_total{credential=\"internal\"}"),
+        p_prefills,
+        "refused before P was asked"
+    );
+    let (status, text) = post(&completions(router), Some("sk-key-b"), &short);
+    assert_eq!(status, 200, "another key is served while A is at its bound: {text}");
+
+    // A node's own bound: one A stream on the colocated node, then A is refused there too.
+    let on_c = OpenStream::open(&completions(c), "sk-key-a");
+    let (status, text) = post(&completions(c), Some("sk-key-a"), &short);
+    assert_eq!(status, 429, "{text}");
+    assert_eq!(post(&completions(c), Some("sk-key-b"), &short).0, 200);
+
+    for stream in held.into_iter().chain([on_c]) {
+        let events = stream.finish();
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+        assert!(!events.iter().any(|e| e.contains("\"error\"")), "{events:?}");
+    }
+    for port in [router, c] {
+        let (status, text) = post(&completions(port), Some("sk-key-a"), &short);
+        assert_eq!(status, 200, ":{port} serves A again once its streams ended: {text}");
+    }
+    assert_eq!(refusals(router, "router"), router_before + 1.0);
+    assert_eq!(refusals(c, "frontend"), c_before + 1.0);
+    for port in [p, d] {
+        assert_eq!(refusals(port, "frontend"), 0.0, ":{port}: the router's internal key is not bounded per key");
+        mesh.wait_kv_on(port, "no KV block held or used once every request ended", |kv| {
+            kv["held_blocks"] == 0 && kv["used_blocks"] == 0
+        });
     }
     assert!(mesh.stop().success());
 }

@@ -85,15 +85,17 @@ enum Outcome {
     Hung,
 }
 
-/// Check a refusal: `Retry-After` and `{"error": {"message", "type", "param", "code"}}`.
+/// Check a refusal: `Retry-After` and `{"error": {"message", "type", "param", "code"}}`, the
+/// code being the status on a 503 and OpenAI's `rate_limit_exceeded` on a 429.
 fn refusal(status: u16, retry_after: Option<String>, body: &str) -> Outcome {
     let v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
     let e = &v["error"];
+    let code_ok = if status == 429 { e["code"] == "rate_limit_exceeded" } else { e["code"] == status };
     let well_formed = retry_after.as_deref().and_then(|r| r.parse::<u32>().ok()).is_some_and(|r| r >= 1)
         && e["message"].is_string()
         && e["type"].is_string()
         && e.get("param").is_some()
-        && e["code"] == status;
+        && code_ok;
     match (status, well_formed) {
         (503, true) => Outcome::Refused,
         (429, true) => Outcome::Limited,

@@ -128,6 +128,13 @@ pub struct LimitsConfig {
     /// start to the last byte of the answer. 0: no bound.
     #[serde(default = "default_max_in_flight")]
     pub max_in_flight: u32,
+    /// Frontend (and router): generation requests in flight per client API key, counted like
+    /// `max_in_flight`; beyond it the key's requests get a 429 with `Retry-After`, so one
+    /// client cannot take the whole server. 0: no bound. Without API keys there is nothing to
+    /// key on and no per-key bound; on a node, the router's internal key is not bounded (it
+    /// carries every client of the router, each bounded at the router).
+    #[serde(default)]
+    pub max_in_flight_per_key: u32,
     /// Frontend: engine outputs queued for one request whose client does not read; beyond it
     /// the request is aborted (a stalled client cannot make the frontend buffer its output).
     #[serde(default = "default_output_buffer")]
@@ -135,7 +142,7 @@ pub struct LimitsConfig {
     /// dp-lb: requests in its in-flight table (routed, not finished). 0: no bound.
     #[serde(default = "default_dp_lb_max_in_flight")]
     pub dp_lb_max_in_flight: u32,
-    /// Seconds a refused client is told to wait (`Retry-After`) on every 503.
+    /// Seconds a refused client is told to wait (`Retry-After`) on every 503 and 429.
     #[serde(default = "one")]
     pub retry_after_s: u32,
 }
@@ -144,6 +151,7 @@ impl Default for LimitsConfig {
     fn default() -> Self {
         Self {
             max_in_flight: default_max_in_flight(),
+            max_in_flight_per_key: 0,
             output_buffer: default_output_buffer(),
             dp_lb_max_in_flight: default_dp_lb_max_in_flight(),
             retry_after_s: 1,
@@ -996,6 +1004,7 @@ mod tests {
         let t = Topology::from_toml("[[nodes]]\nname = \"a\"\n").unwrap();
         let n = &t.nodes[0];
         assert_eq!((n.limits.max_in_flight, n.limits.dp_lb_max_in_flight, n.limits.retry_after_s), (256, 512, 1));
+        assert_eq!(n.limits.max_in_flight_per_key, 0, "no per-key bound unless asked for");
         assert_eq!((n.engine.max_waiting, n.engine.max_held_fraction), (256, 0.5));
         let t = Topology::from_toml(
             "[[nodes]]\nname = \"a\"\nlimits = { max_in_flight = 3, retry_after_s = 7 }\nengine = { max_waiting = 0 }\n",
@@ -1003,6 +1012,8 @@ mod tests {
         .unwrap();
         assert_eq!((t.nodes[0].limits.max_in_flight, t.nodes[0].limits.retry_after_s), (3, 7));
         assert_eq!(t.nodes[0].engine.max_waiting, 0);
+        let t = Topology::from_toml("[[nodes]]\nname = \"a\"\nlimits = { max_in_flight_per_key = 2 }\n").unwrap();
+        assert_eq!((t.nodes[0].limits.max_in_flight_per_key, t.nodes[0].limits.max_in_flight), (2, 256));
         for bad in [
             "engine = { max_held_fraction = 0.0 }",
             "engine = { max_held_fraction = 1.5 }",

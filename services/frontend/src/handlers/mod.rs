@@ -6,9 +6,10 @@ pub mod chat;
 pub mod completions;
 pub mod responses;
 
-use actix_web::{HttpRequest, HttpResponse, ResponseError};
+use actix_web::{HttpMessage, HttpRequest, HttpResponse, ResponseError};
 use tracing::Instrument;
 
+use crate::auth::ClientKey;
 use crate::error::ApiError;
 use std::future::Future;
 
@@ -113,6 +114,17 @@ where
     };
     let request_id = meta.request_id.clone();
     let dp_rank = meta.data_parallel_rank;
+    // The client key's bound first: a client over its own share is told so (429) without
+    // taking, even for a moment, a place under the server's bound. P is told as for any
+    // refusal before admission (R1). The router's internal key has no client identity here.
+    let client_key = req.extensions().get::<ClientKey>().copied();
+    let key_permit = match state.key_limit.try_acquire(client_key) {
+        Ok(permit) => permit,
+        Err(error) => {
+            note_rejection(state, remote_prefill.as_ref(), dp_rank, &error);
+            return error_response(error, &request_id);
+        }
+    };
     // Overload control: a place under `limits.max_in_flight` for the whole answer, or a 503
     // now (and P's blocks handed back, R1) rather than a wait in an unbounded queue.
     let permit = match state.in_flight.try_acquire() {
@@ -141,8 +153,8 @@ where
         };
         let (accepted, extra) = match accepted {
             Ok((mut accepted, extra)) => {
-                // The permit lives as long as the answer (a stream's, too).
-                accepted.guard.hold(permit);
+                // The permits live as long as the answer (a stream's, too).
+                accepted.guard.hold(permit, key_permit);
                 (accepted, extra)
             }
             Err(error) => {
