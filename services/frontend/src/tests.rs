@@ -1172,16 +1172,25 @@ async fn requests_beyond_max_in_flight_get_503_retry_after_and_p_is_notified() {
 
 #[actix_web::test]
 async fn a_stream_keeps_its_place_until_it_ends() {
-    let h = harness_with("limits = { max_in_flight = 1 }", generates("abc", Some(FinishReason::Stop))).await;
+    // The held stream gets one token and no end until the test pushes it: its place is taken
+    // for as long as the test says, whatever the scheduling.
+    let rest = generates("abc", Some(FinishReason::Stop));
+    let h = harness_with("limits = { max_in_flight = 1 }", move |req| match req.client_request_id.as_deref() {
+        Some("held") => Script { reply: Some(WireMessage::Ack), outputs: vec![output(&req.request_id, "x", None)] },
+        _ => rest(req),
+    })
+    .await;
     let app = test::init_service(app(h.state.clone())).await;
     let req = test::TestRequest::post()
         .uri("/v1/completions")
+        .insert_header(("x-request-id", "held"))
         .set_json(json!({"prompt": "a", "max_tokens": 5, "stream": true}));
     let res = test::call_service(&app, req.to_request()).await;
     assert_eq!(res.status(), 200);
     // the handler returned, the stream is not over: its place is still taken
     let (status, headers, body) = call_with_headers(&h, "/v1/completions", json!({"prompt": "b"}), &[]).await;
     assert_overloaded(status, &headers, &body);
+    h.lb.send(PushOutputs(vec![output(&engine_id_of(&h, "held"), "y", Some(FinishReason::Stop))])).await.unwrap();
     let events = sse_events(&test::read_body(res).await);
     assert_eq!(events.last().unwrap(), "[DONE]");
     for _ in 0..300 {
