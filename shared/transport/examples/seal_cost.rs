@@ -129,7 +129,9 @@ fn main() {
     let n_pushes = arg("--pushes", 20000);
     let key = LinkKey::derive(&MeshSecret::generate(), "bench");
     let frame_len = batch().encode().map(|b| b.len()).unwrap_or(0);
+    let bench_key = key.clone();
     System::new().block_on(async move {
+        let key = bench_key;
         let mut plain = pair(Seal::none()).await;
         let mut sealed = pair(Seal::with_key(key.clone())).await;
         // warm-up
