@@ -31,10 +31,7 @@ const SECRET: &str = "internal-links-test-secret-0123456789abcdef";
 /// the series does not exist yet.
 fn metric(url: &str, name: &str) -> f64 {
     let text = reqwest::blocking::get(url).unwrap().text().unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name))
-        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
-        .sum()
+    text.lines().filter(|l| l.starts_with(name)).filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok()).sum()
 }
 
 fn unauth(url: &str) -> f64 {

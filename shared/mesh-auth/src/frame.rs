@@ -106,7 +106,8 @@ impl LinkKey {
     /// The key for the internal links of node `node` of the mesh with `secret`.
     pub fn derive(secret: &MeshSecret, node: &str) -> Self {
         let mut mac = secret.mac();
-        for part in [b"pdmesh-mesh-auth/1".as_slice(), b"frame-key", Channel::Internal.label().as_bytes(), node.as_bytes()]
+        for part in
+            [b"pdmesh-mesh-auth/1".as_slice(), b"frame-key", Channel::Internal.label().as_bytes(), node.as_bytes()]
         {
             mac.update(&(part.len() as u32).to_be_bytes());
             mac.update(part);

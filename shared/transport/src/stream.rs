@@ -29,7 +29,11 @@ pub async fn bind_pull(endpoint: &str, sink: Recipient<PullEvent>) -> Result<Str
 }
 
 /// [`bind_pull`] with the sealing chosen by the caller.
-pub async fn bind_pull_with(endpoint: &str, sink: Recipient<PullEvent>, seal_with: Seal) -> Result<String, TransportError> {
+pub async fn bind_pull_with(
+    endpoint: &str,
+    sink: Recipient<PullEvent>,
+    seal_with: Seal,
+) -> Result<String, TransportError> {
     prepare_ipc_endpoint(endpoint);
     let mut socket = PullSocket::new();
     let bound = socket.bind(endpoint).await.map_err(|e| TransportError::Bind(endpoint.to_string(), e.to_string()))?;

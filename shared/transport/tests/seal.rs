@@ -186,10 +186,8 @@ async fn foreign_unsealed_forged_replayed_and_stale_frames_reach_nobody() {
     let mut stranger = FrameSealer::new(foreign_key(), to_router);
     let mut reflected = FrameSealer::new(key(), LinkBinding::new(port, Direction::FromBound));
     let genuine = member.seal(&bytes(&named(Message::Ping, "genuine")));
-    let stale = member.seal_at(
-        &bytes(&named(Message::Ping, "stale")),
-        unix_ms_now() - FRESHNESS_WINDOW.as_millis() as u64 - 60_000,
-    );
+    let stale = member
+        .seal_at(&bytes(&named(Message::Ping, "stale")), unix_ms_now() - FRESHNESS_WINDOW.as_millis() as u64 - 60_000);
     for frame in [
         bytes(&named(Message::Ping, "unsealed")),
         stranger.seal(&bytes(&named(Message::Ping, "foreign-key"))),
