@@ -5,7 +5,11 @@ Every object needs apiVersion, kind and metadata.name; Deployments and StatefulS
 selector that matches their pod template's labels; every Service selects the labels of some
 workload's pods, and every container port a Service targets by name exists. Liveness probes
 must use `/live`: `/health` is readiness, and probing it for liveness restarts a healthy
-service whenever a peer behind it is slow to come up (docs/DECISIONS.md D36). Run by
+service whenever a peer behind it is slow to come up (docs/DECISIONS.md D36). Every pdmesh
+container must read the mesh secret from the Secret `pdmesh-mesh-secret`, not optionally: P and
+D authenticate with it, and the services of a node on tcp transport seal their internal links
+with it and refuse to start without it (D45); the router reads it too, so no pod is left out.
+Run by
 scripts/test.sh; skips (exit 0, with the reason) when PyYAML is not installed.
 """
 import glob
@@ -45,6 +49,10 @@ for path, doc in objects:
             live = ((c.get("livenessProbe") or {}).get("httpGet") or {}).get("path")
             if live is not None and live != "/live":
                 errors.append(f"{path}: {doc['metadata']['name']}: livenessProbe probes {live}, not /live")
+            if c.get("name") == "pdmesh":
+                refs = [(e.get("secretRef") or {}) for e in c.get("envFrom") or []]
+                if not any(r.get("name") == "pdmesh-mesh-secret" and not r.get("optional") for r in refs):
+                    errors.append(f"{path}: {doc['metadata']['name']}: container pdmesh does not read the Secret pdmesh-mesh-secret")
 
 for path, doc in objects:
     if doc["kind"] != "Service":

@@ -1,5 +1,6 @@
 //! `pdmesh`: one binary for every service of the mesh, plus `pdmesh up` to start a whole mesh.
 
+mod links;
 mod model;
 mod up;
 
@@ -230,6 +231,7 @@ where
     let identity = service_identity(name, &args, topo.as_ref().ok());
     let telemetry = pdmesh_telemetry::init_service(&identity);
     let topo = topo?;
+    links::seal_internal_links(&topo, &args.node)?;
     let system = actix_rt::System::new();
     let res = system.block_on(async move {
         tokio::spawn(watch_parent());

@@ -43,8 +43,9 @@ pub struct Topology {
     #[serde(default = "default_run_dir")]
     pub run_dir: PathBuf,
     /// A file holding the mesh secret (docs/SECURITY.md); `PDMESH_MESH_SECRET` overrides it.
-    /// Neither set: `pdmesh up` generates a fresh secret per run, and a P/D service started
-    /// on its own refuses to start.
+    /// Neither set: `pdmesh up` generates a fresh secret per run, and a P/D service, or any
+    /// service of a node on `tcp` transport (its internal links are sealed with it), started on
+    /// its own refuses to start.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mesh_secret_file: Option<PathBuf>,
     pub nodes: Vec<NodeConfig>,

@@ -1,12 +1,14 @@
 //! Who may talk to a pdmesh node, and who may touch a request's held KV blocks.
 //!
-//! Two mechanisms (docs/SECURITY.md, docs/DECISIONS.md D40):
-//! - [`MeshSecret`]: one secret per mesh. Every connection to P's KV side channel, to its
-//!   `tcp` block server and to a node's internal ZeroMQ links over `tcp` proves knowledge of it
-//!   with a mutual HMAC-SHA256 challenge-response ([`server_proof`], [`client_proof`]) before
-//!   anything else is served. Both sides contribute a fresh 256-bit nonce, and the proofs
-//!   name the role and the channel, so a proof is good for one connection, one direction and
-//!   one channel only: it can be neither replayed on another connection nor reflected.
+//! Three mechanisms (docs/SECURITY.md, docs/DECISIONS.md D40, D45):
+//! - [`MeshSecret`]: one secret per mesh. Every connection to P's KV side channel and to its
+//!   `tcp` block server proves knowledge of it with a mutual HMAC-SHA256 challenge-response
+//!   ([`server_proof`], [`client_proof`]) before anything else is served. Both sides
+//!   contribute a fresh 256-bit nonce, and the proofs name the role and the channel, so a
+//!   proof is good for one connection, one direction and one channel only: it can be neither
+//!   replayed on another connection nor reflected.
+//! - [`frame`]: a node's internal ZeroMQ links over `tcp` carry a MAC on every frame instead
+//!   (a PUSH stream has no reply path for a challenge), under a key derived from the secret.
 //! - Capability tokens ([`new_capability`], [`capability_matches`]): P puts an unguessable
 //!   token into the `kv_transfer_params` it returns; every lease, read and notice for that
 //!   request must carry it, so knowing a request id is not enough to touch its blocks.
@@ -14,9 +16,11 @@
 //! Nonces, secrets and tokens come from the operating system's CSPRNG; every comparison of a
 //! secret value is constant-time.
 
+pub mod frame;
 pub mod handshake;
 pub mod metrics;
 
+pub use frame::{Direction, FrameOpener, FrameRefusal, FrameSealer, LinkBinding, LinkKey};
 pub use handshake::{refusal, AuthFailure, ClientHello, ServerChallenge};
 
 use std::fmt;
@@ -101,8 +105,8 @@ impl MeshSecret {
     }
 
     /// This process's mesh secret: [`MESH_SECRET_ENV`] if set, else the topology's
-    /// `mesh_secret_file`, else none (`pdmesh up` then generates one; a P/D service refuses to
-    /// start).
+    /// `mesh_secret_file`, else none (`pdmesh up` then generates one; a P/D service, or a service
+    /// of a node on `tcp` transport, refuses to start).
     pub fn resolve(file: Option<&Path>) -> Result<Option<Self>, SecretError> {
         if let Some(secret) = Self::from_env()? {
             return Ok(Some(secret));
@@ -116,9 +120,13 @@ impl MeshSecret {
     }
 
     fn mac(&self) -> Hmac<Sha256> {
-        // HMAC accepts keys of any length; `new_from_slice` cannot fail for it.
-        <Hmac<Sha256> as Mac>::new_from_slice(self.text.as_bytes()).unwrap_or_else(|_| unreachable_mac())
+        hmac_with_key(self.text.as_bytes())
     }
+}
+
+/// HMAC-SHA256 keyed with `key`. HMAC accepts keys of any length; `new_from_slice` cannot fail.
+fn hmac_with_key(key: &[u8]) -> Hmac<Sha256> {
+    <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable_mac())
 }
 
 #[allow(clippy::panic)] // HMAC takes a key of any length: this is never reached

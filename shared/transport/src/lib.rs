@@ -15,16 +15,22 @@
 //! connects again (`docs/DECISIONS.md`). Inbound frames that fail to decode are logged and
 //! counted (`pdmesh_transport_decode_errors_total`), never a panic.
 //!
-//! Endpoints are `ipc://path` on one host or `tcp://host:port` across hosts.
+//! Endpoints are `ipc://path` on one host or `tcp://host:port` across hosts. On `tcp://`, once
+//! the process installed its node's key ([`seal_tcp_links`]), every frame carries a MAC and
+//! receivers drop frames that are not authentic, fresh and new before decoding them
+//! ([`seal`], docs/DECISIONS.md D45).
 
 mod link;
 mod metrics;
 mod router;
+pub mod seal;
 mod stream;
 
 pub use link::{connect_dealer, LinkConfig, LinkEvent, LinkHandle};
-pub use router::{bind_router, PeerId, RouterEvent, RouterHandle};
-pub use stream::{bind_pull, connect_push, PullEvent, PushHandle};
+pub use pdmesh_mesh_auth::frame::LinkKey;
+pub use router::{bind_router, bind_router_with, PeerId, RouterEvent, RouterHandle};
+pub use seal::{seal_tcp_links, tcp_links_sealed, AlreadySealed, Seal};
+pub use stream::{bind_pull, bind_pull_with, connect_push, connect_push_with, PullEvent, PushHandle};
 
 use std::time::Duration;
 use thiserror::Error;

@@ -13,14 +13,20 @@ use tokio::time::Instant;
 use zeromq::{DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::metrics::{DECODE_ERRORS, RECEIVED, RECONNECTS, SEND_ERRORS, SENT};
+use crate::seal::{endpoint_port, seal, Seal};
 use crate::TransportError;
+use pdmesh_mesh_auth::frame::Direction;
 
 /// How a connect-side socket behaves.
 #[derive(Debug, Clone)]
 pub struct LinkConfig {
     /// `ipc://…` or `tcp://host:port` of the bound peer.
     pub endpoint: String,
-    /// ZeroMQ identity of this side (the ROUTER addresses us by it). `None`: random.
+    /// ZeroMQ identity of this side (the ROUTER addresses us by it). `None`: random. Not
+    /// used on a sealed link: the zeromq crate's ROUTER hands a routing id to whichever
+    /// connection claimed it last, so a stranger claiming ours would receive our traffic.
+    /// There the ROUTER draws a random id that never leaves it, and the peer learns who we
+    /// are from our (sealed) hello.
     pub identity: Option<String>,
     /// Sent first after every (re)connect, so the peer learns who we are.
     pub hello: Option<Envelope>,
@@ -28,12 +34,16 @@ pub struct LinkConfig {
     pub connect_timeout: Duration,
     /// Limit for handing one frame to the socket.
     pub send_timeout: Duration,
+    /// Whether frames are sealed (by default: on `tcp://` once the process installed its key).
+    pub seal: Seal,
 }
 
 impl LinkConfig {
     pub fn new(endpoint: impl Into<String>) -> Self {
+        let endpoint = endpoint.into();
         Self {
-            endpoint: endpoint.into(),
+            seal: Seal::for_endpoint(&endpoint),
+            endpoint,
             identity: None,
             hello: None,
             connect_timeout: Duration::from_secs(2),
@@ -46,6 +56,11 @@ impl LinkConfig {
     }
     pub fn hello(mut self, hello: Envelope) -> Self {
         self.hello = Some(hello);
+        self
+    }
+    /// Seal (or not) regardless of the endpoint's default.
+    pub fn seal(mut self, seal: Seal) -> Self {
+        self.seal = seal;
         self
     }
 }
@@ -142,10 +157,14 @@ async fn run_link(
     let mut next_corr: u64 = 1;
     let mut first = true;
     let mut backoff = Duration::from_millis(20);
+    // One session for the link's life: a reconnect continues its counter.
+    let port = endpoint_port(&endpoint);
+    let mut sealer = config.seal.sealer(port, Direction::ToBound);
+    let mut guard = config.seal.guard(&endpoint, port, Direction::FromBound);
     loop {
         // ---- connect, failing anything queued meanwhile
         let mut options = SocketOptions::default();
-        if let Some(id) = &config.identity {
+        if let Some(id) = config.identity.as_ref().filter(|_| !config.seal.is_sealed()) {
             if let Ok(peer_id) = id.parse() {
                 options.peer_identity(peer_id);
             }
@@ -179,7 +198,7 @@ async fn run_link(
         let (mut send_half, mut recv_half) = socket.split();
         if let Some(hello) = &config.hello {
             if let Ok(bytes) = hello.encode() {
-                let _ = send_half.send(ZmqMessage::from(bytes)).await;
+                let _ = send_half.send(ZmqMessage::from(seal(&mut sealer, bytes))).await;
             }
         }
         up.store(true, Ordering::Release);
@@ -207,7 +226,8 @@ async fn run_link(
                             continue;
                         }
                     };
-                    match tokio::time::timeout(config.send_timeout, send_half.send(ZmqMessage::from(bytes))).await {
+                    let frame = ZmqMessage::from(seal(&mut sealer, bytes));
+                    match tokio::time::timeout(config.send_timeout, send_half.send(frame)).await {
                         Ok(Ok(())) => SENT.with_label_values(&[&endpoint]).inc(),
                         _ => {
                             SEND_ERRORS.with_label_values(&[&endpoint]).inc();
@@ -222,7 +242,8 @@ async fn run_link(
                     let Ok(msg) = msg else { break };
                     RECEIVED.with_label_values(&[&endpoint]).inc();
                     let Some(frame) = msg.into_vec().pop() else { continue };
-                    match Envelope::decode(&frame) {
+                    let Some(payload) = guard.open(&frame, None) else { continue };
+                    match Envelope::decode(payload) {
                         Ok(env) => {
                             if env.corr != 0 {
                                 if let Some((tx, _)) = pending.remove(&env.corr) {

@@ -29,3 +29,13 @@ pub(crate) static RECONNECTS: LazyLock<IntCounterVec> = LazyLock::new(|| {
 /// Sends that failed (peer unknown or gone), by endpoint.
 pub(crate) static SEND_ERRORS: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec("pdmesh_transport_send_errors_total", "Sends that failed", &["endpoint"]));
+
+/// Frames a sealed (`tcp://`) socket refused before decoding them, by endpoint and reason
+/// (`unsealed`, `malformed`, `bad_tag`, `stale`, `replayed`; docs/SECURITY.md).
+pub(crate) static REFUSED: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(
+        "pdmesh_transport_frames_refused_total",
+        "Inbound frames refused by the per-frame MAC check of a sealed link, by reason",
+        &["endpoint", "reason"],
+    )
+});

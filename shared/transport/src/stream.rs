@@ -11,7 +11,9 @@ use tokio::sync::mpsc;
 use zeromq::{PullSocket, PushSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::metrics::{DECODE_ERRORS, RECEIVED, RECONNECTS, SEND_ERRORS, SENT};
+use crate::seal::{endpoint_port, seal, Seal};
 use crate::{prepare_ipc_endpoint, TransportError};
+use pdmesh_mesh_auth::frame::Direction;
 
 /// A message that arrived on a PULL socket.
 #[derive(Debug, ActixMessage)]
@@ -20,19 +22,31 @@ pub struct PullEvent {
     pub envelope: Envelope,
 }
 
-/// Bind a PULL socket; every decoded message goes to `sink`.
+/// Bind a PULL socket; every decoded message goes to `sink`. Frames must be sealed on
+/// `tcp://` once the process installed its key ([`crate::seal_tcp_links`]).
 pub async fn bind_pull(endpoint: &str, sink: Recipient<PullEvent>) -> Result<String, TransportError> {
+    bind_pull_with(endpoint, sink, Seal::for_endpoint(endpoint)).await
+}
+
+/// [`bind_pull`] with the sealing chosen by the caller.
+pub async fn bind_pull_with(
+    endpoint: &str,
+    sink: Recipient<PullEvent>,
+    seal_with: Seal,
+) -> Result<String, TransportError> {
     prepare_ipc_endpoint(endpoint);
     let mut socket = PullSocket::new();
     let bound = socket.bind(endpoint).await.map_err(|e| TransportError::Bind(endpoint.to_string(), e.to_string()))?;
     let label = bound.to_string();
     let ret = label.clone();
+    let mut guard = seal_with.guard(&label, endpoint_port(&label), Direction::ToBound);
     tokio::spawn(async move {
         loop {
             let Ok(msg) = socket.recv().await else { continue };
             RECEIVED.with_label_values(&[&label]).inc();
             let Some(frame) = msg.into_vec().pop() else { continue };
-            match Envelope::decode(&frame) {
+            let Some(payload) = guard.open(&frame, None) else { continue };
+            match Envelope::decode(payload) {
                 Ok(envelope) => sink.do_send(PullEvent { envelope }),
                 Err(e) => {
                     DECODE_ERRORS.with_label_values(&[&label]).inc();
@@ -76,12 +90,20 @@ impl PushHandle {
 }
 
 /// Start a PUSH socket that connects to `endpoint` and reconnects when its peer restarts.
+/// Frames are sealed on `tcp://` once the process installed its key ([`crate::seal_tcp_links`]).
 pub fn connect_push(endpoint: &str) -> PushHandle {
+    connect_push_with(endpoint, Seal::for_endpoint(endpoint))
+}
+
+/// [`connect_push`] with the sealing chosen by the caller.
+pub fn connect_push_with(endpoint: &str, seal_with: Seal) -> PushHandle {
     let (tx, mut rx) = mpsc::unbounded_channel::<Envelope>();
     let up = Arc::new(AtomicBool::new(false));
     let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let handle = PushHandle { endpoint: Arc::from(endpoint), tx, up: up.clone(), queued: queued.clone() };
     let endpoint = endpoint.to_string();
+    // One session for the stream's life: a reconnect continues its counter.
+    let mut sealer = seal_with.sealer(endpoint_port(&endpoint), Direction::ToBound);
     tokio::spawn(async move {
         let mut first = true;
         loop {
@@ -108,7 +130,8 @@ pub fn connect_push(endpoint: &str) -> PushHandle {
                         let Some(env) = out else { return };
                         queued.fetch_sub(1, Ordering::AcqRel);
                         let Ok(bytes) = env.encode() else { continue };
-                        match tokio::time::timeout(Duration::from_secs(5), socket.send(ZmqMessage::from(bytes))).await {
+                        let frame = ZmqMessage::from(seal(&mut sealer, bytes));
+                        match tokio::time::timeout(Duration::from_secs(5), socket.send(frame)).await {
                             Ok(Ok(())) => SENT.with_label_values(&[&endpoint]).inc(),
                             _ => { SEND_ERRORS.with_label_values(&[&endpoint]).inc(); break; }
                         }
