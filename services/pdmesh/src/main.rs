@@ -247,11 +247,11 @@ where
     res
 }
 
-/// A service whose graceful stop overran the shutdown deadline: the process exits with
-/// [`pdmesh_service::EXIT_SHUTDOWN_TIMEOUT`], which tells it from a clean stop (0) and a
-/// failure (1).
+/// A service whose graceful stop overran the shutdown deadline (or a `pdmesh up` one of whose
+/// children did): the process exits with [`pdmesh_service::EXIT_SHUTDOWN_TIMEOUT`], which tells
+/// it from a clean stop (0) and a failure (1).
 #[derive(Debug)]
-struct StopTimedOut(pdmesh_service::DeadlineExceeded);
+pub struct StopTimedOut(pdmesh_service::DeadlineExceeded);
 
 impl std::fmt::Display for StopTimedOut {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
