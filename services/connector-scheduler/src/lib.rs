@@ -24,8 +24,8 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use pdmesh_config::ConnectorKind;
-use pdmesh_service::{ServiceContext, Shutdown};
 use pdmesh_protocol::{ConnectorCall, ConnectorReply, Envelope, Hello, KvConnectorMetadata, Message, ServiceKind};
+use pdmesh_service::{ServiceContext, Shutdown};
 use pdmesh_transport::{bind_router, connect_dealer, LinkConfig, LinkEvent, LinkHandle, RouterEvent, RouterHandle};
 use thiserror::Error;
 

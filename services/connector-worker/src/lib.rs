@@ -18,9 +18,9 @@ pub use executor_actor::{once, ExecutorActor, ExecutorFactory, ExecutorFaults, R
 
 use actix::prelude::*;
 use pdmesh_config::TransferBackendKind;
-use pdmesh_service::{ServiceContext, Shutdown};
 use pdmesh_model_api::{KvCache, KvCacheSpec, ModelFacts};
 use pdmesh_protocol::{ErrorClass, Message, ModelRunnerOutput, ServiceKind, WireError, WorkerInfo};
+use pdmesh_service::{ServiceContext, Shutdown};
 use pdmesh_transport::{bind_router, RouterEvent, RouterHandle};
 use thiserror::Error;
 

@@ -22,8 +22,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use actix::prelude::*;
-use pdmesh_service::{ServiceContext, Shutdown};
 use pdmesh_protocol::{EngineOutput, EngineOutputBatch, Envelope, ErrorClass, MeshStats, Message, WireError};
+use pdmesh_service::{ServiceContext, Shutdown};
 use pdmesh_transport::{
     bind_pull, bind_router, connect_push, PeerId, PullEvent, PushHandle, RouterEvent, RouterHandle,
 };
@@ -503,9 +503,6 @@ where
     }
 }
 
-/// How often a draining dp-lb looks at its in-flight table.
-const DRAIN_POLL: Duration = Duration::from_millis(20);
-
 /// The number of requests in the in-flight table (a draining dp-lb waits for 0).
 #[derive(Message)]
 #[rtype(result = "usize")]
@@ -526,15 +523,7 @@ pub async fn run(mut ctx: ServiceContext, shutdown: Shutdown) -> Result<(), DpLb
     let actor = start(&ctx).await?;
     shutdown.started().await;
     ctx.begin_drain();
-    loop {
-        match actor.send(InFlightCount).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                tracing::debug!(in_flight = n, "draining");
-                actix::clock::sleep(DRAIN_POLL).await;
-            }
-        }
-    }
+    pdmesh_service::drain("requests in flight", || async { actor.send(InFlightCount).await.ok() }).await;
     ctx.stop_ops().await;
     tracing::info!("dp-lb stopped");
     Ok(())

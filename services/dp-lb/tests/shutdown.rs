@@ -92,8 +92,10 @@ async fn a_dp_lb_goes_unready_drains_its_request_then_frees_its_port() {
 
     // ... and its frontend, with one request in flight.
     let (fe_tx, _fe_rx) = mpsc::unbounded_channel();
-    let frontend =
-        connect_dealer(LinkConfig::new(eps.dplb_frontend.connect.clone()).identity("frontend"), Inbox(fe_tx).start().recipient());
+    let frontend = connect_dealer(
+        LinkConfig::new(eps.dplb_frontend.connect.clone()).identity("frontend"),
+        Inbox(fe_tx).start().recipient(),
+    );
     eventually("the frontend link up", || std::future::ready(frontend.is_up())).await;
     let request = EngineRequest {
         request_id: "drain-me".into(),

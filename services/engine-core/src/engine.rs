@@ -6,11 +6,11 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use pdmesh_config::NodeConfig;
-use pdmesh_service::{ServiceContext, Shutdown};
 use pdmesh_protocol::{
     ConnectorCall, ConnectorReply, EngineOutputBatch, Envelope, Hello, MeshStats, Message, RejectionNotice,
     SchedulerOutput, ServiceKind, WorkerInfo,
 };
+use pdmesh_service::{ServiceContext, Shutdown};
 use pdmesh_transport::{connect_dealer, connect_push, LinkConfig, LinkEvent, LinkHandle, PushHandle, TransportError};
 use thiserror::Error;
 
@@ -437,19 +437,16 @@ async fn connector_call(link: &LinkHandle, calls: Vec<ConnectorCall>) -> Result<
     }
 }
 
-/// How often a draining engine-core looks at its queues.
-const DRAIN_POLL: Duration = Duration::from_millis(20);
-
 /// Requests the scheduler still waits on or runs (a draining engine-core waits for 0).
 #[derive(Message)]
-#[rtype(result = "u32")]
+#[rtype(result = "usize")]
 struct Unfinished;
 
 impl Handler<Unfinished> for EngineCore {
-    type Result = u32;
-    fn handle(&mut self, _: Unfinished, _: &mut Context<Self>) -> u32 {
+    type Result = usize;
+    fn handle(&mut self, _: Unfinished, _: &mut Context<Self>) -> usize {
         let state = self.state.borrow();
-        state.sched.num_waiting().saturating_add(state.sched.num_running())
+        state.sched.num_waiting() as usize + state.sched.num_running() as usize
     }
 }
 
@@ -461,15 +458,7 @@ pub async fn run(mut ctx: ServiceContext, shutdown: Shutdown) -> Result<(), Engi
     let actor = start(&ctx)?;
     shutdown.started().await;
     ctx.begin_drain();
-    loop {
-        match actor.send(Unfinished).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                tracing::debug!(unfinished = n, "draining");
-                actix::clock::sleep(DRAIN_POLL).await;
-            }
-        }
-    }
+    pdmesh_service::drain("admitted requests", || async { actor.send(Unfinished).await.ok() }).await;
     ctx.stop_ops().await;
     tracing::info!(rank = ctx.rank, "engine-core stopped");
     Ok(())

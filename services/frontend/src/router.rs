@@ -19,8 +19,8 @@ use actix_web::http::header::AUTHORIZATION;
 use actix_web::http::StatusCode;
 use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
 use futures::StreamExt;
-use pdmesh_service::{ServiceContext, Shutdown};
 use pdmesh_protocol::TraceContext;
+use pdmesh_service::{ServiceContext, Shutdown};
 use serde_json::{json, Value};
 use tracing::Instrument;
 

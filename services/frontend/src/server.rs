@@ -10,8 +10,8 @@ use actix_web::dev::{Server, Service, ServiceFactory, ServiceRequest, ServiceRes
 use actix_web::http::header::HeaderName;
 use actix_web::middleware::from_fn;
 use actix_web::{web, App, HttpServer, ResponseError};
-use pdmesh_service::ServiceContext;
 use pdmesh_model_api::TextCodec;
+use pdmesh_service::ServiceContext;
 use pdmesh_transport::{bind_pull, LinkHandle};
 
 use crate::auth::ApiKeys;

@@ -190,7 +190,9 @@ async fn harness_full(
         eos_token_ids: vec![256],
         rejection_notices: true,
     };
-    let started = start(&topology, "main", Arc::new(SyntheticTextCodec), options, keys).await.unwrap();
+    let service = pdmesh_service::ServiceContext::start(topology, "main", pdmesh_config::Service::Frontend, 0).unwrap();
+    let deadline = pdmesh_service::DEFAULT_SHUTDOWN_DEADLINE;
+    let started = start(&service, Arc::new(SyntheticTextCodec), options, keys, deadline).await.unwrap();
     let push = connect_push(&endpoints.frontend_outputs.connect);
     let lb = ctx.run(FakeLb { router, push: push.clone(), script: Box::new(script), seen: seen.clone(), ranks_up: 1 });
     let addr = started.addrs[0];

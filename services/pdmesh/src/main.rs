@@ -179,12 +179,16 @@ fn run() -> anyhow::Result<()> {
                 Ok(())
             })
         }
-        Command::DpLb(a) => serve(Service::DpLb, a, |ctx, shutdown| async move {
-            Ok(pdmesh_dp_lb::run(ctx, shutdown).await?)
-        }),
-        Command::EngineCore(a) => serve(Service::EngineCore, a, |ctx, shutdown| async move {
-            Ok(pdmesh_engine_core::run(ctx, shutdown).await?)
-        }),
+        Command::DpLb(a) => {
+            serve(Service::DpLb, a, |ctx, shutdown| async move { Ok(pdmesh_dp_lb::run(ctx, shutdown).await?) })
+        }
+        Command::EngineCore(a) => {
+            serve(
+                Service::EngineCore,
+                a,
+                |ctx, shutdown| async move { Ok(pdmesh_engine_core::run(ctx, shutdown).await?) },
+            )
+        }
         Command::ConnectorScheduler(a) => serve(Service::ConnectorScheduler, a, |ctx, shutdown| async move {
             Ok(pdmesh_connector_scheduler::run(ctx, shutdown).await?)
         }),

@@ -358,7 +358,12 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
                         tracing::error!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
                             "child process {how}");
                     }
-                    eprintln!("pdmesh up: {} (pid {}) {how}: {status}; see {}", p.spec.label(), p.pid, p.spec.log.display());
+                    eprintln!(
+                        "pdmesh up: {} (pid {}) {how}: {status}; see {}",
+                        p.spec.label(),
+                        p.pid,
+                        p.spec.log.display()
+                    );
                     if p.started_at.elapsed() >= STABLE_AFTER {
                         p.failures = 0;
                     }

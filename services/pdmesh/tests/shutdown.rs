@@ -133,7 +133,10 @@ fn a_service_stopped_by_sigterm_exits_cleanly() {
     let topology = run_dir.join("topology.toml");
     std::fs::write(
         &topology,
-        format!("run_dir = {:?}\n[[nodes]]\nname = \"main\"\nhttp_port = {http}\nbase_port = {base}\n", run_dir.display().to_string()),
+        format!(
+            "run_dir = {:?}\n[[nodes]]\nname = \"main\"\nhttp_port = {http}\nbase_port = {base}\n",
+            run_dir.display().to_string()
+        ),
     )
     .unwrap();
     let log = run_dir.join("dp-lb.log");

@@ -17,6 +17,6 @@ pub mod shutdown;
 
 pub use context::{ServiceContext, StartError};
 pub use shutdown::{
-    deadline_from_env, shutdown_channel, stop_within_deadline, DeadlineExceeded, Shutdown, ShutdownTrigger,
+    deadline_from_env, drain, shutdown_channel, stop_within_deadline, DeadlineExceeded, Shutdown, ShutdownTrigger,
     DEFAULT_SHUTDOWN_DEADLINE, EXIT_SHUTDOWN_TIMEOUT,
 };

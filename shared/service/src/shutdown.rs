@@ -80,6 +80,28 @@ impl Shutdown {
     }
 }
 
+/// How often [`drain`] looks again.
+const DRAIN_POLL: Duration = Duration::from_millis(20);
+
+/// Wait until `remaining` reports no work left (`Some(0)`), or cannot tell any more (`None`: the
+/// actor that owns the work is gone), looking every 20 ms. The deadline around the whole stop
+/// bounds it; `what` names the work in the debug log.
+pub async fn drain<F, Fut>(what: &str, mut remaining: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<usize>>,
+{
+    loop {
+        match remaining().await {
+            Some(0) | None => return,
+            Some(n) => {
+                tracing::debug!(remaining = n, "draining {what}");
+                tokio::time::sleep(DRAIN_POLL).await;
+            }
+        }
+    }
+}
+
 /// A stop that was still running when the deadline passed: the process exits with
 /// [`EXIT_SHUTDOWN_TIMEOUT`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -170,6 +192,26 @@ mod tests {
         };
         trigger.trigger();
         assert_eq!(stop_within_deadline(service, &shutdown).await, Err(DeadlineExceeded(deadline)));
+    }
+
+    /// A drain ends when the work is done or its owner is gone, not before.
+    #[tokio::test]
+    async fn a_drain_waits_for_the_work_to_end() {
+        let mut left = vec![None, Some(0), Some(1), Some(2)];
+        let mut looked = 0;
+        drain("requests", || {
+            looked += 1;
+            std::future::ready(left.pop().flatten())
+        })
+        .await;
+        assert_eq!(looked, 3, "stopped at 0, not before");
+        let mut gone = 0;
+        drain("requests", || {
+            gone += 1;
+            std::future::ready(None)
+        })
+        .await;
+        assert_eq!(gone, 1);
     }
 
     /// A service that ends on its own before any shutdown (a failure) returns its result;
