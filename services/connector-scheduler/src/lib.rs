@@ -77,17 +77,6 @@ impl Actor for ConnectorSchedulerActor {
     type Context = Context<Self>;
 }
 
-#[derive(Message)]
-#[rtype(result = "()")]
-struct SetRouter(RouterHandle);
-
-impl Handler<SetRouter> for ConnectorSchedulerActor {
-    type Result = ();
-    fn handle(&mut self, m: SetRouter, _: &mut Context<Self>) {
-        self.router = Some(m.0);
-    }
-}
-
 /// The worker link's events: nothing to do but log (answers to our pushes come back to the
 /// pushing call; nothing else is sent here).
 impl Handler<LinkEvent> for ConnectorSchedulerActor {
@@ -267,10 +256,7 @@ pub fn dispatch(c: &mut dyn KvConnectorScheduler, call: ConnectorCall) -> Connec
 /// in-flight work of its own (each call is answered as it comes), so there is nothing to drain.
 pub async fn run(mut ctx: ServiceContext, shutdown: Shutdown) -> Result<(), ConnectorSchedulerError> {
     let _actor = start(&ctx).await?;
-    shutdown.started().await;
-    ctx.begin_drain();
-    ctx.stop_ops().await;
-    tracing::info!(rank = ctx.rank, "connector-scheduler stopped");
+    ctx.drain_on_shutdown(&shutdown, "nothing", || std::future::ready(Some(0))).await;
     Ok(())
 }
 
@@ -305,22 +291,22 @@ pub async fn start(ctx: &ServiceContext) -> Result<Addr<ConnectorSchedulerActor>
         }
     };
     let worker_ep = consumes.then(|| ctx.connector_worker.connect.clone());
-    let actor = ConnectorSchedulerActor::create(|ctx| {
-        let worker = worker_ep.map(|endpoint| {
-            let hello = Envelope::new(Message::Hello(Hello {
-                service: ServiceKind::ConnectorScheduler,
-                rank,
-                pid: std::process::id(),
-            }));
-            connect_dealer(
-                LinkConfig::new(endpoint).identity(format!("connector-scheduler-{rank}")).hello(hello),
-                ctx.address().recipient(),
-            )
-        });
-        ConnectorSchedulerActor { connector, router: None, worker }
+    // The mailbox exists before the actor runs, so its sockets are bound with its address and
+    // handed to it whole; what arrives meanwhile waits in the mailbox.
+    let mailbox = Context::<ConnectorSchedulerActor>::new();
+    let worker = worker_ep.map(|endpoint| {
+        let hello = Envelope::new(Message::Hello(Hello {
+            service: ServiceKind::ConnectorScheduler,
+            rank,
+            pid: std::process::id(),
+        }));
+        connect_dealer(
+            LinkConfig::new(endpoint).identity(format!("connector-scheduler-{rank}")).hello(hello),
+            mailbox.address().recipient(),
+        )
     });
-    let router = bind_router(&ep.bind, actor.clone().recipient()).await?;
-    actor.do_send(SetRouter(router));
+    let router = bind_router(&ep.bind, mailbox.address().recipient()).await?;
+    let actor = mailbox.run(ConnectorSchedulerActor { connector, router: Some(router), worker });
     ctx.health.set_ready(true);
     tracing::info!(endpoint = %ep.bind, rank, "connector-scheduler ready");
     Ok(actor)

@@ -93,17 +93,6 @@ impl Actor for WorkerActor {
     }
 }
 
-#[derive(Message)]
-#[rtype(result = "()")]
-struct SetRouter(RouterHandle);
-
-impl Handler<SetRouter> for WorkerActor {
-    type Result = ();
-    fn handle(&mut self, m: SetRouter, _: &mut Context<Self>) {
-        self.router = Some(m.0);
-    }
-}
-
 impl Handler<RouterEvent> for WorkerActor {
     type Result = ();
     fn handle(&mut self, ev: RouterEvent, ctx: &mut Context<Self>) {
@@ -492,18 +481,19 @@ pub async fn start(
     };
     let executor = executor_actor::start(factory, kv, faults, offload);
     let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
-    let actor = WorkerActor {
+    // The mailbox exists before the actor runs, so the ROUTER is bound with its address and
+    // handed to it whole; what arrives meanwhile waits in the mailbox.
+    let mailbox = Context::<WorkerActor>::new();
+    let router = bind_router(&ep.bind, mailbox.address().recipient()).await?;
+    let actor = mailbox.run(WorkerActor {
         executor,
         pd,
         info,
-        router: None,
+        router: Some(router),
         engine_pid: None,
         device_lost: Some(lost_tx),
         merge: Default::default(),
-    }
-    .start();
-    let router = bind_router(&ep.bind, actor.clone().recipient()).await?;
-    actor.do_send(SetRouter(router));
+    });
     ctx.health.set_ready(true);
     tracing::info!(endpoint = %ep.bind, rank, kv_bytes = spec.bytes_per_block() * u64::from(spec.num_blocks), "connector-worker ready");
     Ok(RunningWorker { actor, device_lost: lost_rx })

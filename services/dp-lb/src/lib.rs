@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use pdmesh_protocol::{EngineOutput, EngineOutputBatch, Envelope, ErrorClass, MeshStats, Message, WireError};
-use pdmesh_service::{ServiceContext, Shutdown};
+use pdmesh_service::{ServiceContext, Shutdown, Unfinished};
 use pdmesh_transport::{
     bind_pull, bind_router, connect_push, PeerId, PullEvent, PushHandle, RouterEvent, RouterHandle,
 };
@@ -503,14 +503,10 @@ where
     }
 }
 
-/// The number of requests in the in-flight table (a draining dp-lb waits for 0).
-#[derive(Message)]
-#[rtype(result = "usize")]
-struct InFlightCount;
-
-impl Handler<InFlightCount> for DpLb {
+/// A draining dp-lb waits for its in-flight table to empty.
+impl Handler<Unfinished> for DpLb {
     type Result = usize;
-    fn handle(&mut self, _: InFlightCount, _: &mut Context<Self>) -> usize {
+    fn handle(&mut self, _: Unfinished, _: &mut Context<Self>) -> usize {
         self.in_flight.len()
     }
 }
@@ -521,11 +517,7 @@ impl Handler<InFlightCount> for DpLb {
 /// server stops. The shell holds the whole stop to the shutdown deadline.
 pub async fn run(mut ctx: ServiceContext, shutdown: Shutdown) -> Result<(), DpLbError> {
     let actor = start(&ctx).await?;
-    shutdown.started().await;
-    ctx.begin_drain();
-    pdmesh_service::drain("requests in flight", || async { actor.send(InFlightCount).await.ok() }).await;
-    ctx.stop_ops().await;
-    tracing::info!("dp-lb stopped");
+    ctx.drain_actor_on_shutdown(&shutdown, "requests in flight", &actor).await;
     Ok(())
 }
 

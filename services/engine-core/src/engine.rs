@@ -10,7 +10,7 @@ use pdmesh_protocol::{
     ConnectorCall, ConnectorReply, EngineOutputBatch, Envelope, Hello, MeshStats, Message, RejectionNotice,
     SchedulerOutput, ServiceKind, WorkerInfo,
 };
-use pdmesh_service::{ServiceContext, Shutdown};
+use pdmesh_service::{ServiceContext, Shutdown, Unfinished};
 use pdmesh_transport::{connect_dealer, connect_push, LinkConfig, LinkEvent, LinkHandle, PushHandle, TransportError};
 use thiserror::Error;
 
@@ -437,11 +437,7 @@ async fn connector_call(link: &LinkHandle, calls: Vec<ConnectorCall>) -> Result<
     }
 }
 
-/// Requests the scheduler still waits on or runs (a draining engine-core waits for 0).
-#[derive(Message)]
-#[rtype(result = "usize")]
-struct Unfinished;
-
+/// A draining engine-core waits for the requests its scheduler still holds waiting or running.
 impl Handler<Unfinished> for EngineCore {
     type Result = usize;
     fn handle(&mut self, _: Unfinished, _: &mut Context<Self>) -> usize {
@@ -456,11 +452,7 @@ impl Handler<Unfinished> for EngineCore {
 /// are freed with the process. The shell holds the whole stop to the shutdown deadline.
 pub async fn run(mut ctx: ServiceContext, shutdown: Shutdown) -> Result<(), EngineError> {
     let actor = start(&ctx)?;
-    shutdown.started().await;
-    ctx.begin_drain();
-    pdmesh_service::drain("admitted requests", || async { actor.send(Unfinished).await.ok() }).await;
-    ctx.stop_ops().await;
-    tracing::info!(rank = ctx.rank, "engine-core stopped");
+    ctx.drain_actor_on_shutdown(&shutdown, "admitted requests", &actor).await;
     Ok(())
 }
 

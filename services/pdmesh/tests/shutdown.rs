@@ -127,18 +127,7 @@ fn a_decode_node_stopping_gracefully_gives_p_its_blocks_back() {
 #[test]
 fn a_service_stopped_by_sigterm_exits_cleanly() {
     let (http, base) = common::reserve_ports();
-    let run_dir = std::env::temp_dir().join(format!("pdmesh-clean-stop-{}-{http}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let topology = run_dir.join("topology.toml");
-    std::fs::write(
-        &topology,
-        format!(
-            "run_dir = {:?}\n[[nodes]]\nname = \"main\"\nhttp_port = {http}\nbase_port = {base}\n",
-            run_dir.display().to_string()
-        ),
-    )
-    .unwrap();
+    let (run_dir, topology) = common::one_node_run_dir("pdmesh-clean-stop", http, base, "");
     let log = run_dir.join("dp-lb.log");
     let mut child = std::process::Command::new(common::pdmesh_bin())
         .args(["dp-lb", "--node", "main", "--topology"])

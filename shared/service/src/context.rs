@@ -2,10 +2,14 @@
 //! checked against the node's `dp_size`, the node's endpoints, its readiness flag, and its ops
 //! server (`/metrics`, `/health`, `/live`) on the node's port for it.
 
+use std::future::Future;
+
 use actix_web::dev::ServerHandle;
 use pdmesh_config::{Endpoint, NodeConfig, NodeEndpoints, Service, Topology};
 use pdmesh_telemetry::ops::Health;
 use thiserror::Error;
+
+use crate::shutdown::Shutdown;
 
 /// Why a service could not start.
 #[derive(Debug, Error)]
@@ -27,6 +31,11 @@ impl StartError {
         matches!(self, StartError::Config(_) | StartError::BadRank { .. })
     }
 }
+
+/// Asks a service's actor how much in-flight work it still has (a draining service waits for 0).
+#[derive(Debug, actix::Message)]
+#[rtype(result = "usize")]
+pub struct Unfinished;
 
 /// The start-up facts of one service process, built by [`ServiceContext::start`].
 #[derive(Debug)]
@@ -78,6 +87,30 @@ impl ServiceContext {
             }
         };
         Ok(Self { topology, node, service, rank, endpoints, connector_scheduler, connector_worker, health, ops })
+    }
+
+    /// The stop of a service whose in-flight work `actor` counts ([`Unfinished`]): see
+    /// [`ServiceContext::drain_on_shutdown`].
+    pub async fn drain_actor_on_shutdown<A>(&mut self, shutdown: &Shutdown, what: &str, actor: &actix::Addr<A>)
+    where
+        A: actix::Actor<Context = actix::Context<A>> + actix::Handler<Unfinished>,
+    {
+        self.drain_on_shutdown(shutdown, what, || async { actor.send(Unfinished).await.ok() }).await;
+    }
+
+    /// The stop of a service whose in-flight work `remaining` counts (see
+    /// [`crate::shutdown::drain`]): wait for `shutdown`, set readiness to 503, wait for the
+    /// work to end, close the ops server. The shell holds it all to the deadline.
+    pub async fn drain_on_shutdown<F, Fut>(&mut self, shutdown: &Shutdown, what: &str, remaining: F)
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Option<usize>>,
+    {
+        shutdown.started().await;
+        self.begin_drain();
+        crate::shutdown::drain(what, remaining).await;
+        self.stop_ops().await;
+        tracing::info!(service = self.service.name(), rank = self.rank, "stopped");
     }
 
     /// The service is stopping: `/health` answers 503 from now on (the first step of every

@@ -15,7 +15,7 @@
 pub mod context;
 pub mod shutdown;
 
-pub use context::{ServiceContext, StartError};
+pub use context::{ServiceContext, StartError, Unfinished};
 pub use shutdown::{
     deadline_from_env, drain, shutdown_channel, stop_within_deadline, DeadlineExceeded, Shutdown, ShutdownTrigger,
     DEFAULT_SHUTDOWN_DEADLINE, EXIT_SHUTDOWN_TIMEOUT,
