@@ -23,8 +23,9 @@ pub use pd::{PdConnector, ProducerIdentity};
 use std::time::Duration;
 
 use actix::prelude::*;
-use pdmesh_config::{ConnectorKind, Service, Topology};
+use pdmesh_config::ConnectorKind;
 use pdmesh_protocol::{ConnectorCall, ConnectorReply, Envelope, Hello, KvConnectorMetadata, Message, ServiceKind};
+use pdmesh_service::{ServiceContext, Shutdown};
 use pdmesh_transport::{bind_router, connect_dealer, LinkConfig, LinkEvent, LinkHandle, RouterEvent, RouterHandle};
 use thiserror::Error;
 
@@ -32,12 +33,8 @@ use thiserror::Error;
 pub enum ConnectorSchedulerError {
     #[error("config: {0}")]
     Config(#[from] pdmesh_config::ConfigError),
-    #[error("rank {rank} is outside dp_size {dp_size}")]
-    BadRank { rank: u32, dp_size: u32 },
     #[error("transport: {0}")]
     Transport(#[from] pdmesh_transport::TransportError),
-    #[error("ops server: {0}")]
-    Ops(String),
     #[error("kv_transfer: {0}")]
     Connector(String),
 }
@@ -78,17 +75,6 @@ pub struct ConnectorSchedulerActor {
 
 impl Actor for ConnectorSchedulerActor {
     type Context = Context<Self>;
-}
-
-#[derive(Message)]
-#[rtype(result = "()")]
-struct SetRouter(RouterHandle);
-
-impl Handler<SetRouter> for ConnectorSchedulerActor {
-    type Result = ();
-    fn handle(&mut self, m: SetRouter, _: &mut Context<Self>) {
-        self.router = Some(m.0);
-    }
 }
 
 /// The worker link's events: nothing to do but log (answers to our pushes come back to the
@@ -265,24 +251,18 @@ pub fn dispatch(c: &mut dyn KvConnectorScheduler, call: ConnectorCall) -> Connec
     }
 }
 
-/// Start the connector-scheduler of `rank` on `node` inside the current actix System.
-pub async fn run(
-    topology: &Topology,
-    node_name: &str,
-    rank: u32,
-) -> Result<Addr<ConnectorSchedulerActor>, ConnectorSchedulerError> {
-    let node = topology.node(node_name)?;
-    if rank >= node.dp_size {
-        return Err(ConnectorSchedulerError::BadRank { rank, dp_size: node.dp_size });
-    }
-    let eps = node.endpoints(&topology.run_dir);
-    let Some(ep) = eps.connector_scheduler.get(rank as usize) else {
-        return Err(ConnectorSchedulerError::BadRank { rank, dp_size: node.dp_size });
-    };
-    let health = pdmesh_telemetry::ops::Health::default();
-    let port = node.metrics_port(Service::ConnectorScheduler, rank);
-    pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
-        .map_err(|e| ConnectorSchedulerError::Ops(format!("port {port}: {e}")))?;
+/// Run the connector-scheduler of `ctx`'s rank inside the current actix System until
+/// `shutdown` begins, then stop: readiness goes 503 and the ops server stops. It holds no
+/// in-flight work of its own (each call is answered as it comes), so there is nothing to drain.
+pub async fn run(mut ctx: ServiceContext, shutdown: Shutdown) -> Result<(), ConnectorSchedulerError> {
+    let _actor = start(&ctx).await?;
+    ctx.drain_on_shutdown(&shutdown, "nothing", || std::future::ready(Some(0))).await;
+    Ok(())
+}
+
+/// Start the connector-scheduler of `ctx`'s rank inside the current actix System.
+pub async fn start(ctx: &ServiceContext) -> Result<Addr<ConnectorSchedulerActor>, ConnectorSchedulerError> {
+    let (node, rank, ep) = (&ctx.node, ctx.rank, &ctx.connector_scheduler);
     let consumes = node.kv_transfer.as_ref().is_some_and(|kv| kv.uses_pd() && kv.kv_role.consumes());
     let connector: Box<dyn KvConnectorScheduler> = match &node.kv_transfer {
         None => Box::new(NoopConnector::default()),
@@ -310,24 +290,24 @@ pub async fn run(
             }
         }
     };
-    let worker_ep = eps.connector_worker.get(rank as usize).filter(|_| consumes).map(|w| w.connect.clone());
-    let actor = ConnectorSchedulerActor::create(|ctx| {
-        let worker = worker_ep.map(|endpoint| {
-            let hello = Envelope::new(Message::Hello(Hello {
-                service: ServiceKind::ConnectorScheduler,
-                rank,
-                pid: std::process::id(),
-            }));
-            connect_dealer(
-                LinkConfig::new(endpoint).identity(format!("connector-scheduler-{rank}")).hello(hello),
-                ctx.address().recipient(),
-            )
-        });
-        ConnectorSchedulerActor { connector, router: None, worker }
+    let worker_ep = consumes.then(|| ctx.connector_worker.connect.clone());
+    // The mailbox exists before the actor runs, so its sockets are bound with its address and
+    // handed to it whole; what arrives meanwhile waits in the mailbox.
+    let mailbox = Context::<ConnectorSchedulerActor>::new();
+    let worker = worker_ep.map(|endpoint| {
+        let hello = Envelope::new(Message::Hello(Hello {
+            service: ServiceKind::ConnectorScheduler,
+            rank,
+            pid: std::process::id(),
+        }));
+        connect_dealer(
+            LinkConfig::new(endpoint).identity(format!("connector-scheduler-{rank}")).hello(hello),
+            mailbox.address().recipient(),
+        )
     });
-    let router = bind_router(&ep.bind, actor.clone().recipient()).await?;
-    actor.do_send(SetRouter(router));
-    health.set_ready(true);
+    let router = bind_router(&ep.bind, mailbox.address().recipient()).await?;
+    let actor = mailbox.run(ConnectorSchedulerActor { connector, router: Some(router), worker });
+    ctx.health.set_ready(true);
     tracing::info!(endpoint = %ep.bind, rank, "connector-scheduler ready");
     Ok(actor)
 }

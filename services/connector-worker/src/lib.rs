@@ -17,9 +17,10 @@ pub mod pd;
 pub use executor_actor::{once, ExecutorActor, ExecutorFactory, ExecutorFaults, RunStep};
 
 use actix::prelude::*;
-use pdmesh_config::{Service, Topology, TransferBackendKind};
+use pdmesh_config::TransferBackendKind;
 use pdmesh_model_api::{KvCache, KvCacheSpec, ModelFacts};
 use pdmesh_protocol::{ErrorClass, Message, ModelRunnerOutput, ServiceKind, WireError, WorkerInfo};
+use pdmesh_service::{ServiceContext, Shutdown};
 use pdmesh_transport::{bind_router, RouterEvent, RouterHandle};
 use thiserror::Error;
 
@@ -27,8 +28,6 @@ use thiserror::Error;
 pub enum WorkerError {
     #[error("config: {0}")]
     Config(#[from] pdmesh_config::ConfigError),
-    #[error("rank {rank} is outside dp_size {dp_size}")]
-    BadRank { rank: u32, dp_size: u32 },
     #[error("transport: {0}")]
     Transport(#[from] pdmesh_transport::TransportError),
     #[error("model: {0}")]
@@ -37,11 +36,13 @@ pub enum WorkerError {
     /// help, so `pdmesh` exits with its configuration-error status.
     #[error("invalid setting: {0}")]
     Setting(String),
-    #[error("ops server: {0}")]
-    Ops(String),
     /// The KV cache's placement and the node's transfer backend disagree.
     #[error("KV cache placement: {0}")]
     Placement(String),
+    /// The accelerator is gone for this process: it exits with an error so that `pdmesh up`,
+    /// compose or Kubernetes start a fresh one.
+    #[error("the accelerator is lost ({0}); exiting to be restarted")]
+    DeviceLost(String),
 }
 
 /// The socket side of the worker.
@@ -89,17 +90,6 @@ impl Actor for WorkerActor {
                 }
             });
         }
-    }
-}
-
-#[derive(Message)]
-#[rtype(result = "()")]
-struct SetRouter(RouterHandle);
-
-impl Handler<SetRouter> for WorkerActor {
-    type Result = ();
-    fn handle(&mut self, m: SetRouter, _: &mut Context<Self>) {
-        self.router = Some(m.0);
     }
 }
 
@@ -224,14 +214,16 @@ impl Handler<GiveUpAll> for WorkerActor {
     }
 }
 
-/// Time a stopping worker gives its give-ups to reach P before it exits anyway.
+/// Time a stopping worker gives its give-ups to reach P before it exits anyway (at most the
+/// shutdown deadline: the give-ups are one step of the stop the deadline bounds).
 pub const SHUTDOWN_GIVE_UP_BUDGET: std::time::Duration = std::time::Duration::from_secs(3);
 
-/// Called when the process was told to stop (SIGTERM, SIGINT), before the System ends: a D
-/// worker tells P to free every block it still references (requests queued or waiting for
-/// their KV, READs in flight), rather than leave them held until P's deadline.
-pub async fn shutdown(worker: &Addr<WorkerActor>) {
-    match worker.send(GiveUpAll { budget: SHUTDOWN_GIVE_UP_BUDGET }).await {
+/// Called when the worker stops (its shutdown began, or its accelerator is lost), while its
+/// sockets still work: a D worker tells P to free every block it still references (requests
+/// queued or waiting for their KV, READs in flight), rather than leave them held until P's
+/// deadline (rule R4). `budget`: how long the give-ups may take.
+pub async fn shutdown(worker: &Addr<WorkerActor>, budget: std::time::Duration) {
+    match worker.send(GiveUpAll { budget }).await {
         Ok(0) => {}
         Ok(n) => tracing::info!(given_up = n, "P's blocks handed back before exit"),
         Err(e) => tracing::warn!(error = %e, "worker gone before its references were given back"),
@@ -344,30 +336,55 @@ fn pd_memory(
     }
 }
 
-/// Start the connector-worker of `rank` on `node`, running the executor that `factory`
-/// builds (on the executor thread) over a KV cache of the node's configured size, placed as
-/// `placement` says.
+/// Run the connector-worker of `ctx`'s rank inside the current actix System until `shutdown`
+/// begins or its accelerator is lost, then stop: readiness goes 503, P's blocks are given back
+/// (R4, within [`SHUTDOWN_GIVE_UP_BUDGET`] or the shutdown deadline if shorter), the
+/// shared-memory KV files are removed and the ops server stops. A lost accelerator ends in
+/// [`WorkerError::DeviceLost`], so that the process exits with an error and its supervisor
+/// starts a fresh one. `factory`, `facts` and `placement`: see [`start`].
 pub async fn run(
-    topology: &Topology,
-    node_name: &str,
-    rank: u32,
+    mut ctx: ServiceContext,
+    factory: ExecutorFactory,
+    facts: ModelFacts,
+    placement: KvPlacement,
+    shutdown: Shutdown,
+) -> Result<(), WorkerError> {
+    let worker = start(&ctx, factory, facts, placement).await?;
+    let device_lost = async {
+        match worker.device_lost.await {
+            Ok(why) => why,
+            // the actor is gone without a loss to report: wait for the shutdown
+            Err(_) => std::future::pending().await,
+        }
+    };
+    let lost = tokio::select! {
+        () = shutdown.started() => None,
+        why = device_lost => Some(why),
+    };
+    ctx.begin_drain();
+    // D gives P's blocks back before it goes, while its sockets still work.
+    self::shutdown(&worker.actor, SHUTDOWN_GIVE_UP_BUDGET.min(shutdown.deadline())).await;
+    cleanup_shm();
+    ctx.stop_ops().await;
+    match lost {
+        Some(why) => Err(WorkerError::DeviceLost(why)),
+        None => {
+            tracing::info!(rank = ctx.rank, "connector-worker stopped");
+            Ok(())
+        }
+    }
+}
+
+/// Start the connector-worker of `ctx`'s rank, running the executor that `factory` builds (on
+/// the executor thread) over a KV cache of the node's configured size, placed as `placement`
+/// says.
+pub async fn start(
+    ctx: &ServiceContext,
     factory: ExecutorFactory,
     facts: ModelFacts,
     placement: KvPlacement,
 ) -> Result<RunningWorker, WorkerError> {
-    let node = topology.node(node_name)?;
-    if rank >= node.dp_size {
-        return Err(WorkerError::BadRank { rank, dp_size: node.dp_size });
-    }
-    let eps = node.endpoints(&topology.run_dir);
-    let Some(ep) = eps.connector_worker.get(rank as usize) else {
-        return Err(WorkerError::BadRank { rank, dp_size: node.dp_size });
-    };
-    let health = pdmesh_telemetry::ops::Health::default();
-    let port = node.metrics_port(Service::ConnectorWorker, rank);
-    pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
-        .map_err(|e| WorkerError::Ops(format!("port {port}: {e}")))?;
-
+    let (node, rank, ep, topology) = (&ctx.node, ctx.rank, &ctx.connector_worker, &ctx.topology);
     let spec = kv_spec(node, &facts);
     let max_model_len = if node.engine.max_model_len == 0 {
         facts.max_model_len
@@ -464,19 +481,20 @@ pub async fn run(
     };
     let executor = executor_actor::start(factory, kv, faults, offload);
     let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
-    let actor = WorkerActor {
+    // The mailbox exists before the actor runs, so the ROUTER is bound with its address and
+    // handed to it whole; what arrives meanwhile waits in the mailbox.
+    let mailbox = Context::<WorkerActor>::new();
+    let router = bind_router(&ep.bind, mailbox.address().recipient()).await?;
+    let actor = mailbox.run(WorkerActor {
         executor,
         pd,
         info,
-        router: None,
+        router: Some(router),
         engine_pid: None,
         device_lost: Some(lost_tx),
         merge: Default::default(),
-    }
-    .start();
-    let router = bind_router(&ep.bind, actor.clone().recipient()).await?;
-    actor.do_send(SetRouter(router));
-    health.set_ready(true);
+    });
+    ctx.health.set_ready(true);
     tracing::info!(endpoint = %ep.bind, rank, kv_bytes = spec.bytes_per_block() * u64::from(spec.num_blocks), "connector-worker ready");
     Ok(RunningWorker { actor, device_lost: lost_rx })
 }
@@ -484,6 +502,7 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pdmesh_config::Topology;
 
     /// A node set up for the `cuda` backend whose model did not place its cache on the GPU (a
     /// build without the feature, say) refuses to start, saying what is missing; it never

@@ -22,8 +22,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use actix::prelude::*;
-use pdmesh_config::{Service, Topology};
 use pdmesh_protocol::{EngineOutput, EngineOutputBatch, Envelope, ErrorClass, MeshStats, Message, WireError};
+use pdmesh_service::{ServiceContext, Shutdown, Unfinished};
 use pdmesh_transport::{
     bind_pull, bind_router, connect_push, PeerId, PullEvent, PushHandle, RouterEvent, RouterHandle,
 };
@@ -38,8 +38,6 @@ pub enum DpLbError {
     Config(#[from] pdmesh_config::ConfigError),
     #[error("transport: {0}")]
     Transport(#[from] pdmesh_transport::TransportError),
-    #[error("ops server: {0}")]
-    Ops(String),
 }
 
 /// How long a stats fan-out waits for the ranks.
@@ -505,16 +503,29 @@ where
     }
 }
 
-/// Start the dp-lb of `node` inside the current actix System.
-pub async fn run(topology: &Topology, node_name: &str) -> Result<Addr<DpLb>, DpLbError> {
-    let node = topology.node(node_name)?;
-    let eps = node.endpoints(&topology.run_dir);
-    let health = pdmesh_telemetry::ops::Health::default();
-    let port = node.metrics_port(Service::DpLb, 0);
-    pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
-        .map_err(|e| DpLbError::Ops(format!("port {port}: {e}")))?;
+/// A draining dp-lb waits for its in-flight table to empty.
+impl Handler<Unfinished> for DpLb {
+    type Result = usize;
+    fn handle(&mut self, _: Unfinished, _: &mut Context<Self>) -> usize {
+        self.in_flight.len()
+    }
+}
+
+/// Run the dp-lb of `ctx`'s node inside the current actix System until `shutdown` begins, then
+/// stop gracefully: readiness goes 503, the requests in flight finish (their outputs still
+/// flow to the frontend, and a rank that goes away still ends its requests), then the ops
+/// server stops. The shell holds the whole stop to the shutdown deadline.
+pub async fn run(mut ctx: ServiceContext, shutdown: Shutdown) -> Result<(), DpLbError> {
+    let actor = start(&ctx).await?;
+    ctx.drain_actor_on_shutdown(&shutdown, "requests in flight", &actor).await;
+    Ok(())
+}
+
+/// Start the dp-lb of `ctx`'s node inside the current actix System.
+pub async fn start(ctx: &ServiceContext) -> Result<Addr<DpLb>, DpLbError> {
+    let (node, eps) = (&ctx.node, &ctx.endpoints);
     let limits = Limits { max_in_flight: node.limits.dp_lb_max_in_flight, max_waiting: node.engine.max_waiting };
-    let actor = DpLb::new(node.dp_size, health, limits).start();
+    let actor = DpLb::new(node.dp_size, ctx.health.clone(), limits).start();
     let fe_tag = Tag(actor.clone(), FromFrontend).start();
     let en_tag = Tag(actor.clone(), FromEngines).start();
     let frontend = bind_router(&eps.dplb_frontend.bind, fe_tag.recipient()).await?;

@@ -5,11 +5,12 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use pdmesh_config::{NodeConfig, Topology};
+use pdmesh_config::NodeConfig;
 use pdmesh_protocol::{
     ConnectorCall, ConnectorReply, EngineOutputBatch, Envelope, Hello, MeshStats, Message, RejectionNotice,
     SchedulerOutput, ServiceKind, WorkerInfo,
 };
+use pdmesh_service::{ServiceContext, Shutdown, Unfinished};
 use pdmesh_transport::{connect_dealer, connect_push, LinkConfig, LinkEvent, LinkHandle, PushHandle, TransportError};
 use thiserror::Error;
 
@@ -21,10 +22,6 @@ use crate::step::{self, EngineState, EngineStep, StepIo, StepNext, WorkerAnswer}
 pub enum EngineError {
     #[error("config: {0}")]
     Config(#[from] pdmesh_config::ConfigError),
-    #[error("rank {rank} is outside dp_size {dp_size}")]
-    BadRank { rank: u32, dp_size: u32 },
-    #[error("ops server: {0}")]
-    Ops(String),
     #[error("engine.fault_injection: {0}")]
     Faults(String),
 }
@@ -440,12 +437,28 @@ async fn connector_call(link: &LinkHandle, calls: Vec<ConnectorCall>) -> Result<
     }
 }
 
-/// Start the engine-core of `rank` on `node` inside the current actix System.
-pub fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<EngineCore>, EngineError> {
-    let node = topology.node(node_name)?.clone();
-    if rank >= node.dp_size {
-        return Err(EngineError::BadRank { rank, dp_size: node.dp_size });
+/// A draining engine-core waits for the requests its scheduler still holds waiting or running.
+impl Handler<Unfinished> for EngineCore {
+    type Result = usize;
+    fn handle(&mut self, _: Unfinished, _: &mut Context<Self>) -> usize {
+        let state = self.state.borrow();
+        state.sched.num_waiting() as usize + state.sched.num_running() as usize
     }
+}
+
+/// Run the engine-core of `ctx`'s rank inside the current actix System until `shutdown`
+/// begins, then stop gracefully: readiness goes 503 and the requests it has admitted run to
+/// their end (or fail with their peers) before the ops server stops. Blocks it holds for D
+/// are freed with the process. The shell holds the whole stop to the shutdown deadline.
+pub async fn run(mut ctx: ServiceContext, shutdown: Shutdown) -> Result<(), EngineError> {
+    let actor = start(&ctx)?;
+    ctx.drain_actor_on_shutdown(&shutdown, "admitted requests", &actor).await;
+    Ok(())
+}
+
+/// Start the engine-core of `ctx`'s rank inside the current actix System.
+pub fn start(ctx: &ServiceContext) -> Result<Addr<EngineCore>, EngineError> {
+    let (node, rank) = (ctx.node.clone(), ctx.rank);
     let e = &node.engine;
     // The engine does not load the model: without a configured length it allows the common
     // 4096, cut (like the frontend's) to what the pool holds, so nothing it admits is too big.
@@ -470,10 +483,7 @@ pub fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<Engin
     if let Some(kv) = &node.kv_transfer {
         sched.set_recompute_load_failures(kv.kv_load_failure_policy == pdmesh_config::KvLoadFailurePolicy::Recompute);
     }
-    let health = pdmesh_telemetry::ops::Health::default();
-    let port = node.metrics_port(pdmesh_config::Service::EngineCore, rank);
-    pdmesh_telemetry::ops::spawn_ops_server(&node.bind_host, port, health.clone())
-        .map_err(|err| EngineError::Ops(format!("port {port}: {err}")))?;
+    let health = ctx.health.clone();
     let state = EngineState::new(rank, sched);
     let actor = EngineCore {
         state: Rc::new(RefCell::new(state)),
@@ -483,7 +493,7 @@ pub fn run(topology: &Topology, node_name: &str, rank: u32) -> Result<Addr<Engin
         worker_info: None,
         health,
         node,
-        run_dir: topology.run_dir.clone(),
+        run_dir: ctx.topology.run_dir.clone(),
     };
     Ok(actor.start())
 }

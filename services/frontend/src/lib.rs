@@ -59,6 +59,7 @@ use std::sync::Arc;
 
 pub use auth::ApiKeys;
 pub use error::{ApiError, FrontendError};
+use pdmesh_service::{ServiceContext, Shutdown};
 
 /// Facts about the served model that the frontend needs to validate requests. They come from
 /// the model (the caller loads or asks for them) rather than from the topology, so that the
@@ -92,20 +93,39 @@ impl FrontendOptions {
     }
 }
 
-/// Run the frontend of node `node_name` until the actix System stops or the HTTP server is
-/// told to stop (SIGINT/SIGTERM: actix-web's own signal handling, then a graceful drain of up
-/// to [`server::SHUTDOWN_TIMEOUT_S`] seconds). Must be called inside an actix System
-/// (`actix_rt::System` / `#[actix_web::main]`). `api_keys`: what clients must present.
+/// Run the frontend of `ctx`'s node inside the current actix System (`actix_rt::System` /
+/// `#[actix_web::main]`) until `shutdown` begins, then stop gracefully: `/health` goes 503, the
+/// listener closes, and requests in flight finish (actix-web's graceful drain, bounded just
+/// past the shutdown deadline the shell enforces). `api_keys`: what clients must present.
 pub async fn run(
-    topology: pdmesh_config::Topology,
-    node_name: String,
+    ctx: ServiceContext,
     codec: Arc<dyn pdmesh_model_api::TextCodec>,
     options: FrontendOptions,
     api_keys: ApiKeys,
+    shutdown: Shutdown,
 ) -> Result<(), FrontendError> {
-    let started = server::start(&topology, &node_name, codec, options, api_keys).await?;
-    tracing::info!(node = %node_name, addrs = ?started.addrs, "frontend listening");
-    started.server.await.map_err(FrontendError::Server)?;
-    tracing::info!(node = %node_name, "frontend stopped");
+    let started = server::start(&ctx, codec, options, api_keys, shutdown.deadline()).await?;
+    tracing::info!(node = %ctx.node.name, addrs = ?started.addrs, "frontend listening");
+    serve_until_shutdown(&ctx, started.server, shutdown).await?;
+    tracing::info!(node = %ctx.node.name, "frontend stopped");
     Ok(())
+}
+
+/// Serve `server` until `shutdown` begins, then mark the service draining (`/health` 503) and
+/// stop the server gracefully: no new connections, in-flight requests finish.
+async fn serve_until_shutdown(
+    ctx: &ServiceContext,
+    server: actix_web::dev::Server,
+    shutdown: Shutdown,
+) -> Result<(), FrontendError> {
+    let handle = server.handle();
+    let mut server = std::pin::pin!(server);
+    tokio::select! {
+        res = &mut server => return res.map_err(FrontendError::Server),
+        () = shutdown.started() => {}
+    }
+    ctx.begin_drain();
+    let stopping = handle.stop(true);
+    let (res, ()) = tokio::join!(server, stopping);
+    res.map_err(FrontendError::Server)
 }

@@ -19,8 +19,8 @@ use actix_web::http::header::AUTHORIZATION;
 use actix_web::http::StatusCode;
 use actix_web::{web, App, HttpMessage, HttpRequest, HttpResponse, HttpServer};
 use futures::StreamExt;
-use pdmesh_config::Topology;
 use pdmesh_protocol::TraceContext;
+use pdmesh_service::{ServiceContext, Shutdown};
 use serde_json::{json, Value};
 use tracing::Instrument;
 
@@ -44,6 +44,8 @@ pub struct RouterState {
     in_flight: crate::overload::InFlightLimit,
     /// The router's bound per client key (`limits.max_in_flight_per_key`).
     key_limit: crate::overload::KeyLimit,
+    /// Set draining when the router stops: `/health` then answers 503.
+    readiness: pdmesh_telemetry::ops::Health,
 }
 
 impl RouterState {
@@ -426,6 +428,9 @@ const UPSTREAM_HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 /// answer their own `/health` (which requires a connected engine rank) with 200 — else 503.
 /// The body counts the healthy upstreams of each role.
 async fn health(st: web::Data<RouterState>) -> HttpResponse {
+    if st.readiness.is_draining() {
+        return crate::handlers::admin::stopping();
+    }
     let (p_up, d_up) =
         futures::join!(healthy_upstreams(&st.client, &st.prefill), healthy_upstreams(&st.client, &st.decode));
     let body = json!({
@@ -457,16 +462,16 @@ async fn healthy_upstreams(client: &reqwest::Client, list: &[String]) -> usize {
     futures::future::join_all(checks).await.into_iter().filter(|ok| *ok).count()
 }
 
-/// Run the router frontend of `node_name` until the actix System stops. `client_keys`: what
-/// clients must present (empty: nothing); `internal_key`: what the router presents to P and D
-/// (none: the client's own `Authorization` is passed on).
+/// Run the router frontend of `ctx`'s node until `shutdown` begins, then stop gracefully like
+/// [`crate::run`]. `client_keys`: what clients must present (empty: nothing); `internal_key`:
+/// what the router presents to P and D (none: the client's own `Authorization` is passed on).
 pub async fn run_router(
-    topology: Topology,
-    node_name: String,
+    ctx: ServiceContext,
     client_keys: ApiKeys,
     internal_key: Option<String>,
+    shutdown: Shutdown,
 ) -> Result<(), FrontendError> {
-    let node = topology.node(&node_name)?.clone();
+    let node = ctx.node.clone();
     crate::metrics::init();
     let client = reqwest::Client::builder()
         .tcp_nodelay(true)
@@ -482,6 +487,7 @@ pub async fn run_router(
         internal_authorization: internal_key.map(|k| format!("Bearer {k}")),
         in_flight: crate::overload::InFlightLimit::new(node.limits.max_in_flight, "router"),
         key_limit: crate::overload::KeyLimit::new(node.limits.max_in_flight_per_key, client_keys.len(), "router"),
+        readiness: ctx.health.clone(),
     });
     crate::error::set_retry_after_s(node.limits.retry_after_s);
     tracing::info!(
@@ -518,12 +524,15 @@ pub async fn run_router(
             .route("/metrics", web::get().to(pdmesh_telemetry::metrics::metrics_handler))
     })
     .tcp_nodelay(true)
-    .shutdown_timeout(crate::server::SHUTDOWN_TIMEOUT_S)
+    .shutdown_timeout(crate::server::drain_timeout_s(shutdown.deadline()))
+    .disable_signals()
     .bind((node.http_host.as_str(), node.http_port))
     .map_err(|source| FrontendError::HttpBind { addr: addr.clone(), source })?;
     tracing::info!(%addr, prefill = ?node.router.prefill, decode = ?node.router.decode,
         give_up_notices = node.router.give_up_notices, "router listening");
-    server.run().await.map_err(FrontendError::Server)
+    crate::serve_until_shutdown(&ctx, server.run(), shutdown).await?;
+    tracing::info!(%addr, "router stopped");
+    Ok(())
 }
 
 #[cfg(test)]
@@ -552,6 +561,7 @@ mod tests {
             internal_authorization: internal.map(|k| format!("Bearer {k}")),
             in_flight: crate::overload::InFlightLimit::new(0, "router"),
             key_limit: crate::overload::KeyLimit::disabled("router"),
+            readiness: Default::default(),
         }
     }
 
@@ -616,6 +626,7 @@ mod tests {
             internal_authorization: None,
             in_flight: crate::overload::InFlightLimit::new(max_in_flight, "router"),
             key_limit: crate::overload::KeyLimit::disabled("router"),
+            readiness: Default::default(),
         });
         (state, handle)
     }

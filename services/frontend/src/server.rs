@@ -10,8 +10,8 @@ use actix_web::dev::{Server, Service, ServiceFactory, ServiceRequest, ServiceRes
 use actix_web::http::header::HeaderName;
 use actix_web::middleware::from_fn;
 use actix_web::{web, App, HttpServer, ResponseError};
-use pdmesh_config::Topology;
 use pdmesh_model_api::TextCodec;
+use pdmesh_service::ServiceContext;
 use pdmesh_transport::{bind_pull, LinkHandle};
 
 use crate::auth::ApiKeys;
@@ -26,8 +26,12 @@ use crate::FrontendOptions;
 
 /// Largest accepted request body (413 above).
 pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
-/// How long in-flight requests get to finish once the server is told to stop.
-pub const SHUTDOWN_TIMEOUT_S: u64 = 10;
+/// actix-web's own drain limit, in seconds, for a stop whose deadline is `deadline`: one
+/// second past it, so that the shell's deadline is the one that ends an overrunning drain
+/// (and the stop is reported as a timeout, not cut silently by actix-web).
+pub fn drain_timeout_s(deadline: std::time::Duration) -> u64 {
+    deadline.as_secs().saturating_add(1)
+}
 
 /// What every handler needs; one instance shared by all HTTP workers.
 pub struct AppState {
@@ -46,6 +50,8 @@ pub struct AppState {
     pub in_flight: InFlightLimit,
     /// The bound per client API key (`limits.max_in_flight_per_key`); sized by `api_keys`.
     pub key_limit: KeyLimit,
+    /// Set draining when the frontend stops: `/health` then answers 503.
+    pub readiness: pdmesh_telemetry::ops::Health,
 }
 
 impl AppState {
@@ -66,6 +72,7 @@ impl AppState {
             api_keys: ApiKeys::default(),
             in_flight,
             key_limit: KeyLimit::disabled("frontend"),
+            readiness: Default::default(),
         }
     }
 
@@ -150,19 +157,20 @@ pub struct Started {
     pub state: web::Data<AppState>,
 }
 
-/// Start the engine client, bind the output socket and the HTTP listener. Must run inside
-/// an actix System. `api_keys`: what clients must present (empty: nothing).
+/// Start the engine client, bind the output socket and the HTTP listener of `ctx`'s node.
+/// Must run inside an actix System. `api_keys`: what clients must present (empty: nothing).
+/// The server ignores the process's signals: it stops through [`crate::run`]'s shutdown
+/// handle, draining in-flight requests for up to [`drain_timeout_s`] of the deadline.
 pub async fn start(
-    topology: &Topology,
-    node_name: &str,
+    ctx: &ServiceContext,
     codec: Arc<dyn TextCodec>,
     options: FrontendOptions,
     api_keys: ApiKeys,
+    deadline: std::time::Duration,
 ) -> Result<Started, FrontendError> {
     options.validate()?;
     crate::metrics::init();
-    let node = topology.node(node_name)?;
-    let endpoints = node.endpoints(&topology.run_dir);
+    let (node, endpoints) = (&ctx.node, &ctx.endpoints);
     crate::error::set_retry_after_s(node.limits.retry_after_s);
     let (client, link) =
         EngineClient::start(endpoints.dplb_frontend.connect.clone(), node.limits.output_buffer as usize);
@@ -180,11 +188,13 @@ pub async fn start(
     let mut app_state = AppState::new(client, link, codec, options, in_flight);
     app_state.key_limit = KeyLimit::new(node.limits.max_in_flight_per_key, api_keys.len(), "frontend");
     app_state.api_keys = api_keys;
+    app_state.readiness = ctx.health.clone();
     let state = web::Data::new(app_state);
     let app_state = state.clone();
     let addr = format!("{}:{}", node.http_host, node.http_port);
     let server = HttpServer::new(move || app(app_state.clone()))
-        .shutdown_timeout(SHUTDOWN_TIMEOUT_S)
+        .shutdown_timeout(drain_timeout_s(deadline))
+        .disable_signals()
         // A client that closes its side is gone (no HTTP client half-closes and then reads):
         // end the connection so the handler or SSE body is dropped and the request aborted,
         // even while no token is being written.

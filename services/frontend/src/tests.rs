@@ -143,6 +143,10 @@ struct Harness {
     seen: Arc<Mutex<Vec<Envelope>>>,
     addr: SocketAddr,
     run_dir: PathBuf,
+    /// Stops the frontend as the service shell does (dropping it stops it too).
+    trigger: pdmesh_service::ShutdownTrigger,
+    /// The server under `serve_until_shutdown`: resolves once the stop has drained.
+    stopped: tokio::task::JoinHandle<Result<(), crate::FrontendError>>,
 }
 
 impl Drop for Harness {
@@ -190,11 +194,15 @@ async fn harness_full(
         eos_token_ids: vec![256],
         rejection_notices: true,
     };
-    let started = start(&topology, "main", Arc::new(SyntheticTextCodec), options, keys).await.unwrap();
+    let service = pdmesh_service::ServiceContext::start(topology, "main", pdmesh_config::Service::Frontend, 0).unwrap();
+    let deadline = pdmesh_service::DEFAULT_SHUTDOWN_DEADLINE;
+    let started = start(&service, Arc::new(SyntheticTextCodec), options, keys, deadline).await.unwrap();
     let push = connect_push(&endpoints.frontend_outputs.connect);
     let lb = ctx.run(FakeLb { router, push: push.clone(), script: Box::new(script), seen: seen.clone(), ranks_up: 1 });
     let addr = started.addrs[0];
-    actix_web::rt::spawn(started.server);
+    let (trigger, shutdown) = pdmesh_service::shutdown_channel(deadline);
+    let server = started.server;
+    let stopped = actix_web::rt::spawn(async move { crate::serve_until_shutdown(&service, server, shutdown).await });
     let state = started.state;
     for _ in 0..500 {
         if state.link.is_up() && push.is_up() {
@@ -203,7 +211,7 @@ async fn harness_full(
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(state.link.is_up() && push.is_up(), "sockets did not connect");
-    Harness { state, lb, seen, addr, run_dir }
+    Harness { state, lb, seen, addr, run_dir, trigger, stopped }
 }
 
 /// Answer every request with Ack and then `text` in one-byte outputs, the last one finishing
@@ -1387,4 +1395,43 @@ async fn a_key_at_its_bound_gets_429_while_other_keys_are_served() {
     .await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     assert_eq!(json_of(&body)["choices"][0]["text"], "abc");
+}
+
+/// Shutdown through the handle (D47): once it fires, `/health` answers 503, the request in
+/// flight still completes with its whole answer, and only then does the server stop and its
+/// port refuse connections. Fails if the frontend dropped the request at the stop, stopped
+/// before it was answered, kept answering `/health` with 200, or kept its listener.
+#[actix_web::test]
+async fn the_shutdown_handle_drains_the_request_in_flight_then_closes_the_port() {
+    let mut h = harness(|_| Script { reply: Some(WireMessage::Ack), outputs: vec![] }).await;
+    let url = format!("http://{}/v1/completions", h.addr);
+    let client = actix_web::rt::spawn(async move {
+        let body = json!({"model": MODEL, "prompt": "hi", "max_tokens": 2});
+        let res = reqwest::Client::new().post(url).json(&body).send().await.unwrap();
+        (res.status().as_u16(), res.json::<Value>().await.unwrap())
+    });
+    let id = loop {
+        let seen = h.seen.lock().unwrap().iter().find_map(|e| match &e.body {
+            WireMessage::AddRequest(r) => Some(r.request_id.clone()),
+            _ => None,
+        });
+        if let Some(id) = seen {
+            break id;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+
+    h.trigger.trigger();
+    while !h.state.readiness.is_draining() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(get(&h, "/health").await.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(!client.is_finished(), "the request in flight was answered before its output came");
+
+    h.lb.send(PushOutputs(vec![output(&id, "ok", Some(FinishReason::Length))])).await.unwrap();
+    let (status, body) = client.await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["text"], "ok", "{body}");
+    tokio::time::timeout(Duration::from_secs(30), &mut h.stopped).await.unwrap().unwrap().unwrap();
+    assert!(tokio::net::TcpStream::connect(h.addr).await.is_err(), "the listener is closed");
 }

@@ -9,7 +9,8 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
-use pdmesh_config::{env, ApiKeySettings, Topology};
+use pdmesh_config::{env, ApiKeySettings, Service, Topology};
+use pdmesh_service::{ServiceContext, Shutdown, StartError};
 
 #[derive(Parser)]
 #[command(name = "pdmesh", version, about = "A service mesh for disaggregated prefill/decode LLM serving")]
@@ -120,17 +121,15 @@ fn is_config_error(e: &anyhow::Error) -> bool {
     e.downcast_ref::<Misconfigured>().is_some()
         || e.chain().any(|c| {
             c.is::<pdmesh_config::ConfigError>()
+                || c.downcast_ref::<StartError>().is_some_and(StartError::is_config)
                 || matches!(
                     c.downcast_ref::<FrontendError>(),
                     Some(FrontendError::Config(_) | FrontendError::Options(_))
                 )
-                || matches!(
-                    c.downcast_ref::<WorkerError>(),
-                    Some(WorkerError::BadRank { .. } | WorkerError::Setting(_))
-                )
+                || matches!(c.downcast_ref::<WorkerError>(), Some(WorkerError::Setting(_)))
                 || matches!(
                     c.downcast_ref::<pdmesh_engine_core::EngineError>(),
-                    Some(pdmesh_engine_core::EngineError::BadRank { .. } | pdmesh_engine_core::EngineError::Faults(_))
+                    Some(pdmesh_engine_core::EngineError::Faults(_))
                 )
         })
 }
@@ -138,6 +137,11 @@ fn is_config_error(e: &anyhow::Error) -> bool {
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is::<StopTimedOut>() => {
+            eprintln!("Error: {e}");
+            eprintln!("(a stop past the shutdown deadline: exit status {})", pdmesh_service::EXIT_SHUTDOWN_TIMEOUT);
+            ExitCode::from(pdmesh_service::EXIT_SHUTDOWN_TIMEOUT)
+        }
         Err(e) => {
             let config = is_config_error(&e);
             // The cause chain on one line, no backtrace: `pdmesh up` shows this line.
@@ -162,88 +166,107 @@ fn run() -> anyhow::Result<()> {
             anyhow::ensure!(status.is_success(), "GET {url}: {status}");
             Ok(())
         }
-        Command::Frontend(FrontendArgs { service, keys }) => serve("frontend", service, |topo, a| async move {
-            let node = topo.node(&a.node)?.clone();
-            let keys = keys.resolve()?;
-            if node.role == pdmesh_config::NodeRole::Router {
-                let client_keys = pdmesh_frontend::ApiKeys::new(keys.router_keys());
-                pdmesh_frontend::router::run_router(topo, a.node.clone(), client_keys, keys.internal).await?;
-                return Ok(());
-            }
-            let loaded = model::load_text(&node).context(Misconfigured("loading the tokenizer".into()))?;
-            let api_keys = pdmesh_frontend::ApiKeys::with_internal(&keys.client, keys.internal.as_deref());
-            pdmesh_frontend::run(topo, a.node.clone(), loaded.codec, loaded.options, api_keys).await?;
-            Ok(())
-        }),
-        Command::DpLb(a) => serve("dp-lb", a, |topo, a| async move {
-            pdmesh_dp_lb::run(&topo, &a.node).await?;
-            wait_for_shutdown().await;
-            Ok(())
-        }),
-        Command::EngineCore(a) => serve("engine-core", a, |topo, a| async move {
-            pdmesh_engine_core::run(&topo, &a.node, a.rank)?;
-            wait_for_shutdown().await;
-            Ok(())
-        }),
-        Command::ConnectorScheduler(a) => serve("connector-scheduler", a, |topo, a| async move {
-            pdmesh_connector_scheduler::run(&topo, &a.node, a.rank).await?;
-            wait_for_shutdown().await;
-            Ok(())
-        }),
-        Command::ConnectorWorker(a) => serve("connector-worker", a, |topo, a| async move {
-            let node = topo.node(&a.node)?.clone();
-            let (facts, factory, placement) =
-                model::executor_factory(&node).context(Misconfigured("preparing the model".into()))?;
-            let worker = pdmesh_connector_worker::run(&topo, &a.node, a.rank, factory, facts, placement).await?;
-            let device_lost = async {
-                match worker.device_lost.await {
-                    Ok(why) => why,
-                    // the actor is gone without a loss to report: wait for the signal
-                    Err(_) => std::future::pending().await,
+        Command::Frontend(FrontendArgs { service, keys }) => {
+            serve(Service::Frontend, service, |ctx, shutdown| async move {
+                let keys = keys.resolve()?;
+                if ctx.node.role == pdmesh_config::NodeRole::Router {
+                    let client_keys = pdmesh_frontend::ApiKeys::new(keys.router_keys());
+                    pdmesh_frontend::router::run_router(ctx, client_keys, keys.internal, shutdown).await?;
+                    return Ok(());
                 }
-            };
-            let lost = tokio::select! {
-                () = wait_for_shutdown() => None,
-                why = device_lost => Some(why),
-            };
-            // D gives P's blocks back before it goes (R4), while its sockets still work.
-            pdmesh_connector_worker::shutdown(&worker.actor).await;
-            pdmesh_connector_worker::cleanup_shm();
-            match lost {
-                // Exit with an error: `pdmesh up`, compose or Kubernetes start a fresh process.
-                Some(why) => Err(anyhow::anyhow!("the accelerator is lost ({why}); exiting to be restarted")),
-                None => Ok(()),
-            }
+                let loaded = model::load_text(&ctx.node).context(Misconfigured("loading the tokenizer".into()))?;
+                let api_keys = pdmesh_frontend::ApiKeys::with_internal(&keys.client, keys.internal.as_deref());
+                pdmesh_frontend::run(ctx, loaded.codec, loaded.options, api_keys, shutdown).await?;
+                Ok(())
+            })
+        }
+        Command::DpLb(a) => {
+            serve(Service::DpLb, a, |ctx, shutdown| async move { Ok(pdmesh_dp_lb::run(ctx, shutdown).await?) })
+        }
+        Command::EngineCore(a) => {
+            serve(
+                Service::EngineCore,
+                a,
+                |ctx, shutdown| async move { Ok(pdmesh_engine_core::run(ctx, shutdown).await?) },
+            )
+        }
+        Command::ConnectorScheduler(a) => serve(Service::ConnectorScheduler, a, |ctx, shutdown| async move {
+            Ok(pdmesh_connector_scheduler::run(ctx, shutdown).await?)
+        }),
+        Command::ConnectorWorker(a) => serve(Service::ConnectorWorker, a, |ctx, shutdown| async move {
+            let (facts, factory, placement) =
+                model::executor_factory(&ctx.node).context(Misconfigured("preparing the model".into()))?;
+            Ok(pdmesh_connector_worker::run(ctx, factory, facts, placement, shutdown).await?)
         }),
     }
 }
 
-/// Run one service inside an actix System until SIGINT/SIGTERM (or its parent `pdmesh up`
-/// going away). Telemetry starts once the topology says who this process is (a frontend on a
-/// router node reports as `router`), and its guard is dropped only after the System stopped:
-/// that flushes the spans of the last requests (docs/TRACING.md).
-fn serve<F, Fut>(name: &'static str, args: ServiceArgs, f: F) -> anyhow::Result<()>
+/// The one start-up shell of every service (D47). In order:
+/// 1. the topology, and telemetry once it says who this process is (a frontend on a router
+///    node reports as `router`);
+/// 2. the process-wide settings, before the System starts and before any socket opens: the
+///    seal of a tcp node's internal links under the mesh secret ([`links`], D45) and the
+///    shutdown deadline (`PDMESH_SHUTDOWN_DEADLINE_S`);
+/// 3. the actix System, in which the service's [`ServiceContext`] is built (node, rank checked
+///    against `dp_size`, endpoints, readiness, ops server);
+/// 4. one shutdown source: SIGINT, SIGTERM or the parent `pdmesh up` going away start the
+///    [`pdmesh_service::Shutdown`] the service's `run` waits on;
+/// 5. the deadline held around the service's stop ([`pdmesh_service::stop_within_deadline`]):
+///    a stop past it exits with [`pdmesh_service::EXIT_SHUTDOWN_TIMEOUT`] ([`StopTimedOut`]).
+///
+/// The telemetry guard is dropped only after the System stopped: that flushes the spans of
+/// the last requests (docs/TRACING.md).
+fn serve<F, Fut>(service: Service, args: ServiceArgs, f: F) -> anyhow::Result<()>
 where
-    F: FnOnce(Topology, ServiceArgs) -> Fut,
+    F: FnOnce(ServiceContext, Shutdown) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<()>> + 'static,
 {
+    let name = service.name();
     let topo = load_topology(&args.topology);
     let identity = service_identity(name, &args, topo.as_ref().ok());
     let telemetry = pdmesh_telemetry::init_service(&identity);
     let topo = topo?;
     links::seal_internal_links(&topo, &args.node)?;
+    let deadline = pdmesh_service::deadline_from_env()?;
     let system = actix_rt::System::new();
     let res = system.block_on(async move {
-        tokio::spawn(watch_parent());
-        f(topo, args).await
+        let (trigger, shutdown) = pdmesh_service::shutdown_channel(deadline);
+        tokio::spawn(async move {
+            tokio::select! {
+                () = wait_for_signal() => {}
+                () = watch_parent() => {}
+            }
+            trigger.trigger();
+        });
+        let ctx = ServiceContext::start(topo, &args.node, service, args.rank)?;
+        match pdmesh_service::stop_within_deadline(f(ctx, shutdown.clone()), &shutdown).await {
+            Ok(res) => res,
+            Err(overran) => Err(anyhow::Error::new(StopTimedOut(overran))),
+        }
     });
-    if let Err(e) = &res {
-        tracing::error!(service = name, error = %format!("{e:#}"), "service failed");
+    match &res {
+        Err(e) if e.is::<StopTimedOut>() => tracing::error!(service = name, error = %e, "stopped past the deadline"),
+        Err(e) => tracing::error!(service = name, error = %format!("{e:#}"), "service failed"),
+        Ok(()) => tracing::info!(service = name, "stopped cleanly"),
     }
     drop(system);
     drop(telemetry);
     res
 }
+
+/// A service whose graceful stop overran the shutdown deadline (or a `pdmesh up` one of whose
+/// children did): the process exits with [`pdmesh_service::EXIT_SHUTDOWN_TIMEOUT`], which tells
+/// it from a clean stop (0) and a failure (1).
+#[derive(Debug)]
+pub struct StopTimedOut(pdmesh_service::DeadlineExceeded);
+
+impl std::fmt::Display for StopTimedOut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for StopTimedOut {}
 
 /// Who this process is, for `service.name` and the resource attributes of its spans.
 fn service_identity(name: &str, args: &ServiceArgs, topo: Option<&Topology>) -> pdmesh_telemetry::ServiceIdentity {
@@ -257,28 +280,30 @@ fn service_identity(name: &str, args: &ServiceArgs, topo: Option<&Topology>) -> 
 }
 
 /// Resolve on SIGINT or SIGTERM.
-async fn wait_for_shutdown() {
+async fn wait_for_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let Ok(mut term) = signal(SignalKind::terminate()) else {
         let _ = tokio::signal::ctrl_c().await;
         return;
     };
     tokio::select! {
-        _ = term.recv() => {}
-        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => tracing::info!("SIGTERM"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT"),
     }
-    tracing::info!("shutting down");
 }
 
-/// Children of `pdmesh up` exit when their parent is gone (even after a kill -9 of `up`),
-/// so a crashed supervisor never leaves a half mesh holding ports.
+/// Resolve when the parent `pdmesh up` is gone (even after a kill -9 of `up`): its children
+/// then stop, so a crashed supervisor never leaves a half mesh holding ports. Never resolves
+/// for a process not started by `pdmesh up`.
 async fn watch_parent() {
-    let Some(expected) = std::env::var("PDMESH_PARENT_PID").ok().and_then(|p| p.parse::<u32>().ok()) else { return };
+    let Some(expected) = std::env::var("PDMESH_PARENT_PID").ok().and_then(|p| p.parse::<u32>().ok()) else {
+        return std::future::pending().await;
+    };
     loop {
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;
         if std::os::unix::process::parent_id() != expected {
-            tracing::warn!("parent pdmesh up is gone; exiting");
-            std::process::exit(3);
+            tracing::warn!("parent pdmesh up is gone; stopping");
+            return;
         }
     }
 }
@@ -299,6 +324,10 @@ mod tests {
             pdmesh_frontend::FrontendError::HttpBind { addr: "x".into(), source: std::io::Error::other("in use") };
         assert!(!is_config_error(&anyhow::Error::from(bind)), "a port in use is worth a restart");
         assert!(!is_config_error(&anyhow::anyhow!("the accelerator is lost")));
+        let rank = anyhow::Error::from(StartError::BadRank { rank: 2, dp_size: 2 });
+        assert!(is_config_error(&rank), "a rank outside dp_size cannot start however often it tries");
+        let ops = StartError::Ops { port: 1, source: std::io::Error::other("in use") };
+        assert!(!is_config_error(&anyhow::Error::from(ops)), "an ops port in use is worth a restart");
     }
 
     #[test]

@@ -31,6 +31,10 @@ const RESTART_BACKOFF_BASE: Duration = Duration::from_millis(500);
 const RESTART_BACKOFF_CAP: Duration = Duration::from_secs(8);
 /// A child that ran this long before dying starts its backoff from the beginning again.
 const STABLE_AFTER: Duration = Duration::from_secs(30);
+/// How much longer than the children's shutdown deadline `pdmesh up` waits before it kills
+/// them: a child that overran its deadline exits on its own at the deadline, with
+/// [`pdmesh_service::EXIT_SHUTDOWN_TIMEOUT`].
+const KILL_GRACE: Duration = Duration::from_secs(5);
 /// Log lines of a child shown on the terminal when it stops the mesh.
 const LOG_TAIL_LINES: usize = 20;
 
@@ -42,9 +46,11 @@ pub struct UpArgs {
     /// Report children that die but do not restart them.
     #[arg(long)]
     no_restart: bool,
-    /// Seconds to wait for children to stop after SIGTERM before killing them.
-    #[arg(long, default_value_t = 10)]
-    shutdown_timeout_s: u64,
+    /// Seconds to wait for children to stop after SIGTERM before killing them (default: their
+    /// shutdown deadline, `PDMESH_SHUTDOWN_DEADLINE_S`, plus 5 s, so that a child stopping
+    /// past its deadline reports it itself before it is killed).
+    #[arg(long)]
+    shutdown_timeout_s: Option<u64>,
     #[command(flatten)]
     keys: ApiKeyArgs,
 }
@@ -92,6 +98,16 @@ fn restart_backoff(failures: u32) -> Duration {
 /// `PDMESH_*` variable behind a flag that clap refused.
 fn is_config_exit(status: std::process::ExitStatus) -> bool {
     matches!(status.code(), Some(code) if code == i32::from(pdmesh_config::EXIT_CONFIG) || code == CLAP_USAGE_ERROR)
+}
+
+/// How a child's exit reads on the terminal: a stop (0, after a signal that did not come from
+/// us), a stop past its shutdown deadline, or a death.
+fn describe_exit(status: std::process::ExitStatus) -> &'static str {
+    match status.code() {
+        Some(0) => "stopped",
+        Some(code) if code == i32::from(pdmesh_service::EXIT_SHUTDOWN_TIMEOUT) => "stopped past its shutdown deadline",
+        _ => "died",
+    }
 }
 
 /// The status clap exits with when it refuses an argument or an environment value.
@@ -255,6 +271,9 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
     };
     // The children apply the same overrides; a bad one stops the mesh before it starts.
     topo.apply_env()?;
+    // The children read the same deadline from the same environment.
+    let child_deadline = pdmesh_service::deadline_from_env()?;
+    let kill_after = args.shutdown_timeout_s.map_or(child_deadline.saturating_add(KILL_GRACE), Duration::from_secs);
     let keys = args.keys.resolve().context(Misconfigured("API keys".into()))?;
     let key_env = KeyEnv {
         api_key: args.keys.api_key.clone(),
@@ -331,10 +350,16 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
                         ));
                         break;
                     }
-                    tracing::error!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
-                        "child process died");
+                    let how = describe_exit(status);
+                    if status.success() {
+                        tracing::warn!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
+                            "child process stopped");
+                    } else {
+                        tracing::error!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
+                            "child process {how}");
+                    }
                     eprintln!(
-                        "pdmesh up: {} (pid {}) died: {status}; see {}",
+                        "pdmesh up: {} (pid {}) {how}: {status}; see {}",
                         p.spec.label(),
                         p.pid,
                         p.spec.log.display()
@@ -380,12 +405,22 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
             let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p.pid as i32), nix::sys::signal::Signal::SIGTERM);
         }
     }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(args.shutdown_timeout_s);
-    let mut forced = 0;
+    let deadline = tokio::time::Instant::now() + kill_after;
+    let (mut forced, mut overran) = (0, 0);
     for p in procs.iter_mut() {
         if let Some(child) = p.child.as_mut() {
             match tokio::time::timeout_at(deadline, child.wait()).await {
-                Ok(_) => {}
+                Ok(Ok(status)) if status.success() => {
+                    tracing::info!(process = %p.spec.label(), "stopped cleanly");
+                }
+                Ok(Ok(status)) => {
+                    if status.code() == Some(i32::from(pdmesh_service::EXIT_SHUTDOWN_TIMEOUT)) {
+                        overran += 1;
+                    }
+                    tracing::warn!(process = %p.spec.label(), %status, "{}", describe_exit(status));
+                    eprintln!("pdmesh up: {} {} at shutdown: {status}", p.spec.label(), describe_exit(status));
+                }
+                Ok(Err(e)) => tracing::warn!(process = %p.spec.label(), error = %e, "could not wait for it"),
                 Err(_) => {
                     forced += 1;
                     tracing::error!(process = %p.spec.label(), "did not stop in time; killing");
@@ -400,6 +435,11 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
     }
     if forced > 0 {
         anyhow::bail!("{forced} process(es) had to be killed at shutdown");
+    }
+    if overran > 0 {
+        // The mesh stopped, but not cleanly: `pdmesh up` exits as its children did.
+        tracing::warn!(processes = overran, "mesh stopped; some processes stopped past their shutdown deadline");
+        return Err(crate::StopTimedOut(pdmesh_service::DeadlineExceeded(child_deadline)).into());
     }
     tracing::info!("mesh stopped");
     Ok(())

@@ -26,18 +26,7 @@ struct Outcome {
 /// wait for it to exit: a restart loop never exits, so a bounded wait tells the two apart.
 fn up_until_exit(node_extra: &str, env: &[(&str, &str)]) -> Outcome {
     let (http, base) = reserve_ports();
-    let run_dir = std::env::temp_dir().join(format!("pdmesh-failfast-{}-{http}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let topology = run_dir.join("topology-in.toml");
-    std::fs::write(
-        &topology,
-        format!(
-            "run_dir = {:?}\n[[nodes]]\nname = \"main\"\nhttp_port = {http}\nbase_port = {base}\n{node_extra}\n",
-            run_dir.display().to_string()
-        ),
-    )
-    .unwrap();
+    let (run_dir, topology) = common::one_node_run_dir("pdmesh-failfast", http, base, node_extra);
     let (out, err) = (run_dir.join("up.out"), run_dir.join("up.err"));
     let mut up = Command::new(pdmesh_bin())
         .arg("up")

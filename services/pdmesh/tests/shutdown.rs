@@ -1,6 +1,8 @@
-//! Rule R4 at shutdown: a decode node that stops gracefully while it still references P's
-//! blocks — requests queued for KV space, READs in flight under a lease — gives every one back,
-//! so P frees them at once instead of at its 480 s hold deadline.
+//! Graceful stops (D47). Rule R4 at shutdown: a decode node that stops gracefully while it
+//! still references P's blocks — requests queued for KV space, READs in flight under a lease —
+//! gives every one back, so P frees them at once instead of at its 480 s hold deadline. And a
+//! service stopped by SIGTERM with nothing left to drain exits 0, the status that tells a
+//! clean stop from one past the shutdown deadline (124) and a failure (1).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
@@ -109,4 +111,43 @@ fn a_decode_node_stopping_gracefully_gives_p_its_blocks_back() {
     assert!(given_up > 0.0, "released by D's give-ups");
     assert!(mesh.logs().contains("shutting down: giving P's blocks back"));
     assert!(!mesh.logs().contains("panicked"), "a panic in the logs");
+    // D's worker gave its blocks back within the deadline: `pdmesh up` saw a clean stop.
+    common::wait_for("up reports D's worker stopped", || {
+        std::fs::read_to_string(mesh.run_dir.join("up.log")).unwrap_or_default().contains("d.connector-worker.0")
+    });
+    let up_log = std::fs::read_to_string(mesh.run_dir.join("up.log")).unwrap();
+    let line = up_log.lines().find(|l| l.contains("d.connector-worker.0") && l.contains("pdmesh up:")).unwrap();
+    assert!(line.contains(" stopped: exit status: 0"), "{line}");
+}
+
+/// `pdmesh dp-lb` on its own, stopped by SIGTERM: with nothing in flight its stop is clean,
+/// so it exits 0 and says so. Fails if the signal were not fed to the service's shutdown
+/// handle (no exit), if the stop overran the deadline (124) or failed (1), or if the exit
+/// status did not tell them apart.
+#[test]
+fn a_service_stopped_by_sigterm_exits_cleanly() {
+    let (http, base) = common::reserve_ports();
+    let (run_dir, topology) = common::one_node_run_dir("pdmesh-clean-stop", http, base, "");
+    let log = run_dir.join("dp-lb.log");
+    let mut child = std::process::Command::new(common::pdmesh_bin())
+        .args(["dp-lb", "--node", "main", "--topology"])
+        .arg(&topology)
+        .env("PDMESH_RUN_DIR", &run_dir)
+        .env("RUST_LOG", "info")
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let live = format!("http://127.0.0.1:{}/live", base + 100);
+    common::wait_for("the dp-lb serving /live", || reqwest::blocking::get(&live).is_ok_and(|r| r.status() == 200));
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+    let mut status = None;
+    common::wait_for("the dp-lb exits after SIGTERM", || {
+        status = child.try_wait().unwrap();
+        status.is_some()
+    });
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(status.unwrap().code(), Some(0), "{text}");
+    assert!(text.contains("stopped cleanly"), "{text}");
+    let _ = std::fs::remove_dir_all(&run_dir);
 }

@@ -46,6 +46,10 @@ pub const INTERNAL_API_KEY: &str = "PDMESH_INTERNAL_API_KEY";
 /// Overrides the topology's `mesh_secret_file`. `pdmesh up` generates one per run when neither
 /// is given and passes it to its children in this variable (never on a command line).
 pub const MESH_SECRET: &str = "PDMESH_MESH_SECRET";
+/// Seconds a service has to stop gracefully once SIGINT/SIGTERM arrives (readiness 503,
+/// in-flight work drained, P's blocks given back); a stop past it exits with status 124.
+/// Default 10. `pdmesh up` waits this long plus a grace period before it kills a child.
+pub const SHUTDOWN_DEADLINE_S: &str = "PDMESH_SHUTDOWN_DEADLINE_S";
 /// `json` for JSON log lines.
 pub const LOG_FORMAT: &str = "PDMESH_LOG_FORMAT";
 

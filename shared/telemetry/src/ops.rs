@@ -11,24 +11,47 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use actix_web::dev::ServerHandle;
 use actix_web::{web, App, HttpResponse, HttpServer};
 
 /// Readiness flag shared between a service and its `/health` route.
+///
+/// Once [`Health::begin_drain`] is called the service is stopping: `/health` answers 503 from
+/// then on, whatever the service's own view of its peers says (a peer reconnecting while the
+/// service drains must not make it look ready again), so load balancers and probes stop
+/// sending it work first.
 #[derive(Debug, Clone, Default)]
-pub struct Health(Arc<AtomicBool>);
+pub struct Health(Arc<Flags>);
+
+#[derive(Debug, Default)]
+struct Flags {
+    ready: AtomicBool,
+    draining: AtomicBool,
+}
 
 impl Health {
     pub fn set_ready(&self, ready: bool) {
-        self.0.store(ready, Ordering::Release);
+        self.0.ready.store(ready, Ordering::Release);
     }
+    /// Ready and not stopping.
     pub fn is_ready(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        self.0.ready.load(Ordering::Acquire) && !self.is_draining()
+    }
+    /// The service is stopping: readiness is 503 for good (the first step of a graceful stop).
+    pub fn begin_drain(&self) {
+        self.0.draining.store(true, Ordering::Release);
+    }
+    /// Whether [`Health::begin_drain`] was called.
+    pub fn is_draining(&self) -> bool {
+        self.0.draining.load(Ordering::Acquire)
     }
 }
 
 async fn health(h: web::Data<Health>) -> HttpResponse {
     if h.is_ready() {
         HttpResponse::Ok().content_type("application/json").body("{\"status\":\"ok\"}")
+    } else if h.is_draining() {
+        HttpResponse::ServiceUnavailable().content_type("application/json").body("{\"status\":\"stopping\"}")
     } else {
         HttpResponse::ServiceUnavailable().content_type("application/json").body("{\"status\":\"starting\"}")
     }
@@ -50,16 +73,19 @@ fn routes(data: web::Data<Health>) -> impl FnOnce(&mut web::ServiceConfig) {
 }
 
 /// Start the ops server on `host:port` inside the current actix System. Errors (port in use)
-/// are returned so the service can fail its start-up with a clear message.
-pub fn spawn_ops_server(host: &str, port: u16, health_flag: Health) -> std::io::Result<()> {
+/// are returned so the service can fail its start-up with a clear message. The handle stops
+/// it (and frees its port) at the end of the service's graceful stop; the process's signals
+/// are the service shell's, never the ops server's.
+pub fn spawn_ops_server(host: &str, port: u16, health_flag: Health) -> std::io::Result<ServerHandle> {
     let data = web::Data::new(health_flag);
     let server = HttpServer::new(move || App::new().configure(routes(data.clone())))
         .workers(1)
         .disable_signals()
         .bind((host, port))?
         .run();
+    let handle = server.handle();
     actix_web::rt::spawn(server);
-    Ok(())
+    Ok(handle)
 }
 
 #[cfg(test)]
@@ -82,5 +108,11 @@ mod tests {
         assert_eq!(status("/live").await, 200);
         flag.set_ready(false);
         assert_eq!(status("/health").await, 503, "readiness follows the flag back down");
+        flag.set_ready(true);
+        flag.begin_drain();
+        assert_eq!(status("/health").await, 503, "a stopping service is not ready");
+        flag.set_ready(true);
+        assert_eq!(status("/health").await, 503, "and a peer coming back does not make it ready again");
+        assert_eq!(status("/live").await, 200);
     }
 }

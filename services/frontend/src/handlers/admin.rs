@@ -41,6 +41,9 @@ pub struct HealthView {
 /// would be refused. The dp-lb answers from its own view of the ranks: a rank busy with a long
 /// step still counts as up.
 pub async fn health(state: web::Data<AppState>) -> HttpResponse {
+    if state.readiness.is_draining() {
+        return stopping();
+    }
     if !state.link.is_up() {
         let e = ApiError::Unavailable(format!(
             "engine unavailable: not connected to the dp-lb at {}",
@@ -67,6 +70,13 @@ pub async fn health(state: web::Data<AppState>) -> HttpResponse {
         }
         Err(e) => HttpResponse::ServiceUnavailable().json(e.body()),
     }
+}
+
+/// `/health` of a frontend that is stopping: 503, so load balancers stop sending it work
+/// while it drains what it has.
+pub fn stopping() -> HttpResponse {
+    let e = ApiError::Unavailable("shutting down: this frontend is draining its requests".into());
+    HttpResponse::ServiceUnavailable().json(e.body())
 }
 
 /// A request held by a connector, with the rank that holds it.

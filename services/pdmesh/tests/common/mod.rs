@@ -51,6 +51,21 @@ pub fn pdmesh_bin() -> std::ffi::OsString {
     std::env::var_os("PDMESH_TEST_BIN").unwrap_or_else(|| env!("CARGO_BIN_EXE_pdmesh").into())
 }
 
+/// A fresh run dir `<tmp>/<prefix>-<pid>-<http>` holding `topology-in.toml`: one node `main`
+/// on `http` and `base`, with `node_extra` appended to its table. Returns (run dir, topology).
+pub fn one_node_run_dir(prefix: &str, http: u16, base: u16, node_extra: &str) -> (PathBuf, PathBuf) {
+    let run_dir = std::env::temp_dir().join(format!("{prefix}-{}-{http}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let topology = run_dir.join("topology-in.toml");
+    let text = format!(
+        "run_dir = {:?}\n[[nodes]]\nname = \"main\"\nhttp_port = {http}\nbase_port = {base}\n{node_extra}\n",
+        run_dir.display().to_string()
+    );
+    std::fs::write(&topology, text).unwrap();
+    (run_dir, topology)
+}
+
 /// A side-channel port range of this mesh (8 ports), apart from the HTTP and base ranges.
 pub fn side_ports(http_port: u16) -> u16 {
     61000 + ((http_port - 18000) * 2) % 4000
