@@ -428,9 +428,9 @@ pub async fn start(
             // P serves its side channel and block server only to peers that know the mesh
             // secret, and D presents it: without one, no P/D (docs/SECURITY.md).
             let mesh_secret = pdmesh_mesh_auth::MeshSecret::resolve(topology.mesh_secret_file.as_deref())
-                .map_err(|e| WorkerError::Model(e.to_string()))?
+                .map_err(|e| WorkerError::Setting(format!("mesh secret: {e}")))?
                 .ok_or_else(|| {
-                    WorkerError::Model(format!(
+                    WorkerError::Setting(format!(
                         "no mesh secret: set {} (e.g. `openssl rand -hex 32`) or the topology's mesh_secret_file \
                          (pdmesh up generates one per run)",
                         pdmesh_mesh_auth::MESH_SECRET_ENV

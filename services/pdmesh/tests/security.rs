@@ -259,6 +259,7 @@ fn foreign_peers_get_nothing_from_p_and_the_real_request_completes() {
 
 /// A P/D connector-worker started on its own (not by `pdmesh up`) without a mesh secret does
 /// not start at all: it would otherwise serve its side channel to anyone, or be unable to read.
+/// It is a configuration error (exit status 78), so `pdmesh up` stops instead of restarting it.
 #[test]
 fn a_pd_worker_without_a_mesh_secret_refuses_to_start() {
     let dir = std::env::temp_dir().join(format!("pdmesh-nosecret-{}", std::process::id()));
@@ -277,6 +278,7 @@ fn a_pd_worker_without_a_mesh_secret_refuses_to_start() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "started without a secret: {stderr}");
+    assert_eq!(out.status.code(), Some(78), "a configuration error: {stderr}");
     assert!(stderr.contains("PDMESH_MESH_SECRET"), "the error says what to set: {stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
