@@ -41,6 +41,10 @@ PDMESH_BIN_DIR="${CARGO_TARGET_DIR:-target}/release" ./loadtest/scenarios/smoke.
 PDMESH_BIN_DIR="${CARGO_TARGET_DIR:-target}/release" ./loadtest/scenarios/selfcheck.sh
 # The Kubernetes manifests parse and their selectors, labels and ports agree.
 python3 scripts/check-k8s.py
+# Coverage-guided fuzzing of every parser of outside bytes (envelope, side channel, tcp data
+# plane, HTTP bodies), 20 s a target; fails on any crash or hang (docs/SECURITY.md). Reuses
+# the release build above for every third-party crate.
+./scripts/fuzz.sh short
 # docker compose up of deploy/docker-compose.yml on this machine's engine (skipped, with the
 # reason, when there is none); reuses the release binaries built above.
 ./scripts/compose-test.sh

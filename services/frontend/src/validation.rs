@@ -10,6 +10,8 @@ use serde_json::Value;
 
 use crate::error::ApiError;
 use crate::openai::{ChatMessageIn, StreamOptions};
+use crate::server::AppState;
+use crate::FrontendOptions;
 
 /// Most stop strings a request may carry (OpenAI's limit).
 pub const MAX_STOP_STRINGS: usize = 4;
@@ -43,6 +45,40 @@ pub struct SamplingInput<'a> {
     pub logit_bias: Option<&'a serde_json::Map<String, Value>>,
     pub min_tokens: Option<i64>,
     pub kv_transfer_params: Option<&'a Value>,
+}
+
+/// What a generation request is checked against: the served model's options and its codec.
+/// Each endpoint's `validate_request` takes it instead of the whole [`AppState`], so the
+/// JSON body → engine parameters path is a pure function (unit tests and the `http_body`
+/// fuzz target drive it without a server).
+#[derive(Clone, Copy)]
+pub struct ModelLimits<'a> {
+    pub options: &'a FrontendOptions,
+    pub codec: &'a dyn TextCodec,
+    /// Token ids at or above it are refused ([`AppState::vocab_size`]).
+    pub vocab_size: u32,
+}
+
+impl std::fmt::Debug for ModelLimits<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelLimits").field("options", self.options).field("vocab_size", &self.vocab_size).finish()
+    }
+}
+
+impl<'a> From<&'a AppState> for ModelLimits<'a> {
+    fn from(state: &'a AppState) -> Self {
+        Self { options: &state.options, codec: &*state.codec, vocab_size: state.vocab_size() }
+    }
+}
+
+/// A generation request that passed validation: what `generate::prepare` turns into an
+/// engine request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidatedRequest {
+    pub params: ValidatedParams,
+    pub prompt: Vec<u32>,
+    /// `max_tokens` settled against the context ([`resolve_max_tokens`]).
+    pub max_tokens: u32,
 }
 
 /// Validated parameters of a generation request (the prompt comes separately).

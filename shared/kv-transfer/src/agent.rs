@@ -305,7 +305,7 @@ fn prepare_ipc(endpoint: &str) {
 /// never leave P: another peer cannot name (and so cannot ride) an authenticated session. A
 /// session ends when its connection does; a reconnect authenticates again.
 #[derive(Default)]
-struct Sessions {
+pub(crate) struct Sessions {
     peers: std::collections::HashMap<Vec<u8>, PeerAuth>,
 }
 
@@ -436,28 +436,7 @@ async fn serve_side_channel(
         }
         let peer = frames.remove(0);
         let Some(frame) = frames.pop() else { continue };
-        let reply = match Envelope::decode(&frame) {
-            Ok(env) => match authenticate(&served, &mut sessions, &peer, &env) {
-                Some(step) => env.reply(step).encode().ok(),
-                None => {
-                    // A span per side-channel message, child of the reader's span on D, so the
-                    // handshake, lease and read done of one request join its trace across nodes.
-                    let span = pdmesh_telemetry::trace::child_of(
-                        tracing::info_span!("kv.side_channel", otel.kind = "server",
-                            otel.name = %format_args!("kv.serve.{}", env.body.kind()), message = env.body.kind(),
-                            request_id = tracing::field::Empty),
-                        &env.trace,
-                    );
-                    span.in_scope(|| answer(&served, &env))
-                }
-            },
-            Err(e) => {
-                AgentStats::inc(&served.stats.decode_errors);
-                tracing::warn!(error = %e, "side channel: dropping undecodable frame");
-                continue;
-            }
-        };
-        let Some(bytes) = reply else { continue };
+        let Some(bytes) = handle_frame(&served, &mut sessions, &peer, &frame) else { continue };
         let mut out = ZmqMessage::from(bytes);
         out.push_front(peer);
         match tokio::time::timeout(Duration::from_secs(5), socket.send(out)).await {
@@ -466,6 +445,34 @@ async fn serve_side_channel(
             Err(_) => tracing::warn!("side channel: answer not accepted within 5 s"),
         }
     }
+}
+
+/// The encoded answer to one side-channel frame from `peer`: decode, authenticate (the
+/// handshake's steps, or the refusal of a peer that has not authenticated), dispatch, encode.
+/// `None` when nothing is to be sent (an undecodable frame, counted and dropped; or a fault
+/// that withholds the answer). The socket loop only moves frames around it, so this is also
+/// what the fuzz targets drive (`fuzz/`, through `crate::fuzzing`).
+pub(crate) fn handle_frame(served: &Served, sessions: &mut Sessions, peer: &[u8], frame: &[u8]) -> Option<Vec<u8>> {
+    let env = match Envelope::decode(frame) {
+        Ok(env) => env,
+        Err(e) => {
+            AgentStats::inc(&served.stats.decode_errors);
+            tracing::warn!(error = %e, "side channel: dropping undecodable frame");
+            return None;
+        }
+    };
+    if let Some(step) = authenticate(served, sessions, peer, &env) {
+        return env.reply(step).encode().ok();
+    }
+    // A span per side-channel message, child of the reader's span on D, so the handshake,
+    // lease and read done of one request join its trace across nodes.
+    let span = pdmesh_telemetry::trace::child_of(
+        tracing::info_span!("kv.side_channel", otel.kind = "server",
+            otel.name = %format_args!("kv.serve.{}", env.body.kind()), message = env.body.kind(),
+            request_id = tracing::field::Empty),
+        &env.trace,
+    );
+    span.in_scope(|| answer(served, &env))
 }
 
 /// Count a message that carried the wrong capability token for a held request.

@@ -35,6 +35,10 @@ pub mod compat;
 pub use pdmesh_cuda_kv as cuda;
 pub mod error;
 pub mod fault;
+/// The fuzz targets' entry points (`fuzz/`); only with the `fuzzing` feature.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod hold;
 mod layout;
 pub mod local;

@@ -88,9 +88,9 @@ pub(crate) async fn serve_blocks(
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
+                Ok((stream, peer)) => {
                     let _ = stream.set_nodelay(true);
-                    conns.spawn(serve_connection(stream, region.clone(), spec, served.clone()));
+                    conns.spawn(serve_connection(stream, peer.to_string(), region.clone(), spec, served.clone()));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "block server: accept failed");
@@ -104,7 +104,10 @@ pub(crate) async fn serve_blocks(
 
 /// P's side of the mesh handshake on a new connection: `Ok` once the peer proved it knows the
 /// mesh secret; otherwise the peer got one refusal (and the caller closes the connection).
-async fn authenticate_peer(stream: &mut TcpStream, secret: &MeshSecret) -> Result<(), String> {
+pub(crate) async fn authenticate_peer<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    secret: &MeshSecret,
+) -> Result<(), String> {
     let refuse = |detail: &str| Message::Error(pdmesh_mesh_auth::refusal(detail));
     let hello = match read_frame_limited(stream, MAX_AUTH_FRAME).await {
         Ok(Some(env)) => env,
@@ -141,14 +144,22 @@ async fn authenticate_peer(stream: &mut TcpStream, secret: &MeshSecret) -> Resul
     }
 }
 
-async fn serve_connection(mut stream: TcpStream, region: Arc<ShmReadOnly>, spec: KvCacheSpec, served: Arc<Served>) {
+/// Answer one connection's block reads until it ends, once its peer (`peer`, for the log)
+/// authenticated. Generic over the stream so the fuzz targets drive this very function over
+/// an in-memory stream.
+pub(crate) async fn serve_connection<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    peer: String,
+    region: Arc<ShmReadOnly>,
+    spec: KvCacheSpec,
+    served: Arc<Served>,
+) {
     let stats = &served.stats;
     let authenticated = tokio::time::timeout(AUTH_TIMEOUT, authenticate_peer(&mut stream, &served.secret)).await;
     if let Err(why) = authenticated.unwrap_or_else(|_| Err("no handshake within the time limit".into())) {
         AgentStats::inc(&stats.tcp_unauthenticated);
         pdmesh_mesh_auth::metrics::unauthenticated(Channel::TcpData);
         if let Some(suppressed) = TCP_AUTH_LOG.allow() {
-            let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
             tracing::warn!(%peer, reason = %why, suppressed, "block server: refused an unauthenticated connection");
         }
         return;
@@ -215,6 +226,15 @@ async fn serve_connection(mut stream: TcpStream, region: Arc<ShmReadOnly>, spec:
 }
 
 fn check_request(req: &XferReadBlocks, spec: &KvCacheSpec, served: &Served) -> Result<(), XferLeaseRefused> {
+    // A lease covers distinct blocks of one request, so an honest read names at most the whole
+    // cache. Without this bound a lease holder could name a covered block millions of times in
+    // one frame and make P build (and stream) a run list many times its cache.
+    if req.block_ids.len() > spec.num_blocks as usize {
+        return Err(XferLeaseRefused {
+            reason: LeaseRefusalReason::LeaseInvalid,
+            detail: format!("a read of {} blocks exceeds the cache ({} blocks)", req.block_ids.len(), spec.num_blocks),
+        });
+    }
     if let Some(b) = req.block_ids.iter().find(|b| **b >= spec.num_blocks) {
         return Err(XferLeaseRefused {
             reason: LeaseRefusalReason::LeaseInvalid,
@@ -249,7 +269,7 @@ fn collect_runs<'a>(
 }
 
 /// Write every run with `writev`, up to [`IOV_BATCH`] runs per call, resuming partial writes.
-async fn write_runs(stream: &mut TcpStream, runs: &[&[u8]]) -> std::io::Result<()> {
+async fn write_runs<W: AsyncWrite + Unpin>(stream: &mut W, runs: &[&[u8]]) -> std::io::Result<()> {
     for batch in runs.chunks(IOV_BATCH) {
         let mut slices: Vec<IoSlice<'_>> = batch.iter().map(|r| IoSlice::new(r)).collect();
         let mut pending = &mut slices[..];
@@ -409,7 +429,10 @@ impl TcpReader {
 
 /// D's side of the mesh handshake on a new block server connection: P must prove it knows the
 /// mesh secret before D asks it for anything, and D proves it too.
-pub(crate) async fn authenticate_to(stream: &mut TcpStream, secret: &MeshSecret) -> Result<(), String> {
+pub(crate) async fn authenticate_to<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    secret: &MeshSecret,
+) -> Result<(), String> {
     let (client, hello) = ClientHello::new(Channel::TcpData);
     write_frame(stream, &Envelope::new(Message::AuthHello(hello))).await.map_err(|e| e.to_string())?;
     let challenge = match read_frame_limited(stream, MAX_AUTH_FRAME).await {
@@ -456,6 +479,80 @@ async fn receive_into(stream: &TcpStream, runs: &mut [&mut [u8]]) -> Result<u64,
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fault::FaultConfig;
+    use crate::hold::{HoldTable, LeasePolicy};
+    use crate::shm::ShmRegion;
+    use pdmesh_protocol::{AgentMetadata, TransferBackend};
+
+    /// Found by the `tcp_server` fuzz target: a lease holder could name one covered block over
+    /// and over, and P would build a run list (and a stream) many times its cache. Fails
+    /// without the bound in `check_request` (the nine-block read is then served: 36 runs of an
+    /// eight-block cache). Runs the real handshake first, with the request's capability token,
+    /// so the read reaches the lease check.
+    #[tokio::test]
+    async fn a_read_naming_more_blocks_than_the_cache_is_refused() {
+        let spec = KvCacheSpec { num_layers: 2, num_blocks: 8, block_size: 1, num_kv_heads: 1, head_dim: 1 };
+        let dir = std::env::temp_dir().join(format!("pdmesh-tcp-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("repeat.kv");
+        let _region = ShmRegion::create_at(&path, crate::layout::region_bytes(&spec)).unwrap();
+        let readonly = Arc::new(ShmRegion::open_readonly(&path).unwrap());
+        let mut table = HoldTable::default();
+        let now = Instant::now();
+        let token = pdmesh_mesh_auth::new_capability();
+        table.hold_with_capability("r", vec![1, 2], vec![1, 1], now + Duration::from_secs(60), token.clone());
+        let lease_id = table.grant("r", &[1, 2], &[1, 1], "d", now).unwrap().lease_id;
+        let metadata = AgentMetadata {
+            engine_id: "p".into(),
+            agent_name: "a".into(),
+            rank: 0,
+            backend: TransferBackend::Tcp { host: "127.0.0.1".into(), port: 1 },
+            layout: pdmesh_protocol::KV_LAYOUT.into(),
+            num_layers: spec.num_layers,
+            num_blocks: spec.num_blocks,
+            block_size: spec.block_size,
+            num_kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+            dtype: pdmesh_protocol::KV_DTYPE_F32.into(),
+            bytes_per_block: spec.bytes_per_block(),
+            compat_hash: "h".into(),
+            protocol_version: pdmesh_protocol::TRANSFER_VERSION,
+        };
+        let secret = MeshSecret::generate();
+        let served = Arc::new(Served {
+            metadata,
+            policy: Arc::new(std::sync::Mutex::new(table)),
+            faults: FaultConfig::none(),
+            stats: Arc::new(AgentStats::default()),
+            secret: secret.clone(),
+        });
+        let (mut client, server) = tokio::io::duplex(1 << 16);
+        let task = tokio::spawn(serve_connection(server, "test".into(), readonly, spec, served));
+        authenticate_to(&mut client, &secret).await.unwrap();
+        let read = |block_ids: Vec<u32>| {
+            Envelope::new(Message::XferReadBlocks(XferReadBlocks {
+                p_request_id: "r".into(),
+                lease_id,
+                block_ids,
+                capability: token.clone(),
+            }))
+        };
+        // Nine reads of a covered block exceed the eight-block cache: refused, nothing streamed.
+        write_frame(&mut client, &read(vec![1; 9])).await.unwrap();
+        let answer = read_frame(&mut client).await.unwrap().unwrap();
+        assert!(
+            matches!(&answer.body, Message::XferLeaseRefused(r) if r.reason == LeaseRefusalReason::LeaseInvalid),
+            "{answer:?}"
+        );
+        // Within the bound the read is served, so the refusal above is the bound's.
+        write_frame(&mut client, &read(vec![1, 2, 1])).await.unwrap();
+        let answer = read_frame(&mut client).await.unwrap().unwrap();
+        let run = run_bytes(&spec) as u64;
+        assert_eq!(answer.body, Message::XferReadReady(XferReadReady { blocks: 3, bytes: 3 * 4 * run }));
+        drop(client);
+        task.await.unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[tokio::test]
     async fn frames_round_trip_and_oversize_is_refused() {

@@ -20,7 +20,9 @@ fn params() -> KvTransferParams {
     }
 }
 
-fn every_message() -> Vec<Message> {
+/// One (or more) of every message: the round-trip test below and the fuzz seeds (`fuzz/`, which
+/// includes this file) both use it, so a new message is fuzzed from a real frame once it is here.
+pub fn every_message() -> Vec<Message> {
     let sampling = SamplingParams { seed: Some(3), logprobs: Some(2), stop_token_ids: vec![5], ..Default::default() };
     let logprobs = TokenLogprobs { logprob: -0.5, top: vec![(1, -0.5), (2, -1.5)] };
     let kv_out = KvConnectorOutput {

@@ -12,7 +12,7 @@ use crate::openai::ChatCompletionRequest;
 use crate::server::AppState;
 use crate::validation::{
     chat_logprobs, chat_messages, check_model, render_chat, resolve_max_tokens, validate_params, MaxTokensDefault,
-    SamplingInput,
+    ModelLimits, SamplingInput, ValidatedRequest,
 };
 
 /// The handler.
@@ -33,9 +33,16 @@ fn validate(
     state: &AppState,
     arrival: Instant,
 ) -> Result<Prepared, ApiError> {
-    check_model(body.model.as_deref(), &state.options.served_model_name)?;
+    let v = validate_request(&body, &ModelLimits::from(state))?;
+    Ok(prepare(Api::Chat, meta, v.params, v.prompt, v.max_tokens, state, arrival))
+}
+
+/// The request body → engine parameters, the rendered and tokenised prompt, and `max_tokens`;
+/// or the refusal. Pure (no I/O, no shared state).
+pub fn validate_request(body: &ChatCompletionRequest, limits: &ModelLimits<'_>) -> Result<ValidatedRequest, ApiError> {
+    check_model(body.model.as_deref(), &limits.options.served_model_name)?;
     crate::validation::check_beam_search(body.use_beam_search, body.stream)?;
-    let vocab = state.vocab_size();
+    let vocab = limits.vocab_size;
     // `max_completion_tokens` supersedes the deprecated `max_tokens` (vLLM's precedence).
     let (max_tokens, max_tokens_param) = match body.max_completion_tokens {
         Some(m) => (Some(m), "max_completion_tokens"),
@@ -65,13 +72,13 @@ fn validate(
     };
     let params = validate_params(&input, vocab)?;
     let messages = chat_messages(&body.messages)?;
-    let prompt = render_chat(&*state.codec, &messages, vocab)?;
+    let prompt = render_chat(limits.codec, &messages, vocab)?;
     let max_tokens = resolve_max_tokens(
         u32::try_from(prompt.len()).unwrap_or(u32::MAX),
         params.requested_max_tokens,
         MaxTokensDefault::RestOfContext,
-        state.options.max_model_len,
+        limits.options.max_model_len,
         "messages",
     )?;
-    Ok(prepare(Api::Chat, meta, params, prompt, max_tokens, state, arrival))
+    Ok(ValidatedRequest { params, prompt, max_tokens })
 }

@@ -12,7 +12,7 @@ use crate::openai::CompletionRequest;
 use crate::server::AppState;
 use crate::validation::{
     check_model, completion_logprobs, completion_prompt, resolve_max_tokens, validate_params, MaxTokensDefault,
-    SamplingInput, DEFAULT_COMPLETION_MAX_TOKENS,
+    ModelLimits, SamplingInput, ValidatedRequest, DEFAULT_COMPLETION_MAX_TOKENS,
 };
 
 /// The handler.
@@ -33,7 +33,14 @@ fn validate(
     state: &AppState,
     arrival: Instant,
 ) -> Result<Prepared, ApiError> {
-    check_model(body.model.as_deref(), &state.options.served_model_name)?;
+    let v = validate_request(&body, &ModelLimits::from(state))?;
+    Ok(prepare(Api::Completion, meta, v.params, v.prompt, v.max_tokens, state, arrival))
+}
+
+/// The request body → engine parameters, the tokenised prompt, and `max_tokens`; or the
+/// refusal. Pure (no I/O, no shared state).
+pub fn validate_request(body: &CompletionRequest, limits: &ModelLimits<'_>) -> Result<ValidatedRequest, ApiError> {
+    check_model(body.model.as_deref(), &limits.options.served_model_name)?;
     if body.echo == Some(true) {
         return Err(ApiError::invalid("`echo` is not supported by this server.", "echo"));
     }
@@ -44,7 +51,7 @@ fn validate(
     if let Some(b) = body.best_of.filter(|&b| b != 1) {
         return Err(ApiError::invalid(format!("best_of must be 1, got {b}."), "best_of"));
     }
-    let vocab = state.vocab_size();
+    let vocab = limits.vocab_size;
     let input = SamplingInput {
         max_tokens: body.max_tokens,
         max_tokens_param: "max_tokens",
@@ -68,13 +75,13 @@ fn validate(
         kv_transfer_params: body.kv_transfer_params.as_ref(),
     };
     let params = validate_params(&input, vocab)?;
-    let prompt = completion_prompt(body.prompt.as_ref(), &*state.codec, vocab)?;
+    let prompt = completion_prompt(body.prompt.as_ref(), limits.codec, vocab)?;
     let max_tokens = resolve_max_tokens(
         u32::try_from(prompt.len()).unwrap_or(u32::MAX),
         params.requested_max_tokens,
         MaxTokensDefault::Fixed(DEFAULT_COMPLETION_MAX_TOKENS),
-        state.options.max_model_len,
+        limits.options.max_model_len,
         "prompt",
     )?;
-    Ok(prepare(Api::Completion, meta, params, prompt, max_tokens, state, arrival))
+    Ok(ValidatedRequest { params, prompt, max_tokens })
 }

@@ -17,10 +17,11 @@ use crate::generate::{prepare, unix_now, Api, Prepared};
 use crate::handlers::{remote_prefill_params, serve_with};
 use crate::headers::RequestMeta;
 use crate::openai::ResponsesRequest;
-use crate::responses::{answer, ResponseContext};
+use crate::responses::{answer, ResponseContext, ResponseStore};
 use crate::server::AppState;
 use crate::validation::{
-    check_model, render_chat, resolve_max_tokens, validate_params, MaxTokensDefault, SamplingInput,
+    check_model, render_chat, resolve_max_tokens, validate_params, MaxTokensDefault, ModelLimits, SamplingInput,
+    ValidatedRequest,
 };
 
 /// `POST /v1/responses`.
@@ -63,8 +64,35 @@ fn validate(
     state: &AppState,
     arrival: Instant,
 ) -> Result<(Prepared, ResponseContext), ApiError> {
-    check_model(body.model.as_deref(), &state.options.served_model_name)?;
-    let vocab = state.vocab_size();
+    let (v, messages) = validate_request(&body, &ModelLimits::from(state), &state.responses)?;
+    let ctx = ResponseContext {
+        id: format!("resp_{}", uuid::Uuid::new_v4().simple()),
+        message_id: format!("msg_{}", uuid::Uuid::new_v4().simple()),
+        created_at: unix_now(),
+        model: state.options.served_model_name.clone(),
+        instructions: body.instructions,
+        max_output_tokens: v.params.requested_max_tokens,
+        temperature: body.temperature,
+        top_p: body.top_p,
+        previous_response_id: body.previous_response_id,
+        store: body.store.unwrap_or(true),
+        messages,
+        store_handle: Arc::clone(&state.responses),
+    };
+    Ok((prepare(Api::Chat, meta, v.params, v.prompt, v.max_tokens, state, arrival), ctx))
+}
+
+/// The request body (with the stored turns of `previous_response_id` from `store`) → engine
+/// parameters, the rendered and tokenised prompt, and `max_tokens`, plus the conversation to
+/// store with the answer (without `instructions`); or the refusal. Pure apart from reading
+/// `store`.
+pub fn validate_request(
+    body: &ResponsesRequest,
+    limits: &ModelLimits<'_>,
+    store: &ResponseStore,
+) -> Result<(ValidatedRequest, Vec<ChatMessage>), ApiError> {
+    check_model(body.model.as_deref(), &limits.options.served_model_name)?;
+    let vocab = limits.vocab_size;
     let input = SamplingInput {
         max_tokens: body.max_output_tokens,
         max_tokens_param: "max_output_tokens",
@@ -77,7 +105,7 @@ fn validate(
     let params = validate_params(&input, vocab)?;
     let mut messages = match body.previous_response_id.as_deref() {
         Some(id) => {
-            let previous = state.responses.get(id).ok_or_else(|| ApiError::PreviousResponseNotFound(id.to_string()))?;
+            let previous = store.get(id).ok_or_else(|| ApiError::PreviousResponseNotFound(id.to_string()))?;
             let mut messages = previous.messages.clone();
             messages.push(ChatMessage { role: "assistant".into(), content: previous.output_text.clone() });
             messages
@@ -90,29 +118,15 @@ fn validate(
         rendered.push(ChatMessage { role: "system".into(), content: instructions.clone() });
     }
     rendered.extend(messages.iter().cloned());
-    let prompt = render_chat(&*state.codec, &rendered, vocab)?;
+    let prompt = render_chat(limits.codec, &rendered, vocab)?;
     let max_tokens = resolve_max_tokens(
         u32::try_from(prompt.len()).unwrap_or(u32::MAX),
         params.requested_max_tokens,
         MaxTokensDefault::RestOfContext,
-        state.options.max_model_len,
+        limits.options.max_model_len,
         "input",
     )?;
-    let ctx = ResponseContext {
-        id: format!("resp_{}", uuid::Uuid::new_v4().simple()),
-        message_id: format!("msg_{}", uuid::Uuid::new_v4().simple()),
-        created_at: unix_now(),
-        model: state.options.served_model_name.clone(),
-        instructions: body.instructions,
-        max_output_tokens: params.requested_max_tokens,
-        temperature: body.temperature,
-        top_p: body.top_p,
-        previous_response_id: body.previous_response_id,
-        store: body.store.unwrap_or(true),
-        messages,
-        store_handle: Arc::clone(&state.responses),
-    };
-    Ok((prepare(Api::Chat, meta, params, prompt, max_tokens, state, arrival), ctx))
+    Ok((ValidatedRequest { params, prompt, max_tokens }, messages))
 }
 
 /// `input` → messages: a string is one user message; an array holds message items.
