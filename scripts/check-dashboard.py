@@ -13,7 +13,8 @@ one; unit-test modules excluded), with their type and labels, and fails when:
 - a label matcher or `by (...)` names a label neither the metric nor the scrape config
   (deploy/prometheus.yml target labels, `job`, `instance`; `le` on buckets) gives it;
 - `rate`/`irate`/`increase` is taken of a gauge, or `histogram_quantile` aggregates without `le`;
-- an expression uses a `$variable` the dashboard does not define;
+- an expression uses a `$variable` the dashboard does not define, or a panel's title or
+  description names a `pdmesh_*` metric the code does not define;
 - two panels share an id, or a panel (other than a row) has no datasource, or its datasource
   is neither `${DS_PROMETHEUS}` nor the provisioned datasource's uid;
 - a provisioning file points to a path that docker-compose.yml does not mount from an
@@ -183,6 +184,7 @@ def check_expr(expr, where, ctx):
     expr = re.sub(r",\s*([A-Za-z_][A-Za-z0-9_]*)\s*\)\s*$", ")", expr)
     series_labels = set()
     by_lists = []
+    unknown = False
     for metric, labels, func in scan(expr):
         if metric == "#by":
             by_lists.append(labels)
@@ -201,6 +203,7 @@ def check_expr(expr, where, ctx):
                     known = ctx["code"][base]
         if not known:
             problems.append(f"{where}: {metric} is not a metric the code defines")
+            unknown = True
             continue
         typ, own_labels = known[0], set(known[1])
         if suffix and typ != "histogram":
@@ -217,7 +220,7 @@ def check_expr(expr, where, ctx):
         if func in RATE_FUNCS and typ == "gauge":
             problems.append(f"{where}: {func}() of the gauge {metric}")
         series_labels |= allowed
-    for labels in by_lists:
+    for labels in by_lists if not unknown else []:
         for lab in sorted(labels - series_labels):
             problems.append(f"{where}: groups by {lab!r}, which none of its series carries")
     if "histogram_quantile" in expr and by_lists and not any("le" in b for b in by_lists):
@@ -349,6 +352,10 @@ def check_dashboard(dash, ctx):
             uid = d.get("uid") if isinstance(d, dict) else d
             if uid and uid not in ctx["ds_uids"]:
                 problems.append(f"panel {title!r}: datasource uid {uid!r} is neither ${{DS_PROMETHEUS}} nor provisioned")
+        for word in re.findall(r"\bpdmesh_[a-z0-9_]+", f"{title} {p.get('description', '')}"):
+            base = re.sub(r"_(bucket|sum|count)$", "", word) if word not in ctx["code"] else word
+            if base not in ctx["code"]:
+                problems.append(f"panel {title!r}: its title or description names {word}, which the code does not define")
         targets = p.get("targets") or []
         if not targets:
             problems.append(f"panel {title!r} has no query")
