@@ -62,6 +62,9 @@ services:
       interval: 1s
       retries: 30
 YAML
+# Default services only: the metrics profile (Prometheus, Grafana) needs images this test cannot
+# pull, so a COMPOSE_PROFILES from the environment must not reach compose here.
+unset COMPOSE_PROFILES
 compose() { "${COMPOSE[@]}" -p "$PROJECT" -f deploy/docker-compose.yml -f "$WORK/override.yml" "$@"; }
 cleanup() {
   local rc=$?

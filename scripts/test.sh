@@ -41,6 +41,10 @@ PDMESH_BIN_DIR="${CARGO_TARGET_DIR:-target}/release" ./loadtest/scenarios/smoke.
 PDMESH_BIN_DIR="${CARGO_TARGET_DIR:-target}/release" ./loadtest/scenarios/selfcheck.sh
 # The Kubernetes manifests parse and their selectors, labels and ports agree.
 python3 scripts/check-k8s.py
+# The Grafana dashboard queries only metrics the code defines and docs/METRICS.md lists, with
+# labels they carry; its provisioning points at files compose mounts (docs/METRICS.md, D48).
+# --selftest: known-bad expressions must each be refused.
+python3 scripts/check-dashboard.py --selftest
 # Coverage-guided fuzzing of every parser of outside bytes (envelope, side channel, tcp data
 # plane, HTTP bodies), 20 s a target; fails on any crash or hang (docs/SECURITY.md). Reuses
 # the release build above for every third-party crate.
