@@ -125,7 +125,9 @@ impl Selection {
                 env::MESH_SECRET
             ));
         }
-        if client_keys && !internal_given && self.has_role(topo, &[NodeRole::Router, NodeRole::Prefill, NodeRole::Decode])
+        if client_keys
+            && !internal_given
+            && self.has_role(topo, &[NodeRole::Router, NodeRole::Prefill, NodeRole::Decode])
         {
             return Err(format!(
                 "--node {nodes} starts part of a mesh with client API keys: the router and the P/D nodes started \

@@ -47,12 +47,8 @@ fn topology(run_dir: &Path, (h1, b1): (u16, u16), (h2, b2): (u16, u16)) -> (Stri
             side + 2
         )
     };
-    let ports = Ports {
-        router: h1,
-        p: [h1 + 1, h2],
-        d: [h1 + 2, h2 + 1],
-        p_worker_metrics: [b1 + 20 + 112, b2 + 20 + 112],
-    };
+    let ports =
+        Ports { router: h1, p: [h1 + 1, h2], d: [h1 + 2, h2 + 1], p_worker_metrics: [b1 + 20 + 112, b2 + 20 + 112] };
     let text = format!(
         "run_dir = {:?}\n\
          [[nodes]]\nname = \"router\"\nrole = \"router\"\nhttp_port = {h1}\nbase_port = {b1}\n\
@@ -155,7 +151,8 @@ fn three_up_processes_serve_one_scaleout_mesh() {
         assert!(meshes[0].wait_ready_on(*port), "node on :{port} not ready; logs in {}", run_dir.display());
     }
     common::wait_for("the router is healthy", || {
-        reqwest::blocking::get(format!("http://127.0.0.1:{}/health", ports.router)).is_ok_and(|r| r.status().is_success())
+        reqwest::blocking::get(format!("http://127.0.0.1:{}/health", ports.router))
+            .is_ok_and(|r| r.status().is_success())
     });
     let colocated = Mesh::start(SETTINGS, "", &[]);
 

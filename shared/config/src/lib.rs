@@ -1019,9 +1019,14 @@ mod tests {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/topology/scaleout.toml");
         let t = Topology::load(&path).unwrap();
         let role = |r: NodeRole| t.nodes.iter().filter(move |n| n.role == r);
-        assert_eq!((role(NodeRole::Router).count(), role(NodeRole::Prefill).count(), role(NodeRole::Decode).count()), (1, 2, 2));
+        assert_eq!(
+            (role(NodeRole::Router).count(), role(NodeRole::Prefill).count(), role(NodeRole::Decode).count()),
+            (1, 2, 2)
+        );
         let router = role(NodeRole::Router).next().unwrap();
-        let urls = |r: NodeRole| -> Vec<String> { role(r).map(|n| format!("http://{}:{}", n.http_host, n.http_port)).collect() };
+        let urls = |r: NodeRole| -> Vec<String> {
+            role(r).map(|n| format!("http://{}:{}", n.http_host, n.http_port)).collect()
+        };
         assert_eq!(router.router.prefill, urls(NodeRole::Prefill));
         assert_eq!(router.router.decode, urls(NodeRole::Decode));
         let mut engine_ids = std::collections::BTreeSet::new();
