@@ -3,7 +3,11 @@
 //!
 //! Every child's output goes to `<run_dir>/logs/<node>.<service>[.<rank>].log`. The live
 //! process table is kept in `<run_dir>/mesh.json` (service, node, rank, pid, log), so operators
-//! and tests can find a process. A child that dies is reported loudly with its exit status and,
+//! and tests can find a process. `--node NAME…` starts only the named nodes, so one topology
+//! drives several hosts (each runs `pdmesh up --node` for its own nodes): that process's table is
+//! `<run_dir>/mesh.<node>+<node>….json`, apart from any other `pdmesh up` sharing the run dir,
+//! and the nodes it starts must share the mesh secret (and the internal API key, with client
+//! keys) with the others, so it refuses to start without them (D50). A child that dies is reported loudly with its exit status and,
 //! unless `--no-restart`, started again after an exponential backoff (reset once it ran
 //! [`STABLE_AFTER`]); the rest of the mesh keeps serving. A child that exits on a configuration
 //! error ([`pdmesh_config::EXIT_CONFIG`]) stops the whole mesh instead, with its last log lines
@@ -51,8 +55,100 @@ pub struct UpArgs {
     /// past its deadline reports it itself before it is killed).
     #[arg(long)]
     shutdown_timeout_s: Option<u64>,
+    /// Start only these nodes of the topology (repeatable, or a comma list), so that one
+    /// topology file drives several hosts, each starting its own nodes. Default: every node.
+    /// A subset with a prefill or decode node needs the mesh's shared secret
+    /// (`PDMESH_MESH_SECRET` or `mesh_secret_file`), and with client API keys a subset with a
+    /// router, prefill or decode node needs `PDMESH_INTERNAL_API_KEY` (docs/SECURITY.md).
+    #[arg(long = "node", value_name = "NAME", value_delimiter = ',')]
+    nodes: Vec<String>,
     #[command(flatten)]
     keys: ApiKeyArgs,
+}
+
+/// The nodes one `pdmesh up` starts: every node of the topology, or those `--node` names.
+#[derive(Debug, PartialEq, Eq)]
+struct Selection {
+    /// Names of the nodes to start, in topology order.
+    names: Vec<String>,
+    /// Some nodes of the topology are left to other `pdmesh up` processes.
+    subset: bool,
+}
+
+impl Selection {
+    /// `--node` names checked against the topology: an unknown one is a configuration error
+    /// naming it and the known ones (a typo must not start a mesh that is missing a node).
+    fn of(topo: &Topology, wanted: &[String]) -> anyhow::Result<Selection> {
+        let wanted: Vec<&str> = wanted.iter().map(|n| n.trim()).filter(|n| !n.is_empty()).collect();
+        if wanted.is_empty() {
+            return Ok(Selection { names: topo.nodes.iter().map(|n| n.name.clone()).collect(), subset: false });
+        }
+        let known: Vec<&str> = topo.nodes.iter().map(|n| n.name.as_str()).collect();
+        if let Some(unknown) = wanted.iter().find(|w| !known.contains(w)) {
+            return Err(anyhow::anyhow!("no node named {unknown:?} in the topology (its nodes: {})", known.join(", "))
+                .context(Misconfigured("--node".into())));
+        }
+        let names: Vec<String> = known.iter().filter(|k| wanted.contains(k)).map(|k| k.to_string()).collect();
+        let subset = names.len() < known.len();
+        Ok(Selection { names, subset })
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.names.iter().any(|n| n == name)
+    }
+
+    /// Whether a node of one of `roles` is among those started.
+    fn has_role(&self, topo: &Topology, roles: &[NodeRole]) -> bool {
+        topo.nodes.iter().any(|n| self.contains(&n.name) && roles.contains(&n.role))
+    }
+
+    /// What a subset needs that a whole mesh can make up for itself: secrets shared with the
+    /// nodes other `pdmesh up` processes start. A fresh mesh secret per process would make P
+    /// and D refuse each other's handshakes; a fresh internal key per process would make P and
+    /// D refuse the router (401). `secret_given`: `PDMESH_MESH_SECRET` or `mesh_secret_file`;
+    /// `client_keys`: client API keys are set; `internal_given`: `PDMESH_INTERNAL_API_KEY`.
+    fn check_shared_secrets(
+        &self,
+        topo: &Topology,
+        secret_given: bool,
+        client_keys: bool,
+        internal_given: bool,
+    ) -> Result<(), String> {
+        if !self.subset {
+            return Ok(());
+        }
+        let nodes = self.names.join(",");
+        if !secret_given && self.has_role(topo, &[NodeRole::Prefill, NodeRole::Decode]) {
+            return Err(format!(
+                "--node {nodes} starts part of a P/D mesh: every `pdmesh up` of that mesh must share one mesh secret, \
+                 so set {} (or mesh_secret_file in the topology) to the same secret on every host",
+                env::MESH_SECRET
+            ));
+        }
+        if client_keys
+            && !internal_given
+            && self.has_role(topo, &[NodeRole::Router, NodeRole::Prefill, NodeRole::Decode])
+        {
+            return Err(format!(
+                "--node {nodes} starts part of a mesh with client API keys: the router and the P/D nodes started \
+                 apart must share one internal key, so set {} to the same key on every host",
+                env::INTERNAL_API_KEY
+            ));
+        }
+        Ok(())
+    }
+
+    /// Suffix of this process's files in the shared `run_dir` (`mesh.json`, the topology
+    /// copy): none for a whole mesh, `.<node>+<node>…` for a subset, so that several
+    /// `pdmesh up` of one topology on one host do not overwrite each other's. Logs and `ipc`
+    /// sockets are per node already.
+    fn file_suffix(&self) -> String {
+        if self.subset {
+            format!(".{}", self.names.join("+"))
+        } else {
+            String::new()
+        }
+    }
 }
 
 /// What every frontend child gets in its environment for API keys (and no other child).
@@ -156,9 +252,9 @@ pub fn run(args: UpArgs) -> anyhow::Result<()> {
     rt.block_on(supervise(args))
 }
 
-fn children_of(topo: &Topology, logs: &Path) -> Vec<ChildSpec> {
+fn children_of(topo: &Topology, selection: &Selection, logs: &Path) -> Vec<ChildSpec> {
     let mut out = Vec::new();
-    for node in &topo.nodes {
+    for node in topo.nodes.iter().filter(|n| selection.contains(&n.name)) {
         let services: Vec<Service> = if node.role == NodeRole::Router {
             vec![Service::Frontend]
         } else {
@@ -194,16 +290,16 @@ static MESH_SECRET: std::sync::OnceLock<pdmesh_mesh_auth::MeshSecret> = std::syn
 
 /// `PDMESH_MESH_SECRET`, else the topology's `mesh_secret_file`, else a fresh 256-bit secret for
 /// this run: a mesh started by `pdmesh up` is never open to peers without it.
-fn mesh_secret(topo: &Topology) -> anyhow::Result<pdmesh_mesh_auth::MeshSecret> {
-    match pdmesh_mesh_auth::MeshSecret::resolve(topo.mesh_secret_file.as_deref())? {
-        Some(secret) => Ok(secret),
+fn mesh_secret(given: Option<pdmesh_mesh_auth::MeshSecret>) -> pdmesh_mesh_auth::MeshSecret {
+    match given {
+        Some(secret) => secret,
         None => {
             tracing::info!(
                 "generated a fresh mesh secret for this run (set {} or mesh_secret_file to share one with \
                  nodes started elsewhere)",
                 env::MESH_SECRET
             );
-            Ok(pdmesh_mesh_auth::MeshSecret::generate())
+            pdmesh_mesh_auth::MeshSecret::generate()
         }
     }
 }
@@ -246,7 +342,7 @@ fn child_service_name(spec: &ChildSpec) -> String {
     }
 }
 
-fn write_state(run_dir: &Path, procs: &[Running]) {
+fn write_state(state: &Path, procs: &[Running]) {
     let entries: Vec<serde_json::Value> = procs
         .iter()
         .map(|p| {
@@ -258,9 +354,9 @@ fn write_state(run_dir: &Path, procs: &[Running]) {
         .collect();
     let text = serde_json::to_string_pretty(&serde_json::json!({ "up_pid": std::process::id(), "processes": entries }))
         .unwrap_or_default();
-    let tmp = run_dir.join("mesh.json.tmp");
+    let tmp = state.with_extension("json.tmp");
     if std::fs::write(&tmp, text).is_ok() {
-        let _ = std::fs::rename(&tmp, run_dir.join("mesh.json"));
+        let _ = std::fs::rename(&tmp, state);
     }
 }
 
@@ -287,12 +383,22 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
             "API keys required on every frontend"
         );
     }
-    let _ = MESH_SECRET.set(mesh_secret(&topo)?);
+    let selection = Selection::of(&topo, &args.nodes)?;
+    let given_secret = pdmesh_mesh_auth::MeshSecret::resolve(topo.mesh_secret_file.as_deref())?;
+    selection
+        .check_shared_secrets(&topo, given_secret.is_some(), !keys.client.is_empty(), keys.internal.is_some())
+        .map_err(|why| anyhow::Error::msg(why).context(Misconfigured("--node".into())))?;
+    if selection.subset {
+        tracing::info!(nodes = %selection.names.join(","), "starting only these nodes of the topology");
+    }
+    let _ = MESH_SECRET.set(mesh_secret(given_secret));
     let run_dir = topo.run_dir.clone();
     let logs = run_dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let suffix = selection.file_suffix();
+    let state = run_dir.join(format!("mesh{suffix}.json"));
     // Children read the same topology; write the effective one where they can find it.
-    let topology_path = run_dir.join("topology.toml");
+    let topology_path = run_dir.join(format!("topology{suffix}.toml"));
     let text = match &args.topology {
         Some(p) => std::fs::read_to_string(p)?,
         None => pdmesh_config::DEFAULT_TOPOLOGY.to_string(),
@@ -300,7 +406,7 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
     std::fs::write(&topology_path, text)?;
 
     let mut procs: Vec<Running> = Vec::new();
-    for spec in children_of(&topo, &logs) {
+    for spec in children_of(&topo, &selection, &logs) {
         let child =
             spawn(&spec, &topology_path, &run_dir, &key_env).with_context(|| format!("starting {}", spec.label()))?;
         let pid = child.id().unwrap_or(0);
@@ -308,8 +414,8 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
         let started_at = tokio::time::Instant::now();
         procs.push(Running { spec, child: Some(child), pid, restarts: 0, failures: 0, started_at, next_start: None });
     }
-    write_state(&run_dir, &procs);
-    for node in &topo.nodes {
+    write_state(&state, &procs);
+    for node in topo.nodes.iter().filter(|n| selection.contains(&n.name)) {
         let url = format!("http://{}:{}", node.http_host, node.http_port);
         tokio::spawn(announce_when_ready(node.name.clone(), url));
     }
@@ -394,7 +500,7 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
             }
         }
         if changed {
-            write_state(&run_dir, &procs);
+            write_state(&state, &procs);
         }
     }
 
@@ -429,7 +535,7 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
             }
         }
     }
-    let _ = std::fs::remove_file(run_dir.join("mesh.json"));
+    let _ = std::fs::remove_file(&state);
     if let Some(why) = misconfigured {
         return Err(anyhow::Error::msg(why).context(Misconfigured("the mesh stopped".into())));
     }
@@ -469,6 +575,78 @@ mod tests {
         let delays: Vec<u64> = (0..8).map(|f| restart_backoff(f).as_millis() as u64).collect();
         assert_eq!(delays, [500, 1000, 2000, 4000, 8000, 8000, 8000, 8000]);
         assert_eq!(restart_backoff(u32::MAX), RESTART_BACKOFF_CAP);
+    }
+
+    const MESH: &str = r#"
+[[nodes]]
+name = "router"
+role = "router"
+http_port = 9000
+router = { prefill = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"], decode = ["http://127.0.0.1:9003"] }
+[[nodes]]
+name = "p-a"
+role = "prefill"
+http_port = 9001
+kv_transfer = { kv_role = "kv_producer" }
+[[nodes]]
+name = "p-b"
+role = "prefill"
+http_port = 9002
+kv_transfer = { kv_role = "kv_producer" }
+[[nodes]]
+name = "d-a"
+role = "decode"
+http_port = 9003
+kv_transfer = { kv_role = "kv_consumer" }
+[[nodes]]
+name = "solo"
+http_port = 9004
+"#;
+
+    fn names(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    /// `--node` picks nodes in topology order, whatever order and list form it was given in;
+    /// no `--node` is the whole mesh; an unknown name is a configuration error that names it.
+    #[test]
+    fn node_selection_follows_the_topology() {
+        let topo = Topology::from_toml(MESH).unwrap();
+        let all = Selection::of(&topo, &[]).unwrap();
+        assert_eq!((all.names.len(), all.subset), (5, false));
+        assert_eq!(all.file_suffix(), "");
+        let some = Selection::of(&topo, &names(&["d-a", "p-a"])).unwrap();
+        assert_eq!(some, Selection { names: names(&["p-a", "d-a"]), subset: true });
+        assert_eq!(some.file_suffix(), ".p-a+d-a");
+        let every = Selection::of(&topo, &names(&["solo", "d-a", "p-b", "p-a", "router"])).unwrap();
+        assert!(!every.subset, "naming every node is the whole mesh");
+        let err = Selection::of(&topo, &names(&["p-a", "nosuch"])).unwrap_err();
+        assert!(err.downcast_ref::<Misconfigured>().is_some());
+        let msg = format!("{err:#}");
+        assert!(msg.contains("\"nosuch\"") && msg.contains("router, p-a, p-b, d-a, solo"), "{msg}");
+    }
+
+    /// A subset with a P or D node needs the shared mesh secret; with client keys, a subset
+    /// with a router, P or D node needs the shared internal key. A whole mesh, or a colocated
+    /// node alone, makes its own.
+    #[test]
+    fn a_subset_of_a_pd_mesh_needs_shared_secrets() {
+        let topo = Topology::from_toml(MESH).unwrap();
+        let sel = |v: &[&str]| Selection::of(&topo, &names(v)).unwrap();
+        let whole = sel(&[]);
+        assert_eq!(whole.check_shared_secrets(&topo, false, true, false), Ok(()));
+        let p = sel(&["p-a"]);
+        let err = p.check_shared_secrets(&topo, false, false, false).unwrap_err();
+        assert!(err.contains(env::MESH_SECRET) && err.contains("--node p-a"), "{err}");
+        assert_eq!(p.check_shared_secrets(&topo, true, false, false), Ok(()));
+        let err = p.check_shared_secrets(&topo, true, true, false).unwrap_err();
+        assert!(err.contains(env::INTERNAL_API_KEY), "{err}");
+        assert_eq!(p.check_shared_secrets(&topo, true, true, true), Ok(()));
+        let router = sel(&["router"]);
+        assert_eq!(router.check_shared_secrets(&topo, false, false, false), Ok(()), "a router holds no KV");
+        assert!(router.check_shared_secrets(&topo, false, true, false).is_err());
+        let solo = sel(&["solo"]);
+        assert_eq!(solo.check_shared_secrets(&topo, false, true, false), Ok(()));
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The tcp backend across two hosts: a P host and a D host made by the test as two network
-//! namespaces (`ip netns`) joined by a veth pair, P at 10.77.0.1 and D at 10.77.0.2. Each host
-//! runs its own `pdmesh up` on its own topology file: P's node on the P host, D's node and the
-//! router on the D host. D reaches P's side channel and block server only over the veth pair
+//! namespaces (`ip netns`) joined by a veth pair, P at 10.77.0.1 and D at 10.77.0.2. Both hosts
+//! read one topology file, and each host's `pdmesh up --node` starts its own nodes of it (D50):
+//! `--node p` on the P host, `--node router,d` on the D host. D reaches P's side channel and block server only over the veth pair
 //! (its only route to P), so every KV byte crosses it. The test reaches the router and P's
 //! `/debug/kv` over two more veth pairs from its own namespace (no route between those and the
 //! P–D link). Greedy output through the router must equal the same requests on a colocated node
@@ -155,18 +155,20 @@ struct HostMesh {
 }
 
 impl HostMesh {
-    fn start(ns: &str, name: &str, nodes: &str) -> HostMesh {
+    /// `pdmesh up --topology <topology> --node <nodes>` in namespace `ns`, with a run dir of
+    /// its own (each host has its own file system in a real deployment).
+    fn start(ns: &str, name: &str, topology: &std::path::Path, nodes: &str) -> HostMesh {
         let run_dir = std::env::temp_dir().join(format!("pdmesh-netns-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&run_dir);
         std::fs::create_dir_all(&run_dir).unwrap();
-        let path = run_dir.join("topology.toml");
-        std::fs::write(&path, format!("run_dir = {:?}\n{nodes}", run_dir.display().to_string())).unwrap();
         let up = Command::new("ip")
             .args(["netns", "exec", ns])
             .arg(env!("CARGO_BIN_EXE_pdmesh"))
             .arg("up")
             .arg("--topology")
-            .arg(&path)
+            .arg(topology)
+            .arg("--node")
+            .arg(nodes)
             .env("PDMESH_RUN_DIR", &run_dir)
             .env("RUST_LOG", "info")
             // Hosts started apart share the mesh's secret, as a real deployment does; each
@@ -257,26 +259,24 @@ fn tcp_transfer_between_two_network_namespaces() {
             "kv_transfer = {{ kv_role = \"{role}\", backend = \"tcp\", side_channel_host = \"{host}\", side_channel_port = 5600, data_port = 5700, hold_mode = \"fixed\" }}"
         )
     };
-    // P host: everything binds every address; peers are told 10.77.0.1 (the P–D link).
-    let p_mesh = HostMesh::start(
-        &hosts.p_ns,
-        "p",
-        &format!(
-            "[[nodes]]\nname = \"p\"\nrole = \"prefill\"\nhttp_host = \"0.0.0.0\"\nhttp_port = {P_PORT}\nbind_host = \"0.0.0.0\"\nbase_port = 7100\n{SETTINGS}\n{}\n",
-            kv("kv_producer", P_ADDR)
-        ),
-    );
-    // D host: D (two ranks) and the router, which reaches P over the P–D link.
-    let d_mesh = HostMesh::start(
-        &hosts.d_ns,
-        "d",
-        &format!(
-            "[[nodes]]\nname = \"router\"\nrole = \"router\"\nhttp_host = \"0.0.0.0\"\nhttp_port = {ROUTER_PORT}\nbase_port = 7500\n\
+    // One topology for both hosts. P: everything binds every address; peers are told
+    // 10.77.0.1 (the P–D link). D (two ranks) and the router, which reaches P over the P–D link,
+    // are on the D host. `run_dir` comes from each host's PDMESH_RUN_DIR.
+    let topology = std::env::temp_dir().join(format!("pdmesh-netns-{}-topology.toml", std::process::id()));
+    std::fs::write(
+        &topology,
+        format!(
+            "[[nodes]]\nname = \"p\"\nrole = \"prefill\"\nhttp_host = \"0.0.0.0\"\nhttp_port = {P_PORT}\nbind_host = \"0.0.0.0\"\nbase_port = 7100\n{SETTINGS}\n{}\n\n\
+             [[nodes]]\nname = \"router\"\nrole = \"router\"\nhttp_host = \"0.0.0.0\"\nhttp_port = {ROUTER_PORT}\nbase_port = 7500\n\
              router = {{ prefill = [\"http://{P_ADDR}:{P_PORT}\"], decode = [\"http://127.0.0.1:{D_PORT}\"] }}\n\n\
              [[nodes]]\nname = \"d\"\nrole = \"decode\"\nhttp_host = \"0.0.0.0\"\nhttp_port = {D_PORT}\nbind_host = \"0.0.0.0\"\nbase_port = 7300\ndp_size = 2\n{SETTINGS}\n{}\n",
+            kv("kv_producer", P_ADDR),
             kv("kv_consumer", D_ADDR)
         ),
-    );
+    )
+    .unwrap();
+    let p_mesh = HostMesh::start(&hosts.p_ns, "p", &topology, "p");
+    let d_mesh = HostMesh::start(&hosts.d_ns, "d", &topology, "router,d");
     let (p_url, d_url, router) = (
         format!("http://{}:{P_PORT}", hosts.p_from_root),
         format!("http://{}:{D_PORT}", hosts.d_from_root),
@@ -328,6 +328,17 @@ fn tcp_transfer_between_two_network_namespaces() {
     let logs = p_mesh.logs() + &d_mesh.logs();
     assert!(!logs.contains("panicked"), "a panic in the logs");
     assert!(logs.contains(&format!("tcp://{P_ADDR}:5600")), "D handshook with P's side channel on the P–D link");
+    // Each host ran only its own nodes of the shared file.
+    let nodes_of = |mesh: &HostMesh, file: &str| -> Vec<String> {
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(mesh.run_dir.join(file)).unwrap()).unwrap();
+        let mut n: Vec<String> =
+            v["processes"].as_array().unwrap().iter().map(|p| p["node"].as_str().unwrap().to_string()).collect();
+        n.dedup();
+        n
+    };
+    assert_eq!(nodes_of(&p_mesh, "mesh.p.json"), ["p"]);
+    assert_eq!(nodes_of(&d_mesh, "mesh.router+d.json"), ["router", "d"]);
     drop((d_mesh, p_mesh));
     drop(hosts);
+    let _ = std::fs::remove_file(&topology);
 }

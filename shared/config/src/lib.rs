@@ -975,6 +975,82 @@ mod tests {
         }
     }
 
+    /// Every port a node listens on, with what it is for: its HTTP port, its services'
+    /// `/metrics` ports, its internal tcp ports, and per rank its KV side channel and (tcp
+    /// backend) block server.
+    fn listening_ports(n: &NodeConfig, run_dir: &Path) -> Vec<(u16, String)> {
+        let mut out = vec![(n.http_port, format!("{} http", n.name))];
+        if n.role == NodeRole::Router {
+            return out;
+        }
+        out.push((n.metrics_port(Service::DpLb, 0), format!("{} dp-lb metrics", n.name)));
+        for r in 0..n.dp_size {
+            for s in [Service::EngineCore, Service::ConnectorScheduler, Service::ConnectorWorker] {
+                out.push((n.metrics_port(s, r), format!("{} {} {r} metrics", n.name, s.name())));
+            }
+        }
+        let e = n.endpoints(run_dir);
+        let internal = [&e.dplb_frontend, &e.dplb_engines, &e.dplb_outputs, &e.frontend_outputs]
+            .into_iter()
+            .chain(&e.connector_scheduler)
+            .chain(&e.connector_worker);
+        for ep in internal {
+            if let Some(port) = ep.bind.strip_prefix("tcp://").and_then(|a| a.rsplit(':').next()?.parse().ok()) {
+                out.push((port, format!("{} internal {}", n.name, ep.bind)));
+            }
+        }
+        if let Some(kv) = &n.kv_transfer {
+            for r in 0..n.dp_size as u16 {
+                out.push((kv.side_channel_port + r, format!("{} side channel {r}", n.name)));
+                if kv.backend == TransferBackendKind::Tcp {
+                    out.push((kv.data_port + r, format!("{} block server {r}", n.name)));
+                }
+            }
+        }
+        out
+    }
+
+    /// deploy/topology/scaleout.toml: a router over 2 P and 2 D nodes on the real model, whose
+    /// router lists every P and every D at its own address, and no two listeners of which share
+    /// a port (it runs on one machine as is). Fails if a node is added without its URL in the
+    /// router, or a port is reused.
+    #[test]
+    fn scaleout_topology_lists_every_node_and_no_port_twice() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/topology/scaleout.toml");
+        let t = Topology::load(&path).unwrap();
+        let role = |r: NodeRole| t.nodes.iter().filter(move |n| n.role == r);
+        assert_eq!(
+            (role(NodeRole::Router).count(), role(NodeRole::Prefill).count(), role(NodeRole::Decode).count()),
+            (1, 2, 2)
+        );
+        let router = role(NodeRole::Router).next().unwrap();
+        let urls = |r: NodeRole| -> Vec<String> {
+            role(r).map(|n| format!("http://{}:{}", n.http_host, n.http_port)).collect()
+        };
+        assert_eq!(router.router.prefill, urls(NodeRole::Prefill));
+        assert_eq!(router.router.decode, urls(NodeRole::Decode));
+        let mut engine_ids = std::collections::BTreeSet::new();
+        for n in role(NodeRole::Prefill).chain(role(NodeRole::Decode)) {
+            assert_eq!(n.model.kind, ModelKind::Gguf, "{}: the real model", n.name);
+            let kv = n.kv_transfer.as_ref().unwrap();
+            assert_eq!(kv.backend, TransferBackendKind::Tcp, "{}: tcp, so the file also runs across hosts", n.name);
+            assert_eq!(kv.kv_role.produces(), n.role == NodeRole::Prefill, "{}", n.name);
+            assert!(engine_ids.insert(kv.engine_id.clone()), "engine id {:?} twice", kv.engine_id);
+            for host in [&n.http_host, &n.bind_host, &kv.side_channel_host] {
+                assert_eq!(host, "127.0.0.1", "{}: every address defaults to loopback", n.name);
+            }
+        }
+        let mut seen = std::collections::BTreeMap::new();
+        for n in &t.nodes {
+            for (port, what) in listening_ports(n, &t.run_dir) {
+                if let Some(other) = seen.insert(port, what.clone()) {
+                    panic!("port {port}: {other} and {what}");
+                }
+            }
+        }
+        assert!(seen.len() > 5 * 4, "{seen:?}");
+    }
+
     /// A pool that cannot hold one `max_model_len` request is a start-up error, not a refusal
     /// of that request after admission; without a configured length the pool caps it.
     #[test]

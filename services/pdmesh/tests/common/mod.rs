@@ -244,6 +244,15 @@ impl Mesh {
         false
     }
 
+    /// Wait until the node on `port` (a node of this mesh started by another `pdmesh up` too)
+    /// is healthy with its engine ranks connected; false after 60 s or on a port clash.
+    pub fn wait_ready_on(&mut self, port: u16) -> bool {
+        let saved = std::mem::replace(&mut self.http_port, port);
+        let ready = self.wait_ready();
+        self.http_port = saved;
+        ready
+    }
+
     /// The process table written by `pdmesh up`.
     pub fn processes(&self) -> Vec<serde_json::Value> {
         let text = std::fs::read_to_string(self.run_dir.join("mesh.json")).unwrap();
