@@ -92,6 +92,7 @@ pub fn validate_request(
     store: &ResponseStore,
 ) -> Result<(ValidatedRequest, Vec<ChatMessage>), ApiError> {
     check_model(body.model.as_deref(), &limits.options.served_model_name)?;
+    crate::validation::check_unhonoured(crate::validation::Endpoint::Responses, &body.extra)?;
     let vocab = limits.vocab_size;
     let input = SamplingInput {
         max_tokens: body.max_output_tokens,
