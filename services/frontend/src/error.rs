@@ -158,9 +158,7 @@ impl ApiError {
             StatusCode::BAD_REQUEST
             | StatusCode::PAYLOAD_TOO_LARGE
             | StatusCode::UNAUTHORIZED
-            | StatusCode::METHOD_NOT_ALLOWED => {
-                "invalid_request_error"
-            }
+            | StatusCode::METHOD_NOT_ALLOWED => "invalid_request_error",
             StatusCode::NOT_FOUND => "NotFoundError",
             // OpenAI's rate-limit errors name the unit that ran out; ours is requests. vLLM has
             // no 429 of its own, so OpenAI's shape is what clients know.
