@@ -545,6 +545,48 @@ async fn healthy_upstreams(client: &reqwest::Client, list: &[String]) -> usize {
     futures::future::join_all(checks).await.into_iter().filter(|ok| *ok).count()
 }
 
+/// The router's application: every route behind the API-key check and the request counter;
+/// a wrong method on a known path is a 405, an unknown path a 404, both with the OpenAI body
+/// every node sends.
+fn router_app(
+    state: web::Data<RouterState>,
+    client_keys: web::Data<ApiKeys>,
+) -> App<
+    impl actix_web::dev::ServiceFactory<
+        actix_web::dev::ServiceRequest,
+        Config = (),
+        Response = actix_web::dev::ServiceResponse<impl actix_web::body::MessageBody>,
+        Error = actix_web::Error,
+        InitError = (),
+    >,
+> {
+    App::new()
+        .app_data(state)
+        .app_data(client_keys)
+        .app_data(web::PayloadConfig::new(crate::server::MAX_BODY_BYTES))
+        .wrap(actix_web::middleware::from_fn(crate::auth::require_api_key))
+        .wrap_fn(|req, srv| {
+            let fut = actix_web::dev::Service::call(srv, req);
+            async move {
+                let res = fut.await;
+                if let Ok(r) = &res {
+                    let endpoint = r.request().match_pattern().unwrap_or_else(|| "unmatched".into());
+                    HTTP_REQUESTS_TOTAL.with_label_values(&[&endpoint, r.status().as_str()]).inc();
+                }
+                res
+            }
+        })
+        .service(post_only("/v1/completions", completions))
+        .service(post_only("/v1/chat/completions", chat))
+        .service(post_only(RESPONSES, responses))
+        .service(get_only("/v1/responses/{id}", get_response))
+        .service(get_only("/v1/models", passthrough_get))
+        .service(get_only("/health", health))
+        .service(get_only("/live", pdmesh_telemetry::ops::live))
+        .service(get_only("/metrics", pdmesh_telemetry::metrics::metrics_handler))
+        .default_service(web::to(crate::handlers::admin::not_found))
+}
+
 /// Run the router frontend of `ctx`'s node until `shutdown` begins, then stop gracefully like
 /// [`crate::run`]. `client_keys`: what clients must present (empty: nothing); `internal_key`:
 /// what the router presents to P and D (none: the client's own `Authorization` is passed on).
@@ -582,38 +624,12 @@ pub async fn run_router(
     );
     let client_keys = web::Data::new(client_keys);
     let addr = format!("{}:{}", node.http_host, node.http_port);
-    let server = HttpServer::new(move || {
-        App::new()
-            .app_data(state.clone())
-            .app_data(client_keys.clone())
-            .app_data(web::PayloadConfig::new(crate::server::MAX_BODY_BYTES))
-            .wrap(actix_web::middleware::from_fn(crate::auth::require_api_key))
-            .wrap_fn(|req, srv| {
-                let fut = actix_web::dev::Service::call(srv, req);
-                async move {
-                    let res = fut.await;
-                    if let Ok(r) = &res {
-                        let endpoint = r.request().match_pattern().unwrap_or_else(|| "unmatched".into());
-                        HTTP_REQUESTS_TOTAL.with_label_values(&[&endpoint, r.status().as_str()]).inc();
-                    }
-                    res
-                }
-            })
-            .service(post_only("/v1/completions", completions))
-            .service(post_only("/v1/chat/completions", chat))
-            .service(post_only(RESPONSES, responses))
-            .service(get_only("/v1/responses/{id}", get_response))
-            .service(get_only("/v1/models", passthrough_get))
-            .service(get_only("/health", health))
-            .service(get_only("/live", pdmesh_telemetry::ops::live))
-            .service(get_only("/metrics", pdmesh_telemetry::metrics::metrics_handler))
-            .default_service(web::to(crate::handlers::admin::not_found))
-    })
-    .tcp_nodelay(true)
-    .shutdown_timeout(crate::server::drain_timeout_s(shutdown.deadline()))
-    .disable_signals()
-    .bind((node.http_host.as_str(), node.http_port))
-    .map_err(|source| FrontendError::HttpBind { addr: addr.clone(), source })?;
+    let server = HttpServer::new(move || router_app(state.clone(), client_keys.clone()))
+        .tcp_nodelay(true)
+        .shutdown_timeout(crate::server::drain_timeout_s(shutdown.deadline()))
+        .disable_signals()
+        .bind((node.http_host.as_str(), node.http_port))
+        .map_err(|source| FrontendError::HttpBind { addr: addr.clone(), source })?;
     tracing::info!(%addr, prefill = ?node.router.prefill, decode = ?node.router.decode,
         give_up_notices = node.router.give_up_notices, "router listening");
     crate::serve_until_shutdown(&ctx, server.run(), shutdown).await?;
@@ -808,5 +824,64 @@ mod tests {
         let err: Value = serde_json::from_str(events[1].strip_prefix("data: ").unwrap()).unwrap();
         assert!(err["error"]["message"].as_str().unwrap().contains("connection reset"), "{err}");
         assert_eq!(events[2], "data: [DONE]");
+    }
+
+    /// The router's own routing table: a wrong method on each of its paths is a 405 with
+    /// `Allow` and the OpenAI body, an unknown path a 404 with the OpenAI body a node sends
+    /// (actix's default would be an empty body). No upstream is asked.
+    #[actix_web::test]
+    async fn the_router_answers_wrong_methods_405_and_unknown_paths_404() {
+        let app = actix_web::test::init_service(router_app(
+            web::Data::new(state(None)),
+            web::Data::new(ApiKeys::new(Vec::<String>::new())),
+        ))
+        .await;
+        for (method, path, allow) in [
+            ("GET", "/v1/completions", "POST"),
+            ("GET", "/v1/chat/completions", "POST"),
+            ("GET", "/v1/responses", "POST"),
+            ("DELETE", "/v1/responses/resp_d0_x", "GET"),
+            ("POST", "/v1/models", "GET"),
+            ("DELETE", "/health", "GET"),
+            ("POST", "/live", "GET"),
+            ("PUT", "/metrics", "GET"),
+        ] {
+            let req = actix_web::test::TestRequest::default()
+                .method(actix_web::http::Method::from_bytes(method.as_bytes()).unwrap())
+                .uri(path)
+                .to_request();
+            let res = actix_web::test::call_service(&app, req).await;
+            assert_eq!(res.status(), 405, "{method} {path}");
+            assert_eq!(res.headers().get("allow").unwrap(), allow, "{method} {path}");
+            let e: Value = serde_json::from_slice(&actix_web::test::read_body(res).await).unwrap();
+            assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+            assert_eq!(e["error"]["code"], 405, "{e}");
+        }
+        let res =
+            actix_web::test::call_service(&app, actix_web::test::TestRequest::get().uri("/v1/nowhere").to_request())
+                .await;
+        assert_eq!(res.status(), 404);
+        let e: Value = serde_json::from_slice(&actix_web::test::read_body(res).await).unwrap();
+        assert_eq!(e["error"]["type"], "NotFoundError", "{e}");
+        assert_eq!(e["error"]["message"], "no route for GET /v1/nowhere", "{e}");
+        // An id the router did not make names no decode node: 404 without asking one.
+        let res = actix_web::test::call_service(
+            &app,
+            actix_web::test::TestRequest::get().uri("/v1/responses/resp_abc").to_request(),
+        )
+        .await;
+        assert_eq!(res.status(), 404);
+    }
+
+    /// Response ids name the decode node that stored them, and only one of ours.
+    #[test]
+    fn response_ids_name_their_decode_node() {
+        let id = response_id_for(2);
+        assert!(id.starts_with("resp_d2_"), "{id}");
+        assert_eq!(decode_of_response(&id, 3), Some(2));
+        assert_eq!(decode_of_response(&id, 2), None, "index out of range");
+        for other in ["resp_abc", "resp_dx_1", "resp_d1", "msg_d0_1", ""] {
+            assert_eq!(decode_of_response(other, 4), None, "{other}");
+        }
     }
 }

@@ -1551,11 +1551,17 @@ async fn unhonoured_fields_are_400_naming_the_field() {
     }
     assert!(added(&h).is_empty(), "no refused request reached the engine");
     let accepted = [
-        ("/v1/chat/completions", chat(json!({"response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
-                                            "user": "u", "metadata": {"k": "v"}, "store": false, "min_p": 0.0}))),
+        (
+            "/v1/chat/completions",
+            chat(json!({"response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+                                            "user": "u", "metadata": {"k": "v"}, "store": false, "min_p": 0.0})),
+        ),
         ("/v1/completions", completion(json!({"response_format": {"type": "text"}, "user": "u", "seed": 3}))),
-        ("/v1/responses", responses(json!({"text": {"format": {"type": "text"}}, "metadata": {"k": "v"},
-                                          "user": "u", "truncation": "disabled", "tools": []}))),
+        (
+            "/v1/responses",
+            responses(json!({"text": {"format": {"type": "text"}}, "metadata": {"k": "v"},
+                                          "user": "u", "truncation": "disabled", "tools": []})),
+        ),
     ];
     for (path, body) in &accepted {
         let (s, _, b) = call(&h, path, body.clone(), &[]).await;
