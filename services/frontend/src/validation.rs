@@ -155,7 +155,7 @@ pub enum Endpoint {
 /// the answer, with the values that leave it unchanged (accepted). Anything here with any
 /// other value is refused with a 400 naming it: answering as if it were honoured would hand
 /// the client something else than it asked for (a JSON request getting markdown back).
-/// docs/API.md lists every field and what the server does with it.
+/// docs/CONFIG.md ("OpenAI API coverage") lists every field and what the server does with it.
 fn unhonoured_value(endpoint: Endpoint, field: &str, value: &Value) -> Option<bool> {
     let null = value.is_null();
     let falsy = null || *value == Value::Bool(false);
