@@ -17,6 +17,9 @@ pub struct StreamOptions {
     /// Send a last chunk with the usage of the whole request.
     #[serde(default)]
     pub include_usage: Option<bool>,
+    /// vLLM: usage on every chunk. Not served: refused when true.
+    #[serde(default)]
+    pub continuous_usage_stats: Option<bool>,
 }
 
 /// `POST /v1/completions`.

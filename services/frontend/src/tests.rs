@@ -1540,6 +1540,12 @@ async fn unhonoured_fields_are_400_naming_the_field() {
         ("/v1/responses", responses(json!({"reasoning": {"effort": "high"}})), "reasoning"),
         ("/v1/responses", responses(json!({"seed": 7})), "seed"),
         ("/v1/responses", responses(json!({"background": true})), "background"),
+        ("/v1/responses", responses(json!({"n": 2})), "n"),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stream": true, "stream_options": {"continuous_usage_stats": true}})),
+            "stream_options.continuous_usage_stats",
+        ),
     ];
     for (path, body, param) in &refused {
         let (s, _, b) = call(&h, path, body.clone(), &[]).await;

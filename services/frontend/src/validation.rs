@@ -211,7 +211,8 @@ fn unhonoured_value(endpoint: Endpoint, field: &str, value: &Value) -> Option<bo
             "background" => Some(!falsy),
             "truncation" => Some(!(null || value == "disabled")),
             // Sampling fields /v1/responses does not apply (chat and completions do).
-            "top_k" | "seed" | "stop" | "stop_token_ids" | "logit_bias" | "top_logprobs" | "logprobs" | "n"
+            "n" => Some(!(null || *value == Value::from(1))),
+            "top_k" | "seed" | "stop" | "stop_token_ids" | "logit_bias" | "top_logprobs" | "logprobs"
             | "presence_penalty" | "frequency_penalty" | "repetition_penalty" | "min_tokens" | "ignore_eos" => {
                 Some(!null)
             }
@@ -286,6 +287,12 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
     let stream = input.stream.unwrap_or(false);
     if input.stream_options.is_some() && !stream {
         return Err(ApiError::invalid("Stream options can only be defined when `stream=True`.", "stream_options"));
+    }
+    if input.stream_options.and_then(|o| o.continuous_usage_stats) == Some(true) {
+        return Err(ApiError::invalid(
+            "`stream_options.continuous_usage_stats` is not supported by this server; use `include_usage`.",
+            "stream_options.continuous_usage_stats",
+        ));
     }
     let include_usage = input.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
     let stop = stop_strings(input.stop)?;
@@ -570,7 +577,7 @@ mod tests {
         );
         let sids = [5i64, 300];
         assert_400(validate_params(&SamplingInput { stop_token_ids: Some(&sids), ..base() }, VOCAB), "stop_token_ids");
-        let opts = StreamOptions { include_usage: Some(true) };
+        let opts = StreamOptions { include_usage: Some(true), ..Default::default() };
         assert_400(validate_params(&SamplingInput { stream_options: Some(&opts), ..base() }, VOCAB), "stream_options");
         let kv = json!("nope");
         assert_400(
@@ -589,7 +596,7 @@ mod tests {
         let stop = json!(["\n", "END"]);
         let sids = [7i64];
         let kv = json!({"do_remote_prefill": true, "remote_block_ids": [1, 2], "remote_engine_id": null});
-        let opts = StreamOptions { include_usage: Some(true) };
+        let opts = StreamOptions { include_usage: Some(true), ..Default::default() };
         let p = validate_params(
             &SamplingInput {
                 max_tokens: Some(5),
