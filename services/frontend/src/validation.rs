@@ -211,7 +211,7 @@ fn unhonoured_value(endpoint: Endpoint, field: &str, value: &Value) -> Option<bo
             "background" => Some(!falsy),
             "truncation" => Some(!(null || value == "disabled")),
             // Sampling fields /v1/responses does not apply (chat and completions do).
-            "n" => Some(!(null || *value == Value::from(1))),
+            "n" => Some(!(null || value.as_i64() == Some(1))),
             "top_k" | "seed" | "stop" | "stop_token_ids" | "logit_bias" | "top_logprobs" | "logprobs"
             | "presence_penalty" | "frequency_penalty" | "repetition_penalty" | "min_tokens" | "ignore_eos" => {
                 Some(!null)
