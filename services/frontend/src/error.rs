@@ -42,6 +42,10 @@ pub enum ApiError {
     /// Something named in the request does not exist in the mesh (404).
     #[error("{0}")]
     NotFound(String),
+    /// A known path called with a method it does not serve (405, with `Allow`; OpenAI's
+    /// `invalid_request_error` and its "Invalid method for URL" wording).
+    #[error("Invalid method for URL ({method} {path}): this path accepts {allow}.")]
+    MethodNotAllowed { method: String, path: String, allow: &'static str },
     /// `previous_response_id` names no stored response (404, OpenAI's `invalid_request_error`).
     #[error("Previous response with id '{0}' not found.")]
     PreviousResponseNotFound(String),
@@ -132,6 +136,7 @@ impl ApiError {
             | ApiError::NotFound(_)
             | ApiError::PreviousResponseNotFound(_)
             | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,
@@ -150,9 +155,10 @@ impl ApiError {
         }
         match self.status() {
             // OpenAI answers a missing or wrong key with `invalid_request_error` too.
-            StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNAUTHORIZED => {
-                "invalid_request_error"
-            }
+            StatusCode::BAD_REQUEST
+            | StatusCode::PAYLOAD_TOO_LARGE
+            | StatusCode::UNAUTHORIZED
+            | StatusCode::METHOD_NOT_ALLOWED => "invalid_request_error",
             StatusCode::NOT_FOUND => "NotFoundError",
             // OpenAI's rate-limit errors name the unit that ran out; ours is requests. vLLM has
             // no 429 of its own, so OpenAI's shape is what clients know.
@@ -184,6 +190,7 @@ impl ApiError {
             ApiError::Template(_) => "template",
             ApiError::ModelNotFound(_) => "model_not_found",
             ApiError::NotFound(_) => "not_found",
+            ApiError::MethodNotAllowed { .. } => "method_not_allowed",
             ApiError::PreviousResponseNotFound(_) | ApiError::ResponseNotFound(_) => "response_not_found",
             ApiError::PayloadTooLarge(_) => "payload_too_large",
             ApiError::Unauthorized(_) => "unauthorized",
@@ -229,6 +236,13 @@ impl ApiError {
             // One client over its bound can send as fast as a storm; the message names no key.
             if let Some(suppressed) = RATE_LIMITED_LOG.check() {
                 tracing::info!(status, kind = self.kind(), error = %self, suppressed, "request refused: rate limited");
+            }
+            return;
+        }
+        if matches!(self, ApiError::MethodNotAllowed { .. } | ApiError::NotFound(_)) {
+            // Wrong paths and methods come from scanners and misconfigured clients, at any rate.
+            if let Some(suppressed) = ROUTE_LOG.check() {
+                tracing::info!(status, kind = self.kind(), error = %self, suppressed, "request refused: no such route");
             }
             return;
         }
@@ -302,6 +316,9 @@ static OVERLOAD_LOG: LogLimiter = LogLimiter::new(Duration::from_secs(1));
 /// One per-key refusal log line a second.
 static RATE_LIMITED_LOG: LogLimiter = LogLimiter::new(Duration::from_secs(1));
 
+/// One wrong-path or wrong-method log line a second.
+static ROUTE_LOG: LogLimiter = LogLimiter::new(Duration::from_secs(1));
+
 /// Set the `Retry-After` this process sends (once, at start-up, from the node's limits).
 pub fn set_retry_after_s(seconds: u32) {
     RETRY_AFTER_S.store(seconds, Ordering::Relaxed);
@@ -323,6 +340,9 @@ impl ResponseError for ApiError {
 
     fn error_response(&self) -> HttpResponse {
         let mut response = HttpResponse::build(self.status());
+        if let ApiError::MethodNotAllowed { allow, .. } = self {
+            response.insert_header((actix_web::http::header::ALLOW, *allow));
+        }
         if let Some(seconds) = self.retry_after_s() {
             response.insert_header((RETRY_AFTER, seconds.to_string()));
         }

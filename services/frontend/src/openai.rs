@@ -3,7 +3,9 @@
 //! Request types are deliberately loose where OpenAI accepts several shapes (`prompt`,
 //! `stop`, message `content`, `kv_transfer_params` are kept as JSON values) so that
 //! [`crate::validation`] can give a precise message naming the offending field instead of
-//! serde's "did not match any variant". Unknown fields are ignored, as vLLM does. Numbers
+//! serde's "did not match any variant". Fields we do not name are kept in `extra`: the real
+//! OpenAI/vLLM fields among them that would change the answer are refused with a 400 naming
+//! them ([`crate::validation::check_unhonoured`]); anything else is ignored, as vLLM does. Numbers
 //! that must be positive are read as signed integers for the same reason.
 
 use serde::{Deserialize, Serialize};
@@ -15,6 +17,9 @@ pub struct StreamOptions {
     /// Send a last chunk with the usage of the whole request.
     #[serde(default)]
     pub include_usage: Option<bool>,
+    /// vLLM: usage on every chunk. Not served: refused when true.
+    #[serde(default)]
+    pub continuous_usage_stats: Option<bool>,
 }
 
 /// `POST /v1/completions`.
@@ -78,6 +83,10 @@ pub struct CompletionRequest {
     /// vLLM's P/D parameters, passed through to the engine.
     #[serde(default)]
     pub kv_transfer_params: Option<Value>,
+    /// Every field this struct does not name: [`crate::validation::check_unhonoured`] refuses
+    /// the real OpenAI/vLLM fields among them that would change the answer.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, Value>,
 }
 
 /// One message of `POST /v1/chat/completions`.
@@ -146,6 +155,10 @@ pub struct ChatCompletionRequest {
     pub user: Option<String>,
     #[serde(default)]
     pub kv_transfer_params: Option<Value>,
+    /// Every field this struct does not name: [`crate::validation::check_unhonoured`] refuses
+    /// the real OpenAI/vLLM fields among them that would change the answer.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, Value>,
 }
 
 /// `usage` of a response.
@@ -425,4 +438,8 @@ pub struct ResponsesRequest {
     /// vLLM's P/D parameters, passed through to the engine.
     #[serde(default)]
     pub kv_transfer_params: Option<Value>,
+    /// Every field this struct does not name: [`crate::validation::check_unhonoured`] refuses
+    /// the real OpenAI/vLLM fields among them that would change the answer.
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, Value>,
 }

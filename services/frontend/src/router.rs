@@ -26,6 +26,7 @@ use tracing::Instrument;
 
 use crate::auth::ApiKeys;
 use crate::error::{ApiError, FrontendError};
+use crate::handlers::admin::{get_only, post_only};
 use crate::headers::REQUEST_ID;
 use crate::metrics::HTTP_REQUESTS_TOTAL;
 
@@ -50,10 +51,16 @@ pub struct RouterState {
 
 impl RouterState {
     fn pick(list: &[String], next: &AtomicUsize) -> Option<String> {
+        Self::pick_indexed(list, next).map(|(_, u)| u)
+    }
+
+    /// Round robin, with the upstream's index in `list`.
+    fn pick_indexed(list: &[String], next: &AtomicUsize) -> Option<(usize, String)> {
         if list.is_empty() {
             return None;
         }
-        list.get(next.fetch_add(1, Ordering::Relaxed) % list.len()).cloned()
+        let i = next.fetch_add(1, Ordering::Relaxed) % list.len();
+        list.get(i).map(|u| (i, u.clone()))
     }
 
     /// The `Authorization` value for calls to P and D on behalf of `req`: the internal key's
@@ -136,6 +143,24 @@ fn request_span(req: &HttpRequest, request_id: &str, path: &str) -> (tracing::Sp
     (span, client)
 }
 
+/// `/v1/responses`: the path whose answers are stored on the decode node.
+const RESPONSES: &str = "/v1/responses";
+
+/// The id the router gives a response that decode node `d` answers: `resp_d<d>_<uuid>`. The
+/// node stores it under this id (its `x-pdmesh-response-id` header), so a follow-up naming it
+/// (`previous_response_id`, `GET /v1/responses/{id}`) goes back to `d` (D49).
+fn response_id_for(d: usize) -> String {
+    format!("resp_d{d}_{}", uuid::Uuid::new_v4().simple())
+}
+
+/// The decode node that stored the response `id` (see [`response_id_for`]), if the id is one
+/// the router made for one of its `decode_nodes` upstreams.
+fn decode_of_response(id: &str, decode_nodes: usize) -> Option<usize> {
+    let rest = id.strip_prefix("resp_d")?;
+    let (index, _) = rest.split_once('_')?;
+    index.parse::<usize>().ok().filter(|&i| i < decode_nodes)
+}
+
 async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, path: &'static str) -> HttpResponse {
     let request_id = match crate::headers::request_id(req.headers()) {
         Ok(id) => id,
@@ -160,109 +185,143 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     };
     let (span, client_trace) = request_span(&req, &request_id, path);
     let authorization = st.upstream_authorization(&req);
-    let (Some(p), Some(d)) = (RouterState::pick(&st.prefill, &st.next_p), RouterState::pick(&st.decode, &st.next_d))
-    else {
+    // A follow-up of a stored response goes to the decode node that stored the conversation,
+    // which alone can render it: one leg, D prefilling locally (P knows nothing of it; D49).
+    let pinned = (path == RESPONSES)
+        .then(|| original.get("previous_response_id").and_then(Value::as_str))
+        .flatten()
+        .and_then(|id| decode_of_response(id, st.decode.len()));
+    let (Some(p), Some((d_index, d))) = (
+        RouterState::pick(&st.prefill, &st.next_p),
+        match pinned {
+            Some(i) => st.decode.get(i).map(|u| (i, u.clone())),
+            None => RouterState::pick_indexed(&st.decode, &st.next_d),
+        },
+    ) else {
         return error(ApiError::Unavailable("unavailable: no prefill or decode upstream".into()), "");
     };
-
-    // ---- prefill leg
-    let mut p_body = original.clone();
-    // The router chooses P's capability token for this request (P adopts a well-formed one),
-    // so that it can hand P's blocks back even before P has answered (see below).
-    let p_capability = pdmesh_mesh_auth::new_capability();
-    p_body["kv_transfer_params"] =
-        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_capability": p_capability});
-    p_body["max_tokens"] = json!(1);
-    if p_body.get("max_completion_tokens").is_some() {
-        p_body["max_completion_tokens"] = json!(1);
-    }
-    p_body["stream"] = json!(false);
-    if let Some(o) = p_body.as_object_mut() {
-        o.remove("stream_options");
-    }
-    // From here until D has the request, the router may be the last one to know of P's blocks:
-    // if the client goes away (the handler is dropped) or D cannot be reached, the guard hands
-    // them back so P frees at once (R4), not at its deadline. Before P answers it names P's
-    // request by id (P's own abort covers a request still running; this covers one that just
-    // finished and whose answer nobody will read).
-    // P's engine request id is the client's id plus a suffix the router picks, so the router
-    // can name it before P answers; P still makes it unique whatever the client sent.
-    let p_suffix = crate::headers::new_engine_id_suffix();
-    let p_engine_id = format!("{request_id}-{p_suffix}");
-    let mut release = ReleaseOnDrop::new(
-        &st.client,
-        &p,
-        &request_id,
-        &json!({"do_remote_prefill": true, "remote_request_id": p_engine_id, "remote_capability": p_capability}),
-        authorization.clone(),
-    );
-    if !st.give_up_notices {
-        release.disarm(); // deadline-only baseline: P frees at its hold deadline
-    }
-    let p_span = tracing::info_span!(parent: &span, "router.prefill", otel.kind = "client", upstream = %p);
-    let p_trace = pdmesh_telemetry::trace::outgoing(&p_span, &client_trace);
-    let p_res = forward_headers(
-        &req,
-        st.client.post(format!("{p}{path}")),
-        &request_id,
-        Leg::Prefill,
-        &p_trace,
-        authorization.as_deref(),
-    )
-    .header(crate::headers::ENGINE_ID_SUFFIX, p_suffix.as_str())
-    .json(&p_body)
-    .send()
-    .instrument(p_span.clone())
-    .await;
-    let p_res = match p_res {
-        Ok(r) => r,
-        Err(e) => {
-            release.disarm();
-            tracing::warn!(%request_id, upstream = %p, error = %e, "prefill leg failed");
-            return error(ApiError::Unavailable(format!("unavailable: prefill node {p}: {e}")), &request_id);
+    let mut release = None;
+    let params = if pinned.is_some() {
+        Value::Null
+    } else {
+        // ---- prefill leg
+        let mut p_body = original.clone();
+        // The router chooses P's capability token for this request (P adopts a well-formed one),
+        // so that it can hand P's blocks back even before P has answered (see below).
+        let p_capability = pdmesh_mesh_auth::new_capability();
+        p_body["kv_transfer_params"] =
+            json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_capability": p_capability});
+        if path == RESPONSES {
+            // P's answer is only the handle on its blocks: nothing of it is kept on P.
+            p_body["max_output_tokens"] = json!(1);
+            p_body["store"] = json!(false);
+        } else {
+            p_body["max_tokens"] = json!(1);
+            if p_body.get("max_completion_tokens").is_some() {
+                p_body["max_completion_tokens"] = json!(1);
+            }
         }
+        p_body["stream"] = json!(false);
+        if let Some(o) = p_body.as_object_mut() {
+            o.remove("stream_options");
+        }
+        // From here until D has the request, the router may be the last one to know of P's blocks:
+        // if the client goes away (the handler is dropped) or D cannot be reached, the guard hands
+        // them back so P frees at once (R4), not at its deadline. Before P answers it names P's
+        // request by id (P's own abort covers a request still running; this covers one that just
+        // finished and whose answer nobody will read).
+        // P's engine request id is the client's id plus a suffix the router picks, so the router
+        // can name it before P answers; P still makes it unique whatever the client sent.
+        let p_suffix = crate::headers::new_engine_id_suffix();
+        let p_engine_id = format!("{request_id}-{p_suffix}");
+        let mut p_release = ReleaseOnDrop::new(
+            &st.client,
+            &p,
+            &request_id,
+            &json!({"do_remote_prefill": true, "remote_request_id": p_engine_id, "remote_capability": p_capability}),
+            authorization.clone(),
+        );
+        if !st.give_up_notices {
+            p_release.disarm(); // deadline-only baseline: P frees at its hold deadline
+        }
+        let p_span = tracing::info_span!(parent: &span, "router.prefill", otel.kind = "client", upstream = %p);
+        let p_trace = pdmesh_telemetry::trace::outgoing(&p_span, &client_trace);
+        let p_res = forward_headers(
+            &req,
+            st.client.post(format!("{p}{path}")),
+            &request_id,
+            Leg::Prefill,
+            &p_trace,
+            authorization.as_deref(),
+        )
+        .header(crate::headers::ENGINE_ID_SUFFIX, p_suffix.as_str())
+        .json(&p_body)
+        .send()
+        .instrument(p_span.clone())
+        .await;
+        let p_res = match p_res {
+            Ok(r) => r,
+            Err(e) => {
+                p_release.disarm();
+                tracing::warn!(%request_id, upstream = %p, error = %e, "prefill leg failed");
+                return error(ApiError::Unavailable(format!("unavailable: prefill node {p}: {e}")), &request_id);
+            }
+        };
+        let p_status = p_res.status();
+        let p_retry_after = p_res.headers().get(reqwest::header::RETRY_AFTER).cloned();
+        let p_bytes = p_res.bytes().await.unwrap_or_default();
+        tracing::info!(parent: &p_span, status = p_status.as_u16(), "prefill answered");
+        drop(p_span);
+        if !p_status.is_success() {
+            p_release.disarm();
+            // P refused the request (bad input, too long, overloaded...): the client gets P's
+            // answer, `Retry-After` included.
+            let status = StatusCode::from_u16(p_status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+            let mut builder = HttpResponse::build(status);
+            pass_retry_after(&mut builder, p_retry_after);
+            return builder.insert_header((REQUEST_ID, request_id)).content_type("application/json").body(p_bytes);
+        }
+        let params = serde_json::from_slice::<Value>(&p_bytes)
+            .ok()
+            .map(|v| v["kv_transfer_params"].clone())
+            .unwrap_or(Value::Null);
+
+        p_release.update(&params);
+        release = Some(p_release);
+        params
     };
-    let p_status = p_res.status();
-    let p_retry_after = p_res.headers().get(reqwest::header::RETRY_AFTER).cloned();
-    let p_bytes = p_res.bytes().await.unwrap_or_default();
-    tracing::info!(parent: &p_span, status = p_status.as_u16(), "prefill answered");
-    drop(p_span);
-    if !p_status.is_success() {
-        release.disarm();
-        // P refused the request (bad input, too long, overloaded...): the client gets P's
-        // answer, `Retry-After` included.
-        let status = StatusCode::from_u16(p_status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-        let mut builder = HttpResponse::build(status);
-        pass_retry_after(&mut builder, p_retry_after);
-        return builder.insert_header((REQUEST_ID, request_id)).content_type("application/json").body(p_bytes);
-    }
-    let params =
-        serde_json::from_slice::<Value>(&p_bytes).ok().map(|v| v["kv_transfer_params"].clone()).unwrap_or(Value::Null);
 
-    release.update(&params);
-
-    // ---- decode leg: the client's own body, plus P's params
+    // ---- decode leg: the client's own body, plus P's params (none for a pinned follow-up:
+    // D prefills it itself)
     let mut d_body = original;
-    d_body["kv_transfer_params"] = params;
+    if pinned.is_some() {
+        if let Some(o) = d_body.as_object_mut() {
+            o.remove("kv_transfer_params");
+        }
+    } else {
+        d_body["kv_transfer_params"] = params;
+    }
     let stream = d_body["stream"].as_bool().unwrap_or(false);
     let d_span = tracing::info_span!(parent: &span, "router.decode", otel.kind = "client", upstream = %d, stream);
     let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, &client_trace);
-    let d_res = forward_headers(
+    let mut d_rb = forward_headers(
         &req,
         st.client.post(format!("{d}{path}")),
         &request_id,
         Leg::Decode,
         &d_trace,
         authorization.as_deref(),
-    )
-    .json(&d_body)
-    .send()
-    .instrument(d_span.clone())
-    .await;
+    );
+    if path == RESPONSES {
+        d_rb = d_rb.header(crate::handlers::responses::RESPONSE_ID_HEADER, response_id_for(d_index));
+    }
+    let d_res = d_rb.json(&d_body).send().instrument(d_span.clone()).await;
     let d_res = match d_res {
         Ok(r) => {
             // D answered, so D owns the reference now (it tells P itself if it gives up).
-            release.disarm();
+            if let Some(release) = release.as_mut() {
+                release.disarm();
+            }
             r
         }
         Err(e) => {
@@ -403,6 +462,30 @@ async fn chat(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>) ->
     proxy(req, body, st, "/v1/chat/completions").await
 }
 
+async fn responses(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>) -> HttpResponse {
+    proxy(req, body, st, RESPONSES).await
+}
+
+/// `GET /v1/responses/{id}`: asked of the decode node that stored it (named by the id); an id
+/// the router did not make is not stored anywhere it can find (404, as a node answers).
+async fn get_response(req: HttpRequest, path: web::Path<String>, st: web::Data<RouterState>) -> HttpResponse {
+    let id = path.into_inner();
+    let Some(d) = decode_of_response(&id, st.decode.len()).and_then(|i| st.decode.get(i)) else {
+        return error(ApiError::ResponseNotFound(id), "");
+    };
+    let mut rb = st.client.get(format!("{d}{RESPONSES}/{id}"));
+    if let Some(v) = st.upstream_authorization(&req) {
+        rb = rb.header(AUTHORIZATION.as_str(), v);
+    }
+    match rb.send().await {
+        Ok(r) => {
+            let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+            HttpResponse::build(status).content_type("application/json").body(r.bytes().await.unwrap_or_default())
+        }
+        Err(e) => error(ApiError::Unavailable(format!("unavailable: decode node {d}: {e}")), ""),
+    }
+}
+
 /// `/v1/models` is answered by the first decode node.
 async fn passthrough_get(req: HttpRequest, st: web::Data<RouterState>) -> HttpResponse {
     let Some(d) = st.decode.first() else {
@@ -462,6 +545,48 @@ async fn healthy_upstreams(client: &reqwest::Client, list: &[String]) -> usize {
     futures::future::join_all(checks).await.into_iter().filter(|ok| *ok).count()
 }
 
+/// The router's application: every route behind the API-key check and the request counter;
+/// a wrong method on a known path is a 405, an unknown path a 404, both with the OpenAI body
+/// every node sends.
+fn router_app(
+    state: web::Data<RouterState>,
+    client_keys: web::Data<ApiKeys>,
+) -> App<
+    impl actix_web::dev::ServiceFactory<
+        actix_web::dev::ServiceRequest,
+        Config = (),
+        Response = actix_web::dev::ServiceResponse<impl actix_web::body::MessageBody>,
+        Error = actix_web::Error,
+        InitError = (),
+    >,
+> {
+    App::new()
+        .app_data(state)
+        .app_data(client_keys)
+        .app_data(web::PayloadConfig::new(crate::server::MAX_BODY_BYTES))
+        .wrap(actix_web::middleware::from_fn(crate::auth::require_api_key))
+        .wrap_fn(|req, srv| {
+            let fut = actix_web::dev::Service::call(srv, req);
+            async move {
+                let res = fut.await;
+                if let Ok(r) = &res {
+                    let endpoint = r.request().match_pattern().unwrap_or_else(|| "unmatched".into());
+                    HTTP_REQUESTS_TOTAL.with_label_values(&[&endpoint, r.status().as_str()]).inc();
+                }
+                res
+            }
+        })
+        .service(post_only("/v1/completions", completions))
+        .service(post_only("/v1/chat/completions", chat))
+        .service(post_only(RESPONSES, responses))
+        .service(get_only("/v1/responses/{id}", get_response))
+        .service(get_only("/v1/models", passthrough_get))
+        .service(get_only("/health", health))
+        .service(get_only("/live", pdmesh_telemetry::ops::live))
+        .service(get_only("/metrics", pdmesh_telemetry::metrics::metrics_handler))
+        .default_service(web::to(crate::handlers::admin::not_found))
+}
+
 /// Run the router frontend of `ctx`'s node until `shutdown` begins, then stop gracefully like
 /// [`crate::run`]. `client_keys`: what clients must present (empty: nothing); `internal_key`:
 /// what the router presents to P and D (none: the client's own `Authorization` is passed on).
@@ -499,35 +624,12 @@ pub async fn run_router(
     );
     let client_keys = web::Data::new(client_keys);
     let addr = format!("{}:{}", node.http_host, node.http_port);
-    let server = HttpServer::new(move || {
-        App::new()
-            .app_data(state.clone())
-            .app_data(client_keys.clone())
-            .app_data(web::PayloadConfig::new(crate::server::MAX_BODY_BYTES))
-            .wrap(actix_web::middleware::from_fn(crate::auth::require_api_key))
-            .wrap_fn(|req, srv| {
-                let fut = actix_web::dev::Service::call(srv, req);
-                async move {
-                    let res = fut.await;
-                    if let Ok(r) = &res {
-                        let endpoint = r.request().match_pattern().unwrap_or_else(|| "unmatched".into());
-                        HTTP_REQUESTS_TOTAL.with_label_values(&[&endpoint, r.status().as_str()]).inc();
-                    }
-                    res
-                }
-            })
-            .route("/v1/completions", web::post().to(completions))
-            .route("/v1/chat/completions", web::post().to(chat))
-            .route("/v1/models", web::get().to(passthrough_get))
-            .route("/health", web::get().to(health))
-            .route("/live", web::get().to(pdmesh_telemetry::ops::live))
-            .route("/metrics", web::get().to(pdmesh_telemetry::metrics::metrics_handler))
-    })
-    .tcp_nodelay(true)
-    .shutdown_timeout(crate::server::drain_timeout_s(shutdown.deadline()))
-    .disable_signals()
-    .bind((node.http_host.as_str(), node.http_port))
-    .map_err(|source| FrontendError::HttpBind { addr: addr.clone(), source })?;
+    let server = HttpServer::new(move || router_app(state.clone(), client_keys.clone()))
+        .tcp_nodelay(true)
+        .shutdown_timeout(crate::server::drain_timeout_s(shutdown.deadline()))
+        .disable_signals()
+        .bind((node.http_host.as_str(), node.http_port))
+        .map_err(|source| FrontendError::HttpBind { addr: addr.clone(), source })?;
     tracing::info!(%addr, prefill = ?node.router.prefill, decode = ?node.router.decode,
         give_up_notices = node.router.give_up_notices, "router listening");
     crate::serve_until_shutdown(&ctx, server.run(), shutdown).await?;
@@ -722,5 +824,64 @@ mod tests {
         let err: Value = serde_json::from_str(events[1].strip_prefix("data: ").unwrap()).unwrap();
         assert!(err["error"]["message"].as_str().unwrap().contains("connection reset"), "{err}");
         assert_eq!(events[2], "data: [DONE]");
+    }
+
+    /// The router's own routing table: a wrong method on each of its paths is a 405 with
+    /// `Allow` and the OpenAI body, an unknown path a 404 with the OpenAI body a node sends
+    /// (actix's default would be an empty body). No upstream is asked.
+    #[actix_web::test]
+    async fn the_router_answers_wrong_methods_405_and_unknown_paths_404() {
+        let app = actix_web::test::init_service(router_app(
+            web::Data::new(state(None)),
+            web::Data::new(ApiKeys::new(Vec::<String>::new())),
+        ))
+        .await;
+        for (method, path, allow) in [
+            ("GET", "/v1/completions", "POST"),
+            ("GET", "/v1/chat/completions", "POST"),
+            ("GET", "/v1/responses", "POST"),
+            ("DELETE", "/v1/responses/resp_d0_x", "GET"),
+            ("POST", "/v1/models", "GET"),
+            ("DELETE", "/health", "GET"),
+            ("POST", "/live", "GET"),
+            ("PUT", "/metrics", "GET"),
+        ] {
+            let req = actix_web::test::TestRequest::default()
+                .method(actix_web::http::Method::from_bytes(method.as_bytes()).unwrap())
+                .uri(path)
+                .to_request();
+            let res = actix_web::test::call_service(&app, req).await;
+            assert_eq!(res.status(), 405, "{method} {path}");
+            assert_eq!(res.headers().get("allow").unwrap(), allow, "{method} {path}");
+            let e: Value = serde_json::from_slice(&actix_web::test::read_body(res).await).unwrap();
+            assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+            assert_eq!(e["error"]["code"], 405, "{e}");
+        }
+        let res =
+            actix_web::test::call_service(&app, actix_web::test::TestRequest::get().uri("/v1/nowhere").to_request())
+                .await;
+        assert_eq!(res.status(), 404);
+        let e: Value = serde_json::from_slice(&actix_web::test::read_body(res).await).unwrap();
+        assert_eq!(e["error"]["type"], "NotFoundError", "{e}");
+        assert_eq!(e["error"]["message"], "no route for GET /v1/nowhere", "{e}");
+        // An id the router did not make names no decode node: 404 without asking one.
+        let res = actix_web::test::call_service(
+            &app,
+            actix_web::test::TestRequest::get().uri("/v1/responses/resp_abc").to_request(),
+        )
+        .await;
+        assert_eq!(res.status(), 404);
+    }
+
+    /// Response ids name the decode node that stored them, and only one of ours.
+    #[test]
+    fn response_ids_name_their_decode_node() {
+        let id = response_id_for(2);
+        assert!(id.starts_with("resp_d2_"), "{id}");
+        assert_eq!(decode_of_response(&id, 3), Some(2));
+        assert_eq!(decode_of_response(&id, 2), None, "index out of range");
+        for other in ["resp_abc", "resp_dx_1", "resp_d1", "msg_d0_1", ""] {
+            assert_eq!(decode_of_response(other, 4), None, "{other}");
+        }
     }
 }

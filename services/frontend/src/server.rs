@@ -136,17 +136,17 @@ pub fn app(
                 result
             }
         })
-        .service(web::resource("/v1/completions").route(web::post().to(handlers::completions::completions)))
-        .service(web::resource("/v1/chat/completions").route(web::post().to(handlers::chat::chat_completions)))
-        .service(web::resource("/v1/responses").route(web::post().to(handlers::responses::create_response)))
-        .service(web::resource("/v1/responses/{id}").route(web::get().to(handlers::responses::get_response)))
-        .service(web::resource("/v1/kv/release").route(web::post().to(handlers::kv_release)))
-        .service(web::resource("/v1/models").route(web::get().to(handlers::admin::models)))
-        .service(web::resource("/health").route(web::get().to(handlers::admin::health)))
-        .service(web::resource("/live").route(web::get().to(pdmesh_telemetry::ops::live)))
-        .service(web::resource("/metrics").route(web::get().to(pdmesh_telemetry::metrics::metrics_handler)))
-        .service(web::resource("/debug/kv").route(web::get().to(handlers::admin::debug_kv)))
-        .service(web::resource("/debug/engines").route(web::get().to(handlers::admin::debug_engines)))
+        .service(handlers::admin::post_only("/v1/completions", handlers::completions::completions))
+        .service(handlers::admin::post_only("/v1/chat/completions", handlers::chat::chat_completions))
+        .service(handlers::admin::post_only("/v1/responses", handlers::responses::create_response))
+        .service(handlers::admin::get_only("/v1/responses/{id}", handlers::responses::get_response))
+        .service(handlers::admin::post_only("/v1/kv/release", handlers::kv_release))
+        .service(handlers::admin::get_only("/v1/models", handlers::admin::models))
+        .service(handlers::admin::get_only("/health", handlers::admin::health))
+        .service(handlers::admin::get_only("/live", pdmesh_telemetry::ops::live))
+        .service(handlers::admin::get_only("/metrics", pdmesh_telemetry::metrics::metrics_handler))
+        .service(handlers::admin::get_only("/debug/kv", handlers::admin::debug_kv))
+        .service(handlers::admin::get_only("/debug/engines", handlers::admin::debug_engines))
         .default_service(web::to(handlers::admin::not_found))
 }
 

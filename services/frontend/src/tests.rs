@@ -1435,3 +1435,181 @@ async fn the_shutdown_handle_drains_the_request_in_flight_then_closes_the_port()
     tokio::time::timeout(Duration::from_secs(30), &mut h.stopped).await.unwrap().unwrap().unwrap();
     assert!(tokio::net::TcpStream::connect(h.addr).await.is_err(), "the listener is closed");
 }
+
+/// A wrong method on every known path is a 405 with `Allow` and the OpenAI body, counted
+/// under `method_not_allowed`; an unknown path stays a 404 with the OpenAI body. Fails if a
+/// route lost its default service (actix's empty 405/404) or the body/header changed shape.
+#[actix_web::test]
+async fn wrong_method_is_405_with_allow_and_an_openai_body() {
+    let h = harness(generates("x", Some(FinishReason::Stop))).await;
+    let app = test::init_service(app(h.state.clone())).await;
+    let counted = || crate::metrics::REQUEST_ERRORS_TOTAL.with_label_values(&["method_not_allowed"]).get();
+    let before = counted();
+    let cases = [
+        ("GET", "/v1/completions", "POST"),
+        ("GET", "/v1/chat/completions", "POST"),
+        ("PUT", "/v1/responses", "POST"),
+        ("DELETE", "/v1/responses/resp_x", "GET"),
+        ("GET", "/v1/kv/release", "POST"),
+        ("POST", "/v1/models", "GET"),
+        ("DELETE", "/health", "GET"),
+        ("POST", "/live", "GET"),
+        ("POST", "/metrics", "GET"),
+        ("POST", "/debug/kv", "GET"),
+        ("PATCH", "/debug/engines", "GET"),
+    ];
+    for (method, path, allow) in cases {
+        let req = test::TestRequest::default()
+            .method(actix_web::http::Method::from_bytes(method.as_bytes()).unwrap())
+            .uri(path)
+            .to_request();
+        let res = test::call_service(&app, req).await;
+        assert_eq!(res.status(), 405, "{method} {path}");
+        assert_eq!(res.headers().get("allow").unwrap().to_str().unwrap(), allow, "{method} {path}");
+        let e = json_of(&test::read_body(res).await);
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+        assert_eq!(e["error"]["code"], 405, "{e}");
+        assert!(e["error"]["param"].is_null(), "{e}");
+        let message = e["error"]["message"].as_str().unwrap();
+        assert!(message.contains(&format!("{method} {path}")) && message.contains(allow), "{message}");
+    }
+    assert!(counted() >= before + cases.len() as u64, "every 405 is counted");
+    let res = test::call_service(&app, test::TestRequest::get().uri("/v1/nowhere").to_request()).await;
+    assert_eq!(res.status(), 404);
+    let e = json_of(&test::read_body(res).await);
+    assert_eq!(e["error"]["type"], "NotFoundError", "{e}");
+    assert_eq!(e["error"]["message"], "no route for GET /v1/nowhere", "{e}");
+    assert!(added(&h).is_empty());
+}
+
+/// With API keys, the key check runs before routing: a wrong method without a key is a 401
+/// (nothing about the routes leaks to an unauthenticated caller), with a key it is the 405;
+/// the open probes answer a wrong method with the 405 whatever the key.
+#[actix_web::test]
+async fn with_api_keys_the_401_comes_before_the_405() {
+    let h = harness_with_keys(generates("hi", Some(FinishReason::Stop)), ApiKeys::new(["sk-right"])).await;
+    let client = reqwest::Client::new();
+    let url = |p: &str| format!("http://{}{p}", h.addr);
+    assert_eq!(client.get(url("/v1/completions")).send().await.unwrap().status().as_u16(), 401);
+    let r = client.get(url("/v1/completions")).bearer_auth("sk-right").send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    assert_eq!(r.headers()["allow"], "POST");
+    let r = client.delete(url("/health")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 405, "the probes are open, so their 405 is too");
+}
+
+/// Each field OpenAI or vLLM define with an effect this server does not honour is refused
+/// with a 400 whose `param` names it, on the API it belongs to; the values that change
+/// nothing are accepted. Fails if serde drops one of them silently again.
+#[actix_web::test]
+async fn unhonoured_fields_are_400_naming_the_field() {
+    let h = harness(generates("ok", Some(FinishReason::Stop))).await;
+    let completion = |extra: Value| {
+        let mut b = json!({"model": MODEL, "prompt": "x", "max_tokens": 2});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let chat = |extra: Value| {
+        let mut b = json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let responses = |extra: Value| {
+        let mut b = json!({"model": MODEL, "input": "x", "max_output_tokens": 2});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let refused = [
+        ("/v1/chat/completions", chat(json!({"response_format": {"type": "json_object"}})), "response_format"),
+        ("/v1/completions", completion(json!({"response_format": {"type": "json_schema"}})), "response_format"),
+        ("/v1/chat/completions", chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})), "tools"),
+        ("/v1/chat/completions", chat(json!({"tool_choice": "required"})), "tool_choice"),
+        ("/v1/chat/completions", chat(json!({"guided_json": {"type": "object"}})), "guided_json"),
+        ("/v1/completions", completion(json!({"guided_regex": "a+"})), "guided_regex"),
+        ("/v1/completions", completion(json!({"guided_choice": ["a", "b"]})), "guided_choice"),
+        ("/v1/chat/completions", chat(json!({"structured_outputs": {"json": {}}})), "structured_outputs"),
+        ("/v1/completions", completion(json!({"min_p": 0.1})), "min_p"),
+        ("/v1/chat/completions", chat(json!({"continue_final_message": true})), "continue_final_message"),
+        ("/v1/chat/completions", chat(json!({"logit_bias": {"5": 10}})), "logit_bias"),
+        ("/v1/chat/completions", chat(json!({"n": 2})), "n"),
+        ("/v1/completions", completion(json!({"echo": true})), "echo"),
+        ("/v1/completions", completion(json!({"suffix": "tail"})), "suffix"),
+        ("/v1/completions", completion(json!({"best_of": 3})), "best_of"),
+        ("/v1/responses", responses(json!({"text": {"format": {"type": "json_object"}}})), "text"),
+        ("/v1/responses", responses(json!({"tools": [{"type": "web_search"}]})), "tools"),
+        ("/v1/responses", responses(json!({"reasoning": {"effort": "high"}})), "reasoning"),
+        ("/v1/responses", responses(json!({"seed": 7})), "seed"),
+        ("/v1/responses", responses(json!({"background": true})), "background"),
+        ("/v1/responses", responses(json!({"n": 2})), "n"),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stream": true, "stream_options": {"continuous_usage_stats": true}})),
+            "stream_options.continuous_usage_stats",
+        ),
+    ];
+    for (path, body, param) in &refused {
+        let (s, _, b) = call(&h, path, body.clone(), &[]).await;
+        assert_eq!(s, 400, "{path} {body}: {}", String::from_utf8_lossy(&b));
+        let e = json_of(&b);
+        assert_eq!(e["error"]["param"], *param, "{path} {body}: {e}");
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+        assert!(e["error"]["message"].as_str().unwrap().contains(param), "the message names the field: {e}");
+    }
+    assert!(added(&h).is_empty(), "no refused request reached the engine");
+    let accepted = [
+        (
+            "/v1/chat/completions",
+            chat(json!({"response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+                                            "user": "u", "metadata": {"k": "v"}, "store": false, "min_p": 0.0})),
+        ),
+        ("/v1/completions", completion(json!({"response_format": {"type": "text"}, "user": "u", "seed": 3}))),
+        (
+            "/v1/responses",
+            responses(json!({"text": {"format": {"type": "text"}}, "metadata": {"k": "v"},
+                                          "user": "u", "truncation": "disabled", "tools": []})),
+        ),
+    ];
+    for (path, body) in &accepted {
+        let (s, _, b) = call(&h, path, body.clone(), &[]).await;
+        assert_eq!(s, 200, "{path} {body}: {}", String::from_utf8_lossy(&b));
+    }
+}
+
+/// Rule R1: a refused field on a request that carries P's blocks (`do_remote_prefill`) still
+/// tells P to free them. Fails if the new check ran before the rejection-notice path.
+#[actix_web::test]
+async fn a_refused_field_on_a_remote_prefill_request_notifies_p() {
+    let h = harness(generates("x", Some(FinishReason::Stop))).await;
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                      "response_format": {"type": "json_object"}, "kv_transfer_params": p_params()});
+    let (s, _, b) = call(&h, "/v1/chat/completions", body, &[]).await;
+    assert_eq!(s, 400);
+    assert_eq!(json_of(&b)["error"]["param"], "response_format");
+    let notice = wait_for_notice(&h, "p-req-7").await.expect("P must be told");
+    assert_eq!(notice.params.remote_block_ids, Some(vec![3, 4]));
+    let body = json!({"input": "x", "text": {"format": {"type": "json_schema"}}, "kv_transfer_params": p_params()});
+    let (s, _, _) = call(&h, "/v1/responses", body, &[]).await;
+    assert_eq!(s, 400);
+    assert!(added(&h).is_empty());
+}
+
+/// The router's id header: a well-formed id is the stored response's id; a malformed one, or
+/// one already stored, is ignored (the node mints its own), so no header overwrites a response.
+#[actix_web::test]
+async fn responses_take_the_routers_id_only_when_new_and_well_formed() {
+    let h = harness(generates("hi", Some(FinishReason::Stop))).await;
+    let header = crate::handlers::responses::RESPONSE_ID_HEADER;
+    let body = json!({"model": MODEL, "input": "yo", "max_output_tokens": 4});
+    let (s, _, b) = call(&h, "/v1/responses", body.clone(), &[(header, "resp_d1_abc")]).await;
+    assert_eq!(s, 200);
+    assert_eq!(json_of(&b)["id"], "resp_d1_abc");
+    let (s, _) = get(&h, "/v1/responses/resp_d1_abc").await;
+    assert_eq!(s, 200);
+    for bad in ["resp_d1_abc", "resp_", "nope", "resp_a b"] {
+        let (s, _, b) = call(&h, "/v1/responses", body.clone(), &[(header, bad)]).await;
+        assert_eq!(s, 200);
+        let id = json_of(&b)["id"].as_str().unwrap().to_string();
+        assert_ne!(id, bad);
+        assert!(id.starts_with("resp_"));
+    }
+}

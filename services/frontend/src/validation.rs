@@ -143,6 +143,103 @@ fn unsupported(field: &str) -> ApiError {
     ApiError::invalid(format!("`{field}` is not supported by this server."), field)
 }
 
+/// Which API a body was sent to, for [`check_unhonoured`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+    Responses,
+}
+
+/// Fields, not named by our request types, that OpenAI or vLLM define and that would change
+/// the answer, with the values that leave it unchanged (accepted). Anything here with any
+/// other value is refused with a 400 naming it: answering as if it were honoured would hand
+/// the client something else than it asked for (a JSON request getting markdown back).
+/// docs/CONFIG.md ("OpenAI API coverage") lists every field and what the server does with it.
+fn unhonoured_value(endpoint: Endpoint, field: &str, value: &Value) -> Option<bool> {
+    let null = value.is_null();
+    let falsy = null || *value == Value::Bool(false);
+    let empty = null || value.as_array().is_some_and(Vec::is_empty) || value.as_object().is_some_and(|o| o.is_empty());
+    let zero = null || value.as_f64() == Some(0.0);
+    let common = match field {
+        // Structured outputs and tool calling (vLLM's guided decoding included).
+        "tools" | "functions" => Some(!empty),
+        "tool_choice" | "function_call" => Some(!(null || value == "none" || value == "auto")),
+        "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar" | "structured_outputs" => Some(!null),
+        "guided_decoding_backend" | "guided_whitespace_pattern" | "guided_json_object" => Some(!falsy),
+        // vLLM's sampling extras the engine does not apply.
+        "min_p" => Some(!zero),
+        "length_penalty" => Some(!(null || value.as_f64() == Some(1.0))),
+        "allowed_token_ids" | "bad_words" | "logits_processors" => Some(!empty),
+        "prompt_logprobs" | "truncate_prompt_tokens" => Some(!null),
+        "skip_special_tokens" | "spaces_between_special_tokens" => Some(!(null || *value == Value::Bool(true))),
+        "return_tokens_as_token_ids" | "return_token_ids" => Some(!falsy),
+        "priority" => Some(!zero),
+        _ => None,
+    };
+    if common.is_some() {
+        return common;
+    }
+    match endpoint {
+        Endpoint::Completions | Endpoint::Chat => match field {
+            // `{"type": "text"}` is what every answer already is.
+            "response_format" => Some(!(null || value.get("type").and_then(Value::as_str) == Some("text"))),
+            _ => match (endpoint, field) {
+                (Endpoint::Chat, "audio" | "prediction" | "web_search_options" | "chat_template" | "documents") => {
+                    Some(!null)
+                }
+                (Endpoint::Chat, "modalities") => {
+                    Some(!(null || value.as_array().is_some_and(|m| m.iter().all(|x| x == "text"))))
+                }
+                (Endpoint::Chat, "reasoning_effort") => Some(!null),
+                (Endpoint::Chat, "chat_template_kwargs" | "mm_processor_kwargs") => Some(!empty),
+                (Endpoint::Chat, "add_generation_prompt") => Some(!(null || *value == Value::Bool(true))),
+                (Endpoint::Chat, "continue_final_message") => Some(!falsy),
+                _ => None,
+            },
+        },
+        Endpoint::Responses => match field {
+            // `text.format` other than plain text is structured output.
+            "text" => Some(
+                !(null
+                    || value
+                        .get("format")
+                        .is_none_or(|f| f.is_null() || f.get("type").and_then(Value::as_str) == Some("text"))),
+            ),
+            "reasoning" | "prompt" | "conversation" | "max_tool_calls" => Some(!null),
+            "include" => Some(!empty),
+            "background" => Some(!falsy),
+            "truncation" => Some(!(null || value == "disabled")),
+            // Sampling fields /v1/responses does not apply (chat and completions do).
+            "n" => Some(!(null || value.as_i64() == Some(1))),
+            "top_k" | "seed" | "stop" | "stop_token_ids" | "logit_bias" | "top_logprobs" | "logprobs"
+            | "presence_penalty" | "frequency_penalty" | "repetition_penalty" | "min_tokens" | "ignore_eos" => {
+                Some(!null)
+            }
+            _ => None,
+        },
+    }
+}
+
+/// Refuse (400, `param` = the field) the first field of `extra` that OpenAI or vLLM define
+/// with an effect this server does not honour (see [`unhonoured_value`]). Harmless metadata
+/// (`user`, `metadata`, `store` on chat, `service_tier`, ...) and fields unknown to both are
+/// left alone, as vLLM does.
+pub fn check_unhonoured(endpoint: Endpoint, extra: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    for (field, value) in extra {
+        if unhonoured_value(endpoint, field, value) == Some(true) {
+            let hint = match field.as_str() {
+                "response_format" | "text" | "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar"
+                | "structured_outputs" => " Structured outputs are not served; ask for plain text.",
+                "tools" | "tool_choice" | "functions" | "function_call" => " Tool calling is not served.",
+                _ => "",
+            };
+            return Err(ApiError::invalid(format!("`{field}` is not supported by this server.{hint}"), field));
+        }
+    }
+    Ok(())
+}
+
 /// Validate the shared sampling fields. `vocab_size` bounds stop token ids.
 pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<ValidatedParams, ApiError> {
     let n = input.n.unwrap_or(1);
@@ -190,6 +287,12 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
     let stream = input.stream.unwrap_or(false);
     if input.stream_options.is_some() && !stream {
         return Err(ApiError::invalid("Stream options can only be defined when `stream=True`.", "stream_options"));
+    }
+    if input.stream_options.and_then(|o| o.continuous_usage_stats) == Some(true) {
+        return Err(ApiError::invalid(
+            "`stream_options.continuous_usage_stats` is not supported by this server; use `include_usage`.",
+            "stream_options.continuous_usage_stats",
+        ));
     }
     let include_usage = input.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
     let stop = stop_strings(input.stop)?;
@@ -474,7 +577,7 @@ mod tests {
         );
         let sids = [5i64, 300];
         assert_400(validate_params(&SamplingInput { stop_token_ids: Some(&sids), ..base() }, VOCAB), "stop_token_ids");
-        let opts = StreamOptions { include_usage: Some(true) };
+        let opts = StreamOptions { include_usage: Some(true), ..Default::default() };
         assert_400(validate_params(&SamplingInput { stream_options: Some(&opts), ..base() }, VOCAB), "stream_options");
         let kv = json!("nope");
         assert_400(
@@ -493,7 +596,7 @@ mod tests {
         let stop = json!(["\n", "END"]);
         let sids = [7i64];
         let kv = json!({"do_remote_prefill": true, "remote_block_ids": [1, 2], "remote_engine_id": null});
-        let opts = StreamOptions { include_usage: Some(true) };
+        let opts = StreamOptions { include_usage: Some(true), ..Default::default() };
         let p = validate_params(
             &SamplingInput {
                 max_tokens: Some(5),

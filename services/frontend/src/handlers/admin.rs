@@ -155,10 +155,42 @@ pub async fn debug_engines(state: web::Data<AppState>) -> HttpResponse {
     }
 }
 
-/// Unknown routes: the OpenAI error body with 404.
+/// Unknown routes: the OpenAI error body with 404, counted and logged like every refusal
+/// (node frontends and the router alike).
 pub async fn not_found(req: actix_web::HttpRequest) -> HttpResponse {
     let e = ApiError::NotFound(format!("no route for {} {}", req.method(), req.path()));
-    HttpResponse::NotFound().json(e.body())
+    e.record();
+    actix_web::ResponseError::error_response(&e)
+}
+
+/// The default service of a known path: its methods are `allow` (the `Allow` header), so
+/// any other is a 405 with the OpenAI error body, counted and logged like every refusal.
+pub fn method_not_allowed(allow: &'static str) -> actix_web::Route {
+    web::to(move |req: actix_web::HttpRequest| async move {
+        let e = ApiError::MethodNotAllowed { method: req.method().to_string(), path: req.path().to_string(), allow };
+        e.record();
+        actix_web::ResponseError::error_response(&e)
+    })
+}
+
+/// `web::resource(path)` serving `GET` with `handler` and a 405 for every other method.
+pub fn get_only<F, Args>(path: &str, handler: F) -> actix_web::Resource
+where
+    F: actix_web::Handler<Args>,
+    Args: actix_web::FromRequest + 'static,
+    F::Output: actix_web::Responder + 'static,
+{
+    web::resource(path).route(web::get().to(handler)).default_service(method_not_allowed("GET"))
+}
+
+/// `web::resource(path)` serving `POST` with `handler` and a 405 for every other method.
+pub fn post_only<F, Args>(path: &str, handler: F) -> actix_web::Resource
+where
+    F: actix_web::Handler<Args>,
+    Args: actix_web::FromRequest + 'static,
+    F::Output: actix_web::Responder + 'static,
+{
+    web::resource(path).route(web::post().to(handler)).default_service(method_not_allowed("POST"))
 }
 
 #[cfg(test)]

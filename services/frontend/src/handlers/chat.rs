@@ -41,6 +41,7 @@ fn validate(
 /// or the refusal. Pure (no I/O, no shared state).
 pub fn validate_request(body: &ChatCompletionRequest, limits: &ModelLimits<'_>) -> Result<ValidatedRequest, ApiError> {
     check_model(body.model.as_deref(), &limits.options.served_model_name)?;
+    crate::validation::check_unhonoured(crate::validation::Endpoint::Chat, &body.extra)?;
     crate::validation::check_beam_search(body.use_beam_search, body.stream)?;
     let vocab = limits.vocab_size;
     // `max_completion_tokens` supersedes the deprecated `max_tokens` (vLLM's precedence).

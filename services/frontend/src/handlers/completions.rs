@@ -41,6 +41,7 @@ fn validate(
 /// refusal. Pure (no I/O, no shared state).
 pub fn validate_request(body: &CompletionRequest, limits: &ModelLimits<'_>) -> Result<ValidatedRequest, ApiError> {
     check_model(body.model.as_deref(), &limits.options.served_model_name)?;
+    crate::validation::check_unhonoured(crate::validation::Endpoint::Completions, &body.extra)?;
     if body.echo == Some(true) {
         return Err(ApiError::invalid("`echo` is not supported by this server.", "echo"));
     }

@@ -34,12 +34,13 @@ pub async fn create_response(
     let body = body.into_inner();
     let remote_prefill = remote_prefill_params(body.kv_transfer_params.as_ref());
     let codec = state.codec.clone();
+    let chosen_id = chosen_response_id(&req, &state.responses);
     serve_with(
         &req,
         &state,
         "responses",
         remote_prefill,
-        move |meta, state| validate(body, meta, state, arrival),
+        move |meta, state| validate(body, meta, state, arrival, chosen_id),
         move |accepted, ctx| answer(codec, accepted, ctx),
     )
     .await
@@ -58,15 +59,33 @@ pub async fn get_response(path: web::Path<String>, state: web::Data<AppState>) -
     }
 }
 
+/// The header naming the id the response is to be stored under, set by the router so that it
+/// can send a follow-up (`previous_response_id`) back to the decode node that stored it
+/// (docs/DECISIONS.md D49).
+pub const RESPONSE_ID_HEADER: &str = "x-pdmesh-response-id";
+
+/// The id chosen by the router ([`RESPONSE_ID_HEADER`]) when it is well formed (`resp_`, then
+/// up to 96 ASCII letters, digits, `_` or `-`) and names no stored response; else none, and
+/// the node mints its own: a header can never make one response overwrite another.
+fn chosen_response_id(req: &HttpRequest, store: &ResponseStore) -> Option<String> {
+    let id = req.headers().get(RESPONSE_ID_HEADER)?.to_str().ok()?;
+    let rest = id.strip_prefix("resp_")?;
+    let well_formed = !rest.is_empty()
+        && rest.len() <= 96
+        && rest.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    (well_formed && store.get(id).is_none()).then(|| id.to_string())
+}
+
 fn validate(
     body: ResponsesRequest,
     meta: RequestMeta,
     state: &AppState,
     arrival: Instant,
+    chosen_id: Option<String>,
 ) -> Result<(Prepared, ResponseContext), ApiError> {
     let (v, messages) = validate_request(&body, &ModelLimits::from(state), &state.responses)?;
     let ctx = ResponseContext {
-        id: format!("resp_{}", uuid::Uuid::new_v4().simple()),
+        id: chosen_id.unwrap_or_else(|| format!("resp_{}", uuid::Uuid::new_v4().simple())),
         message_id: format!("msg_{}", uuid::Uuid::new_v4().simple()),
         created_at: unix_now(),
         model: state.options.served_model_name.clone(),
@@ -92,6 +111,7 @@ pub fn validate_request(
     store: &ResponseStore,
 ) -> Result<(ValidatedRequest, Vec<ChatMessage>), ApiError> {
     check_model(body.model.as_deref(), &limits.options.served_model_name)?;
+    crate::validation::check_unhonoured(crate::validation::Endpoint::Responses, &body.extra)?;
     let vocab = limits.vocab_size;
     let input = SamplingInput {
         max_tokens: body.max_output_tokens,
