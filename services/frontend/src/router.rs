@@ -473,17 +473,7 @@ async fn get_response(req: HttpRequest, path: web::Path<String>, st: web::Data<R
     let Some(d) = decode_of_response(&id, st.decode.len()).and_then(|i| st.decode.get(i)) else {
         return error(ApiError::ResponseNotFound(id), "");
     };
-    let mut rb = st.client.get(format!("{d}{RESPONSES}/{id}"));
-    if let Some(v) = st.upstream_authorization(&req) {
-        rb = rb.header(AUTHORIZATION.as_str(), v);
-    }
-    match rb.send().await {
-        Ok(r) => {
-            let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
-            HttpResponse::build(status).content_type("application/json").body(r.bytes().await.unwrap_or_default())
-        }
-        Err(e) => error(ApiError::Unavailable(format!("unavailable: decode node {d}: {e}")), ""),
-    }
+    forward_get(&req, &st, d, &format!("{RESPONSES}/{id}")).await
 }
 
 /// `/v1/models` is answered by the first decode node.
@@ -491,8 +481,14 @@ async fn passthrough_get(req: HttpRequest, st: web::Data<RouterState>) -> HttpRe
     let Some(d) = st.decode.first() else {
         return error(ApiError::Unavailable("unavailable: no decode upstream".into()), "");
     };
-    let mut rb = st.client.get(format!("{d}{}", req.path()));
-    if let Some(v) = st.upstream_authorization(&req) {
+    forward_get(&req, &st, d, req.path()).await
+}
+
+/// GET `path` on the node at `base` with the router's credential toward nodes, and hand its
+/// status and JSON body to the client unchanged.
+async fn forward_get(req: &HttpRequest, st: &RouterState, base: &str, path: &str) -> HttpResponse {
+    let mut rb = st.client.get(format!("{base}{path}"));
+    if let Some(v) = st.upstream_authorization(req) {
         rb = rb.header(AUTHORIZATION.as_str(), v);
     }
     match rb.send().await {
@@ -500,7 +496,7 @@ async fn passthrough_get(req: HttpRequest, st: web::Data<RouterState>) -> HttpRe
             let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
             HttpResponse::build(status).content_type("application/json").body(r.bytes().await.unwrap_or_default())
         }
-        Err(e) => error(ApiError::Unavailable(format!("unavailable: decode node {d}: {e}")), ""),
+        Err(e) => error(ApiError::Unavailable(format!("unavailable: decode node {base}: {e}")), ""),
     }
 }
 
