@@ -5,6 +5,7 @@
 mod client;
 mod inprocess;
 mod load;
+mod multiturn;
 mod offload;
 mod rejections;
 mod report;
@@ -37,6 +38,10 @@ enum Cmd {
     /// Host-memory KV offload on versus off (two colocated nodes of one mesh): TTFT and
     /// prefilled tokens when earlier prompts are revisited after leaving the device pool.
     Offload(offload::OffloadArgs),
+    /// Multi-turn chat with a shared system prompt on P/D meshes, prefix caching off versus
+    /// on (and per router policy), side by side: TTFT of later turns, prefill tokens
+    /// computed, KV bytes moved, cached tokens reported.
+    Multiturn(multiturn::MultiturnArgs),
 }
 
 #[derive(Args, Clone)]
@@ -66,6 +71,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Overhead(a) => rt.block_on(overhead(a)),
         Cmd::Rejections(a) => rt.block_on(rejections::run(a)),
         Cmd::Offload(a) => rt.block_on(offload::run(a)),
+        Cmd::Multiturn(a) => rt.block_on(multiturn::run(a)),
     }
 }
 
