@@ -31,6 +31,14 @@
 //! block of P and D is free, P's hold table is empty, and `request_finished` ran exactly once
 //! per admission of every request id.
 //!
+//! Both engines cache prefixes (D51): the shared token sequence makes later requests hit blocks
+//! that earlier ones computed, loaded or read — blocks that P may hold for D at that very
+//! moment, shared by several holds, or evicted by pressure on the small pools — and D, asked to
+//! read a prompt whose start it has cached, reads only the tail of P's blocks it lacks (a
+//! partial read), or nothing when it has every block but the last token's (P is told at once).
+//! The model's read-back of every earlier position is what proves a shared or cached block
+//! held the right KV.
+//!
 //! Cases: `PDMESH_LIFECYCLE_CASES` (default 2048). The benchmark-style run in docs/benchmarks.md
 //! sets it to 100000.
 //!
@@ -456,6 +464,8 @@ struct World {
     reused_ids: u64,
     /// Give-ups refused by P because their id was reused since (the old token no longer fits).
     stale_notices_refused: u64,
+    /// D receives that read only a tail of P's blocks (D had the rest in its prefix cache).
+    partial_reads: u64,
 }
 
 impl World {
@@ -486,6 +496,7 @@ impl World {
             done_leases: Vec::new(),
             reused_ids: 0,
             stale_notices_refused: 0,
+            partial_reads: 0,
         }
     }
 
@@ -564,6 +575,9 @@ impl World {
             let remote = r.params.remote_block_ids.clone().unwrap_or_default();
             let gens = r.params.remote_block_generations.clone().unwrap_or_default();
             let n = r.local_block_ids.len().min(remote.len());
+            if n < remote.len() {
+                self.partial_reads += 1;
+            }
             let local = r.local_block_ids[r.local_block_ids.len() - n..].to_vec();
             let local_gens = local.iter().map(|b| self.d.sched().block_state(*b).1.unwrap_or(u64::MAX)).collect();
             self.inflight.push(Recv {
@@ -1008,6 +1022,7 @@ fn the_generator_reaches_the_race_windows() {
     let (mut p_finished, mut d_finished) = (0, 0);
     let (mut reused, mut refused_p, mut refused_d, mut stale) = (0, 0, 0, 0);
     let (mut saved, mut loaded, mut checked, mut extra_saves) = (0, 0, 0, 0);
+    let (mut p_hits, mut d_hits, mut evictions, mut partial_reads) = (0, 0, 0, 0);
     for _ in 0..200 {
         let events = proptest::collection::vec(ev(), 1..160).new_tree(&mut runner).unwrap().current();
         let mut w = World::new(false);
@@ -1030,6 +1045,10 @@ fn the_generator_reaches_the_race_windows() {
         stale += w.stale_notices_refused;
         refused_p += w.p.refused;
         refused_d += w.d.refused;
+        p_hits += w.p.sched().counters().prefix_cache_hits;
+        d_hits += w.d.sched().counters().prefix_cache_hits;
+        evictions += w.p.sched().cache_counters().evictions + w.d.sched().cache_counters().evictions;
+        partial_reads += w.partial_reads;
         for n in [&w.p, &w.d] {
             saved += n.store.counters.blocks_saved;
             loaded += n.store.counters.blocks_loaded;
@@ -1041,7 +1060,8 @@ fn the_generator_reaches_the_race_windows() {
         "{totals:?}; request_finished P {p_finished} D {d_finished}; reused ids {reused}, refused by P's engine \
          {refused_p}, by D's {refused_d}; stale give-ups refused by their token {stale}; offload: blocks saved \
          {saved}, loaded {loaded}, loaded and read right by the model {checked}, requests two children delayed \
-         {extra_saves}"
+         {extra_saves}; prefix cache: tokens hit on P {p_hits}, on D {d_hits}, blocks evicted {evictions}, \
+         partial reads {partial_reads}"
     );
     for (what, n) in [
         ("reused request ids", reused),
@@ -1052,6 +1072,10 @@ fn the_generator_reaches_the_race_windows() {
         ("blocks loaded back from the offload store", loaded),
         ("loaded blocks the model read", checked),
         ("requests both children delayed (held for D while saved)", extra_saves),
+        ("prefix-cache hits on P", p_hits),
+        ("prefix-cache hits on D", d_hits),
+        ("prefix-cache evictions", evictions),
+        ("partial reads (D read only what its cache lacked)", partial_reads),
         ("leases granted", totals.leases_granted),
         ("confirmed reads", totals.read_done),
         ("aborts after finish", totals.aborts),
