@@ -31,7 +31,8 @@ fn prompt(len: u32, salt: u32) -> Vec<u32> {
     (0..len).map(|i| 10 + i + 1000 * salt).collect()
 }
 
-/// One engine step with the no-op connector; `delay` holds finished blocks for the connector.
+/// One engine step with the no-op connector; with `delay`, the blocks of finished
+/// remote-decode requests are held for the connector (as P's `PdConnector` answers).
 fn step(s: &mut Scheduler, delay: bool) -> Vec<ScheduledChunk> {
     for call in s.match_queries() {
         if let ConnectorCall::GetNumNewMatchedTokens { request_id, .. } = call {
@@ -47,8 +48,9 @@ fn step(s: &mut Scheduler, delay: bool) -> Vec<ScheduledChunk> {
         .collect();
     s.update_from_output(&sched.chunks, &ModelRunnerOutput { step_id: 0, sampled, ..Default::default() });
     for call in s.finishing_calls() {
-        if let ConnectorCall::RequestFinished { request_id, .. } = call {
-            s.apply_finished(&request_id, delay, None);
+        if let ConnectorCall::RequestFinished { request_id, kv_transfer_params, .. } = call {
+            let remote_decode = kv_transfer_params.is_some_and(|p| p.wants_remote_decode());
+            s.apply_finished(&request_id, delay && remote_decode, None);
         }
     }
     let kv = s.kv_usage();
@@ -144,7 +146,7 @@ fn blocks_held_for_a_reader_are_shared_but_never_evicted_or_rewritten() {
     // P: request a finishes with its blocks held for a remote reader (delay free).
     let mut s = Scheduler::new(cfg(8));
     let mut a = req("a", prompt(9, 0), 1);
-    a.kv_transfer_params = Some(KvTransferParams { do_remote_decode: true, ..Default::default() });
+    a.kv_transfer_params = Some(KvTransferParams { do_remote_decode: Some(true), ..Default::default() });
     s.add_request(a).unwrap();
     let (chunks, _) = run_to_end(&mut s, true);
     let held = chunks[0].block_ids.clone();
