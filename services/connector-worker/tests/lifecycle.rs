@@ -17,8 +17,8 @@
 //! READ progress (one-sided shm or checked tcp), `read done`, duplicate `read done`, transfer
 //! failures, failed forward passes, heartbeats, delayed or lost give-ups, and time.
 //!
-//! Every prompt is a prefix of one token sequence, so later requests find earlier ones' blocks
-//! in the offload store (a store smaller than the prompts sent, so it also evicts). The test's
+//! Every prompt is a prefix of one of three token sequences, so later requests find earlier
+//! ones' blocks in the offload store (a store smaller than the prompts sent, so it also evicts). The test's
 //! model writes each token's KV as a value naming its position and token, and reads the KV of
 //! every position before each chunk it runs: whether computed there, loaded from the offload
 //! store, or copied from P's blocks by D's READ, it must be that request's own.
@@ -89,8 +89,8 @@ const TOKEN: u32 = 7;
 const OFFLOAD_SLOTS: u32 = 12;
 
 /// What the test's model writes as the KV of the token `token` at position `pos` (every prompt
-/// is a prefix of one token sequence, so position and token name the KV exactly). Exact in
-/// `f32` for the positions and tokens the test uses.
+/// is a prefix of one of three token sequences with tokens of their own, so position and token
+/// name the KV exactly). Exact in `f32` for the positions and tokens the test uses.
 fn kv_value(pos: u32, token: u32) -> f32 {
     (pos * 1000 + token) as f32
 }
@@ -186,7 +186,8 @@ enum Ev {
 
 fn ev() -> impl Strategy<Value = Ev> {
     prop_oneof![
-        4 => (1u32..40, 1u32..5).prop_map(|(prompt, max_tokens)| Ev::New { prompt, max_tokens, reuse: None }),
+        // `prompt` names one of three token sequences and a length (see `Ev::New`'s apply).
+        4 => (1u32..120, 1u32..5).prop_map(|(prompt, max_tokens)| Ev::New { prompt, max_tokens, reuse: None }),
         1 => any::<usize>().prop_map(|i| Ev::New { prompt: 1, max_tokens: 1, reuse: Some(i) }),
         6 => Just(Ev::PStep { fails: false }),
         6 => Just(Ev::DStep { fails: false }),
@@ -753,7 +754,11 @@ impl World {
                     }
                     None => {
                         self.next_id += 1;
-                        (format!("r{}", self.next_id - 1), (0..*prompt).map(|t| 10 + t).collect(), *max_tokens)
+                        // Three sequences of up to 40 tokens: more distinct blocks than D's
+                        // pool, so the prefix caches evict and the offload store still hits.
+                        let (seq, len) = (*prompt / 40, *prompt % 40 + 1);
+                        let tokens = (0..len).map(|t| 10 + t + 100 * seq).collect();
+                        (format!("r{}", self.next_id - 1), tokens, *max_tokens)
                     }
                 };
                 self.reused_ids += u64::from(reuse.is_some());
