@@ -470,7 +470,9 @@ struct World {
 }
 
 impl World {
-    fn new(recompute: bool) -> Self {
+    /// `p_caching: false` runs P without prefix caching: its own cache would then always hold
+    /// what its small offload store holds, and the store's loads would never be exercised.
+    fn new(recompute: bool, p_caching: bool) -> Self {
         let producer = ProducerIdentity {
             engine_id: "p".into(),
             side_channel_host: "127.0.0.1".into(),
@@ -478,8 +480,10 @@ impl World {
             dp_rank: 0,
         };
         let table = HoldTable::new(HoldTableConfig { lease_ttl: LEASE_TTL, heartbeat_extension: HEARTBEAT_EXTENSION });
+        let mut p = Node::new(PdConnector::new(Some(producer), false, HOLD), P_BLOCKS, false, EngineFaults::default());
+        p.state.sched.set_prefix_caching(p_caching);
         Self {
-            p: Node::new(PdConnector::new(Some(producer), false, HOLD), P_BLOCKS, false, EngineFaults::default()),
+            p,
             // Heartbeats due every step (a hold of zero): the test decides when they arrive.
             // D's engine refuses some hand-offs itself (rule R1 inside the engine).
             d: Node::new(PdConnector::new(None, true, Duration::ZERO), D_BLOCKS, recompute, d_engine_faults()),
@@ -988,9 +992,9 @@ fn run_cases(cases: u32) -> u64 {
     use proptest::test_runner::{Config, TestRunner};
     let applied = std::cell::Cell::new(0u64);
     let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
-    let strategy = (proptest::collection::vec(ev(), 1..160), any::<bool>(), any::<bool>());
-    let result = runner.run(&strategy, |(events, recompute, deliver_notices)| {
-        let mut w = World::new(recompute);
+    let strategy = (proptest::collection::vec(ev(), 1..160), any::<bool>(), any::<bool>(), any::<bool>());
+    let result = runner.run(&strategy, |(events, recompute, deliver_notices, p_caching)| {
+        let mut w = World::new(recompute, p_caching);
         for e in &events {
             w.apply(e)?;
         }
@@ -1028,9 +1032,9 @@ fn the_generator_reaches_the_race_windows() {
     let (mut reused, mut refused_p, mut refused_d, mut stale) = (0, 0, 0, 0);
     let (mut saved, mut loaded, mut checked, mut extra_saves) = (0, 0, 0, 0);
     let (mut p_hits, mut d_hits, mut evictions, mut partial_reads) = (0, 0, 0, 0);
-    for _ in 0..200 {
+    for case in 0..200 {
         let events = proptest::collection::vec(ev(), 1..160).new_tree(&mut runner).unwrap().current();
-        let mut w = World::new(false);
+        let mut w = World::new(false, case % 2 == 0);
         for e in &events {
             w.apply(e).unwrap();
         }
