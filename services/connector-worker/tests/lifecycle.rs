@@ -51,6 +51,10 @@
 //! first child's `finished_sending`), and a request P holds for D while the offload child saves
 //! it is freed on the save's report: the property test fails ("P's hold table is not empty"
 //! at quiescence, its blocks having gone back while D could still read them).
+//! A third (D51): let `BlockPool::touch` leave a hit block in the free queue (a cached block P
+//! holds for D, hit by a new request, stays evictable): the default run fails at once, minimal
+//! case "abort on P, a P step, the id reused", with P at `free 39 + used 0 + held 2` of 40
+//! blocks — a held block counted free, there for the next allocation to take and rewrite.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
