@@ -346,8 +346,11 @@ impl KvConnectorScheduler for OffloadConnector {
             return;
         }
         let n = loaded_blocks.min(st.pinned.len()).min(block_ids.len());
+        // With a local prefix-cache hit, the engine allocated blocks only past it and counts
+        // only the tokens after it: load the tail of the matched blocks into them.
+        let skip = st.pinned.len().saturating_sub(loaded_blocks);
         let mut load = OffloadTransfer { request_id: request_id.to_string(), ..Default::default() };
-        for (h, &block) in st.pinned.iter().zip(block_ids).take(n) {
+        for (h, &block) in st.pinned.iter().skip(skip).zip(block_ids).take(n) {
             let Some(slot) = self.index.slot(h) else { break };
             load.block_ids.push(block);
             load.slots.push(slot);

@@ -17,8 +17,8 @@
 //! READ progress (one-sided shm or checked tcp), `read done`, duplicate `read done`, transfer
 //! failures, failed forward passes, heartbeats, delayed or lost give-ups, and time.
 //!
-//! Every prompt is a prefix of one token sequence, so later requests find earlier ones' blocks
-//! in the offload store (a store smaller than the prompts sent, so it also evicts). The test's
+//! Every prompt is a prefix of one of three token sequences, so later requests find earlier
+//! ones' blocks in the offload store (a store smaller than the prompts sent, so it also evicts). The test's
 //! model writes each token's KV as a value naming its position and token, and reads the KV of
 //! every position before each chunk it runs: whether computed there, loaded from the offload
 //! store, or copied from P's blocks by D's READ, it must be that request's own.
@@ -30,6 +30,14 @@
 //! passed (undelivered notices dropped or delivered, the router's last hand-offs lost): every
 //! block of P and D is free, P's hold table is empty, and `request_finished` ran exactly once
 //! per admission of every request id.
+//!
+//! Both engines cache prefixes (D51): the shared token sequence makes later requests hit blocks
+//! that earlier ones computed, loaded or read — blocks that P may hold for D at that very
+//! moment, shared by several holds, or evicted by pressure on the small pools — and D, asked to
+//! read a prompt whose start it has cached, reads only the tail of P's blocks it lacks (a
+//! partial read), or nothing when it has every block but the last token's (P is told at once).
+//! The model's read-back of every earlier position is what proves a shared or cached block
+//! held the right KV.
 //!
 //! Cases: `PDMESH_LIFECYCLE_CASES` (default 2048). The benchmark-style run in docs/benchmarks.md
 //! sets it to 100000.
@@ -43,6 +51,10 @@
 //! first child's `finished_sending`), and a request P holds for D while the offload child saves
 //! it is freed on the save's report: the property test fails ("P's hold table is not empty"
 //! at quiescence, its blocks having gone back while D could still read them).
+//! A third (D51): let `BlockPool::touch` leave a hit block in the free queue (a cached block P
+//! holds for D, hit by a new request, stays evictable): the default run fails at once, minimal
+//! case "abort on P, a P step, the id reused", with P at `free 39 + used 0 + held 2` of 40
+//! blocks — a held block counted free, there for the next allocation to take and rewrite.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
@@ -81,8 +93,8 @@ const TOKEN: u32 = 7;
 const OFFLOAD_SLOTS: u32 = 12;
 
 /// What the test's model writes as the KV of the token `token` at position `pos` (every prompt
-/// is a prefix of one token sequence, so position and token name the KV exactly). Exact in
-/// `f32` for the positions and tokens the test uses.
+/// is a prefix of one of three token sequences with tokens of their own, so position and token
+/// name the KV exactly). Exact in `f32` for the positions and tokens the test uses.
 fn kv_value(pos: u32, token: u32) -> f32 {
     (pos * 1000 + token) as f32
 }
@@ -178,7 +190,8 @@ enum Ev {
 
 fn ev() -> impl Strategy<Value = Ev> {
     prop_oneof![
-        4 => (1u32..40, 1u32..5).prop_map(|(prompt, max_tokens)| Ev::New { prompt, max_tokens, reuse: None }),
+        // `prompt` names one of three token sequences and a length (see `Ev::New`'s apply).
+        4 => (1u32..120, 1u32..5).prop_map(|(prompt, max_tokens)| Ev::New { prompt, max_tokens, reuse: None }),
         1 => any::<usize>().prop_map(|i| Ev::New { prompt: 1, max_tokens: 1, reuse: Some(i) }),
         6 => Just(Ev::PStep { fails: false }),
         6 => Just(Ev::DStep { fails: false }),
@@ -456,10 +469,14 @@ struct World {
     reused_ids: u64,
     /// Give-ups refused by P because their id was reused since (the old token no longer fits).
     stale_notices_refused: u64,
+    /// D receives that read only a tail of P's blocks (D had the rest in its prefix cache).
+    partial_reads: u64,
 }
 
 impl World {
-    fn new(recompute: bool) -> Self {
+    /// `p_caching: false` runs P without prefix caching: its own cache would then always hold
+    /// what its small offload store holds, and the store's loads would never be exercised.
+    fn new(recompute: bool, p_caching: bool) -> Self {
         let producer = ProducerIdentity {
             engine_id: "p".into(),
             side_channel_host: "127.0.0.1".into(),
@@ -467,8 +484,10 @@ impl World {
             dp_rank: 0,
         };
         let table = HoldTable::new(HoldTableConfig { lease_ttl: LEASE_TTL, heartbeat_extension: HEARTBEAT_EXTENSION });
+        let mut p = Node::new(PdConnector::new(Some(producer), false, HOLD), P_BLOCKS, false, EngineFaults::default());
+        p.state.sched.set_prefix_caching(p_caching);
         Self {
-            p: Node::new(PdConnector::new(Some(producer), false, HOLD), P_BLOCKS, false, EngineFaults::default()),
+            p,
             // Heartbeats due every step (a hold of zero): the test decides when they arrive.
             // D's engine refuses some hand-offs itself (rule R1 inside the engine).
             d: Node::new(PdConnector::new(None, true, Duration::ZERO), D_BLOCKS, recompute, d_engine_faults()),
@@ -486,6 +505,7 @@ impl World {
             done_leases: Vec::new(),
             reused_ids: 0,
             stale_notices_refused: 0,
+            partial_reads: 0,
         }
     }
 
@@ -564,6 +584,9 @@ impl World {
             let remote = r.params.remote_block_ids.clone().unwrap_or_default();
             let gens = r.params.remote_block_generations.clone().unwrap_or_default();
             let n = r.local_block_ids.len().min(remote.len());
+            if n < remote.len() {
+                self.partial_reads += 1;
+            }
             let local = r.local_block_ids[r.local_block_ids.len() - n..].to_vec();
             let local_gens = local.iter().map(|b| self.d.sched().block_state(*b).1.unwrap_or(u64::MAX)).collect();
             self.inflight.push(Recv {
@@ -739,7 +762,11 @@ impl World {
                     }
                     None => {
                         self.next_id += 1;
-                        (format!("r{}", self.next_id - 1), (0..*prompt).map(|t| 10 + t).collect(), *max_tokens)
+                        // Three sequences of up to 40 tokens: more distinct blocks than D's
+                        // pool, so the prefix caches evict and the offload store still hits.
+                        let (seq, len) = (*prompt / 40, *prompt % 40 + 1);
+                        let tokens = (0..len).map(|t| 10 + t + 100 * seq).collect();
+                        (format!("r{}", self.next_id - 1), tokens, *max_tokens)
                     }
                 };
                 self.reused_ids += u64::from(reuse.is_some());
@@ -969,9 +996,9 @@ fn run_cases(cases: u32) -> u64 {
     use proptest::test_runner::{Config, TestRunner};
     let applied = std::cell::Cell::new(0u64);
     let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
-    let strategy = (proptest::collection::vec(ev(), 1..160), any::<bool>(), any::<bool>());
-    let result = runner.run(&strategy, |(events, recompute, deliver_notices)| {
-        let mut w = World::new(recompute);
+    let strategy = (proptest::collection::vec(ev(), 1..160), any::<bool>(), any::<bool>(), any::<bool>());
+    let result = runner.run(&strategy, |(events, recompute, deliver_notices, p_caching)| {
+        let mut w = World::new(recompute, p_caching);
         for e in &events {
             w.apply(e)?;
         }
@@ -1008,9 +1035,10 @@ fn the_generator_reaches_the_race_windows() {
     let (mut p_finished, mut d_finished) = (0, 0);
     let (mut reused, mut refused_p, mut refused_d, mut stale) = (0, 0, 0, 0);
     let (mut saved, mut loaded, mut checked, mut extra_saves) = (0, 0, 0, 0);
-    for _ in 0..200 {
+    let (mut p_hits, mut d_hits, mut evictions, mut partial_reads) = (0, 0, 0, 0);
+    for case in 0..200 {
         let events = proptest::collection::vec(ev(), 1..160).new_tree(&mut runner).unwrap().current();
-        let mut w = World::new(false);
+        let mut w = World::new(false, case % 2 == 0);
         for e in &events {
             w.apply(e).unwrap();
         }
@@ -1030,6 +1058,10 @@ fn the_generator_reaches_the_race_windows() {
         stale += w.stale_notices_refused;
         refused_p += w.p.refused;
         refused_d += w.d.refused;
+        p_hits += w.p.sched().counters().prefix_cache_hits;
+        d_hits += w.d.sched().counters().prefix_cache_hits;
+        evictions += w.p.sched().cache_counters().evictions + w.d.sched().cache_counters().evictions;
+        partial_reads += w.partial_reads;
         for n in [&w.p, &w.d] {
             saved += n.store.counters.blocks_saved;
             loaded += n.store.counters.blocks_loaded;
@@ -1041,7 +1073,8 @@ fn the_generator_reaches_the_race_windows() {
         "{totals:?}; request_finished P {p_finished} D {d_finished}; reused ids {reused}, refused by P's engine \
          {refused_p}, by D's {refused_d}; stale give-ups refused by their token {stale}; offload: blocks saved \
          {saved}, loaded {loaded}, loaded and read right by the model {checked}, requests two children delayed \
-         {extra_saves}"
+         {extra_saves}; prefix cache: tokens hit on P {p_hits}, on D {d_hits}, blocks evicted {evictions}, \
+         partial reads {partial_reads}"
     );
     for (what, n) in [
         ("reused request ids", reused),
@@ -1052,6 +1085,10 @@ fn the_generator_reaches_the_race_windows() {
         ("blocks loaded back from the offload store", loaded),
         ("loaded blocks the model read", checked),
         ("requests both children delayed (held for D while saved)", extra_saves),
+        ("prefix-cache hits on P", p_hits),
+        ("prefix-cache hits on D", d_hits),
+        ("prefix-cache evictions", evictions),
+        ("partial reads (D read only what its cache lacked)", partial_reads),
         ("leases granted", totals.leases_granted),
         ("confirmed reads", totals.read_done),
         ("aborts after finish", totals.aborts),

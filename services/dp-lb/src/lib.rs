@@ -576,6 +576,7 @@ mod tests {
             stop_token_id: None,
             kv_transfer_params: None,
             num_external_tokens: 0,
+            num_cached_tokens: 0,
             error: None,
         };
         lb.forget_finished(&EngineOutputBatch { engine_rank: 0, outputs: vec![output] });

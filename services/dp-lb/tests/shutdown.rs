@@ -120,6 +120,7 @@ async fn a_dp_lb_goes_unready_drains_its_request_then_frees_its_port() {
         stop_token_id: None,
         kv_transfer_params: None,
         num_external_tokens: 0,
+        num_cached_tokens: 0,
     };
     eventually("the output link up", || std::future::ready(outputs.is_up())).await;
     outputs

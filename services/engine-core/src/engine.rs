@@ -114,6 +114,8 @@ impl EngineCore {
                     tracing::warn!(lost_requests = lost, "connector-worker restarted: its KV is gone; failed its requests and freed held blocks");
                     act.kick(ctx);
                 }
+                // Cached blocks are only valid for the model that computed them.
+                act.state.borrow_mut().sched.set_cache_salt(&info.model_name);
                 tracing::info!(model = %info.model_name, num_blocks = info.num_blocks, incarnation = %info.incarnation, "worker ready");
                 act.worker_info = Some(info);
                 act.connect_dplb(ctx);
@@ -241,7 +243,8 @@ impl EngineCore {
                 tracing::debug!(request_id = %req.request_id, trace_id = %pdmesh_telemetry::trace::trace_id(&env.trace), "add request");
                 let rank = self.state.borrow().rank;
                 let span = tracing::info_span!("engine.request", otel.kind = "server", request_id = %req.request_id,
-                    rank, prompt_tokens = req.prompt_token_ids.len(), max_tokens = req.sampling.max_tokens);
+                    rank, prompt_tokens = req.prompt_token_ids.len(), max_tokens = req.sampling.max_tokens,
+                    prefix_cache.hit_tokens = tracing::field::Empty);
                 REQUEST_SPANS.open(&req.request_id, span, &env.trace);
                 self.state.borrow_mut().inbox.adds.push(req);
                 self.kick(ctx);
@@ -346,6 +349,8 @@ async fn run_step(
         if let Some(r) = o.finish_reason {
             m::FINISHED.with_label_values(&[r.as_str()]).inc();
             if let Some(span) = REQUEST_SPANS.close(&o.request_id) {
+                // Prompt tokens taken from this engine's prefix cache (P and D alike).
+                span.record("prefix_cache.hit_tokens", o.num_cached_tokens);
                 tracing::info!(parent: &span, reason = r.as_str(), error = o.error.as_deref().unwrap_or(""),
                     kv_handoff = o.kv_transfer_params.is_some(), "request finished");
             }
@@ -403,11 +408,16 @@ fn publish_gauges(s: &Scheduler) {
     m::KV_FREE.set(i64::from(kv.free_blocks));
     m::KV_USED.set(i64::from(kv.used_blocks));
     m::KV_HELD.set(i64::from(kv.held_blocks));
+    m::KV_CACHED.set(i64::from(kv.cached_blocks));
     // Counters follow the scheduler's own counts by their increase (never reset: a scrape in
     // between would read a counter reset).
     let c = s.counters();
     m::REQUEST_FINISHED_CALLS.inc_by(c.request_finished_calls.saturating_sub(m::REQUEST_FINISHED_CALLS.get()));
     m::PREEMPTIONS.inc_by(c.preemptions.saturating_sub(m::PREEMPTIONS.get()));
+    m::PREFIX_CACHE_QUERIES.inc_by(c.prefix_cache_queries.saturating_sub(m::PREFIX_CACHE_QUERIES.get()));
+    m::PREFIX_CACHE_HITS.inc_by(c.prefix_cache_hits.saturating_sub(m::PREFIX_CACHE_HITS.get()));
+    let evictions = s.cache_counters().evictions;
+    m::PREFIX_CACHE_EVICTIONS.inc_by(evictions.saturating_sub(m::PREFIX_CACHE_EVICTIONS.get()));
     m::KV_LOADS_RECOMPUTED.inc_by(c.kv_loads_recomputed.saturating_sub(m::KV_LOADS_RECOMPUTED.get()));
     m::RECOMPUTED_TOKENS.inc_by(c.recomputed_tokens.saturating_sub(m::RECOMPUTED_TOKENS.get()));
     m::KV_LOADS_FAILED.inc_by(c.kv_loads_failed_by_policy.saturating_sub(m::KV_LOADS_FAILED.get()));
@@ -475,6 +485,7 @@ pub fn start(ctx: &ServiceContext) -> Result<Addr<EngineCore>, EngineError> {
         tracing::warn!(?faults, "engine fault injection is on");
     }
     let mut sched = Scheduler::new(cfg);
+    sched.set_prefix_caching(e.enable_prefix_caching);
     sched.set_faults(faults);
     sched.set_admission_limits(crate::scheduler::AdmissionLimits {
         max_waiting: e.max_waiting,

@@ -18,6 +18,16 @@ pub static KV_USED: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("pdmesh_engine_kv_used_blocks", "KV blocks used by live requests"));
 pub static KV_HELD: LazyLock<IntGauge> =
     LazyLock::new(|| gauge("pdmesh_engine_kv_held_blocks", "KV blocks held for the connector (remote readers)"));
+pub static KV_CACHED: LazyLock<IntGauge> = LazyLock::new(|| {
+    gauge("pdmesh_engine_kv_cached_blocks", "KV blocks registered in the prefix cache (in use or evictable)")
+});
+pub static PREFIX_CACHE_QUERIES: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter("pdmesh_engine_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache")
+});
+pub static PREFIX_CACHE_HITS: LazyLock<IntCounter> =
+    LazyLock::new(|| counter("pdmesh_engine_prefix_cache_hits_total", "Prompt tokens found in the prefix cache"));
+pub static PREFIX_CACHE_EVICTIONS: LazyLock<IntCounter> =
+    LazyLock::new(|| counter("pdmesh_engine_prefix_cache_evictions_total", "Cached KV blocks evicted to make room"));
 pub static FINISHED: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec("pdmesh_engine_requests_finished_total", "Requests finished, by reason", &["reason"]));
 pub static REQUEST_FINISHED_CALLS: LazyLock<IntCounter> =

@@ -96,6 +96,14 @@ pub struct Request {
     pub finished_at: Option<Instant>,
     /// Index into `output` of the first token not yet sent to the client.
     pub emitted: usize,
+    /// Prefix-cache hashes of the request's full blocks, as far as computed (the chain only
+    /// grows: tokens are never taken back, so they stay valid across preemptions).
+    pub block_hashes: Vec<crate::block_pool::BlockHash>,
+    /// Leading blocks of `block_ids` already registered in the prefix cache (or hit in it).
+    pub num_cached_blocks: u32,
+    /// Prompt tokens the prefix cache supplied when the request was first scheduled
+    /// (OpenAI's `usage.prompt_tokens_details.cached_tokens`); `None` before that.
+    pub num_cached_tokens: Option<u32>,
 }
 
 impl Request {
@@ -119,6 +127,9 @@ impl Request {
             arrived: Instant::now(),
             finished_at: None,
             emitted: 0,
+            block_hashes: Vec::new(),
+            num_cached_blocks: 0,
+            num_cached_tokens: None,
         }
     }
 

@@ -25,7 +25,7 @@ use pdmesh_protocol::{
     ModelRunnerOutput, ScheduledChunk,
 };
 
-use crate::block_pool::BlockPool;
+use crate::block_pool::{block_hash, extend_hashes, root_hash, BlockHash, BlockPool};
 use crate::request::{ConnectorMatch, Request, RequestStatus};
 
 /// Sizing of one rank's scheduler.
@@ -164,6 +164,10 @@ pub struct SchedulerCounters {
     pub kv_loads_failed_by_policy: u64,
     /// Connector-worker restarts seen (its KV state was lost).
     pub worker_restarts: u64,
+    /// Prompt tokens looked up in the prefix cache (vLLM's `prefix_cache_queries`).
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found cached (vLLM's `prefix_cache_hits`).
+    pub prefix_cache_hits: u64,
 }
 
 /// A finished request whose blocks the connector holds for a remote reader.
@@ -208,6 +212,8 @@ pub struct Scheduler {
     /// Admissions asked for (for `refuse_admission_every`).
     admissions: u64,
     limits: AdmissionLimits,
+    /// Root of every request's block-hash chain (salted with the model).
+    root: BlockHash,
 }
 
 impl Scheduler {
@@ -233,7 +239,48 @@ impl Scheduler {
             faults: EngineFaults::default(),
             admissions: 0,
             limits: AdmissionLimits::default(),
+            root: root_hash(""),
         }
+    }
+
+    /// Turn automatic prefix caching on or off (`engine.enable_prefix_caching`). Takes effect
+    /// on an idle scheduler only (it starts a fresh pool); returns whether it did.
+    pub fn set_prefix_caching(&mut self, on: bool) -> bool {
+        if self.pool.caching() == on {
+            return true;
+        }
+        if self.pool.num_free() != self.pool.num_blocks() {
+            return false;
+        }
+        self.pool = BlockPool::with_caching(self.cfg.num_blocks, on);
+        true
+    }
+
+    pub fn prefix_caching(&self) -> bool {
+        self.pool.caching()
+    }
+
+    /// Salt the block hashes with what else decides the KV (the model the worker serves).
+    /// A different salt drops the cache: its blocks were computed by another model.
+    pub fn set_cache_salt(&mut self, salt: &str) {
+        let root = root_hash(salt);
+        if root != self.root {
+            self.root = root;
+            self.pool.reset_cache();
+            for r in self.requests.values_mut() {
+                r.block_hashes.clear();
+            }
+        }
+    }
+
+    /// The pool's cache counters (evictions, resets).
+    pub fn cache_counters(&self) -> crate::block_pool::CacheCounters {
+        self.pool.counters()
+    }
+
+    /// Blocks registered in the prefix cache, and of those the ones nobody references.
+    pub fn cached_blocks(&self) -> (u32, u32) {
+        (self.pool.num_cached(), self.pool.num_cached_free())
     }
 
     /// Turn on the engine's fault injection.
@@ -414,6 +461,8 @@ impl Scheduler {
         for h in held {
             self.pool.free(&h.blocks);
         }
+        // The cached KV lived in the worker too.
+        self.pool.reset_cache();
         self.counters.worker_restarts += 1;
         lost.len()
     }
@@ -538,8 +587,8 @@ impl Scheduler {
                     }
                     // KV arrived: count the loaded tokens as computed, except the last prompt
                     // token, which is recomputed to produce logits.
-                    let loaded = (req.block_ids.len() as u32 * bs).min(req.num_external_tokens);
-                    let mut computed = loaded.min(req.num_tokens());
+                    // (A local prefix hit already counts in `num_computed_tokens`.)
+                    let mut computed = (req.num_computed_tokens + req.num_external_tokens).min(req.num_tokens());
                     if computed >= req.num_tokens() {
                         computed = req.num_tokens().saturating_sub(1);
                     }
@@ -551,33 +600,76 @@ impl Scheduler {
                     skipped.push_back(id);
                     continue;
                 };
-                if req.num_computed_tokens == 0 && req.block_ids.is_empty() && m.load_async && m.external_tokens > 0 {
-                    // Remote prefill: blocks for the whole prompt, then wait for the KV.
-                    let need = (req.prompt.len() as u32).div_ceil(bs);
+                let first_alloc = req.block_ids.is_empty();
+                // Prefix cache: a request starting from scratch takes the cached blocks of
+                // its longest cached prefix, never its last token (recomputed for logits).
+                let max_hit = (req.num_tokens().saturating_sub(1) / bs) as usize;
+                let hit = if first_alloc && req.num_computed_tokens == 0 && self.pool.caching() {
+                    if req.block_hashes.len() < max_hit {
+                        let tokens = req.tokens(0, max_hit as u32 * bs);
+                        extend_hashes(&self.root, &tokens, bs, &mut req.block_hashes);
+                    }
+                    self.pool.lookup(req.block_hashes.get(..max_hit).unwrap_or(&[]))
+                } else {
+                    Vec::new()
+                };
+                // A full local hit (every block but the one holding the last prompt token)
+                // leaves less than a block to compute: D reads nothing and prefills the rest
+                // itself; the connector's receive without local blocks tells P at once.
+                let full_hit = !hit.is_empty() && hit.len() == max_hit;
+                // The connector counted its tokens from position 0 (the request had computed
+                // nothing when asked); the local hit covers the first of them.
+                let hit_tokens = hit.len() as u32 * bs;
+                let external = if m.load_async { m.external_tokens.saturating_sub(hit_tokens) } else { 0 };
+                if req.num_computed_tokens == 0 && first_alloc && external > 0 && !full_hit {
+                    // Async load: blocks for the prompt past the local hit, then wait for the
+                    // KV; the connector loads only the tail that is not cached here.
+                    let need = (req.prompt.len() as u32).div_ceil(bs).saturating_sub(hit.len() as u32);
+                    self.pool.touch(&hit);
                     let Some(blocks) = self.pool.allocate(need) else {
+                        self.pool.free(&hit);
                         self.waiting.push_front(id);
                         break;
                     };
                     let Some(req) = self.requests.get_mut(&id) else { break };
-                    req.block_ids = blocks.clone();
-                    req.num_external_tokens = m.external_tokens;
+                    if self.pool.caching() {
+                        self.counters.prefix_cache_queries += u64::from(req.num_tokens());
+                        self.counters.prefix_cache_hits += u64::from(hit_tokens);
+                    }
+                    req.num_cached_tokens.get_or_insert(hit_tokens);
+                    req.num_cached_blocks = hit.len() as u32;
+                    req.num_computed_tokens = hit_tokens;
+                    req.block_ids = hit;
+                    req.block_ids.extend(blocks.iter().copied());
+                    req.num_external_tokens = external;
                     req.status = RequestStatus::WaitingForRemoteKvs;
                     out.alloc_calls.push(ConnectorCall::UpdateStateAfterAlloc {
                         request_id: id.clone(),
                         block_ids: blocks,
-                        num_external_tokens: m.external_tokens,
+                        num_external_tokens: external,
                     });
                     skipped.push_back(id);
                     continue;
                 }
-                let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
-                let first_alloc = req.block_ids.is_empty();
-                let need = (req.num_computed_tokens + num_new).div_ceil(bs).saturating_sub(req.block_ids.len() as u32);
+                let computed = req.num_computed_tokens.max(hit_tokens);
+                let num_new = (req.num_tokens() - computed).min(budget);
+                let need = (computed + num_new).div_ceil(bs).saturating_sub((req.block_ids.len() + hit.len()) as u32);
+                // Referenced before allocating, so the allocation cannot evict them.
+                self.pool.touch(&hit);
                 let Some(blocks) = self.pool.allocate(need) else {
+                    self.pool.free(&hit);
                     self.waiting.push_front(id);
                     break;
                 };
                 let Some(req) = self.requests.get_mut(&id) else { break };
+                if first_alloc && self.pool.caching() {
+                    self.counters.prefix_cache_queries += u64::from(req.num_tokens());
+                    self.counters.prefix_cache_hits += u64::from(hit_tokens);
+                    req.num_cached_tokens.get_or_insert(hit_tokens.min(req.prompt.len() as u32));
+                    req.num_cached_blocks = hit.len() as u32;
+                }
+                req.num_computed_tokens = computed;
+                req.block_ids.extend(hit);
                 req.block_ids.extend(blocks);
                 if first_alloc {
                     out.alloc_calls.push(ConnectorCall::UpdateStateAfterAlloc {
@@ -642,6 +734,7 @@ impl Scheduler {
         if let Some(req) = self.requests.get_mut(id) {
             let blocks = std::mem::take(&mut req.block_ids);
             req.num_computed_tokens = 0;
+            req.num_cached_blocks = 0;
             req.num_preemptions += 1;
             req.status = RequestStatus::Preempted;
             req.connector_match = Some(ConnectorMatch { external_tokens: 0, load_async: false });
@@ -657,6 +750,7 @@ impl Scheduler {
             match self.requests.get_mut(&chunk.request_id) {
                 Some(req) if !req.status.is_finished() => {
                     req.num_computed_tokens = chunk.start_pos + chunk.token_ids.len() as u32;
+                    Self::cache_full_blocks(&mut self.pool, &self.root, self.cfg.block_size, req);
                 }
                 _ => {}
             }
@@ -696,6 +790,27 @@ impl Scheduler {
         }
     }
 
+    /// Register in the prefix cache every full block of `req` whose KV is computed (the step
+    /// that wrote it has run), so later requests with the same prefix can share it.
+    fn cache_full_blocks(pool: &mut BlockPool, root: &BlockHash, bs: u32, req: &mut Request) {
+        if !pool.caching() {
+            return;
+        }
+        let full = req.num_computed_tokens / bs;
+        while req.num_cached_blocks < full {
+            let i = req.num_cached_blocks as usize;
+            if req.block_hashes.len() <= i {
+                let parent = req.block_hashes.last().copied().unwrap_or(*root);
+                let tokens = req.tokens(i as u32 * bs, (i as u32 + 1) * bs);
+                req.block_hashes.push(block_hash(&parent, &tokens));
+            }
+            if let (Some(&b), Some(&h)) = (req.block_ids.get(i), req.block_hashes.get(i)) {
+                pool.cache(b, h);
+            }
+            req.num_cached_blocks += 1;
+        }
+    }
+
     fn take_new_output(req: &mut Request) -> EngineOutput {
         let new_tokens = req.output.get(req.emitted..).map(<[u32]>::to_vec).unwrap_or_default();
         let new_logprobs = req.output_logprobs.get(req.emitted..).map(<[_]>::to_vec).filter(|v| !v.is_empty());
@@ -708,6 +823,7 @@ impl Scheduler {
             stop_token_id: None,
             kv_transfer_params: None,
             num_external_tokens: req.num_external_tokens,
+            num_cached_tokens: req.num_cached_tokens.unwrap_or(0),
             error: None,
         }
     }
@@ -817,7 +933,9 @@ impl Scheduler {
             let Some(first_bad) = req.block_ids.iter().position(|b| invalid.contains(b)) else { continue };
             if self.recompute_load_failures {
                 // Tokens from the first invalid block on count as not computed.
-                let valid = req.num_external_tokens.min(first_bad as u32 * bs);
+                // Blocks before the local prefix hit were never read, so never invalid.
+                let valid =
+                    req.num_external_tokens.min((first_bad as u32 * bs).saturating_sub(req.num_computed_tokens));
                 self.counters.kv_loads_recomputed += 1;
                 self.counters.recomputed_tokens += u64::from(req.num_external_tokens - valid);
                 req.num_external_tokens = valid;
@@ -884,8 +1002,14 @@ impl Scheduler {
     }
 
     pub fn kv_usage(&self) -> KvUsage {
-        let held: usize = self.held.values().map(|h| h.blocks.len()).sum::<usize>()
-            + self.free_on_recv.values().map(Vec::len).sum::<usize>();
+        // Distinct blocks: a cached prefix may be held for several readers at once.
+        let held = self
+            .held
+            .values()
+            .flat_map(|h| h.blocks.iter())
+            .chain(self.free_on_recv.values().flatten())
+            .collect::<HashSet<_>>()
+            .len();
         let total = self.pool.num_blocks();
         let free = self.pool.num_free();
         KvUsage {
@@ -893,7 +1017,14 @@ impl Scheduler {
             free_blocks: free,
             used_blocks: total.saturating_sub(free).saturating_sub(held as u32),
             held_blocks: held as u32,
-            leased_blocks: self.leased.iter().filter_map(|id| self.held.get(id)).map(|h| h.blocks.len() as u32).sum(),
+            cached_blocks: self.pool.num_cached(),
+            leased_blocks: self
+                .leased
+                .iter()
+                .filter_map(|id| self.held.get(id))
+                .flat_map(|h| h.blocks.iter())
+                .collect::<HashSet<_>>()
+                .len() as u32,
         }
     }
 

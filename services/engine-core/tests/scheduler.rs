@@ -11,11 +11,14 @@ fn cfg(num_blocks: u32, budget: u32) -> SchedulerConfig {
     SchedulerConfig { block_size: 4, num_blocks, max_num_seqs: 8, max_num_batched_tokens: budget, max_model_len: 256 }
 }
 
+/// A request whose prompt is its own (tokens salted by the id), so that no two requests share
+/// a cached prefix by accident (tests/prefix_caching.rs tests sharing on purpose).
 fn req(id: &str, prompt_len: usize, max_tokens: u32) -> EngineRequest {
+    let salt = id.bytes().fold(0u32, |a, b| a.wrapping_mul(31).wrapping_add(u32::from(b))) % 1000;
     EngineRequest {
         request_id: id.into(),
         client_request_id: None,
-        prompt_token_ids: (0..prompt_len as u32).map(|i| 10 + i).collect(),
+        prompt_token_ids: (0..prompt_len as u32).map(|i| 10 + i + 1000 * salt).collect(),
         sampling: SamplingParams { max_tokens, temperature: 0.0, ..Default::default() },
         eos_token_ids: vec![2],
         arrival_unix_ms: 0,

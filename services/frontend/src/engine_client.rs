@@ -225,6 +225,7 @@ impl EngineClient {
                 stop_token_id: None,
                 kv_transfer_params: None,
                 num_external_tokens: 0,
+                num_cached_tokens: 0,
                 error: Some(message.to_string()),
             });
         }

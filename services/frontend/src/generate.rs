@@ -252,6 +252,8 @@ pub struct Collected {
     pub logprobs: Vec<TokenLogprob>,
     pub finish: Finish,
     pub completion_tokens: u32,
+    /// Prompt tokens the engine reused from its prefix cache.
+    pub cached_tokens: u32,
     pub kv_transfer_params: Option<KvTransferParams>,
 }
 
@@ -302,7 +304,14 @@ pub async fn collect_text(
         Finish::Abort => return Err(ApiError::Unavailable("unavailable: the engine aborted the request".into())),
         Finish::Stop(_) | Finish::Length => {}
     }
-    Ok(Collected { text, logprobs, finish, completion_tokens: processor.completion_tokens(), kv_transfer_params })
+    Ok(Collected {
+        text,
+        logprobs,
+        finish,
+        completion_tokens: processor.completion_tokens(),
+        cached_tokens: processor.cached_tokens(),
+        kv_transfer_params,
+    })
 }
 
 /// Wait for the whole output of a non-streaming request.
@@ -312,9 +321,9 @@ async fn collect(
     outputs: OutputReceiver,
     guard: RequestGuard,
 ) -> Result<HttpResponse, ApiError> {
-    let Collected { text, logprobs, finish, completion_tokens, kv_transfer_params } =
+    let Collected { text, logprobs, finish, completion_tokens, cached_tokens, kv_transfer_params } =
         collect_text(codec, &settings, outputs, guard).await?;
-    let usage = Usage::new(settings.prompt_tokens, completion_tokens);
+    let usage = Usage::new(settings.prompt_tokens, completion_tokens).with_cached(cached_tokens);
     let mut response = match settings.api {
         Api::Completion => {
             HttpResponse::Ok().json(completion_body(&settings, text, &logprobs, &finish, usage, kv_transfer_params))

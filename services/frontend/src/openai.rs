@@ -167,11 +167,31 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    /// As OpenAI reports it: how many prompt tokens came from the prefix cache.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details` (`input_tokens_details` in the Responses API).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens whose KV the engine reused from its prefix cache.
+    pub cached_tokens: u32,
 }
 
 impl Usage {
     pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
-        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens.saturating_add(completion_tokens) }
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            prompt_tokens_details: PromptTokensDetails::default(),
+        }
+    }
+
+    /// The same usage, with `cached_tokens` of the prompt reused from the prefix cache.
+    pub fn with_cached(mut self, cached_tokens: u32) -> Self {
+        self.prompt_tokens_details.cached_tokens = cached_tokens.min(self.prompt_tokens);
+        self
     }
 }
 

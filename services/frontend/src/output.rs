@@ -149,6 +149,8 @@ pub struct OutputProcessor<'a> {
     /// Characters decoded so far (shown or pending), for `text_offset`.
     decoded_chars: u32,
     completion_tokens: u32,
+    /// Prompt tokens the engine took from its prefix cache (reported on its outputs).
+    cached_tokens: u32,
     finished: bool,
 }
 
@@ -170,6 +172,7 @@ impl<'a> OutputProcessor<'a> {
             pending: String::new(),
             decoded_chars: 0,
             completion_tokens: 0,
+            cached_tokens: 0,
             finished: false,
         }
     }
@@ -177,6 +180,11 @@ impl<'a> OutputProcessor<'a> {
     /// Tokens generated so far (usage `completion_tokens`).
     pub fn completion_tokens(&self) -> u32 {
         self.completion_tokens
+    }
+
+    /// Prompt tokens reused from the engine's prefix cache (usage `cached_tokens`).
+    pub fn cached_tokens(&self) -> u32 {
+        self.cached_tokens
     }
 
     /// Whether the request is over for the client; later outputs are ignored.
@@ -190,6 +198,7 @@ impl<'a> OutputProcessor<'a> {
         if self.finished {
             return Ok(delta);
         }
+        self.cached_tokens = self.cached_tokens.max(out.num_cached_tokens);
         let n = out.new_token_ids.len();
         // vLLM does not show the text of the stop token that ended a request.
         let skip_last_text = out.finish_reason == Some(FinishReason::Stop)
@@ -330,6 +339,7 @@ mod tests {
             stop_token_id: None,
             kv_transfer_params: None,
             num_external_tokens: 0,
+            num_cached_tokens: 0,
             error: None,
         }
     }

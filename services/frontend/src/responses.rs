@@ -33,11 +33,24 @@ pub struct ResponseUsage {
     pub input_tokens: u32,
     pub output_tokens: u32,
     pub total_tokens: u32,
+    /// Input tokens reused from the engine's prefix cache (OpenAI's Responses usage).
+    pub input_tokens_details: crate::openai::PromptTokensDetails,
 }
 
 impl ResponseUsage {
     pub fn new(input_tokens: u32, output_tokens: u32) -> Self {
-        Self { input_tokens, output_tokens, total_tokens: input_tokens.saturating_add(output_tokens) }
+        Self {
+            input_tokens,
+            output_tokens,
+            total_tokens: input_tokens.saturating_add(output_tokens),
+            input_tokens_details: Default::default(),
+        }
+    }
+
+    /// The same usage, with `cached_tokens` of the input reused from the prefix cache.
+    pub fn with_cached(mut self, cached_tokens: u32) -> Self {
+        self.input_tokens_details.cached_tokens = cached_tokens.min(self.input_tokens);
+        self
     }
 }
 
@@ -256,9 +269,9 @@ pub async fn answer(
     if settings.stream {
         return Ok(stream(codec, settings, outputs, guard, ctx));
     }
-    let Collected { text, finish, completion_tokens, kv_transfer_params, .. } =
+    let Collected { text, finish, completion_tokens, cached_tokens, kv_transfer_params, .. } =
         collect_text(&*codec, &settings, outputs, guard).await?;
-    let usage = ResponseUsage::new(settings.prompt_tokens, completion_tokens);
+    let usage = ResponseUsage::new(settings.prompt_tokens, completion_tokens).with_cached(cached_tokens);
     let object = ctx.finished(text, &finish, usage, kv_transfer_params);
     ctx.save(&object);
     let mut response = HttpResponse::Ok().json(&object);
@@ -393,7 +406,8 @@ async fn run(
                     guard.abort_now(AbortReason::StopString);
                 }
                 guard.finish(finish.as_str());
-                let usage = ResponseUsage::new(settings.prompt_tokens, processor.completion_tokens());
+                let usage = ResponseUsage::new(settings.prompt_tokens, processor.completion_tokens())
+                    .with_cached(processor.cached_tokens());
                 let object = ctx.finished(text.clone(), finish, usage, delta.kv_transfer_params.clone());
                 ctx.save(&object);
                 let part = OutputText::new(text.clone());
@@ -465,7 +479,10 @@ mod tests {
         let v = serde_json::to_value(&s.object).unwrap();
         assert!(v["incomplete_details"].is_null());
         assert_eq!(v["output"][0]["content"][0], json!({"type": "output_text", "text": "t", "annotations": []}));
-        assert_eq!(v["usage"], json!({"input_tokens": 1, "output_tokens": 1, "total_tokens": 2}));
+        assert_eq!(
+            v["usage"],
+            json!({"input_tokens": 1, "output_tokens": 1, "total_tokens": 2, "input_tokens_details": {"cached_tokens": 0}})
+        );
         let mut e = Events { sequence_number: 3 };
         let b = e.event("response.output_text.delta", json!({"delta": "x"}));
         let text = std::str::from_utf8(&b).unwrap();

@@ -281,7 +281,10 @@ async fn run(
                 let mut last = fmt.delta_chunk(delta.text, &delta.logprobs, Some(finish)).to_vec();
                 if settings.include_usage {
                     last.extend_from_slice(
-                        &fmt.usage_chunk(Usage::new(settings.prompt_tokens, processor.completion_tokens())),
+                        &fmt.usage_chunk(
+                            Usage::new(settings.prompt_tokens, processor.completion_tokens())
+                                .with_cached(processor.cached_tokens()),
+                        ),
                     );
                 }
                 last.extend_from_slice(&sse_done());
@@ -379,6 +382,9 @@ mod tests {
         assert_eq!(last["choices"][0]["finish_reason"], "stop");
         let u = &parse(&f.usage_chunk(Usage::new(3, 2)))[0];
         assert_eq!(u["choices"], serde_json::json!([]));
-        assert_eq!(u["usage"], serde_json::json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}));
+        assert_eq!(
+            u["usage"],
+            serde_json::json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, "prompt_tokens_details": {"cached_tokens": 0}})
+        );
     }
 }

@@ -41,6 +41,7 @@ fn output(id: &str, text: &str, finish: Option<FinishReason>) -> EngineOutput {
         stop_token_id: None,
         kv_transfer_params: None,
         num_external_tokens: 0,
+        num_cached_tokens: 0,
         error: None,
     }
 }
@@ -85,6 +86,7 @@ impl Handler<RouterEvent> for FakeLb {
                             used_blocks: 3,
                             held_blocks: 0,
                             leased_blocks: 0,
+                            cached_blocks: 0,
                         },
                         ..Default::default()
                     }],
@@ -321,7 +323,10 @@ async fn completion_round_trip_follows_the_contract() {
     assert_eq!(v["model"], MODEL);
     assert_eq!(v["choices"][0]["text"], "hello world");
     assert_eq!(v["choices"][0]["finish_reason"], "length");
-    assert_eq!(v["usage"], json!({"prompt_tokens": 2, "completion_tokens": 11, "total_tokens": 13}));
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": 2, "completion_tokens": 11, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 0}})
+    );
     assert_eq!(v["kv_transfer_params"]["do_remote_prefill"], true);
     assert_eq!(v["kv_transfer_params"]["remote_block_ids"], json!([4, 5]));
 
@@ -807,7 +812,10 @@ async fn responses_round_trip_and_retrieval() {
     assert_eq!(v["output_text"], "hi there");
     let prompt = "<system>be nice\n<user>yo\n<assistant>";
     let n = prompt.len() as u64;
-    assert_eq!(v["usage"], json!({"input_tokens": n, "output_tokens": 8, "total_tokens": n + 8}));
+    assert_eq!(
+        v["usage"],
+        json!({"input_tokens": n, "output_tokens": 8, "total_tokens": n + 8, "input_tokens_details": {"cached_tokens": 0}})
+    );
     assert!(v["previous_response_id"].is_null());
     assert_eq!(v["store"], true);
     assert!(v.get("kv_transfer_params").is_some_and(Value::is_null));

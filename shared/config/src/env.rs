@@ -29,6 +29,9 @@ pub const KV_BACKEND: &str = "PDMESH_KV_BACKEND";
 /// `true` or `false`: the R2/R4 give-up notices of D and the router (overrides
 /// `kv_transfer.give_up_notices` and `router.give_up_notices` on every node).
 pub const GIVE_UP_NOTICES: &str = "PDMESH_GIVE_UP_NOTICES";
+/// `true` or `false`: automatic prefix caching of every node's engine (overrides
+/// `engine.enable_prefix_caching`).
+pub const ENABLE_PREFIX_CACHING: &str = "PDMESH_ENABLE_PREFIX_CACHING";
 /// Client API keys of every frontend, the router included, comma-separated (vLLM's
 /// `--api-key`; `pdmesh frontend --api-key` and `pdmesh up --api-key` take the same list).
 /// Unset: no key is required.

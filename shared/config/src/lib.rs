@@ -561,6 +561,11 @@ pub struct EngineConfig {
     /// nobody reads cannot fill P. 1.0: no bound.
     #[serde(default = "default_max_held_fraction")]
     pub max_held_fraction: f64,
+    /// Automatic prefix caching (vLLM's `enable_prefix_caching`): full KV blocks are hashed
+    /// by their token prefix and reused by later requests with the same prefix; freed ones stay
+    /// cached until evicted least-recently-used. `PDMESH_ENABLE_PREFIX_CACHING` overrides it.
+    #[serde(default = "yes")]
+    pub enable_prefix_caching: bool,
 }
 
 impl EngineConfig {
@@ -596,6 +601,7 @@ impl Default for EngineConfig {
             fault_injection: String::new(),
             max_waiting: default_max_waiting(),
             max_held_fraction: default_max_held_fraction(),
+            enable_prefix_caching: true,
         }
     }
 }
@@ -780,7 +786,8 @@ impl Topology {
 
     /// Apply the per-process overrides from the environment (`PDMESH_RUN_DIR`,
     /// `PDMESH_FAULT`, `PDMESH_EXECUTOR_FAULT`, `PDMESH_KV_LOAD_FAILURE_POLICY`,
-    /// `PDMESH_GIVE_UP_NOTICES`, `PDMESH_MODEL_DEVICE`, `PDMESH_KV_BACKEND`) to every node
+    /// `PDMESH_GIVE_UP_NOTICES`, `PDMESH_MODEL_DEVICE`, `PDMESH_KV_BACKEND`,
+    /// `PDMESH_ENABLE_PREFIX_CACHING`) to every node
     /// that has the section they change. A service process serves one node, so the override
     /// acts on that node; set on `pdmesh up` it reaches every child.
     pub fn apply_env(&mut self) -> Result<(), ConfigError> {
@@ -804,6 +811,22 @@ impl Topology {
                 if let Some(kv) = n.kv_transfer.as_mut() {
                     kv.give_up_notices = on;
                 }
+            }
+        }
+        let prefix_caching = match env::get(env::ENABLE_PREFIX_CACHING).as_deref() {
+            None => None,
+            Some("true") => Some(true),
+            Some("false") => Some(false),
+            Some(other) => {
+                return Err(ConfigError::Invalid(format!(
+                    "{}={other:?}: expected \"true\" or \"false\"",
+                    env::ENABLE_PREFIX_CACHING
+                )))
+            }
+        };
+        if let Some(on) = prefix_caching {
+            for n in self.nodes.iter_mut() {
+                n.engine.enable_prefix_caching = on;
             }
         }
         let faults = env::get(env::FAULT);

@@ -87,7 +87,8 @@ pub enum NoticeOutcome {
 /// The decision P's side channel delegates to the connector-worker. Calls come from the side
 /// channel's tasks, under a mutex ([`SharedPolicy`]), so they must be quick and never block.
 pub trait LeasePolicy: Send {
-    /// May `consumer` read exactly these blocks (ids and generations as P handed them out)?
+    /// May `consumer` read these blocks (ids and generations as P handed them out: all of the
+    /// held blocks, or a tail of them when D has the rest in its prefix cache)?
     fn grant(
         &mut self,
         p_request_id: &str,
@@ -530,11 +531,14 @@ impl LeasePolicy for HoldTable {
         if hold.aborted {
             return self.refuse(LeaseRefusalReason::Aborted, gone("aborted"));
         }
-        if hold.block_ids != block_ids {
+        // D may ask for a tail of the held blocks: the blocks before it are in its own prefix
+        // cache (a partial local hit), so it reads only what it lacks.
+        let tail = hold.block_ids.len().checked_sub(block_ids.len()).filter(|_| !block_ids.is_empty());
+        let Some(off) = tail.filter(|&off| hold.block_ids.get(off..) == Some(block_ids)) else {
             let detail = format!("held blocks {:?}, asked {:?}", hold.block_ids, block_ids);
             return self.refuse(LeaseRefusalReason::BlockMismatch, detail);
-        }
-        if hold.generations != generations {
+        };
+        if hold.generations.get(off..) != Some(generations) {
             let detail = format!("held generations {:?}, asked {:?}", hold.generations, generations);
             return self.refuse(LeaseRefusalReason::GenerationMismatch, detail);
         }

@@ -45,6 +45,23 @@ fn lease_then_read_done_releases_exactly_once() {
     assert!(t.is_empty());
 }
 
+/// D with a partial prefix-cache hit reads only the tail of the held blocks it lacks (D51): a
+/// tail with its own generations is leased; a head, an empty list or stale generations are not.
+#[test]
+fn a_tail_of_the_held_blocks_can_be_leased() {
+    let (mut t, now) = table();
+    assert!(t.hold("a", vec![4, 5, 6], vec![1, 2, 3], now + 1000 * MS));
+    let head = t.grant("a", &[4, 5], &[1, 2], "d", now).unwrap_err();
+    assert_eq!(head.reason, LeaseRefusalReason::BlockMismatch, "a head is not a tail");
+    let empty = t.grant("a", &[], &[], "d", now).unwrap_err();
+    assert_eq!(empty.reason, LeaseRefusalReason::BlockMismatch);
+    let stale = t.grant("a", &[5, 6], &[2, 4], "d", now).unwrap_err();
+    assert_eq!(stale.reason, LeaseRefusalReason::GenerationMismatch);
+    let g = t.grant("a", &[5, 6], &[2, 3], "d", now).unwrap();
+    assert!(t.check_read("a", g.lease_id, &[5, 6], now).is_ok());
+    assert_eq!(t.read_done("a", g.lease_id, "d", now), NoticeOutcome::Released);
+}
+
 #[test]
 fn lease_refusals_name_the_reason() {
     let (mut t, now) = table();

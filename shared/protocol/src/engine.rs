@@ -126,6 +126,10 @@ pub struct EngineOutput {
     /// Prompt tokens that were not computed locally (loaded from a remote KV cache).
     #[serde(default)]
     pub num_external_tokens: u32,
+    /// Prompt tokens whose KV came from this engine's prefix cache (OpenAI's
+    /// `usage.prompt_tokens_details.cached_tokens`).
+    #[serde(default)]
+    pub num_cached_tokens: u32,
     /// Human-readable detail when `finish_reason` is `Error`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -143,6 +147,7 @@ impl EngineOutput {
             stop_token_id: None,
             kv_transfer_params: None,
             num_external_tokens: 0,
+            num_cached_tokens: 0,
             error: Some(message.into()),
         }
     }

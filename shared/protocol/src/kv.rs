@@ -59,6 +59,10 @@ pub struct KvUsage {
     pub held_blocks: u32,
     #[serde(default)]
     pub leased_blocks: u32,
+    /// Blocks registered in the prefix cache (in use or free; free ones are evicted when
+    /// allocation needs them, so they also count in `free_blocks`).
+    #[serde(default)]
+    pub cached_blocks: u32,
 }
 
 /// A request whose blocks are held for (or by) the connector.

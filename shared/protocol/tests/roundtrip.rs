@@ -91,7 +91,14 @@ pub fn every_message() -> Vec<Message> {
                 engine_rank: 1,
                 num_waiting: 2,
                 num_running: 3,
-                kv: KvUsage { total_blocks: 10, free_blocks: 5, used_blocks: 3, held_blocks: 2, leased_blocks: 0 },
+                kv: KvUsage {
+                    total_blocks: 10,
+                    free_blocks: 5,
+                    used_blocks: 3,
+                    held_blocks: 2,
+                    leased_blocks: 0,
+                    cached_blocks: 4,
+                },
                 held_requests: vec![HeldRequest {
                     request_id: "h".into(),
                     blocks: 2,
@@ -116,6 +123,7 @@ pub fn every_message() -> Vec<Message> {
                 stop_token_id: None,
                 kv_transfer_params: Some(params()),
                 num_external_tokens: 16,
+                num_cached_tokens: 16,
                 error: None,
             }],
         }),

@@ -96,6 +96,9 @@ pub struct KvDebug {
     pub used_blocks: u64,
     pub held_blocks: u64,
     pub leased_blocks: u64,
+    /// Blocks in the ranks' prefix caches (in use or evictable; evictable ones also count as
+    /// free).
+    pub cached_blocks: u64,
     pub total_blocks: u64,
     pub held_requests: Vec<HeldRequestView>,
     pub ranks: Vec<EngineStats>,
@@ -123,6 +126,7 @@ impl KvDebug {
             used_blocks: sum(|e| e.kv.used_blocks),
             held_blocks: sum(|e| e.kv.held_blocks),
             leased_blocks: sum(|e| e.kv.leased_blocks),
+            cached_blocks: sum(|e| e.kv.cached_blocks),
             total_blocks: sum(|e| e.kv.total_blocks),
             held_requests,
             ranks: stats.engines,
@@ -208,6 +212,7 @@ mod tests {
                 used_blocks: 100 - free - held,
                 held_blocks: held,
                 leased_blocks: 0,
+                cached_blocks: r + 1,
             },
             held_requests: if held > 0 {
                 vec![HeldRequest { request_id: format!("h{r}"), blocks: held, age_s: 1.5, state: "held".into() }]
@@ -223,6 +228,7 @@ mod tests {
         assert_eq!(v["held_blocks"], 4);
         assert_eq!(v["used_blocks"], 26);
         assert_eq!(v["leased_blocks"], 0);
+        assert_eq!(v["cached_blocks"], 3);
         assert_eq!(
             v["held_requests"][0],
             serde_json::json!({"engine_rank": 0, "request_id": "h0", "blocks": 4, "age_s": 1.5, "state": "held"})
