@@ -159,8 +159,6 @@ pub struct EngineStep {
     chunks_ran: bool,
     executed: bool,
     scheduled_tokens: u32,
-    /// Whether this step already ran its registering round (see [`EngineStep::complete`]).
-    registered: bool,
     /// Whether a load (a remote prefill's read) settled in this step: its request can run now.
     loads_settled: bool,
 }
@@ -177,7 +175,6 @@ impl EngineStep {
             chunks_ran: false,
             executed: false,
             scheduled_tokens: 0,
-            registered: false,
             loads_settled: false,
         };
         for req in std::mem::take(&mut st.inbox.adds) {
@@ -246,14 +243,13 @@ impl EngineStep {
                 meta.reqs_aborted_after_finish = st.sched.take_aborted_held();
                 // Released after this step's worker call, whose metadata registers their holds.
                 let release_after = std::mem::take(&mut st.deferred);
-                // `|=` and `+=`: a registering round (no chunks) follows the step's own.
-                self.chunks_ran |= !chunks.is_empty();
+                self.chunks_ran = !chunks.is_empty();
                 if chunks.is_empty() && meta.is_empty() && !st.sched.has_requests() {
                     self.outputs.extend(release_after);
                     return self.finish(st, KvConnectorOutput::default());
                 }
                 self.executed = true;
-                self.scheduled_tokens += scheduled_tokens;
+                self.scheduled_tokens = scheduled_tokens;
                 let output = SchedulerOutput {
                     step_id: st.step_id,
                     chunks: chunks.clone(),
@@ -346,23 +342,6 @@ impl EngineStep {
             } else {
                 self.outputs.push(o);
             }
-        }
-        // P's answers (D16: released only once the worker knows their holds) go out in the
-        // step that finished their prefill: one registering round — the connector's metadata
-        // (the holds `request_finished` just made) and a worker call with no chunks — instead
-        // of waiting for the next step, which under load carries a whole forward pass and at
-        // rest still costs a schedule (D57).
-        if !st.deferred.is_empty() && !self.registered {
-            self.registered = true;
-            st.step_id += 1;
-            self.phase = Phase::Allocating {
-                chunks: Vec::new(),
-                finished_request_ids: Vec::new(),
-                allocs: 0,
-                finishing: Vec::new(),
-                scheduled_tokens: 0,
-            };
-            return StepIo::Connector(vec![ConnectorCall::BuildConnectorMeta { step_id: st.step_id }]);
         }
         StepIo::Done(self.done(st))
     }
