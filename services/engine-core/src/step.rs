@@ -159,6 +159,8 @@ pub struct EngineStep {
     chunks_ran: bool,
     executed: bool,
     scheduled_tokens: u32,
+    /// Whether a load (a remote prefill's read) settled in this step: its request can run now.
+    loads_settled: bool,
 }
 
 impl EngineStep {
@@ -173,6 +175,7 @@ impl EngineStep {
             chunks_ran: false,
             executed: false,
             scheduled_tokens: 0,
+            loads_settled: false,
         };
         for req in std::mem::take(&mut st.inbox.adds) {
             let id = req.request_id.clone();
@@ -330,6 +333,7 @@ impl EngineStep {
     }
 
     fn complete(&mut self, st: &mut EngineState, kv_output: KvConnectorOutput) -> StepIo {
+        self.loads_settled |= !kv_output.finished_recving.is_empty();
         st.sched.update_from_kv_output(&kv_output);
         for o in st.sched.take_outputs() {
             let hands_off = o.kv_transfer_params.as_ref().is_some_and(KvTransferParams::wants_remote_prefill);
@@ -343,7 +347,9 @@ impl EngineStep {
     }
 
     fn done(&mut self, st: &EngineState) -> StepDone {
-        let next = if self.chunks_ran || !st.deferred.is_empty() || !st.inbox.is_empty() {
+        // A settled load makes its request runnable: step at once rather than at the next
+        // idle tick (D57).
+        let next = if self.chunks_ran || self.loads_settled || !st.deferred.is_empty() || !st.inbox.is_empty() {
             StepNext::Now
         } else if st.sched.has_requests() {
             StepNext::Soon

@@ -31,6 +31,8 @@ pub struct SpanRecord {
     pub attributes: BTreeMap<String, Value>,
     /// Event name and attributes, in order.
     pub events: Vec<(String, BTreeMap<String, Value>)>,
+    /// When each event of `events` happened (same order): what a latency breakdown reads.
+    pub event_times_unix_nano: Vec<u64>,
     pub start_unix_nano: u64,
     pub end_unix_nano: u64,
 }
@@ -40,7 +42,8 @@ impl SpanRecord {
         json!({
             "trace_id": self.trace_id, "span_id": self.span_id, "parent_span_id": self.parent_span_id,
             "name": self.name, "service": self.service, "resource": self.resource, "attributes": self.attributes,
-            "events": self.events.iter().map(|(n, a)| json!({"name": n, "attributes": a})).collect::<Vec<_>>(),
+            "events": self.events.iter().zip(self.event_times_unix_nano.iter().copied().chain(std::iter::repeat(0)))
+                .map(|((n, a), t)| json!({"name": n, "attributes": a, "time_unix_nano": t})).collect::<Vec<_>>(),
             "start_unix_nano": self.start_unix_nano, "end_unix_nano": self.end_unix_nano,
         })
     }
@@ -101,6 +104,7 @@ impl SpanStore {
                         resource: resource.clone(),
                         attributes: attributes(&s.attributes),
                         events: s.events.iter().map(|e| (e.name.clone(), attributes(&e.attributes))).collect(),
+                        event_times_unix_nano: s.events.iter().map(|e| e.time_unix_nano).collect(),
                         start_unix_nano: s.start_time_unix_nano,
                         end_unix_nano: s.end_time_unix_nano,
                     });
