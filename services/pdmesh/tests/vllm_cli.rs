@@ -55,6 +55,10 @@ fn pdmesh(run_dir: &std::path::Path, log: &str, args: &[&str], env: &[(&str, Str
         .unwrap()
 }
 
+fn as_refs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
 fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
 }
@@ -136,7 +140,6 @@ fn two_serves_and_a_proxy_do_pd_with_vllm_flags_alone() {
         |v: &[String]| -> Vec<String> { std::iter::once("serve".to_string()).chain(v.iter().cloned()).collect() };
     let p_args = args(&node(p, "kv_producer"));
     let d_args = args(&node(d, "kv_both"));
-    let as_refs = |v: &Vec<String>| v.iter().map(String::as_str).collect::<Vec<_>>();
     let _p = Proc(
         pdmesh(&run_dir, "p.log", &as_refs(&p_args), &[("VLLM_NIXL_SIDE_CHANNEL_PORT", side.to_string())]),
         "serve P",
@@ -158,7 +161,7 @@ fn two_serves_and_a_proxy_do_pd_with_vllm_flags_alone() {
         "--decoder-ports".into(),
         d.to_string(),
     ];
-    let _proxy = Proc(pdmesh(&run_dir, "proxy.log", &as_refs(&proxy_args.to_vec()), &[]), "proxy");
+    let _proxy = Proc(pdmesh(&run_dir, "proxy.log", &as_refs(&proxy_args), &[]), "proxy");
     wait_ready(p, true, &run_dir);
     wait_ready(d, true, &run_dir);
     wait_ready(proxy, false, &run_dir);
@@ -174,6 +177,55 @@ fn two_serves_and_a_proxy_do_pd_with_vllm_flags_alone() {
     let want = post(d, "/v1/chat/completions", &chat);
     let got = post(proxy, "/v1/chat/completions", &chat);
     assert_eq!(got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"]);
+
+    // n > 1 (D58): three greedy choices, identical to the one-choice answer, on the node itself
+    // and through the proxy (P prefills once with n = 1; D fans the decode leg out); usage
+    // counts the prompt once and every choice's completion tokens.
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0});
+    let one = post(d, "/v1/completions", &body);
+    let mut three = body.clone();
+    three["n"] = json!(3);
+    for port in [d, proxy] {
+        let v = post(port, "/v1/completions", &three);
+        let choices = v["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 3, "{v}");
+        for (i, c) in choices.iter().enumerate() {
+            assert_eq!(c["index"], i, "{v}");
+            assert_eq!(c["text"], one["choices"][0]["text"], "greedy choices are identical: {v}");
+        }
+        let per_choice = one["usage"]["completion_tokens"].as_u64().unwrap();
+        assert_eq!(v["usage"]["completion_tokens"].as_u64().unwrap(), 3 * per_choice, "{v}");
+        assert_eq!(v["usage"]["prompt_tokens"], one["usage"]["prompt_tokens"], "{v}");
+    }
+    let mut streamed = three.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let text = client()
+        .post(format!("http://127.0.0.1:{proxy}/v1/completions"))
+        .json(&streamed)
+        .send()
+        .unwrap()
+        .text()
+        .unwrap();
+    let mut texts = vec![String::new(); 3];
+    let mut usage = Value::Null;
+    for e in common::sse_events(&text).into_iter().filter(|e| e != "[DONE]") {
+        let v: Value = serde_json::from_str(&e).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            texts[c["index"].as_u64().unwrap() as usize].push_str(c["text"].as_str().unwrap_or(""));
+        }
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+    }
+    assert!(texts.iter().all(|t| *t == one["choices"][0]["text"]), "streamed choices by index: {texts:?}");
+    assert_eq!(usage["completion_tokens"].as_u64().unwrap(), 3 * one["usage"]["completion_tokens"].as_u64().unwrap());
+    let mut chat2 = chat.clone();
+    chat2["n"] = json!(2);
+    let v = post(proxy, "/v1/chat/completions", &chat2);
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2, "{v}");
+    assert_eq!(v["choices"][1]["index"], 1);
+    assert_eq!(v["choices"][1]["message"]["content"], want["choices"][0]["message"]["content"]);
 
     // P/D happened: P's connector-worker (base + 112, base from --port) served D's handshake.
     let p_base = 10_000 + (p % 50) * 400;
