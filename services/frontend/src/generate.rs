@@ -67,6 +67,8 @@ pub struct Prepared {
     pub arrival: Instant,
     /// `frontend.generate`: open until the response is over (it lives in the [`RequestGuard`]).
     pub span: tracing::Span,
+    /// Choices asked for (`n`): [`submit`] fans out that many engine requests (D58).
+    pub n: u32,
 }
 
 /// Seconds since the Unix epoch (0 if the clock is before it).
@@ -88,6 +90,7 @@ pub fn prepare(
     state: &AppState,
     arrival: Instant,
 ) -> Prepared {
+    let n = params.n;
     let mut sampling = params.sampling;
     sampling.max_tokens = max_tokens;
     let settings = ResponseSettings {
@@ -130,7 +133,7 @@ pub fn prepare(
         Some(ctx) => ctx,
         None => meta.trace,
     };
-    Prepared { settings, request, trace, arrival, span }
+    Prepared { settings, request, trace, arrival, span, n }
 }
 
 /// Ties an accepted engine request to its HTTP request (see the module docs).
@@ -220,25 +223,82 @@ pub struct Accepted {
     pub settings: ResponseSettings,
     pub outputs: OutputReceiver,
     pub guard: RequestGuard,
+    /// Choices 1..n of a request with `n > 1` (choice 0 is `outputs`/`guard`), in index order.
+    pub more: Vec<(OutputReceiver, RequestGuard)>,
 }
 
-/// Submit to the engine; errors are the mesh's refusals (before admission).
+/// Submit to the engine; errors are the mesh's refusals (before admission). A request with
+/// `n > 1` is `n` engine requests (vLLM V1's parallel sampling: the frontend fans the parent
+/// out into children and merges their outputs, D58), submitted by [`submit_choices`].
 pub async fn submit(state: &AppState, prepared: Prepared) -> Result<Accepted, ApiError> {
-    let Prepared { settings, request, trace, arrival, span } = prepared;
+    if prepared.n > 1 {
+        return submit_choices(state, prepared).await;
+    }
+    let Prepared { settings, request, trace, arrival, span, n: _ } = prepared;
+    let (outputs, guard) = submit_one(state, request, trace, arrival, span).await?;
+    PROMPT_TOKENS_TOTAL.inc_by(u64::from(settings.prompt_tokens));
+    Ok(Accepted { settings, outputs, guard, more: Vec::new() })
+}
+
+async fn submit_one(
+    state: &AppState,
+    request: EngineRequest,
+    trace: TraceContext,
+    arrival: Instant,
+    span: tracing::Span,
+) -> Result<(OutputReceiver, RequestGuard), ApiError> {
     let engine_request_id = request.request_id.clone();
     let ticket = next_ticket();
     let outputs =
         state.client.send(Submit { request, trace, ticket }).await.map_err(|e| {
             ApiError::Unavailable(format!("engine unavailable: the engine client is not running ({e})"))
         })??;
-    PROMPT_TOKENS_TOTAL.inc_by(u64::from(settings.prompt_tokens));
-    let guard = RequestGuard::new(state.client.clone(), engine_request_id, ticket, arrival, span);
-    Ok(Accepted { settings, outputs, guard })
+    Ok((outputs, RequestGuard::new(state.client.clone(), engine_request_id, ticket, arrival, span)))
+}
+
+/// The engine request of choice `index` (≥ 1) of a request with `n > 1`: its own id
+/// (`<parent id>-<index>`), its own seed (`seed + index`, as vLLM derives its children's, so
+/// seeded choices differ but repeat), and no remote prefill: only choice 0 reads P's blocks, so
+/// P's blocks are read once and each engine request finishes once (rules R1–R5 hold per engine
+/// request); the others prefill the prompt on this node.
+pub fn child_request(parent: &EngineRequest, index: u32) -> EngineRequest {
+    let mut child = parent.clone();
+    child.request_id = format!("{}-{index}", parent.request_id);
+    child.sampling.seed = parent.sampling.seed.map(|s| s.wrapping_add(u64::from(index)));
+    if child.kv_transfer_params.as_ref().is_some_and(KvTransferParams::wants_remote_prefill) {
+        child.kv_transfer_params = None;
+    }
+    child
+}
+
+/// Submit the `n` engine requests of one request. Choices 1..n first, choice 0 (the one that
+/// may carry P's blocks) last: if any is refused, none that reads P's blocks was admitted, so
+/// the caller's rejection notice (R1) is the only word P gets; the choices already admitted
+/// are aborted as their guards drop.
+async fn submit_choices(state: &AppState, prepared: Prepared) -> Result<Accepted, ApiError> {
+    let Prepared { settings, request, trace, arrival, span, n } = prepared;
+    let mut more = Vec::with_capacity(n.saturating_sub(1) as usize);
+    for index in 1..n {
+        let child = child_request(&request, index);
+        more.push(submit_one(state, child, trace.clone(), arrival, span.clone()).await?);
+    }
+    let (outputs, guard) = submit_one(state, request, trace, arrival, span).await?;
+    PROMPT_TOKENS_TOTAL.inc_by(u64::from(settings.prompt_tokens).saturating_mul(u64::from(n)));
+    Ok(Accepted { settings, outputs, guard, more })
 }
 
 /// Answer an accepted request: an SSE stream, or the whole response once it finished.
 pub async fn respond(state: &AppState, accepted: Accepted) -> Result<HttpResponse, ApiError> {
-    let Accepted { settings, outputs, guard } = accepted;
+    let Accepted { settings, outputs, guard, more } = accepted;
+    if !more.is_empty() {
+        let mut choices = vec![(outputs, guard)];
+        choices.extend(more);
+        return if settings.stream {
+            Ok(crate::stream::respond_choices(state.codec.clone(), settings, choices))
+        } else {
+            collect_choices(&*state.codec, settings, choices).await
+        };
+    }
     if settings.stream {
         Ok(crate::stream::respond(state.codec.clone(), settings, outputs, guard))
     } else {
@@ -329,6 +389,49 @@ async fn collect(
             HttpResponse::Ok().json(completion_body(&settings, text, &logprobs, &finish, usage, kv_transfer_params))
         }
         Api::Chat => HttpResponse::Ok().json(chat_body(&settings, text, &logprobs, &finish, usage, kv_transfer_params)),
+    };
+    set_request_id(&mut response, &settings.request_id);
+    Ok(response)
+}
+
+/// The whole output of a request with `n > 1`: every choice collected concurrently, one
+/// `choices` entry each with its `index`, usage counting the prompt once and every choice's
+/// completion tokens (as vLLM reports it). One failed choice fails the request; the others are
+/// aborted as their guards drop.
+async fn collect_choices(
+    codec: &dyn TextCodec,
+    settings: ResponseSettings,
+    choices: Vec<(OutputReceiver, RequestGuard)>,
+) -> Result<HttpResponse, ApiError> {
+    let collected = futures::future::try_join_all(
+        choices.into_iter().map(|(outputs, guard)| collect_text(codec, &settings, outputs, guard)),
+    )
+    .await?;
+    let completion_tokens = collected.iter().map(|c| c.completion_tokens).fold(0u32, u32::saturating_add);
+    let usage = Usage::new(settings.prompt_tokens, completion_tokens);
+    let mut bodies = collected.into_iter();
+    let Some(first) = bodies.next() else {
+        return Err(ApiError::Internal("a request with n > 1 has no choices".into()));
+    };
+    let mut response = match settings.api {
+        Api::Completion => {
+            let mut body = completion_body(&settings, first.text, &first.logprobs, &first.finish, usage, None);
+            for (index, c) in (1u32..).zip(bodies) {
+                let mut choice = completion_body(&settings, c.text, &c.logprobs, &c.finish, usage, None).choices;
+                choice.iter_mut().for_each(|ch| ch.index = index);
+                body.choices.extend(choice);
+            }
+            HttpResponse::Ok().json(body)
+        }
+        Api::Chat => {
+            let mut body = chat_body(&settings, first.text, &first.logprobs, &first.finish, usage, None);
+            for (index, c) in (1u32..).zip(bodies) {
+                let mut choice = chat_body(&settings, c.text, &c.logprobs, &c.finish, usage, None).choices;
+                choice.iter_mut().for_each(|ch| ch.index = index);
+                body.choices.extend(choice);
+            }
+            HttpResponse::Ok().json(body)
+        }
     };
     set_request_id(&mut response, &settings.request_id);
     Ok(response)

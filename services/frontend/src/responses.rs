@@ -265,7 +265,7 @@ pub async fn answer(
     accepted: Accepted,
     ctx: ResponseContext,
 ) -> Result<HttpResponse, ApiError> {
-    let Accepted { settings, outputs, guard } = accepted;
+    let Accepted { settings, outputs, guard, more: _ } = accepted;
     if settings.stream {
         return Ok(stream(codec, settings, outputs, guard, ctx));
     }

@@ -225,6 +225,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         if let Some(o) = p_body.as_object_mut() {
             o.remove("stream_options");
         }
+        one_choice_on_prefill(&mut p_body);
         // From here until D has the request, the router may be the last one to know of P's blocks:
         // if the client goes away (the handler is dropped) or D cannot be reached, the guard hands
         // them back so P frees at once (R4), not at its deadline. Before P answers it names P's
@@ -451,6 +452,17 @@ impl Drop for ReleaseOnDrop {
                 Err(e) => tracing::warn!(%request_id, error = %e, "release not delivered; P frees at its deadline"),
             }
         });
+    }
+}
+
+/// The prefill leg of a request with `n > 1` is one request: P prefills the prompt once and
+/// holds its blocks for one reader; D fans the decode leg out into the `n` choices (D58).
+fn one_choice_on_prefill(p_body: &mut Value) {
+    if let Some(o) = p_body.as_object_mut() {
+        if o.contains_key("n") {
+            o.insert("n".into(), json!(1));
+        }
+        o.remove("best_of");
     }
 }
 

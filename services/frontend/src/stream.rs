@@ -60,6 +60,7 @@ pub fn sse_error(error: &ApiError) -> Bytes {
 }
 
 /// Builds the chunks of one streamed response.
+#[derive(Clone)]
 pub struct ChunkFormatter {
     api: Api,
     id: String,
@@ -67,9 +68,16 @@ pub struct ChunkFormatter {
     model: String,
     include_usage: bool,
     logprobs: bool,
+    /// The choice this formatter's chunks carry (`n > 1`: one formatter per choice).
+    index: u32,
 }
 
 impl ChunkFormatter {
+    /// The same formatter for choice `index`.
+    pub fn for_choice(&self, index: u32) -> Self {
+        Self { index, ..self.clone() }
+    }
+
     pub fn new(settings: &ResponseSettings) -> Self {
         Self {
             api: settings.api,
@@ -78,6 +86,7 @@ impl ChunkFormatter {
             model: settings.model.clone(),
             include_usage: settings.include_usage,
             logprobs: settings.logprobs.is_some(),
+            index: 0,
         }
     }
 
@@ -97,7 +106,7 @@ impl ChunkFormatter {
             created: self.created,
             model: self.model.clone(),
             choices: vec![ChatChunkChoice {
-                index: 0,
+                index: self.index,
                 delta: ChatDelta { role: Some("assistant"), content: Some(String::new()) },
                 logprobs: None,
                 finish_reason: None,
@@ -116,7 +125,7 @@ impl ChunkFormatter {
                 created: self.created,
                 model: self.model.clone(),
                 choices: vec![CompletionChoice {
-                    index: 0,
+                    index: self.index,
                     text,
                     logprobs: self.logprobs.then(|| completion_logprobs(logprobs)),
                     finish_reason: finish.map(Finish::as_str),
@@ -131,7 +140,7 @@ impl ChunkFormatter {
                 created: self.created,
                 model: self.model.clone(),
                 choices: vec![ChatChunkChoice {
-                    index: 0,
+                    index: self.index,
                     delta: ChatDelta { role: None, content: (!text.is_empty()).then_some(text) },
                     logprobs: self.logprobs.then(|| chat_logprobs(logprobs)),
                     finish_reason: finish.map(Finish::as_str),
@@ -232,28 +241,106 @@ pub(crate) fn sse_response(request_id: &str, body_rx: mpsc::Receiver<Bytes>) -> 
 async fn run(
     codec: Arc<dyn TextCodec>,
     settings: ResponseSettings,
-    mut rx: OutputReceiver,
-    mut guard: RequestGuard,
+    rx: OutputReceiver,
+    guard: RequestGuard,
     tx: mpsc::Sender<Bytes>,
 ) {
     let fmt = ChunkFormatter::new(&settings);
+    let Some((completion_tokens, cached_tokens)) = run_choice(&*codec, &settings, &fmt, rx, guard, &tx).await else {
+        return;
+    };
+    let mut last = Vec::new();
+    if settings.include_usage {
+        last.extend_from_slice(
+            &fmt.usage_chunk(Usage::new(settings.prompt_tokens, completion_tokens).with_cached(cached_tokens)),
+        );
+    }
+    last.extend_from_slice(&sse_done());
+    let _ = tx.send(Bytes::from(last)).await;
+}
+
+/// Start streaming a request with `n > 1`: one task per choice, each sending its chunks with
+/// its `index` into the one body as they come (chunks of different choices interleave, as
+/// vLLM's do); after the last choice finished, the usage chunk (prompt once, every choice's
+/// completion tokens) and `[DONE]`. A choice that fails ends the stream with its error event,
+/// and the other choices are aborted (D58).
+pub fn respond_choices(
+    codec: Arc<dyn TextCodec>,
+    settings: ResponseSettings,
+    choices: Vec<(OutputReceiver, RequestGuard)>,
+) -> HttpResponse {
+    let (tx, body_rx) = mpsc::channel::<Bytes>(BODY_BUFFER);
+    let request_id = settings.request_id.clone();
+    let span = tracing::Span::current();
+    actix_web::rt::spawn(tracing::Instrument::instrument(run_choices(codec, settings, choices, tx), span));
+    sse_response(&request_id, body_rx)
+}
+
+async fn run_choices(
+    codec: Arc<dyn TextCodec>,
+    settings: ResponseSettings,
+    choices: Vec<(OutputReceiver, RequestGuard)>,
+    tx: mpsc::Sender<Bytes>,
+) {
+    let fmt = ChunkFormatter::new(&settings);
+    let mut tasks: futures::stream::FuturesUnordered<_> = (0u32..)
+        .zip(choices)
+        .map(|(index, (rx, guard))| {
+            let (codec, settings, fmt, tx) = (codec.clone(), settings.clone(), fmt.for_choice(index), tx.clone());
+            async move { run_choice(&*codec, &settings, &fmt, rx, guard, &tx).await }
+        })
+        .collect();
+    let (mut completion_tokens, mut cached_tokens) = (0u32, 0);
+    while let Some(done) = tasks.next().await {
+        match done {
+            // The prompt is counted once, so its cached part too: the most any choice found.
+            Some((tokens, cached)) => {
+                completion_tokens = completion_tokens.saturating_add(tokens);
+                cached_tokens = cached_tokens.max(cached);
+            }
+            // Dropping the other choices' futures drops their guards: their engine requests
+            // are aborted.
+            None => return,
+        }
+    }
+    let mut last = Vec::new();
+    if settings.include_usage {
+        last.extend_from_slice(
+            &fmt.usage_chunk(Usage::new(settings.prompt_tokens, completion_tokens).with_cached(cached_tokens)),
+        );
+    }
+    last.extend_from_slice(&sse_done());
+    let _ = tx.send(Bytes::from(last)).await;
+}
+
+/// Stream one choice's chunks (`fmt` carries its index) up to and including its last delta
+/// chunk. `Some((completion tokens, cached prompt tokens))` when it finished normally; `None` when the stream is over
+/// for the client (it went away, or this choice's error event was sent).
+async fn run_choice(
+    codec: &dyn TextCodec,
+    settings: &ResponseSettings,
+    fmt: &ChunkFormatter,
+    mut rx: OutputReceiver,
+    mut guard: RequestGuard,
+    tx: &mpsc::Sender<Bytes>,
+) -> Option<(u32, u32)> {
     let mut processor = OutputProcessor::new(
-        &*codec,
+        codec,
         settings.stop.clone(),
         settings.include_stop_str_in_output,
         settings.eos_token_ids.clone(),
         settings.logprobs,
     );
     if settings.api == Api::Chat && tx.send(fmt.role_chunk()).await.is_err() {
-        return;
+        return None;
     }
     loop {
-        let delta = match next_delta(&tx, &mut rx, &mut guard, &mut processor).await {
+        let delta = match next_delta(tx, &mut rx, &mut guard, &mut processor).await {
             Ok(delta) => delta,
-            Err(None) => return,
+            Err(None) => return None,
             Err(Some(e)) => {
-                send_error(&tx, e).await;
-                return;
+                send_error(tx, e).await;
+                return None;
             }
         };
         guard.on_tokens(delta.new_tokens);
@@ -262,8 +349,8 @@ async fn run(
             None => fmt.delta_chunk(delta.text, &delta.logprobs, None),
             Some(Finish::Error(message)) => {
                 guard.finish("error");
-                send_error(&tx, ApiError::from_engine_failure(message.as_deref())).await;
-                return;
+                send_error(tx, ApiError::from_engine_failure(message.as_deref())).await;
+                return None;
             }
             Some(Finish::Abort) => {
                 // The mesh gave up on the request: the stream just ends.
@@ -271,29 +358,19 @@ async fn run(
                 if !delta.text.is_empty() {
                     let _ = tx.send(fmt.delta_chunk(delta.text, &delta.logprobs, None)).await;
                 }
-                return;
+                return None;
             }
             Some(finish) => {
                 if !delta.engine_finished {
                     guard.abort_now(AbortReason::StopString);
                 }
                 guard.finish(finish.as_str());
-                let mut last = fmt.delta_chunk(delta.text, &delta.logprobs, Some(finish)).to_vec();
-                if settings.include_usage {
-                    last.extend_from_slice(
-                        &fmt.usage_chunk(
-                            Usage::new(settings.prompt_tokens, processor.completion_tokens())
-                                .with_cached(processor.cached_tokens()),
-                        ),
-                    );
-                }
-                last.extend_from_slice(&sse_done());
-                let _ = tx.send(Bytes::from(last)).await;
-                return;
+                let last = fmt.delta_chunk(delta.text, &delta.logprobs, Some(finish));
+                return tx.send(last).await.ok().map(|()| (processor.completion_tokens(), processor.cached_tokens()));
             }
         };
         if tx.send(chunk).await.is_err() {
-            return;
+            return None;
         }
     }
 }

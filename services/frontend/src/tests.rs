@@ -480,7 +480,7 @@ async fn validation_errors_have_the_openai_shape() {
     check(s, &b, 400, "invalid_request_error");
     let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x", "temperature": "hot"}), &[]).await;
     check(s, &b, 400, "invalid_request_error");
-    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x", "n": 2}), &[]).await;
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x", "n": 0}), &[]).await;
     check(s, &b, 400, "invalid_request_error");
     let (s, id, b) =
         call(&h, "/v1/completions", json!({"prompt": "x"}), &[("x-request-id", "v1"), ("x-data-parallel-rank", "one")])
@@ -1539,7 +1539,7 @@ async fn unhonoured_fields_are_400_naming_the_field() {
         ("/v1/completions", completion(json!({"min_p": 0.1})), "min_p"),
         ("/v1/chat/completions", chat(json!({"continue_final_message": true})), "continue_final_message"),
         ("/v1/chat/completions", chat(json!({"logit_bias": {"5": 10}})), "logit_bias"),
-        ("/v1/chat/completions", chat(json!({"n": 2})), "n"),
+        ("/v1/chat/completions", chat(json!({"n": 65})), "n"),
         ("/v1/completions", completion(json!({"echo": true})), "echo"),
         ("/v1/completions", completion(json!({"suffix": "tail"})), "suffix"),
         ("/v1/completions", completion(json!({"best_of": 3})), "best_of"),
@@ -1620,4 +1620,53 @@ async fn responses_take_the_routers_id_only_when_new_and_well_formed() {
         assert_ne!(id, bad);
         assert!(id.starts_with("resp_"));
     }
+}
+
+/// `n > 1` (D58): one engine request per choice, merged by `index`; only choice 0 carries P's
+/// blocks (`kv_transfer_params`), the others get their own ids and `seed + index`; usage counts
+/// every choice's tokens. Streamed, every chunk names its choice and `[DONE]` comes once.
+#[actix_web::test]
+async fn n_choices_fan_out_and_merge_by_index() {
+    let h = harness(generates("hi there", Some(FinishReason::Stop))).await;
+    let body = json!({"prompt": "yo", "n": 3, "seed": 7, "max_tokens": 20, "kv_transfer_params": p_params()});
+    let (status, _, b) = call(&h, "/v1/completions", body, &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&b));
+    let v = json_of(&b);
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{v}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!((c["index"].as_u64(), c["text"].as_str()), (Some(i as u64), Some("hi there")), "{v}");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 24, "{v}");
+    let reqs: Vec<EngineRequest> = added(&h)
+        .into_iter()
+        .filter_map(|e| match e.body {
+            WireMessage::AddRequest(r) => Some(r),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(reqs.len(), 3);
+    let remote: Vec<&EngineRequest> = reqs.iter().filter(|r| r.kv_transfer_params.is_some()).collect();
+    assert_eq!(remote.len(), 1, "only one choice reads P's blocks");
+    let parent = &remote[0].request_id;
+    let mut seeds: Vec<u64> = reqs.iter().filter_map(|r| r.sampling.seed).collect();
+    seeds.sort_unstable();
+    assert_eq!(seeds, [7, 8, 9]);
+    assert!(reqs.iter().all(|r| r.request_id == *parent || r.request_id.starts_with(&format!("{parent}-"))));
+
+    let chat = json!({"messages": [{"role": "user", "content": "yo"}], "n": 2, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let (status, _, b) = call(&h, "/v1/chat/completions", chat, &[]).await;
+    assert_eq!(status, 200);
+    let events = sse_events(&b);
+    let mut texts = [String::new(), String::new()];
+    for e in events.iter().filter(|e| *e != "[DONE]") {
+        for c in e["choices"].as_array().unwrap() {
+            texts[c["index"].as_u64().unwrap() as usize].push_str(c["delta"]["content"].as_str().unwrap_or(""));
+        }
+    }
+    assert_eq!(texts, ["hi there", "hi there"]);
+    assert_eq!(events.iter().filter(|e| *e == "[DONE]").count(), 1);
+    assert_eq!(events[events.len() - 1], "[DONE]");
+    assert_eq!(events[events.len() - 2]["usage"]["completion_tokens"], 16);
 }

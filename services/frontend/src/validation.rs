@@ -93,6 +93,9 @@ pub struct ValidatedParams {
     pub stream: bool,
     pub include_usage: bool,
     pub kv_transfer_params: Option<KvTransferParams>,
+    /// Choices to generate (`n`): that many engine requests, fanned out by the frontend
+    /// ([`crate::generate::submit`], D58).
+    pub n: u32,
 }
 
 impl ValidatedParams {
@@ -242,10 +245,7 @@ pub fn check_unhonoured(endpoint: Endpoint, extra: &serde_json::Map<String, Valu
 
 /// Validate the shared sampling fields. `vocab_size` bounds stop token ids.
 pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<ValidatedParams, ApiError> {
-    let n = input.n.unwrap_or(1);
-    if n != 1 {
-        return Err(ApiError::invalid(format!("n must be 1 (one choice per request is supported), got {n}."), "n"));
-    }
+    let n = choices(input.n)?;
     let temperature = input.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ApiError::invalid(format!("temperature must be in [0, 2], got {temperature}."), "temperature"));
@@ -318,8 +318,55 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
         include_stop_str_in_output: input.include_stop_str_in_output.unwrap_or(false),
         stream,
         include_usage,
+        n,
         kv_transfer_params,
     })
+    .and_then(one_choice_per_prefill)
+}
+
+/// The most choices one request may ask for: each is an engine request, so `n` is bounded
+/// like any other fan-out a client could otherwise make unbounded.
+pub const MAX_N: u32 = 64;
+
+/// `n`: 1 when absent, else 1..=[`MAX_N`].
+fn choices(n: Option<i64>) -> Result<u32, ApiError> {
+    match n {
+        None => Ok(1),
+        Some(n) if (1..=i64::from(MAX_N)).contains(&n) => Ok(n as u32),
+        Some(n) => Err(ApiError::invalid(format!("n must be in 1..={MAX_N}, got {n}."), "n")),
+    }
+}
+
+/// A prefill for a remote decoder (`do_remote_decode`) is one request whose blocks P holds for
+/// one reader; the router sends P `n = 1` and D the client's `n` (D58).
+fn one_choice_per_prefill(params: ValidatedParams) -> Result<ValidatedParams, ApiError> {
+    let remote_decode = params.kv_transfer_params.as_ref().is_some_and(KvTransferParams::wants_remote_decode);
+    if params.n > 1 && remote_decode {
+        return Err(ApiError::invalid(
+            "n must be 1 on a prefill for a remote decoder (kv_transfer_params.do_remote_decode); the decode leg takes n.",
+            "n",
+        ));
+    }
+    Ok(params)
+}
+
+/// `best_of` as vLLM V1 takes it: vLLM V1 no longer ranks candidates, so `best_of` is accepted
+/// only where it changes nothing (absent, or equal to `n`: every candidate is returned), and
+/// refused otherwise, as vLLM refuses it (D58).
+pub fn check_best_of(best_of: Option<i64>, n: Option<i64>) -> Result<(), ApiError> {
+    let n = n.unwrap_or(1);
+    match best_of {
+        None => Ok(()),
+        Some(b) if b == n => Ok(()),
+        Some(b) if b < n => Err(ApiError::invalid(format!("best_of must be at least n ({n}), got {b}."), "best_of")),
+        Some(b) => Err(ApiError::invalid(
+            format!(
+                "best_of ({b}) greater than n ({n}) is not supported: candidates are not ranked (as in vLLM V1); \
+                 ask for n={b} and rank the choices by their logprobs."
+            ),
+            "best_of",
+        )),
+    }
 }
 
 /// `stop`: null, a string, or an array of at most [`MAX_STOP_STRINGS`] non-empty strings.
@@ -570,7 +617,18 @@ mod tests {
             ),
             "max_completion_tokens",
         );
-        assert_400(validate_params(&SamplingInput { n: Some(2), ..base() }, VOCAB), "n");
+        assert_400(validate_params(&SamplingInput { n: Some(0), ..base() }, VOCAB), "n");
+        assert_400(validate_params(&SamplingInput { n: Some(i64::from(MAX_N) + 1), ..base() }, VOCAB), "n");
+        assert_eq!(validate_params(&SamplingInput { n: Some(3), ..base() }, VOCAB).unwrap().n, 3);
+        let prefill = json!({"do_remote_decode": true});
+        assert_400(
+            validate_params(&SamplingInput { n: Some(2), kv_transfer_params: Some(&prefill), ..base() }, VOCAB),
+            "n",
+        );
+        assert!(check_best_of(None, Some(3)).is_ok() && check_best_of(Some(3), Some(3)).is_ok());
+        assert!(check_best_of(Some(1), None).is_ok());
+        assert_400(check_best_of(Some(4), Some(3)), "best_of");
+        assert_400(check_best_of(Some(2), Some(3)), "best_of");
         assert_400(
             validate_params(&SamplingInput { presence_penalty: Some(0.5), ..base() }, VOCAB),
             "presence_penalty",

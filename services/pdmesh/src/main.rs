@@ -2,6 +2,7 @@
 
 mod links;
 mod model;
+mod serve;
 mod up;
 
 use std::path::PathBuf;
@@ -74,6 +75,12 @@ struct FrontendArgs {
 enum Command {
     /// Start a whole mesh from a topology file as child processes.
     Up(up::UpArgs),
+    /// Serve one node from `vllm serve`'s flags: `pdmesh serve MODEL_PATH [--port …]
+    /// [--kv-transfer-config JSON]` (docs/CONFIG.md, "vLLM flags").
+    Serve(serve::ServeArgs),
+    /// A P/D router from vLLM's proxy flags (`--prefiller-hosts/--prefiller-ports/
+    /// --decoder-hosts/--decoder-ports`) or from a topology's router node.
+    Proxy(serve::ProxyArgs),
     /// The OpenAI-compatible HTTP frontend of a node.
     Frontend(FrontendArgs),
     /// The data-parallel load balancer of a node.
@@ -156,10 +163,35 @@ fn main() -> ExitCode {
     }
 }
 
+/// Parse the command line. `serve` and `proxy` take vLLM's spelling of flags
+/// (`--max_model_len`), and refuse a flag they do not honour by name (exit status 2, clap's
+/// usage status, which `pdmesh up` also treats as a configuration error).
+fn parse_cli() -> Cli {
+    let args = serve::normalise_vllm_flags(std::env::args().collect());
+    let sub = args.get(1).cloned().unwrap_or_default();
+    match Cli::try_parse_from(&args) {
+        Ok(cli) => cli,
+        Err(e) if matches!(sub.as_str(), "serve" | "proxy") && e.kind() == clap::error::ErrorKind::UnknownArgument => {
+            let flag = match e.get(clap::error::ContextKind::InvalidArg) {
+                Some(clap::error::ContextValue::String(s)) => s.clone(),
+                _ => "an argument".to_string(),
+            };
+            eprintln!("{}", serve::unsupported_flag_message(&sub, &flag));
+            std::process::exit(CLAP_USAGE_STATUS);
+        }
+        Err(e) => e.exit(),
+    }
+}
+
+/// clap's exit status for a usage error.
+const CLAP_USAGE_STATUS: i32 = 2;
+
 fn run() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = parse_cli();
     match cli.command {
         Command::Up(args) => up::run(args),
+        Command::Serve(args) => serve::run_serve(args),
+        Command::Proxy(args) => serve::run_proxy(args),
         Command::Healthcheck { url } => {
             let client = reqwest::blocking::Client::builder().timeout(std::time::Duration::from_secs(3)).build()?;
             let status = client.get(&url).send().with_context(|| format!("GET {url}"))?.status();

@@ -360,11 +360,53 @@ fn write_state(state: &Path, procs: &[Running]) {
     }
 }
 
+/// One supervised launch: the nodes to start, from a topology held in memory, and how.
+/// `pdmesh up` builds it from a topology file; `pdmesh serve` and `pdmesh proxy` build a
+/// one-node topology from vLLM's flags (crate::serve) and hand it to the same supervisor.
+pub(crate) struct Launch {
+    /// The topology as read, before the environment's overrides (the children apply them).
+    pub topo: Topology,
+    /// Its text, written where the children read it.
+    pub text: String,
+    /// `--node` names; empty: every node.
+    pub nodes: Vec<String>,
+    /// Suffix of this launch's files in the run dir; `None`: from the selection.
+    pub file_suffix: Option<String>,
+    pub keys: ApiKeyArgs,
+    pub no_restart: bool,
+    pub shutdown_timeout_s: Option<u64>,
+}
+
 async fn supervise(args: UpArgs) -> anyhow::Result<()> {
-    let mut topo = match &args.topology {
+    let topo = match &args.topology {
         Some(p) => Topology::load(p)?,
         None => Topology::default_mesh()?,
     };
+    let text = match &args.topology {
+        Some(p) => std::fs::read_to_string(p)?,
+        None => pdmesh_config::DEFAULT_TOPOLOGY.to_string(),
+    };
+    supervise_launch(Launch {
+        topo,
+        text,
+        nodes: args.nodes,
+        file_suffix: None,
+        keys: args.keys,
+        no_restart: args.no_restart,
+        shutdown_timeout_s: args.shutdown_timeout_s,
+    })
+    .await
+}
+
+/// Run a [`Launch`] to its end (`pdmesh serve` and `pdmesh proxy` enter here).
+pub(crate) fn run_launch(launch: Launch) -> anyhow::Result<()> {
+    pdmesh_telemetry::init("pdmesh-up");
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(supervise_launch(launch))
+}
+
+async fn supervise_launch(args: Launch) -> anyhow::Result<()> {
+    let mut topo = args.topo.clone();
     // The children apply the same overrides; a bad one stops the mesh before it starts.
     topo.apply_env()?;
     // The children read the same deadline from the same environment.
@@ -395,15 +437,11 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
     let run_dir = topo.run_dir.clone();
     let logs = run_dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
-    let suffix = selection.file_suffix();
+    let suffix = args.file_suffix.clone().unwrap_or_else(|| selection.file_suffix());
     let state = run_dir.join(format!("mesh{suffix}.json"));
     // Children read the same topology; write the effective one where they can find it.
     let topology_path = run_dir.join(format!("topology{suffix}.toml"));
-    let text = match &args.topology {
-        Some(p) => std::fs::read_to_string(p)?,
-        None => pdmesh_config::DEFAULT_TOPOLOGY.to_string(),
-    };
-    std::fs::write(&topology_path, text)?;
+    std::fs::write(&topology_path, &args.text)?;
 
     let mut procs: Vec<Running> = Vec::new();
     for spec in children_of(&topo, &selection, &logs) {

@@ -777,6 +777,12 @@ impl Topology {
         Ok(topo)
     }
 
+    /// The topology as TOML text that [`Topology::from_toml`] reads back: `pdmesh serve` builds
+    /// a topology in memory and hands its children this text.
+    pub fn to_toml(&self) -> Result<String, ConfigError> {
+        toml::to_string(self).map_err(|e| ConfigError::Invalid(format!("cannot write the topology as TOML: {e}")))
+    }
+
     /// Read, parse and validate a file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path)

@@ -49,9 +49,7 @@ pub fn validate_request(body: &CompletionRequest, limits: &ModelLimits<'_>) -> R
         return Err(ApiError::invalid("`suffix` is not supported by this server.", "suffix"));
     }
     crate::validation::check_beam_search(body.use_beam_search, body.stream)?;
-    if let Some(b) = body.best_of.filter(|&b| b != 1) {
-        return Err(ApiError::invalid(format!("best_of must be 1, got {b}."), "best_of"));
-    }
+    crate::validation::check_best_of(body.best_of, body.n)?;
     let vocab = limits.vocab_size;
     let input = SamplingInput {
         max_tokens: body.max_tokens,
