@@ -146,8 +146,7 @@ impl ChunkFormatter {
     /// `tool_calls` delta (`finish_reason: "tool_calls"`), or the text when it holds none (D54).
     pub fn tool_chunk(&self, settings: &ResponseSettings, text: String, finish: &Finish) -> Bytes {
         let (message, finish_reason) = crate::generate::chat_message(settings, text, finish);
-        let tool_calls = message.tool_calls.map(|calls| {
-            let mut calls = calls;
+        let tool_calls = message.tool_calls.map(|mut calls| {
             if let Some(list) = calls.as_array_mut() {
                 for (i, c) in list.iter_mut().enumerate() {
                     c["index"] = serde_json::json!(i);

@@ -124,7 +124,8 @@ fn string(v: &Value, param: &'static str) -> Result<String, ApiError> {
 }
 
 fn choices(v: &Value, param: &'static str) -> Result<Vec<String>, ApiError> {
-    let items = v.as_array().ok_or_else(|| ApiError::invalid(format!("`{param}` must be a list of strings."), param))?;
+    let items =
+        v.as_array().ok_or_else(|| ApiError::invalid(format!("`{param}` must be a list of strings."), param))?;
     let list: Option<Vec<String>> = items.iter().map(|c| c.as_str().map(str::to_string)).collect();
     match list {
         Some(l) if !l.is_empty() => Ok(l),
@@ -147,25 +148,47 @@ mod tests {
         assert_eq!(spec(json!({})).unwrap(), None);
         assert_eq!(spec(json!({"response_format": {"type": "text"}})).unwrap(), None);
         assert_eq!(spec(json!({"response_format": {"type": "json_object"}})).unwrap(), Some(GuidedSpec::JsonObject));
-        let s = spec(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}));
+        let s = spec(
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}),
+        );
         assert_eq!(s.unwrap(), Some(GuidedSpec::JsonSchema(r#"{"type":"object"}"#.into())));
         assert_eq!(spec(json!({"guided_regex": "a+"})).unwrap(), Some(GuidedSpec::Regex("a+".into())));
-        assert_eq!(spec(json!({"guided_choice": ["a", "b"]})).unwrap(), Some(GuidedSpec::Choice(vec!["a".into(), "b".into()])));
-        assert_eq!(spec(json!({"guided_json": "{\"type\":\"integer\"}"})).unwrap(), Some(GuidedSpec::JsonSchema("{\"type\":\"integer\"}".into())));
-        assert_eq!(spec(json!({"structured_outputs": {"regex": "[0-9]+"}})).unwrap(), Some(GuidedSpec::Regex("[0-9]+".into())));
-        assert_eq!(spec(json!({"structured_outputs": {"choice": ["x"], "backend": "guidance"}})).unwrap(), Some(GuidedSpec::Choice(vec!["x".into()])));
-        assert_eq!(spec(json!({"structured_outputs": {"grammar": "start: \"a\""}})).unwrap(), Some(GuidedSpec::Lark("start: \"a\"".into())));
+        assert_eq!(
+            spec(json!({"guided_choice": ["a", "b"]})).unwrap(),
+            Some(GuidedSpec::Choice(vec!["a".into(), "b".into()]))
+        );
+        assert_eq!(
+            spec(json!({"guided_json": "{\"type\":\"integer\"}"})).unwrap(),
+            Some(GuidedSpec::JsonSchema("{\"type\":\"integer\"}".into()))
+        );
+        assert_eq!(
+            spec(json!({"structured_outputs": {"regex": "[0-9]+"}})).unwrap(),
+            Some(GuidedSpec::Regex("[0-9]+".into()))
+        );
+        assert_eq!(
+            spec(json!({"structured_outputs": {"choice": ["x"], "backend": "guidance"}})).unwrap(),
+            Some(GuidedSpec::Choice(vec!["x".into()]))
+        );
+        assert_eq!(
+            spec(json!({"structured_outputs": {"grammar": "start: \"a\""}})).unwrap(),
+            Some(GuidedSpec::Lark("start: \"a\"".into()))
+        );
     }
 
     #[test]
     fn bad_specs_are_400s_naming_the_field() {
-        let e = spec(json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}})).unwrap_err();
+        let e =
+            spec(json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}}))
+                .unwrap_err();
         assert_eq!(e.status().as_u16(), 400);
         assert!(e.to_string().contains("response_format") && e.to_string().contains("objekt"), "{e}");
         assert!(spec(json!({"guided_regex": "(open"})).unwrap_err().to_string().contains("guided_regex"));
         assert!(spec(json!({"guided_choice": []})).is_err());
         assert!(spec(json!({"response_format": {"type": "yaml"}})).is_err());
-        assert!(spec(json!({"guided_regex": "a", "guided_choice": ["a"]})).unwrap_err().to_string().contains("Only one"));
+        assert!(spec(json!({"guided_regex": "a", "guided_choice": ["a"]}))
+            .unwrap_err()
+            .to_string()
+            .contains("Only one"));
         assert!(spec(json!({"structured_outputs": {"whitespace_pattern": " "}})).is_err());
     }
 }

@@ -55,18 +55,19 @@ fn tools_list(tools: &[Value]) -> Result<Vec<Tool>, ApiError> {
             if t.get("type").and_then(Value::as_str) != Some("function") {
                 return Err(ApiError::invalid("`tools`: every tool must be `{\"type\": \"function\", ...}`.", "tools"));
             }
-            let f = t.get("function").filter(|f| f.is_object()).ok_or_else(|| {
-                ApiError::invalid("`tools`: every tool must have a `function` object.", "tools")
+            let f = t
+                .get("function")
+                .filter(|f| f.is_object())
+                .ok_or_else(|| ApiError::invalid("`tools`: every tool must have a `function` object.", "tools"))?;
+            let name = f.get("name").and_then(Value::as_str).filter(|n| !n.is_empty()).ok_or_else(|| {
+                ApiError::invalid("`tools`: every tool function must have a non-empty `name`.", "tools")
             })?;
-            let name = f
-                .get("name")
-                .and_then(Value::as_str)
-                .filter(|n| !n.is_empty())
-                .ok_or_else(|| ApiError::invalid("`tools`: every tool function must have a non-empty `name`.", "tools"))?;
             let parameters = match f.get("parameters") {
                 None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
                 Some(p) if p.is_object() => p.clone(),
-                Some(_) => return Err(ApiError::invalid(format!("`parameters` of tool `{name}` must be an object."), "tools")),
+                Some(_) => {
+                    return Err(ApiError::invalid(format!("`parameters` of tool `{name}` must be an object."), "tools"))
+                }
             };
             Ok(Tool { name: name.to_string(), parameters, definition: f.clone() })
         })
@@ -76,7 +77,8 @@ fn tools_list(tools: &[Value]) -> Result<Vec<Tool>, ApiError> {
 /// Hermes-style instructions (NousResearch Hermes 2 Pro's template, which vLLM's `hermes`
 /// parser reads back).
 fn system_block(tools: &[Tool]) -> String {
-    let defs: Vec<String> = tools.iter().map(|t| json!({"type": "function", "function": t.definition}).to_string()).collect();
+    let defs: Vec<String> =
+        tools.iter().map(|t| json!({"type": "function", "function": t.definition}).to_string()).collect();
     format!(
         "You are a function calling AI model. You are provided with function signatures within <tools></tools> XML \
          tags. You may call one or more functions to assist with the user query. Don't make assumptions about what \
@@ -156,7 +158,8 @@ pub fn tool_setup(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Resul
 pub fn render_tool_calls(calls: &[Value]) -> Result<String, ApiError> {
     let mut out = Vec::new();
     for c in calls {
-        let f = c.get("function").ok_or_else(|| ApiError::invalid("a tool call must have a `function`.", "messages"))?;
+        let f =
+            c.get("function").ok_or_else(|| ApiError::invalid("a tool call must have a `function`.", "messages"))?;
         let name = f.get("name").and_then(Value::as_str).unwrap_or_default();
         // `arguments` is JSON text in OpenAI's shape; keep it as JSON when it parses
         let arguments = match f.get("arguments") {
@@ -283,7 +286,8 @@ mod tests {
         assert!(parse(&ToolMode::Auto, "no calls here").is_none());
         assert!(parse(&ToolMode::Named("f".into()), "{truncated").is_none());
         let history = render_tool_calls(&[json!({"id": "1", "type": "function",
-            "function": {"name": "g", "arguments": "{\"q\": 2}"}})]).unwrap();
+            "function": {"name": "g", "arguments": "{\"q\": 2}"}})])
+        .unwrap();
         assert_eq!(history, format!("<tool_call>\n{}\n</tool_call>", json!({"name": "g", "arguments": {"q": 2}})));
     }
 }

@@ -715,7 +715,8 @@ mod tests {
         let msg = |content: Value| ChatMessageIn { role: "user".into(), content: Some(content), ..Default::default() };
         let m = chat_messages(&[msg(json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]))]).unwrap();
         assert_eq!(m[0].content, "a\nb");
-        let m = chat_messages(&[ChatMessageIn { role: "assistant".into(), content: None, ..Default::default() }]).unwrap();
+        let m =
+            chat_messages(&[ChatMessageIn { role: "assistant".into(), content: None, ..Default::default() }]).unwrap();
         assert_eq!(m[0].content, "");
         assert_400(chat_messages(&[]), "messages");
         assert_400(chat_messages(&[msg(json!([{"type": "image_url", "image_url": {}}]))]), "messages");

@@ -235,7 +235,9 @@ fn structured_outputs_parse_and_validate_colocated_and_through_pd() {
     eprintln!("{stdout}");
     let metrics = client().get(mesh.url_on(router + 3, "/metrics")).send().unwrap().text().unwrap();
     assert!(
-        metrics.lines().any(|l| l.starts_with("pdmesh_frontend_structured_output_requests_total{kind=\"json_schema\"} 5")),
+        metrics
+            .lines()
+            .any(|l| l.starts_with("pdmesh_frontend_structured_output_requests_total{kind=\"json_schema\"} 5")),
         "the colocated node counted its json_schema requests"
     );
     mesh.wait_kv_on(router + 1, "P holds nothing once D has read", |kv| {

@@ -18,9 +18,7 @@ fn chunk(id: &str, spec: GuidedSpec, output: &[u32]) -> ScheduledChunk {
 fn generate(guide: &mut Guide, spec: GuidedSpec, pick: impl Fn(&[u32]) -> u32) -> String {
     let mut out = Vec::new();
     for _ in 0..400 {
-        let Some(Mask::Allowed(allowed)) = guide.mask(&chunk("r", spec.clone(), &out)) else {
-            panic!("no mask")
-        };
+        let Some(Mask::Allowed(allowed)) = guide.mask(&chunk("r", spec.clone(), &out)) else { panic!("no mask") };
         let ids: Vec<u32> = allowed.iter().enumerate().filter(|(_, a)| **a).map(|(i, _)| i as u32).collect();
         assert!(!ids.is_empty());
         let t = if ids.contains(&256) { 256 } else { pick(&ids) };
@@ -36,7 +34,9 @@ fn generate(guide: &mut Guide, spec: GuidedSpec, pick: impl Fn(&[u32]) -> u32) -
 #[test]
 fn bad_specs_are_named_and_good_ones_compile() {
     assert!(validate(&GuidedSpec::JsonObject).is_ok());
-    assert!(validate(&GuidedSpec::JsonSchema(r#"{"type":"object","properties":{"a":{"type":"integer"}}}"#.into())).is_ok());
+    assert!(
+        validate(&GuidedSpec::JsonSchema(r#"{"type":"object","properties":{"a":{"type":"integer"}}}"#.into())).is_ok()
+    );
     assert!(validate(&GuidedSpec::Regex("[a-z]+@[a-z]+\\.com".into())).is_ok());
     assert!(validate(&GuidedSpec::Choice(vec!["yes".into(), "no \"quoted\"".into()])).is_ok());
     assert!(validate(&GuidedSpec::Lark("start: \"a\"+".into())).is_ok());

@@ -14,8 +14,9 @@ const TOKEN_TYPE_CONTROL: i64 = 3;
 /// the control tokens marked special; a grammar that completes allows the first EOS id.
 pub(crate) fn guide_from_gguf(g: &GgufFile, vocab_size: usize, eos_token_ids: &[u32]) -> Guide {
     let md = g.metadata();
-    let tokens: Vec<String> =
-        md_str_array(md, "tokenizer.ggml.tokens").map(|t| t.iter().map(|s| s.to_string()).collect()).unwrap_or_default();
+    let tokens: Vec<String> = md_str_array(md, "tokenizer.ggml.tokens")
+        .map(|t| t.iter().map(|s| s.to_string()).collect())
+        .unwrap_or_default();
     let types = md_int_array(md, "tokenizer.ggml.token_type").unwrap_or_default();
     let special: Vec<bool> = (0..tokens.len()).map(|i| types.get(i) == Some(&TOKEN_TYPE_CONTROL)).collect();
     let words = byte_level_token_bytes(&tokens, &special);

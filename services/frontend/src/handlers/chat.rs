@@ -92,7 +92,9 @@ pub fn validate_request(body: &ChatCompletionRequest, limits: &ModelLimits<'_>) 
             Some(first) if first.role == "system" => {
                 first.content = format!("{}\n\n{}", first.content, setup.system_block);
             }
-            _ => messages.insert(0, pdmesh_model_api::ChatMessage { role: "system".into(), content: setup.system_block }),
+            _ => {
+                messages.insert(0, pdmesh_model_api::ChatMessage { role: "system".into(), content: setup.system_block })
+            }
         }
         params.tools = Some(setup.mode);
     }
