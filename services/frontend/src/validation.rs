@@ -325,6 +325,8 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
             stop_token_ids,
             ignore_eos: input.ignore_eos.unwrap_or(false),
             logprobs: input.logprobs,
+            // set by the handler from the request's structured-output fields (D53)
+            guided: None,
         },
         requested_max_tokens,
         stop,
