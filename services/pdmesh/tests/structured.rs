@@ -94,11 +94,13 @@ fn check_node(mesh: &Mesh, port: u16) {
     let completions = mesh.url_on(port, "/v1/completions");
 
     // json_object: any JSON object
-    let bodies = PEOPLE
+    // (prompts a 135M model closes greedily: given room it rambles past any max_tokens)
+    let named = ["Grace Hopper", "a sailor", "Marie Curie", "my neighbour Tom", "a pirate captain"];
+    let bodies = named
         .iter()
         .map(|p| {
-            json!({"messages": [{"role": "user", "content": format!("Describe {p} as a JSON object with two short fields.")}],
-                   "response_format": {"type": "json_object"}, "max_tokens": 160, "temperature": 0})
+            json!({"messages": [{"role": "user", "content": format!("Reply with a tiny JSON object {{\"name\": ...}} naming {p}. Nothing else.")}],
+                   "response_format": {"type": "json_object"}, "max_tokens": 300, "temperature": 0})
         })
         .collect();
     for a in post_all(&chat, bodies) {
