@@ -137,6 +137,9 @@ impl Handler<RunStep> for ExecutorActor {
                 self.load_error.clone().unwrap_or_default()
             )));
         };
+        if !step.finished_request_ids.is_empty() {
+            executor.release(&step.finished_request_ids);
+        }
         let started = Instant::now();
         let sampled = if step.chunks.is_empty() {
             Vec::new()

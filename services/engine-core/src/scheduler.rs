@@ -717,14 +717,17 @@ impl Scheduler {
 
     fn chunk_for(req: &Request, num_new: u32) -> ScheduledChunk {
         let start = req.num_computed_tokens;
+        let sample = start + num_new == req.num_tokens();
         ScheduledChunk {
             request_id: req.id.clone(),
             token_ids: req.tokens(start, start + num_new),
             start_pos: start,
             block_ids: req.block_ids.clone(),
-            sample: start + num_new == req.num_tokens(),
+            sample,
             sampling: req.sampling.clone(),
             output_index: req.output.len() as u32,
+            // the grammar matcher's input (D53): only where it will mask a sample
+            guided_output: if sample && req.sampling.guided.is_some() { req.output.clone() } else { Vec::new() },
         }
     }
 

@@ -46,6 +46,8 @@ pub struct ResponseSettings {
     pub stream: bool,
     pub include_usage: bool,
     pub prompt_tokens: u32,
+    /// Chat with tools: read tool calls out of the answer (D54).
+    pub tools: Option<crate::tools::ToolMode>,
 }
 
 impl ResponseSettings {
@@ -105,6 +107,7 @@ pub fn prepare(
         stream: params.stream,
         include_usage: params.include_usage,
         prompt_tokens: u32::try_from(prompt_token_ids.len()).unwrap_or(u32::MAX),
+        tools: params.tools,
     };
     let request = EngineRequest {
         request_id: meta.engine_request_id,
@@ -475,15 +478,38 @@ fn chat_body(
         object: "chat.completion",
         created: settings.created,
         model: settings.model.clone(),
-        choices: vec![ChatChoice {
-            index: 0,
-            message: ChatMessageOut { role: "assistant", content: text },
-            logprobs: settings.logprobs.map(|_| chat_logprobs(logprobs)),
-            finish_reason: Some(finish.as_str()),
-            stop_reason: finish.stop_reason(),
+        choices: vec![{
+            let (message, finish_reason) = chat_message(settings, text, finish);
+            ChatChoice {
+                index: 0,
+                message,
+                logprobs: settings.logprobs.map(|_| chat_logprobs(logprobs)),
+                finish_reason: Some(finish_reason),
+                stop_reason: finish.stop_reason(),
+            }
         }],
         usage,
         kv_transfer_params: KvParamsField::from_option(kv_transfer_params),
+    }
+}
+
+/// The assistant message of a finished chat answer and its `finish_reason`: with tools, calls
+/// found in the text become `tool_calls` (`finish_reason: "tool_calls"`, D54).
+pub fn chat_message(settings: &ResponseSettings, text: String, finish: &Finish) -> (ChatMessageOut, &'static str) {
+    let parsed = match (&settings.tools, finish) {
+        (Some(mode), Finish::Stop(_)) => crate::tools::parse(mode, &text),
+        _ => None,
+    };
+    match parsed {
+        Some((content, calls)) => (
+            ChatMessageOut {
+                role: "assistant",
+                content,
+                tool_calls: Some(crate::tools::calls_json(&calls, &settings.request_id, false)),
+            },
+            "tool_calls",
+        ),
+        None => (ChatMessageOut { role: "assistant", content: Some(text), tool_calls: None }, finish.as_str()),
     }
 }
 

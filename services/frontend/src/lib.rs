@@ -50,6 +50,8 @@ pub mod responses;
 pub mod router;
 pub mod server;
 pub mod stream;
+pub mod structured;
+pub mod tools;
 pub mod validation;
 
 #[cfg(test)]

@@ -121,6 +121,15 @@ pub(crate) static KEY_LIMIT_REFUSALS_TOTAL: LazyLock<IntCounterVec> = LazyLock::
     counter_vec(KEY_LIMIT_REFUSALS, "Requests refused with 429 at limits.max_in_flight_per_key, by source", &["source"])
 });
 
+/// Requests accepted with a structured output (D53), by kind of grammar.
+pub(crate) static STRUCTURED_OUTPUTS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(
+        "pdmesh_frontend_structured_output_requests_total",
+        "Requests accepted with a structured output or a forced tool call, by kind of grammar",
+        &["kind"],
+    )
+});
+
 pub(crate) static UNEXPECTED_MESSAGES_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(UNEXPECTED_MESSAGES, "Unexpected messages from the dp-lb, by kind", &["kind"]));
 
@@ -146,4 +155,5 @@ pub(crate) fn init() {
     LazyLock::force(&HTTP_IN_FLIGHT);
     LazyLock::force(&OVERLOAD_REFUSALS_TOTAL);
     LazyLock::force(&KEY_LIMIT_REFUSALS_TOTAL);
+    LazyLock::force(&STRUCTURED_OUTPUTS_TOTAL);
 }

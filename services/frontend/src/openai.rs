@@ -98,6 +98,12 @@ pub struct ChatMessageIn {
     pub content: Option<Value>,
     #[serde(default)]
     pub name: Option<String>,
+    /// An assistant message's calls (OpenAI's shape), rendered back as the model writes them.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<Value>>,
+    /// A `role: "tool"` message: the call it answers.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -155,6 +161,12 @@ pub struct ChatCompletionRequest {
     pub user: Option<String>,
     #[serde(default)]
     pub kv_transfer_params: Option<Value>,
+    /// Function tools the model may call ([`crate::tools`], D54).
+    #[serde(default)]
+    pub tools: Option<Vec<Value>>,
+    /// `none`, `auto`, `required` or `{"type": "function", "function": {"name": ...}}`.
+    #[serde(default)]
+    pub tool_choice: Option<Value>,
     /// Every field this struct does not name: [`crate::validation::check_unhonoured`] refuses
     /// the real OpenAI/vLLM fields among them that would change the answer.
     #[serde(flatten)]
@@ -311,7 +323,10 @@ pub struct ChatLogprobs {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct ChatMessageOut {
     pub role: &'static str,
-    pub content: String,
+    /// Null when the answer is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Value>,
 }
 
 /// `choices[i]` of a whole chat completion.
@@ -343,6 +358,8 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Value>,
 }
 
 /// `choices[i]` of a chat chunk.

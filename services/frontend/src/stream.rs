@@ -107,7 +107,7 @@ impl ChunkFormatter {
             model: self.model.clone(),
             choices: vec![ChatChunkChoice {
                 index: self.index,
-                delta: ChatDelta { role: Some("assistant"), content: Some(String::new()) },
+                delta: ChatDelta { role: Some("assistant"), content: Some(String::new()), tool_calls: None },
                 logprobs: None,
                 finish_reason: None,
                 stop_reason: None,
@@ -141,7 +141,7 @@ impl ChunkFormatter {
                 model: self.model.clone(),
                 choices: vec![ChatChunkChoice {
                     index: self.index,
-                    delta: ChatDelta { role: None, content: (!text.is_empty()).then_some(text) },
+                    delta: ChatDelta { role: None, content: (!text.is_empty()).then_some(text), tool_calls: None },
                     logprobs: self.logprobs.then(|| chat_logprobs(logprobs)),
                     finish_reason: finish.map(Finish::as_str),
                     stop_reason: finish.and_then(Finish::stop_reason),
@@ -149,6 +149,34 @@ impl ChunkFormatter {
                 usage: self.usage_placeholder(),
             }),
         }
+    }
+
+    /// The last chunk of a chat answer with tools, whose text was held back: its calls as one
+    /// `tool_calls` delta (`finish_reason: "tool_calls"`), or the text when it holds none (D54).
+    pub fn tool_chunk(&self, settings: &ResponseSettings, text: String, finish: &Finish) -> Bytes {
+        let (message, finish_reason) = crate::generate::chat_message(settings, text, finish);
+        let tool_calls = message.tool_calls.map(|mut calls| {
+            if let Some(list) = calls.as_array_mut() {
+                for (i, c) in list.iter_mut().enumerate() {
+                    c["index"] = serde_json::json!(i);
+                }
+            }
+            calls
+        });
+        sse_data(&ChatCompletionChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: self.model.clone(),
+            choices: vec![ChatChunkChoice {
+                index: self.index,
+                delta: ChatDelta { role: None, content: message.content.filter(|c| !c.is_empty()), tool_calls },
+                logprobs: None,
+                finish_reason: Some(finish_reason),
+                stop_reason: finish.stop_reason(),
+            }],
+            usage: self.usage_placeholder(),
+        })
     }
 
     /// The usage chunk sent after the last one with `stream_options.include_usage`.
@@ -334,6 +362,9 @@ async fn run_choice(
     if settings.api == Api::Chat && tx.send(fmt.role_chunk()).await.is_err() {
         return None;
     }
+    // With tools the text is held to the end: whether it is a call is known only then (D54).
+    let hold_for_tools = settings.api == Api::Chat && settings.tools.is_some();
+    let mut held = String::new();
     loop {
         let delta = match next_delta(tx, &mut rx, &mut guard, &mut processor).await {
             Ok(delta) => delta,
@@ -345,6 +376,10 @@ async fn run_choice(
         };
         guard.on_tokens(delta.new_tokens);
         let chunk = match &delta.finish {
+            None if hold_for_tools => {
+                held.push_str(&delta.text);
+                continue;
+            }
             None if delta.text.is_empty() && delta.logprobs.is_empty() => continue,
             None => fmt.delta_chunk(delta.text, &delta.logprobs, None),
             Some(Finish::Error(message)) => {
@@ -365,7 +400,12 @@ async fn run_choice(
                     guard.abort_now(AbortReason::StopString);
                 }
                 guard.finish(finish.as_str());
-                let last = fmt.delta_chunk(delta.text, &delta.logprobs, Some(finish));
+                let last = if hold_for_tools {
+                    held.push_str(&delta.text);
+                    fmt.tool_chunk(settings, std::mem::take(&mut held), finish)
+                } else {
+                    fmt.delta_chunk(delta.text, &delta.logprobs, Some(finish))
+                };
                 return tx.send(last).await.ok().map(|()| (processor.completion_tokens(), processor.cached_tokens()));
             }
         };
@@ -397,6 +437,7 @@ mod tests {
             stream: true,
             include_usage,
             prompt_tokens: 3,
+            tools: None,
         }
     }
 

@@ -1528,14 +1528,18 @@ async fn unhonoured_fields_are_400_naming_the_field() {
         b
     };
     let refused = [
-        ("/v1/chat/completions", chat(json!({"response_format": {"type": "json_object"}})), "response_format"),
+        // structured outputs and tools that cannot be served as given (D53, D54)
+        ("/v1/chat/completions", chat(json!({"response_format": {"type": "yaml"}})), "response_format"),
         ("/v1/completions", completion(json!({"response_format": {"type": "json_schema"}})), "response_format"),
-        ("/v1/chat/completions", chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})), "tools"),
+        ("/v1/chat/completions", chat(json!({"tools": [{"type": "retrieval"}]})), "tools"),
+        ("/v1/completions", completion(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})), "tools"),
         ("/v1/chat/completions", chat(json!({"tool_choice": "required"})), "tool_choice"),
-        ("/v1/chat/completions", chat(json!({"guided_json": {"type": "object"}})), "guided_json"),
-        ("/v1/completions", completion(json!({"guided_regex": "a+"})), "guided_regex"),
-        ("/v1/completions", completion(json!({"guided_choice": ["a", "b"]})), "guided_choice"),
-        ("/v1/chat/completions", chat(json!({"structured_outputs": {"json": {}}})), "structured_outputs"),
+        ("/v1/chat/completions", chat(json!({"functions": [{"name": "f"}]})), "functions"),
+        ("/v1/chat/completions", chat(json!({"guided_json": {"type": "objekt"}})), "guided_json"),
+        ("/v1/completions", completion(json!({"guided_regex": "(a"})), "guided_regex"),
+        ("/v1/completions", completion(json!({"guided_choice": []})), "guided_choice"),
+        ("/v1/chat/completions", chat(json!({"structured_outputs": "json"})), "structured_outputs"),
+        ("/v1/completions", completion(json!({"guided_regex": "a", "guided_choice": ["a"]})), "guided_choice"),
         ("/v1/completions", completion(json!({"min_p": 0.1})), "min_p"),
         ("/v1/chat/completions", chat(json!({"continue_final_message": true})), "continue_final_message"),
         ("/v1/chat/completions", chat(json!({"logit_bias": {"5": 10}})), "logit_bias"),
@@ -1571,6 +1575,13 @@ async fn unhonoured_fields_are_400_naming_the_field() {
                                             "user": "u", "metadata": {"k": "v"}, "store": false, "min_p": 0.0})),
         ),
         ("/v1/completions", completion(json!({"response_format": {"type": "text"}, "user": "u", "seed": 3}))),
+        ("/v1/completions", completion(json!({"guided_regex": "o+k", "guided_decoding_backend": "guidance"}))),
+        ("/v1/chat/completions", chat(json!({"response_format": {"type": "json_object"}}))),
+        (
+            "/v1/chat/completions",
+            chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}],
+                        "tool_choice": {"type": "function", "function": {"name": "f"}}})),
+        ),
         (
             "/v1/responses",
             responses(json!({"text": {"format": {"type": "text"}}, "metadata": {"k": "v"},
@@ -1589,7 +1600,7 @@ async fn unhonoured_fields_are_400_naming_the_field() {
 async fn a_refused_field_on_a_remote_prefill_request_notifies_p() {
     let h = harness(generates("x", Some(FinishReason::Stop))).await;
     let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                      "response_format": {"type": "json_object"}, "kv_transfer_params": p_params()});
+                      "response_format": {"type": "yaml"}, "kv_transfer_params": p_params()});
     let (s, _, b) = call(&h, "/v1/chat/completions", body, &[]).await;
     assert_eq!(s, 400);
     assert_eq!(json_of(&b)["error"]["param"], "response_format");

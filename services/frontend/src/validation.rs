@@ -96,6 +96,8 @@ pub struct ValidatedParams {
     /// Choices to generate (`n`): that many engine requests, fanned out by the frontend
     /// ([`crate::generate::submit`], D58).
     pub n: u32,
+    /// How to read tool calls out of a chat answer (D54); `None` without tools.
+    pub tools: Option<crate::tools::ToolMode>,
 }
 
 impl ValidatedParams {
@@ -168,6 +170,15 @@ fn unhonoured_value(endpoint: Endpoint, field: &str, value: &Value) -> Option<bo
         // Structured outputs and tool calling (vLLM's guided decoding included).
         "tools" | "functions" => Some(!empty),
         "tool_choice" | "function_call" => Some(!(null || value == "none" || value == "auto")),
+        // Structured outputs on completions and chat: `crate::structured` (D53).
+        "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar" | "structured_outputs"
+        | "guided_json_object"
+            if endpoint != Endpoint::Responses =>
+        {
+            None
+        }
+        // one backend (llguidance): naming one changes nothing
+        "guided_decoding_backend" if endpoint != Endpoint::Responses => None,
         "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar" | "structured_outputs" => Some(!null),
         "guided_decoding_backend" | "guided_whitespace_pattern" | "guided_json_object" => Some(!falsy),
         // vLLM's sampling extras the engine does not apply.
@@ -185,8 +196,8 @@ fn unhonoured_value(endpoint: Endpoint, field: &str, value: &Value) -> Option<bo
     }
     match endpoint {
         Endpoint::Completions | Endpoint::Chat => match field {
-            // `{"type": "text"}` is what every answer already is.
-            "response_format" => Some(!(null || value.get("type").and_then(Value::as_str) == Some("text"))),
+            // honoured (`crate::structured`, D53)
+            "response_format" => None,
             _ => match (endpoint, field) {
                 (Endpoint::Chat, "audio" | "prediction" | "web_search_options" | "chat_template" | "documents") => {
                     Some(!null)
@@ -232,9 +243,11 @@ pub fn check_unhonoured(endpoint: Endpoint, extra: &serde_json::Map<String, Valu
     for (field, value) in extra {
         if unhonoured_value(endpoint, field, value) == Some(true) {
             let hint = match field.as_str() {
-                "response_format" | "text" | "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar"
-                | "structured_outputs" => " Structured outputs are not served; ask for plain text.",
-                "tools" | "tool_choice" | "functions" | "function_call" => " Tool calling is not served.",
+                "text" | "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar" | "structured_outputs" => {
+                    " Structured outputs are served on /v1/chat/completions and /v1/completions."
+                }
+                "tools" | "tool_choice" => " Tool calling is served on /v1/chat/completions.",
+                "functions" | "function_call" => " Use `tools` and `tool_choice`.",
                 _ => "",
             };
             return Err(ApiError::invalid(format!("`{field}` is not supported by this server.{hint}"), field));
@@ -312,6 +325,8 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
             stop_token_ids,
             ignore_eos: input.ignore_eos.unwrap_or(false),
             logprobs: input.logprobs,
+            // set by the handler from the request's structured-output fields (D53)
+            guided: None,
         },
         requested_max_tokens,
         stop,
@@ -320,6 +335,7 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
         include_usage,
         n,
         kv_transfer_params,
+        tools: None,
     })
     .and_then(one_choice_per_prefill)
 }
@@ -504,6 +520,20 @@ pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, Api
                         "messages",
                     ))
                 }
+            };
+            // Tool calls in the history are shown as the model writes them, tool results
+            // wrapped as Hermes templates show them (D54).
+            let content = match (&m.tool_calls, m.role.as_str()) {
+                (Some(calls), _) if !calls.is_empty() => {
+                    let calls = crate::tools::render_tool_calls(calls)?;
+                    if content.is_empty() {
+                        calls
+                    } else {
+                        format!("{content}\n{calls}")
+                    }
+                }
+                (_, "tool") => crate::tools::render_tool_result(&content),
+                _ => content,
             };
             Ok(ChatMessage { role: m.role.clone(), content })
         })
@@ -742,10 +772,11 @@ mod tests {
 
     #[test]
     fn chat_content_shapes() {
-        let msg = |content: Value| ChatMessageIn { role: "user".into(), content: Some(content), name: None };
+        let msg = |content: Value| ChatMessageIn { role: "user".into(), content: Some(content), ..Default::default() };
         let m = chat_messages(&[msg(json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]))]).unwrap();
         assert_eq!(m[0].content, "a\nb");
-        let m = chat_messages(&[ChatMessageIn { role: "assistant".into(), content: None, name: None }]).unwrap();
+        let m =
+            chat_messages(&[ChatMessageIn { role: "assistant".into(), content: None, ..Default::default() }]).unwrap();
         assert_eq!(m[0].content, "");
         assert_400(chat_messages(&[]), "messages");
         assert_400(chat_messages(&[msg(json!([{"type": "image_url", "image_url": {}}]))]), "messages");

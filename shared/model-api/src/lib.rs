@@ -69,4 +69,8 @@ impl ExecutorError {
 pub trait Executor: Send {
     fn facts(&self) -> &ModelFacts;
     fn execute(&mut self, kv: &mut KvCache, chunks: &[ScheduledChunk]) -> Result<Vec<SampledToken>, ExecutorError>;
+
+    /// These requests ended: drop any per-request cache (the grammar matchers of structured
+    /// outputs, D53). Only a cache: a step never depends on it being there.
+    fn release(&mut self, _request_ids: &[String]) {}
 }

@@ -79,6 +79,8 @@ pub struct LlamaExecutor {
     rope_cos: Vec<f32>,
     rope_sin: Vec<f32>,
     scratch: Scratch,
+    /// Grammar matchers of the requests with structured outputs (D53).
+    guide: pdmesh_guided::Guide,
 }
 
 impl std::fmt::Debug for LlamaExecutor {
@@ -191,6 +193,7 @@ impl LlamaExecutor {
         let facts = model_facts(&cfg, &g.path, max_model_len, eos_token_ids, weights_id);
         tracing::info!(name = %facts.name, layers = cfg.n_layers, hidden = h, heads = cfg.n_heads,
             kv_heads = cfg.n_kv_heads, vocab = cfg.vocab_size, max_model_len, "loaded llama GGUF model");
+        let guide = crate::guided::guide_from_gguf(g, cfg.vocab_size, &facts.eos_token_ids);
         let mm = MatmulCtx::new(crate::pool::default_threads());
         tracing::info!(threads = mm.pool.n_threads(), kernels = ?mm.imp, "model compute");
         Ok(Self {
@@ -204,6 +207,7 @@ impl LlamaExecutor {
             rope_cos,
             rope_sin,
             scratch: Scratch::default(),
+            guide,
         })
     }
 
@@ -229,7 +233,7 @@ impl LlamaExecutor {
         chunks: &[ScheduledChunk],
         plan: &[TokenPlan],
     ) -> Result<Vec<SampledToken>, ExecutorError> {
-        let Self { cfg, embedding, layers, out_norm, output, mm, rope_cos, rope_sin, scratch: s, .. } = self;
+        let Self { cfg, embedding, layers, out_norm, output, mm, rope_cos, rope_sin, scratch: s, guide, facts } = self;
         let n = plan.len();
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
@@ -330,13 +334,16 @@ impl LlamaExecutor {
         // output index), so they run on the pool: random sampling over a 49k vocabulary costs
         // about as much as a decode token's attention.
         let vocab = cfg.vocab_size;
+        let masks = crate::guided::masks(guide, &sampling_chunks);
+        let eos = facts.eos_token_ids.first().copied().unwrap_or(0);
         let mut drawn: Vec<Option<Result<sampling::Sampled, sampling::SamplingError>>> = (0..m).map(|_| None).collect();
-        let (logits, chunks_ref) = (&s.logits, &sampling_chunks);
+        let (logits, chunks_ref, masks_ref) = (&s.logits, &sampling_chunks, &masks);
         let ok = mm.pool.par_chunks_mut(&mut drawn, 1, |i, slot| {
             if let (Some(row), Some(c), Some(slot)) =
                 (logits.get(i * vocab..(i + 1) * vocab), chunks_ref.get(i), slot.first_mut())
             {
-                *slot = Some(sampling::sample(row, &c.sampling, c.output_index));
+                let mask = masks_ref.get(i).and_then(Option::as_ref);
+                *slot = Some(crate::guided::sample_masked(row, c, mask, eos));
             }
         });
         if !ok {
@@ -347,6 +354,9 @@ impl LlamaExecutor {
             let sampled = sampled
                 .ok_or_else(|| ExecutorError::Model("a sampling row was not computed".into()))?
                 .map_err(|e| ExecutorError::Model(e.to_string()))?;
+            if c.sampling.guided.is_some() {
+                guide.commit(&c.request_id, sampled.token_id);
+            }
             out.push(SampledToken {
                 request_id: c.request_id.clone(),
                 token_id: sampled.token_id,
@@ -368,6 +378,10 @@ impl Executor for LlamaExecutor {
             return Ok(Vec::new());
         }
         self.forward(kv, chunks, &plan)
+    }
+
+    fn release(&mut self, request_ids: &[String]) {
+        self.guide.release(request_ids);
     }
 }
 

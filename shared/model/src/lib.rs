@@ -35,6 +35,7 @@ pub mod text;
 
 mod attention;
 mod embedding;
+mod guided;
 mod kernels;
 mod linear;
 mod pool;

@@ -27,6 +27,28 @@ pub struct SamplingParams {
     /// Number of top alternatives to return with each sampled token (OpenAI `logprobs`).
     #[serde(default)]
     pub logprobs: Option<u32>,
+    /// Structured output: the grammar every sampled token must keep the output inside (D53).
+    /// Validated by the frontend; enforced by the worker's sampler.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guided: Option<GuidedSpec>,
+}
+
+/// A grammar the output must follow (OpenAI `response_format`, vLLM `structured_outputs` /
+/// `guided_*`). Travels as source text: the worker compiles it against its own vocabulary, so
+/// the frontend, P and D need not agree on anything but the text.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GuidedSpec {
+    /// A JSON schema, as JSON text.
+    JsonSchema(String),
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    JsonObject,
+    /// A regular expression the whole output must match.
+    Regex(String),
+    /// One of these strings, verbatim.
+    Choice(Vec<String>),
+    /// A context-free grammar in llguidance's Lark syntax.
+    Lark(String),
 }
 
 impl Default for SamplingParams {
@@ -40,6 +62,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            guided: None,
         }
     }
 }

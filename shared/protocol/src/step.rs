@@ -27,6 +27,12 @@ pub struct ScheduledChunk {
     /// `(seed, output_index)` so a request samples the same way wherever it runs.
     #[serde(default)]
     pub output_index: u32,
+    /// Every token generated so far, sent only for a request with `sampling.guided`: the
+    /// worker's grammar matcher must have consumed exactly these before it masks the next
+    /// token. Carrying them keeps the step self-contained (a restarted worker, D after P's
+    /// first token, a recompute after preemption all rebuild the matcher from them; D53).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub guided_output: Vec<u32>,
 }
 
 /// What engine-core asks connector-worker to do in one step.

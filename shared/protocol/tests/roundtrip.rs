@@ -157,6 +157,7 @@ pub fn every_message() -> Vec<Message> {
                 sample: true,
                 sampling,
                 output_index: 0,
+                guided_output: Vec::new(),
             }],
             finished_request_ids: vec!["f".into()],
             kv_connector_metadata: meta.clone(),

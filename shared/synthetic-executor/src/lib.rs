@@ -13,6 +13,7 @@
 
 use std::time::Duration;
 
+use pdmesh_guided::{Guide, Mask};
 use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{ChatMessage, DecodeStream, Executor, ExecutorError, KvCache, ModelFacts, TextCodec, TextError};
 use pdmesh_protocol::{SampledToken, ScheduledChunk};
@@ -53,6 +54,8 @@ impl Default for SyntheticConfig {
 pub struct SyntheticExecutor {
     facts: ModelFacts,
     config: SyntheticConfig,
+    /// Grammar matchers of structured-output requests (D53), over the one-byte vocabulary.
+    guide: Guide,
 }
 
 impl SyntheticExecutor {
@@ -67,8 +70,26 @@ impl SyntheticExecutor {
             eos_token_ids: vec![EOS],
             weights_id: "synthetic-v1".into(),
         };
-        Self { facts, config }
+        Self { facts, config, guide: Guide::single_byte(EOS) }
     }
+}
+
+/// The synthetic model's choice under a grammar: EOS as soon as the grammar may end (outputs
+/// stay short), else its own token when allowed, else an allowed byte picked by the hash.
+fn guided_token(mask: &Mask, h: u32) -> u32 {
+    let Mask::Allowed(allowed) = mask else { return EOS };
+    if allowed.get(EOS as usize).copied().unwrap_or(false) {
+        return EOS;
+    }
+    let natural = next_token(h);
+    if allowed.get(natural as usize).copied().unwrap_or(false) {
+        return natural;
+    }
+    let ids: Vec<u32> = allowed.iter().enumerate().filter(|(_, &a)| a).map(|(i, _)| i as u32).collect();
+    if ids.is_empty() {
+        return EOS;
+    }
+    ids.get(h.wrapping_mul(2_654_435_761) as usize % ids.len()).copied().unwrap_or(EOS)
 }
 
 /// Mix one token into the chain hash (FNV-1a style, truncated to 24 bits).
@@ -135,11 +156,15 @@ impl Executor for SyntheticExecutor {
                 let last = chunk.start_pos + chunk.token_ids.len() as u32 - 1;
                 let (block, slot) = slot_of(last)?;
                 let stored = kv.block(0, KvSide::Key, block)?.get(slot * 8).copied().unwrap_or(0.0) as u32;
-                out.push(SampledToken {
-                    request_id: chunk.request_id.clone(),
-                    token_id: next_token(stored),
-                    logprobs: None,
-                });
+                let token_id = match self.guide.mask(chunk) {
+                    None => next_token(stored),
+                    Some(mask) => {
+                        let t = guided_token(&mask, stored);
+                        self.guide.commit(&chunk.request_id, t);
+                        t
+                    }
+                };
+                out.push(SampledToken { request_id: chunk.request_id.clone(), token_id, logprobs: None });
             }
         }
         let cost = self.config.per_step_cost + self.config.per_token_cost * n_tokens as u32;
@@ -147,6 +172,10 @@ impl Executor for SyntheticExecutor {
             std::thread::sleep(cost);
         }
         Ok(out)
+    }
+
+    fn release(&mut self, request_ids: &[String]) {
+        self.guide.release(request_ids);
     }
 }
 
@@ -235,6 +264,7 @@ mod tests {
             sample,
             sampling: SamplingParams::default(),
             output_index: 0,
+            guided_output: Vec::new(),
         }
     }
 
@@ -262,6 +292,50 @@ mod tests {
             .unwrap();
         let split = ex.execute(&mut kv2, &[chunk("b", &prompt[5..], 5, &blocks, true)]).unwrap();
         assert_eq!(whole[0].token_id, split[0].token_id);
+    }
+
+    /// Decode a request under a grammar to its end (EOS), as engine-core would schedule it.
+    fn guided_run(ex: &mut SyntheticExecutor, id: &str, spec: pdmesh_protocol::GuidedSpec) -> String {
+        let mut kv = cache();
+        let blocks: Vec<u32> = (0..16).collect();
+        let prompt: Vec<u32> = b"say:".iter().map(|&b| u32::from(b)).collect();
+        let mut out: Vec<u32> = Vec::new();
+        let mut next = (prompt.clone(), 0u32);
+        for _ in 0..40 {
+            let mut c = chunk(id, &next.0, next.1, &blocks, true);
+            c.sampling.guided = Some(spec.clone());
+            c.output_index = out.len() as u32;
+            c.guided_output = out.clone();
+            let t = ex.execute(&mut kv, &[c]).unwrap()[0].token_id;
+            if t == EOS {
+                break;
+            }
+            next = (vec![t], prompt.len() as u32 + out.len() as u32);
+            out.push(t);
+        }
+        String::from_utf8(out.iter().map(|&t| t as u8).collect()).unwrap()
+    }
+
+    #[test]
+    fn grammars_shape_the_synthetic_output_and_end_it() {
+        use pdmesh_protocol::GuidedSpec;
+        let mut ex = SyntheticExecutor::new(SyntheticConfig::default());
+        let s = guided_run(&mut ex, "r", GuidedSpec::Regex("[a-z]{3}-[0-9]{2}".into()));
+        assert_eq!(s.len(), 6, "{s:?}");
+        assert!(s.as_bytes()[3] == b'-' && s[4..].bytes().all(|b| b.is_ascii_digit()), "{s:?}");
+        let s = guided_run(&mut ex, "c", GuidedSpec::Choice(vec!["yes".into(), "no".into()]));
+        assert!(s == "yes" || s == "no", "{s:?}");
+        // a fresh executor (a restarted worker) continues where the tokens say
+        let mut other = SyntheticExecutor::new(SyntheticConfig::default());
+        let mut c = chunk("r2", b"n".map(u32::from).as_slice(), 4, &(0..16).collect::<Vec<_>>(), true);
+        c.sampling.guided = Some(GuidedSpec::Choice(vec!["yes".into(), "no".into()]));
+        c.guided_output = vec![u32::from(b'n')];
+        c.output_index = 1;
+        let mut kv = cache();
+        let t = other.execute(&mut kv, &[c]).unwrap()[0].token_id;
+        assert_eq!(t, u32::from(b'o'));
+        ex.release(&["r".into(), "c".into()]);
+        assert_eq!(ex.guide.cached(), 0);
     }
 
     #[test]

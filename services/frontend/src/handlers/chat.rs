@@ -34,6 +34,9 @@ fn validate(
     arrival: Instant,
 ) -> Result<Prepared, ApiError> {
     let v = validate_request(&body, &ModelLimits::from(state))?;
+    if let Some(g) = &v.params.sampling.guided {
+        crate::metrics::STRUCTURED_OUTPUTS_TOTAL.with_label_values(&[crate::structured::kind(g)]).inc();
+    }
     Ok(prepare(Api::Chat, meta, v.params, v.prompt, v.max_tokens, state, arrival))
 }
 
@@ -71,8 +74,30 @@ pub fn validate_request(body: &ChatCompletionRequest, limits: &ModelLimits<'_>) 
         min_tokens: body.min_tokens,
         kv_transfer_params: body.kv_transfer_params.as_ref(),
     };
-    let params = validate_params(&input, vocab)?;
-    let messages = chat_messages(&body.messages)?;
+    let mut params = validate_params(&input, vocab)?;
+    params.sampling.guided = crate::structured::guided_spec(&body.extra)?.map(|(spec, _)| spec);
+    let mut messages = chat_messages(&body.messages)?;
+    if let Some(setup) = crate::tools::tool_setup(body.tools.as_deref(), body.tool_choice.as_ref())? {
+        if setup.guided.is_some() {
+            if params.sampling.guided.is_some() {
+                return Err(ApiError::invalid(
+                    "`tool_choice` `required` or a named function cannot be combined with a structured output.",
+                    "tool_choice",
+                ));
+            }
+            params.sampling.guided = setup.guided;
+        }
+        // the tools go into the system message (the template has no tool support of its own)
+        match messages.first_mut() {
+            Some(first) if first.role == "system" => {
+                first.content = format!("{}\n\n{}", first.content, setup.system_block);
+            }
+            _ => {
+                messages.insert(0, pdmesh_model_api::ChatMessage { role: "system".into(), content: setup.system_block })
+            }
+        }
+        params.tools = Some(setup.mode);
+    }
     let prompt = render_chat(limits.codec, &messages, vocab)?;
     let max_tokens = resolve_max_tokens(
         u32::try_from(prompt.len()).unwrap_or(u32::MAX),

@@ -34,6 +34,9 @@ fn validate(
     arrival: Instant,
 ) -> Result<Prepared, ApiError> {
     let v = validate_request(&body, &ModelLimits::from(state))?;
+    if let Some(g) = &v.params.sampling.guided {
+        crate::metrics::STRUCTURED_OUTPUTS_TOTAL.with_label_values(&[crate::structured::kind(g)]).inc();
+    }
     Ok(prepare(Api::Completion, meta, v.params, v.prompt, v.max_tokens, state, arrival))
 }
 
@@ -73,7 +76,8 @@ pub fn validate_request(body: &CompletionRequest, limits: &ModelLimits<'_>) -> R
         min_tokens: body.min_tokens,
         kv_transfer_params: body.kv_transfer_params.as_ref(),
     };
-    let params = validate_params(&input, vocab)?;
+    let mut params = validate_params(&input, vocab)?;
+    params.sampling.guided = crate::structured::guided_spec(&body.extra)?.map(|(spec, _)| spec);
     let prompt = completion_prompt(body.prompt.as_ref(), limits.codec, vocab)?;
     let max_tokens = resolve_max_tokens(
         u32::try_from(prompt.len()).unwrap_or(u32::MAX),

@@ -35,7 +35,7 @@ use cudarc::nvrtc::CompileOptions;
 use half::f16;
 use pdmesh_cuda_kv::DeviceKvRegion;
 use pdmesh_model_api::kv_cache::KvSide;
-use pdmesh_model_api::{sampling, Executor, ExecutorError, KvCache, KvCacheSpec, ModelFacts};
+use pdmesh_model_api::{Executor, ExecutorError, KvCache, KvCacheSpec, ModelFacts};
 use pdmesh_protocol::{SampledToken, ScheduledChunk};
 
 use crate::embedding::Embedding;
@@ -250,6 +250,8 @@ impl DeviceKv {
 /// A llama-architecture GGUF model on an NVIDIA GPU, implementing [`Executor`].
 pub struct CudaLlamaExecutor {
     facts: ModelFacts,
+    /// Grammar matchers of the requests with structured outputs (D53).
+    guide: pdmesh_guided::Guide,
     cfg: LlamaConfig,
     stream: Arc<CudaStream>,
     kernels: Kernels,
@@ -389,9 +391,11 @@ impl CudaLlamaExecutor {
         let rope_sin = stream.clone_htod(&sin).map_err(|e| up("rope", e))?;
         stream.synchronize().map_err(|e| up("upload weights", e))?;
         let facts = model_facts(&cfg, &g.path, max_model_len, eos_token_ids, weights_id);
+        let guide = crate::guided::guide_from_gguf(g, cfg.vocab_size, &facts.eos_token_ids);
         tracing::info!(name = %facts.name, device = %device_name, layers = cfg.n_layers, "loaded llama GGUF model on the GPU");
         Ok(Self {
             facts,
+            guide,
             cfg,
             stream,
             kernels,
@@ -674,10 +678,15 @@ impl CudaLlamaExecutor {
             let [logits] = self.matmuls([&self.output], &hn, m, h)?;
             self.logits = self.stream.clone_dtoh(&logits).map_err(exec_err)?;
             let vocab = cfg.vocab_size;
+            let masks = crate::guided::masks(&mut self.guide, &sampling_chunks);
+            let eos = self.facts.eos_token_ids.first().copied().unwrap_or(0);
             let mut out = Vec::with_capacity(m);
-            for (c, row) in sampling_chunks.iter().zip(self.logits.chunks_exact(vocab)) {
-                let s = sampling::sample(row, &c.sampling, c.output_index)
+            for ((c, row), mask) in sampling_chunks.iter().zip(self.logits.chunks_exact(vocab)).zip(&masks) {
+                let s = crate::guided::sample_masked(row, c, mask.as_ref(), eos)
                     .map_err(|e| ExecutorError::Model(e.to_string()))?;
+                if c.sampling.guided.is_some() {
+                    self.guide.commit(&c.request_id, s.token_id);
+                }
                 out.push(SampledToken { request_id: c.request_id.clone(), token_id: s.token_id, logprobs: s.logprobs });
             }
             out
@@ -724,5 +733,9 @@ impl Executor for CudaLlamaExecutor {
 
     fn execute(&mut self, kv: &mut KvCache, chunks: &[ScheduledChunk]) -> Result<Vec<SampledToken>, ExecutorError> {
         self.forward(kv, chunks)
+    }
+
+    fn release(&mut self, request_ids: &[String]) {
+        self.guide.release(request_ids);
     }
 }

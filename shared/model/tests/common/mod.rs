@@ -104,6 +104,7 @@ pub fn run_with<E: Executor>(
                 sample,
                 sampling: greedy(),
                 output_index: r.generated.len() as u32,
+                guided_output: Vec::new(),
             });
         }
         if chunks.is_empty() {
