@@ -67,7 +67,13 @@ pub struct ChunkFormatter {
     model: String,
     include_usage: bool,
     logprobs: bool,
+    /// Chunks carry `pdmesh_token_ids` (asked by the router, D56).
+    token_ids: bool,
 }
+
+/// The field of a stream chunk that lists the ids of the chunk's tokens, on the router's
+/// internal calls only (D56); the router takes it out before the client sees the chunk.
+pub const TOKEN_IDS_FIELD: &str = "pdmesh_token_ids";
 
 impl ChunkFormatter {
     pub fn new(settings: &ResponseSettings) -> Self {
@@ -78,6 +84,30 @@ impl ChunkFormatter {
             model: settings.model.clone(),
             include_usage: settings.include_usage,
             logprobs: settings.logprobs.is_some(),
+            token_ids: settings.stream_token_ids,
+        }
+    }
+
+    /// [`ChunkFormatter::delta_chunk`] with the ids of its tokens when the router asked for
+    /// them (every token since the last chunk: outputs with nothing to show send no chunk).
+    pub fn delta_chunk_with_ids(
+        &self,
+        text: String,
+        logprobs: &[TokenLogprob],
+        finish: Option<&Finish>,
+        ids: &[u32],
+    ) -> Bytes {
+        let chunk = self.delta_chunk(text, logprobs, finish);
+        if !self.token_ids {
+            return chunk;
+        }
+        let json = chunk.strip_prefix(b"data: ").and_then(|b| b.strip_suffix(b"\n\n")).unwrap_or(&chunk);
+        match serde_json::from_slice::<serde_json::Value>(json) {
+            Ok(mut v) => {
+                v[TOKEN_IDS_FIELD] = serde_json::json!(ids);
+                sse_data(&v)
+            }
+            Err(_) => chunk,
         }
     }
 
@@ -244,9 +274,29 @@ async fn run(
         settings.eos_token_ids.clone(),
         settings.logprobs,
     );
+    if !settings.resume_token_ids.is_empty() {
+        // Tokens the client saw from the node this request started on (D56): they pass through
+        // the processor so detokenisation, stop strings and usage go on exactly from there.
+        let seen = pdmesh_protocol::EngineOutput {
+            request_id: String::new(),
+            new_token_ids: settings.resume_token_ids.clone(),
+            new_logprobs: None,
+            finish_reason: None,
+            stop_token_id: None,
+            kv_transfer_params: None,
+            num_external_tokens: 0,
+            error: None,
+        };
+        if let Err(e) = processor.process(&seen) {
+            send_error(&tx, e).await;
+            return;
+        }
+    }
     if settings.api == Api::Chat && tx.send(fmt.role_chunk()).await.is_err() {
         return;
     }
+    // Ids of tokens whose outputs sent no chunk yet (text held back, nothing to show).
+    let mut unsent_ids: Vec<u32> = Vec::new();
     loop {
         let delta = match next_delta(&tx, &mut rx, &mut guard, &mut processor).await {
             Ok(delta) => delta,
@@ -257,9 +307,10 @@ async fn run(
             }
         };
         guard.on_tokens(delta.new_tokens);
+        unsent_ids.extend_from_slice(&delta.token_ids);
         let chunk = match &delta.finish {
             None if delta.text.is_empty() && delta.logprobs.is_empty() => continue,
-            None => fmt.delta_chunk(delta.text, &delta.logprobs, None),
+            None => fmt.delta_chunk_with_ids(delta.text, &delta.logprobs, None, &std::mem::take(&mut unsent_ids)),
             Some(Finish::Error(message)) => {
                 guard.finish("error");
                 send_error(&tx, ApiError::from_engine_failure(message.as_deref())).await;
@@ -269,7 +320,7 @@ async fn run(
                 // The mesh gave up on the request: the stream just ends.
                 guard.finish("abort");
                 if !delta.text.is_empty() {
-                    let _ = tx.send(fmt.delta_chunk(delta.text, &delta.logprobs, None)).await;
+                    let _ = tx.send(fmt.delta_chunk_with_ids(delta.text, &delta.logprobs, None, &unsent_ids)).await;
                 }
                 return;
             }
@@ -278,7 +329,8 @@ async fn run(
                     guard.abort_now(AbortReason::StopString);
                 }
                 guard.finish(finish.as_str());
-                let mut last = fmt.delta_chunk(delta.text, &delta.logprobs, Some(finish)).to_vec();
+                let mut last =
+                    fmt.delta_chunk_with_ids(delta.text, &delta.logprobs, Some(finish), &unsent_ids).to_vec();
                 if settings.include_usage {
                     last.extend_from_slice(
                         &fmt.usage_chunk(Usage::new(settings.prompt_tokens, processor.completion_tokens())),
@@ -317,6 +369,8 @@ mod tests {
             stream: true,
             include_usage,
             prompt_tokens: 3,
+            stream_token_ids: false,
+            resume_token_ids: Vec::new(),
         }
     }
 

@@ -312,6 +312,7 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
             stop_token_ids,
             ignore_eos: input.ignore_eos.unwrap_or(false),
             logprobs: input.logprobs,
+            output_index_offset: 0,
         },
         requested_max_tokens,
         stop,

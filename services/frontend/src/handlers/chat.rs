@@ -33,8 +33,11 @@ fn validate(
     state: &AppState,
     arrival: Instant,
 ) -> Result<Prepared, ApiError> {
-    let v = validate_request(&body, &ModelLimits::from(state))?;
-    Ok(prepare(Api::Chat, meta, v.params, v.prompt, v.max_tokens, state, arrival))
+    let limits = ModelLimits::from(state);
+    let v = validate_request(&body, &limits)?;
+    let mut prepared = prepare(Api::Chat, meta, v.params, v.prompt, v.max_tokens, state, arrival);
+    crate::resume::apply(&body.extra, &mut prepared, limits.vocab_size)?;
+    Ok(prepared)
 }
 
 /// The request body → engine parameters, the rendered and tokenised prompt, and `max_tokens`;
