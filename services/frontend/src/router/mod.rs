@@ -809,6 +809,10 @@ pub async fn run_router(
     crate::metrics::init();
     let client = reqwest::Client::builder()
         .tcp_nodelay(true)
+        // Idle connections to P and D are dropped well before the nodes' own keep-alive (5 s)
+        // closes them: a request sent on a connection the node is closing fails without
+        // reaching it, which would count as that node's failure.
+        .pool_idle_timeout(std::time::Duration::from_secs(2))
         .build()
         .map_err(|e| FrontendError::Options(format!("http client: {e}")))?;
     let state = web::Data::new(RouterState::new(
