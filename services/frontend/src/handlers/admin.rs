@@ -158,7 +158,7 @@ pub async fn load(state: web::Data<AppState>) -> HttpResponse {
     }
     match mesh_stats(&state).await {
         Ok(stats) if !stats.engines.is_empty() => {
-            let sum = |f: fn(&EngineStats) -> u32| stats.engines.iter().map(|e| f(e)).fold(0u32, u32::saturating_add);
+            let sum = |f: fn(&EngineStats) -> u32| stats.engines.iter().map(f).fold(0u32, u32::saturating_add);
             let sum64 = |f: fn(&EngineStats) -> u32| stats.engines.iter().map(|e| u64::from(f(e))).sum::<u64>();
             HttpResponse::Ok().json(crate::router::NodeLoad {
                 ready: true,

@@ -427,10 +427,7 @@ async fn decode_leg(
     let mut tried: Vec<usize> = Vec::new();
     let mut migrations = 0u32;
     let (d_index, d_res, d_span) = loop {
-        let picked = match (pinned, tried.is_empty()) {
-            (Some(i), _) => Some(i),
-            (None, _) => st.decode.pick(&tried),
-        };
+        let picked = pinned.or_else(|| st.decode.pick(&tried));
         let Some(d_index) = picked else {
             return error(ApiError::Unavailable("unavailable: no decode upstream left to try".into()), legs.request_id);
         };
