@@ -32,6 +32,9 @@ pub struct ExecutorFaults {
     pub step_error_every: Option<u64>,
     /// The N-th forward pass and every later one fail as a lost accelerator.
     pub device_lost_at_step: Option<u64>,
+    /// Every forward pass takes N more milliseconds (a slow or throttled device): drills
+    /// load-aware routing around a slow node (D55).
+    pub step_delay_ms: Option<u64>,
 }
 
 impl ExecutorFaults {
@@ -48,9 +51,10 @@ impl ExecutorFaults {
             match name {
                 "step_error_every" => f.step_error_every = Some(n),
                 "device_lost_at_step" => f.device_lost_at_step = Some(n),
+                "step_delay_ms" => f.step_delay_ms = Some(n),
                 other => {
                     return Err(format!(
-                        "unknown executor fault {other:?} (known: step_error_every=N, device_lost_at_step=N)"
+                        "unknown executor fault {other:?} (known: step_error_every=N, device_lost_at_step=N, step_delay_ms=N)"
                     ))
                 }
             }
@@ -147,6 +151,9 @@ impl Handler<RunStep> for ExecutorActor {
             return Err(ExecutorError::DeviceLost(why.clone()));
         } else {
             self.forward_passes += 1;
+            if let Some(ms) = self.faults.step_delay_ms {
+                std::thread::sleep(std::time::Duration::from_millis(ms));
+            }
             let result = match self.faults.failure(self.forward_passes) {
                 Some(injected) => Err(injected),
                 None => executor.execute(&mut self.kv, &step.chunks),
@@ -206,7 +213,8 @@ mod tests {
     fn faults_parse_and_fire_on_their_steps() {
         assert!(ExecutorFaults::parse("").unwrap().is_empty());
         let f = ExecutorFaults::parse("step_error_every=3, device_lost_at_step=7").unwrap();
-        assert_eq!(f, ExecutorFaults { step_error_every: Some(3), device_lost_at_step: Some(7) });
+        assert_eq!(f, ExecutorFaults { step_error_every: Some(3), device_lost_at_step: Some(7), step_delay_ms: None });
+        assert_eq!(ExecutorFaults::parse("step_delay_ms=20").unwrap().step_delay_ms, Some(20));
         let fired: Vec<(u64, bool)> = (1..=8).filter_map(|n| f.failure(n).map(|e| (n, e.is_device_lost()))).collect();
         assert_eq!(fired, vec![(3, false), (6, false), (7, true), (8, true)]);
         for bad in ["step_error_every=0", "step_error_every", "device_lost_at_step=x", "melt=1"] {

@@ -48,6 +48,11 @@ pub struct ResponseSettings {
     pub prompt_tokens: u32,
     /// Chat with tools: read tool calls out of the answer (D54).
     pub tools: Option<crate::tools::ToolMode>,
+    /// Stream chunks carry their token ids (`pdmesh_token_ids`) for the router (D56).
+    pub stream_token_ids: bool,
+    /// Tokens generated elsewhere before the request moved here (D56): the client has seen
+    /// them; the output processor consumes them first without showing them.
+    pub resume_token_ids: Vec<u32>,
 }
 
 impl ResponseSettings {
@@ -108,6 +113,8 @@ pub fn prepare(
         include_usage: params.include_usage,
         prompt_tokens: u32::try_from(prompt_token_ids.len()).unwrap_or(u32::MAX),
         tools: params.tools,
+        stream_token_ids: false,
+        resume_token_ids: Vec::new(),
     };
     let request = EngineRequest {
         request_id: meta.engine_request_id,

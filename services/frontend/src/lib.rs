@@ -47,6 +47,7 @@ pub mod openai;
 pub mod output;
 pub mod overload;
 pub mod responses;
+pub mod resume;
 pub mod router;
 pub mod server;
 pub mod stream;

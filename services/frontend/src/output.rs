@@ -81,6 +81,8 @@ pub struct Delta {
     pub logprobs: Vec<TokenLogprob>,
     /// Tokens the engine produced in this output (counted for usage even past a stop string).
     pub new_tokens: u32,
+    /// Their ids, up to the one that ended the request (a stream tells the router, D56).
+    pub token_ids: Vec<u32>,
     /// Set once: the request is over for the client.
     pub finish: Option<Finish>,
     /// Whether the engine considers the request finished; when `finish` is set and this is
@@ -208,6 +210,7 @@ impl<'a> OutputProcessor<'a> {
         for (i, &token_id) in out.new_token_ids.iter().enumerate() {
             self.completion_tokens = self.completion_tokens.saturating_add(1);
             delta.new_tokens += 1;
+            delta.token_ids.push(token_id);
             let piece = if skip_last_text && i + 1 == n {
                 String::new()
             } else {

@@ -146,6 +146,7 @@ pub fn app(
         .service(handlers::admin::get_only("/live", pdmesh_telemetry::ops::live))
         .service(handlers::admin::get_only("/metrics", pdmesh_telemetry::metrics::metrics_handler))
         .service(handlers::admin::get_only("/debug/kv", handlers::admin::debug_kv))
+        .service(handlers::admin::get_only("/load", handlers::admin::load))
         .service(handlers::admin::get_only("/debug/engines", handlers::admin::debug_engines))
         .default_service(web::to(handlers::admin::not_found))
 }

@@ -70,7 +70,13 @@ pub struct ChunkFormatter {
     logprobs: bool,
     /// The choice this formatter's chunks carry (`n > 1`: one formatter per choice).
     index: u32,
+    /// Chunks carry `pdmesh_token_ids` (asked by the router, D56).
+    token_ids: bool,
 }
+
+/// The field of a stream chunk that lists the ids of the chunk's tokens, on the router's
+/// internal calls only (D56); the router takes it out before the client sees the chunk.
+pub const TOKEN_IDS_FIELD: &str = "pdmesh_token_ids";
 
 impl ChunkFormatter {
     /// The same formatter for choice `index`.
@@ -87,6 +93,30 @@ impl ChunkFormatter {
             include_usage: settings.include_usage,
             logprobs: settings.logprobs.is_some(),
             index: 0,
+            token_ids: settings.stream_token_ids,
+        }
+    }
+
+    /// [`ChunkFormatter::delta_chunk`] with the ids of its tokens when the router asked for
+    /// them (every token since the last chunk: outputs with nothing to show send no chunk).
+    pub fn delta_chunk_with_ids(
+        &self,
+        text: String,
+        logprobs: &[TokenLogprob],
+        finish: Option<&Finish>,
+        ids: &[u32],
+    ) -> Bytes {
+        let chunk = self.delta_chunk(text, logprobs, finish);
+        if !self.token_ids {
+            return chunk;
+        }
+        let json = chunk.strip_prefix(b"data: ").and_then(|b| b.strip_suffix(b"\n\n")).unwrap_or(&chunk);
+        match serde_json::from_slice::<serde_json::Value>(json) {
+            Ok(mut v) => {
+                v[TOKEN_IDS_FIELD] = serde_json::json!(ids);
+                sse_data(&v)
+            }
+            Err(_) => chunk,
         }
     }
 
@@ -359,12 +389,32 @@ async fn run_choice(
         settings.eos_token_ids.clone(),
         settings.logprobs,
     );
+    if !settings.resume_token_ids.is_empty() {
+        // Tokens the client saw from the node this request started on (D56): they pass through
+        // the processor so detokenisation, stop strings and usage go on exactly from there.
+        let seen = pdmesh_protocol::EngineOutput {
+            request_id: String::new(),
+            new_token_ids: settings.resume_token_ids.clone(),
+            new_logprobs: None,
+            finish_reason: None,
+            stop_token_id: None,
+            kv_transfer_params: None,
+            num_external_tokens: 0,
+            error: None,
+        };
+        if let Err(e) = processor.process(&seen) {
+            send_error(&tx, e).await;
+            return;
+        }
+    }
     if settings.api == Api::Chat && tx.send(fmt.role_chunk()).await.is_err() {
         return None;
     }
     // With tools the text is held to the end: whether it is a call is known only then (D54).
     let hold_for_tools = settings.api == Api::Chat && settings.tools.is_some();
     let mut held = String::new();
+    // Ids of tokens whose outputs sent no chunk yet (text held back, nothing to show).
+    let mut unsent_ids: Vec<u32> = Vec::new();
     loop {
         let delta = match next_delta(tx, &mut rx, &mut guard, &mut processor).await {
             Ok(delta) => delta,
@@ -375,13 +425,14 @@ async fn run_choice(
             }
         };
         guard.on_tokens(delta.new_tokens);
+        unsent_ids.extend_from_slice(&delta.token_ids);
         let chunk = match &delta.finish {
             None if hold_for_tools => {
                 held.push_str(&delta.text);
                 continue;
             }
             None if delta.text.is_empty() && delta.logprobs.is_empty() => continue,
-            None => fmt.delta_chunk(delta.text, &delta.logprobs, None),
+            None => fmt.delta_chunk_with_ids(delta.text, &delta.logprobs, None, &std::mem::take(&mut unsent_ids)),
             Some(Finish::Error(message)) => {
                 guard.finish("error");
                 send_error(tx, ApiError::from_engine_failure(message.as_deref())).await;
@@ -391,7 +442,7 @@ async fn run_choice(
                 // The mesh gave up on the request: the stream just ends.
                 guard.finish("abort");
                 if !delta.text.is_empty() {
-                    let _ = tx.send(fmt.delta_chunk(delta.text, &delta.logprobs, None)).await;
+                    let _ = tx.send(fmt.delta_chunk_with_ids(delta.text, &delta.logprobs, None, &unsent_ids)).await;
                 }
                 return None;
             }
@@ -404,7 +455,7 @@ async fn run_choice(
                     held.push_str(&delta.text);
                     fmt.tool_chunk(settings, std::mem::take(&mut held), finish)
                 } else {
-                    fmt.delta_chunk(delta.text, &delta.logprobs, Some(finish))
+                    fmt.delta_chunk_with_ids(delta.text, &delta.logprobs, Some(finish), &unsent_ids)
                 };
                 return tx.send(last).await.ok().map(|()| (processor.completion_tokens(), processor.cached_tokens()));
             }
@@ -438,6 +489,8 @@ mod tests {
             include_usage,
             prompt_tokens: 3,
             tools: None,
+            stream_token_ids: false,
+            resume_token_ids: Vec::new(),
         }
     }
 

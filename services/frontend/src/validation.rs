@@ -327,6 +327,7 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
             logprobs: input.logprobs,
             // set by the handler from the request's structured-output fields (D53)
             guided: None,
+            output_index_offset: 0,
         },
         requested_max_tokens,
         stop,

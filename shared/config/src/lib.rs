@@ -641,11 +641,75 @@ pub struct RouterConfig {
     /// the deadline-only baseline, like `kv_transfer.give_up_notices`).
     #[serde(default = "yes")]
     pub give_up_notices: bool,
+    /// How the router picks a node of each role (D55): `least_loaded` (the lower cost of two
+    /// candidates: outstanding requests times the node's observed latency) or `round_robin`.
+    #[serde(default)]
+    pub policy: RoutingPolicy,
+    /// Milliseconds between two polls of every upstream's `GET /load` (readiness, queue depth,
+    /// KV usage); 0: no polling (the router's own in-flight counts and latencies only).
+    #[serde(default = "default_load_poll_ms")]
+    pub load_poll_ms: u64,
+    /// Requests in a row an upstream must fail (connect error, reset, a 5xx other than an
+    /// overload 503) before it is ejected; 0: never eject.
+    #[serde(default = "default_eject_after_failures")]
+    pub eject_after_failures: u32,
+    /// First ejection's length in milliseconds; each ejection in a row doubles it, up to
+    /// `eject_max_ms`. An ejected node comes back once that time passed and its `/load` answers.
+    #[serde(default = "default_eject_base_ms")]
+    pub eject_base_ms: u64,
+    #[serde(default = "default_eject_max_ms")]
+    pub eject_max_ms: u64,
+    /// Prefill nodes tried per request when a P fails before answering (1: no retry).
+    #[serde(default = "default_prefill_attempts")]
+    pub prefill_attempts: u32,
+    /// Times one streamed request may move to another decode node when its stream breaks
+    /// (D56); 0: no migration (the client gets an error event).
+    #[serde(default = "default_max_migrations")]
+    pub max_migrations: u32,
+}
+
+/// `router.policy`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RoutingPolicy {
+    #[default]
+    LeastLoaded,
+    RoundRobin,
+}
+
+fn default_load_poll_ms() -> u64 {
+    200
+}
+fn default_eject_after_failures() -> u32 {
+    3
+}
+fn default_eject_base_ms() -> u64 {
+    1000
+}
+fn default_eject_max_ms() -> u64 {
+    30_000
+}
+fn default_prefill_attempts() -> u32 {
+    2
+}
+fn default_max_migrations() -> u32 {
+    2
 }
 
 impl Default for RouterConfig {
     fn default() -> Self {
-        Self { prefill: Vec::new(), decode: Vec::new(), give_up_notices: true }
+        Self {
+            prefill: Vec::new(),
+            decode: Vec::new(),
+            give_up_notices: true,
+            policy: RoutingPolicy::default(),
+            load_poll_ms: default_load_poll_ms(),
+            eject_after_failures: default_eject_after_failures(),
+            eject_base_ms: default_eject_base_ms(),
+            eject_max_ms: default_eject_max_ms(),
+            prefill_attempts: default_prefill_attempts(),
+            max_migrations: default_max_migrations(),
+        }
     }
 }
 

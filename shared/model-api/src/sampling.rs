@@ -53,7 +53,8 @@ pub fn sample(logits: &[f32], params: &SamplingParams, output_index: u32) -> Res
     } else {
         match params.seed {
             Some(seed) => {
-                let mut rng = StdRng::seed_from_u64(mix_seed(seed, output_index));
+                let mut rng =
+                    StdRng::seed_from_u64(mix_seed(seed, output_index.saturating_add(params.output_index_offset)));
                 sample_random(logits, params, &mut rng)
             }
             None => sample_random(logits, params, &mut rand::thread_rng()),

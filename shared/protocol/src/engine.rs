@@ -27,6 +27,11 @@ pub struct SamplingParams {
     /// Number of top alternatives to return with each sampled token (OpenAI `logprobs`).
     #[serde(default)]
     pub logprobs: Option<u32>,
+    /// Tokens this request generated before it moved here (D56: a migrated stream resumes
+    /// with them appended to its prompt): seeded draws continue from this output index, so a
+    /// seeded request draws what it would have drawn where it started.
+    #[serde(default)]
+    pub output_index_offset: u32,
     /// Structured output: the grammar every sampled token must keep the output inside (D53).
     /// Validated by the frontend; enforced by the worker's sampler.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -62,6 +67,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            output_index_offset: 0,
             guided: None,
         }
     }

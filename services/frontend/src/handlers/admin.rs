@@ -151,6 +151,31 @@ pub async fn debug_kv(state: web::Data<AppState>) -> HttpResponse {
     }
 }
 
+/// `GET /load`: what the router weighs when it picks a node (D55), small enough to poll every
+/// few hundred milliseconds: whether the node can serve, its engine queue (`waiting`,
+/// `running`) and KV usage, summed over the ranks that answered. Not ready (200 with
+/// `ready: false`) while draining, without a link to the dp-lb, or with no rank answering.
+pub async fn load(state: web::Data<AppState>) -> HttpResponse {
+    let not_ready = || HttpResponse::Ok().json(crate::router::NodeLoad::default());
+    if state.readiness.is_draining() || !state.link.is_up() {
+        return not_ready();
+    }
+    match mesh_stats(&state).await {
+        Ok(stats) if !stats.engines.is_empty() => {
+            let sum = |f: fn(&EngineStats) -> u32| stats.engines.iter().map(f).fold(0u32, u32::saturating_add);
+            let sum64 = |f: fn(&EngineStats) -> u32| stats.engines.iter().map(|e| u64::from(f(e))).sum::<u64>();
+            HttpResponse::Ok().json(crate::router::NodeLoad {
+                ready: true,
+                waiting: sum(|e| e.num_waiting),
+                running: sum(|e| e.num_running),
+                kv_used_blocks: sum64(|e| e.kv.used_blocks),
+                kv_total_blocks: sum64(|e| e.kv.total_blocks),
+            })
+        }
+        _ => not_ready(),
+    }
+}
+
 /// `GET /debug/engines`: the dp-lb's `MeshStats` as is.
 pub async fn debug_engines(state: web::Data<AppState>) -> HttpResponse {
     match mesh_stats(&state).await {

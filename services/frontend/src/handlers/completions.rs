@@ -33,11 +33,14 @@ fn validate(
     state: &AppState,
     arrival: Instant,
 ) -> Result<Prepared, ApiError> {
-    let v = validate_request(&body, &ModelLimits::from(state))?;
+    let limits = ModelLimits::from(state);
+    let v = validate_request(&body, &limits)?;
     if let Some(g) = &v.params.sampling.guided {
         crate::metrics::STRUCTURED_OUTPUTS_TOTAL.with_label_values(&[crate::structured::kind(g)]).inc();
     }
-    Ok(prepare(Api::Completion, meta, v.params, v.prompt, v.max_tokens, state, arrival))
+    let mut prepared = prepare(Api::Completion, meta, v.params, v.prompt, v.max_tokens, state, arrival);
+    crate::resume::apply(&body.extra, &mut prepared, limits.vocab_size)?;
+    Ok(prepared)
 }
 
 /// The request body → engine parameters, the tokenised prompt, and `max_tokens`; or the

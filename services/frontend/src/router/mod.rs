@@ -13,7 +13,13 @@
 //! internal key (`PDMESH_INTERNAL_API_KEY`) on every call to P and D — both legs, `/v1/models`
 //! and `/v1/kv/release` — or, without one, passes the client's `Authorization` on.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+mod balance;
+mod migrate;
+
+use std::sync::{Arc, LazyLock};
+
+pub use balance::NodeLoad;
+use balance::Pool;
 
 use actix_web::http::header::AUTHORIZATION;
 use actix_web::http::StatusCode;
@@ -32,10 +38,8 @@ use crate::metrics::HTTP_REQUESTS_TOTAL;
 
 /// Upstreams and the HTTP client shared by the proxy handlers.
 pub struct RouterState {
-    prefill: Vec<String>,
-    decode: Vec<String>,
-    next_p: AtomicUsize,
-    next_d: AtomicUsize,
+    prefill: Arc<Pool>,
+    decode: Arc<Pool>,
     client: reqwest::Client,
     /// `router.give_up_notices`: hand P's blocks back when a request ends between the legs.
     give_up_notices: bool,
@@ -47,20 +51,39 @@ pub struct RouterState {
     key_limit: crate::overload::KeyLimit,
     /// Set draining when the router stops: `/health` then answers 503.
     readiness: pdmesh_telemetry::ops::Health,
+    /// `router.prefill_attempts`: prefill nodes tried per request.
+    prefill_attempts: u32,
+    /// `router.max_migrations`: moves of one stream to another decode node.
+    max_migrations: u32,
 }
 
 impl RouterState {
-    fn pick(list: &[String], next: &AtomicUsize) -> Option<String> {
-        Self::pick_indexed(list, next).map(|(_, u)| u)
-    }
-
-    /// Round robin, with the upstream's index in `list`.
-    fn pick_indexed(list: &[String], next: &AtomicUsize) -> Option<(usize, String)> {
-        if list.is_empty() {
-            return None;
+    /// The state of a router over `cfg`'s upstreams.
+    pub fn new(
+        cfg: &pdmesh_config::RouterConfig,
+        client: reqwest::Client,
+        internal_authorization: Option<String>,
+        in_flight: crate::overload::InFlightLimit,
+        key_limit: crate::overload::KeyLimit,
+        readiness: pdmesh_telemetry::ops::Health,
+    ) -> Self {
+        let breaker = balance::Breaker {
+            after_failures: cfg.eject_after_failures,
+            base: std::time::Duration::from_millis(cfg.eject_base_ms),
+            max: std::time::Duration::from_millis(cfg.eject_max_ms.max(cfg.eject_base_ms)),
+        };
+        Self {
+            prefill: Arc::new(Pool::new("prefill", &cfg.prefill, cfg.policy, breaker)),
+            decode: Arc::new(Pool::new("decode", &cfg.decode, cfg.policy, breaker)),
+            client,
+            give_up_notices: cfg.give_up_notices,
+            internal_authorization,
+            in_flight,
+            key_limit,
+            readiness,
+            prefill_attempts: cfg.prefill_attempts.max(1),
+            max_migrations: cfg.max_migrations,
         }
-        let i = next.fetch_add(1, Ordering::Relaxed) % list.len();
-        list.get(i).map(|u| (i, u.clone()))
     }
 
     /// The `Authorization` value for calls to P and D on behalf of `req`: the internal key's
@@ -161,57 +184,65 @@ fn decode_of_response(id: &str, decode_nodes: usize) -> Option<usize> {
     index.parse::<usize>().ok().filter(|&i| i < decode_nodes)
 }
 
-async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, path: &'static str) -> HttpResponse {
-    let request_id = match crate::headers::request_id(req.headers()) {
-        Ok(id) => id,
-        Err(e) => return error(e, &crate::headers::new_request_id()),
-    };
-    let Ok(original) = serde_json::from_slice::<Value>(&body) else {
-        return error(ApiError::invalid_request("request body is not valid JSON"), &request_id);
-    };
-    if !original.is_object() {
-        return error(ApiError::invalid_request("request body must be a JSON object"), &request_id);
-    }
-    // Overload control: refused here, before P is asked, nothing is held anywhere yet — the
-    // client key's bound (429) first, then the router's (503).
-    let client_key = req.extensions().get::<crate::auth::ClientKey>().copied();
-    let key_permit = match st.key_limit.try_acquire(client_key) {
-        Ok(permit) => permit,
-        Err(e) => return error(e, &request_id),
-    };
-    let permit = match st.in_flight.try_acquire() {
-        Ok(permit) => permit,
-        Err(e) => return error(e, &request_id),
-    };
-    let (span, client_trace) = request_span(&req, &request_id, path);
-    let authorization = st.upstream_authorization(&req);
-    // A follow-up of a stored response goes to the decode node that stored the conversation,
-    // which alone can render it: one leg, D prefilling locally (P knows nothing of it; D49).
-    let pinned = (path == RESPONSES)
-        .then(|| original.get("previous_response_id").and_then(Value::as_str))
-        .flatten()
-        .and_then(|id| decode_of_response(id, st.decode.len()));
-    let (Some(p), Some((d_index, d))) = (
-        RouterState::pick(&st.prefill, &st.next_p),
-        match pinned {
-            Some(i) => st.decode.get(i).map(|u| (i, u.clone())),
-            None => RouterState::pick_indexed(&st.decode, &st.next_d),
-        },
-    ) else {
-        return error(ApiError::Unavailable("unavailable: no prefill or decode upstream".into()), "");
-    };
-    let mut release = None;
-    let params = if pinned.is_some() {
-        Value::Null
-    } else {
-        // ---- prefill leg
+/// Prefill retries on another P after one failed before answering.
+pub const PREFILL_RETRIES: &str = "pdmesh_router_prefill_retries_total";
+
+static PREFILL_RETRIES_TOTAL: LazyLock<prometheus::IntCounter> = LazyLock::new(|| {
+    pdmesh_telemetry::metrics::counter(PREFILL_RETRIES, "Prefill legs retried on another P after a failure")
+});
+
+/// What one request's legs share.
+struct Legs<'a> {
+    req: &'a HttpRequest,
+    st: &'a web::Data<RouterState>,
+    path: &'static str,
+    request_id: &'a str,
+    span: &'a tracing::Span,
+    client_trace: &'a TraceContext,
+    authorization: Option<&'a str>,
+}
+
+/// A prefill leg that P answered: its params for D, and the guard over P's blocks.
+struct Prefilled {
+    params: Value,
+    release: ReleaseOnDrop,
+}
+
+/// Whether an upstream's status counts as its failure (for ejection and retries): a 5xx that
+/// is not an overload 503 (a 503 says "busy", not "broken", and carries `Retry-After`).
+fn is_failure(status: reqwest::StatusCode) -> bool {
+    status.is_server_error() && status != reqwest::StatusCode::SERVICE_UNAVAILABLE
+}
+
+/// The prefill leg: ask a P for the blocks, on another P when one fails before answering
+/// (connect refused, reset, a failure status), up to `router.prefill_attempts` Ps. `Err` is the
+/// answer for the client (P's refusal as P wrote it, or the router's 503).
+///
+/// No retry can double-free or double-read (D55): each attempt has its own engine request id
+/// and capability, D only ever gets the params of the attempt that answered, and an attempt
+/// that may have left a hold on its P (it was sent) keeps its release guard armed, which
+/// hands that hold back through P's `/v1/kv/release` under that attempt's id and capability
+/// (or P frees it at its deadline when P is gone).
+async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, HttpResponse> {
+    let st = legs.st;
+    let mut tried: Vec<usize> = Vec::new();
+    let mut last_error = String::from("no prefill upstream");
+    while (tried.len() as u32) < st.prefill_attempts {
+        let Some(pi) = st.prefill.pick(&tried) else { break };
+        if !tried.is_empty() {
+            PREFILL_RETRIES_TOTAL.inc();
+            tracing::warn!(parent: legs.span, request_id = legs.request_id, attempt = tried.len() + 1,
+                error = %last_error, "prefill leg retried on another prefill node");
+        }
+        tried.push(pi);
+        let p = st.prefill.url(pi).unwrap_or_default().to_string();
         let mut p_body = original.clone();
         // The router chooses P's capability token for this request (P adopts a well-formed one),
         // so that it can hand P's blocks back even before P has answered (see below).
         let p_capability = pdmesh_mesh_auth::new_capability();
         p_body["kv_transfer_params"] =
             json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_capability": p_capability});
-        if path == RESPONSES {
+        if legs.path == RESPONSES {
             // P's answer is only the handle on its blocks: nothing of it is kept on P.
             p_body["max_output_tokens"] = json!(1);
             p_body["store"] = json!(false);
@@ -234,26 +265,28 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         // P's engine request id is the client's id plus a suffix the router picks, so the router
         // can name it before P answers; P still makes it unique whatever the client sent.
         let p_suffix = crate::headers::new_engine_id_suffix();
-        let p_engine_id = format!("{request_id}-{p_suffix}");
+        let p_engine_id = format!("{}-{p_suffix}", legs.request_id);
         let mut p_release = ReleaseOnDrop::new(
             &st.client,
             &p,
-            &request_id,
+            legs.request_id,
             &json!({"do_remote_prefill": true, "remote_request_id": p_engine_id, "remote_capability": p_capability}),
-            authorization.clone(),
+            legs.authorization.map(str::to_string),
         );
         if !st.give_up_notices {
             p_release.disarm(); // deadline-only baseline: P frees at its hold deadline
         }
-        let p_span = tracing::info_span!(parent: &span, "router.prefill", otel.kind = "client", upstream = %p);
-        let p_trace = pdmesh_telemetry::trace::outgoing(&p_span, &client_trace);
+        let p_span = tracing::info_span!(parent: legs.span, "router.prefill", otel.kind = "client", upstream = %p);
+        let p_trace = pdmesh_telemetry::trace::outgoing(&p_span, legs.client_trace);
+        let started = std::time::Instant::now();
+        let counted = st.prefill.start(pi);
         let p_res = forward_headers(
-            &req,
-            st.client.post(format!("{p}{path}")),
-            &request_id,
+            legs.req,
+            st.client.post(format!("{p}{}", legs.path)),
+            legs.request_id,
             Leg::Prefill,
             &p_trace,
-            authorization.as_deref(),
+            legs.authorization,
         )
         .header(crate::headers::ENGINE_ID_SUFFIX, p_suffix.as_str())
         .json(&p_body)
@@ -263,16 +296,35 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         let p_res = match p_res {
             Ok(r) => r,
             Err(e) => {
-                p_release.disarm();
-                tracing::warn!(%request_id, upstream = %p, error = %e, "prefill leg failed");
-                return error(ApiError::Unavailable(format!("unavailable: prefill node {p}: {e}")), &request_id);
+                if e.is_connect() {
+                    p_release.disarm(); // nothing reached P
+                }
+                st.prefill.failure(pi, if e.is_connect() { "connect" } else { "reset" });
+                tracing::warn!(parent: &p_span, request_id = legs.request_id, upstream = %p, error = %e, "prefill leg failed");
+                last_error = format!("prefill node {p}: {e}");
+                continue; // an armed guard drops here: P's possible hold is handed back
             }
         };
         let p_status = p_res.status();
         let p_retry_after = p_res.headers().get(reqwest::header::RETRY_AFTER).cloned();
-        let p_bytes = p_res.bytes().await.unwrap_or_default();
+        let p_bytes = match p_res.bytes().await {
+            Ok(b) => b,
+            Err(e) => {
+                st.prefill.failure(pi, "reset");
+                last_error = format!("prefill node {p}: {e}");
+                continue;
+            }
+        };
+        drop(counted);
         tracing::info!(parent: &p_span, status = p_status.as_u16(), "prefill answered");
         drop(p_span);
+        if is_failure(p_status) {
+            st.prefill.failure(pi, "5xx");
+            last_error = format!("prefill node {p} answered {}", p_status.as_u16());
+            if (tried.len() as u32) < st.prefill_attempts && tried.len() < st.prefill.len() {
+                continue;
+            }
+        }
         if !p_status.is_success() {
             p_release.disarm();
             // P refused the request (bad input, too long, overloaded...): the client gets P's
@@ -280,57 +332,202 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
             let status = StatusCode::from_u16(p_status.as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
             let mut builder = HttpResponse::build(status);
             pass_retry_after(&mut builder, p_retry_after);
-            return builder.insert_header((REQUEST_ID, request_id)).content_type("application/json").body(p_bytes);
+            return Err(builder
+                .insert_header((REQUEST_ID, legs.request_id.to_string()))
+                .content_type("application/json")
+                .body(p_bytes));
         }
+        st.prefill.success(pi);
+        st.prefill.observe_latency(pi, started.elapsed().as_secs_f64());
         let params = serde_json::from_slice::<Value>(&p_bytes)
             .ok()
             .map(|v| v["kv_transfer_params"].clone())
             .unwrap_or(Value::Null);
-
         p_release.update(&params);
-        release = Some(p_release);
-        params
-    };
+        return Ok(Prefilled { params, release: p_release });
+    }
+    tracing::warn!(request_id = legs.request_id, error = %last_error, "prefill leg failed on every node tried");
+    Err(error(ApiError::Unavailable(format!("unavailable: {last_error}")), legs.request_id))
+}
 
-    // ---- decode leg: the client's own body, plus P's params (none for a pinned follow-up:
-    // D prefills it itself)
-    let mut d_body = original;
-    if pinned.is_some() {
-        if let Some(o) = d_body.as_object_mut() {
-            o.remove("kv_transfer_params");
-        }
-    } else {
-        d_body["kv_transfer_params"] = params;
+async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, path: &'static str) -> HttpResponse {
+    let request_id = match crate::headers::request_id(req.headers()) {
+        Ok(id) => id,
+        Err(e) => return error(e, &crate::headers::new_request_id()),
+    };
+    let Ok(mut original) = serde_json::from_slice::<Value>(&body) else {
+        return error(ApiError::invalid_request("request body is not valid JSON"), &request_id);
+    };
+    let Some(fields) = original.as_object_mut() else {
+        return error(ApiError::invalid_request("request body must be a JSON object"), &request_id);
+    };
+    // The router's internal field is the router's alone (D56).
+    fields.remove(crate::resume::FIELD);
+    // Overload control: refused here, before P is asked, nothing is held anywhere yet — the
+    // client key's bound (429) first, then the router's (503).
+    let client_key = req.extensions().get::<crate::auth::ClientKey>().copied();
+    let key_permit = match st.key_limit.try_acquire(client_key) {
+        Ok(permit) => permit,
+        Err(e) => return error(e, &request_id),
+    };
+    let permit = match st.in_flight.try_acquire() {
+        Ok(permit) => permit,
+        Err(e) => return error(e, &request_id),
+    };
+    let (span, client_trace) = request_span(&req, &request_id, path);
+    let authorization = st.upstream_authorization(&req);
+    // A follow-up of a stored response goes to the decode node that stored the conversation,
+    // which alone can render it: one leg, D prefilling locally (P knows nothing of it; D49).
+    let pinned = (path == RESPONSES)
+        .then(|| original.get("previous_response_id").and_then(Value::as_str))
+        .flatten()
+        .and_then(|id| decode_of_response(id, st.decode.len()));
+    if st.prefill.is_empty() || st.decode.is_empty() {
+        return error(ApiError::Unavailable("unavailable: no prefill or decode upstream".into()), "");
     }
-    let stream = d_body["stream"].as_bool().unwrap_or(false);
-    let d_span = tracing::info_span!(parent: &span, "router.decode", otel.kind = "client", upstream = %d, stream);
-    let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, &client_trace);
-    let mut d_rb = forward_headers(
-        &req,
-        st.client.post(format!("{d}{path}")),
-        &request_id,
-        Leg::Decode,
-        &d_trace,
-        authorization.as_deref(),
-    );
-    if path == RESPONSES {
-        d_rb = d_rb.header(crate::handlers::responses::RESPONSE_ID_HEADER, response_id_for(d_index));
-    }
-    let d_res = d_rb.json(&d_body).send().instrument(d_span.clone()).await;
-    let d_res = match d_res {
-        Ok(r) => {
-            // D answered, so D owns the reference now (it tells P itself if it gives up).
-            if let Some(release) = release.as_mut() {
-                release.disarm();
+    let legs = Legs {
+        req: &req,
+        st: &st,
+        path,
+        request_id: &request_id,
+        span: &span,
+        client_trace: &client_trace,
+        authorization: authorization.as_deref(),
+    };
+    let prefilled = match pinned {
+        Some(_) => None,
+        None => match prefill_leg(&legs, &original).await {
+            Ok(p) => Some(p),
+            Err(answer) => return answer,
+        },
+    };
+    decode_leg(&legs, original, prefilled, pinned, Box::new((permit, key_permit))).await
+}
+
+/// The decode leg: the client's own body plus P's params (none for a pinned follow-up: D
+/// prefills it itself), answered to the client as D streams it. A D that fails before its
+/// answer starts is replaced by another that prefills the request itself (P's blocks are handed
+/// back, never given to a second reader); a stream that breaks later moves ([`migrate`]).
+async fn decode_leg(
+    legs: &Legs<'_>,
+    original: Value,
+    prefilled: Option<Prefilled>,
+    pinned: Option<usize>,
+    permits: Box<dyn std::any::Any>,
+) -> HttpResponse {
+    let st = legs.st;
+    let path = legs.path;
+    let stream = original["stream"].as_bool().unwrap_or(false);
+    // Completions and chat streams can move mid-generation; the Responses API's stored
+    // conversations cannot.
+    let movable = path != RESPONSES && pinned.is_none() && st.max_migrations > 0;
+    let (mut params, mut release) = match prefilled {
+        Some(p) => (Some(p.params), Some(p.release)),
+        None => (None, None),
+    };
+    let mut tried: Vec<usize> = Vec::new();
+    let mut migrations = 0u32;
+    let (d_index, d_res, d_span) = loop {
+        let picked = pinned.or_else(|| st.decode.pick(&tried));
+        let Some(d_index) = picked else {
+            return error(ApiError::Unavailable("unavailable: no decode upstream left to try".into()), legs.request_id);
+        };
+        tried.push(d_index);
+        let d = st.decode.url(d_index).unwrap_or_default().to_string();
+        let mut d_body = match params.take() {
+            Some(p) => {
+                let mut b = original.clone();
+                b["kv_transfer_params"] = p;
+                b
             }
-            r
+            None if tried.len() > 1 => migrate::continuation_body(&original, &[]),
+            None => {
+                let mut b = original.clone();
+                if let Some(o) = b.as_object_mut() {
+                    o.remove("kv_transfer_params");
+                }
+                b
+            }
+        };
+        if stream && movable {
+            d_body[crate::resume::FIELD]["stream_token_ids"] = json!(true);
         }
-        Err(e) => {
-            tracing::warn!(%request_id, upstream = %d, error = %e, "decode leg failed");
-            return error(ApiError::Unavailable(format!("unavailable: decode node {d}: {e}")), &request_id);
+        let d_span =
+            tracing::info_span!(parent: legs.span, "router.decode", otel.kind = "client", upstream = %d, stream);
+        let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, legs.client_trace);
+        let mut d_rb = forward_headers(
+            legs.req,
+            st.client.post(format!("{d}{path}")),
+            legs.request_id,
+            Leg::Decode,
+            &d_trace,
+            legs.authorization,
+        );
+        if path == RESPONSES {
+            d_rb = d_rb.header(crate::handlers::responses::RESPONSE_ID_HEADER, response_id_for(d_index));
         }
+        let counted = st.decode.start(d_index);
+        let d_res = d_rb.json(&d_body).send().instrument(d_span.clone()).await;
+        drop(counted);
+        let failed = match &d_res {
+            Ok(r) if is_failure(r.status()) => format!("decode node {d} answered {}", r.status().as_u16()),
+            Ok(_) => {
+                // D answered, so D owns the reference now (it tells P itself if it gives up).
+                if let Some(release) = release.as_mut() {
+                    release.disarm();
+                }
+                break (d_index, d_res, d_span);
+            }
+            Err(e) => format!("decode node {d}: {e}"),
+        };
+        let reason = match &d_res {
+            Err(e) if e.is_connect() => "connect",
+            Err(_) => "reset",
+            Ok(_) => "5xx",
+        };
+        st.decode.failure(d_index, reason);
+        tracing::warn!(parent: &d_span, request_id = legs.request_id, upstream = %d, error = %failed, "decode leg failed");
+        // P's blocks go back to P now (the guard), whatever D did with them: the next D
+        // prefills the request itself.
+        release = None;
+        if !movable || migrations >= st.max_migrations || tried.len() >= st.decode.len() {
+            return match d_res {
+                Ok(r) => pass_answer(r, legs.request_id, stream).await,
+                Err(_) => error(ApiError::Unavailable(format!("unavailable: {failed}")), legs.request_id),
+            };
+        }
+        migrations += 1;
+        migrate::MIGRATIONS_TOTAL.with_label_values(&["no_answer"]).inc();
+        tracing::warn!(parent: legs.span, request_id = legs.request_id, from = %d, migration = migrations,
+            "decode node failed before answering; the request moves to another decode node");
+    };
+    let d_res = match d_res {
+        Ok(r) => r,
+        Err(_) => return error(ApiError::Unavailable("unavailable: decode leg".into()), legs.request_id),
     };
     let status = StatusCode::from_u16(d_res.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    tracing::info!(parent: &d_span, status = status.as_u16(), "decode answered");
+    if status.is_success() {
+        st.decode.success(d_index);
+    }
+    if stream && status.is_success() && movable {
+        return migrate::respond(
+            migrate::Relay {
+                st: st.clone(),
+                req: legs.req.clone(),
+                path,
+                request_id: legs.request_id.to_string(),
+                original,
+                span: legs.span.clone(),
+                client_trace: legs.client_trace.clone(),
+                authorization: legs.authorization.map(str::to_string),
+                d: d_index,
+                migrations,
+                hold: Box::new((permits, d_span)),
+            },
+            d_res,
+        );
+    }
     let content_type = d_res
         .headers()
         .get("content-type")
@@ -339,20 +536,33 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         .to_string();
     let mut builder = HttpResponse::build(status);
     pass_retry_after(&mut builder, d_res.headers().get(reqwest::header::RETRY_AFTER).cloned());
-    let request_id_for_stream = request_id.clone();
-    builder.insert_header((REQUEST_ID, request_id)).content_type(content_type);
-    tracing::info!(parent: &d_span, status = status.as_u16(), "decode answered");
+    builder.insert_header((REQUEST_ID, legs.request_id.to_string())).content_type(content_type);
     if stream && status.is_success() {
         // The spans end when the stream does (dropped with it), so they cover the whole answer.
-        let spans = (span, d_span, permit, key_permit);
+        let spans = (legs.span.clone(), d_span, permits);
         let upstream = d_res.bytes_stream().map(|chunk| chunk.map_err(|e| e.to_string()));
-        builder.streaming(whole_events(upstream, request_id_for_stream).map(move |chunk| {
+        builder.streaming(whole_events(upstream, legs.request_id.to_string()).map(move |chunk| {
             let _ = &spans;
             Ok::<_, std::io::Error>(chunk)
         }))
     } else {
         builder.body(d_res.bytes().await.unwrap_or_default())
     }
+}
+
+/// A node's failure answer passed to the client as it is.
+async fn pass_answer(r: reqwest::Response, request_id: &str, stream: bool) -> HttpResponse {
+    let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let content_type = r
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or(if stream { "text/event-stream" } else { "application/json" })
+        .to_string();
+    let mut builder = HttpResponse::build(status);
+    pass_retry_after(&mut builder, r.headers().get(reqwest::header::RETRY_AFTER).cloned());
+    builder.insert_header((REQUEST_ID, request_id.to_string())).content_type(content_type);
+    builder.body(r.bytes().await.unwrap_or_default())
 }
 
 /// D's SSE stream passed on in whole events. If D's stream breaks (D's frontend died, the
@@ -482,7 +692,7 @@ async fn responses(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState
 /// the router did not make is not stored anywhere it can find (404, as a node answers).
 async fn get_response(req: HttpRequest, path: web::Path<String>, st: web::Data<RouterState>) -> HttpResponse {
     let id = path.into_inner();
-    let Some(d) = decode_of_response(&id, st.decode.len()).and_then(|i| st.decode.get(i)) else {
+    let Some(d) = decode_of_response(&id, st.decode.len()).and_then(|i| st.decode.url(i)) else {
         return error(ApiError::ResponseNotFound(id), "");
     };
     forward_get(&req, &st, d, &format!("{RESPONSES}/{id}")).await
@@ -490,7 +700,7 @@ async fn get_response(req: HttpRequest, path: web::Path<String>, st: web::Data<R
 
 /// `/v1/models` is answered by the first decode node.
 async fn passthrough_get(req: HttpRequest, st: web::Data<RouterState>) -> HttpResponse {
-    let Some(d) = st.decode.first() else {
+    let Some(d) = st.decode.url(0) else {
         return error(ApiError::Unavailable("unavailable: no decode upstream".into()), "");
     };
     forward_get(&req, &st, d, req.path()).await
@@ -545,8 +755,8 @@ async fn health(st: web::Data<RouterState>) -> HttpResponse {
     }
 }
 
-async fn healthy_upstreams(client: &reqwest::Client, list: &[String]) -> usize {
-    let checks = list.iter().map(|u| async move {
+async fn healthy_upstreams(client: &reqwest::Client, pool: &Pool) -> usize {
+    let checks = pool.urls().map(|u| async move {
         let res = client.get(format!("{u}/health")).timeout(UPSTREAM_HEALTH_TIMEOUT).send().await;
         res.is_ok_and(|r| r.status().is_success())
     });
@@ -608,19 +818,31 @@ pub async fn run_router(
     crate::metrics::init();
     let client = reqwest::Client::builder()
         .tcp_nodelay(true)
+        // Idle connections to P and D are dropped well before the nodes' own keep-alive (5 s)
+        // closes them: a request sent on a connection the node is closing fails without
+        // reaching it, which would count as that node's failure.
+        .pool_idle_timeout(std::time::Duration::from_secs(2))
         .build()
         .map_err(|e| FrontendError::Options(format!("http client: {e}")))?;
-    let state = web::Data::new(RouterState {
-        prefill: node.router.prefill.iter().map(|u| u.trim_end_matches('/').to_string()).collect(),
-        decode: node.router.decode.iter().map(|u| u.trim_end_matches('/').to_string()).collect(),
-        next_p: AtomicUsize::new(0),
-        next_d: AtomicUsize::new(0),
-        client,
-        give_up_notices: node.router.give_up_notices,
-        internal_authorization: internal_key.map(|k| format!("Bearer {k}")),
-        in_flight: crate::overload::InFlightLimit::new(node.limits.max_in_flight, "router"),
-        key_limit: crate::overload::KeyLimit::new(node.limits.max_in_flight_per_key, client_keys.len(), "router"),
-        readiness: ctx.health.clone(),
+    let state = web::Data::new(RouterState::new(
+        &node.router,
+        client.clone(),
+        internal_key.map(|k| format!("Bearer {k}")),
+        crate::overload::InFlightLimit::new(node.limits.max_in_flight, "router"),
+        crate::overload::KeyLimit::new(node.limits.max_in_flight_per_key, client_keys.len(), "router"),
+        ctx.health.clone(),
+    ));
+    balance::init();
+    LazyLock::force(&PREFILL_RETRIES_TOTAL);
+    LazyLock::force(&migrate::MIGRATIONS_TOTAL);
+    // Readiness and load of every upstream, polled while the router runs (D55).
+    let poller = (node.router.load_poll_ms > 0).then(|| {
+        actix_web::rt::spawn(balance::poll_loads(
+            vec![state.prefill.clone(), state.decode.clone()],
+            client,
+            state.internal_authorization.clone(),
+            std::time::Duration::from_millis(node.router.load_poll_ms),
+        ))
     });
     crate::error::set_retry_after_s(node.limits.retry_after_s);
     tracing::info!(
@@ -639,8 +861,12 @@ pub async fn run_router(
         .bind((node.http_host.as_str(), node.http_port))
         .map_err(|source| FrontendError::HttpBind { addr: addr.clone(), source })?;
     tracing::info!(%addr, prefill = ?node.router.prefill, decode = ?node.router.decode,
-        give_up_notices = node.router.give_up_notices, "router listening");
-    crate::serve_until_shutdown(&ctx, server.run(), shutdown).await?;
+        give_up_notices = node.router.give_up_notices, policy = ?node.router.policy, "router listening");
+    let served = crate::serve_until_shutdown(&ctx, server.run(), shutdown).await;
+    if let Some(p) = poller {
+        p.abort();
+    }
+    served?;
     tracing::info!(%addr, "router stopped");
     Ok(())
 }
@@ -660,19 +886,20 @@ mod tests {
         out.iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect()
     }
 
+    fn state_over(p: &str, d: &str, internal: Option<&str>, max_in_flight: u32) -> RouterState {
+        let cfg = pdmesh_config::RouterConfig { prefill: vec![p.into()], decode: vec![d.into()], ..Default::default() };
+        RouterState::new(
+            &cfg,
+            reqwest::Client::new(),
+            internal.map(|k| format!("Bearer {k}")),
+            crate::overload::InFlightLimit::new(max_in_flight, "router"),
+            crate::overload::KeyLimit::disabled("router"),
+            Default::default(),
+        )
+    }
+
     fn state(internal: Option<&str>) -> RouterState {
-        RouterState {
-            prefill: vec!["http://p".into()],
-            decode: vec!["http://d".into()],
-            next_p: AtomicUsize::new(0),
-            next_d: AtomicUsize::new(0),
-            client: reqwest::Client::new(),
-            give_up_notices: true,
-            internal_authorization: internal.map(|k| format!("Bearer {k}")),
-            in_flight: crate::overload::InFlightLimit::new(0, "router"),
-            key_limit: crate::overload::KeyLimit::disabled("router"),
-            readiness: Default::default(),
-        }
+        state_over("http://p", "http://d", internal, 0)
     }
 
     #[test]
@@ -726,18 +953,8 @@ mod tests {
         let p = p.run();
         let handle = p.handle();
         actix_web::rt::spawn(p);
-        let state = web::Data::new(RouterState {
-            prefill: vec![format!("http://{p_addr}")],
-            decode: vec![format!("http://{p_addr}")],
-            next_p: AtomicUsize::new(0),
-            next_d: AtomicUsize::new(0),
-            client: reqwest::Client::new(),
-            give_up_notices: true,
-            internal_authorization: None,
-            in_flight: crate::overload::InFlightLimit::new(max_in_flight, "router"),
-            key_limit: crate::overload::KeyLimit::disabled("router"),
-            readiness: Default::default(),
-        });
+        let url = format!("http://{p_addr}");
+        let state = web::Data::new(state_over(&url, &url, None, max_in_flight));
         (state, handle)
     }
 
@@ -806,9 +1023,7 @@ mod tests {
         let p = p.run();
         let handle = p.handle();
         actix_web::rt::spawn(p);
-        let mut st = state(None);
-        st.prefill = vec![format!("http://{p_addr}")];
-        let st = web::Data::new(st);
+        let st = web::Data::new(state_over(&format!("http://{p_addr}"), "http://d", None, 0));
         let (status, retry, body) = post(&st).await;
         assert_eq!(status, 429);
         assert_eq!(retry.as_deref(), Some("9"), "P's Retry-After, not the router's own");

@@ -1,0 +1,60 @@
+//! The router's internal request field `pdmesh_internal` (D56): how a decode node streams the
+//! token ids the router needs to move a request, and how it resumes one moved to it.
+//!
+//! `{"pdmesh_internal": {"stream_token_ids": true}}` makes every stream chunk carry the ids of
+//! its tokens (`pdmesh_token_ids`); `"resume_token_ids": [...]` continues a request whose
+//! client already saw those tokens from another node: they are appended to the prompt (the
+//! node prefills them, as if it had generated them), `max_tokens` shrinks by their number,
+//! seeded draws continue from their output index, and the stream shows only what comes after
+//! them. The router removes the field from every client body, so only the router sets it;
+//! a client calling a node directly with it only gets what a longer prompt would give.
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+use crate::generate::Prepared;
+
+/// The body field.
+pub const FIELD: &str = "pdmesh_internal";
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Internal {
+    #[serde(default)]
+    stream_token_ids: bool,
+    #[serde(default)]
+    resume_token_ids: Vec<u32>,
+}
+
+/// Apply the body's `pdmesh_internal` (if any) to a prepared request.
+pub fn apply(extra: &Map<String, Value>, prepared: &mut Prepared, vocab_size: u32) -> Result<(), ApiError> {
+    let Some(value) = extra.get(FIELD) else { return Ok(()) };
+    let internal: Internal =
+        serde_json::from_value(value.clone()).map_err(|e| ApiError::invalid(format!("{FIELD}: {e}"), FIELD))?;
+    prepared.settings.stream_token_ids = internal.stream_token_ids && prepared.settings.stream;
+    let ids = internal.resume_token_ids;
+    if ids.is_empty() {
+        return Ok(());
+    }
+    if !prepared.settings.stream {
+        return Err(ApiError::invalid(format!("{FIELD}.resume_token_ids needs a streamed request"), FIELD));
+    }
+    if let Some(bad) = ids.iter().find(|&&t| t >= vocab_size) {
+        return Err(ApiError::invalid(format!("{FIELD}.resume_token_ids: token id {bad} is out of range"), FIELD));
+    }
+    let n = u32::try_from(ids.len()).unwrap_or(u32::MAX);
+    let sampling = &mut prepared.request.sampling;
+    if n >= sampling.max_tokens {
+        return Err(ApiError::invalid(
+            format!("{FIELD}.resume_token_ids: {n} tokens already reach max_tokens {}", sampling.max_tokens),
+            FIELD,
+        ));
+    }
+    sampling.max_tokens -= n;
+    sampling.output_index_offset = n;
+    prepared.request.prompt_token_ids.extend_from_slice(&ids);
+    tracing::info!(parent: &prepared.span, resumed_tokens = n, "request resumes after tokens generated elsewhere");
+    prepared.settings.resume_token_ids = ids;
+    Ok(())
+}
