@@ -400,11 +400,12 @@ async fn run_choice(
             stop_token_id: None,
             kv_transfer_params: None,
             num_external_tokens: 0,
+            num_cached_tokens: 0,
             error: None,
         };
         if let Err(e) = processor.process(&seen) {
-            send_error(&tx, e).await;
-            return;
+            send_error(tx, e).await;
+            return None;
         }
     }
     if settings.api == Api::Chat && tx.send(fmt.role_chunk()).await.is_err() {
