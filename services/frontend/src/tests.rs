@@ -1578,11 +1578,6 @@ async fn unhonoured_fields_are_400_naming_the_field() {
         ("/v1/completions", completion(json!({"guided_regex": "o+k", "guided_decoding_backend": "guidance"}))),
         ("/v1/chat/completions", chat(json!({"response_format": {"type": "json_object"}}))),
         (
-            "/v1/chat/completions",
-            chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}],
-                        "tool_choice": {"type": "function", "function": {"name": "f"}}})),
-        ),
-        (
             "/v1/responses",
             responses(json!({"text": {"format": {"type": "text"}}, "metadata": {"k": "v"},
                                           "user": "u", "truncation": "disabled", "tools": []})),

@@ -187,7 +187,19 @@ fn kv_transfer_from_json(
         kv.side_channel_port =
             port.parse().map_err(|_| misconfigured(VLLM_SIDE_CHANNEL_PORT, format!("{port:?} is not a port")))?;
     }
+    const EXTRA_KEYS: [&str; 4] = ["backend", "side_channel_host", "side_channel_port", "data_port"];
     for (key, value) in &vllm.kv_connector_extra_config {
+        // An unknown key is named as such before its value is looked at: vLLM's keys for other
+        // transfer engines (`backends`, ...) are lists, and "not supported" is the useful answer.
+        if !EXTRA_KEYS.contains(&key.as_str()) {
+            return Err(misconfigured(
+                flag,
+                format!(
+                    "kv_connector_extra_config key {key:?} is not supported (pdmesh reads \"backend\", \
+                     \"side_channel_host\", \"side_channel_port\" and \"data_port\")"
+                ),
+            ));
+        }
         let text = match value {
             Value::String(s) => s.clone(),
             Value::Number(n) => n.to_string(),

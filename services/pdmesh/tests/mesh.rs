@@ -115,7 +115,7 @@ fn bad_input_gets_openai_errors_and_loses_nothing() {
         (json!({"prompt": "hi", "temperature": -1}), 400, "temperature"),
         (json!({"prompt": "hi", "top_p": 0}), 400, "top_p"),
         (json!({"prompt": "hi", "max_tokens": 0}), 400, "max_tokens"),
-        (json!({"prompt": "hi", "n": 3}), 400, "n"),
+        (json!({"prompt": "hi", "n": 65}), 400, "n"),
         (json!({"prompt": "hi", "max_tokens": "many"}), 400, ""),
         (json!({"prompt": "x".repeat(80)}), 400, ""),
         (json!({"prompt": "x".repeat(40), "max_tokens": 40}), 400, ""),

@@ -76,7 +76,9 @@ fn a_revisited_prompt_loads_from_the_offload_store_with_identical_output() {
 /// reads the result from P as usual; the output equals the colocated reference.
 #[test]
 fn p_with_multi_connector_frees_after_both_children_and_revisits_load_from_the_store() {
-    let loaded = check_multi_pd("engine = { block_size = 4, num_blocks = 48, max_model_len = 64 }");
+    let loaded = check_multi_pd(
+        "engine = { block_size = 4, num_blocks = 48, max_model_len = 64, enable_prefix_caching = false }",
+    );
     assert_eq!(loaded, LOADABLE_TOKENS / 4.0, "one byte per token: 9 full blocks before the last token");
 }
 
@@ -91,7 +93,7 @@ fn real_model_p_with_multi_connector_loads_revisits_from_the_store() {
     let path = pdmesh_model::default_model_path();
     assert!(path.is_file(), "model {} missing: run scripts/fetch-model.sh", path.display());
     let settings = format!(
-        "model = {{ kind = \"gguf\", path = {:?} }}\nengine = {{ block_size = 4, num_blocks = 48, max_model_len = 64 }}",
+        "model = {{ kind = \"gguf\", path = {:?} }}\nengine = {{ block_size = 4, num_blocks = 48, max_model_len = 64, enable_prefix_caching = false }}",
         path.display().to_string()
     );
     assert!(check_multi_pd(&settings) >= 1.0, "at least one full block loaded");

@@ -16,6 +16,7 @@ fn client() -> reqwest::blocking::Client {
 }
 
 const ENGINE: &str = "engine = { block_size = 4, num_blocks = 512 }";
+const ENGINE_NO_PREFIX_CACHE: &str = "engine = { block_size = 4, num_blocks = 512, enable_prefix_caching = false }";
 
 fn pd_topology(http: u16, base: u16) -> String {
     common::pd_topology(http, base, "shm", 2, ENGINE)
@@ -89,7 +90,9 @@ fn post(url: &str, request_id: &str, body: &Value) -> (u16, Value) {
 /// `recompute`: the same output as a colocated run).
 fn stale_reference_is_refused(policy: &str) {
     let mesh = Mesh::start_nodes(
-        |h, b| common::pd_topology_with_policy(h, b, "shm", 1, ENGINE, policy),
+        // Prefix caching off: with it, D's second decode of a prompt it already decoded is a
+        // full local hit that reads nothing from P, and the stale reference is never tried.
+        |h, b| common::pd_topology_with_policy(h, b, "shm", 1, ENGINE_NO_PREFIX_CACHE, policy),
         |h| vec![h + 1, h + 2, h + 3],
     );
     let (p, d, c) = (mesh.http_port + 1, mesh.http_port + 2, mesh.http_port + 3);

@@ -105,7 +105,9 @@ fn pd_edge_cases_through_the_router() {
     let router = mesh.url("/v1/completions");
     check_cases(&mesh, |prompt| post(&router, &greedy(prompt)));
     // P skipped its own cached prefix too: the same prompts hit P's cache.
-    let metrics = reqwest::blocking::get(mesh.url_on(mesh.http_port + 1, "/metrics")).unwrap().text().unwrap();
+    // The engine's own metrics page: P's node base (base_port + 20) plus the engine's ops offset.
+    let p_engine_metrics = format!("http://127.0.0.1:{}/metrics", mesh.base_port + 20 + 110);
+    let metrics = reqwest::blocking::get(p_engine_metrics).unwrap().text().unwrap();
     let hits: u64 = metrics
         .lines()
         .find_map(|l| l.strip_prefix("pdmesh_engine_prefix_cache_hits_total "))

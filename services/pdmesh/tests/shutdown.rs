@@ -14,7 +14,8 @@ use serde_json::{json, Value};
 
 /// P and D only (this test plays the router). D's READs stall (`delay_transfer_ms`, D's own
 /// fault injection), and D has room for two prompts' KV: the first two requests wait under a
-/// lease, the next four wait for space.
+/// lease, the next four wait for space. Prefix caching is off on both: the six requests share
+/// their prompt's opening, and the counts below are of blocks each request holds alone.
 fn topology(http: u16, base: u16) -> String {
     let side = common::side_ports(http);
     let model = "model = { kind = \"synthetic\" }";
@@ -26,7 +27,7 @@ role = "prefill"
 http_port = {http}
 base_port = {p_base}
 {model}
-engine = {{ block_size = 4, num_blocks = 256 }}
+engine = {{ block_size = 4, num_blocks = 256, enable_prefix_caching = false }}
 kv_transfer = {{ kv_role = "kv_producer", side_channel_port = {side}, data_port = {p_data}, hold_mode = "fixed" }}
 
 [[nodes]]
@@ -35,7 +36,7 @@ role = "decode"
 http_port = {d_http}
 base_port = {d_base}
 {model}
-engine = {{ block_size = 4, num_blocks = 24 }}
+engine = {{ block_size = 4, num_blocks = 24, enable_prefix_caching = false }}
 kv_transfer = {{ kv_role = "kv_consumer", side_channel_port = {d_side}, data_port = {d_data}, hold_mode = "fixed", fault_injection = "delay_transfer_ms=600000" }}
 "#,
         p_base = base + 20,
