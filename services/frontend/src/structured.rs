@@ -10,6 +10,9 @@ use serde_json::{Map, Value};
 
 use crate::error::ApiError;
 
+/// Reads one legacy `guided_*` field's value into a grammar.
+type SpecReader = fn(&Value) -> Result<GuidedSpec, ApiError>;
+
 /// The grammar of a request, from whichever field carries it (at most one may).
 pub fn guided_spec(extra: &Map<String, Value>) -> Result<Option<(GuidedSpec, &'static str)>, ApiError> {
     let mut found: Vec<(GuidedSpec, &'static str)> = Vec::new();
@@ -45,7 +48,7 @@ pub fn guided_spec(extra: &Map<String, Value>) -> Result<Option<(GuidedSpec, &'s
             found.push((spec, "structured_outputs"));
         }
     }
-    let legacy: [(&'static str, fn(&Value) -> Result<GuidedSpec, ApiError>); 5] = [
+    let legacy: [(&'static str, SpecReader); 5] = [
         ("guided_json", |v| json_schema_value(v, "guided_json")),
         ("guided_regex", |v| string(v, "guided_regex").map(GuidedSpec::Regex)),
         ("guided_choice", |v| choices(v, "guided_choice").map(GuidedSpec::Choice)),
