@@ -307,6 +307,18 @@ async fn run(
     let Some((completion_tokens, cached_tokens)) = run_choice(&*codec, &settings, &fmt, rx, guard, &tx).await else {
         return;
     };
+    send_usage_and_done(&settings, &fmt, completion_tokens, cached_tokens, &tx).await;
+}
+
+/// The end of every stream: the usage chunk when asked for (`include_usage`), then `[DONE]`,
+/// in one write.
+async fn send_usage_and_done(
+    settings: &ResponseSettings,
+    fmt: &ChunkFormatter,
+    completion_tokens: u32,
+    cached_tokens: u32,
+    tx: &mpsc::Sender<Bytes>,
+) {
     let mut last = Vec::new();
     if settings.include_usage {
         last.extend_from_slice(
@@ -361,19 +373,12 @@ async fn run_choices(
             None => return,
         }
     }
-    let mut last = Vec::new();
-    if settings.include_usage {
-        last.extend_from_slice(
-            &fmt.usage_chunk(Usage::new(settings.prompt_tokens, completion_tokens).with_cached(cached_tokens)),
-        );
-    }
-    last.extend_from_slice(&sse_done());
-    let _ = tx.send(Bytes::from(last)).await;
+    send_usage_and_done(&settings, &fmt, completion_tokens, cached_tokens, &tx).await;
 }
 
 /// Stream one choice's chunks (`fmt` carries its index) up to and including its last delta
-/// chunk. `Some((completion tokens, cached prompt tokens))` when it finished normally; `None` when the stream is over
-/// for the client (it went away, or this choice's error event was sent).
+/// chunk. `Some((completion tokens, cached prompt tokens))` when it finished normally; `None`
+/// when the stream is over for the client (it went away, or this choice's error event was sent).
 async fn run_choice(
     codec: &dyn TextCodec,
     settings: &ResponseSettings,
