@@ -30,6 +30,8 @@ pub enum EngineError {
 const CONNECTOR_TIMEOUT: Duration = Duration::from_secs(10);
 /// Tick interval when only connector work (held blocks) is pending.
 const IDLE_CONNECTOR_TICK: Duration = Duration::from_millis(2);
+/// The tick while the connector-scheduler is unreachable (it is being restarted).
+const CONNECTOR_DOWN_TICK: Duration = Duration::from_millis(50);
 
 /// Everything one step needs besides the scheduler.
 #[derive(Clone)]
@@ -128,9 +130,12 @@ impl EngineCore {
         }));
     }
 
+    /// Connect to the dp-lb once the worker is ready and the connector-scheduler is
+    /// connected: only then can a step run, and a remote prefill routed here earlier would
+    /// meet an engine that cannot ask its connector how to load it.
     fn connect_dplb(&mut self, ctx: &mut Context<Self>) {
         let Some(peers) = self.peers.as_mut() else { return };
-        if peers.dplb.is_some() {
+        if peers.dplb.is_some() || !peers.connector.is_up() {
             return;
         }
         let rank = self.state.borrow().rank;
@@ -198,7 +203,10 @@ impl EngineCore {
             match more {
                 StepNext::Now => ctx.notify(Tick),
                 StepNext::Soon => {
-                    ctx.notify_later(Tick, IDLE_CONNECTOR_TICK);
+                    // Without the connector a step cannot decide anything: wait for it at a
+                    // slower pace (its reconnect kicks a step at once).
+                    let connector_up = act.peers.as_ref().is_some_and(|p| p.connector.is_up());
+                    ctx.notify_later(Tick, if connector_up { IDLE_CONNECTOR_TICK } else { CONNECTOR_DOWN_TICK });
                 }
                 StepNext::Idle => {}
             }
@@ -225,7 +233,13 @@ impl Handler<LinkEvent> for EngineCore {
                     // incarnation), in which case its KV state is gone.
                     self.query_worker_info(ctx);
                 }
+                let is_connector = self.peers.as_ref().is_some_and(|p| p.connector.endpoint() == endpoint);
+                if is_connector && self.worker_info.is_some() {
+                    self.connect_dplb(ctx);
+                }
                 self.update_health();
+                // A remote prefill asked again while the connector was away steps now.
+                self.kick(ctx);
             }
             LinkEvent::Down { endpoint } => {
                 tracing::warn!(%endpoint, "peer down");

@@ -507,6 +507,15 @@ impl Scheduler {
             .collect()
     }
 
+    /// Whether this request carries a remote prefill's params: its prompt's KV is held
+    /// elsewhere for it, so only the connector may decide how it is loaded.
+    pub fn wants_remote_prefill(&self, id: &str) -> bool {
+        self.requests
+            .get(id)
+            .and_then(|r| r.kv_transfer_params.as_ref())
+            .is_some_and(KvTransferParams::wants_remote_prefill)
+    }
+
     /// Record the connector's answer (`count: None` = ask again next step).
     pub fn apply_match(&mut self, id: &str, count: Option<u32>, load_async: bool) {
         match self.requests.get_mut(id) {

@@ -223,7 +223,11 @@ impl EngineStep {
                         Some(ConnectorReply::MatchedTokens { count, load_async }) => {
                             st.sched.apply_match(id, *count, *load_async)
                         }
-                        // Connector unreachable: no external tokens, compute locally.
+                        // Connector unreachable. A remote prefill's KV is held on P for
+                        // it: computing it here would skip the policy and leave P holding
+                        // its blocks until the hold deadline, so it is asked again next
+                        // step. Anything else has no external tokens: compute locally.
+                        _ if st.sched.wants_remote_prefill(id) => st.sched.apply_match(id, None, false),
                         _ => st.sched.apply_match(id, Some(0), false),
                     }
                 }
