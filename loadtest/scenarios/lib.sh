@@ -12,6 +12,8 @@
 #   PDMESH_RESULTS_DIR      where reports go (default: results/)
 #   MODEL                   `synthetic` (default) or `gguf`: the real model ($PDMESH_MODEL_PATH,
 #                           else the fetch cache), for real-model results
+#   ROUTER_EXTRA            more keys for the router's table, e.g.
+#                           `first_token_from_prefill = false` (D63's before/after)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -88,7 +90,7 @@ name = "router"
 role = "router"
 http_port = $HTTP_PORT
 base_port = $BASE_PORT
-router = { prefill = ["$P_URL"], decode = ["$D_URL"] }
+router = { prefill = ["$P_URL"], decode = ["$D_URL"]${ROUTER_EXTRA:+, $ROUTER_EXTRA} }
 
 [[nodes]]
 name = "p"

@@ -632,8 +632,19 @@ impl Scheduler {
                 let external = if m.load_async { m.external_tokens.saturating_sub(hit_tokens) } else { 0 };
                 if req.num_computed_tokens == 0 && first_alloc && external > 0 && !full_hit {
                     // Async load: blocks for the prompt past the local hit, then wait for the
-                    // KV; the connector loads only the tail that is not cached here.
-                    let need = (req.prompt.len() as u32).div_ceil(bs).saturating_sub(hit.len() as u32);
+                    // KV; the connector loads only the tail that is not cached here. Only as
+                    // many as the remote holds: a request resumed after the token P sampled
+                    // (D63) is longer than P's prompt, and the reader pairs its blocks with P's
+                    // from the end. What lies past P's blocks is computed here when it runs.
+                    let remote_blocks = req
+                        .kv_transfer_params
+                        .as_ref()
+                        .and_then(|p| p.remote_block_ids.as_ref())
+                        .map_or(u32::MAX, |b| u32::try_from(b.len()).unwrap_or(u32::MAX));
+                    let need =
+                        (req.prompt.len() as u32).div_ceil(bs).min(remote_blocks).saturating_sub(hit.len() as u32);
+                    // Never count as loaded more tokens than those blocks hold.
+                    let external = external.min(need * bs);
                     self.pool.touch(&hit);
                     let Some(blocks) = self.pool.allocate(need) else {
                         self.pool.free(&hit);

@@ -325,6 +325,8 @@ pub struct Collected {
     /// Prompt tokens the engine reused from its prefix cache.
     pub cached_tokens: u32,
     pub kv_transfer_params: Option<KvTransferParams>,
+    /// The ids of the output tokens (the router asks a prefill node for them, D63).
+    pub token_ids: Vec<u32>,
 }
 
 /// Wait for the whole output of a request; a failed or aborted request is an error.
@@ -343,6 +345,7 @@ pub async fn collect_text(
     );
     let mut text = String::new();
     let mut logprobs: Vec<TokenLogprob> = Vec::new();
+    let mut token_ids: Vec<u32> = Vec::new();
     let (finish, kv_transfer_params) = loop {
         let Some(output) = outputs.recv().await else {
             guard.finish("error");
@@ -361,6 +364,7 @@ pub async fn collect_text(
         guard.on_tokens(delta.new_tokens);
         text.push_str(&delta.text);
         logprobs.extend(delta.logprobs);
+        token_ids.extend_from_slice(&delta.token_ids);
         if let Some(finish) = delta.finish {
             if !delta.engine_finished {
                 guard.abort_now(AbortReason::StopString);
@@ -381,6 +385,7 @@ pub async fn collect_text(
         completion_tokens: processor.completion_tokens(),
         cached_tokens: processor.cached_tokens(),
         kv_transfer_params,
+        token_ids,
     })
 }
 
@@ -391,15 +396,21 @@ async fn collect(
     outputs: OutputReceiver,
     guard: RequestGuard,
 ) -> Result<HttpResponse, ApiError> {
-    let Collected { text, logprobs, finish, completion_tokens, cached_tokens, kv_transfer_params } =
+    let Collected { text, logprobs, finish, completion_tokens, cached_tokens, kv_transfer_params, token_ids } =
         collect_text(codec, &settings, outputs, guard).await?;
     let usage = Usage::new(settings.prompt_tokens, completion_tokens).with_cached(cached_tokens);
-    let mut response = match settings.api {
+    let body = match settings.api {
         Api::Completion => {
-            HttpResponse::Ok().json(completion_body(&settings, text, &logprobs, &finish, usage, kv_transfer_params))
+            serde_json::to_value(completion_body(&settings, text, &logprobs, &finish, usage, kv_transfer_params))
         }
-        Api::Chat => HttpResponse::Ok().json(chat_body(&settings, text, &logprobs, &finish, usage, kv_transfer_params)),
+        Api::Chat => serde_json::to_value(chat_body(&settings, text, &logprobs, &finish, usage, kv_transfer_params)),
     };
+    let mut body = body.map_err(|e| ApiError::Internal(format!("response body: {e}")))?;
+    // The router's internal call asked for the ids of the output (D63).
+    if settings.stream_token_ids {
+        body[crate::stream::TOKEN_IDS_FIELD] = serde_json::json!(token_ids);
+    }
+    let mut response = HttpResponse::Ok().json(body);
     set_request_id(&mut response, &settings.request_id);
     Ok(response)
 }

@@ -1,5 +1,7 @@
 //! The router's internal request field `pdmesh_internal` (D56): how a decode node streams the
 //! token ids the router needs to move a request, and how it resumes one moved to it.
+//! A whole (non-streamed) answer asked for ids carries them too: the router streams the
+//! token a prefill node sampled to its client at once and has D continue after it (D63).
 //!
 //! `{"pdmesh_internal": {"stream_token_ids": true}}` makes every stream chunk carry the ids of
 //! its tokens (`pdmesh_token_ids`); `"resume_token_ids": [...]` continues a request whose
@@ -32,7 +34,9 @@ pub fn apply(extra: &Map<String, Value>, prepared: &mut Prepared, vocab_size: u3
     let Some(value) = extra.get(FIELD) else { return Ok(()) };
     let internal: Internal =
         serde_json::from_value(value.clone()).map_err(|e| ApiError::invalid(format!("{FIELD}: {e}"), FIELD))?;
-    prepared.settings.stream_token_ids = internal.stream_token_ids && prepared.settings.stream;
+    // A stream's chunks carry the ids of their tokens; a whole answer carries all of them
+    // (the router streams a prefill node's first token itself, D63).
+    prepared.settings.stream_token_ids = internal.stream_token_ids;
     let ids = internal.resume_token_ids;
     if ids.is_empty() {
         return Ok(());

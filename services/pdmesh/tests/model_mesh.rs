@@ -69,20 +69,28 @@ fn post(mesh: &Mesh, path: &str, body: &Value) -> Value {
 }
 
 fn streamed(mesh: &Mesh, path: &str, body: &Value) -> String {
+    streamed_on(mesh, mesh.http_port, path, body).0
+}
+
+/// A streamed answer from `port`: its text and its completion tokens (usage included).
+fn streamed_on(mesh: &Mesh, port: u16, path: &str, body: &Value) -> (String, u64) {
     let mut b = body.clone();
     b["stream"] = json!(true);
-    let r = client().post(mesh.url(path)).json(&b).send().unwrap();
+    b["stream_options"] = json!({"include_usage": true});
+    let r = client().post(mesh.url_on(port, path)).json(&b).send().unwrap();
     assert_eq!(r.status().as_u16(), 200);
-    let mut text = String::new();
+    let (mut text, mut tokens) = (String::new(), 0);
     for e in sse_events(&r.text().unwrap()) {
         if e == "[DONE]" {
             continue;
         }
         let v: Value = serde_json::from_str(&e).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
         let c = &v["choices"][0];
         text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or(""));
+        tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(tokens);
     }
-    text
+    (text, tokens)
 }
 
 #[test]
@@ -151,6 +159,27 @@ fn real_model_disaggregated_equals_colocated() {
     let want = post_on(&mesh, colocated, "/v1/chat/completions", &chat);
     let got = post_on(&mesh, router, "/v1/chat/completions", &chat);
     assert_eq!(got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"]);
+    // Streamed through the router, the first token comes from P's answer and D continues
+    // after it (D63): the same text and token count as the colocated node's. Prompts of token
+    // ids whose length is a whole number of blocks (16) put P's token in a block of its own on D.
+    let first_from_p =
+        || common::metric_sum(&mesh.url_on(router, "/metrics"), "pdmesh_router_first_token_from_prefill_total");
+    let before = first_from_p();
+    let ids = |n: u32| (0..n).map(|i| 1000 + 37 * i).collect::<Vec<_>>();
+    let bodies = [
+        ("/v1/completions", json!({"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0})),
+        ("/v1/completions", json!({"prompt": ids(16), "max_tokens": 12, "temperature": 0})),
+        ("/v1/completions", json!({"prompt": ids(32), "max_tokens": 12, "temperature": 0})),
+        ("/v1/completions", json!({"prompt": ids(17), "max_tokens": 12, "temperature": 0})),
+        ("/v1/chat/completions", chat.clone()),
+    ];
+    for (path, body) in &bodies {
+        let want = streamed_on(&mesh, colocated, path, body);
+        let got = streamed_on(&mesh, router, path, body);
+        assert_eq!(got, want, "{path} {body}");
+    }
+    let served = first_from_p() - before;
+    assert!(served >= 4.0, "the router streamed P's first token for most of them: {served}");
     mesh.wait_kv_on(router + 1, "P holds nothing once D has read", |kv| {
         kv["held_blocks"] == 0 && kv["used_blocks"] == 0
     });

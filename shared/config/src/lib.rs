@@ -666,6 +666,11 @@ pub struct RouterConfig {
     /// (D56); 0: no migration (the client gets an error event).
     #[serde(default = "default_max_migrations")]
     pub max_migrations: u32,
+    /// Stream the token P sampled to the client as soon as P answers, D continuing from the
+    /// second (D63); only for streams whose first token shows as it is (one choice, no stop
+    /// strings, logprobs, tools or grammar). `false`: the client's first token comes from D.
+    #[serde(default = "yes")]
+    pub first_token_from_prefill: bool,
 }
 
 /// `router.policy`.
@@ -709,6 +714,7 @@ impl Default for RouterConfig {
             eject_max_ms: default_eject_max_ms(),
             prefill_attempts: default_prefill_attempts(),
             max_migrations: default_max_migrations(),
+            first_token_from_prefill: true,
         }
     }
 }

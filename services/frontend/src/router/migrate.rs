@@ -27,7 +27,7 @@ use prometheus::IntCounterVec;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::{forward_headers, Leg, RouterState};
+use super::{forward_headers, is_failure, Leg, RouterState};
 use crate::error::ApiError;
 use crate::headers::REQUEST_ID;
 use crate::stream::{sse_data, sse_done, sse_error, TOKEN_IDS_FIELD};
@@ -102,9 +102,13 @@ struct Seen {
     skip_role: bool,
 }
 
-async fn run(mut r: Relay, mut upstream: reqwest::Response, tx: mpsc::Sender<Bytes>) {
+async fn run(r: Relay, upstream: reqwest::Response, tx: mpsc::Sender<Bytes>) {
+    run_from(r, upstream, tx, Seen::default()).await;
+}
+
+/// Relay `upstream` after what the client has `seen`, moving the request when it breaks.
+async fn run_from(mut r: Relay, mut upstream: reqwest::Response, tx: mpsc::Sender<Bytes>, mut seen: Seen) {
     let st = r.st.clone();
-    let mut seen = Seen::default();
     let mut in_flight = st.decode.start(r.d);
     loop {
         let (reason, detail) = match pump(&st, r.d, &mut upstream, &tx, &mut seen).await {
@@ -129,6 +133,85 @@ async fn run(mut r: Relay, mut upstream: reqwest::Response, tx: mpsc::Sender<Byt
         upstream = next;
         seen.skip_role = true;
     }
+}
+
+/// Answer the client with P's token at once (D63, [`super::first_token`]), then with D's
+/// stream of the rest: `d_body` is the client's body with P's params and the token to resume
+/// after. The client sees the first chunk before D is even asked. If D fails before answering,
+/// P's blocks go back to P (the guard) and another decode node continues after the token,
+/// prefilling it itself, as a migration does.
+pub(super) fn respond_after_first_token(
+    mut relay: Relay,
+    first: super::first_token::FirstToken,
+    d_body: Value,
+    mut release: super::ReleaseOnDrop,
+) -> HttpResponse {
+    let (tx, rx) = mpsc::channel::<Bytes>(64);
+    let request_id = relay.request_id.clone();
+    super::first_token::FIRST_TOKEN_FROM_PREFILL_TOTAL.inc();
+    actix_web::rt::spawn(async move {
+        for chunk in &first.chunks {
+            if tx.send(sse_data(chunk)).await.is_err() {
+                return; // the client went away: the guard hands P's blocks back
+            }
+        }
+        tracing::info!(parent: &relay.span, token_id = first.id, "first token from the prefill node");
+        let seen = Seen { ids: vec![first.id], created: Some(first.created.clone()), finished: false, skip_role: true };
+        let st = relay.st.clone();
+        let d_url = st.decode.url(relay.d).unwrap_or_default().to_string();
+        let d_span = tracing::info_span!(parent: &relay.span, "router.decode", otel.kind = "client", upstream = %d_url,
+            stream = true, resumed_tokens = 1);
+        let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, &relay.client_trace);
+        let rb = forward_headers(
+            &relay.req,
+            st.client.post(format!("{d_url}{}", relay.path)),
+            &relay.request_id,
+            Leg::Decode,
+            &d_trace,
+            relay.authorization.as_deref(),
+        );
+        let res = {
+            let _counted = st.decode.start(relay.d);
+            tracing::Instrument::instrument(rb.json(&d_body).send(), d_span.clone()).await
+        };
+        let detail = match res {
+            Ok(res) if res.status().is_success() => {
+                // D answered: it owns the reference to P's blocks now.
+                release.disarm();
+                tracing::info!(parent: &d_span, status = res.status().as_u16(), "decode answered");
+                relay.hold = Box::new((std::mem::replace(&mut relay.hold, Box::new(())), d_span));
+                return run_from(relay, res, tx, seen).await;
+            }
+            Ok(res) => {
+                if is_failure(res.status()) {
+                    st.decode.failure(relay.d, "5xx");
+                }
+                format!("decode node {d_url} answered {}", res.status().as_u16())
+            }
+            Err(e) => {
+                st.decode.failure(relay.d, if e.is_connect() { "connect" } else { "reset" });
+                format!("decode node {d_url}: {e}")
+            }
+        };
+        // P's blocks go back to P now; the next decode node prefills the request itself.
+        drop(release);
+        match move_on(&mut relay, &seen, "no_answer", &detail).await {
+            Some((to, next)) => {
+                relay.d = to;
+                run_from(relay, next, tx, seen).await;
+            }
+            None => {
+                let e = ApiError::Unavailable(format!("unavailable: {detail}"));
+                e.record();
+                let _ = tx.send(sse_error(&e)).await;
+            }
+        }
+    });
+    let body = tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<Bytes, Infallible>);
+    let mut res = HttpResponse::Ok();
+    res.content_type("text/event-stream").insert_header(("Cache-Control", "no-cache"));
+    res.insert_header((REQUEST_ID, request_id));
+    res.streaming(body)
 }
 
 /// Find another decode node that takes the request after `seen.ids`: up to the request's

@@ -14,6 +14,7 @@
 //! and `/v1/kv/release` — or, without one, passes the client's `Authorization` on.
 
 mod balance;
+mod first_token;
 mod migrate;
 
 use std::sync::{Arc, LazyLock};
@@ -55,6 +56,8 @@ pub struct RouterState {
     prefill_attempts: u32,
     /// `router.max_migrations`: moves of one stream to another decode node.
     max_migrations: u32,
+    /// `router.first_token_from_prefill`: stream P's sampled token at once (D63).
+    first_token_from_prefill: bool,
 }
 
 impl RouterState {
@@ -83,6 +86,7 @@ impl RouterState {
             readiness,
             prefill_attempts: cfg.prefill_attempts.max(1),
             max_migrations: cfg.max_migrations,
+            first_token_from_prefill: cfg.first_token_from_prefill,
         }
     }
 
@@ -200,12 +204,16 @@ struct Legs<'a> {
     span: &'a tracing::Span,
     client_trace: &'a TraceContext,
     authorization: Option<&'a str>,
+    /// P's token goes to the client at once, D continuing after it (D63).
+    first_token: bool,
 }
 
-/// A prefill leg that P answered: its params for D, and the guard over P's blocks.
+/// A prefill leg that P answered: its params for D, the guard over P's blocks, and P's
+/// whole answer (its token, when the router streams it at once: D63).
 struct Prefilled {
     params: Value,
     release: ReleaseOnDrop,
+    answer: Value,
 }
 
 /// Whether an upstream's status counts as its failure (for ejection and retries): a 5xx that
@@ -255,6 +263,10 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
         p_body["stream"] = json!(false);
         if let Some(o) = p_body.as_object_mut() {
             o.remove("stream_options");
+        }
+        if legs.first_token {
+            // P's answer names its token's id: the router streams it and D resumes after it.
+            p_body[crate::resume::FIELD] = json!({"stream_token_ids": true});
         }
         one_choice_on_prefill(&mut p_body);
         // From here until D has the request, the router may be the last one to know of P's blocks:
@@ -339,12 +351,10 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
         }
         st.prefill.success(pi);
         st.prefill.observe_latency(pi, started.elapsed().as_secs_f64());
-        let params = serde_json::from_slice::<Value>(&p_bytes)
-            .ok()
-            .map(|v| v["kv_transfer_params"].clone())
-            .unwrap_or(Value::Null);
+        let answer = serde_json::from_slice::<Value>(&p_bytes).unwrap_or(Value::Null);
+        let params = answer["kv_transfer_params"].clone();
         p_release.update(&params);
-        return Ok(Prefilled { params, release: p_release });
+        return Ok(Prefilled { params, release: p_release, answer });
     }
     tracing::warn!(request_id = legs.request_id, error = %last_error, "prefill leg failed on every node tried");
     Err(error(ApiError::Unavailable(format!("unavailable: {last_error}")), legs.request_id))
@@ -393,6 +403,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         span: &span,
         client_trace: &client_trace,
         authorization: authorization.as_deref(),
+        first_token: st.first_token_from_prefill && pinned.is_none() && first_token::eligible(path, &original),
     };
     let prefilled = match pinned {
         Some(_) => None,
@@ -421,6 +432,15 @@ async fn decode_leg(
     // Completions and chat streams can move mid-generation; the Responses API's stored
     // conversations cannot.
     let movable = path != RESPONSES && pinned.is_none() && st.max_migrations > 0;
+    let prefilled = match prefilled {
+        Some(p) if legs.first_token && !p.params.is_null() => {
+            match first_token::from_answer(path, &original, &p.answer) {
+                Some(first) => return stream_after_first_token(legs, original, p, first, permits),
+                None => Some(p),
+            }
+        }
+        other => other,
+    };
     let (mut params, mut release) = match prefilled {
         Some(p) => (Some(p.params), Some(p.release)),
         None => (None, None),
@@ -548,6 +568,42 @@ async fn decode_leg(
     } else {
         builder.body(d_res.bytes().await.unwrap_or_default())
     }
+}
+
+/// D63: P's token to the client now, the rest from a decode node that reads P's blocks and
+/// resumes after that token ([`migrate::respond_after_first_token`]).
+fn stream_after_first_token(
+    legs: &Legs<'_>,
+    original: Value,
+    prefilled: Prefilled,
+    first: first_token::FirstToken,
+    permits: Box<dyn std::any::Any>,
+) -> HttpResponse {
+    let st = legs.st;
+    let Some(d_index) = st.decode.pick(&[]) else {
+        return error(ApiError::Unavailable("unavailable: no decode upstream left to try".into()), legs.request_id);
+    };
+    let mut d_body = original.clone();
+    d_body["kv_transfer_params"] = prefilled.params;
+    d_body[crate::resume::FIELD] = json!({"stream_token_ids": true, "resume_token_ids": [first.id]});
+    migrate::respond_after_first_token(
+        migrate::Relay {
+            st: st.clone(),
+            req: legs.req.clone(),
+            path: legs.path,
+            request_id: legs.request_id.to_string(),
+            original,
+            span: legs.span.clone(),
+            client_trace: legs.client_trace.clone(),
+            authorization: legs.authorization.map(str::to_string),
+            d: d_index,
+            migrations: 0,
+            hold: permits,
+        },
+        first,
+        d_body,
+        prefilled.release,
+    )
 }
 
 /// A node's failure answer passed to the client as it is.

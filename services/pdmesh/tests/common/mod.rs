@@ -467,3 +467,12 @@ pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     }
     panic!("{what}: never true");
 }
+
+/// The sum of every sample of metric `name` (all label sets) on the Prometheus page `url`.
+pub fn metric_sum(url: &str, name: &str) -> f64 {
+    let text = reqwest::blocking::get(url).unwrap().text().unwrap();
+    text.lines()
+        .filter(|l| l.split(['{', ' ']).next() == Some(name))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .sum()
+}
