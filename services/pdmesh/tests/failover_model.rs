@@ -170,6 +170,7 @@ fn scaleout_loses_no_stream_when_a_decode_node_then_a_prefill_node_mid_prefill_d
     assert!(moved >= 1.0, "streams on {d_dead} moved to the other D");
 
     // 3. SIGKILL every process of the first P while it computes prefills.
+    let retried_before = metric(nodes.router, "pdmesh_router_prefill_retries_total", "");
     let t = Instant::now();
     let got = burst_when(
         &url,
@@ -177,12 +178,12 @@ fn scaleout_loses_no_stream_when_a_decode_node_then_a_prefill_node_mid_prefill_d
         || {
             let killed = kill_node(&mesh, &p_dead);
             assert!(killed >= 3, "{p_dead}'s frontend, dp-lb and engine processes");
-            eprintln!("killed {killed} processes of {p_dead} mid-prefill");
+            eprintln!("killed {killed} processes of {p_dead} with requests in its engine (mid-prefill)");
         },
     );
     eprintln!("burst with {p_dead} killed: {:.1} s", t.elapsed().as_secs_f64());
     check_all(&got, &reference, &format!("{p_dead} killed"));
-    let retries = metric(nodes.router, "pdmesh_router_prefill_retries_total", "");
+    let retries = metric(nodes.router, "pdmesh_router_prefill_retries_total", "") - retried_before;
     eprintln!("prefill retries: {retries}");
     assert!(retries >= 1.0, "prefills in {p_dead} were retried on the other P");
 
