@@ -19,18 +19,12 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::AtomicUsize;
 
-use common::{reserve_ports, side_ports, Mesh};
-use serde_json::{json, Value};
+use common::failover::{burst, check_all, check_reference, kill_node, metric, stream_one, STREAMS, TOKENS};
+use common::{reserve_ports, side_ports};
 
-const STREAMS: usize = 16;
-const TOKENS: usize = 64;
 /// A per-token cost so that 8 streams of 64 tokens on one D last a few seconds.
 const SETTINGS: &str =
     "model = { kind = \"synthetic\", per_token_cost_us = 3000 }\nengine = { block_size = 4, num_blocks = 1024 }";
@@ -72,135 +66,21 @@ fn topology(run_dir: &Path, (h1, b1): (u16, u16), (h2, b2): (u16, u16)) -> (Stri
     (text, ports)
 }
 
-/// What one stream gave the client.
-#[derive(Debug, Clone, PartialEq)]
-struct Streamed {
-    text: String,
-    finish_reason: Option<String>,
-    completion_tokens: Option<u64>,
-    errors: Vec<String>,
-}
-
-/// One greedy stream of `TOKENS` tokens; `started` counts streams that received text.
-fn stream_one(url: &str, i: usize, started: &AtomicUsize) -> Streamed {
-    let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
-    let body = json!({"prompt": format!("fail-over stream {i}: once upon a time"), "max_tokens": TOKENS,
-                      "temperature": 0, "ignore_eos": true, "stream": true,
-                      "stream_options": {"include_usage": true}});
-    let r = client.post(url).json(&body).send().unwrap();
-    assert_eq!(r.status().as_u16(), 200, "stream {i}");
-    let mut out = Streamed { text: String::new(), finish_reason: None, completion_tokens: None, errors: vec![] };
-    let mut counted = false;
-    for line in BufReader::new(r).lines() {
-        let line = line.unwrap();
-        let Some(data) = line.strip_prefix("data: ") else { continue };
-        if data == "[DONE]" {
-            break;
-        }
-        let v: Value = serde_json::from_str(data).unwrap();
-        assert!(v.get("pdmesh_token_ids").is_none(), "the router's internal field reached the client: {v}");
-        if let Some(m) = v["error"]["message"].as_str() {
-            out.errors.push(m.to_string());
-            continue;
-        }
-        if let Some(t) = v["choices"][0]["text"].as_str() {
-            out.text.push_str(t);
-            if !t.is_empty() && !counted {
-                counted = true;
-                started.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
-            out.finish_reason = Some(f.to_string());
-        }
-        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
-            out.completion_tokens = Some(n);
-        }
-    }
-    out
-}
-
-/// Run the 16 streams at once; `during` runs once `wait_started` of them have text.
-fn burst(url: &str, wait_started: usize, during: impl FnOnce()) -> Vec<Streamed> {
-    let started = Arc::new(AtomicUsize::new(0));
-    let handles: Vec<_> = (0..STREAMS)
-        .map(|i| {
-            let (url, started) = (url.to_string(), started.clone());
-            std::thread::spawn(move || stream_one(&url, i, &started))
-        })
-        .collect();
-    common::wait_for("streams have started", || started.load(Ordering::SeqCst) >= wait_started);
-    during();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
-}
-
-/// SIGKILL every process of `node` (from the process table); returns how many.
-fn kill_node(mesh: &Mesh, node: &str) -> usize {
-    let pids: Vec<i32> = mesh
-        .processes()
-        .iter()
-        .filter(|p| p["node"] == node)
-        .filter_map(|p| p["pid"].as_i64())
-        .map(|p| p as i32)
-        .collect();
-    for &pid in &pids {
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
-    }
-    pids.len()
-}
-
-/// The sum of every sample of `name` (with `label` in its labels, if given) on a metrics page.
-fn metric(port: u16, name: &str, label: &str) -> f64 {
-    let text = reqwest::blocking::get(format!("http://127.0.0.1:{port}/metrics")).unwrap().text().unwrap();
-    text.lines()
-        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{')))
-        .filter(|l| l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
-fn check_all(got: &[Streamed], reference: &[Streamed], what: &str) {
-    for (i, (g, r)) in got.iter().zip(reference).enumerate() {
-        assert!(g.errors.is_empty(), "{what}: stream {i} got errors {:?}", g.errors);
-        assert_eq!(g.finish_reason.as_deref(), Some("length"), "{what}: stream {i}");
-        assert_eq!(g.completion_tokens, Some(TOKENS as u64), "{what}: stream {i}");
-        assert_eq!(g.text, r.text, "{what}: stream {i} differs from the undisturbed run");
-    }
-}
-
 #[test]
 fn killing_a_decode_node_then_a_prefill_node_loses_no_stream() {
     let (r1, r2) = (reserve_ports(), reserve_ports());
-    let run_dir = std::env::temp_dir().join(format!("pdmesh-failover-{}-{}", std::process::id(), r1.0));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    std::fs::create_dir_all(&run_dir).unwrap();
+    let run_dir = common::failover::fresh_run_dir("pdmesh-failover", r1.0);
     let (text, ports) = topology(&run_dir, r1, r2);
     let topo = run_dir.join("failover.toml");
     std::fs::write(&topo, text).unwrap();
-    let up = Command::new(common::pdmesh_bin())
-        .arg("up")
-        .arg("--topology")
-        .arg(&topo)
-        .arg("--no-restart")
-        .env_remove("PDMESH_API_KEY")
-        .env_remove("PDMESH_API_KEY_FILE")
-        .env("PDMESH_RUN_DIR", &run_dir)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(run_dir.join("up.log")).unwrap())
-        .spawn()
-        .unwrap();
-    let mut mesh = Mesh { up, run_dir: run_dir.clone(), http_port: ports.router, base_port: r1.1, api_key: None };
-    for port in ports.p.iter().chain(&ports.d) {
-        assert!(mesh.wait_ready_on(*port), "node on :{port} not ready; logs in {}", run_dir.display());
-    }
+    let engines = [ports.p[0], ports.p[1], ports.d[0], ports.d[1]];
+    let mesh = common::failover::up(&topo, &run_dir, ports.router, r1.1, &engines);
     let url = format!("http://127.0.0.1:{}/v1/completions", ports.router);
 
     // 1. The undisturbed run.
     let reference = burst(&url, 0, || {});
-    for (i, r) in reference.iter().enumerate() {
-        assert!(r.errors.is_empty() && r.finish_reason.as_deref() == Some("length"), "reference {i}: {r:?}");
-        assert_eq!(r.completion_tokens, Some(TOKENS as u64));
+    check_reference(&reference);
+    for r in &reference {
         assert_eq!(r.text.len(), TOKENS, "one byte per synthetic token");
     }
     let before = metric(ports.router, "pdmesh_router_migrations_total", "");

@@ -7,6 +7,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
+pub mod failover;
+
 static NEXT: AtomicU16 = AtomicU16::new(0);
 
 /// A running mesh; stopped (SIGTERM, then kill) on drop.

@@ -1,0 +1,169 @@
+//! Fail-over test support (tests/failover.rs on the synthetic executor, tests/failover_model.rs
+//! on the real model): the load of 16 concurrent greedy streams of 64 tokens, killing
+//! every process of one node, and the router's counters.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::Mesh;
+
+/// Concurrent streams of one burst.
+pub const STREAMS: usize = 16;
+/// Tokens of each stream.
+pub const TOKENS: usize = 64;
+
+/// What one stream gave the client.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Streamed {
+    pub text: String,
+    pub finish_reason: Option<String>,
+    pub completion_tokens: Option<u64>,
+    pub errors: Vec<String>,
+}
+
+/// Start `pdmesh up --no-restart` on `topology` (so nothing comes back behind the test's back)
+/// and wait until every node on `engine_ports` is ready; `http_port` is the router's.
+pub fn up(topology: &Path, run_dir: &Path, http_port: u16, base_port: u16, engine_ports: &[u16]) -> Mesh {
+    let up = Command::new(super::pdmesh_bin())
+        .arg("up")
+        .arg("--topology")
+        .arg(topology)
+        .arg("--no-restart")
+        .env_remove("PDMESH_API_KEY")
+        .env_remove("PDMESH_API_KEY_FILE")
+        .env_remove("PDMESH_EXECUTOR_FAULT")
+        .env("PDMESH_RUN_DIR", run_dir)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(run_dir.join("up.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let mut mesh = Mesh { up, run_dir: run_dir.to_path_buf(), http_port, base_port, api_key: None };
+    for &port in engine_ports {
+        assert!(mesh.wait_ready_on(port), "node on :{port} not ready; logs in {}", run_dir.display());
+    }
+    mesh
+}
+
+/// A fresh run dir `<tmp>/<prefix>-<pid>-<port>`.
+pub fn fresh_run_dir(prefix: &str, port: u16) -> std::path::PathBuf {
+    let run_dir = std::env::temp_dir().join(format!("{prefix}-{}-{port}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    std::fs::create_dir_all(&run_dir).unwrap();
+    run_dir
+}
+
+/// One greedy stream of `TOKENS` tokens; `started` counts streams that received text.
+pub fn stream_one(url: &str, i: usize, started: &AtomicUsize) -> Streamed {
+    let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap();
+    let body = json!({"prompt": format!("fail-over stream {i}: once upon a time"), "max_tokens": TOKENS,
+                      "temperature": 0, "ignore_eos": true, "stream": true,
+                      "stream_options": {"include_usage": true}});
+    let r = client.post(url).json(&body).send().unwrap();
+    assert_eq!(r.status().as_u16(), 200, "stream {i}");
+    let mut out = Streamed { text: String::new(), finish_reason: None, completion_tokens: None, errors: vec![] };
+    let mut counted = false;
+    for line in BufReader::new(r).lines() {
+        let line = line.unwrap();
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data).unwrap();
+        assert!(v.get("pdmesh_token_ids").is_none(), "the router's internal field reached the client: {v}");
+        if let Some(m) = v["error"]["message"].as_str() {
+            out.errors.push(m.to_string());
+            continue;
+        }
+        if let Some(t) = v["choices"][0]["text"].as_str() {
+            out.text.push_str(t);
+            if !t.is_empty() && !counted {
+                counted = true;
+                started.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+            out.finish_reason = Some(f.to_string());
+        }
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            out.completion_tokens = Some(n);
+        }
+    }
+    out
+}
+
+/// Run the `STREAMS` streams at once; `during` runs once `ready(started)` holds, `started`
+/// being how many streams have text so far.
+pub fn burst_when(url: &str, ready: impl Fn(usize) -> bool, during: impl FnOnce()) -> Vec<Streamed> {
+    let started = Arc::new(AtomicUsize::new(0));
+    let handles: Vec<_> = (0..STREAMS)
+        .map(|i| {
+            let (url, started) = (url.to_string(), started.clone());
+            std::thread::spawn(move || stream_one(&url, i, &started))
+        })
+        .collect();
+    super::wait_for("the moment to disturb the streams", || ready(started.load(Ordering::SeqCst)));
+    during();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// Run the `STREAMS` streams at once; `during` runs once `wait_started` of them have text.
+pub fn burst(url: &str, wait_started: usize, during: impl FnOnce()) -> Vec<Streamed> {
+    burst_when(url, |n| n >= wait_started, during)
+}
+
+/// SIGKILL every process of `node` (from the process table); returns how many.
+pub fn kill_node(mesh: &Mesh, node: &str) -> usize {
+    let pids: Vec<i32> = mesh
+        .processes()
+        .iter()
+        .filter(|p| p["node"] == node)
+        .filter_map(|p| p["pid"].as_i64())
+        .map(|p| p as i32)
+        .collect();
+    for &pid in &pids {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+    }
+    pids.len()
+}
+
+/// The sum of every sample of `name` (with `label` in its labels, if given) on a metrics page.
+pub fn metric(port: u16, name: &str, label: &str) -> f64 {
+    let text = reqwest::blocking::get(format!("http://127.0.0.1:{port}/metrics")).unwrap().text().unwrap();
+    text.lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{')))
+        .filter(|l| l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// `GET /load` of the node on `port` (what the router routes by).
+pub fn load_of(port: u16) -> Value {
+    reqwest::blocking::get(format!("http://127.0.0.1:{port}/load")).unwrap().json().unwrap()
+}
+
+/// Every stream ended with `TOKENS` tokens, finish reason `length`, no error and the
+/// reference's text.
+pub fn check_all(got: &[Streamed], reference: &[Streamed], what: &str) {
+    assert_eq!(got.len(), reference.len());
+    for (i, (g, r)) in got.iter().zip(reference).enumerate() {
+        assert!(g.errors.is_empty(), "{what}: stream {i} got errors {:?}", g.errors);
+        assert_eq!(g.finish_reason.as_deref(), Some("length"), "{what}: stream {i}");
+        assert_eq!(g.completion_tokens, Some(TOKENS as u64), "{what}: stream {i}");
+        assert_eq!(g.text, r.text, "{what}: stream {i} differs from the undisturbed run");
+    }
+}
+
+/// The undisturbed run's streams are whole: no error, `TOKENS` tokens, finish reason `length`.
+pub fn check_reference(reference: &[Streamed]) {
+    for (i, r) in reference.iter().enumerate() {
+        assert!(r.errors.is_empty() && r.finish_reason.as_deref() == Some("length"), "reference {i}: {r:?}");
+        assert_eq!(r.completion_tokens, Some(TOKENS as u64), "reference {i}");
+    }
+}
