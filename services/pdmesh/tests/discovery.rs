@@ -58,6 +58,10 @@ fn a_router_finds_p_and_d_by_dns_name_and_serves_through_them() {
     assert!(!complete(&url, "Once upon a time", true).is_empty());
 
     let page = mesh.get(&mesh.url("/metrics")).unwrap().text().unwrap();
+    eprintln!("router health: {health}");
+    for l in page.lines().filter(|l| l.starts_with("pdmesh_router_upstreams") || l.starts_with("pdmesh_router_picks")) {
+        eprintln!("{l}");
+    }
     for role in ["prefill", "decode"] {
         let discovered = metric(&page, "pdmesh_router_upstreams", &[&format!("role=\"{role}\""), "source=\"dns\""]);
         assert_eq!(discovered, 1.0, "{role} upstreams discovered by DNS:\n{page}");

@@ -713,7 +713,7 @@ fn check_dns_name(name: &str) -> Result<(), String> {
     let Some((host, port)) = name.rsplit_once(':') else {
         return Err("must be host:port: the port of the nodes' HTTP server is missing".into());
     };
-    if port.parse::<u16>().map_or(true, |p| p == 0) {
+    if !port.parse::<u16>().is_ok_and(|p| p != 0) {
         return Err(format!("{port:?} is not a port (1..=65535)"));
     }
     let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);

@@ -25,6 +25,10 @@
 //! `SLOW_PROBE_HALF_LIFE`, so a node that recovered is tried again within a few half-lives.
 //! `round_robin` rotates over the ready non-ejected set, whatever the latencies. When no node
 //! is eligible, every node not excluded is (better a try than a refusal).
+//!
+//! The set of nodes may change while the router runs (D61): [`discover`] re-resolves a role's
+//! DNS name and [`Pool::sync_discovered`] applies the difference. Requests therefore name a
+//! node by its stable id, not its position, and hold the node itself while counted on it.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
@@ -158,6 +162,7 @@ pub struct Pool {
     /// The id each URL ever got: a node that leaves DNS and comes back (a pod whose readiness
     /// flapped) gets its id again, so the response ids naming it (`resp_d<id>_…`) still reach it.
     ids: Mutex<HashMap<String, usize>>,
+    next_id: AtomicUsize,
     next: AtomicUsize,
     policy: RoutingPolicy,
     breaker: Breaker,
@@ -192,6 +197,7 @@ impl Pool {
             role,
             nodes: RwLock::new(Vec::new()),
             ids: Mutex::new(HashMap::new()),
+            next_id: AtomicUsize::new(0),
             next: AtomicUsize::new(0),
             policy,
             breaker,
@@ -209,8 +215,16 @@ impl Pool {
                 Ok(g) => g,
                 Err(poisoned) => poisoned.into_inner(),
             };
-            let fresh = ids.len();
-            *ids.entry(url.to_string()).or_insert(fresh)
+            match (source, ids.get(url)) {
+                // A configured list may name one URL twice (two shares of the requests): each
+                // entry is its own node. Configured nodes never leave, so need no lookup.
+                (Source::Static, _) | (Source::Dns, None) => {
+                    let fresh = self.next_id.fetch_add(1, Ordering::Relaxed);
+                    ids.entry(url.to_string()).or_insert(fresh);
+                    fresh
+                }
+                (Source::Dns, Some(&id)) => id,
+            }
         };
         let role = self.role;
         PICKS_TOTAL.with_label_values(&[role, url]);
@@ -692,6 +706,10 @@ mod tests {
         let d = p.sync_discovered(&[]);
         assert_eq!(d.removed.len(), 2);
         assert_eq!(p.urls(), ["http://static"], "a configured node is never dropped by DNS");
+        assert_eq!(p.sync_discovered(&["http://static".into()]), Diff::default(), "nor listed twice");
+        let twice = Pool::new("decode", &["http://x".into(), "http://x".into()], RoutingPolicy::RoundRobin, p.breaker);
+        let ids: Vec<usize> = twice.nodes().iter().map(|u| u.id).collect();
+        assert_eq!(ids, [0, 1], "a URL configured twice is two nodes, numbered in order");
     }
 
     #[test]
