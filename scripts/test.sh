@@ -39,8 +39,10 @@ PDMESH_BIN_DIR="${CARGO_TARGET_DIR:-target}/release" ./loadtest/scenarios/smoke.
 # ... and its checks catch a broken figure: the smoke scenario with stranded blocks, blocks
 # still held, hung requests, or a death left unrecovered must fail (about a minute).
 PDMESH_BIN_DIR="${CARGO_TARGET_DIR:-target}/release" ./loadtest/scenarios/selfcheck.sh
-# The Kubernetes manifests parse and their selectors, labels and ports agree.
-python3 scripts/check-k8s.py
+# The Kubernetes manifests parse and their selectors, labels and ports agree; the scaled layout's
+# router names headless Services of P and D pods that advertise their own address (D61).
+# --selftest: each known breakage of the manifests must be reported.
+python3 scripts/check-k8s.py --selftest
 # The Grafana dashboard queries only metrics the code defines and docs/METRICS.md lists, with
 # labels they carry; its provisioning points at files compose mounts (docs/METRICS.md, D48).
 # --selftest: known-bad expressions must each be refused.

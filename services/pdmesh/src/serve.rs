@@ -273,6 +273,12 @@ fn serve_topology(args: &ServeArgs, env_of: &dyn Fn(&str) -> Option<String>) -> 
     let mut topo = Topology::from_toml(&format!("[[nodes]]\nname = {name:?}\n"))?;
     let node = &mut topo.nodes[0];
     node.http_host = args.host.clone();
+    // An address given to --host is bound by the node's other sockets too (its side channel and
+    // block server): a node that serves HTTP on every interface of a pod must also be reachable
+    // by its peers there (D61). A host name keeps the default loopback.
+    if args.host.parse::<std::net::IpAddr>().is_ok() {
+        node.bind_host = args.host.clone();
+    }
     node.http_port = args.port;
     node.base_port = args.base_port.unwrap_or_else(|| default_base_port(args.port));
     node.model.kind = ModelKind::Gguf;
@@ -539,6 +545,7 @@ mod tests {
         let topo = serve_topology(&args, &env).unwrap();
         let n = &topo.nodes[0];
         assert_eq!((n.name.as_str(), n.http_host.as_str(), n.http_port), ("serve-8123", "0.0.0.0", 8123));
+        assert_eq!(n.bind_host, "0.0.0.0", "the side channel and block server are reachable from other hosts");
         assert_eq!(
             (n.model.kind, n.model.path.as_str(), n.model.name.as_str()),
             (ModelKind::Gguf, model.as_str(), "smol")

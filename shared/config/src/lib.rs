@@ -636,6 +636,19 @@ pub struct RouterConfig {
     pub prefill: Vec<String>,
     #[serde(default)]
     pub decode: Vec<String>,
+    /// A DNS name whose addresses are prefill nodes, as `host:port` (a Kubernetes headless
+    /// Service, e.g. `pdmesh-prefill.pdmesh.svc.cluster.local:8000`): every A/AAAA record is
+    /// an upstream `http://addr:port`, re-resolved every `dns_refresh_ms`, beside any URL of
+    /// `prefill` (D61).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_dns: Option<String>,
+    /// The same for decode nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_dns: Option<String>,
+    /// Milliseconds between two resolutions of `prefill_dns` / `decode_dns`: a pod that joins
+    /// or leaves a Service is picked up or dropped within this period.
+    #[serde(default = "default_dns_refresh_ms")]
+    pub dns_refresh_ms: u64,
     /// Rule R4 for the router: a request that ends between the legs (client gone, D
     /// unreachable) hands P's blocks back through P's `/v1/kv/release` (`false` only to measure
     /// the deadline-only baseline, like `kv_transfer.give_up_notices`).
@@ -673,6 +686,51 @@ pub struct RouterConfig {
     pub first_token_from_prefill: bool,
 }
 
+impl RouterConfig {
+    /// Each role needs upstreams (URLs, a DNS name or both); a DNS name is `host:port`.
+    fn check(&self) -> Result<(), String> {
+        for (role, urls, dns) in
+            [("prefill", &self.prefill, &self.prefill_dns), ("decode", &self.decode, &self.decode_dns)]
+        {
+            if urls.is_empty() && dns.is_none() {
+                return Err(format!("needs {role} upstreams: router.{role} (URLs) or router.{role}_dns (a DNS name)"));
+            }
+            if let Some(name) = dns {
+                check_dns_name(name).map_err(|why| format!("router.{role}_dns = {name:?}: {why}"))?;
+            }
+        }
+        if (self.prefill_dns.is_some() || self.decode_dns.is_some()) && self.dns_refresh_ms < 100 {
+            return Err(format!("router.dns_refresh_ms = {} must be at least 100", self.dns_refresh_ms));
+        }
+        Ok(())
+    }
+}
+
+/// `host:port` of an upstream DNS name: a host name (or address) and the nodes' HTTP port, no
+/// scheme and no path (every record is reached as `http://addr:port`).
+fn check_dns_name(name: &str) -> Result<(), String> {
+    if name.contains("://") || name.contains('/') {
+        return Err(
+            "must be host:port, without a scheme or path (e.g. \"pdmesh-prefill.pdmesh.svc.cluster.local:8000\")"
+                .into(),
+        );
+    }
+    let Some((host, port)) = name.rsplit_once(':') else {
+        return Err("must be host:port: the port of the nodes' HTTP server is missing".into());
+    };
+    if !port.parse::<u16>().is_ok_and(|p| p != 0) {
+        return Err(format!("{port:?} is not a port (1..=65535)"));
+    }
+    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    let valid = !host.is_empty()
+        && (host.parse::<std::net::IpAddr>().is_ok()
+            || host.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.'));
+    if !valid {
+        return Err(format!("{host:?} is not a host name"));
+    }
+    Ok(())
+}
+
 /// `router.policy`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -682,6 +740,9 @@ pub enum RoutingPolicy {
     RoundRobin,
 }
 
+fn default_dns_refresh_ms() -> u64 {
+    5000
+}
 fn default_load_poll_ms() -> u64 {
     200
 }
@@ -706,6 +767,9 @@ impl Default for RouterConfig {
         Self {
             prefill: Vec::new(),
             decode: Vec::new(),
+            prefill_dns: None,
+            decode_dns: None,
+            dns_refresh_ms: default_dns_refresh_ms(),
             give_up_notices: true,
             policy: RoutingPolicy::default(),
             load_poll_ms: default_load_poll_ms(),
@@ -1047,8 +1111,8 @@ impl Topology {
             if n.limits.output_buffer == 0 {
                 return invalid(format!("node {:?}: limits.output_buffer must be at least 1", n.name));
             }
-            if n.role == NodeRole::Router && (n.router.prefill.is_empty() || n.router.decode.is_empty()) {
-                return invalid(format!("router node {:?} needs router.prefill and router.decode upstreams", n.name));
+            if n.role == NodeRole::Router {
+                n.router.check().map_err(|why| ConfigError::Invalid(format!("router node {:?}: {why}", n.name)))?;
             }
         }
         self.check_backends()
@@ -1315,6 +1379,39 @@ mod tests {
             ("kv_connector = \"OffloadConnector\", offload = { cpu_bytes = 1 }", "unknown field"),
         ] {
             let err = Topology::from_toml(&node(bad)).unwrap_err().to_string();
+            assert!(err.contains(why), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_router_names_its_upstreams_by_url_or_by_a_dns_name() {
+        let router = |table: &str| {
+            Topology::from_toml(&format!("[[nodes]]\nname = \"r\"\nrole = \"router\"\nrouter = {{ {table} }}\n"))
+        };
+        let t = router(
+            "prefill_dns = \"pdmesh-prefill.pdmesh.svc.cluster.local:8000\", decode = [\"http://d:8000\"], decode_dns = \"[::1]:8000\"",
+        )
+        .unwrap();
+        let r = &t.nodes[0].router;
+        assert_eq!(r.prefill_dns.as_deref(), Some("pdmesh-prefill.pdmesh.svc.cluster.local:8000"));
+        assert_eq!(r.dns_refresh_ms, 5000, "default");
+        assert!(Topology::from_toml(&t.to_toml().unwrap()).is_ok(), "written back as it was read");
+        for (bad, why) in [
+            ("prefill_dns = \"p:8000\"", "needs decode upstreams: router.decode (URLs) or router.decode_dns"),
+            (
+                "prefill_dns = \"http://p:8000\", decode_dns = \"d:1\"",
+                "router.prefill_dns = \"http://p:8000\": must be host:port",
+            ),
+            ("prefill_dns = \"p\", decode_dns = \"d:1\"", "router.prefill_dns = \"p\": must be host:port"),
+            ("prefill_dns = \"p:0\", decode_dns = \"d:1\"", "\"0\" is not a port"),
+            (
+                "prefill_dns = \"p:1\", decode_dns = \"d d:1\"",
+                "router.decode_dns = \"d d:1\": \"d d\" is not a host name",
+            ),
+            ("prefill_dns = \"p:1\", decode_dns = \"d:1\", dns_refresh_ms = 10", "router.dns_refresh_ms = 10"),
+            ("prefill = [\"http://p\"]", "needs decode upstreams"),
+        ] {
+            let err = router(bad).unwrap_err().to_string();
             assert!(err.contains(why), "{bad}: {err}");
         }
     }

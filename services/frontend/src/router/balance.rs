@@ -25,9 +25,14 @@
 //! `SLOW_PROBE_HALF_LIFE`, so a node that recovered is tried again within a few half-lives.
 //! `round_robin` rotates over the ready non-ejected set, whatever the latencies. When no node
 //! is eligible, every node not excluded is (better a try than a refusal).
+//!
+//! The set of nodes may change while the router runs (D61): [`discover`] re-resolves a role's
+//! DNS name and [`Pool::sync_discovered`] applies the difference. Requests therefore name a
+//! node by its stable id, not its position, and hold the node itself while counted on it.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
-use std::sync::{LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use pdmesh_config::RoutingPolicy;
@@ -45,6 +50,17 @@ pub const UPSTREAM_IN_FLIGHT: &str = "pdmesh_router_upstream_in_flight";
 /// Failed calls to an upstream that count toward ejection, by `role` and `upstream`.
 pub const UPSTREAM_FAILURES: &str = "pdmesh_router_upstream_failures_total";
 
+/// Upstreams the router has now, by `role` and `source` (`static`: configured; `dns`:
+/// discovered from `router.prefill_dns` / `decode_dns`).
+pub const UPSTREAMS: &str = "pdmesh_router_upstreams";
+/// DNS refreshes that failed (the name did not resolve, or not in time), by `role`; the
+/// upstream set is then kept as it was.
+pub const DISCOVERY_ERRORS: &str = "pdmesh_router_discovery_errors_total";
+
+static UPSTREAMS_GAUGE: LazyLock<IntGaugeVec> =
+    LazyLock::new(|| gauge_vec(UPSTREAMS, "Upstreams the router routes to, by role and source", &["role", "source"]));
+static DISCOVERY_ERRORS_TOTAL: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter_vec(DISCOVERY_ERRORS, "DNS refreshes of an upstream name that failed", &["role"]));
 static PICKS_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(PICKS, "Requests sent to each upstream", &["role", "upstream"]));
 static EJECTIONS_TOTAL: LazyLock<IntCounterVec> =
@@ -97,19 +113,56 @@ struct State {
     ejected_until: Option<Instant>,
 }
 
-/// One node of a role.
+/// Where an upstream came from: the configured list (kept for the router's life) or a DNS
+/// name (`router.prefill_dns` / `decode_dns`, kept while the name resolves to it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    Static,
+    Dns,
+}
+
+impl Source {
+    fn label(self) -> &'static str {
+        match self {
+            Source::Static => "static",
+            Source::Dns => "dns",
+        }
+    }
+}
+
+/// One node of a role. Shared (`Arc`) between the pool and the requests counted on it, so a
+/// node that leaves the pool (it left DNS) stays whole until its last request ends.
 #[derive(Debug)]
 pub struct Upstream {
+    /// Stable for the router's life: requests name nodes by id, never by position, so a node
+    /// set that changes under them cannot make an id point at another node.
+    id: usize,
     pub url: String,
+    source: Source,
     in_flight: AtomicU32,
     state: Mutex<State>,
 }
 
-/// The nodes of one role and how to pick among them.
+impl Upstream {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        match self.state.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+}
+
+/// The nodes of one role and how to pick among them. The set may change at run time
+/// ([`Pool::sync_discovered`]); every method takes a snapshot of it and never holds the lock
+/// across an await.
 #[derive(Debug)]
 pub struct Pool {
     role: &'static str,
-    nodes: Vec<Upstream>,
+    nodes: RwLock<Vec<Arc<Upstream>>>,
+    /// The id each URL ever got: a node that leaves DNS and comes back (a pod whose readiness
+    /// flapped) gets its id again, so the response ids naming it (`resp_d<id>_…`) still reach it.
+    ids: Mutex<HashMap<String, usize>>,
+    next_id: AtomicUsize,
     next: AtomicUsize,
     policy: RoutingPolicy,
     breaker: Breaker,
@@ -117,159 +170,249 @@ pub struct Pool {
 
 /// One request's place on an upstream: counted in its in-flight number until dropped.
 #[derive(Debug)]
-pub struct InFlight<'a> {
-    pool: &'a Pool,
-    index: usize,
+pub struct InFlight {
+    role: &'static str,
+    node: Option<Arc<Upstream>>,
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
-        if let Some(u) = self.pool.nodes.get(self.index) {
+        if let Some(u) = &self.node {
             u.in_flight.fetch_sub(1, Ordering::Relaxed);
-            IN_FLIGHT_GAUGE.with_label_values(&[self.pool.role, &u.url]).dec();
+            IN_FLIGHT_GAUGE.with_label_values(&[self.role, &u.url]).dec();
         }
     }
 }
 
+/// What one DNS refresh changed in a pool.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Diff {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+}
+
 impl Pool {
     pub fn new(role: &'static str, urls: &[String], policy: RoutingPolicy, breaker: Breaker) -> Self {
-        let nodes = urls
-            .iter()
-            .map(|u| {
-                let url = u.trim_end_matches('/').to_string();
-                PICKS_TOTAL.with_label_values(&[role, &url]);
-                EJECTIONS_TOTAL.with_label_values(&[role, &url]);
-                FAILURES_TOTAL.with_label_values(&[role, &url]);
-                EJECTED_GAUGE.with_label_values(&[role, &url]).set(0);
-                IN_FLIGHT_GAUGE.with_label_values(&[role, &url]).set(0);
-                Upstream { url, in_flight: AtomicU32::new(0), state: Mutex::new(State::default()) }
-            })
-            .collect();
-        Self { role, nodes, next: AtomicUsize::new(0), policy, breaker }
+        let pool = Self {
+            role,
+            nodes: RwLock::new(Vec::new()),
+            ids: Mutex::new(HashMap::new()),
+            next_id: AtomicUsize::new(0),
+            next: AtomicUsize::new(0),
+            policy,
+            breaker,
+        };
+        let nodes: Vec<Arc<Upstream>> =
+            urls.iter().map(|u| pool.make_node(u.trim_end_matches('/'), Source::Static)).collect();
+        pool.replace_nodes(nodes);
+        pool
     }
 
-    pub fn len(&self) -> usize {
-        self.nodes.len()
+    /// A new upstream for `url`, with the id `url` had before or a fresh one.
+    fn make_node(&self, url: &str, source: Source) -> Arc<Upstream> {
+        let id = {
+            let mut ids = match self.ids.lock() {
+                Ok(g) => g,
+                Err(poisoned) => poisoned.into_inner(),
+            };
+            match (source, ids.get(url)) {
+                // A configured list may name one URL twice (two shares of the requests): each
+                // entry is its own node. Configured nodes never leave, so need no lookup.
+                (Source::Static, _) | (Source::Dns, None) => {
+                    let fresh = self.next_id.fetch_add(1, Ordering::Relaxed);
+                    ids.entry(url.to_string()).or_insert(fresh);
+                    fresh
+                }
+                (Source::Dns, Some(&id)) => id,
+            }
+        };
+        let role = self.role;
+        PICKS_TOTAL.with_label_values(&[role, url]);
+        EJECTIONS_TOTAL.with_label_values(&[role, url]);
+        FAILURES_TOTAL.with_label_values(&[role, url]);
+        EJECTED_GAUGE.with_label_values(&[role, url]).set(0);
+        IN_FLIGHT_GAUGE.with_label_values(&[role, url]);
+        Arc::new(Upstream { id, url: url.to_string(), source, in_flight: AtomicU32::new(0), state: Mutex::default() })
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty()
-    }
-
-    pub fn url(&self, i: usize) -> Option<&str> {
-        self.nodes.get(i).map(|u| u.url.as_str())
-    }
-
-    pub fn urls(&self) -> impl Iterator<Item = &str> {
-        self.nodes.iter().map(|u| u.url.as_str())
-    }
-
-    fn with_state<T>(&self, i: usize, f: impl FnOnce(&mut State) -> T) -> Option<T> {
-        let u = self.nodes.get(i)?;
-        let mut guard = match u.state.lock() {
+    fn replace_nodes(&self, nodes: Vec<Arc<Upstream>>) {
+        for source in [Source::Static, Source::Dns] {
+            let n = nodes.iter().filter(|u| u.source == source).count();
+            UPSTREAMS_GAUGE.with_label_values(&[self.role, source.label()]).set(n as i64);
+        }
+        let mut guard = match self.nodes.write() {
             Ok(g) => g,
             Err(poisoned) => poisoned.into_inner(),
         };
+        *guard = nodes;
+    }
+
+    /// The nodes now, in order (static ones first).
+    fn nodes(&self) -> Vec<Arc<Upstream>> {
+        match self.nodes.read() {
+            Ok(g) => g.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    fn node(&self, id: usize) -> Option<Arc<Upstream>> {
+        self.nodes().into_iter().find(|u| u.id == id)
+    }
+
+    /// Make the DNS-discovered part of the pool `urls` (what the name resolves to now); the
+    /// static part stays. A node that is no longer listed gets no new request, and its
+    /// requests in flight finish on it (they hold it); a new node starts unproven, like a
+    /// configured one: no latency, no load until its first `/load` poll.
+    pub fn sync_discovered(&self, urls: &[String]) -> Diff {
+        let current = self.nodes();
+        let wanted: Vec<&str> = urls.iter().map(|u| u.trim_end_matches('/')).collect();
+        let mut diff = Diff::default();
+        let mut next: Vec<Arc<Upstream>> = Vec::with_capacity(current.len() + wanted.len());
+        for u in &current {
+            let keep = u.source == Source::Static || wanted.contains(&u.url.as_str());
+            if keep {
+                next.push(u.clone());
+            } else {
+                diff.removed.push(u.url.clone());
+            }
+        }
+        for url in wanted {
+            if !next.iter().any(|u| u.url == url) {
+                next.push(self.make_node(url, Source::Dns));
+                diff.added.push(url.to_string());
+            }
+        }
+        if diff != Diff::default() {
+            self.replace_nodes(next);
+            for url in &diff.removed {
+                // Not ejected any more, just gone; the counters keep their history.
+                let _ = EJECTED_GAUGE.remove_label_values(&[self.role, url]);
+            }
+        }
+        diff
+    }
+
+    pub fn len(&self) -> usize {
+        self.nodes().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.nodes().is_empty()
+    }
+
+    /// Whether node `id` is in the pool now.
+    pub fn contains(&self, id: usize) -> bool {
+        self.node(id).is_some()
+    }
+
+    /// The URL of node `id`, while it is in the pool.
+    pub fn url(&self, id: usize) -> Option<String> {
+        self.node(id).map(|u| u.url.clone())
+    }
+
+    /// Every node's URL now.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes().iter().map(|u| u.url.clone()).collect()
+    }
+
+    fn with_state<T>(&self, id: usize, f: impl FnOnce(&mut State) -> T) -> Option<T> {
+        let u = self.node(id)?;
+        let mut guard = u.lock();
         Some(f(&mut guard))
     }
 
-    /// Whether node `i` may get a request now: not ejected (or its ejection is over) and not
+    /// Whether node `u` may get a request now: not ejected (or its ejection is over) and not
     /// known to be unable to serve.
-    fn eligible(&self, i: usize, now: Instant) -> bool {
-        self.with_state(i, |s| {
-            let ejected = s.ejected_until.is_some_and(|t| now < t);
-            let ready = !s.unreachable && s.load.is_none_or(|l| l.ready);
-            !ejected && ready
-        })
-        .unwrap_or(false)
+    fn eligible(u: &Upstream, now: Instant) -> bool {
+        let s = u.lock();
+        let ejected = s.ejected_until.is_some_and(|t| now < t);
+        let ready = !s.unreachable && s.load.is_none_or(|l| l.ready);
+        !ejected && ready
     }
 
-    /// The cost of one more request on node `i` (see the module docs).
-    /// Node `i`'s latency as the picker sees it: measured, with its excess over `best` decayed
+    /// Node `u`'s latency as the picker sees it: measured, with its excess over `best` decayed
     /// by the time without samples; `best` for a node not measured yet.
-    fn latency(&self, i: usize, best: f64, now: Instant) -> f64 {
-        self.with_state(i, |s| match (s.latency, s.latency_at) {
+    fn latency(u: &Upstream, best: f64, now: Instant) -> f64 {
+        let s = u.lock();
+        match (s.latency, s.latency_at) {
             (Some(l), Some(at)) if l > best => {
                 let age = now.saturating_duration_since(at).as_secs_f64();
                 best + (l - best) * 0.5f64.powf(age / SLOW_PROBE_HALF_LIFE.as_secs_f64())
             }
             (Some(l), _) => l,
             (None, _) => best,
-        })
-        .unwrap_or(best)
+        }
     }
 
-    fn cost(&self, i: usize, latency: f64) -> f64 {
-        let Some(u) = self.nodes.get(i) else { return f64::INFINITY };
+    /// The cost of one more request on node `u` (see the module docs).
+    fn cost(u: &Upstream, latency: f64) -> f64 {
         let in_flight = f64::from(u.in_flight.load(Ordering::Relaxed));
-        self.with_state(i, |s| {
-            let (reported, waiting, kv) = match s.load {
-                Some(l) => {
-                    let kv =
-                        if l.kv_total_blocks > 0 { l.kv_used_blocks as f64 / l.kv_total_blocks as f64 } else { 0.0 };
-                    (f64::from(l.running.saturating_add(l.waiting)), f64::from(l.waiting), kv)
-                }
-                None => (0.0, 0.0, 0.0),
-            };
-            let outstanding = in_flight.max(reported) + waiting;
-            (1.0 + outstanding) * latency * (1.0 + kv)
-        })
-        .unwrap_or(f64::INFINITY)
+        let s = u.lock();
+        let (reported, waiting, kv) = match s.load {
+            Some(l) => {
+                let kv = if l.kv_total_blocks > 0 { l.kv_used_blocks as f64 / l.kv_total_blocks as f64 } else { 0.0 };
+                (f64::from(l.running.saturating_add(l.waiting)), f64::from(l.waiting), kv)
+            }
+            None => (0.0, 0.0, 0.0),
+        };
+        let outstanding = in_flight.max(reported) + waiting;
+        (1.0 + outstanding) * latency * (1.0 + kv)
     }
 
-    /// Pick a node for one request, never one of `exclude` (nodes this request already failed
-    /// on). Counts the pick; the caller holds [`Pool::start`] while the call runs.
+    /// Pick a node for one request, never one of `exclude` (ids of nodes this request already
+    /// failed on), and return its id. Counts the pick; the caller holds [`Pool::start`] while
+    /// the call runs.
     pub fn pick(&self, exclude: &[usize]) -> Option<usize> {
         let now = Instant::now();
-        let allowed: Vec<usize> = (0..self.nodes.len()).filter(|i| !exclude.contains(i)).collect();
-        let eligible: Vec<usize> = allowed.iter().copied().filter(|&i| self.eligible(i, now)).collect();
+        let allowed: Vec<Arc<Upstream>> = self.nodes().into_iter().filter(|u| !exclude.contains(&u.id)).collect();
+        let eligible: Vec<Arc<Upstream>> = allowed.iter().filter(|u| Self::eligible(u, now)).cloned().collect();
         let candidates = if eligible.is_empty() { allowed } else { eligible };
         if candidates.is_empty() {
             return None;
         }
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
         let chosen = match self.policy {
-            RoutingPolicy::RoundRobin => candidates[turn % candidates.len()],
+            RoutingPolicy::RoundRobin => candidates[turn % candidates.len()].clone(),
             RoutingPolicy::LeastLoaded => {
                 // Nodes not measured yet count at the best measured latency, so they get tried.
                 let best = candidates
                     .iter()
-                    .filter_map(|&i| self.with_state(i, |s| s.latency).flatten())
+                    .filter_map(|u| u.lock().latency)
                     .fold(None, |m: Option<f64>, l| Some(m.map_or(l, |m| m.min(l))))
                     .unwrap_or(1.0);
-                let latency: Vec<(usize, f64)> = candidates.iter().map(|&i| (i, self.latency(i, best, now))).collect();
-                let fast: Vec<usize> =
-                    latency.iter().filter(|(_, l)| *l <= SLOW_RATIO * best).map(|(i, _)| *i).collect();
-                let candidates = if fast.is_empty() { candidates } else { fast };
-                let latency_of = |i: usize| latency.iter().find(|(j, _)| *j == i).map_or(best, |(_, l)| *l);
-                let a = candidates[turn % candidates.len()];
-                let b = if candidates.len() > 2 {
+                let latency: Vec<(Arc<Upstream>, f64)> =
+                    candidates.iter().map(|u| (u.clone(), Self::latency(u, best, now))).collect();
+                let fast: Vec<(Arc<Upstream>, f64)> =
+                    latency.iter().filter(|(_, l)| *l <= SLOW_RATIO * best).cloned().collect();
+                let candidates = if fast.is_empty() { latency } else { fast };
+                let (a, la) = &candidates[turn % candidates.len()];
+                let (b, lb) = if candidates.len() > 2 {
                     // Power of two choices: a second candidate other than `a`, spread by `turn`.
                     let step = 1 + (turn / candidates.len()) % (candidates.len() - 1);
-                    candidates[(turn + step) % candidates.len()]
+                    &candidates[(turn + step) % candidates.len()]
                 } else {
-                    candidates[(turn + 1) % candidates.len()]
+                    &candidates[(turn + 1) % candidates.len()]
                 };
-                if self.cost(b, latency_of(b)) < self.cost(a, latency_of(a)) {
-                    b
+                if Self::cost(b, *lb) < Self::cost(a, *la) {
+                    b.clone()
                 } else {
-                    a
+                    a.clone()
                 }
             }
         };
-        if let Some(u) = self.nodes.get(chosen) {
-            PICKS_TOTAL.with_label_values(&[self.role, &u.url]).inc();
-        }
-        Some(chosen)
+        PICKS_TOTAL.with_label_values(&[self.role, &chosen.url]).inc();
+        Some(chosen.id)
     }
 
-    /// Count one request in flight on node `i` until the returned guard drops.
-    pub fn start(&self, i: usize) -> InFlight<'_> {
-        if let Some(u) = self.nodes.get(i) {
+    /// Count one request in flight on node `id` until the returned guard drops (which holds
+    /// the node, so it stays counted even if the node leaves the pool meanwhile).
+    pub fn start(&self, id: usize) -> InFlight {
+        let node = self.node(id);
+        if let Some(u) = &node {
             u.in_flight.fetch_add(1, Ordering::Relaxed);
             IN_FLIGHT_GAUGE.with_label_values(&[self.role, &u.url]).inc();
         }
-        InFlight { pool: self, index: i }
+        InFlight { role: self.role, node }
     }
 
     /// Node `i` served a call: its failures in a row start over and its breaker closes.
@@ -286,7 +429,7 @@ impl Pool {
         });
         if closed == Some(true) {
             if let Some(url) = self.url(i) {
-                EJECTED_GAUGE.with_label_values(&[self.role, url]).set(0);
+                EJECTED_GAUGE.with_label_values(&[self.role, &url]).set(0);
                 tracing::info!(role = self.role, upstream = url, "upstream serves again; back in rotation");
             }
         }
@@ -294,7 +437,7 @@ impl Pool {
 
     /// Node `i` failed a call (connect error, reset, a 5xx other than an overload 503).
     pub fn failure(&self, i: usize, why: &str) {
-        let Some(url) = self.url(i).map(str::to_string) else { return };
+        let Some(url) = self.url(i) else { return };
         FAILURES_TOTAL.with_label_values(&[self.role, &url]).inc();
         let breaker = self.breaker;
         if breaker.after_failures == 0 {
@@ -350,17 +493,16 @@ impl Pool {
     #[cfg(test)]
     pub fn snapshot(&self) -> Vec<(String, u32, bool, Option<f64>)> {
         let now = Instant::now();
-        (0..self.nodes.len())
-            .filter_map(|i| {
-                let u = self.nodes.get(i)?;
-                self.with_state(i, |s| {
-                    (
-                        u.url.clone(),
-                        u.in_flight.load(Ordering::Relaxed),
-                        s.ejected_until.is_some_and(|t| now < t),
-                        s.latency,
-                    )
-                })
+        self.nodes()
+            .iter()
+            .map(|u| {
+                let s = u.lock();
+                (
+                    u.url.clone(),
+                    u.in_flight.load(Ordering::Relaxed),
+                    s.ejected_until.is_some_and(|t| now < t),
+                    s.latency,
+                )
             })
             .collect()
     }
@@ -379,9 +521,7 @@ pub async fn poll_loads(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let polls = pools
-            .iter()
-            .flat_map(|pool| (0..pool.len()).filter_map(|i| pool.url(i).map(|u| (pool.clone(), i, u.to_string()))));
+        let polls = pools.iter().flat_map(|pool| pool.nodes().into_iter().map(|u| (pool.clone(), u.id, u.url.clone())));
         let polls = polls.map(|(pool, i, url)| {
             let mut rb = client.get(format!("{url}/load")).timeout(timeout);
             if let Some(v) = &authorization {
@@ -405,6 +545,45 @@ pub async fn poll_loads(
     }
 }
 
+/// The upstream URLs `name` (`host:port`, e.g. a headless Service's name) resolves to now:
+/// `http://addr:port` per A/AAAA record, sorted, without duplicates.
+pub async fn resolve(name: &str, timeout: Duration) -> Result<Vec<String>, String> {
+    let found = tokio::time::timeout(timeout, tokio::net::lookup_host(name))
+        .await
+        .map_err(|_| format!("no answer within {} ms", timeout.as_millis()))?
+        .map_err(|e| e.to_string())?;
+    let mut addrs: Vec<std::net::SocketAddr> = found.collect();
+    addrs.sort();
+    addrs.dedup();
+    Ok(addrs.into_iter().map(|a| format!("http://{a}")).collect())
+}
+
+/// Keep `pool`'s discovered part equal to what `name` resolves to, re-resolving every
+/// `period` until the task is dropped. A failed lookup keeps the set as it was (a DNS hiccup
+/// must not empty the pool; nodes that are really gone fail their `/load` polls and calls,
+/// which keeps them out of the rotation).
+pub async fn discover(pool: std::sync::Arc<Pool>, name: String, period: Duration) {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let timeout = period.max(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        match resolve(&name, timeout).await {
+            Ok(urls) => {
+                let diff = pool.sync_discovered(&urls);
+                if !diff.added.is_empty() || !diff.removed.is_empty() {
+                    tracing::info!(role = pool.role, dns = %name, added = ?diff.added, removed = ?diff.removed,
+                        upstreams = pool.len(), "upstream set changed");
+                }
+            }
+            Err(e) => {
+                DISCOVERY_ERRORS_TOTAL.with_label_values(&[pool.role]).inc();
+                tracing::warn!(role = pool.role, dns = %name, error = %e, "upstream name did not resolve; keeping the current set");
+            }
+        }
+    }
+}
+
 /// Touch the router's metrics so `/metrics` lists them from the start.
 pub(crate) fn init() {
     LazyLock::force(&PICKS_TOTAL);
@@ -412,6 +591,8 @@ pub(crate) fn init() {
     LazyLock::force(&EJECTED_GAUGE);
     LazyLock::force(&IN_FLIGHT_GAUGE);
     LazyLock::force(&FAILURES_TOTAL);
+    LazyLock::force(&UPSTREAMS_GAUGE);
+    LazyLock::force(&DISCOVERY_ERRORS_TOTAL);
 }
 
 #[cfg(test)]
@@ -488,6 +669,112 @@ mod tests {
         p.success(0);
         p.failure(0, "reset");
         assert!(!p.snapshot()[0].2, "after a success the breaker is closed: one failure is not enough");
+    }
+
+    fn discovered(policy: RoutingPolicy, urls: &[&str]) -> Pool {
+        let p = Pool::new(
+            "prefill",
+            &[],
+            policy,
+            Breaker { after_failures: 1, base: Duration::from_secs(60), max: Duration::from_secs(60) },
+        );
+        p.sync_discovered(&urls.iter().map(|u| u.to_string()).collect::<Vec<_>>());
+        p
+    }
+
+    #[test]
+    fn a_dns_refresh_adds_and_removes_only_what_changed() {
+        let p = Pool::new(
+            "decode",
+            &["http://static".to_string()],
+            RoutingPolicy::RoundRobin,
+            Breaker { after_failures: 1, base: Duration::from_secs(60), max: Duration::from_secs(60) },
+        );
+        let d = p.sync_discovered(&["http://10.0.0.1:8000".into(), "http://10.0.0.2:8000/".into()]);
+        assert_eq!(d.added, ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]);
+        assert!(d.removed.is_empty());
+        let id2 = p.nodes().iter().find(|u| u.url == "http://10.0.0.2:8000").map(|u| u.id).unwrap();
+        p.observe_latency(id2, 0.5);
+        let d = p.sync_discovered(&["http://10.0.0.2:8000".into(), "http://10.0.0.3:8000".into()]);
+        assert_eq!(
+            (d.added, d.removed),
+            (vec!["http://10.0.0.3:8000".to_string()], vec!["http://10.0.0.1:8000".into()])
+        );
+        assert_eq!(p.urls(), ["http://static", "http://10.0.0.2:8000", "http://10.0.0.3:8000"]);
+        assert_eq!(p.snapshot()[1].3, Some(0.5), "a node still listed keeps what the router learned of it");
+        assert_eq!(p.sync_discovered(&["http://10.0.0.3:8000".into(), "http://10.0.0.2:8000".into()]), Diff::default());
+        let d = p.sync_discovered(&[]);
+        assert_eq!(d.removed.len(), 2);
+        assert_eq!(p.urls(), ["http://static"], "a configured node is never dropped by DNS");
+        assert_eq!(p.sync_discovered(&["http://static".into()]), Diff::default(), "nor listed twice");
+        let twice = Pool::new("decode", &["http://x".into(), "http://x".into()], RoutingPolicy::RoundRobin, p.breaker);
+        let ids: Vec<usize> = twice.nodes().iter().map(|u| u.id).collect();
+        assert_eq!(ids, [0, 1], "a URL configured twice is two nodes, numbered in order");
+    }
+
+    #[test]
+    fn a_node_that_left_dns_is_never_picked_but_its_requests_finish_on_it() {
+        let p = discovered(RoutingPolicy::RoundRobin, &["http://a:1", "http://b:1"]);
+        let ids: Vec<usize> = p.nodes().iter().map(|u| u.id).collect();
+        let (a, b) = (ids[0], ids[1]);
+        let held = p.start(a);
+        p.sync_discovered(&["http://b:1".into()]);
+        for _ in 0..6 {
+            assert_eq!(p.pick(&[]), Some(b), "a left DNS: it gets no new request");
+        }
+        assert_eq!(p.pick(&[b]), None, "not even as a last resort");
+        assert_eq!(p.url(a), None);
+        // The request that was on `a` ends there: its guard still holds `a`, and reports on
+        // the id that left are ignored, never applied to another node.
+        assert_eq!(held.node.as_ref().map(|u| u.in_flight.load(Ordering::Relaxed)), Some(1));
+        p.failure(a, "reset");
+        p.observe_latency(a, 9.0);
+        drop(held);
+        assert_eq!(p.snapshot(), vec![("http://b:1".to_string(), 0, false, None)]);
+        // A new node gets a new id; one that comes back gets its old id again.
+        p.sync_discovered(&["http://b:1".into(), "http://c:1".into(), "http://a:1".into()]);
+        let now: Vec<(String, usize)> = p.nodes().iter().map(|u| (u.url.clone(), u.id)).collect();
+        assert!(now.contains(&("http://a:1".to_string(), a)), "{now:?}");
+        let c = now.iter().find(|(u, _)| u == "http://c:1").map(|(_, id)| *id).unwrap();
+        assert!(c != a && c != b);
+        let a_state = p.snapshot().into_iter().find(|n| n.0 == "http://a:1").unwrap();
+        assert_eq!((a_state.1, a_state.2, a_state.3), (0, false, None), "it comes back unproven");
+    }
+
+    #[test]
+    fn picks_racing_a_changing_node_set_always_name_a_node_of_the_set() {
+        let p = std::sync::Arc::new(discovered(RoutingPolicy::LeastLoaded, &["http://a:1", "http://b:1"]));
+        let churn = {
+            let p = p.clone();
+            std::thread::spawn(move || {
+                for i in 0..2000 {
+                    let urls: Vec<String> = if i % 2 == 0 {
+                        vec!["http://b:1".into(), "http://c:1".into()]
+                    } else {
+                        vec!["http://a:1".into(), "http://b:1".into()]
+                    };
+                    p.sync_discovered(&urls);
+                }
+            })
+        };
+        let mut held = Vec::new();
+        for _ in 0..2000 {
+            let id = p.pick(&[]).expect("some node is always listed");
+            held.push(p.start(id));
+            if held.len() > 8 {
+                held.remove(0);
+            }
+        }
+        churn.join().unwrap();
+        drop(held);
+        assert!(p.snapshot().iter().all(|(_, n, _, _)| *n == 0), "every count went back to 0");
+    }
+
+    #[tokio::test]
+    async fn localhost_resolves_to_a_loopback_upstream() {
+        let urls = resolve("localhost:8123", Duration::from_secs(5)).await.unwrap();
+        assert!(urls.iter().any(|u| u == "http://127.0.0.1:8123" || u == "http://[::1]:8123"), "{urls:?}");
+        assert!(resolve("no-such-host.invalid:1", Duration::from_secs(5)).await.is_err());
     }
 
     #[test]

@@ -181,11 +181,11 @@ fn response_id_for(d: usize) -> String {
 }
 
 /// The decode node that stored the response `id` (see [`response_id_for`]), if the id is one
-/// the router made for one of its `decode_nodes` upstreams.
-fn decode_of_response(id: &str, decode_nodes: usize) -> Option<usize> {
+/// the router made for a decode upstream it has now (`known`: whether a node id is one).
+fn decode_of_response(id: &str, known: impl Fn(usize) -> bool) -> Option<usize> {
     let rest = id.strip_prefix("resp_d")?;
     let (index, _) = rest.split_once('_')?;
-    index.parse::<usize>().ok().filter(|&i| i < decode_nodes)
+    index.parse::<usize>().ok().filter(|&i| known(i))
 }
 
 /// Prefill retries on another P after one failed before answering.
@@ -243,7 +243,8 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
                 error = %last_error, "prefill leg retried on another prefill node");
         }
         tried.push(pi);
-        let p = st.prefill.url(pi).unwrap_or_default().to_string();
+        // The node may have left DNS since the pick: try another one.
+        let Some(p) = st.prefill.url(pi) else { continue };
         let mut p_body = original.clone();
         // The router chooses P's capability token for this request (P adopts a well-formed one),
         // so that it can hand P's blocks back even before P has answered (see below).
@@ -391,7 +392,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     let pinned = (path == RESPONSES)
         .then(|| original.get("previous_response_id").and_then(Value::as_str))
         .flatten()
-        .and_then(|id| decode_of_response(id, st.decode.len()));
+        .and_then(|id| decode_of_response(id, |d| st.decode.contains(d)));
     if st.prefill.is_empty() || st.decode.is_empty() {
         return error(ApiError::Unavailable("unavailable: no prefill or decode upstream".into()), "");
     }
@@ -453,7 +454,16 @@ async fn decode_leg(
             return error(ApiError::Unavailable("unavailable: no decode upstream left to try".into()), legs.request_id);
         };
         tried.push(d_index);
-        let d = st.decode.url(d_index).unwrap_or_default().to_string();
+        let Some(d) = st.decode.url(d_index) else {
+            // It left DNS since the pick (or since it stored the conversation).
+            if pinned.is_some() {
+                return error(
+                    ApiError::Unavailable("unavailable: the decode node that stored the conversation is gone".into()),
+                    legs.request_id,
+                );
+            }
+            continue;
+        };
         let mut d_body = match params.take() {
             Some(p) => {
                 let mut b = original.clone();
@@ -748,18 +758,18 @@ async fn responses(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState
 /// the router did not make is not stored anywhere it can find (404, as a node answers).
 async fn get_response(req: HttpRequest, path: web::Path<String>, st: web::Data<RouterState>) -> HttpResponse {
     let id = path.into_inner();
-    let Some(d) = decode_of_response(&id, st.decode.len()).and_then(|i| st.decode.url(i)) else {
+    let Some(d) = decode_of_response(&id, |d| st.decode.contains(d)).and_then(|i| st.decode.url(i)) else {
         return error(ApiError::ResponseNotFound(id), "");
     };
-    forward_get(&req, &st, d, &format!("{RESPONSES}/{id}")).await
+    forward_get(&req, &st, &d, &format!("{RESPONSES}/{id}")).await
 }
 
 /// `/v1/models` is answered by the first decode node.
 async fn passthrough_get(req: HttpRequest, st: web::Data<RouterState>) -> HttpResponse {
-    let Some(d) = st.decode.url(0) else {
+    let Some(d) = st.decode.urls().into_iter().next() else {
         return error(ApiError::Unavailable("unavailable: no decode upstream".into()), "");
     };
-    forward_get(&req, &st, d, req.path()).await
+    forward_get(&req, &st, &d, req.path()).await
 }
 
 /// GET `path` on the node at `base` with the router's credential toward nodes, and hand its
@@ -812,7 +822,7 @@ async fn health(st: web::Data<RouterState>) -> HttpResponse {
 }
 
 async fn healthy_upstreams(client: &reqwest::Client, pool: &Pool) -> usize {
-    let checks = pool.urls().map(|u| async move {
+    let checks = pool.urls().into_iter().map(|u| async move {
         let res = client.get(format!("{u}/health")).timeout(UPSTREAM_HEALTH_TIMEOUT).send().await;
         res.is_ok_and(|r| r.status().is_success())
     });
@@ -900,6 +910,15 @@ pub async fn run_router(
             std::time::Duration::from_millis(node.router.load_poll_ms),
         ))
     });
+    // Upstreams named by DNS (a headless Service per role), re-resolved while the router runs.
+    let refresh = std::time::Duration::from_millis(node.router.dns_refresh_ms.max(1));
+    let discovery: Vec<_> = [(&state.prefill, &node.router.prefill_dns), (&state.decode, &node.router.decode_dns)]
+        .into_iter()
+        .filter_map(|(pool, name)| {
+            let name = name.clone()?;
+            Some(actix_web::rt::spawn(balance::discover(Arc::clone(pool), name, refresh)))
+        })
+        .collect();
     crate::error::set_retry_after_s(node.limits.retry_after_s);
     tracing::info!(
         api_keys = client_keys.enabled(),
@@ -917,10 +936,14 @@ pub async fn run_router(
         .bind((node.http_host.as_str(), node.http_port))
         .map_err(|source| FrontendError::HttpBind { addr: addr.clone(), source })?;
     tracing::info!(%addr, prefill = ?node.router.prefill, decode = ?node.router.decode,
+        prefill_dns = ?node.router.prefill_dns, decode_dns = ?node.router.decode_dns,
         give_up_notices = node.router.give_up_notices, policy = ?node.router.policy, "router listening");
     let served = crate::serve_until_shutdown(&ctx, server.run(), shutdown).await;
     if let Some(p) = poller {
         p.abort();
+    }
+    for task in discovery {
+        task.abort();
     }
     served?;
     tracing::info!(%addr, "router stopped");
@@ -1157,10 +1180,10 @@ mod tests {
     fn response_ids_name_their_decode_node() {
         let id = response_id_for(2);
         assert!(id.starts_with("resp_d2_"), "{id}");
-        assert_eq!(decode_of_response(&id, 3), Some(2));
-        assert_eq!(decode_of_response(&id, 2), None, "index out of range");
+        assert_eq!(decode_of_response(&id, |d| d < 3), Some(2));
+        assert_eq!(decode_of_response(&id, |d| d < 2), None, "no such node now");
         for other in ["resp_abc", "resp_dx_1", "resp_d1", "msg_d0_1", ""] {
-            assert_eq!(decode_of_response(other, 4), None, "{other}");
+            assert_eq!(decode_of_response(other, |d| d < 4), None, "{other}");
         }
     }
 }
