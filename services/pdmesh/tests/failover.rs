@@ -20,13 +20,11 @@
 mod common;
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{reserve_ports, side_ports, Mesh};
+use common::{metric, reserve_ports, scaleout_topology, Mesh};
 use serde_json::{json, Value};
 
 const STREAMS: usize = 16;
@@ -34,43 +32,6 @@ const TOKENS: usize = 64;
 /// A per-token cost so that 8 streams of 64 tokens on one D last a few seconds.
 const SETTINGS: &str =
     "model = { kind = \"synthetic\", per_token_cost_us = 3000 }\nengine = { block_size = 4, num_blocks = 1024 }";
-
-struct Ports {
-    router: u16,
-    p: [u16; 2],
-    d: [u16; 2],
-}
-
-fn topology(run_dir: &Path, (h1, b1): (u16, u16), (h2, b2): (u16, u16)) -> (String, Ports) {
-    let (s1, s2) = (side_ports(h1), side_ports(h2));
-    let node = |name: &str, role: &str, http: u16, base: u16, kv_role: &str, side: u16| {
-        format!(
-            "[[nodes]]\nname = \"{name}\"\nrole = \"{role}\"\nhttp_host = \"127.0.0.1\"\nhttp_port = {http}\n\
-             bind_host = \"127.0.0.1\"\nbase_port = {base}\n{SETTINGS}\n\
-             kv_transfer = {{ kv_role = \"{kv_role}\", engine_id = \"{name}\", backend = \"tcp\", \
-             side_channel_host = \"127.0.0.1\", side_channel_port = {side}, data_port = {}, \
-             kv_load_failure_policy = \"recompute\" }}\n",
-            side + 2
-        )
-    };
-    let ports = Ports { router: h1, p: [h1 + 1, h2], d: [h1 + 2, h2 + 1] };
-    let text = format!(
-        "run_dir = {:?}\n\
-         [[nodes]]\nname = \"router\"\nrole = \"router\"\nhttp_port = {h1}\nbase_port = {b1}\n\
-         router = {{ prefill = [\"http://127.0.0.1:{}\", \"http://127.0.0.1:{}\"], decode = [\"http://127.0.0.1:{}\", \"http://127.0.0.1:{}\"], load_poll_ms = 0 }}\n\
-         {}{}{}{}",
-        run_dir.display().to_string(),
-        ports.p[0],
-        ports.p[1],
-        ports.d[0],
-        ports.d[1],
-        node("p-a", "prefill", ports.p[0], b1 + 20, "kv_producer", s1),
-        node("d-a", "decode", ports.d[0], b1 + 160, "kv_consumer", s1 + 4),
-        node("p-b", "prefill", ports.p[1], b2 + 20, "kv_producer", s2),
-        node("d-b", "decode", ports.d[1], b2 + 160, "kv_consumer", s2 + 4),
-    );
-    (text, ports)
-}
 
 /// What one stream gave the client.
 #[derive(Debug, Clone, PartialEq)]
@@ -149,16 +110,6 @@ fn kill_node(mesh: &Mesh, node: &str) -> usize {
     pids.len()
 }
 
-/// The sum of every sample of `name` (with `label` in its labels, if given) on a metrics page.
-fn metric(port: u16, name: &str, label: &str) -> f64 {
-    let text = reqwest::blocking::get(format!("http://127.0.0.1:{port}/metrics")).unwrap().text().unwrap();
-    text.lines()
-        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{')))
-        .filter(|l| l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 fn check_all(got: &[Streamed], reference: &[Streamed], what: &str) {
     for (i, (g, r)) in got.iter().zip(reference).enumerate() {
         assert!(g.errors.is_empty(), "{what}: stream {i} got errors {:?}", g.errors);
@@ -174,26 +125,9 @@ fn killing_a_decode_node_then_a_prefill_node_loses_no_stream() {
     let run_dir = std::env::temp_dir().join(format!("pdmesh-failover-{}-{}", std::process::id(), r1.0));
     let _ = std::fs::remove_dir_all(&run_dir);
     std::fs::create_dir_all(&run_dir).unwrap();
-    let (text, ports) = topology(&run_dir, r1, r2);
-    let topo = run_dir.join("failover.toml");
-    std::fs::write(&topo, text).unwrap();
-    let up = Command::new(common::pdmesh_bin())
-        .arg("up")
-        .arg("--topology")
-        .arg(&topo)
-        .arg("--no-restart")
-        .env_remove("PDMESH_API_KEY")
-        .env_remove("PDMESH_API_KEY_FILE")
-        .env("PDMESH_RUN_DIR", &run_dir)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(run_dir.join("up.log")).unwrap())
-        .spawn()
-        .unwrap();
-    let mut mesh = Mesh { up, run_dir: run_dir.clone(), http_port: ports.router, base_port: r1.1, api_key: None };
-    for port in ports.p.iter().chain(&ports.d) {
-        assert!(mesh.wait_ready_on(*port), "node on :{port} not ready; logs in {}", run_dir.display());
-    }
+    let (text, ports) = scaleout_topology(&run_dir, r1, r2, SETTINGS, "load_poll_ms = 0");
+    let ready: Vec<u16> = ports.p.iter().chain(&ports.d).copied().collect();
+    let mesh = common::start_scaleout(&run_dir, &text, ports.router, r1.1, &ready);
     let url = format!("http://127.0.0.1:{}/v1/completions", ports.router);
 
     // 1. The undisturbed run.

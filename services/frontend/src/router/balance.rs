@@ -25,14 +25,22 @@
 //! `SLOW_PROBE_HALF_LIFE`, so a node that recovered is tried again within a few half-lives.
 //! `round_robin` rotates over the ready non-ejected set, whatever the latencies. When no node
 //! is eligible, every node not excluded is (better a try than a refusal).
+//!
+//! `cache_aware` (D59) weighs, besides the cost, how much of the request's prompt each node
+//! already holds in its prefix cache (the blocks from the first one on, as the node's `/load`
+//! publishes them): score = cost × (1 − `OVERLAP_WEIGHT` × held fraction), lowest wins. Only
+//! nodes whose cost is within `LOAD_GUARD` × the cheapest one's compete on overlap, so a hot
+//! prefix cannot pile every request on one node (SGLang's balance threshold). Without a prompt
+//! (the router could not tokenise it) or with nothing held anywhere, it is `least_loaded`.
 
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{LazyLock, Mutex};
 use std::time::{Duration, Instant};
 
 use pdmesh_config::RoutingPolicy;
-use pdmesh_telemetry::metrics::{counter_vec, gauge_vec};
-use prometheus::{IntCounterVec, IntGaugeVec};
+use pdmesh_protocol::prefix::PrefixIndex;
+use pdmesh_telemetry::metrics::{counter_vec, gauge_vec, histogram_vec};
+use prometheus::{HistogramVec, IntCounterVec, IntGaugeVec};
 
 /// Requests the router sent to each upstream, by `role` and `upstream` (URL).
 pub const PICKS: &str = "pdmesh_router_picks_total";
@@ -44,6 +52,23 @@ pub const EJECTED: &str = "pdmesh_router_upstream_ejected";
 pub const UPSTREAM_IN_FLIGHT: &str = "pdmesh_router_upstream_in_flight";
 /// Failed calls to an upstream that count toward ejection, by `role` and `upstream`.
 pub const UPSTREAM_FAILURES: &str = "pdmesh_router_upstream_failures_total";
+
+/// Prompt blocks the chosen node already held, per cache-aware pick, by `role`.
+pub const PREFIX_OVERLAP: &str = "pdmesh_router_prefix_overlap_blocks";
+/// Cache-aware picks, by `role` and `reason`: `overlap` (the node holding more of the prompt
+/// won over a cheaper one), `load` (the cheapest node won), `no_prefix` (nothing held).
+pub const CACHE_AWARE_PICKS: &str = "pdmesh_router_cache_aware_picks_total";
+
+static PREFIX_OVERLAP_HIST: LazyLock<HistogramVec> = LazyLock::new(|| {
+    histogram_vec(
+        PREFIX_OVERLAP,
+        "Prompt blocks the chosen upstream already held (cache-aware routing)",
+        &["role"],
+        vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0],
+    )
+});
+static CACHE_AWARE_PICKS_TOTAL: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter_vec(CACHE_AWARE_PICKS, "Cache-aware picks by what decided them", &["role", "reason"]));
 
 static PICKS_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(PICKS, "Requests sent to each upstream", &["role", "upstream"]));
@@ -63,15 +88,22 @@ const EWMA_ALPHA: f64 = 0.1;
 const SLOW_RATIO: f64 = 3.0;
 /// Half-life of a left-out node's latency excess over the best, while it gets no samples.
 const SLOW_PROBE_HALF_LIFE: Duration = Duration::from_secs(10);
+/// `cache_aware`: how much a fully held prompt lowers a node's cost (0.9: to a tenth).
+const OVERLAP_WEIGHT: f64 = 0.9;
+/// `cache_aware`: a node costing more than this many times the cheapest competes on load only.
+const LOAD_GUARD: f64 = 4.0;
 
 /// What a node says of itself on `GET /load`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct NodeLoad {
     pub ready: bool,
     pub waiting: u32,
     pub running: u32,
     pub kv_used_blocks: u64,
     pub kv_total_blocks: u64,
+    /// What its prefix caches hold (D59); absent with caching off and from older nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<pdmesh_protocol::PrefixSummary>,
 }
 
 /// Ejection settings (`router.eject_*`).
@@ -84,8 +116,11 @@ pub struct Breaker {
 
 #[derive(Debug, Default)]
 struct State {
-    /// Last poll: `None` before the first answer (and with polling off).
+    /// Last poll: `None` before the first answer (and with polling off); its `prefix` is
+    /// moved into `prefix`.
     load: Option<NodeLoad>,
+    /// The node's prefix cache as its last poll published it.
+    prefix: PrefixIndex,
     /// The last poll failed (connect error, timeout, a non-2xx other than 404).
     unreachable: bool,
     latency: Option<f64>,
@@ -113,6 +148,14 @@ pub struct Pool {
     next: AtomicUsize,
     policy: RoutingPolicy,
     breaker: Breaker,
+}
+
+/// The node a pick chose and, for a `cache_aware` pick with a prompt, how many of its blocks
+/// that node holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Picked {
+    pub node: usize,
+    pub overlap: Option<usize>,
 }
 
 /// One request's place on an upstream: counted in its in-flight number until dropped.
@@ -178,7 +221,7 @@ impl Pool {
     fn eligible(&self, i: usize, now: Instant) -> bool {
         self.with_state(i, |s| {
             let ejected = s.ejected_until.is_some_and(|t| now < t);
-            let ready = !s.unreachable && s.load.is_none_or(|l| l.ready);
+            let ready = !s.unreachable && s.load.as_ref().is_none_or(|l| l.ready);
             !ejected && ready
         })
         .unwrap_or(false)
@@ -203,7 +246,7 @@ impl Pool {
         let Some(u) = self.nodes.get(i) else { return f64::INFINITY };
         let in_flight = f64::from(u.in_flight.load(Ordering::Relaxed));
         self.with_state(i, |s| {
-            let (reported, waiting, kv) = match s.load {
+            let (reported, waiting, kv) = match &s.load {
                 Some(l) => {
                     let kv =
                         if l.kv_total_blocks > 0 { l.kv_used_blocks as f64 / l.kv_total_blocks as f64 } else { 0.0 };
@@ -220,6 +263,12 @@ impl Pool {
     /// Pick a node for one request, never one of `exclude` (nodes this request already failed
     /// on). Counts the pick; the caller holds [`Pool::start`] while the call runs.
     pub fn pick(&self, exclude: &[usize]) -> Option<usize> {
+        self.pick_for(exclude, None).map(|p| p.node)
+    }
+
+    /// [`Pool::pick`] for a request whose prompt is `prompt` (token ids, when the router could
+    /// tokenise it), which `cache_aware` weighs against what each node holds.
+    pub fn pick_for(&self, exclude: &[usize], prompt: Option<&[u32]>) -> Option<Picked> {
         let now = Instant::now();
         let allowed: Vec<usize> = (0..self.nodes.len()).filter(|i| !exclude.contains(i)).collect();
         let eligible: Vec<usize> = allowed.iter().copied().filter(|&i| self.eligible(i, now)).collect();
@@ -228,9 +277,15 @@ impl Pool {
             return None;
         }
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
-        let chosen = match self.policy {
-            RoutingPolicy::RoundRobin => candidates[turn % candidates.len()],
-            RoutingPolicy::LeastLoaded => {
+        let mut overlap = None;
+        let chosen = match (self.policy, prompt) {
+            (RoutingPolicy::RoundRobin, _) => candidates[turn % candidates.len()],
+            (RoutingPolicy::CacheAware, Some(tokens)) => {
+                let (i, held) = self.cache_aware(&candidates, turn, tokens, now);
+                overlap = Some(held);
+                i
+            }
+            (RoutingPolicy::LeastLoaded | RoutingPolicy::CacheAware, _) => {
                 // Nodes not measured yet count at the best measured latency, so they get tried.
                 let best = candidates
                     .iter()
@@ -260,7 +315,87 @@ impl Pool {
         if let Some(u) = self.nodes.get(chosen) {
             PICKS_TOTAL.with_label_values(&[self.role, &u.url]).inc();
         }
-        Some(chosen)
+        Some(Picked { node: chosen, overlap })
+    }
+
+    /// Node `i`'s latency and the best among `candidates`, as `least_loaded` weighs them.
+    fn latencies(&self, candidates: &[usize], now: Instant) -> Vec<(usize, f64)> {
+        let best = candidates
+            .iter()
+            .filter_map(|&i| self.with_state(i, |s| s.latency).flatten())
+            .fold(None, |m: Option<f64>, l| Some(m.map_or(l, |m| m.min(l))))
+            .unwrap_or(1.0);
+        let latency: Vec<(usize, f64)> = candidates.iter().map(|&i| (i, self.latency(i, best, now))).collect();
+        let fast: Vec<(usize, f64)> = latency.iter().copied().filter(|(_, l)| *l <= SLOW_RATIO * best).collect();
+        if fast.is_empty() {
+            latency
+        } else {
+            fast
+        }
+    }
+
+    /// Prompt blocks each of `candidates` holds, counting from the first; the keys are hashed
+    /// once per distinct chain (root and block size) among the nodes.
+    fn overlaps(&self, candidates: &[usize], tokens: &[u32]) -> Vec<usize> {
+        let mut hashed: Vec<(PrefixIndex, Option<Vec<u64>>)> = Vec::new();
+        candidates
+            .iter()
+            .map(|&i| {
+                self.with_state(i, |s| {
+                    let known = hashed.iter().find(|(idx, _)| idx.same_chain(&s.prefix)).map(|(_, k)| k.clone());
+                    let keys = known.unwrap_or_else(|| {
+                        let keys = s.prefix.keys_of(tokens);
+                        if keys.is_some() {
+                            hashed.push((s.prefix.clone(), keys.clone()));
+                        }
+                        keys
+                    });
+                    keys.map_or(0, |k| s.prefix.overlap_of(&k))
+                })
+                .unwrap_or(0)
+            })
+            .collect()
+    }
+
+    /// The `cache_aware` choice among `candidates` (see the module docs) and the blocks of the
+    /// prompt the chosen node holds. Ties go round the candidates by `turn`.
+    fn cache_aware(&self, candidates: &[usize], turn: usize, tokens: &[u32], now: Instant) -> (usize, usize) {
+        let latency = self.latencies(candidates, now);
+        let nodes: Vec<usize> = latency.iter().map(|(i, _)| *i).collect();
+        let held = self.overlaps(&nodes, tokens);
+        let cost: Vec<f64> = latency.iter().map(|&(i, l)| self.cost(i, l)).collect();
+        let blocks = (tokens.len() / self.block_size_hint().max(1) as usize).max(1);
+        let cheapest = cost.iter().copied().fold(f64::INFINITY, f64::min);
+        let n = nodes.len();
+        let score = |k: usize| {
+            let c = cost[k];
+            let fraction = (held[k] as f64 / blocks as f64).min(1.0);
+            if c <= LOAD_GUARD * cheapest {
+                c * (1.0 - OVERLAP_WEIGHT * fraction)
+            } else {
+                c
+            }
+        };
+        let order = (0..n).map(|k| (k + turn) % n.max(1));
+        let best = order.clone().min_by(|&a, &b| score(a).total_cmp(&score(b))).unwrap_or(0);
+        let by_load = order.min_by(|&a, &b| cost[a].total_cmp(&cost[b])).unwrap_or(0);
+        let reason = match held.get(best) {
+            Some(0) | None => "no_prefix",
+            Some(_) if best != by_load && held.get(best) > held.get(by_load) => "overlap",
+            Some(_) => "load",
+        };
+        let chosen_held = held.get(best).copied().unwrap_or(0);
+        PREFIX_OVERLAP_HIST.with_label_values(&[self.role]).observe(chosen_held as f64);
+        CACHE_AWARE_PICKS_TOTAL.with_label_values(&[self.role, reason]).inc();
+        (nodes.get(best).copied().unwrap_or(candidates[turn % candidates.len()]), chosen_held)
+    }
+
+    /// The block size the nodes publish (the first that says), for the held fraction.
+    fn block_size_hint(&self) -> u32 {
+        (0..self.nodes.len())
+            .filter_map(|i| self.with_state(i, |s| s.load.as_ref().map(|_| s.prefix.block_size())).flatten())
+            .find(|&b| b > 0)
+            .unwrap_or(16)
     }
 
     /// Count one request in flight on node `i` until the returned guard drops.
@@ -338,7 +473,8 @@ impl Pool {
     /// The outcome of one poll of node `i`: its load, or `None` when it did not answer.
     pub fn set_load(&self, i: usize, load: Option<NodeLoad>) {
         self.with_state(i, |s| match load {
-            Some(l) => {
+            Some(mut l) => {
+                s.prefix = l.prefix.take().map(|p| PrefixIndex::from_summary(&p)).unwrap_or_default();
                 s.load = Some(l);
                 s.unreachable = false;
             }
@@ -412,6 +548,8 @@ pub(crate) fn init() {
     LazyLock::force(&EJECTED_GAUGE);
     LazyLock::force(&IN_FLIGHT_GAUGE);
     LazyLock::force(&FAILURES_TOTAL);
+    LazyLock::force(&PREFIX_OVERLAP_HIST);
+    LazyLock::force(&CACHE_AWARE_PICKS_TOTAL);
 }
 
 #[cfg(test)]
