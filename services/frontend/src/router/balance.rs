@@ -628,6 +628,46 @@ mod tests {
         assert!(!p.snapshot()[0].2, "after a success the breaker is closed: one failure is not enough");
     }
 
+    /// A `/load` answer of a node whose prefix cache holds the first `blocks` blocks of `tokens`.
+    fn holding(tokens: &[u32], blocks: usize) -> NodeLoad {
+        let root = pdmesh_protocol::prefix::root_hash("m");
+        let keys = pdmesh_protocol::prefix::prompt_keys(&root, 4, tokens);
+        let prefix = pdmesh_protocol::PrefixSummary {
+            block_size: 4,
+            root: root.to_vec(),
+            blocks: keys.into_iter().take(blocks).collect(),
+        };
+        NodeLoad { ready: true, kv_total_blocks: 100, prefix: Some(prefix), ..Default::default() }
+    }
+
+    #[test]
+    fn cache_aware_prefers_the_holder_of_the_prefix_within_the_load_guard() {
+        let p = pool(RoutingPolicy::CacheAware);
+        let prompt: Vec<u32> = (0..40).collect();
+        p.set_load(0, Some(holding(&prompt, 0)));
+        p.set_load(1, Some(holding(&prompt, 9)));
+        for _ in 0..4 {
+            let picked = p.pick_for(&[], Some(&prompt)).unwrap();
+            assert_eq!(picked, Picked { node: 1, overlap: Some(9) }, "the node holding 9 of 10 blocks");
+        }
+        // a little busier: the overlap still wins (cost 3× but 0.19 of it)
+        let busy: Vec<_> = (0..2).map(|_| p.start(1)).collect();
+        assert_eq!(p.pick_for(&[], Some(&prompt)).unwrap().node, 1);
+        // past the load guard (cost 5× the cheapest): the load decides
+        let busier: Vec<_> = (0..2).map(|_| p.start(1)).collect();
+        assert_eq!(p.pick_for(&[], Some(&prompt)).unwrap().node, 0);
+        drop((busy, busier));
+        // an ejected holder is not picked for its overlap
+        p.failure(1, "connect");
+        p.failure(1, "connect");
+        assert_eq!(p.pick_for(&[], Some(&prompt)).unwrap().node, 0);
+        // without a prompt the pick is least_loaded's and reports no overlap
+        assert_eq!(p.pick_for(&[], None).unwrap().overlap, None);
+        // a prompt nobody holds: plain load order, overlap 0
+        let other: Vec<u32> = (100..140).collect();
+        assert_eq!(p.pick_for(&[1], Some(&other)).unwrap(), Picked { node: 0, overlap: Some(0) });
+    }
+
     #[test]
     fn a_node_that_does_not_answer_its_poll_is_not_picked() {
         let p = pool(RoutingPolicy::LeastLoaded);
