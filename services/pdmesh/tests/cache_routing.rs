@@ -68,6 +68,7 @@ fn run(policy: &str) -> Outcome {
     let mut prompts: Vec<String> =
         (0..CONVERSATIONS).map(|c| format!("conversation {c} opens with its own long preamble, number {c}.")).collect();
     let mut outcome = Outcome { answers: Vec::new(), followups_on_holders: 0, hits: (0.0, 0.0) };
+    let mut previous = vec![0u64; CONVERSATIONS];
     for turn in 0..TURNS {
         for (c, prompt) in prompts.iter_mut().enumerate() {
             prompt.push_str(&format!(" Question {turn} of {c}?"));
@@ -75,11 +76,13 @@ fn run(policy: &str) -> Outcome {
             let answer = complete(&url, prompt);
             let after = hits(p_bases, d_bases);
             if turn > 0 {
-                // the previous prompt's full blocks at least (this turn added a question to it)
-                let held = (prompt.len() as u64 / BLOCK).saturating_sub(6) * BLOCK;
-                let on_holders = after.0 - before.0 >= held as f64 && after.1 - before.1 >= held as f64;
-                outcome.followups_on_holders += usize::from(on_holders);
+                // the previous turn's prompt, its full blocks but the last (one token a byte)
+                let held = (previous[c] / BLOCK).saturating_sub(1) * BLOCK;
+                let (p_hit, d_hit) = (after.0 - before.0, after.1 - before.1);
+                eprintln!("{policy}: conversation {c} turn {turn}: {held} held, P hit {p_hit}, D hit {d_hit}");
+                outcome.followups_on_holders += usize::from(p_hit >= held as f64 && d_hit >= held as f64);
             }
+            previous[c] = prompt.len() as u64;
             prompt.push_str(&answer);
             outcome.answers.push(answer);
         }
