@@ -68,7 +68,7 @@ fn run(policy: &str) -> Outcome {
     let mut prompts: Vec<String> =
         (0..CONVERSATIONS).map(|c| format!("conversation {c} opens with its own long preamble, number {c}.")).collect();
     let mut outcome = Outcome { answers: Vec::new(), followups_on_holders: 0, hits: (0.0, 0.0) };
-    let mut previous = vec![0u64; CONVERSATIONS];
+    let mut previous = [0u64; CONVERSATIONS];
     for turn in 0..TURNS {
         for (c, prompt) in prompts.iter_mut().enumerate() {
             prompt.push_str(&format!(" Question {turn} of {c}?"));
