@@ -53,6 +53,24 @@ pub async fn wait_ready(url: &str, limit: Duration) -> anyhow::Result<()> {
     anyhow::bail!("{url} not ready within {limit:?}")
 }
 
+/// Wait until the router at `url` says every upstream is healthy (`/health` status `ready`,
+/// not `degraded`); a router has no `/debug/engines` of its own for [`wait_ready`].
+pub async fn wait_router_ready(url: &str, limit: Duration) -> anyhow::Result<()> {
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Ok(r) = client.get(format!("{url}/health")).send().await {
+            if let Ok(v) = r.json::<serde_json::Value>().await {
+                if v["status"] == "ready" {
+                    return Ok(());
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("router {url} not ready within {limit:?}")
+}
+
 /// `(sum, count)` of `pdmesh_engine_step_seconds` from a Prometheus text page.
 pub async fn scrape_step_seconds(url: &str) -> Option<(f64, f64)> {
     let text = reqwest::get(url).await.ok()?.text().await.ok()?;
@@ -192,4 +210,15 @@ async fn one_stream(
         }
     }
     Ok((ttft, itl, n))
+}
+
+/// The sum of every series of the metric `name` on the Prometheus page at `url` (all label
+/// sets); NaN when the page cannot be read, so a missing scrape never passes for a zero.
+pub async fn scrape(url: &str, name: &str) -> f64 {
+    let Ok(r) = reqwest::get(url).await else { return f64::NAN };
+    let Ok(text) = r.text().await else { return f64::NAN };
+    text.lines()
+        .filter(|l| l.split([' ', '{']).next() == Some(name))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .sum()
 }

@@ -11,8 +11,12 @@
 //! model and pool size (one variant per `--variants` entry):
 //! - `off`: prefix caching off on every node: every turn prefills its whole history and D
 //!   reads every block;
-//! - `rr`: prefix caching on, the router's default pick (round-robin);
-//! - any further variant a router policy adds.
+//! - `rr`: prefix caching on, the router picking round-robin;
+//! - `aware`: prefix caching on, the router picking `cache_aware` (D59): it tokenises each
+//!   prompt with the model's tokenizer and sends it to the P and the D holding most of it;
+//! - `ll`: prefix caching on, the router picking `least_loaded` (load only).
+//!
+//! `off` routes `least_loaded` (the policy before D59), so its numbers stay comparable.
 //!
 //! Each turn index is served on every mesh in turn (the order rotates), so all meshes see the
 //! same machine load. Reported per mesh: TTFT p50/p99 of turns ≥ 2, prompt tokens the workers
@@ -46,7 +50,8 @@ pub struct MultiturnArgs {
     /// Conversations served at once on a mesh.
     #[arg(long, default_value_t = 4)]
     pub concurrency: usize,
-    /// Meshes to compare: `off` (no prefix caching), `rr` (caching, round-robin router).
+    /// Meshes to compare: `off` (no prefix caching), `rr` (caching, round-robin router),
+    /// `aware` (caching, cache-aware router), `ll` (caching, least-loaded router).
     #[arg(long, value_delimiter = ',', default_value = "off,rr")]
     pub variants: Vec<String>,
     /// KV blocks per rank on every node.
@@ -111,6 +116,13 @@ fn topology(a: &MultiturnArgs, run_dir: &std::path::Path, http: u16, base: u16, 
     let mut meshes = Vec::new();
     for (v, variant) in a.variants.iter().enumerate() {
         let caching = variant != "off";
+        let policy = match variant.as_str() {
+            "rr" => "round_robin",
+            "aware" => "cache_aware",
+            _ => "least_loaded",
+        };
+        // A cache-aware router tokenises prompts with the nodes' own model.
+        let router_model = if policy == "cache_aware" { format!("{model}\n") } else { String::new() };
         let engine = format!(
             "engine = {{ block_size = {BLOCK_SIZE}, num_blocks = {}, max_num_seqs = 32, max_num_batched_tokens = 1024, max_model_len = 4096, enable_prefix_caching = {caching} }}",
             a.num_blocks
@@ -121,7 +133,7 @@ fn topology(a: &MultiturnArgs, run_dir: &std::path::Path, http: u16, base: u16, 
         let p_urls = [format!("http://127.0.0.1:{}", h + 1), format!("http://127.0.0.1:{}", h + 2)];
         let d_urls = [format!("http://127.0.0.1:{}", h + 3), format!("http://127.0.0.1:{}", h + 4)];
         topo.push_str(&format!(
-            "\n[[nodes]]\nname = \"router-{variant}\"\nrole = \"router\"\nhttp_port = {h}\nbase_port = {b}\nrouter = {{ prefill = {p_urls:?}, decode = {d_urls:?} }}\n"
+            "\n[[nodes]]\nname = \"router-{variant}\"\nrole = \"router\"\nhttp_port = {h}\nbase_port = {b}\n{router_model}router = {{ prefill = {p_urls:?}, decode = {d_urls:?}, policy = \"{policy}\" }}\n"
         ));
         let mut workers = Vec::new();
         let mut decode_workers = Vec::new();
@@ -148,19 +160,10 @@ fn topology(a: &MultiturnArgs, run_dir: &std::path::Path, http: u16, base: u16, 
     (topo, meshes)
 }
 
-async fn scrape(url: &str, name: &str) -> f64 {
-    let Ok(r) = reqwest::get(url).await else { return f64::NAN };
-    let Ok(text) = r.text().await else { return f64::NAN };
-    text.lines()
-        .filter(|l| l.split([' ', '{']).next() == Some(name))
-        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
-        .sum()
-}
-
 async fn scrape_all(urls: &[String], name: &str) -> f64 {
     let mut sum = 0.0;
     for u in urls {
-        sum += scrape(u, name).await;
+        sum += crate::client::scrape(u, name).await;
     }
     sum
 }
@@ -239,6 +242,9 @@ struct Tally {
 
 pub async fn run(a: MultiturnArgs) -> anyhow::Result<()> {
     anyhow::ensure!(!a.variants.is_empty(), "--variants names no mesh");
+    if let Some(v) = a.variants.iter().find(|v| !["off", "rr", "aware", "ll"].contains(&v.as_str())) {
+        anyhow::bail!("unknown variant {v:?}: the variants are off, rr, aware, ll");
+    }
     let pdmesh = crate::client::pdmesh_binary(a.pdmesh.as_deref())?;
     let run_dir = std::env::temp_dir().join(format!("pdmesh-multiturn-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&run_dir);
@@ -249,7 +255,7 @@ pub async fn run(a: MultiturnArgs) -> anyhow::Result<()> {
     std::fs::write(&topo_path, &topo)?;
     let _up = crate::client::spawn_mesh(&pdmesh, &topo_path, &run_dir, "warn")?;
     for m in &meshes {
-        crate::client::wait_ready(&m.url, Duration::from_secs(300)).await?;
+        crate::client::wait_router_ready(&m.url, Duration::from_secs(300)).await?;
     }
     let client = reqwest::Client::builder().timeout(Duration::from_secs(600)).build()?;
     let system = system_prompt(a.system_words);

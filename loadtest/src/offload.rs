@@ -82,15 +82,6 @@ async fn stream(client: &reqwest::Client, url: &str, prompt: &str, max_tokens: u
     Ok((ttft.unwrap_or(f64::NAN), text))
 }
 
-async fn scrape(url: &str, name: &str) -> f64 {
-    let Ok(r) = reqwest::get(url).await else { return f64::NAN };
-    let Ok(text) = r.text().await else { return f64::NAN };
-    text.lines()
-        .filter(|l| l.split([' ', '{']).next() == Some(name))
-        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
-        .sum()
-}
-
 fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len().max(1) as f64
 }
@@ -156,7 +147,8 @@ pub async fn run(a: OffloadArgs) -> anyhow::Result<()> {
     let mut outputs: [Vec<String>; 2] = [Vec::new(), Vec::new()];
     let mut mismatches = 0usize;
     for (phase_no, phase) in phases.iter_mut().enumerate() {
-        let before = [scrape(&workers[0], computed).await, scrape(&workers[1], computed).await];
+        let before =
+            [crate::client::scrape(&workers[0], computed).await, crate::client::scrape(&workers[1], computed).await];
         for (i, p) in prompts.iter().enumerate() {
             let order = if (i + phase_no) % 2 == 0 { [0, 1] } else { [1, 0] };
             let mut texts = [String::new(), String::new()];
@@ -171,12 +163,12 @@ pub async fn run(a: OffloadArgs) -> anyhow::Result<()> {
             }
         }
         for node in 0..2 {
-            phase.prefilled[node] = scrape(&workers[node], computed).await - before[node];
+            phase.prefilled[node] = crate::client::scrape(&workers[node], computed).await - before[node];
         }
     }
-    let hits = scrape(&on_scheduler, "pdmesh_offload_hits_total").await;
-    let hit_tokens = scrape(&on_scheduler, "pdmesh_offload_hit_tokens_total").await;
-    let loaded_blocks = scrape(&workers[1], "pdmesh_offload_loaded_blocks_total").await;
+    let hits = crate::client::scrape(&on_scheduler, "pdmesh_offload_hits_total").await;
+    let hit_tokens = crate::client::scrape(&on_scheduler, "pdmesh_offload_hit_tokens_total").await;
+    let loaded_blocks = crate::client::scrape(&workers[1], "pdmesh_offload_loaded_blocks_total").await;
     let row = |name: &str, ph: &Phase| {
         serde_json::json!({
             "phase": name,

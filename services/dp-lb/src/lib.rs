@@ -70,6 +70,8 @@ pub struct DpLb {
     engines: Option<RouterHandle>,
     outputs: Option<PushHandle>,
     stats: HashMap<u64, StatsGather>,
+    /// What each rank's prefix cache holds, from its last stats answer (D59).
+    prefix: Vec<policy::RankPrefix>,
     next_corr: u64,
     health: pdmesh_telemetry::ops::Health,
     /// Rejection notices that arrived while no rank was connected (rule R1).
@@ -201,6 +203,7 @@ impl DpLb {
             engines: None,
             outputs: None,
             stats: HashMap::new(),
+            prefix: vec![policy::RankPrefix::default(); dp_size as usize],
             next_corr: 1,
             health,
             limits,
@@ -237,7 +240,7 @@ impl DpLb {
                 }
                 r
             }
-            None => match policy::choose(&self.ranks, self.limits.max_waiting) {
+            None => match policy::choose_with_overlap(&self.ranks, self.limits.max_waiting, &self.overlaps(&req)) {
                 Ok(r) => r,
                 Err(policy::NoRank::Unavailable) => {
                     m::ROUTED.with_label_values(&["unavailable"]).inc();
@@ -285,6 +288,14 @@ impl DpLb {
         let trace = pdmesh_telemetry::trace::outgoing(&tracing::Span::current(), &env.trace);
         self.send_to_rank(rank, Envelope::new(Message::AddRequest(req)).with_request_id(id).with_trace(trace));
         Message::Ack
+    }
+
+    /// Blocks of `req`'s prompt each rank holds (all zero with one rank: nothing to choose).
+    fn overlaps(&self, req: &pdmesh_protocol::EngineRequest) -> Vec<usize> {
+        if self.ranks.iter().filter(|l| l.connected).count() < 2 {
+            return Vec::new();
+        }
+        self.prefix.iter().map(|p| p.overlap(&req.prompt_token_ids)).collect()
     }
 
     /// Rule R1: a notice goes to the pinned rank if it is up, else to every connected rank
@@ -383,6 +394,9 @@ impl DpLb {
         if let Some(l) = self.ranks.get_mut(rank as usize) {
             *l = RankLoad::default();
         }
+        if let Some(p) = self.prefix.get_mut(rank as usize) {
+            *p = policy::RankPrefix::default();
+        }
         let lost: Vec<String> =
             self.in_flight.iter().filter(|(_, f)| f.rank == rank).map(|(id, _)| id.clone()).collect();
         tracing::error!(rank, in_flight = lost.len(), "engine rank lost; failing its in-flight requests");
@@ -442,6 +456,9 @@ impl Handler<FromEngines> for DpLb {
                     if let Some(l) = self.ranks.get_mut(h.rank as usize) {
                         *l = RankLoad { connected: true, ..Default::default() };
                     }
+                    if let Some(p) = self.prefix.get_mut(h.rank as usize) {
+                        *p = policy::RankPrefix::default();
+                    }
                     m::RANKS_UP.set(self.ranks.iter().filter(|l| l.connected).count() as i64);
                     self.health.set_ready(true);
                     tracing::info!(rank = h.rank, pid = h.pid, "engine rank connected");
@@ -459,6 +476,9 @@ impl Handler<FromEngines> for DpLb {
                     if let Some(g) = self.stats.get_mut(&corr) {
                         for e in s.engines {
                             g.waiting.retain(|r| *r != e.engine_rank);
+                            if let Some(p) = self.prefix.get_mut(e.engine_rank as usize) {
+                                *p = e.prefix.as_ref().map(policy::RankPrefix::from_summary).unwrap_or_default();
+                            }
                             g.collected.engines.push(e);
                         }
                         self.maybe_finish_stats(corr, false);

@@ -1,4 +1,7 @@
-//! Rank choice.
+//! Rank choice: by load (vLLM's score), and with prefix caching by the prompt blocks a rank
+//! already holds too (D59).
+
+pub use pdmesh_protocol::prefix::PrefixIndex as RankPrefix;
 
 /// What the dp-lb knows of one rank's load.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -55,9 +58,76 @@ pub fn choose(ranks: &[RankLoad], max_waiting: u32) -> Result<u32, NoRank> {
         .ok_or(NoRank::Full)
 }
 
+/// A rank's score may exceed the least-loaded rank's by this much (4 = one waiting request)
+/// and still win on prefix overlap: beyond it the load decides, so a hot prefix cannot pile
+/// every request onto one rank (SGLang's cache-aware balance threshold, in vLLM's units).
+pub const OVERLAP_LOAD_SLACK: u64 = 8;
+
+/// [`choose`], preferring among ranks with room the one holding most of the prompt's prefix
+/// (`overlap[rank]` blocks) while its score stays within [`OVERLAP_LOAD_SLACK`] of the
+/// least-loaded one's; ties and zero overlap go to the load.
+pub fn choose_with_overlap(ranks: &[RankLoad], max_waiting: u32, overlap: &[usize]) -> Result<u32, NoRank> {
+    let by_load = choose(ranks, max_waiting)?;
+    let floor = ranks.get(by_load as usize).map_or(0, RankLoad::score);
+    let best = ranks
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| {
+            l.connected && l.has_room(max_waiting) && l.score() <= floor.saturating_add(OVERLAP_LOAD_SLACK)
+        })
+        .map(|(i, l)| (i, overlap.get(i).copied().unwrap_or(0), l.score()))
+        .filter(|(_, o, _)| *o > 0)
+        .max_by_key(|(i, o, score)| (*o, std::cmp::Reverse(*score), std::cmp::Reverse(*i)));
+    Ok(best.map_or(by_load, |(i, _, _)| i as u32))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pdmesh_protocol::prefix::prompt_keys;
+    use pdmesh_protocol::PrefixSummary;
+
+    fn summary(tokens: &[u32], blocks: usize) -> PrefixSummary {
+        let root = pdmesh_protocol::prefix::root_hash("m");
+        let keys = prompt_keys(&root, 4, tokens);
+        PrefixSummary { block_size: 4, root: root.to_vec(), blocks: keys.into_iter().take(blocks).collect() }
+    }
+
+    #[test]
+    fn the_index_counts_held_blocks_from_the_first_and_a_snapshot_replaces_it() {
+        let tokens: Vec<u32> = (0..17).collect();
+        let mut idx = RankPrefix::from_summary(&summary(&tokens, 3));
+        assert_eq!(idx.overlap(&tokens), 3);
+        assert_eq!(idx.overlap(&tokens[..8]), 2, "a shorter prompt hits only its own full blocks");
+        assert_eq!(idx.overlap(&[9, 9, 9, 9, 0, 1, 2, 3]), 0);
+        // the next answer lost the first block (evicted): nothing counts past a miss
+        let mut s = summary(&tokens, 4);
+        s.blocks.remove(0);
+        idx = RankPrefix::from_summary(&s);
+        assert_eq!(idx.overlap(&tokens), 0);
+        // cleared (caching reset, another model): empty
+        idx = RankPrefix::from_summary(&PrefixSummary { blocks: vec![], ..summary(&tokens, 0) });
+        assert!(idx.is_empty());
+        assert_eq!(idx.overlap(&tokens), 0);
+        let bad_root = PrefixSummary { root: vec![1, 2], ..summary(&tokens, 4) };
+        assert_eq!(RankPrefix::from_summary(&bad_root).overlap(&tokens), 0, "a malformed root matches nothing");
+    }
+
+    #[test]
+    fn overlap_wins_within_the_load_slack_only() {
+        let up = |w, r| RankLoad { connected: true, waiting: w, running: r, pending: 0 };
+        // rank 1 holds the prefix and is a little busier: it wins
+        assert_eq!(choose_with_overlap(&[up(0, 0), up(0, 3)], 0, &[0, 5]), Ok(1));
+        // much busier (score 4·3 = 12 > 0 + 8): the load decides
+        assert_eq!(choose_with_overlap(&[up(0, 0), up(3, 0)], 0, &[0, 5]), Ok(0));
+        // the longer overlap wins between two holders
+        assert_eq!(choose_with_overlap(&[up(0, 0), up(0, 1), up(0, 0)], 0, &[2, 5, 1]), Ok(1));
+        // no overlap anywhere: plain least-loaded
+        assert_eq!(choose_with_overlap(&[up(0, 2), up(0, 1)], 0, &[0, 0]), Ok(1));
+        // a full queue is never chosen for its overlap
+        assert_eq!(choose_with_overlap(&[up(0, 0), up(1, 0)], 1, &[0, 9]), Ok(0));
+        assert_eq!(choose_with_overlap(&[RankLoad::default(), up(0, 0)], 0, &[9, 0]), Ok(1), "not connected");
+    }
 
     #[test]
     fn picks_least_loaded_connected_rank() {

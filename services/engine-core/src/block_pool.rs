@@ -34,42 +34,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use sha2::{Digest, Sha256};
-
-/// The hash of a full block and, through the chain, of every token before it.
-pub type BlockHash = [u8; 32];
-
-/// The root of a request's hash chain: the salt names what, besides the tokens, makes the
-/// KV what it is (the model), so blocks of another model never match.
-pub fn root_hash(salt: &str) -> BlockHash {
-    let mut h = Sha256::new();
-    h.update(b"pdmesh-kv-prefix-v1\0");
-    h.update(salt.as_bytes());
-    h.finalize().into()
-}
-
-/// The hash of one full block: the parent's hash (the root for the first block) and the
-/// block's token ids, little-endian.
-pub fn block_hash(parent: &BlockHash, tokens: &[u32]) -> BlockHash {
-    let mut h = Sha256::new();
-    h.update(parent);
-    for t in tokens {
-        h.update(t.to_le_bytes());
-    }
-    h.finalize().into()
-}
-
-/// Extend `hashes` with the hashes of every full block of `tokens` not hashed yet.
-pub fn extend_hashes(root: &BlockHash, tokens: &[u32], block_size: u32, hashes: &mut Vec<BlockHash>) {
-    let bs = block_size.max(1) as usize;
-    let full = tokens.len() / bs;
-    while hashes.len() < full {
-        let i = hashes.len();
-        let parent = hashes.last().copied().unwrap_or(*root);
-        let Some(chunk) = tokens.get(i * bs..(i + 1) * bs) else { return };
-        hashes.push(block_hash(&parent, chunk));
-    }
-}
+// The hash functions live in the protocol crate, so that the dp-lb and the router, which hash
+// prompts to route them (D59), can never disagree with the pool.
+pub use pdmesh_protocol::prefix::{block_hash, extend_hashes, root_hash, BlockHash};
 
 /// Counters of the cache, exported as metrics.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -147,6 +114,15 @@ impl BlockPool {
     /// Blocks registered in the cache (referenced or not).
     pub fn num_cached(&self) -> u32 {
         self.cached.len() as u32
+    }
+
+    /// The published keys of the cached blocks (D59): in-use ones first, then free ones most
+    /// recently used first, at most `limit` — the blocks next to be evicted are the ones left
+    /// out when the pool caches more than a summary may carry.
+    pub fn cached_keys(&self, limit: usize) -> Vec<u64> {
+        let in_use = self.cached.iter().filter(|(_, &b)| self.ref_count(b) > 0).map(|(h, _)| h);
+        let free = self.free.values().rev().filter_map(|&b| self.hash.get(b as usize).and_then(Option::as_ref));
+        in_use.chain(free).take(limit).map(pdmesh_protocol::prefix::block_key).collect()
     }
 
     /// Cached blocks nobody references (evictable).

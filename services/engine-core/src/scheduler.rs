@@ -1086,7 +1086,17 @@ impl Scheduler {
             request_finished_calls: self.counters.request_finished_calls,
             unknown_ids: self.counters.unknown_ids,
             preemptions: self.counters.preemptions,
+            prefix: self.prefix_summary(),
         }
+    }
+
+    /// What this rank's prefix cache holds, for routing (D59); `None` with caching off.
+    fn prefix_summary(&self) -> Option<pdmesh_protocol::PrefixSummary> {
+        self.pool.caching().then(|| pdmesh_protocol::PrefixSummary {
+            block_size: self.cfg.block_size,
+            root: self.root.to_vec(),
+            blocks: self.pool.cached_keys(pdmesh_protocol::prefix::MAX_PUBLISHED_BLOCKS),
+        })
     }
 
     /// Blocks the pool refused to free twice (must stay 0; asserted in tests).

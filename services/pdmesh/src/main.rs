@@ -183,6 +183,22 @@ fn parse_cli() -> Cli {
     }
 }
 
+/// The tokenizer a `cache_aware` router hashes prompts with (D59): the nodes' model, as the
+/// router node's own `model` names it. Not loaded for other policies; a model that fails to
+/// load leaves the router picking by load (logged once by the router).
+fn router_tokenizer(node: &pdmesh_config::NodeConfig) -> Option<pdmesh_frontend::router::prompt::PromptTokenizer> {
+    if node.router.policy != pdmesh_config::RoutingPolicy::CacheAware {
+        return None;
+    }
+    match model::load_text(node) {
+        Ok(loaded) => Some(pdmesh_frontend::router::prompt::PromptTokenizer::new(loaded.codec, loaded.options)),
+        Err(e) => {
+            tracing::warn!(error = %format!("{e:#}"), "router cannot load the nodes' tokenizer");
+            None
+        }
+    }
+}
+
 /// clap's exit status for a usage error.
 const CLAP_USAGE_STATUS: i32 = 2;
 
@@ -203,7 +219,8 @@ fn run() -> anyhow::Result<()> {
                 let keys = keys.resolve()?;
                 if ctx.node.role == pdmesh_config::NodeRole::Router {
                     let client_keys = pdmesh_frontend::ApiKeys::new(keys.router_keys());
-                    pdmesh_frontend::router::run_router(ctx, client_keys, keys.internal, shutdown).await?;
+                    let tokenizer = router_tokenizer(&ctx.node);
+                    pdmesh_frontend::router::run_router(ctx, client_keys, keys.internal, tokenizer, shutdown).await?;
                     return Ok(());
                 }
                 let loaded = model::load_text(&ctx.node).context(Misconfigured("loading the tokenizer".into()))?;

@@ -19,62 +19,22 @@
 
 mod common;
 
-use std::path::Path;
 use std::sync::atomic::AtomicUsize;
 
-use common::failover::{burst, check_all, check_reference, kill_node, metric, stream_one, STREAMS, TOKENS};
-use common::{reserve_ports, side_ports};
+use common::failover::{burst, check_all, check_reference, kill_node, stream_one, STREAMS, TOKENS};
+use common::{metric, reserve_ports, scaleout_topology};
 
 /// A per-token cost so that 8 streams of 64 tokens on one D last a few seconds.
 const SETTINGS: &str =
     "model = { kind = \"synthetic\", per_token_cost_us = 3000 }\nengine = { block_size = 4, num_blocks = 1024 }";
 
-struct Ports {
-    router: u16,
-    p: [u16; 2],
-    d: [u16; 2],
-}
-
-fn topology(run_dir: &Path, (h1, b1): (u16, u16), (h2, b2): (u16, u16)) -> (String, Ports) {
-    let (s1, s2) = (side_ports(h1), side_ports(h2));
-    let node = |name: &str, role: &str, http: u16, base: u16, kv_role: &str, side: u16| {
-        format!(
-            "[[nodes]]\nname = \"{name}\"\nrole = \"{role}\"\nhttp_host = \"127.0.0.1\"\nhttp_port = {http}\n\
-             bind_host = \"127.0.0.1\"\nbase_port = {base}\n{SETTINGS}\n\
-             kv_transfer = {{ kv_role = \"{kv_role}\", engine_id = \"{name}\", backend = \"tcp\", \
-             side_channel_host = \"127.0.0.1\", side_channel_port = {side}, data_port = {}, \
-             kv_load_failure_policy = \"recompute\" }}\n",
-            side + 2
-        )
-    };
-    let ports = Ports { router: h1, p: [h1 + 1, h2], d: [h1 + 2, h2 + 1] };
-    let text = format!(
-        "run_dir = {:?}\n\
-         [[nodes]]\nname = \"router\"\nrole = \"router\"\nhttp_port = {h1}\nbase_port = {b1}\n\
-         router = {{ prefill = [\"http://127.0.0.1:{}\", \"http://127.0.0.1:{}\"], decode = [\"http://127.0.0.1:{}\", \"http://127.0.0.1:{}\"], load_poll_ms = 0 }}\n\
-         {}{}{}{}",
-        run_dir.display().to_string(),
-        ports.p[0],
-        ports.p[1],
-        ports.d[0],
-        ports.d[1],
-        node("p-a", "prefill", ports.p[0], b1 + 20, "kv_producer", s1),
-        node("d-a", "decode", ports.d[0], b1 + 160, "kv_consumer", s1 + 4),
-        node("p-b", "prefill", ports.p[1], b2 + 20, "kv_producer", s2),
-        node("d-b", "decode", ports.d[1], b2 + 160, "kv_consumer", s2 + 4),
-    );
-    (text, ports)
-}
-
 #[test]
 fn killing_a_decode_node_then_a_prefill_node_loses_no_stream() {
     let (r1, r2) = (reserve_ports(), reserve_ports());
     let run_dir = common::failover::fresh_run_dir("pdmesh-failover", r1.0);
-    let (text, ports) = topology(&run_dir, r1, r2);
-    let topo = run_dir.join("failover.toml");
-    std::fs::write(&topo, text).unwrap();
-    let engines = [ports.p[0], ports.p[1], ports.d[0], ports.d[1]];
-    let mesh = common::failover::up(&topo, &run_dir, ports.router, r1.1, &engines);
+    let (text, ports) = scaleout_topology(&run_dir, r1, r2, SETTINGS, "load_poll_ms = 0");
+    let ready: Vec<u16> = ports.p.iter().chain(&ports.d).copied().collect();
+    let mesh = common::start_scaleout(&run_dir, &text, ports.router, r1.1, &ready);
     let url = format!("http://127.0.0.1:{}/v1/completions", ports.router);
 
     // 1. The undisturbed run.

@@ -162,8 +162,7 @@ fn real_model_disaggregated_equals_colocated() {
     // Streamed through the router, the first token comes from P's answer and D continues
     // after it (D63): the same text and token count as the colocated node's. Prompts of token
     // ids whose length is a whole number of blocks (16) put P's token in a block of its own on D.
-    let first_from_p =
-        || common::metric_sum(&mesh.url_on(router, "/metrics"), "pdmesh_router_first_token_from_prefill_total");
+    let first_from_p = || common::metric(router, "pdmesh_router_first_token_from_prefill_total", "");
     let before = first_from_p();
     let ids = |n: u32| (0..n).map(|i| 1000 + 37 * i).collect::<Vec<_>>();
     let bodies = [

@@ -654,8 +654,11 @@ pub struct RouterConfig {
     /// the deadline-only baseline, like `kv_transfer.give_up_notices`).
     #[serde(default = "yes")]
     pub give_up_notices: bool,
-    /// How the router picks a node of each role (D55): `least_loaded` (the lower cost of two
-    /// candidates: outstanding requests times the node's observed latency) or `round_robin`.
+    /// How the router picks a node of each role (D55, D59): `cache_aware` (the default: cost
+    /// lowered by the share of the prompt a node already holds in its prefix cache; the
+    /// router loads the node's tokenizer from `model` for it), `least_loaded` (the lower cost
+    /// of two candidates: outstanding requests times the node's observed latency) or
+    /// `round_robin`.
     #[serde(default)]
     pub policy: RoutingPolicy,
     /// Milliseconds between two polls of every upstream's `GET /load` (readiness, queue depth,
@@ -735,7 +738,10 @@ fn check_dns_name(name: &str) -> Result<(), String> {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RoutingPolicy {
+    /// Load and the prompt blocks each node already holds (D59); `least_loaded` when the
+    /// router cannot tokenise (no model to load the tokenizer from).
     #[default]
+    CacheAware,
     LeastLoaded,
     RoundRobin,
 }

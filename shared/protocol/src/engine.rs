@@ -221,6 +221,9 @@ pub struct EngineStats {
     pub unknown_ids: u64,
     #[serde(default)]
     pub preemptions: u64,
+    /// What the rank holds in its prefix cache (D59); `None` with prefix caching off.
+    #[serde(default)]
+    pub prefix: Option<crate::PrefixSummary>,
 }
 
 /// The engine ranks behind one dp-lb, and how many of them are connected. A rank connects to

@@ -110,6 +110,7 @@ pub fn every_message() -> Vec<Message> {
                 request_finished_calls: 5,
                 unknown_ids: 1,
                 preemptions: 0,
+                prefix: Some(PrefixSummary { block_size: 16, root: vec![7; 32], blocks: vec![1, u64::MAX] }),
             }],
             unreachable_ranks: vec![3],
         }),

@@ -170,10 +170,26 @@ pub async fn load(state: web::Data<AppState>) -> HttpResponse {
                 running: sum(|e| e.num_running),
                 kv_used_blocks: sum64(|e| e.kv.used_blocks),
                 kv_total_blocks: sum64(|e| e.kv.total_blocks),
+                prefix: node_prefix(&stats.engines),
             })
         }
         _ => not_ready(),
     }
+}
+
+/// What the node's ranks hold in their prefix caches, as one summary (D59): the router picks
+/// a node, the dp-lb then the rank, so the router needs the union. Ranks hashing another way
+/// than the first (another model) are left out; the union is bounded like one rank's.
+fn node_prefix(engines: &[EngineStats]) -> Option<pdmesh_protocol::PrefixSummary> {
+    let mut ranks = engines.iter().filter_map(|e| e.prefix.as_ref());
+    let mut union = ranks.next()?.clone();
+    for r in ranks.filter(|r| r.root == union.root && r.block_size == union.block_size) {
+        union.blocks.extend_from_slice(&r.blocks);
+    }
+    union.blocks.sort_unstable();
+    union.blocks.dedup();
+    union.blocks.truncate(pdmesh_protocol::prefix::MAX_PUBLISHED_BLOCKS);
+    Some(union)
 }
 
 /// `GET /debug/engines`: the dp-lb's `MeshStats` as is.

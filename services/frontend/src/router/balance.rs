@@ -29,6 +29,13 @@
 //! The set of nodes may change while the router runs (D61): [`discover`] re-resolves a role's
 //! DNS name and [`Pool::sync_discovered`] applies the difference. Requests therefore name a
 //! node by its stable id, not its position, and hold the node itself while counted on it.
+//!
+//! `cache_aware` (D59) weighs, besides the cost, how much of the request's prompt each node
+//! already holds in its prefix cache (the blocks from the first one on, as the node's `/load`
+//! publishes them): score = cost × (1 − `OVERLAP_WEIGHT` × held fraction), lowest wins. Only
+//! nodes whose cost is within `LOAD_GUARD` × the cheapest one's compete on overlap, so a hot
+//! prefix cannot pile every request on one node (SGLang's balance threshold). Without a prompt
+//! (the router could not tokenise it) or with nothing held anywhere, it is `least_loaded`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
@@ -36,8 +43,9 @@ use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use pdmesh_config::RoutingPolicy;
-use pdmesh_telemetry::metrics::{counter_vec, gauge_vec};
-use prometheus::{IntCounterVec, IntGaugeVec};
+use pdmesh_protocol::prefix::PrefixIndex;
+use pdmesh_telemetry::metrics::{counter_vec, gauge_vec, histogram_vec};
+use prometheus::{HistogramVec, IntCounterVec, IntGaugeVec};
 
 /// Requests the router sent to each upstream, by `role` and `upstream` (URL).
 pub const PICKS: &str = "pdmesh_router_picks_total";
@@ -61,6 +69,23 @@ static UPSTREAMS_GAUGE: LazyLock<IntGaugeVec> =
     LazyLock::new(|| gauge_vec(UPSTREAMS, "Upstreams the router routes to, by role and source", &["role", "source"]));
 static DISCOVERY_ERRORS_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(DISCOVERY_ERRORS, "DNS refreshes of an upstream name that failed", &["role"]));
+/// Prompt blocks the chosen node already held, per cache-aware pick, by `role`.
+pub const PREFIX_OVERLAP: &str = "pdmesh_router_prefix_overlap_blocks";
+/// Cache-aware picks, by `role` and `reason`: `overlap` (the node holding more of the prompt
+/// won over a cheaper one), `load` (the cheapest node won), `no_prefix` (nothing held).
+pub const CACHE_AWARE_PICKS: &str = "pdmesh_router_cache_aware_picks_total";
+
+static PREFIX_OVERLAP_HIST: LazyLock<HistogramVec> = LazyLock::new(|| {
+    histogram_vec(
+        PREFIX_OVERLAP,
+        "Prompt blocks the chosen upstream already held (cache-aware routing)",
+        &["role"],
+        vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0],
+    )
+});
+static CACHE_AWARE_PICKS_TOTAL: LazyLock<IntCounterVec> =
+    LazyLock::new(|| counter_vec(CACHE_AWARE_PICKS, "Cache-aware picks by what decided them", &["role", "reason"]));
+
 static PICKS_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(PICKS, "Requests sent to each upstream", &["role", "upstream"]));
 static EJECTIONS_TOTAL: LazyLock<IntCounterVec> =
@@ -79,15 +104,22 @@ const EWMA_ALPHA: f64 = 0.1;
 const SLOW_RATIO: f64 = 3.0;
 /// Half-life of a left-out node's latency excess over the best, while it gets no samples.
 const SLOW_PROBE_HALF_LIFE: Duration = Duration::from_secs(10);
+/// `cache_aware`: how much a fully held prompt lowers a node's cost (0.9: to a tenth).
+const OVERLAP_WEIGHT: f64 = 0.9;
+/// `cache_aware`: a node costing more than this many times the cheapest competes on load only.
+const LOAD_GUARD: f64 = 4.0;
 
 /// What a node says of itself on `GET /load`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct NodeLoad {
     pub ready: bool,
     pub waiting: u32,
     pub running: u32,
     pub kv_used_blocks: u64,
     pub kv_total_blocks: u64,
+    /// What its prefix caches hold (D59); absent with caching off and from older nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<pdmesh_protocol::PrefixSummary>,
 }
 
 /// Ejection settings (`router.eject_*`).
@@ -100,8 +132,11 @@ pub struct Breaker {
 
 #[derive(Debug, Default)]
 struct State {
-    /// Last poll: `None` before the first answer (and with polling off).
+    /// Last poll: `None` before the first answer (and with polling off); its `prefix` is
+    /// moved into `prefix`.
     load: Option<NodeLoad>,
+    /// The node's prefix cache as its last poll published it.
+    prefix: PrefixIndex,
     /// The last poll failed (connect error, timeout, a non-2xx other than 404).
     unreachable: bool,
     latency: Option<f64>,
@@ -166,6 +201,14 @@ pub struct Pool {
     next: AtomicUsize,
     policy: RoutingPolicy,
     breaker: Breaker,
+}
+
+/// The node a pick chose and, for a `cache_aware` pick with a prompt, how many of its blocks
+/// that node holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Picked {
+    pub node: usize,
+    pub overlap: Option<usize>,
 }
 
 /// One request's place on an upstream: counted in its in-flight number until dropped.
@@ -326,7 +369,7 @@ impl Pool {
     fn eligible(u: &Upstream, now: Instant) -> bool {
         let s = u.lock();
         let ejected = s.ejected_until.is_some_and(|t| now < t);
-        let ready = !s.unreachable && s.load.is_none_or(|l| l.ready);
+        let ready = !s.unreachable && s.load.as_ref().is_none_or(|l| l.ready);
         !ejected && ready
     }
 
@@ -348,7 +391,7 @@ impl Pool {
     fn cost(u: &Upstream, latency: f64) -> f64 {
         let in_flight = f64::from(u.in_flight.load(Ordering::Relaxed));
         let s = u.lock();
-        let (reported, waiting, kv) = match s.load {
+        let (reported, waiting, kv) = match &s.load {
             Some(l) => {
                 let kv = if l.kv_total_blocks > 0 { l.kv_used_blocks as f64 / l.kv_total_blocks as f64 } else { 0.0 };
                 (f64::from(l.running.saturating_add(l.waiting)), f64::from(l.waiting), kv)
@@ -363,6 +406,12 @@ impl Pool {
     /// failed on), and return its id. Counts the pick; the caller holds [`Pool::start`] while
     /// the call runs.
     pub fn pick(&self, exclude: &[usize]) -> Option<usize> {
+        self.pick_for(exclude, None).map(|p| p.node)
+    }
+
+    /// [`Pool::pick`] for a request whose prompt is `prompt` (token ids, when the router could
+    /// tokenise it), which `cache_aware` weighs against what each node holds.
+    pub fn pick_for(&self, exclude: &[usize], prompt: Option<&[u32]>) -> Option<Picked> {
         let now = Instant::now();
         let allowed: Vec<Arc<Upstream>> = self.nodes().into_iter().filter(|u| !exclude.contains(&u.id)).collect();
         let eligible: Vec<Arc<Upstream>> = allowed.iter().filter(|u| Self::eligible(u, now)).cloned().collect();
@@ -371,20 +420,16 @@ impl Pool {
             return None;
         }
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
-        let chosen = match self.policy {
-            RoutingPolicy::RoundRobin => candidates[turn % candidates.len()].clone(),
-            RoutingPolicy::LeastLoaded => {
-                // Nodes not measured yet count at the best measured latency, so they get tried.
-                let best = candidates
-                    .iter()
-                    .filter_map(|u| u.lock().latency)
-                    .fold(None, |m: Option<f64>, l| Some(m.map_or(l, |m| m.min(l))))
-                    .unwrap_or(1.0);
-                let latency: Vec<(Arc<Upstream>, f64)> =
-                    candidates.iter().map(|u| (u.clone(), Self::latency(u, best, now))).collect();
-                let fast: Vec<(Arc<Upstream>, f64)> =
-                    latency.iter().filter(|(_, l)| *l <= SLOW_RATIO * best).cloned().collect();
-                let candidates = if fast.is_empty() { latency } else { fast };
+        let mut overlap = None;
+        let chosen = match (self.policy, prompt) {
+            (RoutingPolicy::RoundRobin, _) => candidates[turn % candidates.len()].clone(),
+            (RoutingPolicy::CacheAware, Some(tokens)) => {
+                let (u, held) = self.cache_aware(&candidates, turn, tokens, now);
+                overlap = Some(held);
+                u
+            }
+            (RoutingPolicy::LeastLoaded | RoutingPolicy::CacheAware, _) => {
+                let candidates = Self::latencies(&candidates, now);
                 let (a, la) = &candidates[turn % candidates.len()];
                 let (b, lb) = if candidates.len() > 2 {
                     // Power of two choices: a second candidate other than `a`, spread by `turn`.
@@ -401,7 +446,100 @@ impl Pool {
             }
         };
         PICKS_TOTAL.with_label_values(&[self.role, &chosen.url]).inc();
-        Some(chosen.id)
+        Some(Picked { node: chosen.id, overlap })
+    }
+
+    /// The candidates' latencies as `least_loaded` weighs them: the best measured one for a
+    /// node not measured yet, and the nodes above `SLOW_RATIO` × the best left out (unless
+    /// that leaves none).
+    fn latencies(candidates: &[Arc<Upstream>], now: Instant) -> Vec<(Arc<Upstream>, f64)> {
+        let best = candidates
+            .iter()
+            .filter_map(|u| u.lock().latency)
+            .fold(None, |m: Option<f64>, l| Some(m.map_or(l, |m| m.min(l))))
+            .unwrap_or(1.0);
+        let latency: Vec<(Arc<Upstream>, f64)> =
+            candidates.iter().map(|u| (u.clone(), Self::latency(u, best, now))).collect();
+        let fast: Vec<(Arc<Upstream>, f64)> =
+            latency.iter().filter(|(_, l)| *l <= SLOW_RATIO * best).cloned().collect();
+        if fast.is_empty() {
+            latency
+        } else {
+            fast
+        }
+    }
+
+    /// Prompt blocks each of `nodes` holds, counting from the first; the keys are hashed once
+    /// per distinct chain (root and block size) among the nodes.
+    fn overlaps(nodes: &[Arc<Upstream>], tokens: &[u32]) -> Vec<usize> {
+        let mut hashed: Vec<(PrefixIndex, Option<Vec<u64>>)> = Vec::new();
+        nodes
+            .iter()
+            .map(|u| {
+                let s = u.lock();
+                let known = hashed.iter().find(|(idx, _)| idx.same_chain(&s.prefix)).map(|(_, k)| k.clone());
+                let keys = known.unwrap_or_else(|| {
+                    let keys = s.prefix.keys_of(tokens);
+                    if keys.is_some() {
+                        hashed.push((s.prefix.clone(), keys.clone()));
+                    }
+                    keys
+                });
+                keys.map_or(0, |k| s.prefix.overlap_of(&k))
+            })
+            .collect()
+    }
+
+    /// The `cache_aware` choice among `candidates` (see the module docs) and the blocks of the
+    /// prompt the chosen node holds. Ties go round the candidates by `turn`.
+    fn cache_aware(
+        &self,
+        candidates: &[Arc<Upstream>],
+        turn: usize,
+        tokens: &[u32],
+        now: Instant,
+    ) -> (Arc<Upstream>, usize) {
+        let latency = Self::latencies(candidates, now);
+        let nodes: Vec<Arc<Upstream>> = latency.iter().map(|(u, _)| u.clone()).collect();
+        let held = Self::overlaps(&nodes, tokens);
+        let cost: Vec<f64> = latency.iter().map(|(u, l)| Self::cost(u, *l)).collect();
+        let blocks = (tokens.len() / Self::block_size_hint(&nodes).max(1) as usize).max(1);
+        let cheapest = cost.iter().copied().fold(f64::INFINITY, f64::min);
+        let n = nodes.len();
+        let score = |k: usize| {
+            let c = cost[k];
+            let fraction = (held[k] as f64 / blocks as f64).min(1.0);
+            if c <= LOAD_GUARD * cheapest {
+                c * (1.0 - OVERLAP_WEIGHT * fraction)
+            } else {
+                c
+            }
+        };
+        let order = (0..n).map(|k| (k + turn) % n.max(1));
+        let best = order.clone().min_by(|&a, &b| score(a).total_cmp(&score(b))).unwrap_or(0);
+        let by_load = order.min_by(|&a, &b| cost[a].total_cmp(&cost[b])).unwrap_or(0);
+        let reason = match held.get(best) {
+            Some(0) | None => "no_prefix",
+            Some(_) if best != by_load && held.get(best) > held.get(by_load) => "overlap",
+            Some(_) => "load",
+        };
+        let chosen_held = held.get(best).copied().unwrap_or(0);
+        PREFIX_OVERLAP_HIST.with_label_values(&[self.role]).observe(chosen_held as f64);
+        CACHE_AWARE_PICKS_TOTAL.with_label_values(&[self.role, reason]).inc();
+        let chosen = nodes.get(best).cloned().unwrap_or_else(|| candidates[turn % candidates.len()].clone());
+        (chosen, chosen_held)
+    }
+
+    /// The block size the nodes publish (the first that says), for the held fraction.
+    fn block_size_hint(nodes: &[Arc<Upstream>]) -> u32 {
+        nodes
+            .iter()
+            .filter_map(|u| {
+                let s = u.lock();
+                s.load.as_ref().map(|_| s.prefix.block_size())
+            })
+            .find(|&b| b > 0)
+            .unwrap_or(16)
     }
 
     /// Count one request in flight on node `id` until the returned guard drops (which holds
@@ -481,7 +619,8 @@ impl Pool {
     /// The outcome of one poll of node `i`: its load, or `None` when it did not answer.
     pub fn set_load(&self, i: usize, load: Option<NodeLoad>) {
         self.with_state(i, |s| match load {
-            Some(l) => {
+            Some(mut l) => {
+                s.prefix = l.prefix.take().map(|p| PrefixIndex::from_summary(&p)).unwrap_or_default();
                 s.load = Some(l);
                 s.unreachable = false;
             }
@@ -593,6 +732,8 @@ pub(crate) fn init() {
     LazyLock::force(&FAILURES_TOTAL);
     LazyLock::force(&UPSTREAMS_GAUGE);
     LazyLock::force(&DISCOVERY_ERRORS_TOTAL);
+    LazyLock::force(&PREFIX_OVERLAP_HIST);
+    LazyLock::force(&CACHE_AWARE_PICKS_TOTAL);
 }
 
 #[cfg(test)]
@@ -775,6 +916,46 @@ mod tests {
         let urls = resolve("localhost:8123", Duration::from_secs(5)).await.unwrap();
         assert!(urls.iter().any(|u| u == "http://127.0.0.1:8123" || u == "http://[::1]:8123"), "{urls:?}");
         assert!(resolve("no-such-host.invalid:1", Duration::from_secs(5)).await.is_err());
+    }
+
+    /// A `/load` answer of a node whose prefix cache holds the first `blocks` blocks of `tokens`.
+    fn holding(tokens: &[u32], blocks: usize) -> NodeLoad {
+        let root = pdmesh_protocol::prefix::root_hash("m");
+        let keys = pdmesh_protocol::prefix::prompt_keys(&root, 4, tokens);
+        let prefix = pdmesh_protocol::PrefixSummary {
+            block_size: 4,
+            root: root.to_vec(),
+            blocks: keys.into_iter().take(blocks).collect(),
+        };
+        NodeLoad { ready: true, kv_total_blocks: 100, prefix: Some(prefix), ..Default::default() }
+    }
+
+    #[test]
+    fn cache_aware_prefers_the_holder_of_the_prefix_within_the_load_guard() {
+        let p = pool(RoutingPolicy::CacheAware);
+        let prompt: Vec<u32> = (0..40).collect();
+        p.set_load(0, Some(holding(&prompt, 0)));
+        p.set_load(1, Some(holding(&prompt, 9)));
+        for _ in 0..4 {
+            let picked = p.pick_for(&[], Some(&prompt)).unwrap();
+            assert_eq!(picked, Picked { node: 1, overlap: Some(9) }, "the node holding 9 of 10 blocks");
+        }
+        // a little busier: the overlap still wins (cost 3× but 0.19 of it)
+        let busy: Vec<_> = (0..2).map(|_| p.start(1)).collect();
+        assert_eq!(p.pick_for(&[], Some(&prompt)).unwrap().node, 1);
+        // past the load guard (cost 5× the cheapest): the load decides
+        let busier: Vec<_> = (0..2).map(|_| p.start(1)).collect();
+        assert_eq!(p.pick_for(&[], Some(&prompt)).unwrap().node, 0);
+        drop((busy, busier));
+        // an ejected holder is not picked for its overlap
+        p.failure(1, "connect");
+        p.failure(1, "connect");
+        assert_eq!(p.pick_for(&[], Some(&prompt)).unwrap().node, 0);
+        // without a prompt the pick is least_loaded's and reports no overlap
+        assert_eq!(p.pick_for(&[], None).unwrap().overlap, None);
+        // a prompt nobody holds: plain load order, overlap 0
+        let other: Vec<u32> = (100..140).collect();
+        assert_eq!(p.pick_for(&[1], Some(&other)).unwrap(), Picked { node: 0, overlap: Some(0) });
     }
 
     #[test]

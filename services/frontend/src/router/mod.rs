@@ -16,6 +16,7 @@
 mod balance;
 mod first_token;
 mod migrate;
+pub mod prompt;
 
 use std::sync::{Arc, LazyLock};
 
@@ -58,6 +59,8 @@ pub struct RouterState {
     max_migrations: u32,
     /// `router.first_token_from_prefill`: stream P's sampled token at once (D63).
     first_token_from_prefill: bool,
+    /// The nodes' tokenizer, for `cache_aware` picks (D59); `None`: picks weigh load only.
+    tokenizer: Option<prompt::PromptTokenizer>,
 }
 
 impl RouterState {
@@ -87,7 +90,14 @@ impl RouterState {
             prefill_attempts: cfg.prefill_attempts.max(1),
             max_migrations: cfg.max_migrations,
             first_token_from_prefill: cfg.first_token_from_prefill,
+            tokenizer: None,
         }
+    }
+
+    /// Tokenise prompts with `tokenizer`, so that `cache_aware` can weigh what nodes hold.
+    pub fn with_tokenizer(mut self, tokenizer: Option<prompt::PromptTokenizer>) -> Self {
+        self.tokenizer = tokenizer;
+        self
     }
 
     /// The `Authorization` value for calls to P and D on behalf of `req`: the internal key's
@@ -165,7 +175,14 @@ fn forward_headers(
 /// The router's span of one request and the W3C context the client sent.
 fn request_span(req: &HttpRequest, request_id: &str, path: &str) -> (tracing::Span, TraceContext) {
     let client = crate::headers::client_trace(req.headers());
-    let span = tracing::info_span!("router.request", otel.kind = "server", request_id, path);
+    let span = tracing::info_span!(
+        "router.request",
+        otel.kind = "server",
+        request_id,
+        path,
+        prefill_overlap_blocks = tracing::field::Empty,
+        decode_overlap_blocks = tracing::field::Empty
+    );
     pdmesh_telemetry::trace::set_parent(&span, &client);
     (span, client)
 }
@@ -206,6 +223,8 @@ struct Legs<'a> {
     authorization: Option<&'a str>,
     /// P's token goes to the client at once, D continuing after it (D63).
     first_token: bool,
+    /// The prompt's token ids, when the router tokenised it (`cache_aware`, D59).
+    prompt: Option<&'a [u32]>,
 }
 
 /// A prefill leg that P answered: its params for D, the guard over P's blocks, and P's
@@ -236,7 +255,11 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
     let mut tried: Vec<usize> = Vec::new();
     let mut last_error = String::from("no prefill upstream");
     while (tried.len() as u32) < st.prefill_attempts {
-        let Some(pi) = st.prefill.pick(&tried) else { break };
+        let Some(picked) = st.prefill.pick_for(&tried, legs.prompt) else { break };
+        let pi = picked.node;
+        if let Some(held) = picked.overlap {
+            legs.span.record("prefill_overlap_blocks", held);
+        }
         if !tried.is_empty() {
             PREFILL_RETRIES_TOTAL.inc();
             tracing::warn!(parent: legs.span, request_id = legs.request_id, attempt = tried.len() + 1,
@@ -396,6 +419,10 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     if st.prefill.is_empty() || st.decode.is_empty() {
         return error(ApiError::Unavailable("unavailable: no prefill or decode upstream".into()), "");
     }
+    let tokens = match (&st.tokenizer, pinned) {
+        (Some(t), None) => t.tokens(path, &original),
+        _ => None,
+    };
     let legs = Legs {
         req: &req,
         st: &st,
@@ -405,6 +432,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         client_trace: &client_trace,
         authorization: authorization.as_deref(),
         first_token: st.first_token_from_prefill && pinned.is_none() && first_token::eligible(path, &original),
+        prompt: tokens.as_deref(),
     };
     let prefilled = match pinned {
         Some(_) => None,
@@ -449,7 +477,13 @@ async fn decode_leg(
     let mut tried: Vec<usize> = Vec::new();
     let mut migrations = 0u32;
     let (d_index, d_res, d_span) = loop {
-        let picked = pinned.or_else(|| st.decode.pick(&tried));
+        let picked = pinned.or_else(|| {
+            let picked = st.decode.pick_for(&tried, legs.prompt)?;
+            if let Some(held) = picked.overlap {
+                legs.span.record("decode_overlap_blocks", held);
+            }
+            Some(picked.node)
+        });
         let Some(d_index) = picked else {
             return error(ApiError::Unavailable("unavailable: no decode upstream left to try".into()), legs.request_id);
         };
@@ -590,9 +624,13 @@ fn stream_after_first_token(
     permits: Box<dyn std::any::Any>,
 ) -> HttpResponse {
     let st = legs.st;
-    let Some(d_index) = st.decode.pick(&[]) else {
+    let Some(picked) = st.decode.pick_for(&[], legs.prompt) else {
         return error(ApiError::Unavailable("unavailable: no decode upstream left to try".into()), legs.request_id);
     };
+    if let Some(held) = picked.overlap {
+        legs.span.record("decode_overlap_blocks", held);
+    }
+    let d_index = picked.node;
     let mut d_body = original.clone();
     d_body["kv_transfer_params"] = prefilled.params;
     d_body[crate::resume::FIELD] = json!({"stream_token_ids": true, "resume_token_ids": [first.id]});
@@ -878,6 +916,7 @@ pub async fn run_router(
     ctx: ServiceContext,
     client_keys: ApiKeys,
     internal_key: Option<String>,
+    tokenizer: Option<prompt::PromptTokenizer>,
     shutdown: Shutdown,
 ) -> Result<(), FrontendError> {
     let node = ctx.node.clone();
@@ -890,14 +929,20 @@ pub async fn run_router(
         .pool_idle_timeout(std::time::Duration::from_secs(2))
         .build()
         .map_err(|e| FrontendError::Options(format!("http client: {e}")))?;
-    let state = web::Data::new(RouterState::new(
-        &node.router,
-        client.clone(),
-        internal_key.map(|k| format!("Bearer {k}")),
-        crate::overload::InFlightLimit::new(node.limits.max_in_flight, "router"),
-        crate::overload::KeyLimit::new(node.limits.max_in_flight_per_key, client_keys.len(), "router"),
-        ctx.health.clone(),
-    ));
+    let state = web::Data::new(
+        RouterState::new(
+            &node.router,
+            client.clone(),
+            internal_key.map(|k| format!("Bearer {k}")),
+            crate::overload::InFlightLimit::new(node.limits.max_in_flight, "router"),
+            crate::overload::KeyLimit::new(node.limits.max_in_flight_per_key, client_keys.len(), "router"),
+            ctx.health.clone(),
+        )
+        .with_tokenizer(tokenizer),
+    );
+    if node.router.policy == pdmesh_config::RoutingPolicy::CacheAware && state.tokenizer.is_none() {
+        tracing::warn!("router.policy = cache_aware without the nodes' tokenizer: picking by load only (least_loaded)");
+    }
     balance::init();
     LazyLock::force(&PREFILL_RETRIES_TOTAL);
     LazyLock::force(&migrate::MIGRATIONS_TOTAL);

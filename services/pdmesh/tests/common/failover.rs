@@ -133,15 +133,7 @@ pub fn kill_node(mesh: &Mesh, node: &str) -> usize {
     pids.len()
 }
 
-/// The sum of every sample of `name` (with `label` in its labels, if given) on a metrics page.
-pub fn metric(port: u16, name: &str, label: &str) -> f64 {
-    let text = reqwest::blocking::get(format!("http://127.0.0.1:{port}/metrics")).unwrap().text().unwrap();
-    text.lines()
-        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{')))
-        .filter(|l| l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
+pub use super::metric;
 
 /// `GET /load` of the node on `port` (what the router routes by).
 pub fn load_of(port: u16) -> Value {

@@ -470,11 +470,68 @@ pub fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     panic!("{what}: never true");
 }
 
-/// The sum of every sample of metric `name` (all label sets) on the Prometheus page `url`.
-pub fn metric_sum(url: &str, name: &str) -> f64 {
-    let text = reqwest::blocking::get(url).unwrap().text().unwrap();
+/// The HTTP ports of the scale-out shape of [`scaleout_topology`].
+pub struct ScaleoutPorts {
+    pub router: u16,
+    pub p: [u16; 2],
+    pub d: [u16; 2],
+}
+
+/// The scale-out shape: a router over two P (`p-a`, `p-b`) and two D (`d-a`, `d-b`) nodes, tcp
+/// KV backend, each node with `settings` (TOML lines: `model`, `engine`), the router with
+/// `router_settings` (inline-table entries, e.g. `policy = "round_robin"`), on the two port
+/// ranges `r1` and `r2` of [`reserve_ports`].
+pub fn scaleout_topology(
+    run_dir: &std::path::Path,
+    (h1, b1): (u16, u16),
+    (h2, b2): (u16, u16),
+    settings: &str,
+    router_settings: &str,
+) -> (String, ScaleoutPorts) {
+    let (s1, s2) = (side_ports(h1), side_ports(h2));
+    let node = |name: &str, role: &str, http: u16, base: u16, kv_role: &str, side: u16| {
+        format!(
+            "[[nodes]]\nname = \"{name}\"\nrole = \"{role}\"\nhttp_host = \"127.0.0.1\"\nhttp_port = {http}\n\
+             bind_host = \"127.0.0.1\"\nbase_port = {base}\n{settings}\n\
+             kv_transfer = {{ kv_role = \"{kv_role}\", engine_id = \"{name}\", backend = \"tcp\", \
+             side_channel_host = \"127.0.0.1\", side_channel_port = {side}, data_port = {}, \
+             kv_load_failure_policy = \"recompute\" }}\n",
+            side + 2
+        )
+    };
+    let ports = ScaleoutPorts { router: h1, p: [h1 + 1, h2], d: [h1 + 2, h2 + 1] };
+    let text = format!(
+        "run_dir = {:?}\n\
+         [[nodes]]\nname = \"router\"\nrole = \"router\"\nhttp_port = {h1}\nbase_port = {b1}\n{settings}\n\
+         router = {{ prefill = [\"http://127.0.0.1:{}\", \"http://127.0.0.1:{}\"], decode = [\"http://127.0.0.1:{}\", \"http://127.0.0.1:{}\"], {router_settings} }}\n\
+         {}{}{}{}",
+        run_dir.display().to_string(),
+        ports.p[0],
+        ports.p[1],
+        ports.d[0],
+        ports.d[1],
+        node("p-a", "prefill", ports.p[0], b1 + 20, "kv_producer", s1),
+        node("d-a", "decode", ports.d[0], b1 + 160, "kv_consumer", s1 + 4),
+        node("p-b", "prefill", ports.p[1], b2 + 20, "kv_producer", s2),
+        node("d-b", "decode", ports.d[1], b2 + 160, "kv_consumer", s2 + 4),
+    );
+    (text, ports)
+}
+
+/// Start `topology_text` (written into `run_dir`) with `pdmesh up --no-restart`, so nothing
+/// comes back behind the test's back, and wait until every port of `ready` serves.
+pub fn start_scaleout(run_dir: &std::path::Path, topology_text: &str, router: u16, base: u16, ready: &[u16]) -> Mesh {
+    let topo = run_dir.join("scaleout.toml");
+    std::fs::write(&topo, topology_text).unwrap();
+    failover::up(&topo, run_dir, router, base, ready)
+}
+
+/// The sum of every sample of `name` (with `label` in its labels, if given) on a metrics page.
+pub fn metric(port: u16, name: &str, label: &str) -> f64 {
+    let text = reqwest::blocking::get(format!("http://127.0.0.1:{port}/metrics")).unwrap().text().unwrap();
     text.lines()
-        .filter(|l| l.split(['{', ' ']).next() == Some(name))
-        .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{')))
+        .filter(|l| l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }

@@ -1,0 +1,116 @@
+//! Cache-aware routing (D59) on the scale-out shape: a router over 2 P and 2 D nodes
+//! (synthetic executor, prefix caching on, blocks of 4 tokens). Three multi-turn conversations
+//! run interleaved, one request at a time; each turn's prompt is the previous turn's prompt,
+//! its answer and a new question.
+//!
+//! With `policy = "cache_aware"` every follow-up turn lands on the P and the D that hold its
+//! conversation: the prefix-cache hits of the four engines grow, on each follow-up, by at least
+//! the previous turn's full blocks on P and on D. With `round_robin` (three conversations over
+//! two nodes, so a conversation changes node every turn) the hits are clearly lower. Greedy
+//! answers are the same under both policies.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{metric, reserve_ports, scaleout_topology, start_scaleout};
+use serde_json::{json, Value};
+
+const BLOCK: u64 = 4;
+const SETTINGS: &str =
+    "model = { kind = \"synthetic\", per_token_cost_us = 200 }\nengine = { block_size = 4, num_blocks = 1024 }";
+const CONVERSATIONS: usize = 3;
+const TURNS: usize = 4;
+
+/// Prefix-cache hit tokens of the P engines and of the D engines.
+fn hits(p_bases: [u16; 2], d_bases: [u16; 2]) -> (f64, f64) {
+    let sum = |bases: [u16; 2]| {
+        bases.iter().map(|b| metric(b + 110, "pdmesh_engine_prefix_cache_hits_total", "")).sum::<f64>()
+    };
+    (sum(p_bases), sum(d_bases))
+}
+
+fn complete(url: &str, prompt: &str) -> String {
+    let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let r = reqwest::blocking::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+        .post(url)
+        .json(&body)
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let v: Value = r.json().unwrap();
+    v["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+/// What one policy gave: every answer, and per follow-up turn whether P and D hit at least the
+/// previous prompt's full blocks; the total hits on P and D.
+struct Outcome {
+    answers: Vec<String>,
+    followups_on_holders: usize,
+    hits: (f64, f64),
+}
+
+fn run(policy: &str) -> Outcome {
+    let (r1, r2) = (reserve_ports(), reserve_ports());
+    let run_dir = std::env::temp_dir().join(format!("pdmesh-cacheroute-{}-{}", std::process::id(), r1.0));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let router = format!("policy = \"{policy}\", load_poll_ms = 50");
+    let (text, ports) = scaleout_topology(&run_dir, r1, r2, SETTINGS, &router);
+    let ready: Vec<u16> = ports.p.iter().chain(&ports.d).copied().collect();
+    let mesh = start_scaleout(&run_dir, &text, ports.router, r1.1, &ready);
+    let (p_bases, d_bases) = ([r1.1 + 20, r2.1 + 20], [r1.1 + 160, r2.1 + 160]);
+    let url = format!("http://127.0.0.1:{}/v1/completions", ports.router);
+    let mut prompts: Vec<String> =
+        (0..CONVERSATIONS).map(|c| format!("conversation {c} opens with its own long preamble, number {c}.")).collect();
+    let mut outcome = Outcome { answers: Vec::new(), followups_on_holders: 0, hits: (0.0, 0.0) };
+    let mut previous = [0u64; CONVERSATIONS];
+    for turn in 0..TURNS {
+        for (c, prompt) in prompts.iter_mut().enumerate() {
+            prompt.push_str(&format!(" Question {turn} of {c}?"));
+            let before = hits(p_bases, d_bases);
+            let answer = complete(&url, prompt);
+            let after = hits(p_bases, d_bases);
+            if turn > 0 {
+                // the previous turn's prompt, its full blocks but the last (one token a byte)
+                let held = (previous[c] / BLOCK).saturating_sub(1) * BLOCK;
+                let (p_hit, d_hit) = (after.0 - before.0, after.1 - before.1);
+                eprintln!("{policy}: conversation {c} turn {turn}: {held} held, P hit {p_hit}, D hit {d_hit}");
+                outcome.followups_on_holders += usize::from(p_hit >= held as f64 && d_hit >= held as f64);
+            }
+            previous[c] = prompt.len() as u64;
+            prompt.push_str(&answer);
+            outcome.answers.push(answer);
+        }
+        // the router's next /load poll publishes what this turn cached
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    outcome.hits = hits(p_bases, d_bases);
+    let picks = metric(ports.router, "pdmesh_router_cache_aware_picks_total", "reason=\"overlap\"");
+    eprintln!(
+        "{policy}: {} of {} follow-ups on the holders, hits P {} D {}, overlap picks {picks}",
+        outcome.followups_on_holders,
+        CONVERSATIONS * (TURNS - 1),
+        outcome.hits.0,
+        outcome.hits.1
+    );
+    assert!(!mesh.logs().contains("panicked"));
+    drop(mesh);
+    let _ = std::fs::remove_dir_all(&run_dir);
+    outcome
+}
+
+#[test]
+fn cache_aware_sends_each_follow_up_to_the_nodes_holding_its_prefix() {
+    let aware = run("cache_aware");
+    let rr = run("round_robin");
+    assert_eq!(aware.answers, rr.answers, "greedy answers do not depend on the route");
+    assert_eq!(aware.followups_on_holders, CONVERSATIONS * (TURNS - 1), "every follow-up hit its prefix on P and D");
+    assert!(rr.followups_on_holders < CONVERSATIONS * (TURNS - 1), "round-robin moves conversations");
+    assert!(rr.hits.0 < 0.8 * aware.hits.0, "P hits: round-robin {} vs cache-aware {}", rr.hits.0, aware.hits.0);
+    assert!(rr.hits.1 < 0.8 * aware.hits.1, "D hits: round-robin {} vs cache-aware {}", rr.hits.1, aware.hits.1);
+}
