@@ -184,13 +184,31 @@ fn parse_cli() -> Cli {
 }
 
 /// The tokenizer a `cache_aware` router hashes prompts with (D59): the nodes' model, as the
-/// router node's own `model` names it. Not loaded for other policies; a model that fails to
-/// load leaves the router picking by load (logged once by the router).
-fn router_tokenizer(node: &pdmesh_config::NodeConfig) -> Option<pdmesh_frontend::router::prompt::PromptTokenizer> {
+/// router node's own `model` names it or, when it names none, as the topology's first
+/// prefill or decode node does (a router table rarely repeats the model; hashing with another
+/// tokenizer would find no overlap anywhere). Not loaded for other policies; a model that
+/// fails to load leaves the router picking by load (logged once by the router).
+fn router_tokenizer(ctx: &ServiceContext) -> Option<pdmesh_frontend::router::prompt::PromptTokenizer> {
+    let node = &ctx.node;
     if node.router.policy != pdmesh_config::RoutingPolicy::CacheAware {
         return None;
     }
-    match model::load_text(node) {
+    let unnamed = node.model.kind == pdmesh_config::ModelKind::Synthetic && node.model.path.is_empty();
+    let upstream_model = ctx
+        .topology
+        .nodes
+        .iter()
+        .find(|n| matches!(n.role, pdmesh_config::NodeRole::Prefill | pdmesh_config::NodeRole::Decode))
+        .map(|n| n.model.clone());
+    let mut node = node.clone();
+    if unnamed {
+        let Some(model) = upstream_model else {
+            tracing::warn!("cache_aware: the router names no model and its topology has no prefill or decode node; picking by load");
+            return None;
+        };
+        node.model = model;
+    }
+    match model::load_text(&node) {
         Ok(loaded) => Some(pdmesh_frontend::router::prompt::PromptTokenizer::new(loaded.codec, loaded.options)),
         Err(e) => {
             tracing::warn!(error = %format!("{e:#}"), "router cannot load the nodes' tokenizer");
@@ -219,7 +237,7 @@ fn run() -> anyhow::Result<()> {
                 let keys = keys.resolve()?;
                 if ctx.node.role == pdmesh_config::NodeRole::Router {
                     let client_keys = pdmesh_frontend::ApiKeys::new(keys.router_keys());
-                    let tokenizer = router_tokenizer(&ctx.node);
+                    let tokenizer = router_tokenizer(&ctx);
                     pdmesh_frontend::router::run_router(ctx, client_keys, keys.internal, tokenizer, shutdown).await?;
                     return Ok(());
                 }

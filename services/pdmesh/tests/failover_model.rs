@@ -31,11 +31,11 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
-use common::failover::{burst_when, check_all, check_reference, kill_node, load_of, metric, STREAMS};
-use common::{reserve_ports, side_ports};
+use common::failover::{burst_when, check_all, check_reference, kill_node, load_of, STREAMS};
+use common::{metric, reserve_ports, side_ports};
 use toml::{Table, Value};
 
 /// The shipped topology this test runs.
@@ -46,16 +46,6 @@ const P_STEP_DELAY_MS: u64 = 1000;
 /// Added to every forward pass on D: 64 decode steps last at least 64 × this, so a stream is
 /// still running when the last of the 16 gets its first token.
 const D_STEP_DELAY_MS: u64 = 40;
-
-fn model_path() -> Option<PathBuf> {
-    if std::env::var("PDMESH_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("PDMESH_SKIP_MODEL_TESTS=1: skipping");
-        return None;
-    }
-    let p = pdmesh_model::default_model_path();
-    assert!(p.is_file(), "model {} missing: run scripts/fetch-model.sh", p.display());
-    Some(p)
-}
 
 /// The nodes of the rewritten topology: names and HTTP ports, in the file's order.
 #[derive(Debug, Default)]
@@ -130,7 +120,7 @@ fn in_engine(port: u16) -> u64 {
 
 #[test]
 fn scaleout_loses_no_stream_when_a_decode_node_then_a_prefill_node_mid_prefill_dies() {
-    let Some(model) = model_path() else { return };
+    let Some(model) = common::model_path() else { return };
     let (r1, r2) = (reserve_ports(), reserve_ports());
     let run_dir = common::failover::fresh_run_dir("pdmesh-failover-model", r1.0);
     let (text, nodes) = topology(&run_dir, &model, r1, r2);

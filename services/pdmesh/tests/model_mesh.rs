@@ -12,16 +12,6 @@ use common::{sse_events, Mesh};
 use pdmesh_model_api::{ChatMessage, TextCodec};
 use serde_json::{json, Value};
 
-fn model_path() -> Option<std::path::PathBuf> {
-    if std::env::var("PDMESH_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("PDMESH_SKIP_MODEL_TESTS=1: skipping");
-        return None;
-    }
-    let p = pdmesh_model::default_model_path();
-    assert!(p.is_file(), "model {} missing: run scripts/fetch-model.sh", p.display());
-    Some(p)
-}
-
 /// Greedy tokens from candle-transformers' own llama implementation. The prompt is fed one
 /// token per call: candle's batched prefill and its one-token path differ in the last bits
 /// (up to ~0.3 in a logit), and our forward pass uses the one-token arithmetic order for every
@@ -95,7 +85,7 @@ fn streamed_on(mesh: &Mesh, port: u16, path: &str, body: &Value) -> (String, u64
 
 #[test]
 fn real_model_through_the_mesh_matches_the_reference() {
-    let Some(path) = model_path() else { return };
+    let Some(path) = common::model_path() else { return };
     let codec = pdmesh_model::GgufTextCodec::load(&path, &pdmesh_model::ModelOptions::default()).unwrap();
     let mesh = Mesh::start(
         "",
@@ -139,7 +129,7 @@ fn real_model_through_the_mesh_matches_the_reference() {
 /// memory, decodes). Greedy output equals the colocated node's, token for token.
 #[test]
 fn real_model_disaggregated_equals_colocated() {
-    let Some(path) = model_path() else { return };
+    let Some(path) = common::model_path() else { return };
     let model = format!("model = {{ kind = \"gguf\", path = {:?} }}", path.display().to_string());
     let engine = "engine = { num_blocks = 128, max_model_len = 1024 }";
     let settings = format!("{model}\n{engine}");

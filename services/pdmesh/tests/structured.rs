@@ -11,16 +11,6 @@ use std::time::Duration;
 use common::{sse_events, Mesh};
 use serde_json::{json, Value};
 
-fn model_path() -> Option<std::path::PathBuf> {
-    if std::env::var("PDMESH_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("PDMESH_SKIP_MODEL_TESTS=1: skipping");
-        return None;
-    }
-    let p = pdmesh_model::default_model_path();
-    assert!(p.is_file(), "model {} missing: run scripts/fetch-model.sh", p.display());
-    Some(p)
-}
-
 fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap()
 }
@@ -217,7 +207,7 @@ fn openai_python() -> std::path::PathBuf {
 
 #[test]
 fn structured_outputs_parse_and_validate_colocated_and_through_pd() {
-    let Some(path) = model_path() else { return };
+    let Some(path) = common::model_path() else { return };
     let model = format!("model = {{ kind = \"gguf\", path = {:?} }}", path.display().to_string());
     let engine = "engine = { num_blocks = 256, max_model_len = 1024 }";
     let settings = format!("{model}\n{engine}");

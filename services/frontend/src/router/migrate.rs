@@ -158,22 +158,8 @@ pub(super) fn respond_after_first_token(
         tracing::info!(parent: &relay.span, token_id = first.id, "first token from the prefill node");
         let seen = Seen { ids: vec![first.id], created: Some(first.created.clone()), finished: false, skip_role: true };
         let st = relay.st.clone();
-        let d_url = st.decode.url(relay.d).unwrap_or_default().to_string();
-        let d_span = tracing::info_span!(parent: &relay.span, "router.decode", otel.kind = "client", upstream = %d_url,
-            stream = true, resumed_tokens = 1);
-        let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, &relay.client_trace);
-        let rb = forward_headers(
-            &relay.req,
-            st.client.post(format!("{d_url}{}", relay.path)),
-            &relay.request_id,
-            Leg::Decode,
-            &d_trace,
-            relay.authorization.as_deref(),
-        );
-        let res = {
-            let _counted = st.decode.start(relay.d);
-            tracing::Instrument::instrument(rb.json(&d_body).send(), d_span.clone()).await
-        };
+        let d_url = st.decode.url(relay.d).unwrap_or_default();
+        let (res, d_span) = call_decode(&relay, relay.d, &d_url, &d_body, 1).await;
         let detail = match res {
             Ok(res) if res.status().is_success() => {
                 // D answered: it owns the reference to P's blocks now.
@@ -234,22 +220,8 @@ async fn move_on(
         tracing::warn!(parent: &r.span, request_id = %r.request_id, from = from_url, to = to_url,
             tokens_seen = seen.ids.len(), migration = r.migrations, reason, detail,
             "decode stream broke; the request moves to another decode node");
-        let d_span = tracing::info_span!(parent: &r.span, "router.decode", otel.kind = "client", upstream = %to_url,
-            stream = true, resumed_tokens = seen.ids.len());
-        let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, &r.client_trace);
         let body = continuation_body(&r.original, &seen.ids);
-        let rb = forward_headers(
-            &r.req,
-            st.client.post(format!("{to_url}{}", r.path)),
-            &r.request_id,
-            Leg::Decode,
-            &d_trace,
-            r.authorization.as_deref(),
-        );
-        let res = {
-            let _counted = st.decode.start(to);
-            tracing::Instrument::instrument(rb.json(&body).send(), d_span.clone()).await
-        };
+        let (res, d_span) = call_decode(r, to, &to_url, &body, seen.ids.len()).await;
         match res {
             Ok(res) if res.status().is_success() => {
                 r.hold = Box::new((std::mem::replace(&mut r.hold, Box::new(())), d_span));
@@ -271,6 +243,33 @@ async fn move_on(
         reason = "no_answer";
     }
     None
+}
+
+/// One streamed decode call of the relay's request to node `to` (at `url`), counted on it
+/// while the answer's headers come, in its own `router.decode` span (returned: it covers the
+/// stream that follows).
+async fn call_decode(
+    r: &Relay,
+    to: usize,
+    url: &str,
+    body: &Value,
+    resumed_tokens: usize,
+) -> (reqwest::Result<reqwest::Response>, tracing::Span) {
+    let st = &r.st;
+    let d_span = tracing::info_span!(parent: &r.span, "router.decode", otel.kind = "client", upstream = %url,
+        stream = true, resumed_tokens);
+    let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, &r.client_trace);
+    let rb = forward_headers(
+        &r.req,
+        st.client.post(format!("{url}{}", r.path)),
+        &r.request_id,
+        Leg::Decode,
+        &d_trace,
+        r.authorization.as_deref(),
+    );
+    let _counted = st.decode.start(to);
+    let res = tracing::Instrument::instrument(rb.json(body).send(), d_span.clone()).await;
+    (res, d_span)
 }
 
 /// Relay one upstream stream's events to the client until it ends.

@@ -133,8 +133,6 @@ pub fn kill_node(mesh: &Mesh, node: &str) -> usize {
     pids.len()
 }
 
-pub use super::metric;
-
 /// `GET /load` of the node on `port` (what the router routes by).
 pub fn load_of(port: u16) -> Value {
     reqwest::blocking::get(format!("http://127.0.0.1:{port}/load")).unwrap().json().unwrap()

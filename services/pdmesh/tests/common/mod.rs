@@ -535,3 +535,15 @@ pub fn metric(port: u16, name: &str, label: &str) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// The real model for the tests that run it, or `None` (they skip, saying so) under
+/// `PDMESH_SKIP_MODEL_TESTS=1`; missing otherwise is a failure naming the fetch script.
+pub fn model_path() -> Option<PathBuf> {
+    if std::env::var("PDMESH_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        eprintln!("PDMESH_SKIP_MODEL_TESTS=1: skipping");
+        return None;
+    }
+    let p = pdmesh_model::default_model_path();
+    assert!(p.is_file(), "model {} missing: run scripts/fetch-model.sh", p.display());
+    Some(p)
+}
