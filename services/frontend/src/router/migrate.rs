@@ -27,7 +27,7 @@ use prometheus::IntCounterVec;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::{forward_headers, is_failure, Leg, RouterState};
+use super::{forward_headers, Leg, RouterState};
 use crate::error::ApiError;
 use crate::headers::REQUEST_ID;
 use crate::stream::{sse_data, sse_done, sse_error, TOKEN_IDS_FIELD};
@@ -135,16 +135,15 @@ async fn run_from(mut r: Relay, mut upstream: reqwest::Response, tx: mpsc::Sende
     }
 }
 
-/// Answer the client with P's token at once (D63, [`super::first_token`]), then with D's
-/// stream of the rest: `d_body` is the client's body with P's params and the token to resume
-/// after. The client sees the first chunk before D is even asked. If D fails before answering,
-/// P's blocks go back to P (the guard) and another decode node continues after the token,
-/// prefilling it itself, as a migration does.
+/// Answer the client with P's token (D63, [`super::first_token`]), then with `upstream`: the
+/// stream of a decode node that read P's blocks and resumed after that token. Called once D
+/// has answered (its status and headers only: it has admitted the request), so a refusal by D
+/// still reaches the client with its own status; the token goes out without waiting for D's
+/// read or forward. Moves like any relayed stream if D breaks later.
 pub(super) fn respond_after_first_token(
-    mut relay: Relay,
+    relay: Relay,
     first: super::first_token::FirstToken,
-    d_body: Value,
-    mut release: super::ReleaseOnDrop,
+    upstream: reqwest::Response,
 ) -> HttpResponse {
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     let request_id = relay.request_id.clone();
@@ -152,46 +151,12 @@ pub(super) fn respond_after_first_token(
     actix_web::rt::spawn(async move {
         for chunk in &first.chunks {
             if tx.send(sse_data(chunk)).await.is_err() {
-                return; // the client went away: the guard hands P's blocks back
+                return; // the client went away: dropping D's answer aborts the request there
             }
         }
         tracing::info!(parent: &relay.span, token_id = first.id, "first token from the prefill node");
         let seen = Seen { ids: vec![first.id], created: Some(first.created.clone()), finished: false, skip_role: true };
-        let st = relay.st.clone();
-        let d_url = st.decode.url(relay.d).unwrap_or_default();
-        let (res, d_span) = call_decode(&relay, relay.d, &d_url, &d_body, 1).await;
-        let detail = match res {
-            Ok(res) if res.status().is_success() => {
-                // D answered: it owns the reference to P's blocks now.
-                release.disarm();
-                tracing::info!(parent: &d_span, status = res.status().as_u16(), "decode answered");
-                relay.hold = Box::new((std::mem::replace(&mut relay.hold, Box::new(())), d_span));
-                return run_from(relay, res, tx, seen).await;
-            }
-            Ok(res) => {
-                if is_failure(res.status()) {
-                    st.decode.failure(relay.d, "5xx");
-                }
-                format!("decode node {d_url} answered {}", res.status().as_u16())
-            }
-            Err(e) => {
-                st.decode.failure(relay.d, if e.is_connect() { "connect" } else { "reset" });
-                format!("decode node {d_url}: {e}")
-            }
-        };
-        // P's blocks go back to P now; the next decode node prefills the request itself.
-        drop(release);
-        match move_on(&mut relay, &seen, "no_answer", &detail).await {
-            Some((to, next)) => {
-                relay.d = to;
-                run_from(relay, next, tx, seen).await;
-            }
-            None => {
-                let e = ApiError::Unavailable(format!("unavailable: {detail}"));
-                e.record();
-                let _ = tx.send(sse_error(&e)).await;
-            }
-        }
+        run_from(relay, upstream, tx, seen).await;
     });
     let body = tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<Bytes, Infallible>);
     let mut res = HttpResponse::Ok();

@@ -461,15 +461,11 @@ async fn decode_leg(
     // Completions and chat streams can move mid-generation; the Responses API's stored
     // conversations cannot.
     let movable = path != RESPONSES && pinned.is_none() && st.max_migrations > 0;
-    let prefilled = match prefilled {
-        Some(p) if legs.first_token && !p.params.is_null() => {
-            match first_token::from_answer(path, &original, &p.answer) {
-                Some(first) => return stream_after_first_token(legs, original, p, first, permits),
-                None => Some(p),
-            }
-        }
-        other => other,
-    };
+    // D63: P's token, when this stream shows it from P's answer; D resumes after it.
+    let mut first = prefilled
+        .as_ref()
+        .filter(|p| legs.first_token && !p.params.is_null())
+        .and_then(|p| first_token::from_answer(path, &original, &p.answer));
     let (mut params, mut release) = match prefilled {
         Some(p) => (Some(p.params), Some(p.release)),
         None => (None, None),
@@ -502,9 +498,17 @@ async fn decode_leg(
             Some(p) => {
                 let mut b = original.clone();
                 b["kv_transfer_params"] = p;
+                if let Some(first) = &first {
+                    b[crate::resume::FIELD] = json!({"stream_token_ids": true, "resume_token_ids": [first.id]});
+                }
                 b
             }
-            None if tried.len() > 1 => migrate::continuation_body(&original, &[]),
+            None if tried.len() > 1 => {
+                // Nothing reached the client yet: the next D computes the request whole, its
+                // first token included.
+                first = None;
+                migrate::continuation_body(&original, &[])
+            }
             None => {
                 let mut b = original.clone();
                 if let Some(o) = b.as_object_mut() {
@@ -574,23 +578,26 @@ async fn decode_leg(
     if status.is_success() {
         st.decode.success(d_index);
     }
-    if stream && status.is_success() && movable {
-        return migrate::respond(
-            migrate::Relay {
-                st: st.clone(),
-                req: legs.req.clone(),
-                path,
-                request_id: legs.request_id.to_string(),
-                original,
-                span: legs.span.clone(),
-                client_trace: legs.client_trace.clone(),
-                authorization: legs.authorization.map(str::to_string),
-                d: d_index,
-                migrations,
-                hold: Box::new((permits, d_span)),
-            },
-            d_res,
-        );
+    // A stream D resumes after P's token (D63) is relayed like a movable one: its chunks carry
+    // token ids for the router alone.
+    if stream && status.is_success() && (movable || first.is_some()) {
+        let relay = migrate::Relay {
+            st: st.clone(),
+            req: legs.req.clone(),
+            path,
+            request_id: legs.request_id.to_string(),
+            original,
+            span: legs.span.clone(),
+            client_trace: legs.client_trace.clone(),
+            authorization: legs.authorization.map(str::to_string),
+            d: d_index,
+            migrations,
+            hold: Box::new((permits, d_span)),
+        };
+        return match first {
+            Some(first) => migrate::respond_after_first_token(relay, first, d_res),
+            None => migrate::respond(relay, d_res),
+        };
     }
     let content_type = d_res
         .headers()
@@ -612,46 +619,6 @@ async fn decode_leg(
     } else {
         builder.body(d_res.bytes().await.unwrap_or_default())
     }
-}
-
-/// D63: P's token to the client now, the rest from a decode node that reads P's blocks and
-/// resumes after that token ([`migrate::respond_after_first_token`]).
-fn stream_after_first_token(
-    legs: &Legs<'_>,
-    original: Value,
-    prefilled: Prefilled,
-    first: first_token::FirstToken,
-    permits: Box<dyn std::any::Any>,
-) -> HttpResponse {
-    let st = legs.st;
-    let Some(picked) = st.decode.pick_for(&[], legs.prompt) else {
-        return error(ApiError::Unavailable("unavailable: no decode upstream left to try".into()), legs.request_id);
-    };
-    if let Some(held) = picked.overlap {
-        legs.span.record("decode_overlap_blocks", held);
-    }
-    let d_index = picked.node;
-    let mut d_body = original.clone();
-    d_body["kv_transfer_params"] = prefilled.params;
-    d_body[crate::resume::FIELD] = json!({"stream_token_ids": true, "resume_token_ids": [first.id]});
-    migrate::respond_after_first_token(
-        migrate::Relay {
-            st: st.clone(),
-            req: legs.req.clone(),
-            path: legs.path,
-            request_id: legs.request_id.to_string(),
-            original,
-            span: legs.span.clone(),
-            client_trace: legs.client_trace.clone(),
-            authorization: legs.authorization.map(str::to_string),
-            d: d_index,
-            migrations: 0,
-            hold: permits,
-        },
-        first,
-        d_body,
-        prefilled.release,
-    )
 }
 
 /// A node's failure answer passed to the client as it is.
