@@ -33,8 +33,9 @@
 //! `cache_aware` (D59) weighs, besides the cost, how much of the request's prompt each node
 //! already holds in its prefix cache (the blocks from the first one on, as the node's `/load`
 //! publishes them): score = cost × (1 − `OVERLAP_WEIGHT` × held fraction), lowest wins. Only
-//! nodes whose cost is within `LOAD_GUARD` × the cheapest one's compete on overlap, so a hot
-//! prefix cannot pile every request on one node (SGLang's balance threshold). Without a prompt
+//! nodes whose cost is within `LOAD_GUARD` × the cheapest one's, and that hold at least
+//! `MIN_OVERLAP_FRACTION` of the prompt, compete on overlap, so a hot prefix cannot pile every
+//! request on one node (SGLang's balance and cache thresholds). Without a prompt
 //! (the router could not tokenise it) or with nothing held anywhere, it is `least_loaded`.
 
 use std::collections::HashMap;
@@ -108,6 +109,10 @@ const SLOW_PROBE_HALF_LIFE: Duration = Duration::from_secs(10);
 const OVERLAP_WEIGHT: f64 = 0.9;
 /// `cache_aware`: a node costing more than this many times the cheapest competes on load only.
 const LOAD_GUARD: f64 = 4.0;
+/// `cache_aware`: a node holding less than this share of the prompt competes on load only
+/// (SGLang's cache threshold): a few shared opening blocks must not pin every request to one
+/// node while the others idle; a conversation's follow-up holds most of its prompt.
+const MIN_OVERLAP_FRACTION: f64 = 0.5;
 
 /// What a node says of itself on `GET /load`.
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -509,7 +514,7 @@ impl Pool {
         let score = |k: usize| {
             let c = cost[k];
             let fraction = (held[k] as f64 / blocks as f64).min(1.0);
-            if c <= LOAD_GUARD * cheapest {
+            if c <= LOAD_GUARD * cheapest && fraction >= MIN_OVERLAP_FRACTION {
                 c * (1.0 - OVERLAP_WEIGHT * fraction)
             } else {
                 c
@@ -928,6 +933,17 @@ mod tests {
             blocks: keys.into_iter().take(blocks).collect(),
         };
         NodeLoad { ready: true, kv_total_blocks: 100, prefix: Some(prefix), ..Default::default() }
+    }
+
+    #[test]
+    fn a_small_shared_opening_does_not_pin_every_request_to_one_node() {
+        let p = pool(RoutingPolicy::CacheAware);
+        let prompt: Vec<u32> = (0..40).collect();
+        p.set_load(0, Some(holding(&prompt, 0)));
+        p.set_load(1, Some(holding(&prompt, 2)));
+        let picked: std::collections::BTreeSet<usize> =
+            (0..4).map(|_| p.pick_for(&[], Some(&prompt)).unwrap().node).collect();
+        assert_eq!(picked.len(), 2, "2 of 10 blocks held is under the threshold: load alone decides");
     }
 
     #[test]
