@@ -187,35 +187,25 @@ fn kv_transfer_from_json(
         kv.side_channel_port =
             port.parse().map_err(|_| misconfigured(VLLM_SIDE_CHANNEL_PORT, format!("{port:?} is not a port")))?;
     }
-    const EXTRA_KEYS: [&str; 4] = ["backend", "side_channel_host", "side_channel_port", "data_port"];
     for (key, value) in &vllm.kv_connector_extra_config {
-        // An unknown key is named as such before its value is looked at: vLLM's keys for other
-        // transfer engines (`backends`, ...) are lists, and "not supported" is the useful answer.
-        if !EXTRA_KEYS.contains(&key.as_str()) {
-            return Err(misconfigured(
-                flag,
-                format!(
-                    "kv_connector_extra_config key {key:?} is not supported (pdmesh reads \"backend\", \
-                     \"side_channel_host\", \"side_channel_port\" and \"data_port\")"
-                ),
-            ));
-        }
-        let text = match value {
-            Value::String(s) => s.clone(),
-            Value::Number(n) => n.to_string(),
+        // A key's value is read only in its own arm: an unknown key is named as such before its
+        // value is looked at (vLLM's keys for other transfer engines, `backends`, ..., are
+        // lists, and "not supported" is the useful answer).
+        let text = || match value {
+            Value::String(s) => Ok(s.clone()),
+            Value::Number(n) => Ok(n.to_string()),
             other => {
-                return Err(misconfigured(
-                    flag,
-                    format!("kv_connector_extra_config.{key}: {other} is not a string or number"),
-                ))
+                Err(misconfigured(flag, format!("kv_connector_extra_config.{key}: {other} is not a string or number")))
             }
         };
         let port = || {
+            let text = text()?;
             text.parse::<u16>()
                 .map_err(|_| misconfigured(flag, format!("kv_connector_extra_config.{key}: {text:?} is not a port")))
         };
         match key.as_str() {
             "backend" => {
+                let text = text()?;
                 kv.backend = TransferBackendKind::parse(&text).ok_or_else(|| {
                     misconfigured(
                         flag,
@@ -223,7 +213,7 @@ fn kv_transfer_from_json(
                     )
                 })?
             }
-            "side_channel_host" => kv.side_channel_host = text,
+            "side_channel_host" => kv.side_channel_host = text()?,
             "side_channel_port" => kv.side_channel_port = port()?,
             "data_port" => kv.data_port = port()?,
             other => {

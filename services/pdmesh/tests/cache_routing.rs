@@ -15,7 +15,6 @@ mod common;
 use std::time::Duration;
 
 use common::{metric, reserve_ports, scaleout_topology, start_scaleout};
-use serde_json::{json, Value};
 
 const BLOCK: u64 = 4;
 const SETTINGS: &str =
@@ -29,21 +28,6 @@ fn hits(p_bases: [u16; 2], d_bases: [u16; 2]) -> (f64, f64) {
         bases.iter().map(|b| metric(b + 110, "pdmesh_engine_prefix_cache_hits_total", "")).sum::<f64>()
     };
     (sum(p_bases), sum(d_bases))
-}
-
-fn complete(url: &str, prompt: &str) -> String {
-    let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
-    let r = reqwest::blocking::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .unwrap()
-        .post(url)
-        .json(&body)
-        .send()
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    let v: Value = r.json().unwrap();
-    v["choices"][0]["text"].as_str().unwrap().to_string()
 }
 
 /// What one policy gave: every answer, and per follow-up turn whether P and D hit at least the
@@ -73,7 +57,7 @@ fn run(policy: &str) -> Outcome {
         for (c, prompt) in prompts.iter_mut().enumerate() {
             prompt.push_str(&format!(" Question {turn} of {c}?"));
             let before = hits(p_bases, d_bases);
-            let answer = complete(&url, prompt);
+            let answer = common::complete(&url, prompt, false);
             let after = hits(p_bases, d_bases);
             if turn > 0 {
                 // the previous turn's prompt, its full blocks but the last (one token a byte)

@@ -17,7 +17,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{complete, pdmesh_bin, reserve_ports, side_ports, Mesh};
+use common::{complete, metric, pdmesh_bin, reserve_ports, scaleout_topology, Mesh};
 
 const SETTINGS: &str =
     "model = { kind = \"synthetic\", per_token_cost_us = 200 }\nengine = { block_size = 4, num_blocks = 512 }";
@@ -26,46 +26,6 @@ const EXIT_CONFIG: i32 = 78;
 
 /// The node groups, one `pdmesh up` each, as `--node` arguments.
 const GROUPS: [&[&str]; 3] = [&["--node", "router"], &["--node", "p-a,d-a"], &["--node", "p-b", "--node", "d-b"]];
-
-/// Ports of the mesh: two reserved ranges (`h1`, `b1`) and (`h2`, `b2`).
-struct Ports {
-    router: u16,
-    p: [u16; 2],
-    d: [u16; 2],
-    /// connector-worker `/metrics` of each P (rank 0).
-    p_worker_metrics: [u16; 2],
-}
-
-fn topology(run_dir: &Path, (h1, b1): (u16, u16), (h2, b2): (u16, u16)) -> (String, Ports) {
-    let (s1, s2) = (side_ports(h1), side_ports(h2));
-    let node = |name: &str, role: &str, http: u16, base: u16, kv_role: &str, side: u16| {
-        format!(
-            "[[nodes]]\nname = \"{name}\"\nrole = \"{role}\"\nhttp_host = \"127.0.0.1\"\nhttp_port = {http}\n\
-             bind_host = \"127.0.0.1\"\nbase_port = {base}\n{SETTINGS}\n\
-             kv_transfer = {{ kv_role = \"{kv_role}\", engine_id = \"{name}\", backend = \"tcp\", \
-             side_channel_host = \"127.0.0.1\", side_channel_port = {side}, data_port = {} }}\n",
-            side + 2
-        )
-    };
-    let ports =
-        Ports { router: h1, p: [h1 + 1, h2], d: [h1 + 2, h2 + 1], p_worker_metrics: [b1 + 20 + 112, b2 + 20 + 112] };
-    let text = format!(
-        "run_dir = {:?}\n\
-         [[nodes]]\nname = \"router\"\nrole = \"router\"\nhttp_port = {h1}\nbase_port = {b1}\n\
-         router = {{ prefill = [\"http://127.0.0.1:{}\", \"http://127.0.0.1:{}\"], decode = [\"http://127.0.0.1:{}\", \"http://127.0.0.1:{}\"] }}\n\
-         {}{}{}{}",
-        run_dir.display().to_string(),
-        ports.p[0],
-        ports.p[1],
-        ports.d[0],
-        ports.d[1],
-        node("p-a", "prefill", ports.p[0], b1 + 20, "kv_producer", s1),
-        node("d-a", "decode", ports.d[0], b1 + 160, "kv_consumer", s1 + 4),
-        node("p-b", "prefill", ports.p[1], b2 + 20, "kv_producer", s2),
-        node("d-b", "decode", ports.d[1], b2 + 160, "kv_consumer", s2 + 4),
-    );
-    (text, ports)
-}
 
 /// `pdmesh up --topology <topology> <args>` with `PDMESH_MESH_SECRET` set to `secret` (or
 /// unset), its stderr in `<run_dir>/<log>`.
@@ -106,22 +66,15 @@ fn refused(topology: &Path, run_dir: &Path, args: &[&str], secret: Option<&str>)
     (status.code(), std::fs::read_to_string(run_dir.join("refused.log")).unwrap())
 }
 
-/// The sum of every sample of `name` on a Prometheus page.
-fn metric_sum(port: u16, name: &str) -> f64 {
-    let text = reqwest::blocking::get(format!("http://127.0.0.1:{port}/metrics")).unwrap().text().unwrap();
-    text.lines()
-        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with(' ') || rest.starts_with('{')))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[test]
 fn three_up_processes_serve_one_scaleout_mesh() {
     let (r1, r2) = (reserve_ports(), reserve_ports());
     let run_dir = std::env::temp_dir().join(format!("pdmesh-scaleout-{}-{}", std::process::id(), r1.0));
     let _ = std::fs::remove_dir_all(&run_dir);
     std::fs::create_dir_all(&run_dir).unwrap();
-    let (text, ports) = topology(&run_dir, r1, r2);
+    let (text, ports) = scaleout_topology(&run_dir, r1, r2, SETTINGS, "");
+    // connector-worker `/metrics` of each P (rank 0)
+    let p_worker_metrics = [r1.1 + 20 + 112, r2.1 + 20 + 112];
     let topo = run_dir.join("scaleout.toml");
     std::fs::write(&topo, text).unwrap();
 
@@ -180,12 +133,12 @@ fn three_up_processes_serve_one_scaleout_mesh() {
     }
     let finished = "pdmesh_frontend_request_finish_total";
     for port in ports.p.iter().chain(&ports.d) {
-        let n = metric_sum(*port, finished);
+        let n = metric(*port, finished, "");
         eprintln!("node :{port} {finished} = {n}");
         assert!(n > 0.0, "the node on :{port} served none of the requests ({finished} = {n})");
     }
-    for port in ports.p_worker_metrics {
-        let n = metric_sum(port, "pdmesh_worker_kv_handshakes_served");
+    for port in p_worker_metrics {
+        let n = metric(port, "pdmesh_worker_kv_handshakes_served", "");
         assert!(n >= 1.0, "no D read blocks from the P whose worker is on :{port}");
     }
     let probe = &meshes[0];

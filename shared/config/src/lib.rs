@@ -940,17 +940,7 @@ impl Topology {
         if let Some(dir) = env::get(env::RUN_DIR) {
             self.run_dir = PathBuf::from(dir);
         }
-        let give_ups = match env::get(env::GIVE_UP_NOTICES).as_deref() {
-            None => None,
-            Some("true") => Some(true),
-            Some("false") => Some(false),
-            Some(other) => {
-                return Err(ConfigError::Invalid(format!(
-                    "{}={other:?}: expected \"true\" or \"false\"",
-                    env::GIVE_UP_NOTICES
-                )))
-            }
-        };
+        let give_ups = env_bool(env::GIVE_UP_NOTICES)?;
         if let Some(on) = give_ups {
             for n in self.nodes.iter_mut() {
                 n.router.give_up_notices = on;
@@ -959,17 +949,7 @@ impl Topology {
                 }
             }
         }
-        let prefix_caching = match env::get(env::ENABLE_PREFIX_CACHING).as_deref() {
-            None => None,
-            Some("true") => Some(true),
-            Some("false") => Some(false),
-            Some(other) => {
-                return Err(ConfigError::Invalid(format!(
-                    "{}={other:?}: expected \"true\" or \"false\"",
-                    env::ENABLE_PREFIX_CACHING
-                )))
-            }
-        };
+        let prefix_caching = env_bool(env::ENABLE_PREFIX_CACHING)?;
         if let Some(on) = prefix_caching {
             for n in self.nodes.iter_mut() {
                 n.engine.enable_prefix_caching = on;
@@ -1122,6 +1102,17 @@ impl Topology {
             }
         }
         self.check_backends()
+    }
+}
+
+/// A boolean environment override: `None` when unset, `"true"` or `"false"`, else an error
+/// naming the variable.
+fn env_bool(name: &str) -> Result<Option<bool>, ConfigError> {
+    match env::get(name).as_deref() {
+        None => Ok(None),
+        Some("true") => Ok(Some(true)),
+        Some("false") => Ok(Some(false)),
+        Some(other) => Err(ConfigError::Invalid(format!("{name}={other:?}: expected \"true\" or \"false\""))),
     }
 }
 

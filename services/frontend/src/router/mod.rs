@@ -599,15 +599,7 @@ async fn decode_leg(
             None => migrate::respond(relay, d_res),
         };
     }
-    let content_type = d_res
-        .headers()
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or(if stream { "text/event-stream" } else { "application/json" })
-        .to_string();
-    let mut builder = HttpResponse::build(status);
-    pass_retry_after(&mut builder, d_res.headers().get(reqwest::header::RETRY_AFTER).cloned());
-    builder.insert_header((REQUEST_ID, legs.request_id.to_string())).content_type(content_type);
+    let mut builder = answer_builder(&d_res, legs.request_id, stream);
     if stream && status.is_success() {
         // The spans end when the stream does (dropped with it), so they cover the whole answer.
         let spans = (legs.span.clone(), d_span, permits);
@@ -623,6 +615,12 @@ async fn decode_leg(
 
 /// A node's failure answer passed to the client as it is.
 async fn pass_answer(r: reqwest::Response, request_id: &str, stream: bool) -> HttpResponse {
+    answer_builder(&r, request_id, stream).body(r.bytes().await.unwrap_or_default())
+}
+
+/// The client's answer for a node's answer `r`: its status, content type and `Retry-After`,
+/// and the request's id.
+fn answer_builder(r: &reqwest::Response, request_id: &str, stream: bool) -> actix_web::HttpResponseBuilder {
     let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let content_type = r
         .headers()
@@ -633,7 +631,7 @@ async fn pass_answer(r: reqwest::Response, request_id: &str, stream: bool) -> Ht
     let mut builder = HttpResponse::build(status);
     pass_retry_after(&mut builder, r.headers().get(reqwest::header::RETRY_AFTER).cloned());
     builder.insert_header((REQUEST_ID, request_id.to_string())).content_type(content_type);
-    builder.body(r.bytes().await.unwrap_or_default())
+    builder
 }
 
 /// D's SSE stream passed on in whole events. If D's stream breaks (D's frontend died, the

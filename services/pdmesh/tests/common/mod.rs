@@ -500,10 +500,11 @@ pub fn scaleout_topology(
         )
     };
     let ports = ScaleoutPorts { router: h1, p: [h1 + 1, h2], d: [h1 + 2, h2 + 1] };
+    let sep = if router_settings.is_empty() { "" } else { ", " };
     let text = format!(
         "run_dir = {:?}\n\
          [[nodes]]\nname = \"router\"\nrole = \"router\"\nhttp_port = {h1}\nbase_port = {b1}\n{settings}\n\
-         router = {{ prefill = [\"http://127.0.0.1:{}\", \"http://127.0.0.1:{}\"], decode = [\"http://127.0.0.1:{}\", \"http://127.0.0.1:{}\"], {router_settings} }}\n\
+         router = {{ prefill = [\"http://127.0.0.1:{}\", \"http://127.0.0.1:{}\"], decode = [\"http://127.0.0.1:{}\", \"http://127.0.0.1:{}\"]{sep}{router_settings} }}\n\
          {}{}{}{}",
         run_dir.display().to_string(),
         ports.p[0],
