@@ -49,6 +49,11 @@ for r in $(seq 1 "$ROUNDS"); do
     (( r % 2 == 0 )) && order=(pd colocated)
     for setup in "${order[@]}"; do
       log "round $r/$ROUNDS, $c streams: $setup"
+      topo="$RUN_DIR/topology.toml"
+      [[ $setup == colocated ]] && topo="$COLO_DIR/topology.toml"
+      mkdir -p "$RESULTS_DIR/$SCENARIO"
+      cpu_before="$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r.cpu0"
+      python3 "$(dirname "$0")/cpu_by_service.py" snapshot "$topo" >"$cpu_before"
       if [[ $setup == pd ]]; then
         load "pd-c$c-r$r" --endpoint chat --concurrency "$c" --requests "$n" --warmup "$c" --output-len 64
         check_report
@@ -58,6 +63,12 @@ for r in $(seq 1 "$ROUNDS"); do
           --out-dir "$RESULTS_DIR/$SCENARIO/colocated-c$c-r$r" 2>"$RESULTS_DIR/$SCENARIO/colocated-c$c-r$r.log" \
           || fail "pdmesh-load against the colocated node exited non-zero"
       fi
+      tokens=$(python3 -c 'import json,sys; s=json.load(open(sys.argv[1]))["summary"]; print(s.get("output_tokens") or 0)' \
+        "$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r/report.json")
+      python3 "$(dirname "$0")/cpu_by_service.py" snapshot "$topo" >"$cpu_before.after"
+      python3 "$(dirname "$0")/cpu_by_service.py" diff "$cpu_before" "$cpu_before.after" "$tokens" \
+        >"$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r/cpu.json"
+      rm -f "$cpu_before" "$cpu_before.after"
     done
   done
 done
@@ -80,6 +91,29 @@ for c in cs:
     a, b = med("colocated", c), med("pd", c)
     f = lambda x: f"{x['tps']:.0f}, {x['ttft']:.0f} / {x['ttft99']:.0f} ms, {x['itl']:.1f} / {x['itl99']:.1f} ms"
     print(f"| {c} | {f(a)} | {f(b)} | {b['tps'] / a['tps']:.2f}×, {b['ttft'] / a['ttft']:.2f}×, {b['itl'] / a['itl']:.2f}× |")
+# Where the cores' time goes: CPU ms per output token by service, summed over the rounds.
+def cpu(setup, c):
+    tot, tokens = {}, 0
+    for r in range(1, rounds + 1):
+        try:
+            d = json.load(open(f"{out}/{setup}-c{c}-r{r}/cpu.json"))
+        except OSError:
+            return None
+        tokens += d["tokens"]
+        for k, v in d["cpu_ms"].items():
+            tot[k] = tot.get(k, 0) + v
+    return {k: v / max(tokens, 1) for k, v in tot.items()}
+print()
+print("CPU ms per output token (user + system, all of each mesh's processes):")
+print()
+print("| streams | colocated | P/D | colocated by service (≥ 0.05 ms) | P/D by service (≥ 0.05 ms) |")
+print("|---|---|---|---|---|")
+for c in cs:
+    a, b = cpu("colocated", c), cpu("pd", c)
+    if a is None or b is None:
+        continue
+    top = lambda x: ", ".join(f"{k} {v:.2f}" for k, v in sorted(x.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+    print(f"| {c} | {sum(a.values()):.2f} | {sum(b.values()):.2f} | {top(a)} | {top(b)} |")
 PY
 
 check_idle 20

@@ -35,7 +35,7 @@ def event(ss, name):
 
 
 MS = 1e6
-pd_rows, colo_rows = [], []
+pd_rows, d63_rows, colo_rows = [], [], []
 for tr in by_trace.values():
     root = find(tr, "router.request")
     if root:
@@ -52,6 +52,37 @@ for tr in by_trace.values():
         d_read = find(tr, "kv.read", "d")
         d_fe = find(tr, "frontend.generate", "d")
         first = event(d_fe, "first token")
+        # D63: the client's first token is P's, sent by the router once D has answered.
+        from_p = event(root, "first token from the prefill node")
+        if from_p and pleg and dleg and p_eng and d_eng and p_wp:
+            pts = {
+                "router: request in → P leg sent": pleg[0]["start_unix_nano"],
+                "P: HTTP, frontend, dp-lb → engine-core": p_eng[0]["start_unix_nano"],
+                "P: queued → prefill forward starts": min(s["start_unix_nano"] for s in p_wp),
+                "P: prefill forward": max(s["end_unix_nano"] for s in p_wp),
+                "P: forward done → hold registered": p_hold[0]["start_unix_nano"] if p_hold else None,
+                "P: hold registered → answer released": p_eng[0]["end_unix_nano"],
+                "P: answer → router (dp-lb, frontend, HTTP)": pleg[0]["end_unix_nano"],
+            }
+            if dleg[0]["start_unix_nano"] < pleg[0]["end_unix_nano"]:
+                # D66: D's leg left with P's and was parked on D; only the params' hand-over
+                # stands between P's answer and the client's first token.
+                pts["router: P answered → params handed to D, P's token sent"] = from_p
+            else:
+                pts["router: P answered → D leg sent"] = dleg[0]["start_unix_nano"]
+                pts["D: HTTP, frontend, dp-lb → engine-core"] = d_eng[0]["start_unix_nano"]
+                pts["D: admitted → its answer's headers at the router"] = event(dleg, "decode answered")
+                pts["router: D answered → P's token sent (first token)"] = from_p
+            row, last = {}, t0
+            for k, t in pts.items():
+                if t is None:
+                    row[k] = None
+                    continue
+                row[k] = (t - last) / MS
+                last = t
+            row["= router in → first token (P's, D63)"] = (from_p - t0) / MS
+            d63_rows.append(row)
+            continue
         if not (pleg and dleg and p_eng and d_eng and p_wp and d_wp and d_read and first):
             continue
         pts = {
@@ -120,4 +151,5 @@ def table(title, rows, client):
 
 args = [float(a) for a in sys.argv[2:4]] + [None, None]
 table("P/D (router → P → D)", pd_rows, args[0])
+table("P/D, P's token streamed at once (D63)", d63_rows, args[0])
 table("colocated", colo_rows, args[1])

@@ -76,6 +76,9 @@ pub struct Prepared {
     pub span: tracing::Span,
     /// Choices asked for (`n`): [`submit`] fans out that many engine requests (D58).
     pub n: u32,
+    /// A decode leg sent before P answered: parked under this token until its params arrive
+    /// ([`crate::parked`], D66).
+    pub params_follow: Option<String>,
 }
 
 /// Seconds since the Unix epoch (0 if the clock is before it).
@@ -143,7 +146,7 @@ pub fn prepare(
         Some(ctx) => ctx,
         None => meta.trace,
     };
-    Prepared { settings, request, trace, arrival, span, n }
+    Prepared { settings, request, trace, arrival, span, n, params_follow: None }
 }
 
 /// Ties an accepted engine request to its HTTP request (see the module docs).
@@ -244,7 +247,7 @@ pub async fn submit(state: &AppState, prepared: Prepared) -> Result<Accepted, Ap
     if prepared.n > 1 {
         return submit_choices(state, prepared).await;
     }
-    let Prepared { settings, request, trace, arrival, span, n: _ } = prepared;
+    let Prepared { settings, request, trace, arrival, span, n: _, params_follow: _ } = prepared;
     let (outputs, guard) = submit_one(state, request, trace, arrival, span).await?;
     PROMPT_TOKENS_TOTAL.inc_by(u64::from(settings.prompt_tokens));
     Ok(Accepted { settings, outputs, guard, more: Vec::new() })
@@ -286,7 +289,7 @@ pub fn child_request(parent: &EngineRequest, index: u32) -> EngineRequest {
 /// the caller's rejection notice (R1) is the only word P gets; the choices already admitted
 /// are aborted as their guards drop.
 async fn submit_choices(state: &AppState, prepared: Prepared) -> Result<Accepted, ApiError> {
-    let Prepared { settings, request, trace, arrival, span, n } = prepared;
+    let Prepared { settings, request, trace, arrival, span, n, params_follow: _ } = prepared;
     let mut more = Vec::with_capacity(n.saturating_sub(1) as usize);
     for index in 1..n {
         let child = child_request(&request, index);

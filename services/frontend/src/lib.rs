@@ -46,6 +46,7 @@ pub mod metrics;
 pub mod openai;
 pub mod output;
 pub mod overload;
+pub mod parked;
 pub mod responses;
 pub mod resume;
 pub mod router;

@@ -157,3 +157,11 @@ pub(crate) fn init() {
     LazyLock::force(&KEY_LIMIT_REFUSALS_TOTAL);
     LazyLock::force(&STRUCTURED_OUTPUTS_TOTAL);
 }
+
+/// Decode legs parked before P answered (D66), by outcome: `parked` (taken in), `expired` (the
+/// params never came), `unknown_token` (params for no parked request).
+pub const PARKED_REQUESTS: &str = "pdmesh_frontend_parked_requests_total";
+
+pub(crate) static PARKED_REQUESTS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(PARKED_REQUESTS, "Decode legs taken in before their prefill answered, by outcome", &["outcome"])
+});

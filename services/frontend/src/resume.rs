@@ -27,6 +27,10 @@ struct Internal {
     stream_token_ids: bool,
     #[serde(default)]
     resume_token_ids: Vec<u32>,
+    /// The router's token for a decode leg sent before P answered (D66): the request is
+    /// admitted and parked until its params arrive under this token (`POST /v1/kv/params`).
+    #[serde(default)]
+    params_follow: Option<String>,
 }
 
 /// Apply the body's `pdmesh_internal` (if any) to a prepared request.
@@ -37,7 +41,21 @@ pub fn apply(extra: &Map<String, Value>, prepared: &mut Prepared, vocab_size: u3
     // A stream's chunks carry the ids of their tokens; a whole answer carries all of them
     // (the router streams a prefill node's first token itself, D63).
     prepared.settings.stream_token_ids = internal.stream_token_ids;
-    let ids = internal.resume_token_ids;
+    if let Some(token) = internal.params_follow {
+        if !prepared.settings.stream || prepared.n > 1 || token.is_empty() {
+            return Err(ApiError::invalid(
+                format!("{FIELD}.params_follow needs a streamed request with one choice and a token"),
+                FIELD,
+            ));
+        }
+        prepared.params_follow = Some(token);
+    }
+    resume_after(prepared, internal.resume_token_ids, vocab_size)
+}
+
+/// Continue `prepared` after `ids`, tokens its client already saw from another node (see the
+/// module docs): from the body's field, or delivered to a parked request (D66).
+pub fn resume_after(prepared: &mut Prepared, ids: Vec<u32>, vocab_size: u32) -> Result<(), ApiError> {
     if ids.is_empty() {
         return Ok(());
     }

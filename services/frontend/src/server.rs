@@ -52,6 +52,8 @@ pub struct AppState {
     pub key_limit: KeyLimit,
     /// Set draining when the frontend stops: `/health` then answers 503.
     pub readiness: pdmesh_telemetry::ops::Health,
+    /// Decode legs waiting for their params (D66).
+    pub parked: crate::parked::Parked,
 }
 
 impl AppState {
@@ -73,6 +75,7 @@ impl AppState {
             in_flight,
             key_limit: KeyLimit::disabled("frontend"),
             readiness: Default::default(),
+            parked: Default::default(),
         }
     }
 
@@ -141,6 +144,7 @@ pub fn app(
         .service(handlers::admin::post_only("/v1/responses", handlers::responses::create_response))
         .service(handlers::admin::get_only("/v1/responses/{id}", handlers::responses::get_response))
         .service(handlers::admin::post_only("/v1/kv/release", handlers::kv_release))
+        .service(handlers::admin::post_only("/v1/kv/params", handlers::kv_params))
         .service(handlers::admin::get_only("/v1/models", handlers::admin::models))
         .service(handlers::admin::get_only("/health", handlers::admin::health))
         .service(handlers::admin::get_only("/live", pdmesh_telemetry::ops::live))

@@ -248,6 +248,29 @@ pub fn respond(
     sse_response(&request_id, body_rx)
 }
 
+/// An SSE response whose body the caller fills later: a decode leg parked until its params
+/// arrive (D66) answers its headers at once and streams once it is submitted.
+pub(crate) fn deferred(request_id: &str) -> (mpsc::Sender<Bytes>, HttpResponse) {
+    let (tx, body_rx) = mpsc::channel::<Bytes>(BODY_BUFFER);
+    (tx, sse_response(request_id, body_rx))
+}
+
+/// Stream an accepted request (one choice) into `tx`, a [`deferred`] response's body.
+pub(crate) async fn run_into(
+    codec: Arc<dyn TextCodec>,
+    settings: ResponseSettings,
+    rx: OutputReceiver,
+    guard: RequestGuard,
+    tx: mpsc::Sender<Bytes>,
+) {
+    run(codec, settings, rx, guard, tx).await
+}
+
+/// A refusal after a [`deferred`] response's headers went out: the stream's error event.
+pub(crate) async fn fail_into(tx: &mpsc::Sender<Bytes>, error: ApiError) {
+    send_error(tx, error).await
+}
+
 /// The next engine output of a streamed request, detokenised. `Err(None)`: the client went
 /// away (the guard aborts the engine request when dropped); `Err(Some(e))`: the request failed
 /// and `e` is to be sent as the stream's error event. Shared by chat, completions and the

@@ -1046,12 +1046,14 @@ async fn api_keys_guard_everything_but_the_probes() {
     assert_eq!(v["choices"][0]["text"], "hi");
     assert_eq!(added(&h).len(), 1);
 
-    // The admin routes need the key too: /debug/* reveal request ids, /v1/kv/release frees blocks.
+    // The admin routes need the key too: /debug/* reveal request ids, /v1/kv/release frees
+    // blocks, /v1/kv/params hands a parked request its params (D66).
     for (method, path) in [
         ("GET", "/v1/models"),
         ("GET", "/debug/kv"),
         ("GET", "/debug/engines"),
         ("POST", "/v1/kv/release"),
+        ("POST", "/v1/kv/params"),
         ("GET", "/nowhere"),
     ] {
         let rb = |key: Option<&str>| {

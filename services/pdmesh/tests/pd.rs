@@ -383,3 +383,53 @@ fn every_service_metrics_move_under_a_short_load() {
         assert!(after > b, "{name} on {url} did not move: {b} -> {after}");
     }
 }
+
+/// D66: a streamed request's decode leg leaves with its prefill leg; D parks it until the
+/// router hands it P's params. The stream equals the colocated node's, and a refusal by D
+/// keeps D's status while P ends holding nothing (its leg dropped, or its hold handed back).
+/// Params for no parked request are a 404.
+#[test]
+fn the_decode_leg_parks_until_p_answers_and_a_refusal_keeps_its_status() {
+    // D takes prompts of at most 48 tokens; P and the colocated node take longer ones.
+    let topology = |h, b| {
+        let t = common::pd_topology(h, b, "shm", 1, ENGINE);
+        let (head, tail) = t.split_once("name = \"d\"").unwrap();
+        let tail = tail.replacen(ENGINE, "engine = { block_size = 4, num_blocks = 512, max_model_len = 48 }", 1);
+        format!("{head}name = \"d\"{tail}")
+    };
+    let mesh = Mesh::start_nodes(topology, |h| vec![h + 1, h + 2, h + 3]);
+    let (p, d, c) = (mesh.http_port + 1, mesh.http_port + 2, mesh.http_port + 3);
+    let parallel = || common::metric(mesh.http_port, "pdmesh_router_parallel_decode_legs_total", "");
+    let parked = || common::metric(d, "pdmesh_frontend_parked_requests_total", "outcome=\"parked\"");
+
+    let text = complete(&mesh.url("/v1/completions"), "tell me", true);
+    assert_eq!(text, complete(&mesh.url_on(c, "/v1/completions"), "tell me", true));
+    assert_eq!((parallel(), parked()), (1.0, 1.0), "the leg was sent in parallel and parked on D");
+    mesh.wait_kv_on(p, "P freed after D's read", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
+
+    let long = "a long prompt ".repeat(8);
+    let r = client()
+        .post(mesh.url("/v1/completions"))
+        .header("X-Request-Id", "too-long-for-d")
+        .json(&json!({"prompt": long, "max_tokens": 8, "stream": true}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400, "D's refusal reaches the client with its status");
+    let err: Value = r.json().unwrap();
+    assert!(err["error"]["message"].as_str().is_some_and(|m| m.contains("maximum context length")), "{err}");
+    mesh.wait_kv_on(p, "P holds nothing for the refused request", |kv| {
+        kv["held_blocks"] == 0 && kv["used_blocks"] == 0
+    });
+    assert_eq!(parallel(), 1.0, "a refused leg was never handed params");
+
+    let (s, v) = post(
+        &mesh.url_on(d, "/v1/kv/params"),
+        "nobody",
+        &json!({"token": "0123456789abcdef0123456789abcdef", "kv_transfer_params": null}),
+    );
+    assert_eq!(s, 404, "{v}");
+    let (s, v) = post(&mesh.url_on(d, "/v1/kv/params"), "nobody", &json!({"kv_transfer_params": null}));
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(common::metric(d, "pdmesh_frontend_parked_requests_total", "outcome=\"unknown_token\""), 1.0);
+    assert!(!mesh.logs().contains("panicked"));
+}

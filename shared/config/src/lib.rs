@@ -687,6 +687,12 @@ pub struct RouterConfig {
     /// strings, logprobs, tools or grammar). `false`: the client's first token comes from D.
     #[serde(default = "yes")]
     pub first_token_from_prefill: bool,
+    /// For the streams that take their first token from P: send the decode leg at the same
+    /// time as the prefill leg; D admits and parks it until the router hands it P's params, so
+    /// D's admission hop runs while P prefills (D66, SGLang's parallel dispatch). `false`: the
+    /// decode leg leaves once P answered.
+    #[serde(default = "yes")]
+    pub parallel_dispatch: bool,
 }
 
 impl RouterConfig {
@@ -785,6 +791,7 @@ impl Default for RouterConfig {
             prefill_attempts: default_prefill_attempts(),
             max_migrations: default_max_migrations(),
             first_token_from_prefill: true,
+            parallel_dispatch: true,
         }
     }
 }

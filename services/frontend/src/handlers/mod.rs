@@ -139,6 +139,9 @@ where
     pdmesh_telemetry::trace::set_parent(&span, &meta.parent);
     async move {
         let accepted = match prepare(meta, state) {
+            Ok((prepared, _)) if prepared.params_follow.is_some() => {
+                return park(req, prepared, permit, key_permit, dp_rank, &request_id);
+            }
             Ok((prepared, extra)) => {
                 tracing::debug!(
                     prompt_tokens = prepared.settings.prompt_tokens,
@@ -175,6 +178,123 @@ where
     }
     .instrument(span)
     .await
+}
+
+/// D66: a decode leg sent before P answered ([`crate::parked`]). Its headers go out now;
+/// a task waits for the params the router delivers under the leg's token, then submits the
+/// request and streams it. Everything that could refuse it without the params (validation,
+/// the in-flight bounds, whose places it keeps) already ran; an engine refusal after the params
+/// arrived becomes the stream's error event before any token, and P is told (rule R1).
+fn park(
+    req: &HttpRequest,
+    prepared: Prepared,
+    permit: crate::overload::InFlightPermit,
+    key_permit: Option<crate::overload::KeyPermit>,
+    dp_rank: Option<u32>,
+    request_id: &str,
+) -> HttpResponse {
+    let Some(state) = req.app_data::<actix_web::web::Data<AppState>>().cloned() else {
+        return error_response(ApiError::Internal("frontend state missing".into()), request_id);
+    };
+    let token = prepared.params_follow.clone().unwrap_or_default();
+    let Some(mut slot) = state.parked.park(&token) else {
+        return error_response(
+            ApiError::invalid(
+                format!("{}.params_follow: a request already waits under this token", crate::resume::FIELD),
+                crate::resume::FIELD,
+            ),
+            request_id,
+        );
+    };
+    crate::metrics::PARKED_REQUESTS_TOTAL.with_label_values(&["parked"]).inc();
+    let (tx, response) = crate::stream::deferred(request_id);
+    let span = tracing::Span::current();
+    actix_web::rt::spawn(
+        async move {
+            let mut prepared = prepared;
+            let delivery = tokio::select! {
+                biased;
+                _ = tx.closed() => {
+                    tracing::info!("router went away before the params arrived; nothing was admitted");
+                    return;
+                }
+                d = tokio::time::timeout(crate::parked::PARK_WAIT, &mut slot.delivery) => d,
+            };
+            let delivery = match delivery {
+                Ok(Ok(d)) => d,
+                _ => {
+                    crate::metrics::PARKED_REQUESTS_TOTAL.with_label_values(&["expired"]).inc();
+                    tracing::warn!("the prefill node's params never arrived; the request ends");
+                    let e = ApiError::Unavailable("unavailable: the prefill node's params did not arrive".into());
+                    crate::stream::fail_into(&tx, e).await;
+                    return;
+                }
+            };
+            let params = delivery.kv_transfer_params.filter(KvTransferParams::wants_remote_prefill);
+            prepared.request.kv_transfer_params = params.clone();
+            let vocab = state.vocab_size();
+            if let Err(e) = crate::resume::resume_after(&mut prepared, delivery.resume_token_ids, vocab) {
+                note_rejection(&state, params.as_ref(), dp_rank, &e);
+                crate::stream::fail_into(&tx, e).await;
+                return;
+            }
+            match submit(&state, prepared).await {
+                Ok(mut accepted) => {
+                    accepted.guard.hold(permit, key_permit);
+                    let Accepted { settings, outputs, guard, .. } = accepted;
+                    crate::stream::run_into(state.codec.clone(), settings, outputs, guard, tx).await;
+                }
+                Err(e) => {
+                    note_rejection(&state, params.as_ref(), dp_rank, &e);
+                    crate::stream::fail_into(&tx, e).await;
+                }
+            }
+        }
+        .instrument(span),
+    );
+    response
+}
+
+/// `POST /v1/kv/params` with `{"token": ..., "kv_transfer_params": <P's params or null>,
+/// "resume_token_ids": [...]}`: the router hands a decode leg it sent before P answered its
+/// params (D66). `200` when a request waited under the token, `404` when none does (it was
+/// never parked, already has them, or its client went away: the router then hands P's blocks
+/// back itself).
+pub async fn kv_params(
+    req: HttpRequest,
+    body: actix_web::web::Bytes,
+    state: actix_web::web::Data<AppState>,
+) -> HttpResponse {
+    let request_id = crate::headers::request_meta(req.headers()).map(|m| m.request_id).unwrap_or_else(|(id, _)| id);
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(&body) else {
+        return error_response(ApiError::invalid_request("request body is not valid JSON"), &request_id);
+    };
+    let Some(token) = value.get("token").and_then(serde_json::Value::as_str).filter(|t| !t.is_empty()) else {
+        return error_response(ApiError::invalid("token is required", "token"), &request_id);
+    };
+    let kv_transfer_params = match crate::validation::kv_transfer_params(value.get("kv_transfer_params")) {
+        Ok(p) => p,
+        Err(e) => return error_response(e, &request_id),
+    };
+    let resume_token_ids = match value.get("resume_token_ids") {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(v) => match serde_json::from_value::<Vec<u32>>(v.clone()) {
+            Ok(ids) => ids,
+            Err(e) => {
+                return error_response(
+                    ApiError::invalid(format!("resume_token_ids: {e}"), "resume_token_ids"),
+                    &request_id,
+                )
+            }
+        },
+    };
+    if state.parked.deliver(token, crate::parked::Delivery { kv_transfer_params, resume_token_ids }) {
+        HttpResponse::Ok().json(serde_json::json!({"delivered": true}))
+    } else {
+        crate::metrics::PARKED_REQUESTS_TOTAL.with_label_values(&["unknown_token"]).inc();
+        tracing::info!(%request_id, "params for no parked request");
+        error_response(ApiError::NotFound("no request waits for params under this token".into()), &request_id)
+    }
 }
 
 /// `POST /v1/kv/release` with `{"kv_transfer_params": <P's params>}`: whoever holds a reference

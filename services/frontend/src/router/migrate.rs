@@ -135,6 +135,9 @@ async fn run_from(mut r: Relay, mut upstream: reqwest::Response, tx: mpsc::Sende
     }
 }
 
+/// The hand-over of P's params to a parked decode leg (D66): `Err` when D did not take them.
+pub(super) type Handover = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>>>>;
+
 /// Answer the client with P's token (D63, [`super::first_token`]), then with `upstream`: the
 /// stream of a decode node that read P's blocks and resumed after that token. Called once D
 /// has answered (its status and headers only: it has admitted the request), so a refusal by D
@@ -144,6 +147,7 @@ pub(super) fn respond_after_first_token(
     relay: Relay,
     first: super::first_token::FirstToken,
     upstream: reqwest::Response,
+    handover: Option<Handover>,
 ) -> HttpResponse {
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     let request_id = relay.request_id.clone();
@@ -155,8 +159,35 @@ pub(super) fn respond_after_first_token(
             }
         }
         tracing::info!(parent: &relay.span, token_id = first.id, "first token from the prefill node");
-        let seen = Seen { ids: vec![first.id], created: Some(first.created.clone()), finished: false, skip_role: true };
-        run_from(relay, upstream, tx, seen).await;
+        let mut seen =
+            Seen { ids: vec![first.id], created: Some(first.created.clone()), finished: false, skip_role: true };
+        let Some(handover) = handover else {
+            return run_from(relay, upstream, tx, seen).await;
+        };
+        // D66: D's leg was parked; P's params went to it while the token went out. If D did not
+        // take them, nothing of D reached the client: the request moves on after the token,
+        // and P's blocks went back with the handover's guard.
+        let mut relay = relay;
+        match handover.await {
+            Ok(()) => run_from(relay, upstream, tx, seen).await,
+            Err(detail) => {
+                drop(upstream);
+                relay.st.decode.failure(relay.d, "reset");
+                match move_on(&mut relay, &seen, "params_not_taken", &detail).await {
+                    Some((to, next)) => {
+                        relay.d = to;
+                        seen.skip_role = true;
+                        run_from(relay, next, tx, seen).await
+                    }
+                    None => {
+                        let e =
+                            ApiError::Unavailable(format!("unavailable: no decode node took the request: {detail}"));
+                        e.record();
+                        let _ = tx.send(sse_error(&e)).await;
+                    }
+                }
+            }
+        }
     });
     let body = tokio_stream::wrappers::ReceiverStream::new(rx).map(Ok::<Bytes, Infallible>);
     let mut res = HttpResponse::Ok();

@@ -16,6 +16,7 @@
 mod balance;
 mod first_token;
 mod migrate;
+mod parallel;
 pub mod prompt;
 
 use std::sync::{Arc, LazyLock};
@@ -59,6 +60,8 @@ pub struct RouterState {
     max_migrations: u32,
     /// `router.first_token_from_prefill`: stream P's sampled token at once (D63).
     first_token_from_prefill: bool,
+    /// `router.parallel_dispatch`: send those streams' decode leg with the prefill leg (D66).
+    parallel_dispatch: bool,
     /// The nodes' tokenizer, for `cache_aware` picks (D59); `None`: picks weigh load only.
     tokenizer: Option<prompt::PromptTokenizer>,
 }
@@ -90,6 +93,7 @@ impl RouterState {
             prefill_attempts: cfg.prefill_attempts.max(1),
             max_migrations: cfg.max_migrations,
             first_token_from_prefill: cfg.first_token_from_prefill,
+            parallel_dispatch: cfg.parallel_dispatch,
             tokenizer: None,
         }
     }
@@ -210,6 +214,16 @@ pub const PREFILL_RETRIES: &str = "pdmesh_router_prefill_retries_total";
 
 static PREFILL_RETRIES_TOTAL: LazyLock<prometheus::IntCounter> = LazyLock::new(|| {
     pdmesh_telemetry::metrics::counter(PREFILL_RETRIES, "Prefill legs retried on another P after a failure")
+});
+
+/// Decode legs sent with their prefill leg and handed P's params (D66).
+pub const PARALLEL_DECODE_LEGS: &str = "pdmesh_router_parallel_decode_legs_total";
+
+static PARALLEL_DECODE_LEGS_TOTAL: LazyLock<prometheus::IntCounter> = LazyLock::new(|| {
+    pdmesh_telemetry::metrics::counter(
+        PARALLEL_DECODE_LEGS,
+        "Decode legs sent at the same time as their prefill leg and handed P's params when P answered",
+    )
 });
 
 /// What one request's legs share.
@@ -434,6 +448,9 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         first_token: st.first_token_from_prefill && pinned.is_none() && first_token::eligible(path, &original),
         prompt: tokens.as_deref(),
     };
+    if legs.first_token && st.parallel_dispatch {
+        return parallel::dispatch(&legs, original, Box::new((permit, key_permit))).await;
+    }
     let prefilled = match pinned {
         Some(_) => None,
         None => match prefill_leg(&legs, &original).await {
@@ -595,7 +612,7 @@ async fn decode_leg(
             hold: Box::new((permits, d_span)),
         };
         return match first {
-            Some(first) => migrate::respond_after_first_token(relay, first, d_res),
+            Some(first) => migrate::respond_after_first_token(relay, first, d_res, None),
             None => migrate::respond(relay, d_res),
         };
     }

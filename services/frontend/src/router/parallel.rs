@@ -1,0 +1,184 @@
+//! The decode leg sent at the same time as the prefill leg (D66, SGLang's parallel dispatch).
+//!
+//! With P's token streamed at once (D63), the client's first token waited, after P answered,
+//! for the decode leg's whole admission hop: the router's request to D, D's frontend
+//! (validation, template, tokenisation), its dp-lb and engine-core, and D's headers back — so
+//! that a refusal by D could still reach the client with its own status. Here the router sends
+//! D the request (without params, under a one-request token) when it sends P its own: D admits
+//! and parks it while P prefills ([`crate::parked`]), and answers its headers. When P answers,
+//! the router hands D the params and P's token (`POST /v1/kv/params`) and streams P's token to
+//! the client; D reads P's blocks and continues from the second token.
+//!
+//! Every outcome keeps the lifecycle rules:
+//! - D refuses (4xx, 503) before P answered: the client gets D's answer with its status; P's
+//!   leg is dropped, so P aborts the request (or, if it just finished, its release guard hands
+//!   the blocks back: rule R4).
+//! - D fails (connect, reset, 5xx): once P answered, the plain two-leg path takes over on
+//!   another decode node with P's params ([`super::decode_leg`]).
+//! - P refuses or fails: the client gets P's answer (after P's retries); D's parked leg is
+//!   dropped with its connection, before anything was admitted there.
+//! - The params cannot be handed to D (it went away meanwhile): P's params were never given to
+//!   any reader, so the plain path takes them to another decode node.
+//!
+//! Only P's guard over its blocks decides who frees them: it is disarmed once D took the params,
+//! as in the plain path once D answered.
+
+use std::pin::pin;
+
+use actix_web::HttpResponse;
+use serde_json::{json, Value};
+use tracing::Instrument;
+
+use super::{
+    decode_leg, first_token, forward_headers, is_failure, migrate, pass_answer, prefill_leg, Leg, Legs, Prefilled,
+};
+
+/// Run both legs at once; see the module docs.
+pub(super) async fn dispatch(legs: &Legs<'_>, original: Value, permits: Box<dyn std::any::Any>) -> HttpResponse {
+    let st = legs.st;
+    let Some(picked) = st.decode.pick_for(&[], legs.prompt) else {
+        return sequential(legs, original, permits).await;
+    };
+    let d_index = picked.node;
+    let Some(d) = st.decode.url(d_index) else {
+        return sequential(legs, original, permits).await;
+    };
+    if let Some(held) = picked.overlap {
+        legs.span.record("decode_overlap_blocks", held);
+    }
+    let token = pdmesh_mesh_auth::new_capability();
+    let mut d_body = original.clone();
+    if let Some(o) = d_body.as_object_mut() {
+        o.remove("kv_transfer_params");
+    }
+    d_body[crate::resume::FIELD] = json!({"stream_token_ids": true, "params_follow": token});
+    let d_span = tracing::info_span!(parent: legs.span, "router.decode", otel.kind = "client", upstream = %d,
+        stream = true, parallel = true);
+    let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, legs.client_trace);
+    let d_rb = forward_headers(
+        legs.req,
+        st.client.post(format!("{d}{}", legs.path)),
+        legs.request_id,
+        Leg::Decode,
+        &d_trace,
+        legs.authorization,
+    );
+    let counted = st.decode.start(d_index);
+    let (prefilled, d_answer) = {
+        // P's leg borrows the body: both legs live in this block only.
+        let (mut prefilled, mut d_answer): (Option<Prefilled>, Option<reqwest::Response>) = (None, None);
+        let mut d_failed = false;
+        let mut d_leg = pin!(d_rb.json(&d_body).send().instrument(d_span.clone()));
+        let mut p_leg = pin!(prefill_leg(legs, &original));
+        while prefilled.is_none() || (d_answer.is_none() && !d_failed) {
+            tokio::select! {
+                p = &mut p_leg, if prefilled.is_none() => match p {
+                    Ok(p) => prefilled = Some(p),
+                    // P refused or failed everywhere: its answer is the client's; D's parked leg
+                    // goes with its dropped connection.
+                    Err(answer) => return answer,
+                },
+                r = &mut d_leg, if d_answer.is_none() && !d_failed => match r {
+                    Ok(r) if r.status().is_success() => {
+                        tracing::info!(parent: &d_span, status = r.status().as_u16(), "decode answered");
+                        st.decode.success(d_index);
+                        d_answer = Some(r);
+                    }
+                    // D refused it (bad input, overloaded): the client gets D's answer; P's leg is
+                    // dropped (P aborts, or its guard hands back a hold it just made).
+                    Ok(r) if !is_failure(r.status()) => {
+                        tracing::info!(parent: &d_span, status = r.status().as_u16(), "decode refused before prefill answered");
+                        return pass_answer(r, legs.request_id, true).await;
+                    }
+                    Ok(r) => {
+                        st.decode.failure(d_index, "5xx");
+                        tracing::warn!(parent: &d_span, status = r.status().as_u16(), "decode leg failed; the plain path takes over");
+                        d_failed = true;
+                    }
+                    Err(e) => {
+                        st.decode.failure(d_index, if e.is_connect() { "connect" } else { "reset" });
+                        tracing::warn!(parent: &d_span, error = %e, "decode leg failed; the plain path takes over");
+                        d_failed = true;
+                    }
+                },
+            }
+        }
+        (prefilled, d_answer)
+    };
+    drop(counted);
+    let Some(mut p) = prefilled else {
+        return sequential(legs, original, permits).await; // not reached: the loop ends with P's answer
+    };
+    let Some(d_res) = d_answer else {
+        // D failed: another decode node takes P's params the plain way.
+        return decode_leg(legs, original, Some(p), None, permits).await;
+    };
+    let first = (!p.params.is_null()).then(|| first_token::from_answer(legs.path, &original, &p.answer)).flatten();
+    let delivery = json!({
+        "token": token,
+        "kv_transfer_params": p.params,
+        "resume_token_ids": first.as_ref().map(|f| vec![f.id]).unwrap_or_default(),
+    });
+    let mut rb = st.client.post(format!("{d}/v1/kv/params")).header(crate::headers::REQUEST_ID, legs.request_id);
+    if let Some(v) = legs.authorization {
+        rb = rb.header(actix_web::http::header::AUTHORIZATION.as_str(), v);
+    }
+    let send = rb.json(&delivery).send().instrument(d_span.clone());
+    super::PARALLEL_DECODE_LEGS_TOTAL.inc();
+    let handover: Option<migrate::Handover> = if first.is_none() {
+        // Nothing is shown before D's own first token: hand over first, and on failure take
+        // P's params to another decode node the plain way.
+        match send.await {
+            Ok(r) if r.status().is_success() => p.release.disarm(), // D owns the reference now
+            other => {
+                let why = other.map_or_else(|e| e.to_string(), |r| format!("answered {}", r.status().as_u16()));
+                tracing::warn!(parent: &d_span, request_id = legs.request_id, upstream = %d, error = %why,
+                    "decode node did not take the params; the plain path takes over");
+                st.decode.failure(d_index, "reset");
+                drop(d_res);
+                return decode_leg(legs, original, Some(p), None, permits).await;
+            }
+        }
+        None
+    } else {
+        // With P's token to show, the token goes out while the params travel (the relay waits
+        // for the hand-over before it reads D); P's guard is disarmed once D took them, and
+        // frees P's blocks otherwise.
+        let mut release = p.release;
+        Some(Box::pin(async move {
+            match send.await {
+                Ok(r) if r.status().is_success() => {
+                    release.disarm();
+                    Ok(())
+                }
+                Ok(r) => Err(format!("the decode node answered the params with {}", r.status().as_u16())),
+                Err(e) => Err(format!("the decode node did not take the params: {e}")),
+            }
+        }))
+    };
+    let relay = migrate::Relay {
+        st: st.clone(),
+        req: legs.req.clone(),
+        path: legs.path,
+        request_id: legs.request_id.to_string(),
+        original,
+        span: legs.span.clone(),
+        client_trace: legs.client_trace.clone(),
+        authorization: legs.authorization.map(str::to_string),
+        d: d_index,
+        migrations: 0,
+        hold: Box::new((permits, d_span)),
+    };
+    match first {
+        Some(first) => migrate::respond_after_first_token(relay, first, d_res, handover),
+        None => migrate::respond(relay, d_res),
+    }
+}
+
+/// No decode node to send the leg to yet: the plain path (it answers the client's 503 itself).
+async fn sequential(legs: &Legs<'_>, original: Value, permits: Box<dyn std::any::Any>) -> HttpResponse {
+    match prefill_leg(legs, &original).await {
+        Ok(p) => decode_leg(legs, original, Some(p), None, permits).await,
+        Err(answer) => answer,
+    }
+}
