@@ -449,6 +449,7 @@ pub async fn start(
                 hold_table: pdmesh_kv_transfer::HoldTableConfig {
                     lease_ttl: cfg.read_lease(),
                     heartbeat_extension: cfg.heartbeat_extension(),
+                    early_wait: cfg.early_lease_wait(),
                 },
                 remote_agent_idle: std::time::Duration::from_secs(cfg.remote_agent_idle_s.max(1)),
                 faults,

@@ -17,6 +17,12 @@
 //! READ progress (one-sided shm or checked tcp), `read done`, duplicate `read done`, transfer
 //! failures, failed forward passes, heartbeats, delayed or lost give-ups, and time.
 //!
+//! P answers in the step that runs `request_finished`, and its worker registers the hold in the
+//! next step (D65), so D can ask for a lease, or give up, before P's hold table knows the
+//! request: the lease waits (parked) and is answered at a later lease event — granted or
+//! refused through the normal checks once the hold registered, refused once its wait ended —
+//! and the give-up is remembered and frees the hold as it registers.
+//!
 //! Every prompt is a prefix of one of three token sequences, so later requests find earlier
 //! ones' blocks in the offload store (a store smaller than the prompts sent, so it also evicts). The test's
 //! model writes each token's KV as a value naming its position and token, and reads the KV of
@@ -70,7 +76,7 @@ use pdmesh_engine_core::scheduler::{EngineFaults, Scheduler, SchedulerConfig};
 use pdmesh_engine_core::step::{
     notice_calls, notice_receives, EngineState, EngineStep, StepDone, StepIo, WorkerAnswer,
 };
-use pdmesh_kv_transfer::{CapabilityCheck, HoldTable, HoldTableConfig, LeasePolicy, NoticeOutcome};
+use pdmesh_kv_transfer::{CapabilityCheck, HoldTable, HoldTableConfig, LeaseDecision, LeasePolicy, NoticeOutcome};
 use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{KvCache, KvCacheSpec};
 use pdmesh_protocol::{
@@ -86,6 +92,8 @@ const D_BLOCKS: u32 = 28;
 const HOLD: Duration = Duration::from_millis(1000);
 const LEASE_TTL: Duration = Duration::from_millis(300);
 const HEARTBEAT_EXTENSION: Duration = Duration::from_millis(1000);
+/// How long a lease asked before its hold registered waits for it (D65).
+const EARLY_WAIT: Duration = Duration::from_millis(400);
 const EOS: u32 = 2;
 const TOKEN: u32 = 7;
 /// Slots of each node's host-memory offload store: fewer than the blocks of the prompts a
@@ -215,7 +223,7 @@ fn ev() -> impl Strategy<Value = Ev> {
     ]
 }
 
-/// One engine rank: the engine's own step state (scheduler, inbox, deferred hand-offs) and a
+/// One engine rank: the engine's own step state (scheduler, inbox) and a
 /// real connector, driven by the engine's own [`EngineStep`].
 struct Node {
     state: EngineState,
@@ -379,7 +387,7 @@ impl Node {
     }
 
     fn quiet(&self) -> bool {
-        !self.sched().has_requests() && self.state.inbox.is_empty() && self.state.deferred.is_empty()
+        !self.sched().has_requests() && self.state.inbox.is_empty()
     }
 }
 
@@ -422,6 +430,8 @@ struct Recv {
     remote: Vec<u32>,
     gens: Vec<u64>,
     lease: Option<u64>,
+    /// The ticket of a lease request P parked because the hold was not registered yet.
+    parked: Option<u64>,
     /// The capability token from P's params, presented with every message (as D's worker does).
     token: String,
     /// What each part of the READ saw in P's pool: (block, allocated, generation).
@@ -471,6 +481,11 @@ struct World {
     stale_notices_refused: u64,
     /// D receives that read only a tail of P's blocks (D had the rest in its prefix cache).
     partial_reads: u64,
+    /// Parked lease requests: what each asked, to follow a lease granted after its reader went.
+    parked: HashMap<u64, (String, Vec<(u32, u64)>)>,
+    /// Parked lease requests granted once their hold registered, and refused.
+    early_granted: u64,
+    early_refused: u64,
 }
 
 impl World {
@@ -483,7 +498,11 @@ impl World {
             side_channel_port: 5600,
             dp_rank: 0,
         };
-        let table = HoldTable::new(HoldTableConfig { lease_ttl: LEASE_TTL, heartbeat_extension: HEARTBEAT_EXTENSION });
+        let table = HoldTable::new(HoldTableConfig {
+            lease_ttl: LEASE_TTL,
+            heartbeat_extension: HEARTBEAT_EXTENSION,
+            early_wait: EARLY_WAIT,
+        });
         let mut p = Node::new(PdConnector::new(Some(producer), false, HOLD), P_BLOCKS, false, EngineFaults::default());
         p.state.sched.set_prefix_caching(p_caching);
         Self {
@@ -506,6 +525,9 @@ impl World {
             reused_ids: 0,
             stale_notices_refused: 0,
             partial_reads: 0,
+            parked: HashMap::new(),
+            early_granted: 0,
+            early_refused: 0,
         }
     }
 
@@ -597,6 +619,7 @@ impl World {
                 remote: remote[remote.len() - n..].to_vec(),
                 gens: if gens.len() == remote.len() { gens[gens.len() - n..].to_vec() } else { gens },
                 lease: None,
+                parked: None,
                 token,
                 observed: Vec::new(),
             });
@@ -646,6 +669,10 @@ impl World {
         if r.lease.is_some() {
             return Ok(()); // the worker asks once per receive
         }
+        if r.parked.is_some() {
+            // P's side channel answers the parked requests it can answer now.
+            return self.answer_parked();
+        }
         // P's side channel checks the token first: a forged one never touches the hold, and
         // neither does D's own once P's request id was reused by a later request (its old token
         // is refused like an unknown request: the load fails, nothing to give back).
@@ -655,17 +682,56 @@ impl World {
             self.settle(k, false, false);
             return Ok(());
         }
-        match self.table.grant(&r.p_id, &r.remote, &r.gens, "d/0", self.now) {
-            Ok(g) => {
-                let blocks = r.remote.iter().copied().zip(r.gens.iter().copied()).collect();
-                self.leases.insert(g.lease_id, LeaseView { p_id: r.p_id.clone(), blocks, deadline: self.now + g.ttl });
-                // A lost answer: asking again gets the same lease.
-                let again = self.table.grant(&r.p_id, &r.remote, &r.gens, "d/0", self.now);
-                prop_assert_eq!(again.map(|a| a.lease_id).ok(), Some(g.lease_id));
-                self.inflight[k].lease = Some(g.lease_id);
-            }
+        match self.table.grant_or_park(&r.p_id, &r.remote, &r.gens, "d/0", &r.token, self.now) {
+            LeaseDecision::Granted(g) => self.leased(k, g)?,
             // Refused (gone, stale generation, aborted): a failed load; nothing to give back.
-            Err(_) => self.settle(k, false, false),
+            LeaseDecision::Refused(_) => self.settle(k, false, false),
+            // Not registered yet (P answered first, D65): the answer comes later.
+            LeaseDecision::Parked(ticket) => {
+                let blocks = r.remote.iter().copied().zip(r.gens.iter().copied()).collect();
+                self.parked.insert(ticket, (r.p_id.clone(), blocks));
+                self.inflight[k].parked = Some(ticket);
+            }
+        }
+        Ok(())
+    }
+
+    /// Receive `k` got lease `g`.
+    fn leased(&mut self, k: usize, g: pdmesh_kv_transfer::LeaseGrant) -> Result<(), TestCaseError> {
+        let r = &self.inflight[k];
+        let blocks = r.remote.iter().copied().zip(r.gens.iter().copied()).collect();
+        self.leases.insert(g.lease_id, LeaseView { p_id: r.p_id.clone(), blocks, deadline: self.now + g.ttl });
+        // A lost answer: asking again gets the same lease.
+        let again = self.table.grant(&r.p_id, &r.remote, &r.gens, "d/0", self.now);
+        prop_assert_eq!(again.map(|a| a.lease_id).ok(), Some(g.lease_id));
+        self.inflight[k].lease = Some(g.lease_id);
+        self.inflight[k].parked = None;
+        Ok(())
+    }
+
+    /// P's side channel answers the parked lease requests whose hold registered or whose wait
+    /// ended (`take_parked_answers`, as the agent does when woken).
+    fn answer_parked(&mut self) -> Result<(), TestCaseError> {
+        for a in self.table.take_parked_answers(self.now) {
+            let asked = self.parked.remove(&a.ticket);
+            match self.inflight.iter().position(|r| r.parked == Some(a.ticket)) {
+                Some(k) => match a.result {
+                    Ok(g) => {
+                        self.early_granted += 1;
+                        self.leased(k, g)?;
+                    }
+                    Err(_) => {
+                        self.early_refused += 1;
+                        self.settle(k, false, false);
+                    }
+                },
+                // Its reader went (the READ task died): the lease, if granted, just expires.
+                None => {
+                    if let (Ok(g), Some((p_id, blocks))) = (a.result, asked) {
+                        self.leases.insert(g.lease_id, LeaseView { p_id, blocks, deadline: self.now + g.ttl });
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -741,7 +807,7 @@ impl World {
             self.stale_notices_refused += 1;
             return Ok(());
         }
-        let outcome = self.table.give_up(&g.p_id, g.lease, "d/0", self.now);
+        let outcome = self.table.give_up_with_capability(&g.p_id, g.lease, "d/0", &g.token, self.now);
         if let Some(l) = g.lease {
             if outcome == NoticeOutcome::Released || self.leases.get(&l).is_some_and(|v| v.p_id == g.p_id) {
                 self.leases.remove(&l);
@@ -949,6 +1015,11 @@ impl World {
             self.now += HOLD + LEASE_TTL + HEARTBEAT_EXTENSION;
             while !self.inflight.is_empty() {
                 self.lease(0)?;
+                if self.inflight.first().is_some_and(|r| r.parked.is_some()) {
+                    // Parked just now, and P's worker steps no more in this loop: its wait ends.
+                    self.now += EARLY_WAIT;
+                    self.answer_parked()?;
+                }
                 if self.inflight.first().is_some_and(|r| r.lease.is_some()) {
                     self.read_done(0)?;
                 }
@@ -1036,6 +1107,7 @@ fn the_generator_reaches_the_race_windows() {
     let (mut reused, mut refused_p, mut refused_d, mut stale) = (0, 0, 0, 0);
     let (mut saved, mut loaded, mut checked, mut extra_saves) = (0, 0, 0, 0);
     let (mut p_hits, mut d_hits, mut evictions, mut partial_reads) = (0, 0, 0, 0);
+    let (mut early_granted, mut early_refused) = (0, 0);
     for case in 0..200 {
         let events = proptest::collection::vec(ev(), 1..160).new_tree(&mut runner).unwrap().current();
         let mut w = World::new(false, case % 2 == 0);
@@ -1052,6 +1124,12 @@ fn the_generator_reaches_the_race_windows() {
         totals.expired_leases += c.expired_leases;
         totals.stale_read_done += c.stale_read_done + c.unknown_read_done + c.duplicate_read_done;
         totals.aborts += c.aborts;
+        totals.leases_parked += c.leases_parked;
+        totals.parked_timed_out += c.parked_timed_out;
+        totals.tombstones += c.tombstones;
+        totals.tombstone_releases += c.tombstone_releases;
+        early_granted += w.early_granted;
+        early_refused += w.early_refused;
         p_finished += w.p.sched().counters().request_finished_calls;
         d_finished += w.d.sched().counters().request_finished_calls;
         reused += w.reused_ids;
@@ -1074,7 +1152,8 @@ fn the_generator_reaches_the_race_windows() {
          {refused_p}, by D's {refused_d}; stale give-ups refused by their token {stale}; offload: blocks saved \
          {saved}, loaded {loaded}, loaded and read right by the model {checked}, requests two children delayed \
          {extra_saves}; prefix cache: tokens hit on P {p_hits}, on D {d_hits}, blocks evicted {evictions}, \
-         partial reads {partial_reads}"
+         partial reads {partial_reads}; leases parked before their hold registered: granted {early_granted}, \
+         refused {early_refused}"
     );
     for (what, n) in [
         ("reused request ids", reused),
@@ -1097,6 +1176,12 @@ fn the_generator_reaches_the_race_windows() {
         ("holds expired", totals.expired_holds),
         ("leases expired", totals.expired_leases),
         ("late or stale read done", totals.stale_read_done),
+        // P answers before its worker registers the hold (D65): the windows that opens.
+        ("leases asked before their hold registered", totals.leases_parked),
+        ("parked leases granted once their hold registered", early_granted),
+        ("parked leases refused (their wait ended, or the checks refused)", early_refused),
+        ("give-ups before their hold registered, remembered", totals.tombstones),
+        ("holds released as they registered, by a give-up that came first", totals.tombstone_releases),
     ] {
         assert!(n > 0, "no {what} in 200 cases: {totals:?}");
     }

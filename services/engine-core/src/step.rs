@@ -50,16 +50,12 @@ pub struct EngineState {
     pub rank: u32,
     pub sched: Scheduler,
     pub inbox: Inbox,
-    /// P's final outputs (carrying the params D needs), held back until the worker has run the
-    /// step whose metadata registers their holds: D must never ask for a lease that P's worker
-    /// does not know yet (D16).
-    pub deferred: Vec<EngineOutput>,
     pub step_id: u64,
 }
 
 impl EngineState {
     pub fn new(rank: u32, sched: Scheduler) -> Self {
-        Self { rank, sched, inbox: Inbox::default(), deferred: Vec::new(), step_id: 0 }
+        Self { rank, sched, inbox: Inbox::default(), step_id: 0 }
     }
 
     /// The load report the dp-lb routes by.
@@ -140,7 +136,6 @@ enum Phase {
     /// Waiting for the worker.
     Executing {
         chunks: Vec<ScheduledChunk>,
-        release_after: Vec<EngineOutput>,
     },
     /// Waiting for the `request_finished` calls of this step and `update_connector_output`.
     Finishing {
@@ -161,6 +156,8 @@ pub struct EngineStep {
     scheduled_tokens: u32,
     /// Whether a load (a remote prefill's read) settled in this step: its request can run now.
     loads_settled: bool,
+    /// Whether this step answered a hand-off to D: its hold registers in the next step.
+    handed_off: bool,
 }
 
 impl EngineStep {
@@ -176,6 +173,7 @@ impl EngineStep {
             executed: false,
             scheduled_tokens: 0,
             loads_settled: false,
+            handed_off: false,
         };
         for req in std::mem::take(&mut st.inbox.adds) {
             let id = req.request_id.clone();
@@ -245,11 +243,8 @@ impl EngineStep {
                 };
                 meta.reqs_to_recv.extend(std::mem::take(&mut st.inbox.undelivered_recvs));
                 meta.reqs_aborted_after_finish = st.sched.take_aborted_held();
-                // Released after this step's worker call, whose metadata registers their holds.
-                let release_after = std::mem::take(&mut st.deferred);
                 self.chunks_ran = !chunks.is_empty();
                 if chunks.is_empty() && meta.is_empty() && !st.sched.has_requests() {
-                    self.outputs.extend(release_after);
                     return self.finish(st, KvConnectorOutput::default());
                 }
                 self.executed = true;
@@ -260,7 +255,7 @@ impl EngineStep {
                     finished_request_ids,
                     kv_connector_metadata: meta,
                 };
-                self.phase = Phase::Executing { chunks, release_after };
+                self.phase = Phase::Executing { chunks };
                 StepIo::Worker(output)
             }
             Phase::Finishing { finishing, kv_output } => {
@@ -277,7 +272,7 @@ impl EngineStep {
 
     /// The worker's answer to [`StepIo::Worker`].
     pub fn on_worker(&mut self, st: &mut EngineState, answer: WorkerAnswer) -> StepIo {
-        let Phase::Executing { chunks, release_after } = std::mem::replace(&mut self.phase, Phase::Over) else {
+        let Phase::Executing { chunks } = std::mem::replace(&mut self.phase, Phase::Over) else {
             tracing::error!("worker answer outside the execute phase; ignored");
             return StepIo::Done(self.done(st));
         };
@@ -299,7 +294,6 @@ impl EngineStep {
             }
             WorkerAnswer::Failed(reason) => st.sched.fail_requests(&Scheduler::ids_of(&chunks), &reason),
         }
-        self.outputs.extend(release_after);
         self.finish(st, kv_output)
     }
 
@@ -339,21 +333,21 @@ impl EngineStep {
     fn complete(&mut self, st: &mut EngineState, kv_output: KvConnectorOutput) -> StepIo {
         self.loads_settled |= !kv_output.finished_recving.is_empty();
         st.sched.update_from_kv_output(&kv_output);
+        // A hand-off (the params D needs) goes out now, with the step that ran
+        // `request_finished`; its hold registers with the next step's metadata, and P's worker
+        // parks a lease that comes before that (D65, replacing D16's hold-back).
         for o in st.sched.take_outputs() {
-            let hands_off = o.kv_transfer_params.as_ref().is_some_and(KvTransferParams::wants_remote_prefill);
-            if hands_off {
-                st.deferred.push(o);
-            } else {
-                self.outputs.push(o);
-            }
+            self.handed_off |= o.kv_transfer_params.as_ref().is_some_and(KvTransferParams::wants_remote_prefill);
+            self.outputs.push(o);
         }
         StepIo::Done(self.done(st))
     }
 
     fn done(&mut self, st: &EngineState) -> StepDone {
         // A settled load makes its request runnable: step at once rather than at the next
-        // idle tick (D57).
-        let next = if self.chunks_ran || self.loads_settled || !st.deferred.is_empty() || !st.inbox.is_empty() {
+        // idle tick (D57). A hand-off's hold registers in the next step: at once, so a reader
+        // that asks early waits as little as possible (D65).
+        let next = if self.chunks_ran || self.loads_settled || self.handed_off || !st.inbox.is_empty() {
             StepNext::Now
         } else if st.sched.has_requests() {
             StepNext::Soon

@@ -103,3 +103,59 @@ fn a_remote_prefill_runs_once_the_connector_answers() {
     // The connector is back and decides (here: nothing to load): the request runs.
     assert_eq!(scheduled(&mut st, noop), ["remote"]);
 }
+
+/// P's side (D65): the answer carrying the params D needs leaves with the step whose
+/// `request_finished` produced it, not one step later (D16's hold-back), and that step asks for
+/// the next one at once, whose metadata registers the hold on P's worker.
+#[test]
+fn a_hand_off_leaves_with_the_step_that_finished_it() {
+    use pdmesh_engine_core::step::{StepNext, WorkerAnswer};
+    use pdmesh_protocol::{ModelRunnerOutput, SampledToken};
+    let mut st = state();
+    let mut req = request("p-req", 100, false);
+    req.sampling.max_tokens = 1;
+    req.kv_transfer_params = Some(KvTransferParams { do_remote_decode: Some(true), ..Default::default() });
+    st.inbox.adds.push(req);
+    let handoff = request("p-req", 100, true).kv_transfer_params;
+    let answer = |calls: &[ConnectorCall]| {
+        let replies = noop(calls)?;
+        Some(
+            calls
+                .iter()
+                .zip(replies)
+                .map(|(c, r)| match c {
+                    ConnectorCall::RequestFinished { .. } => {
+                        ConnectorReply::Finished { delay_free: true, kv_transfer_params: handoff.clone() }
+                    }
+                    _ => r,
+                })
+                .collect(),
+        )
+    };
+    let (mut step, mut io) = EngineStep::start(&mut st, |_| Default::default());
+    let done = loop {
+        io = match io {
+            StepIo::Connector(calls) => step.on_connector(&mut st, answer(&calls)),
+            StepIo::Worker(out) => {
+                let sampled = out
+                    .chunks
+                    .iter()
+                    .filter(|c| c.sample)
+                    .map(|c| SampledToken { request_id: c.request_id.clone(), token_id: 7, logprobs: None })
+                    .collect();
+                let ran = ModelRunnerOutput { step_id: out.step_id, sampled, ..Default::default() };
+                step.on_worker(&mut st, WorkerAnswer::Ran(ran))
+            }
+            StepIo::Done(done) => break done,
+        };
+    };
+    let handed: Vec<_> = done
+        .outputs
+        .iter()
+        .filter(|o| o.kv_transfer_params.as_ref().is_some_and(KvTransferParams::wants_remote_prefill))
+        .map(|o| o.request_id.as_str())
+        .collect();
+    assert_eq!(handed, ["p-req"], "the hand-off goes out with the step that finished it");
+    assert_eq!(done.next, StepNext::Now, "the step registering the hold runs at once");
+    assert!(st.sched.holds("p-req"), "P keeps the blocks held for D");
+}

@@ -219,6 +219,13 @@ pub struct KvTransferConfig {
     /// then follows `kv_load_failure_policy`). Beyond vLLM, which has no read leases.
     #[serde(default = "default_read_lease_s")]
     pub kv_read_lease_s: u64,
+    /// P: how long (ms) a lease request for a request whose hold P's worker has not registered
+    /// yet waits for it, and how long a give-up that came first is remembered. P answers in the
+    /// step that finishes its prefill, one step before the hold registers (docs/DECISIONS.md
+    /// D65), so a fast reader can be early; past the wait the lease is refused as "not held".
+    /// 0 turns the wait off. Beyond vLLM, whose NIXL reads need no lease.
+    #[serde(default = "default_early_lease_wait_ms")]
+    pub kv_early_lease_wait_ms: u64,
     #[serde(default = "default_abort_timeout_s")]
     pub abort_request_timeout_s: u64,
     /// D: drop a prefill engine's cached handshake (and with it the mapping of P's cache or
@@ -310,6 +317,9 @@ fn default_lease_s() -> u64 {
 fn default_read_lease_s() -> u64 {
     10
 }
+fn default_early_lease_wait_ms() -> u64 {
+    1000
+}
 fn default_abort_timeout_s() -> u64 {
     480
 }
@@ -361,6 +371,11 @@ impl KvTransferConfig {
     /// How long a read lease lasts on P.
     pub fn read_lease(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.kv_read_lease_s)
+    }
+
+    /// How long P waits for a hold to register before refusing an early lease (D65).
+    pub fn early_lease_wait(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.kv_early_lease_wait_ms)
     }
 
     /// How far a heartbeat moves P's hold deadline on: `kv_lease_duration_s` (in both hold

@@ -22,7 +22,7 @@ use zeromq::{RouterSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessa
 
 use crate::error::AgentError;
 use crate::fault::FaultConfig;
-use crate::hold::{CapabilityCheck, LeasePolicy, LeaseRefusal, NoticeOutcome, SharedPolicy};
+use crate::hold::{CapabilityCheck, LeaseDecision, LeaseGrant, LeasePolicy, LeaseRefusal, NoticeOutcome, SharedPolicy};
 use crate::layout::region_bytes;
 use crate::shm::{ShmReadOnly, ShmRegion};
 use crate::tcp;
@@ -307,6 +307,10 @@ fn prepare_ipc(endpoint: &str) {
 #[derive(Default)]
 pub(crate) struct Sessions {
     peers: std::collections::HashMap<Vec<u8>, PeerAuth>,
+    /// Lease requests the policy parked until their hold registers (D65), by ticket: the
+    /// asking peer and its request, to answer later. As many as the policy parks (bounded
+    /// there), each removed when the policy answers it.
+    parked: std::collections::HashMap<u64, (Vec<u8>, Envelope)>,
 }
 
 enum PeerAuth {
@@ -401,23 +405,77 @@ fn authenticate(served: &Served, sessions: &mut Sessions, peer: &[u8], env: &Env
     }
 }
 
+/// Resolves when the policy signals that a parked lease's hold registered (never without one).
+async fn registered(wakeup: Option<&tokio::sync::Notify>) {
+    match wakeup {
+        Some(n) => n.notified().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Resolves at `deadline` (never without one).
+async fn until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Send the answers the policy has now for parked lease requests (D65).
+async fn answer_parked(served: &Served, sessions: &mut Sessions, socket: &mut RouterSocket) {
+    let answers = served.policy().take_parked_answers(Instant::now());
+    for a in answers {
+        let Some((peer, env)) = sessions.parked.remove(&a.ticket) else { continue };
+        let Message::XferLease(req) = &env.body else { continue };
+        if a.capability_refused {
+            capability_refused(served, &a.p_request_id, "lease");
+        }
+        let span = side_channel_span(&env);
+        let body = span.in_scope(|| lease_answer(served, req, a.result));
+        let Ok(bytes) = env.reply(body).encode() else { continue };
+        send_to(socket, peer, bytes).await;
+    }
+}
+
+async fn send_to(socket: &mut RouterSocket, peer: Vec<u8>, bytes: Vec<u8>) {
+    let mut out = ZmqMessage::from(bytes);
+    out.push_front(peer.into());
+    match tokio::time::timeout(Duration::from_secs(5), socket.send(out)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(error = %e, "side channel: peer gone before the answer"),
+        Err(_) => tracing::warn!("side channel: answer not accepted within 5 s"),
+    }
+}
+
 /// One task answers every side channel message in arrival order. Each answer takes
 /// microseconds (a policy call under its lock), so one task is plenty and keeps the policy's
 /// calls serial. Every peer authenticates first ([`authenticate`]); until it has, every other
-/// message gets only a refusal.
+/// message gets only a refusal. A lease request that arrives before its hold registered is
+/// parked by the policy and answered here when the policy signals the registration, or when
+/// its wait ends (D65).
 async fn serve_side_channel(
     mut socket: RouterSocket,
     mut events: futures::channel::mpsc::Receiver<SocketEvent>,
     served: Arc<Served>,
 ) {
     let mut sessions = Sessions::default();
+    let wakeup = served.policy().parked_wakeup();
     loop {
+        let parked_until = if sessions.parked.is_empty() { None } else { served.policy().next_parked_deadline() };
         let msg = tokio::select! {
             biased;
             Some(event) = events.next() => {
                 if let SocketEvent::Disconnected(peer) = event {
                     sessions.peers.remove(peer.as_ref());
                 }
+                continue;
+            }
+            () = registered(wakeup.as_deref()) => {
+                answer_parked(&served, &mut sessions, &mut socket).await;
+                continue;
+            }
+            () = until(parked_until) => {
+                answer_parked(&served, &mut sessions, &mut socket).await;
                 continue;
             }
             msg = socket.recv() => msg,
@@ -437,13 +495,7 @@ async fn serve_side_channel(
         let peer = frames.remove(0);
         let Some(frame) = frames.pop() else { continue };
         let Some(bytes) = handle_frame(&served, &mut sessions, &peer, &frame) else { continue };
-        let mut out = ZmqMessage::from(bytes);
-        out.push_front(peer);
-        match tokio::time::timeout(Duration::from_secs(5), socket.send(out)).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::debug!(error = %e, "side channel: peer gone before the answer"),
-            Err(_) => tracing::warn!("side channel: answer not accepted within 5 s"),
-        }
+        send_to(&mut socket, peer.to_vec(), bytes).await;
     }
 }
 
@@ -464,15 +516,51 @@ pub(crate) fn handle_frame(served: &Served, sessions: &mut Sessions, peer: &[u8]
     if let Some(step) = authenticate(served, sessions, peer, &env) {
         return env.reply(step).encode().ok();
     }
-    // A span per side-channel message, child of the reader's span on D, so the handshake,
-    // lease and read done of one request join its trace across nodes.
-    let span = pdmesh_telemetry::trace::child_of(
+    let span = side_channel_span(&env);
+    let mut parked = None;
+    let reply = span.in_scope(|| answer(served, &env, &mut parked));
+    if let Some(ticket) = parked {
+        sessions.parked.insert(ticket, (peer.to_vec(), env));
+    }
+    reply
+}
+
+/// A span per side-channel message, child of the reader's span on D, so the handshake, lease
+/// and read done of one request join its trace across nodes.
+fn side_channel_span(env: &Envelope) -> tracing::Span {
+    pdmesh_telemetry::trace::child_of(
         tracing::info_span!("kv.side_channel", otel.kind = "server",
             otel.name = %format_args!("kv.serve.{}", env.body.kind()), message = env.body.kind(),
             request_id = tracing::field::Empty),
         &env.trace,
-    );
-    span.in_scope(|| answer(served, &env))
+    )
+}
+
+/// The answer to a lease request, now or once it was parked.
+fn lease_answer(
+    served: &Served,
+    req: &pdmesh_protocol::XferLeaseRequest,
+    decision: Result<LeaseGrant, LeaseRefusal>,
+) -> Message {
+    let stats = &served.stats;
+    match decision {
+        Ok(grant) => {
+            AgentStats::inc(&stats.leases_granted);
+            tracing::Span::current().record("request_id", req.p_request_id.as_str());
+            tracing::info!(lease_id = grant.lease_id, blocks = req.block_ids.len(), consumer = %req.consumer,
+                "lease granted");
+            Message::XferLeaseGranted(XferLeaseGranted {
+                lease_id: grant.lease_id,
+                lease_ttl_ms: grant.ttl.as_millis().try_into().unwrap_or(u64::MAX),
+                agent_name: served.metadata.agent_name.clone(),
+            })
+        }
+        Err(refusal) => {
+            AgentStats::inc(&stats.leases_refused);
+            tracing::info!(p_request_id = %req.p_request_id, consumer = %req.consumer, %refusal, "lease refused");
+            Message::XferLeaseRefused(XferLeaseRefused { reason: refusal.reason, detail: refusal.detail })
+        }
+    }
 }
 
 /// Count a message that carried the wrong capability token for a held request.
@@ -505,8 +593,9 @@ pub(crate) fn if_capable<T>(
     }
 }
 
-/// The encoded answer to one message, or `None` when nothing is to be sent.
-fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
+/// The encoded answer to one message, or `None` when nothing is to be sent (now: a lease
+/// request the policy parked sets `parked` to its ticket and is answered later).
+fn answer(served: &Served, env: &Envelope, parked: &mut Option<u64>) -> Option<Vec<u8>> {
     let now = Instant::now();
     let faults = &served.faults;
     let stats = &served.stats;
@@ -533,30 +622,32 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
         }
         Message::XferLease(req) => {
             let decision = if faults.lease_refused {
-                Err(LeaseRefusal::new(LeaseRefusalReason::FaultInjected, "fault injection: lease_refused"))
+                LeaseDecision::Refused(LeaseRefusal::new(
+                    LeaseRefusalReason::FaultInjected,
+                    "fault injection: lease_refused",
+                ))
             } else {
                 let id = &req.p_request_id;
-                let as_unknown = || Err(LeaseRefusal::not_held(id));
+                let as_unknown = || LeaseDecision::Refused(LeaseRefusal::not_held(id));
                 if_capable(served, id, &req.capability, "lease", as_unknown, |policy| {
-                    policy.grant(id, &req.block_ids, &req.block_generations, &req.consumer, now)
+                    policy.grant_or_park(
+                        id,
+                        &req.block_ids,
+                        &req.block_generations,
+                        &req.consumer,
+                        &req.capability,
+                        now,
+                    )
                 })
             };
             match decision {
-                Ok(grant) => {
-                    AgentStats::inc(&stats.leases_granted);
-                    tracing::Span::current().record("request_id", req.p_request_id.as_str());
-                    tracing::info!(lease_id = grant.lease_id, blocks = req.block_ids.len(), consumer = %req.consumer,
-                        "lease granted");
-                    Message::XferLeaseGranted(XferLeaseGranted {
-                        lease_id: grant.lease_id,
-                        lease_ttl_ms: grant.ttl.as_millis().try_into().unwrap_or(u64::MAX),
-                        agent_name: served.metadata.agent_name.clone(),
-                    })
-                }
-                Err(refusal) => {
-                    AgentStats::inc(&stats.leases_refused);
-                    tracing::info!(p_request_id = %req.p_request_id, consumer = %req.consumer, %refusal, "lease refused");
-                    Message::XferLeaseRefused(XferLeaseRefused { reason: refusal.reason, detail: refusal.detail })
+                LeaseDecision::Granted(grant) => lease_answer(served, req, Ok(grant)),
+                LeaseDecision::Refused(refusal) => lease_answer(served, req, Err(refusal)),
+                LeaseDecision::Parked(ticket) => {
+                    // Early: P answered before its worker registered the hold (D65).
+                    tracing::debug!(p_request_id = %req.p_request_id, ticket, "lease waits for its hold to register");
+                    *parked = Some(ticket);
+                    return None;
                 }
             }
         }
@@ -614,7 +705,7 @@ fn answer(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
                 &g.capability,
                 "give_up",
                 || NoticeOutcome::Unknown,
-                |p| p.give_up(&g.p_request_id, g.lease_id, &g.consumer, now),
+                |p| p.give_up_with_capability(&g.p_request_id, g.lease_id, &g.consumer, &g.capability, now),
             );
             if let (Some(at), crate::hold::NoticeOutcome::Released) = (g.rejected_at_unix_us, outcome) {
                 let us = pdmesh_protocol::micros_since(at);

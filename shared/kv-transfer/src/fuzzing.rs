@@ -37,7 +37,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use crate::agent::{AgentStats, Served, Sessions};
 use crate::error::{AgentError, TransferError};
 use crate::fault::FaultConfig;
-use crate::hold::{CapabilityCheck, HoldTable, LeaseGrant, LeasePolicy, LeaseRefusal, NoticeOutcome, SharedPolicy};
+use crate::hold::{
+    CapabilityCheck, HoldTable, LeaseDecision, LeaseGrant, LeasePolicy, LeaseRefusal, NoticeOutcome, ParkedAnswer,
+    SharedPolicy,
+};
 use crate::shm::{ShmReadOnly, ShmRegion};
 use crate::tcp::{authenticate_peer, authenticate_to, serve_connection, TcpReader};
 
@@ -70,6 +73,13 @@ impl<P: LeasePolicy> SequentialLeases<P> {
     fn inner_id(&self, wire: u64) -> u64 {
         self.to_inner.get(&wire).copied().unwrap_or(wire)
     }
+
+    fn wire_grant(&mut self, grant: LeaseGrant) -> LeaseGrant {
+        let next = self.to_wire.len() as u64 + 1;
+        let wire = *self.to_wire.entry(grant.lease_id).or_insert(next);
+        self.to_inner.insert(wire, grant.lease_id);
+        LeaseGrant { lease_id: wire, ttl: grant.ttl }
+    }
 }
 
 impl<P: LeasePolicy> LeasePolicy for SequentialLeases<P> {
@@ -82,10 +92,7 @@ impl<P: LeasePolicy> LeasePolicy for SequentialLeases<P> {
         now: Instant,
     ) -> Result<LeaseGrant, LeaseRefusal> {
         let grant = self.inner.grant(p_request_id, block_ids, generations, consumer, now)?;
-        let next = self.to_wire.len() as u64 + 1;
-        let wire = *self.to_wire.entry(grant.lease_id).or_insert(next);
-        self.to_inner.insert(wire, grant.lease_id);
-        Ok(LeaseGrant { lease_id: wire, ttl: grant.ttl })
+        Ok(self.wire_grant(grant))
     }
 
     fn check_read(
@@ -114,6 +121,51 @@ impl<P: LeasePolicy> LeasePolicy for SequentialLeases<P> {
 
     fn capability(&self, p_request_id: &str, presented: &str) -> CapabilityCheck {
         self.inner.capability(p_request_id, presented)
+    }
+
+    fn grant_or_park(
+        &mut self,
+        p_request_id: &str,
+        block_ids: &[u32],
+        generations: &[u64],
+        consumer: &str,
+        capability: &str,
+        now: Instant,
+    ) -> LeaseDecision {
+        match self.inner.grant_or_park(p_request_id, block_ids, generations, consumer, capability, now) {
+            LeaseDecision::Granted(g) => LeaseDecision::Granted(self.wire_grant(g)),
+            other => other,
+        }
+    }
+
+    fn take_parked_answers(&mut self, now: Instant) -> Vec<ParkedAnswer> {
+        let mut answers = self.inner.take_parked_answers(now);
+        for a in &mut answers {
+            if let Ok(g) = a.result {
+                a.result = Ok(self.wire_grant(g));
+            }
+        }
+        answers
+    }
+
+    fn next_parked_deadline(&self) -> Option<Instant> {
+        self.inner.next_parked_deadline()
+    }
+
+    fn parked_wakeup(&self) -> Option<Arc<tokio::sync::Notify>> {
+        self.inner.parked_wakeup()
+    }
+
+    fn give_up_with_capability(
+        &mut self,
+        p_request_id: &str,
+        lease_id: Option<u64>,
+        consumer: &str,
+        capability: &str,
+        now: Instant,
+    ) -> NoticeOutcome {
+        let id = lease_id.map(|l| self.inner_id(l));
+        self.inner.give_up_with_capability(p_request_id, id, consumer, capability, now)
     }
 }
 

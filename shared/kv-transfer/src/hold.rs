@@ -10,12 +10,22 @@
 //!
 //! Every method takes `now` (or a deadline) instead of reading a clock, so tests drive time.
 //! Unknown, duplicate or late notices are counted in [`HoldCounters`], never a panic.
+//!
+//! P answers in the step that finishes its prefill, one step before its worker registers the
+//! hold (docs/DECISIONS.md D65), so a reader can be early. A lease asked for a request the table
+//! does not know is *parked* ([`LeasePolicy::grant_or_park`]) and answered by
+//! [`LeasePolicy::take_parked_answers`] once the hold registers (through the normal checks) or
+//! when [`HoldTableConfig::early_wait`] ends ("not held", as before). A give-up for a request
+//! the table does not know leaves a *tombstone* keyed by the request's capability token: a hold
+//! that registers later under that token is released at once (R4) instead of at its deadline.
+//! Both are bounded in count and in time, so a peer cannot grow P's memory with them.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pdmesh_protocol::LeaseRefusalReason;
+use tokio::sync::Notify;
 
 /// A granted read lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +62,36 @@ impl LeaseRefusal {
             format!("lease {lease_id} is not an active lease of {p_request_id}"),
         )
     }
+}
+
+/// What a lease request got from [`LeasePolicy::grant_or_park`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseDecision {
+    Granted(LeaseGrant),
+    Refused(LeaseRefusal),
+    /// The request is not held yet: the request waits under this ticket for the hold to
+    /// register; [`LeasePolicy::take_parked_answers`] answers it.
+    Parked(u64),
+}
+
+impl From<Result<LeaseGrant, LeaseRefusal>> for LeaseDecision {
+    fn from(r: Result<LeaseGrant, LeaseRefusal>) -> Self {
+        match r {
+            Ok(g) => Self::Granted(g),
+            Err(e) => Self::Refused(e),
+        }
+    }
+}
+
+/// The answer to a parked lease request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParkedAnswer {
+    pub ticket: u64,
+    pub p_request_id: String,
+    pub result: Result<LeaseGrant, LeaseRefusal>,
+    /// The hold registered under another capability token than the one the request presented:
+    /// refused exactly as an unknown request, and counted as a capability refusal.
+    pub capability_refused: bool,
 }
 
 /// Whether a message may touch a held request: does it carry the request's capability token?
@@ -123,6 +163,57 @@ pub trait LeasePolicy: Send {
     /// a request, under the same lock, so a message without the token never reaches the
     /// lease rules.
     fn capability(&self, p_request_id: &str, presented: &str) -> CapabilityCheck;
+
+    /// [`Self::grant`], except that a request the policy does not know (yet) may be parked
+    /// until its hold registers. `capability` is the token the request presented (already
+    /// checked against a held request's by the caller); a parked request's answer checks it
+    /// against the hold that registers. A policy without parking only grants or refuses.
+    #[allow(clippy::too_many_arguments)] // the lease request's fields, each used once
+    fn grant_or_park(
+        &mut self,
+        p_request_id: &str,
+        block_ids: &[u32],
+        generations: &[u64],
+        consumer: &str,
+        capability: &str,
+        now: Instant,
+    ) -> LeaseDecision {
+        let _ = capability;
+        self.grant(p_request_id, block_ids, generations, consumer, now).into()
+    }
+
+    /// The answers of parked lease requests that can be answered at `now`: their hold
+    /// registered (granted or refused by the normal checks), or their wait ended ("not held").
+    fn take_parked_answers(&mut self, now: Instant) -> Vec<ParkedAnswer> {
+        let _ = now;
+        Vec::new()
+    }
+
+    /// When the oldest parked lease request's wait ends (the side channel answers it then).
+    fn next_parked_deadline(&self) -> Option<Instant> {
+        None
+    }
+
+    /// Signalled when a hold registers for a parked lease request, so the side channel answers
+    /// it at once (a permit is kept if nobody waits, so no signal is lost).
+    fn parked_wakeup(&self) -> Option<Arc<Notify>> {
+        None
+    }
+
+    /// [`Self::give_up`] with the capability token the give-up presented: a policy that parks
+    /// may remember a give-up for a request it does not hold yet, so that the hold is released
+    /// as soon as it registers under that token.
+    fn give_up_with_capability(
+        &mut self,
+        p_request_id: &str,
+        lease_id: Option<u64>,
+        consumer: &str,
+        capability: &str,
+        now: Instant,
+    ) -> NoticeOutcome {
+        let _ = capability;
+        self.give_up(p_request_id, lease_id, consumer, now)
+    }
 }
 
 /// How the side channel shares the policy with its owner.
@@ -137,11 +228,22 @@ pub struct HoldTableConfig {
     /// A heartbeat sets the hold deadline to at least `now + heartbeat_extension`
     /// (vLLM's `kv_lease_duration`, 30 s).
     pub heartbeat_extension: Duration,
+    /// How long a lease request for a request not held yet waits for its hold to register
+    /// (P answers one step before its worker registers the hold, D65), and how long a give-up
+    /// for such a request is remembered. Zero: neither waits (refused as "not held" at once).
+    pub early_wait: Duration,
 }
+
+/// [`HoldTableConfig::early_wait`] unless configured (`kv_transfer.kv_early_lease_wait_ms`).
+pub const DEFAULT_EARLY_WAIT: Duration = Duration::from_secs(1);
 
 impl Default for HoldTableConfig {
     fn default() -> Self {
-        Self { lease_ttl: Duration::from_secs(10), heartbeat_extension: Duration::from_secs(30) }
+        Self {
+            lease_ttl: Duration::from_secs(10),
+            heartbeat_extension: Duration::from_secs(30),
+            early_wait: DEFAULT_EARLY_WAIT,
+        }
     }
 }
 
@@ -171,6 +273,20 @@ pub struct HoldCounters {
     pub expired_holds: u64,
     pub expired_leases: u64,
     pub released: u64,
+    /// Lease requests for a request not held yet, parked until its hold registers (D65).
+    pub leases_parked: u64,
+    /// Parked lease requests answered after their hold registered (granted or refused).
+    pub parked_answered: u64,
+    /// Parked lease requests whose wait ended without a hold: refused as not held.
+    pub parked_timed_out: u64,
+    /// Lease requests not parked because the parking bounds were reached (refused as not held).
+    pub parked_full: u64,
+    /// Give-ups for a request not held (yet), remembered until a hold registers or the wait ends.
+    pub tombstones: u64,
+    /// Holds released as they registered, by a remembered give-up under their token (R4).
+    pub tombstone_releases: u64,
+    /// Give-ups not remembered because the bounds were reached (the hold deadline frees).
+    pub tombstones_dropped: u64,
     /// Block-milliseconds held, by what released the hold (R1/R2/R4 measure: what a deadline
     /// strands is the `expired` share; notices move it to `given_up`/`aborted`).
     pub held_block_ms: HeldBlockMs,
@@ -225,6 +341,39 @@ struct Hold {
 /// How many released ids are remembered to tell a duplicate notice from an unknown one.
 const RECENT_RELEASED: usize = 16_384;
 
+/// At most this many lease requests wait for their hold at once; beyond, a lease for an unknown
+/// request is refused at once, as before parking existed.
+pub const MAX_PARKED: usize = 1024;
+/// At most this many blocks named by waiting lease requests together (a request names up to a
+/// whole prompt's blocks; this bounds the memory a peer can make P keep, ~3 MiB).
+pub const MAX_PARKED_BLOCKS: usize = 262_144;
+/// At most this many remembered give-ups; beyond, the oldest is forgotten (its hold, if it
+/// ever registers, is freed by its deadline instead).
+pub const MAX_TOMBSTONES: usize = 1024;
+/// Request ids, capability tokens and consumer names longer than this are never parked or
+/// remembered (real ones are far shorter).
+const MAX_PARKED_STR: usize = 256;
+
+/// A lease request waiting for its hold to register.
+#[derive(Debug, Clone)]
+struct ParkedLease {
+    ticket: u64,
+    request_id: String,
+    block_ids: Vec<u32>,
+    generations: Vec<u64>,
+    consumer: String,
+    capability: String,
+    until: Instant,
+}
+
+/// A give-up for a request not held when it arrived.
+#[derive(Debug, Clone)]
+struct Tombstone {
+    request_id: String,
+    capability: String,
+    until: Instant,
+}
+
 /// P's held requests and their leases. See the module doc for the rules.
 #[derive(Debug)]
 pub struct HoldTable {
@@ -243,6 +392,13 @@ pub struct HoldTable {
     recent: VecDeque<String>,
     recent_set: HashSet<String>,
     counters: HoldCounters,
+    /// Lease requests waiting for their hold, oldest first.
+    parked: VecDeque<ParkedLease>,
+    parked_blocks: usize,
+    next_ticket: u64,
+    /// Give-ups that arrived before their hold, oldest first.
+    tombstones: VecDeque<Tombstone>,
+    wakeup: Arc<Notify>,
 }
 
 /// Why a request was released (for logs).
@@ -271,6 +427,11 @@ impl HoldTable {
             recent: VecDeque::new(),
             recent_set: HashSet::new(),
             counters: HoldCounters::default(),
+            parked: VecDeque::new(),
+            parked_blocks: 0,
+            next_ticket: 1,
+            tombstones: VecDeque::new(),
+            wakeup: Arc::new(Notify::new()),
         }
     }
 
@@ -324,7 +485,70 @@ impl HoldTable {
             },
         );
         self.counters.holds += 1;
+        self.on_registered(request_id);
         true
+    }
+
+    /// A hold just registered: a give-up that came first under its token releases it now (R4:
+    /// no lease can exist yet, so freeing is safe, R5); a lease request that came first is
+    /// signalled to the side channel, which answers it through the normal checks.
+    fn on_registered(&mut self, request_id: &str) {
+        let Some(capability) = self.holds.get(request_id).map(|h| h.capability.clone()) else { return };
+        let remembered = self.tombstones.iter().position(|t| {
+            t.request_id == request_id && pdmesh_mesh_auth::capability_matches(&capability, &t.capability)
+        });
+        if let Some(pos) = remembered {
+            self.tombstones.remove(pos);
+            self.counters.give_ups += 1;
+            self.counters.tombstone_releases += 1;
+            tracing::debug!(request_id, "hold released as it registered: its reader gave up first");
+            self.release(request_id, Cause::GiveUp, Instant::now());
+        }
+        if self.parked.iter().any(|p| p.request_id == request_id) {
+            self.wakeup.notify_one();
+        }
+    }
+
+    /// Lease requests waiting for their hold.
+    pub fn parked_len(&self) -> usize {
+        self.parked.len()
+    }
+
+    /// Give-ups remembered for holds not registered yet.
+    pub fn tombstones_len(&self) -> usize {
+        self.tombstones.len()
+    }
+
+    /// Forget remembered give-ups whose wait ended.
+    fn prune_tombstones(&mut self, now: Instant) {
+        self.tombstones.retain(|t| t.until > now);
+    }
+
+    /// Remember a give-up for a request not held (yet), within the bounds.
+    fn remember_give_up(&mut self, request_id: &str, capability: &str, now: Instant) {
+        if self.config.early_wait.is_zero()
+            || capability.is_empty()
+            || request_id.len() > MAX_PARKED_STR
+            || capability.len() > MAX_PARKED_STR
+        {
+            return;
+        }
+        let until = now + self.config.early_wait;
+        if let Some(t) = self.tombstones.iter_mut().find(|t| t.request_id == request_id && t.capability == capability) {
+            t.until = until; // a duplicate (another rank's copy of the same notice)
+            return;
+        }
+        self.prune_tombstones(now);
+        if self.tombstones.len() >= MAX_TOMBSTONES {
+            self.tombstones.pop_front();
+            self.counters.tombstones_dropped += 1;
+        }
+        self.tombstones.push_back(Tombstone {
+            request_id: request_id.to_string(),
+            capability: capability.to_string(),
+            until,
+        });
+        self.counters.tombstones += 1;
     }
 
     /// The request was aborted on P (R2): released at once when no lease is active, else when
@@ -351,6 +575,7 @@ impl HoldTable {
     /// Release every hold whose deadline passed (no active lease) and every request whose
     /// lease deadline passed, oldest hold first. Returns how many were released.
     pub fn expire(&mut self, now: Instant) -> usize {
+        self.prune_tombstones(now);
         let due: Vec<(String, Cause)> = self
             .order
             .values()
@@ -652,6 +877,117 @@ impl LeasePolicy for HoldTable {
             Some(hold) if pdmesh_mesh_auth::capability_matches(&hold.capability, presented) => CapabilityCheck::Match,
             Some(_) => CapabilityCheck::Mismatch,
         }
+    }
+
+    fn grant_or_park(
+        &mut self,
+        p_request_id: &str,
+        block_ids: &[u32],
+        generations: &[u64],
+        consumer: &str,
+        capability: &str,
+        now: Instant,
+    ) -> LeaseDecision {
+        // Held, or released already (a request id is not held twice, D38): the normal answer.
+        if self.holds.contains_key(p_request_id) || self.recent_set.contains(p_request_id) {
+            return self.grant(p_request_id, block_ids, generations, consumer, now).into();
+        }
+        let fits = !self.config.early_wait.is_zero()
+            && !capability.is_empty()
+            && p_request_id.len() <= MAX_PARKED_STR
+            && capability.len() <= MAX_PARKED_STR
+            && consumer.len() <= MAX_PARKED_STR
+            && block_ids.len() == generations.len();
+        if !fits {
+            return self.grant(p_request_id, block_ids, generations, consumer, now).into();
+        }
+        if self.parked.len() >= MAX_PARKED || self.parked_blocks + block_ids.len() > MAX_PARKED_BLOCKS {
+            self.counters.parked_full += 1;
+            tracing::warn!(
+                p_request_id,
+                parked = self.parked.len(),
+                "lease for a hold not registered yet: no room to wait"
+            );
+            return self.grant(p_request_id, block_ids, generations, consumer, now).into();
+        }
+        let ticket = self.next_ticket;
+        self.next_ticket = self.next_ticket.wrapping_add(1).max(1);
+        self.parked_blocks += block_ids.len();
+        self.parked.push_back(ParkedLease {
+            ticket,
+            request_id: p_request_id.to_string(),
+            block_ids: block_ids.to_vec(),
+            generations: generations.to_vec(),
+            consumer: consumer.to_string(),
+            capability: capability.to_string(),
+            until: now + self.config.early_wait,
+        });
+        self.counters.leases_parked += 1;
+        tracing::debug!(p_request_id, ticket, "lease for a hold not registered yet: waiting for it");
+        LeaseDecision::Parked(ticket)
+    }
+
+    fn take_parked_answers(&mut self, now: Instant) -> Vec<ParkedAnswer> {
+        if self.parked.is_empty() {
+            return Vec::new();
+        }
+        let mut answers = Vec::new();
+        for p in std::mem::take(&mut self.parked) {
+            let (result, capability_refused) = match self.capability(&p.request_id, &p.capability) {
+                CapabilityCheck::Match => {
+                    self.counters.parked_answered += 1;
+                    (self.grant(&p.request_id, &p.block_ids, &p.generations, &p.consumer, now), false)
+                }
+                CapabilityCheck::Mismatch => {
+                    // Held under another token: refused exactly as an unknown request.
+                    self.counters.parked_answered += 1;
+                    self.counters.leases_refused += 1;
+                    (Err(LeaseRefusal::not_held(&p.request_id)), true)
+                }
+                // Registered and released already (a give-up or abort came with it): the
+                // normal answer for a released request.
+                CapabilityCheck::NotHeld if self.recent_set.contains(&p.request_id) => {
+                    self.counters.parked_answered += 1;
+                    (self.grant(&p.request_id, &p.block_ids, &p.generations, &p.consumer, now), false)
+                }
+                CapabilityCheck::NotHeld if p.until <= now => {
+                    self.counters.parked_timed_out += 1;
+                    self.counters.leases_refused += 1;
+                    (Err(LeaseRefusal::not_held(&p.request_id)), false)
+                }
+                CapabilityCheck::NotHeld => {
+                    self.parked.push_back(p);
+                    continue;
+                }
+            };
+            self.parked_blocks = self.parked_blocks.saturating_sub(p.block_ids.len());
+            answers.push(ParkedAnswer { ticket: p.ticket, p_request_id: p.request_id, result, capability_refused });
+        }
+        answers
+    }
+
+    fn next_parked_deadline(&self) -> Option<Instant> {
+        self.parked.iter().map(|p| p.until).min()
+    }
+
+    fn parked_wakeup(&self) -> Option<Arc<Notify>> {
+        Some(self.wakeup.clone())
+    }
+
+    fn give_up_with_capability(
+        &mut self,
+        p_request_id: &str,
+        lease_id: Option<u64>,
+        consumer: &str,
+        capability: &str,
+        now: Instant,
+    ) -> NoticeOutcome {
+        let outcome = self.give_up(p_request_id, lease_id, consumer, now);
+        if matches!(outcome, NoticeOutcome::Unknown | NoticeOutcome::AlreadyReleased) {
+            // Maybe early rather than late: P answers before its worker registers the hold.
+            self.remember_give_up(p_request_id, capability, now);
+        }
+        outcome
     }
 }
 

@@ -7,7 +7,7 @@ use proptest::prelude::*;
 const MS: Duration = Duration::from_millis(1);
 
 fn table() -> (HoldTable, Instant) {
-    let cfg = HoldTableConfig { lease_ttl: 500 * MS, heartbeat_extension: 1000 * MS };
+    let cfg = HoldTableConfig { lease_ttl: 500 * MS, heartbeat_extension: 1000 * MS, early_wait: 300 * MS };
     (HoldTable::new(cfg), Instant::now())
 }
 
@@ -469,4 +469,184 @@ fn releases_say_why() {
     assert_eq!(t.abort("x"), NoticeOutcome::Released);
     assert_eq!(t.take_finished_sending(), vec!["x".to_string()]);
     assert!(t.take_finished_sending_with_causes().is_empty());
+}
+
+// ---- early readers: P answers before its worker registers the hold (D65) -------------------
+
+const TOKEN: &str = "0123456789abcdef0123456789abcdef";
+const OTHER: &str = "fedcba9876543210fedcba9876543210";
+
+fn hold_under(t: &mut HoldTable, id: &str, blocks: &[u32], token: &str, now: Instant) -> bool {
+    t.hold_with_capability(id, blocks.to_vec(), vec![1; blocks.len()], now + 1000 * MS, token.to_string())
+}
+
+fn park(t: &mut HoldTable, id: &str, blocks: &[u32], token: &str, now: Instant) -> u64 {
+    match t.grant_or_park(id, blocks, &vec![1; blocks.len()], "d", token, now) {
+        LeaseDecision::Parked(ticket) => ticket,
+        other => panic!("expected the lease to wait for its hold, got {other:?}"),
+    }
+}
+
+/// Whether the table signalled a registration since the last check (a kept permit).
+fn signalled(t: &HoldTable) -> bool {
+    use futures::FutureExt;
+    t.parked_wakeup().is_some_and(|n| n.notified().now_or_never().is_some())
+}
+
+#[test]
+fn a_lease_before_registration_is_granted_when_the_hold_registers() {
+    let (mut t, now) = table();
+    let ticket = park(&mut t, "a", &[3, 4], TOKEN, now);
+    assert_eq!(t.parked_len(), 1);
+    assert_eq!(t.counters().leases_parked, 1);
+    // Nothing to answer before the hold registers, and no lease exists.
+    assert!(t.take_parked_answers(now + 10 * MS).is_empty());
+    assert!(!signalled(&t));
+    assert!(hold_under(&mut t, "a", &[3, 4], TOKEN, now + 20 * MS));
+    assert!(signalled(&t), "the side channel is woken when the hold registers");
+    let answers = t.take_parked_answers(now + 20 * MS);
+    assert_eq!(answers.len(), 1);
+    let a = &answers[0];
+    assert_eq!((a.ticket, a.p_request_id.as_str(), a.capability_refused), (ticket, "a", false));
+    let g = a.result.clone().unwrap();
+    assert_eq!(t.lease_of("a"), Some(g.lease_id));
+    assert_eq!(t.leased_blocks(), 2);
+    assert_eq!(t.parked_len(), 0);
+    // The lease protects the blocks as any lease does (R5): an abort waits for it.
+    assert_eq!(t.abort("a"), NoticeOutcome::Deferred);
+    assert_eq!(t.read_done("a", g.lease_id, "d", now + 30 * MS), NoticeOutcome::Released);
+    assert_eq!(t.take_finished_sending(), vec!["a".to_string()]);
+    assert_eq!(t.counters().parked_answered, 1);
+}
+
+#[test]
+fn a_parked_lease_goes_through_the_normal_checks_at_registration() {
+    let (mut t, now) = table();
+    park(&mut t, "blocks", &[1, 2], TOKEN, now);
+    park(&mut t, "token", &[5], TOKEN, now);
+    park(&mut t, "gens", &[6], TOKEN, now);
+    assert!(hold_under(&mut t, "blocks", &[1, 9], TOKEN, now));
+    assert!(hold_under(&mut t, "token", &[5], OTHER, now));
+    assert!(t.hold_with_capability("gens", vec![6], vec![2], now + 1000 * MS, TOKEN.into()));
+    let answers = t.take_parked_answers(now);
+    let by_id = |id: &str| answers.iter().find(|a| a.p_request_id == id).cloned().unwrap();
+    assert_eq!(by_id("blocks").result.unwrap_err().reason, LeaseRefusalReason::BlockMismatch);
+    assert_eq!(by_id("gens").result.unwrap_err().reason, LeaseRefusalReason::GenerationMismatch);
+    // Another request's token: refused exactly as an unknown request, and flagged.
+    let token = by_id("token");
+    assert!(token.capability_refused);
+    assert_eq!(token.result.unwrap_err(), LeaseRefusal::not_held("token"));
+    assert_eq!(t.leased_blocks(), 0);
+    assert_eq!(t.len(), 3, "refused leases leave the holds alone");
+}
+
+#[test]
+fn a_parked_lease_is_refused_as_not_held_when_its_wait_ends() {
+    let (mut t, now) = table();
+    park(&mut t, "a", &[1], TOKEN, now);
+    assert_eq!(t.next_parked_deadline(), Some(now + 300 * MS));
+    assert!(t.take_parked_answers(now + 299 * MS).is_empty());
+    let answers = t.take_parked_answers(now + 300 * MS);
+    assert_eq!(answers.len(), 1);
+    assert_eq!(answers[0].result.clone().unwrap_err(), LeaseRefusal::not_held("a"));
+    assert_eq!(t.counters().parked_timed_out, 1);
+    assert_eq!(t.next_parked_deadline(), None);
+    // A hold registering afterwards is an ordinary hold: no lease appeared on it.
+    assert!(hold_under(&mut t, "a", &[1], TOKEN, now + 400 * MS));
+    assert_eq!(t.lease_of("a"), None);
+    assert!(t.take_parked_answers(now + 400 * MS).is_empty());
+}
+
+#[test]
+fn a_hold_released_as_it_registers_refuses_the_parked_lease_at_once() {
+    let (mut t, now) = table();
+    park(&mut t, "a", &[1], TOKEN, now);
+    assert!(hold_under(&mut t, "a", &[1], TOKEN, now));
+    assert_eq!(t.abort("a"), NoticeOutcome::Released); // P's own abort, in the same metadata
+    let answers = t.take_parked_answers(now);
+    assert_eq!(answers[0].result.clone().unwrap_err().reason, LeaseRefusalReason::Gone);
+    assert_eq!(t.take_finished_sending(), vec!["a".to_string()]);
+}
+
+#[test]
+fn held_or_released_requests_are_answered_at_once_not_parked() {
+    let (mut t, now) = table();
+    assert!(hold_under(&mut t, "a", &[1], TOKEN, now));
+    assert!(matches!(t.grant_or_park("a", &[1], &[1], "d", TOKEN, now), LeaseDecision::Granted(_)));
+    assert!(hold_under(&mut t, "b", &[2], TOKEN, now));
+    assert_eq!(t.abort("b"), NoticeOutcome::Released);
+    assert!(matches!(t.grant_or_park("b", &[2], &[1], "d", TOKEN, now), LeaseDecision::Refused(_)));
+    assert_eq!(t.parked_len(), 0);
+}
+
+#[test]
+fn a_give_up_before_registration_releases_the_hold_as_it_registers() {
+    let (mut t, now) = table();
+    assert_eq!(t.give_up_with_capability("a", None, "d", TOKEN, now), NoticeOutcome::Unknown);
+    assert_eq!(t.tombstones_len(), 1);
+    // A give-up under another request's token (an earlier request under a reused id) never
+    // frees this one.
+    assert_eq!(t.give_up_with_capability("b", None, "d", OTHER, now), NoticeOutcome::Unknown);
+    assert!(hold_under(&mut t, "b", &[2], TOKEN, now));
+    assert!(t.is_held("b"));
+    assert!(hold_under(&mut t, "a", &[1, 3], TOKEN, now));
+    assert!(!t.is_held("a"), "released as it registered (R4)");
+    assert_eq!(t.take_finished_sending_with_causes(), vec![("a".to_string(), "given_up")]);
+    assert_eq!(t.counters().tombstone_releases, 1);
+    assert_eq!(t.tombstones_len(), 1, "b's stays until its wait ends");
+    // Remembered once: the id registering again is held.
+    assert!(hold_under(&mut t, "a", &[1], TOKEN, now));
+    assert!(t.is_held("a"));
+    // Forgotten when the wait ends.
+    t.expire(now + 300 * MS);
+    assert_eq!(t.tombstones_len(), 0);
+    // A give-up with no token, or with the wait off, is never remembered.
+    assert_eq!(t.give_up_with_capability("c", None, "d", "", now), NoticeOutcome::Unknown);
+    assert_eq!(t.tombstones_len(), 0);
+}
+
+#[test]
+fn with_no_early_wait_nothing_is_parked_or_remembered() {
+    let cfg = HoldTableConfig { early_wait: Duration::ZERO, ..HoldTableConfig::default() };
+    let mut t = HoldTable::new(cfg);
+    let now = Instant::now();
+    let got = t.grant_or_park("a", &[1], &[1], "d", TOKEN, now);
+    assert_eq!(got, LeaseDecision::Refused(LeaseRefusal::not_held("a")));
+    t.give_up_with_capability("a", None, "d", TOKEN, now);
+    assert_eq!((t.parked_len(), t.tombstones_len()), (0, 0));
+}
+
+#[test]
+fn parking_and_remembering_are_bounded() {
+    let (mut t, now) = table();
+    for i in 0..MAX_PARKED {
+        park(&mut t, &format!("r{i}"), &[1], TOKEN, now);
+    }
+    let full = t.grant_or_park("one-more", &[1], &[1], "d", TOKEN, now);
+    assert_eq!(full, LeaseDecision::Refused(LeaseRefusal::not_held("one-more")));
+    assert_eq!(t.counters().parked_full, 1);
+    assert_eq!(t.parked_len(), MAX_PARKED);
+    // Their wait ends: all answered, room again.
+    assert_eq!(t.take_parked_answers(now + 300 * MS).len(), MAX_PARKED);
+    assert_eq!(t.parked_len(), 0);
+    // By blocks named, too.
+    let big: Vec<u32> = (0..MAX_PARKED_BLOCKS as u32).collect();
+    park(&mut t, "big", &big, TOKEN, now);
+    assert!(matches!(t.grant_or_park("more", &[1], &[1], "d", TOKEN, now), LeaseDecision::Refused(_)));
+    // Oversized names are never parked.
+    let long = "x".repeat(1000);
+    assert!(matches!(t.grant_or_park(&long, &[1], &[1], "d", TOKEN, now), LeaseDecision::Refused(_)));
+    assert!(matches!(t.grant_or_park("a", &[1], &[1], "d", &long, now), LeaseDecision::Refused(_)));
+    // Remembered give-ups: the oldest goes.
+    for i in 0..MAX_TOMBSTONES + 5 {
+        t.give_up_with_capability(&format!("g{i}"), None, "d", TOKEN, now);
+    }
+    assert_eq!(t.tombstones_len(), MAX_TOMBSTONES);
+    assert_eq!(t.counters().tombstones_dropped, 5);
+    assert!(hold_under(&mut t, "g0", &[1], TOKEN, now));
+    assert!(t.is_held("g0"), "the oldest was forgotten: held until its deadline");
+    assert!(hold_under(&mut t, "g5", &[1], TOKEN, now));
+    assert!(!t.is_held("g5"));
+    t.give_up_with_capability(&long, None, "d", TOKEN, now);
+    assert_eq!(t.tombstones_len(), MAX_TOMBSTONES - 1);
 }

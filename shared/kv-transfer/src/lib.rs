@@ -54,8 +54,8 @@ pub use compat::{check_geometry, compat_hash, CompatInputs};
 pub use error::{AgentError, HandshakeError, TransferError};
 pub use fault::{FaultConfig, FaultParseError};
 pub use hold::{
-    CapabilityCheck, HeldBlockMs, HeldInfo, HoldCounters, HoldTable, HoldTableConfig, LeaseGrant, LeasePolicy,
-    LeaseRefusal, NoticeOutcome, SharedPolicy,
+    CapabilityCheck, HeldBlockMs, HeldInfo, HoldCounters, HoldTable, HoldTableConfig, LeaseDecision, LeaseGrant,
+    LeasePolicy, LeaseRefusal, NoticeOutcome, ParkedAnswer, SharedPolicy, DEFAULT_EARLY_WAIT,
 };
 pub use local::{CheckoutError, LocalBlocks, LocalKv};
 #[cfg(feature = "cuda")]
