@@ -5,6 +5,7 @@
 mod client;
 mod inprocess;
 mod load;
+mod model_step;
 mod multiturn;
 mod offload;
 mod rejections;
@@ -29,7 +30,8 @@ enum Cmd {
     /// throughput and goodput, optional metrics scraping; JSON + Markdown + SVG report.
     Run(Box<load::LoadArgs>),
     /// Mesh overhead: the same engine and synthetic executor in-process versus through the
-    /// mesh (started here with `pdmesh up`), at several concurrencies.
+    /// mesh (started here with `pdmesh up`), at several concurrencies; with `--model-step`, the
+    /// mesh's cost per step against the real model's step, and the frontend's CPU per token.
     Overhead(OverheadArgs),
     /// Rule R1: D rejects 10% of requests before admission; throughput and the block-seconds
     /// P strands, with rejection notices on versus off, against no rejections (three meshes
@@ -61,6 +63,19 @@ struct OverheadArgs {
     pdmesh: Option<PathBuf>,
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Measure against the real model instead (issue #22): a colocated node serving the GGUF
+    /// model; per step, the engine's step time, the worker's forward pass and the difference
+    /// (the mesh's cost), at each `--concurrency`; then the frontend's CPU time per streamed
+    /// token at `--frontend-streams`.
+    #[arg(long)]
+    model_step: bool,
+    /// The GGUF model for `--model-step` (default: $PDMESH_MODEL_PATH, else
+    /// ~/.cache/pdmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Concurrent streams at which `--model-step` measures the frontend's CPU per token.
+    #[arg(long, default_value_t = 64)]
+    frontend_streams: usize,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -76,6 +91,9 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
+    if a.model_step {
+        return model_step::run(a).await;
+    }
     let pdmesh = client::pdmesh_binary(a.pdmesh.as_deref())?;
     let run_dir = std::env::temp_dir().join(format!("pdmesh-overhead-{}", std::process::id()));
     std::fs::create_dir_all(&run_dir)?;

@@ -15,7 +15,9 @@
 //! admission (the notice's fast path, or with the next step), releases by the router, lost
 //! hand-offs, aborts on either side (before, at and after finish, unknown ids), lease requests,
 //! READ progress (one-sided shm or checked tcp), `read done`, duplicate `read done`, transfer
-//! failures, failed forward passes, heartbeats, delayed or lost give-ups, and time.
+//! failures, failed forward passes, heartbeats, delayed or lost give-ups, and time. Steps skip
+//! the connector round when it has nothing to say, as the engine does (D64); time passing
+//! forces the next one, as the engine's clock does.
 //!
 //! P answers in the step that runs `request_finished`, and its worker registers the hold in the
 //! next step (D65), so D can ask for a lease, or give up, before P's hold table knows the
@@ -329,7 +331,8 @@ impl Node {
     /// `EngineCore::notice_now`: a rejection notice straight to the connector; the notify-only
     /// receives it makes, for the worker.
     fn notice(&mut self, notice: RejectionNotice) -> Result<Option<KvConnectorMetadata>, TestCaseError> {
-        let replies = self.call(notice_calls(notice))?;
+        let calls = notice_calls(&mut self.state, notice);
+        let replies = self.call(calls)?;
         Ok(notice_receives(&replies).1)
     }
 
@@ -959,7 +962,13 @@ impl World {
                     self.deliver(i)?;
                 }
             }
-            Ev::Advance { ms } => self.now += Duration::from_millis(*ms),
+            Ev::Advance { ms } => {
+                self.now += Duration::from_millis(*ms);
+                // The engines' clock moved: their next steps ask the connector for metadata
+                // even when nothing else would (D64); in between, quiet steps skip the round.
+                self.p.state.force_meta = true;
+                self.d.state.force_meta = true;
+            }
         }
         self.check()
     }

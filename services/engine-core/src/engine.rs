@@ -1,6 +1,6 @@
 //! The engine-core actor and its step loop.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -32,6 +32,10 @@ const CONNECTOR_TIMEOUT: Duration = Duration::from_secs(10);
 const IDLE_CONNECTOR_TICK: Duration = Duration::from_millis(2);
 /// The tick while the connector-scheduler is unreachable (it is being restarted).
 const CONNECTOR_DOWN_TICK: Duration = Duration::from_millis(50);
+/// The longest a running engine goes without a connector metadata round, however quiet the
+/// connector is: D's heartbeats to P ride on those rounds (due every third of the hold), so a
+/// round at least this often (or every sixth of a shorter hold) keeps them on time (D64).
+const META_ROUND_AT_LEAST_EVERY: Duration = Duration::from_secs(1);
 
 /// Everything one step needs besides the scheduler.
 #[derive(Clone)]
@@ -53,6 +57,9 @@ pub struct EngineCore {
     state: Rc<RefCell<EngineState>>,
     /// How long a worker step may take before its requests fail.
     step_timeout: Duration,
+    /// The driver's clock for [`EngineState::force_meta`]: when the last metadata round went
+    /// out, and how long steps may skip it.
+    meta_clock: MetaClock,
     peers: Option<Peers>,
     stepping: bool,
     worker_info: Option<WorkerInfo>,
@@ -164,8 +171,9 @@ impl EngineCore {
         let Some(peers) = self.peers.clone() else { return };
         let (id, at) = (n.params.remote_request_id.clone().unwrap_or_default(), n.rejected_at_unix_us);
         let hop = move |hop: &'static str| pdmesh_telemetry::trace::notice_hop(hop, &id, at);
+        let calls = step::notice_calls(&mut self.state.borrow_mut(), n);
         let fut = async move {
-            let replies = connector_call(&peers.connector, step::notice_calls(n)).await.ok()?;
+            let replies = connector_call(&peers.connector, calls).await.ok()?;
             hop("engine.connector_replied");
             let (accepted, meta) = step::notice_receives(&replies);
             m::NOTICES.with_label_values(&[if accepted { "accepted" } else { "invalid" }]).inc();
@@ -193,24 +201,27 @@ impl EngineCore {
         let Some(peers) = self.peers.clone() else { return };
         self.stepping = true;
         let state = self.state.clone();
-        ctx.spawn(run_step(state, peers, self.step_timeout).into_actor(self).map(|(more, refused), act, ctx| {
-            act.stepping = false;
-            // Rule R1 holds inside the engine too: a remote-prefill request it refused (too
-            // long, duplicate id...) after the dp-lb accepted it frees P at once.
-            for notice in refused {
-                act.notice_now(notice, ctx);
-            }
-            match more {
-                StepNext::Now => ctx.notify(Tick),
-                StepNext::Soon => {
-                    // Without the connector a step cannot decide anything: wait for it at a
-                    // slower pace (its reconnect kicks a step at once).
-                    let connector_up = act.peers.as_ref().is_some_and(|p| p.connector.is_up());
-                    ctx.notify_later(Tick, if connector_up { IDLE_CONNECTOR_TICK } else { CONNECTOR_DOWN_TICK });
+        let clock = self.meta_clock.clone();
+        ctx.spawn(run_step(state, peers, self.step_timeout, clock).into_actor(self).map(
+            |(more, refused), act, ctx| {
+                act.stepping = false;
+                // Rule R1 holds inside the engine too: a remote-prefill request it refused (too
+                // long, duplicate id...) after the dp-lb accepted it frees P at once.
+                for notice in refused {
+                    act.notice_now(notice, ctx);
                 }
-                StepNext::Idle => {}
-            }
-        }));
+                match more {
+                    StepNext::Now => ctx.notify(Tick),
+                    StepNext::Soon => {
+                        // Without the connector a step cannot decide anything: wait for it at a
+                        // slower pace (its reconnect kicks a step at once).
+                        let connector_up = act.peers.as_ref().is_some_and(|p| p.connector.is_up());
+                        ctx.notify_later(Tick, if connector_up { IDLE_CONNECTOR_TICK } else { CONNECTOR_DOWN_TICK });
+                    }
+                    StepNext::Idle => {}
+                }
+            },
+        ));
     }
 }
 
@@ -328,8 +339,12 @@ async fn run_step(
     state: Rc<RefCell<EngineState>>,
     peers: Peers,
     step_timeout: Duration,
+    clock: MetaClock,
 ) -> (StepNext, Vec<RejectionNotice>) {
     let started = Instant::now();
+    if started.duration_since(clock.last.get()) >= clock.every {
+        state.borrow_mut().force_meta = true;
+    }
     let unknown_before = state.borrow().sched.counters().unknown_ids;
     let trace_of = |id: &str| REQUEST_SPANS.contexts(std::iter::once(id)).remove(id).unwrap_or_default();
     let (mut step, mut io) = EngineStep::start(&mut state.borrow_mut(), trace_of);
@@ -352,6 +367,12 @@ async fn run_step(
     if done.executed {
         m::STEPS.inc();
         m::SCHEDULED_TOKENS.inc_by(u64::from(done.scheduled_tokens));
+        if !done.meta_round {
+            m::META_ROUNDS_SKIPPED.inc();
+        }
+    }
+    if done.meta_round {
+        clock.last.set(started);
     }
     let (rank, load) = {
         let st = state.borrow();
@@ -382,6 +403,13 @@ async fn run_step(
     }
     m::STEP_SECONDS.observe(started.elapsed().as_secs_f64());
     (done.next, done.refused)
+}
+
+/// When the last connector metadata round went out, and how long steps may go without one.
+#[derive(Clone)]
+struct MetaClock {
+    last: Rc<Cell<Instant>>,
+    every: Duration,
 }
 
 /// Run one step on the worker; every way it can go wrong becomes the reason its requests fail.
@@ -510,9 +538,14 @@ pub fn start(ctx: &ServiceContext) -> Result<Addr<EngineCore>, EngineError> {
     }
     let health = ctx.health.clone();
     let state = EngineState::new(rank, sched);
+    let meta_every = node
+        .kv_transfer
+        .as_ref()
+        .map_or(META_ROUND_AT_LEAST_EVERY, |kv| META_ROUND_AT_LEAST_EVERY.min(kv.hold_duration() / 6));
     let actor = EngineCore {
         state: Rc::new(RefCell::new(state)),
         step_timeout: Duration::from_millis(e.step_timeout_ms),
+        meta_clock: MetaClock { last: Rc::new(Cell::new(Instant::now())), every: meta_every },
         peers: None,
         stepping: false,
         worker_info: None,

@@ -52,6 +52,12 @@ pub static KV_LOADS_FAILED: LazyLock<IntCounter> = LazyLock::new(|| {
 pub static WORKER_RESTARTS: LazyLock<IntCounter> = LazyLock::new(|| {
     counter("pdmesh_engine_worker_restarts_total", "Connector-worker restarts seen (its KV state was lost)")
 });
+pub static META_ROUNDS_SKIPPED: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_engine_meta_rounds_skipped_total",
+        "Steps run on the worker without a connector-scheduler round (nothing to tell it, nothing queued)",
+    )
+});
 pub static STEP_FAILURES: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter_vec("pdmesh_engine_step_failures_total", "Steps whose peer call failed, by peer", &["peer"])
 });

@@ -51,11 +51,44 @@ pub struct EngineState {
     pub sched: Scheduler,
     pub inbox: Inbox,
     pub step_id: u64,
+    /// Set by the driver from its own clock: the next step asks the connector for its
+    /// metadata even when no call since the last (empty) one could have changed it. The
+    /// connector's one time-driven part, D's heartbeats to P, needs such a round now and then;
+    /// the state machine itself never reads a clock, so it stays deterministic (D64).
+    pub force_meta: bool,
+    /// Connector calls sent so far that can change what its next metadata carries (every call
+    /// but `BuildConnectorMeta`, the calls of rejection notices included).
+    connector_calls: u64,
+    /// `connector_calls` when the last `BuildConnectorMeta` went out, if its answer was
+    /// empty: while `connector_calls` has not moved since, the connector has nothing queued
+    /// and a metadata round would only carry an empty answer back (D64).
+    quiet_at: Option<u64>,
 }
 
 impl EngineState {
     pub fn new(rank: u32, sched: Scheduler) -> Self {
-        Self { rank, sched, inbox: Inbox::default(), step_id: 0 }
+        Self {
+            rank,
+            sched,
+            inbox: Inbox::default(),
+            step_id: 0,
+            force_meta: false,
+            connector_calls: 0,
+            quiet_at: None,
+        }
+    }
+
+    /// Whether a metadata round could carry anything: a call since the last empty answer,
+    /// a non-empty or lost last answer, or the driver's clock asking for one.
+    pub fn needs_connector_meta(&self) -> bool {
+        self.force_meta || self.quiet_at != Some(self.connector_calls)
+    }
+
+    /// Count connector calls about to go out (all but `BuildConnectorMeta` change what the
+    /// connector may queue for the next metadata).
+    fn note_calls(&mut self, calls: &[ConnectorCall]) {
+        let n = calls.iter().filter(|c| !matches!(c, ConnectorCall::BuildConnectorMeta { .. })).count();
+        self.connector_calls += n as u64;
     }
 
     /// The load report the dp-lb routes by.
@@ -118,6 +151,9 @@ pub struct StepDone {
     /// Whether the worker ran a step, and how many tokens it was given.
     pub executed: bool,
     pub scheduled_tokens: u32,
+    /// Whether the step asked the connector-scheduler for its metadata; `false` when it went
+    /// straight to the worker because the connector had nothing to say (D64).
+    pub meta_round: bool,
 }
 
 enum Phase {
@@ -132,6 +168,8 @@ enum Phase {
         allocs: usize,
         finishing: Vec<ConnectorCall>,
         scheduled_tokens: u32,
+        /// `EngineState::connector_calls` when `build_connector_meta` went out.
+        meta_at: u64,
     },
     /// Waiting for the worker.
     Executing {
@@ -156,6 +194,7 @@ pub struct EngineStep {
     scheduled_tokens: u32,
     /// Whether a load (a remote prefill's read) settled in this step: its request can run now.
     loads_settled: bool,
+    meta_round: bool,
     /// Whether this step answered a hand-off to D: its hold registers in the next step.
     handed_off: bool,
 }
@@ -173,6 +212,7 @@ impl EngineStep {
             executed: false,
             scheduled_tokens: 0,
             loads_settled: false,
+            meta_round: false,
             handed_off: false,
         };
         for req in std::mem::take(&mut st.inbox.adds) {
@@ -207,6 +247,7 @@ impl EngineStep {
                 _ => None,
             })
             .collect();
+        st.note_calls(&queries);
         step.phase = Phase::Matching { ids };
         (step, StepIo::Connector(queries))
     }
@@ -231,32 +272,22 @@ impl EngineStep {
                 }
                 self.schedule(st)
             }
-            Phase::Allocating { chunks, finished_request_ids, allocs, finishing, scheduled_tokens } => {
+            Phase::Allocating { chunks, finished_request_ids, allocs, finishing, scheduled_tokens, meta_at } => {
                 apply_finished_replies(
                     &mut st.sched,
                     &finishing,
                     replies.as_deref().map(|r| r.get(allocs..).unwrap_or(&[])),
                 );
-                let mut meta = match replies.as_ref().and_then(|r| r.last()) {
+                let meta = match replies.as_ref().and_then(|r| r.last()) {
                     Some(ConnectorReply::Meta(meta)) => meta.clone(),
                     _ => KvConnectorMetadata::default(),
                 };
-                meta.reqs_to_recv.extend(std::mem::take(&mut st.inbox.undelivered_recvs));
-                meta.reqs_aborted_after_finish = st.sched.take_aborted_held();
-                self.chunks_ran = !chunks.is_empty();
-                if chunks.is_empty() && meta.is_empty() && !st.sched.has_requests() {
-                    return self.finish(st, KvConnectorOutput::default());
-                }
-                self.executed = true;
-                self.scheduled_tokens = scheduled_tokens;
-                let output = SchedulerOutput {
-                    step_id: st.step_id,
-                    chunks: chunks.clone(),
-                    finished_request_ids,
-                    kv_connector_metadata: meta,
-                };
-                self.phase = Phase::Executing { chunks };
-                StepIo::Worker(output)
+                // Every field counts (heartbeats too, which `is_empty` leaves out): only an
+                // answer with nothing in it lets the next steps skip the round. A lost answer
+                // (connector unreachable) never does.
+                let quiet = replies.is_some() && meta == KvConnectorMetadata::default();
+                st.quiet_at = quiet.then_some(meta_at);
+                self.execute(st, chunks, finished_request_ids, meta, scheduled_tokens)
             }
             Phase::Finishing { finishing, kv_output } => {
                 apply_finished_replies(&mut st.sched, &finishing, replies.as_deref());
@@ -297,23 +328,68 @@ impl EngineStep {
         self.finish(st, kv_output)
     }
 
-    /// Schedule, then ask the connector what it allocated and what finished.
+    /// Schedule, then ask the connector what it allocated and what finished. When there is
+    /// nothing to tell it and it has nothing queued (no call since its last empty metadata, no
+    /// heartbeat round asked for by the driver), the round is skipped: a steady decode step
+    /// goes straight to the worker with the engine's own metadata parts (D64).
     fn schedule(&mut self, st: &mut EngineState) -> StepIo {
         st.step_id += 1;
         let schedule = st.sched.schedule();
         let finishing = st.sched.finishing_calls();
         let mut calls: Vec<ConnectorCall> = schedule.alloc_calls;
+        if calls.is_empty() && finishing.is_empty() && !st.needs_connector_meta() {
+            return self.execute(
+                st,
+                schedule.chunks,
+                schedule.finished_request_ids,
+                KvConnectorMetadata::default(),
+                schedule.num_scheduled_tokens,
+            );
+        }
         let allocs = calls.len();
         calls.extend(finishing.iter().cloned());
         calls.push(ConnectorCall::BuildConnectorMeta { step_id: st.step_id });
+        st.note_calls(&calls);
+        st.force_meta = false;
+        self.meta_round = true;
         self.phase = Phase::Allocating {
             chunks: schedule.chunks,
             finished_request_ids: schedule.finished_request_ids,
             allocs,
             finishing,
             scheduled_tokens: schedule.num_scheduled_tokens,
+            meta_at: st.connector_calls,
         };
         StepIo::Connector(calls)
+    }
+
+    /// Hand the step to the worker with the connector's metadata plus the engine's own parts
+    /// (receives not yet delivered, holds aborted after finish); a step with nothing to run or
+    /// tell skips the worker too.
+    fn execute(
+        &mut self,
+        st: &mut EngineState,
+        chunks: Vec<ScheduledChunk>,
+        finished_request_ids: Vec<String>,
+        mut meta: KvConnectorMetadata,
+        scheduled_tokens: u32,
+    ) -> StepIo {
+        meta.reqs_to_recv.extend(std::mem::take(&mut st.inbox.undelivered_recvs));
+        meta.reqs_aborted_after_finish = st.sched.take_aborted_held();
+        self.chunks_ran = !chunks.is_empty();
+        if chunks.is_empty() && meta.is_empty() && !st.sched.has_requests() {
+            return self.finish(st, KvConnectorOutput::default());
+        }
+        self.executed = true;
+        self.scheduled_tokens = scheduled_tokens;
+        let output = SchedulerOutput {
+            step_id: st.step_id,
+            chunks: chunks.clone(),
+            finished_request_ids,
+            kv_connector_metadata: meta,
+        };
+        self.phase = Phase::Executing { chunks };
+        StepIo::Worker(output)
     }
 
     /// `request_finished` for what finished in this step, and the worker's connector output.
@@ -326,6 +402,7 @@ impl EngineStep {
         if calls.is_empty() {
             return self.complete(st, kv_output);
         }
+        st.note_calls(&calls);
         self.phase = Phase::Finishing { finishing, kv_output };
         StepIo::Connector(calls)
     }
@@ -361,14 +438,17 @@ impl EngineStep {
             next,
             executed: self.executed,
             scheduled_tokens: self.scheduled_tokens,
+            meta_round: self.meta_round,
         }
     }
 }
 
 /// The connector calls that hand a rejection notice (rule R1) to the connector at once, outside
 /// any step: the notice, then the notify-only receives it made. [`notice_receives`] reads the
-/// answer.
-pub fn notice_calls(notice: RejectionNotice) -> Vec<ConnectorCall> {
+/// answer. Counted in `st`: the connector changed outside a step, so the next step asks for
+/// its metadata again.
+pub fn notice_calls(st: &mut EngineState, notice: RejectionNotice) -> Vec<ConnectorCall> {
+    st.connector_calls += 2;
     vec![
         ConnectorCall::RequestRejectedBeforeAdmission {
             params: notice.params,

@@ -1,0 +1,207 @@
+//! `pdmesh-load overhead --model-step`: the mesh's cost per engine step against the real
+//! model's step (issue #22's target: at most 2 %).
+//!
+//! One colocated node serving the GGUF model, loaded closed loop at each concurrency. Around
+//! each run the engine's `pdmesh_engine_step_seconds` (a whole step, connector and worker
+//! round trips included), the worker's `pdmesh_worker_execute_seconds` (the forward pass) and
+//! `pdmesh_engine_steps_total` (steps that ran on the worker) are read, so per step:
+//! mesh cost = step − forward pass, the time the step spends outside the model. The
+//! frontend's per-token work is its process's CPU time (`/proc/<pid>/stat`, user + system)
+//! per streamed token at `--frontend-streams`, set against the real step time per token at
+//! that load. The other services' CPU per token is reported beside it.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::client;
+use crate::OverheadArgs;
+
+/// Block size of the node under test.
+const BLOCK_SIZE: u32 = 16;
+
+/// The model file: `--model`, else `$PDMESH_MODEL_PATH`, else the cached SmolLM2 GGUF.
+fn model_path(given: Option<&Path>) -> anyhow::Result<PathBuf> {
+    if let Some(p) = given {
+        return Ok(p.to_path_buf());
+    }
+    if let Some(p) = std::env::var_os("PDMESH_MODEL_PATH").filter(|p| !p.is_empty()) {
+        return Ok(PathBuf::from(p));
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/root"));
+    let p = home.join(".cache/pdmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    anyhow::ensure!(p.exists(), "no model: pass --model or set PDMESH_MODEL_PATH ({} missing)", p.display());
+    Ok(p)
+}
+
+/// The engine's and worker's step figures at one moment.
+#[derive(Debug, Clone, Copy)]
+struct StepCounters {
+    step_sum: f64,
+    steps: f64,
+    forward_sum: f64,
+    skipped_meta: f64,
+}
+
+async fn step_counters(engine: &str, worker: &str) -> StepCounters {
+    StepCounters {
+        step_sum: client::scrape(engine, "pdmesh_engine_step_seconds_sum").await,
+        steps: client::scrape(engine, "pdmesh_engine_steps_total").await,
+        forward_sum: client::scrape(worker, "pdmesh_worker_execute_seconds_sum").await,
+        skipped_meta: client::scrape(engine, "pdmesh_engine_meta_rounds_skipped_total").await,
+    }
+}
+
+/// Clock ticks per second for `/proc/<pid>/stat` (`getconf CLK_TCK`; Linux uses 100).
+fn clock_ticks() -> f64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .filter(|t| *t > 0.0)
+        .unwrap_or(100.0)
+}
+
+/// CPU seconds (user + system) of each service process `pdmesh up` started for `topology`,
+/// by service name (argv: `pdmesh SERVICE --topology PATH --node NAME --rank R`).
+fn service_cpu(topology: &Path, ticks: f64) -> std::collections::BTreeMap<String, f64> {
+    let mut out = std::collections::BTreeMap::new();
+    let topo = topology.to_string_lossy().to_string();
+    let Ok(dir) = std::fs::read_dir("/proc") else { return out };
+    for entry in dir.flatten() {
+        let path = entry.path();
+        let Ok(cmdline) = std::fs::read(path.join("cmdline")) else { continue };
+        let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).to_string()).collect();
+        if args.len() < 4 || args[2] != "--topology" || args[3] != topo {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(path.join("stat")) else { continue };
+        // Fields after the command name (which may hold spaces) start at field 3; utime and
+        // stime are fields 14 and 15.
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { continue };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        let ticks_used = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+        *out.entry(args[1].clone()).or_insert(0.0) += (ticks_used(11) + ticks_used(12)) / ticks;
+    }
+    out
+}
+
+fn per_token_us(seconds: f64, tokens: f64) -> f64 {
+    if tokens > 0.0 {
+        1e6 * seconds / tokens
+    } else {
+        f64::NAN
+    }
+}
+
+pub async fn run(a: OverheadArgs) -> anyhow::Result<()> {
+    let pdmesh = client::pdmesh_binary(a.pdmesh.as_deref())?;
+    let model = model_path(a.model.as_deref())?;
+    let run_dir = std::env::temp_dir().join(format!("pdmesh-model-step-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    std::fs::create_dir_all(&run_dir)?;
+    let slot = (std::process::id() % 50) as u16;
+    let port = 19700 + slot;
+    let base = 31000 + slot * 10;
+    let streams = a.concurrency.iter().copied().chain([a.frontend_streams]).max().unwrap_or(1);
+    let max_model_len = ((a.prompt_tokens as u32 + a.max_tokens + 64).div_ceil(BLOCK_SIZE) * BLOCK_SIZE).max(128);
+    let num_blocks = (max_model_len / BLOCK_SIZE) * streams as u32 + 64;
+    let topo = format!(
+        "run_dir = {rd:?}\n[[nodes]]\nname = \"main\"\nhttp_port = {port}\nbase_port = {base}\n\
+         model = {{ kind = \"gguf\", path = {model:?} }}\n\
+         engine = {{ block_size = {BLOCK_SIZE}, num_blocks = {num_blocks}, max_num_seqs = {seqs}, max_num_batched_tokens = 2048, max_model_len = {max_model_len} }}\n",
+        rd = run_dir.display().to_string(),
+        model = model.display().to_string(),
+        seqs = streams.max(8),
+    );
+    let topo_path = run_dir.join("model-step.toml");
+    std::fs::write(&topo_path, &topo)?;
+    let mut up = client::spawn_mesh(&pdmesh, &topo_path, &run_dir, "warn")?;
+    let url = format!("http://127.0.0.1:{port}");
+    client::wait_ready(&url, Duration::from_secs(180)).await?;
+    let engine = format!("http://127.0.0.1:{}/metrics", base + 110);
+    let worker = format!("http://127.0.0.1:{}/metrics", base + 112);
+    // Warm-up: the model's first passes and the connections.
+    client::run_tokens(&url, 2, 4, a.prompt_tokens, a.max_tokens).await?;
+
+    let ticks = clock_ticks();
+    let mut rows = Vec::new();
+    for &c in &a.concurrency {
+        let n = a.requests.max(2 * c);
+        let before = step_counters(&engine, &worker).await;
+        let r = client::run_tokens(&url, c, n, a.prompt_tokens, a.max_tokens).await?;
+        let after = step_counters(&engine, &worker).await;
+        let steps = after.steps - before.steps;
+        let step_ms = 1000.0 * (after.step_sum - before.step_sum) / steps;
+        let forward_ms = 1000.0 * (after.forward_sum - before.forward_sum) / steps;
+        let mesh_ms = step_ms - forward_ms;
+        let row = serde_json::json!({
+            "concurrency": c,
+            "requests": n,
+            "errors": r.errors,
+            "output_tokens_per_s": r.output_tokens_per_s,
+            "itl_p50_ms": r.itl.p50_ms,
+            "steps": steps,
+            "steps_without_meta_round": after.skipped_meta - before.skipped_meta,
+            "step_ms": step_ms,
+            "forward_ms": forward_ms,
+            "mesh_ms": mesh_ms,
+            "mesh_share_of_step_pct": 100.0 * mesh_ms / step_ms,
+        });
+        eprintln!("{}", serde_json::to_string(&row)?);
+        rows.push(row);
+    }
+
+    // The frontend's per-token work at `frontend_streams`, against the step time per token.
+    let c = a.frontend_streams;
+    let n = a.requests.max(2 * c);
+    let cpu_before = service_cpu(&topo_path, ticks);
+    anyhow::ensure!(cpu_before.contains_key("frontend"), "no frontend process found for {}", topo_path.display());
+    let before = step_counters(&engine, &worker).await;
+    let r = client::run_tokens(&url, c, n, a.prompt_tokens, a.max_tokens).await?;
+    let after = step_counters(&engine, &worker).await;
+    let cpu_after = service_cpu(&topo_path, ticks);
+    let tokens = r.output_tokens_per_s * r.wall_s;
+    let step_per_token_us = per_token_us(after.step_sum - before.step_sum, tokens);
+    let cpu_per_token_us: serde_json::Map<String, serde_json::Value> = cpu_after
+        .iter()
+        .map(|(name, s)| {
+            (name.clone(), serde_json::json!(per_token_us(s - cpu_before.get(name).copied().unwrap_or(0.0), tokens)))
+        })
+        .collect();
+    let frontend_us = cpu_per_token_us.get("frontend").and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN);
+    let frontend = serde_json::json!({
+        "concurrency": c,
+        "requests": n,
+        "errors": r.errors,
+        "tokens_streamed": tokens,
+        "output_tokens_per_s": r.output_tokens_per_s,
+        "steps": after.steps - before.steps,
+        "step_ms": 1000.0 * (after.step_sum - before.step_sum) / (after.steps - before.steps),
+        "step_time_per_token_us": step_per_token_us,
+        "cpu_per_token_us": cpu_per_token_us,
+        "frontend_cpu_share_of_step_time_per_token_pct": 100.0 * frontend_us / step_per_token_us,
+    });
+    eprintln!("{}", serde_json::to_string(&frontend)?);
+    let report = serde_json::json!({
+        "pdmesh": pdmesh.display().to_string(),
+        "model": model.display().to_string(),
+        "prompt_tokens": a.prompt_tokens,
+        "max_tokens": a.max_tokens,
+        "rows": rows,
+        "frontend": frontend,
+    });
+    let text = serde_json::to_string_pretty(&report)?;
+    println!("{text}");
+    if let Some(out) = &a.out {
+        std::fs::write(out, &text)?;
+    }
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(up.id().unwrap_or(0) as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(20), up.wait()).await;
+    let _ = std::fs::remove_dir_all(&run_dir);
+    Ok(())
+}
