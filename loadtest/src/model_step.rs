@@ -78,7 +78,7 @@ fn service_cpu(run_dir: &Path, ticks: f64) -> std::collections::BTreeMap<String,
         let Ok(stat) = std::fs::read_to_string(path.join("stat")) else { continue };
         // Fields after the command name (which may hold spaces) start at field 3; utime and
         // stime are fields 14 and 15.
-        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { continue };
+        let Some(rest) = stat.rfind(')').and_then(|i| stat.get(i + 2..)) else { continue };
         let fields: Vec<&str> = rest.split_whitespace().collect();
         let ticks_used = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
         *out.entry(args[1].clone()).or_insert(0.0) += (ticks_used(11) + ticks_used(12)) / ticks;
