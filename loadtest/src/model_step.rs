@@ -63,23 +63,22 @@ fn clock_ticks() -> f64 {
         .unwrap_or(100.0)
 }
 
-/// CPU seconds (user + system) of each service process `pdmesh up` started for `topology`,
-/// by service name (argv: `pdmesh SERVICE --topology PATH --node NAME --rank R`).
-fn service_cpu(topology: &Path, ticks: f64) -> std::collections::BTreeMap<String, f64> {
+/// CPU seconds (user + system) of each service process `pdmesh up` started in `run_dir`, by
+/// service name (argv: `pdmesh SERVICE --topology RUN_DIR/topology.toml --node NAME --rank R`).
+fn service_cpu(run_dir: &Path, ticks: f64) -> std::collections::BTreeMap<String, f64> {
     let mut out = std::collections::BTreeMap::new();
-    let topo = topology.to_string_lossy().to_string();
     let Ok(dir) = std::fs::read_dir("/proc") else { return out };
     for entry in dir.flatten() {
         let path = entry.path();
         let Ok(cmdline) = std::fs::read(path.join("cmdline")) else { continue };
         let args: Vec<String> = cmdline.split(|b| *b == 0).map(|a| String::from_utf8_lossy(a).to_string()).collect();
-        if args.len() < 4 || args[2] != "--topology" || args[3] != topo {
+        if args.len() < 4 || args[2] != "--topology" || Path::new(&args[3]).parent() != Some(run_dir) {
             continue;
         }
         let Ok(stat) = std::fs::read_to_string(path.join("stat")) else { continue };
         // Fields after the command name (which may hold spaces) start at field 3; utime and
         // stime are fields 14 and 15.
-        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else { continue };
+        let Some(rest) = stat.rfind(')').and_then(|i| stat.get(i + 2..)) else { continue };
         let fields: Vec<&str> = rest.split_whitespace().collect();
         let ticks_used = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
         *out.entry(args[1].clone()).or_insert(0.0) += (ticks_used(11) + ticks_used(12)) / ticks;
@@ -156,12 +155,12 @@ pub async fn run(a: OverheadArgs) -> anyhow::Result<()> {
     // The frontend's per-token work at `frontend_streams`, against the step time per token.
     let c = a.frontend_streams;
     let n = a.requests.max(2 * c);
-    let cpu_before = service_cpu(&topo_path, ticks);
-    anyhow::ensure!(cpu_before.contains_key("frontend"), "no frontend process found for {}", topo_path.display());
+    let cpu_before = service_cpu(&run_dir, ticks);
+    anyhow::ensure!(cpu_before.contains_key("frontend"), "no frontend process found in {}", run_dir.display());
     let before = step_counters(&engine, &worker).await;
     let r = client::run_tokens(&url, c, n, a.prompt_tokens, a.max_tokens).await?;
     let after = step_counters(&engine, &worker).await;
-    let cpu_after = service_cpu(&topo_path, ticks);
+    let cpu_after = service_cpu(&run_dir, ticks);
     let tokens = r.output_tokens_per_s * r.wall_s;
     let step_per_token_us = per_token_us(after.step_sum - before.step_sum, tokens);
     let cpu_per_token_us: serde_json::Map<String, serde_json::Value> = cpu_after

@@ -278,14 +278,14 @@ impl EngineStep {
                     &finishing,
                     replies.as_deref().map(|r| r.get(allocs..).unwrap_or(&[])),
                 );
-                let meta = match replies.as_ref().and_then(|r| r.last()) {
-                    Some(ConnectorReply::Meta(meta)) => meta.clone(),
-                    _ => KvConnectorMetadata::default(),
+                let (answered, meta) = match replies.as_ref().and_then(|r| r.last()) {
+                    Some(ConnectorReply::Meta(meta)) => (true, meta.clone()),
+                    _ => (false, KvConnectorMetadata::default()),
                 };
                 // Every field counts (heartbeats too, which `is_empty` leaves out): only an
-                // answer with nothing in it lets the next steps skip the round. A lost answer
-                // (connector unreachable) never does.
-                let quiet = replies.is_some() && meta == KvConnectorMetadata::default();
+                // answer with nothing in it lets the next steps skip the round. A lost or
+                // malformed answer (connector unreachable) never does.
+                let quiet = answered && meta == KvConnectorMetadata::default();
                 st.quiet_at = quiet.then_some(meta_at);
                 self.execute(st, chunks, finished_request_ids, meta, scheduled_tokens)
             }
