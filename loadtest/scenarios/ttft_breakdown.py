@@ -55,13 +55,15 @@ for tr in by_trace.values():
         # D63: the client's first token is P's, sent by the router once D has answered.
         from_p = event(root, "first token from the prefill node")
         if from_p and pleg and dleg and p_eng and d_eng and p_wp:
+            # D65: P's answer leaves before its hold registers (the next step's metadata).
+            hold_first = p_hold and p_hold[0]["start_unix_nano"] < p_eng[0]["end_unix_nano"]
             pts = {
                 "router: request in → P leg sent": pleg[0]["start_unix_nano"],
                 "P: HTTP, frontend, dp-lb → engine-core": p_eng[0]["start_unix_nano"],
                 "P: queued → prefill forward starts": min(s["start_unix_nano"] for s in p_wp),
                 "P: prefill forward": max(s["end_unix_nano"] for s in p_wp),
-                "P: forward done → hold registered": p_hold[0]["start_unix_nano"] if p_hold else None,
-                "P: hold registered → answer released": p_eng[0]["end_unix_nano"],
+                "P: forward done → hold registered": p_hold[0]["start_unix_nano"] if hold_first else None,
+                "P: (hold registered →) answer released": p_eng[0]["end_unix_nano"],
                 "P: answer → router (dp-lb, frontend, HTTP)": pleg[0]["end_unix_nano"],
             }
             if dleg[0]["start_unix_nano"] < pleg[0]["end_unix_nano"]:

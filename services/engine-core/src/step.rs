@@ -67,15 +67,7 @@ pub struct EngineState {
 
 impl EngineState {
     pub fn new(rank: u32, sched: Scheduler) -> Self {
-        Self {
-            rank,
-            sched,
-            inbox: Inbox::default(),
-            step_id: 0,
-            force_meta: false,
-            connector_calls: 0,
-            quiet_at: None,
-        }
+        Self { rank, sched, inbox: Inbox::default(), step_id: 0, force_meta: false, connector_calls: 0, quiet_at: None }
     }
 
     /// Whether a metadata round could carry anything: a call since the last empty answer,

@@ -307,6 +307,9 @@ impl ApiError {
     }
 }
 
+/// Marks a 503 that says "the engine side is down" (not "busy"): [`ApiError::Unavailable`].
+pub const UNAVAILABLE_HEADER: &str = "x-pdmesh-unavailable";
+
 /// `Retry-After` of every 503 (and 429) this process sends (`limits.retry_after_s`).
 static RETRY_AFTER_S: AtomicU32 = AtomicU32::new(1);
 
@@ -345,6 +348,11 @@ impl ResponseError for ApiError {
         }
         if let Some(seconds) = self.retry_after_s() {
             response.insert_header((RETRY_AFTER, seconds.to_string()));
+        }
+        if matches!(self, ApiError::Unavailable(_)) {
+            // Both "down" and "busy" are 503s for a client; a router must tell them apart: a
+            // node whose engine side is down is retried elsewhere, a busy one is not (D55).
+            response.insert_header((UNAVAILABLE_HEADER, "1"));
         }
         response.json(self.body())
     }

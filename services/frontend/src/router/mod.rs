@@ -356,6 +356,9 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
             }
         };
         let p_status = p_res.status();
+        // A 503 from a P whose engine side is down (not one that is busy) is that P's failure:
+        // retried on another P like a reset (a P dying process by process answers so).
+        let p_down = p_res.headers().contains_key(crate::error::UNAVAILABLE_HEADER);
         let p_retry_after = p_res.headers().get(reqwest::header::RETRY_AFTER).cloned();
         let p_bytes = match p_res.bytes().await {
             Ok(b) => b,
@@ -368,7 +371,7 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
         drop(counted);
         tracing::info!(parent: &p_span, status = p_status.as_u16(), "prefill answered");
         drop(p_span);
-        if is_failure(p_status) {
+        if is_failure(p_status) || p_down {
             st.prefill.failure(pi, "5xx");
             last_error = format!("prefill node {p} answered {}", p_status.as_u16());
             if (tried.len() as u32) < st.prefill_attempts && tried.len() < st.prefill.len() {
@@ -555,7 +558,9 @@ async fn decode_leg(
         let d_res = d_rb.json(&d_body).send().instrument(d_span.clone()).await;
         drop(counted);
         let failed = match &d_res {
-            Ok(r) if is_failure(r.status()) => format!("decode node {d} answered {}", r.status().as_u16()),
+            Ok(r) if is_failure(r.status()) || r.headers().contains_key(crate::error::UNAVAILABLE_HEADER) => {
+                format!("decode node {d} answered {}", r.status().as_u16())
+            }
             Ok(_) => {
                 // D answered, so D owns the reference now (it tells P itself if it gives up).
                 if let Some(release) = release.as_mut() {

@@ -86,7 +86,7 @@ pub(super) async fn dispatch(legs: &Legs<'_>, original: Value, permits: Box<dyn 
                     }
                     // D refused it (bad input, overloaded): the client gets D's answer; P's leg is
                     // dropped (P aborts, or its guard hands back a hold it just made).
-                    Ok(r) if !is_failure(r.status()) => {
+                    Ok(r) if !is_failure(r.status()) && !r.headers().contains_key(crate::error::UNAVAILABLE_HEADER) => {
                         tracing::info!(parent: &d_span, status = r.status().as_u16(), "decode refused before prefill answered");
                         return pass_answer(r, legs.request_id, true).await;
                     }
