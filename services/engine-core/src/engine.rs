@@ -52,6 +52,11 @@ struct Peers {
 /// steps and connector calls carry their contexts (`Envelope::traces`), see docs/TRACING.md.
 static REQUEST_SPANS: pdmesh_telemetry::trace::RequestSpans = pdmesh_telemetry::trace::RequestSpans::new();
 
+/// P's hand-offs leave with their finishing step (D65) and their holds register in the next
+/// one: their spans stay open one step longer, so that step's worker call carries their trace
+/// (the hold's `kv.hold` span and its events are children of the request's).
+static HANDOFF_SPANS_CLOSING: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
 /// The engine-core actor of one rank.
 pub struct EngineCore {
     state: Rc<RefCell<EngineState>>,
@@ -380,10 +385,23 @@ async fn run_step(
         m::UNKNOWN_IDS.inc_by(st.sched.counters().unknown_ids.saturating_sub(unknown_before));
         (st.rank, st.load())
     };
+    // Hand-offs of the step before: this step's worker call registered their holds with
+    // their traces, so their spans end now.
+    for id in std::mem::take(&mut *HANDOFF_SPANS_CLOSING.lock().unwrap_or_else(|p| p.into_inner())) {
+        REQUEST_SPANS.close(&id);
+    }
     for o in &done.outputs {
         if let Some(r) = o.finish_reason {
             m::FINISHED.with_label_values(&[r.as_str()]).inc();
-            if let Some(span) = REQUEST_SPANS.close(&o.request_id) {
+            let hands_off =
+                o.kv_transfer_params.as_ref().is_some_and(pdmesh_protocol::KvTransferParams::wants_remote_prefill);
+            let span = if hands_off {
+                HANDOFF_SPANS_CLOSING.lock().unwrap_or_else(|p| p.into_inner()).push(o.request_id.clone());
+                Some(REQUEST_SPANS.get(&o.request_id)).filter(|s| !s.is_disabled())
+            } else {
+                REQUEST_SPANS.close(&o.request_id)
+            };
+            if let Some(span) = span {
                 // Prompt tokens taken from this engine's prefix cache (P and D alike).
                 span.record("prefix_cache.hit_tokens", o.num_cached_tokens);
                 tracing::info!(parent: &span, reason = r.as_str(), error = o.error.as_deref().unwrap_or(""),
