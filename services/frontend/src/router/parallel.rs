@@ -10,9 +10,10 @@
 //! the client; D reads P's blocks and continues from the second token.
 //!
 //! Every outcome keeps the lifecycle rules:
-//! - D refuses (4xx, 503) before P answered: the client gets D's answer with its status; P's
-//!   leg is dropped, so P aborts the request (or, if it just finished, its release guard hands
-//!   the blocks back: rule R4).
+//! - D refuses (4xx, 503) before P answered: the client gets D's answer with its status once P
+//!   answered, and P's release guard, armed with P's params, hands the blocks back at once (rule
+//!   R4). Dropping P's leg instead would leave P to notice a vanished client of a non-streamed
+//!   request, and a release sent while P still runs the request names no hold.
 //! - D fails (connect, reset, 5xx): once P answered, the plain two-leg path takes over on
 //!   another decode node with P's params ([`super::decode_leg`]).
 //! - P refuses or fails: the client gets P's answer (after P's retries); D's parked leg is
@@ -84,10 +85,16 @@ pub(super) async fn dispatch(legs: &Legs<'_>, original: Value, permits: Box<dyn 
                         st.decode.success(d_index);
                         d_answer = Some(r);
                     }
-                    // D refused it (bad input, overloaded): the client gets D's answer; P's leg is
-                    // dropped (P aborts, or its guard hands back a hold it just made).
+                    // D refused it (bad input, overloaded): the client gets D's answer once P
+                    // answered. P's request may still be running: a release names only a
+                    // finished hold and P may not notice a dropped non-streamed leg, so P's
+                    // answer is awaited and its guard, armed with P's own params, hands the
+                    // hold back at once (R4).
                     Ok(r) if !is_failure(r.status()) && !r.headers().contains_key(crate::error::UNAVAILABLE_HEADER) => {
                         tracing::info!(parent: &d_span, status = r.status().as_u16(), "decode refused before prefill answered");
+                        if prefilled.is_none() {
+                            drop((&mut p_leg).await);
+                        }
                         return pass_answer(r, legs.request_id, true).await;
                     }
                     Ok(r) => {
