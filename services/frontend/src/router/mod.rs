@@ -249,6 +249,31 @@ struct Prefilled {
     answer: Value,
 }
 
+impl Legs<'_> {
+    /// The relay of a stream D answered (D56/D63), carrying what the request's legs share.
+    fn relay(&self, original: Value, d: usize, migrations: u32, hold: Box<dyn std::any::Any>) -> migrate::Relay {
+        migrate::Relay {
+            st: self.st.clone(),
+            req: self.req.clone(),
+            path: self.path,
+            request_id: self.request_id.to_string(),
+            original,
+            span: self.span.clone(),
+            client_trace: self.client_trace.clone(),
+            authorization: self.authorization.map(str::to_string),
+            d,
+            migrations,
+            hold,
+        }
+    }
+}
+
+/// Whether a node's answer says the node itself failed: a failure status, or a 503 marked
+/// "down" (not "busy", D66) — retried elsewhere rather than passed to the client.
+fn node_failed(r: &reqwest::Response) -> bool {
+    is_failure(r.status()) || r.headers().contains_key(crate::error::UNAVAILABLE_HEADER)
+}
+
 /// Whether an upstream's status counts as its failure (for ejection and retries): a 5xx that
 /// is not an overload 503 (a 503 says "busy", not "broken", and carries `Retry-After`).
 fn is_failure(status: reqwest::StatusCode) -> bool {
@@ -358,7 +383,7 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
         let p_status = p_res.status();
         // A 503 from a P whose engine side is down (not one that is busy) is that P's failure:
         // retried on another P like a reset (a P dying process by process answers so).
-        let p_down = p_res.headers().contains_key(crate::error::UNAVAILABLE_HEADER);
+        let p_failed = node_failed(&p_res);
         let p_retry_after = p_res.headers().get(reqwest::header::RETRY_AFTER).cloned();
         let p_bytes = match p_res.bytes().await {
             Ok(b) => b,
@@ -371,7 +396,7 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
         drop(counted);
         tracing::info!(parent: &p_span, status = p_status.as_u16(), "prefill answered");
         drop(p_span);
-        if is_failure(p_status) || p_down {
+        if p_failed {
             st.prefill.failure(pi, "5xx");
             last_error = format!("prefill node {p} answered {}", p_status.as_u16());
             if (tried.len() as u32) < st.prefill_attempts && tried.len() < st.prefill.len() {
@@ -558,7 +583,7 @@ async fn decode_leg(
         let d_res = d_rb.json(&d_body).send().instrument(d_span.clone()).await;
         drop(counted);
         let failed = match &d_res {
-            Ok(r) if is_failure(r.status()) || r.headers().contains_key(crate::error::UNAVAILABLE_HEADER) => {
+            Ok(r) if node_failed(r) => {
                 format!("decode node {d} answered {}", r.status().as_u16())
             }
             Ok(_) => {
@@ -603,19 +628,7 @@ async fn decode_leg(
     // A stream D resumes after P's token (D63) is relayed like a movable one: its chunks carry
     // token ids for the router alone.
     if stream && status.is_success() && (movable || first.is_some()) {
-        let relay = migrate::Relay {
-            st: st.clone(),
-            req: legs.req.clone(),
-            path,
-            request_id: legs.request_id.to_string(),
-            original,
-            span: legs.span.clone(),
-            client_trace: legs.client_trace.clone(),
-            authorization: legs.authorization.map(str::to_string),
-            d: d_index,
-            migrations,
-            hold: Box::new((permits, d_span)),
-        };
+        let relay = legs.relay(original, d_index, migrations, Box::new((permits, d_span)));
         return match first {
             Some(first) => migrate::respond_after_first_token(relay, first, d_res, None),
             None => migrate::respond(relay, d_res),

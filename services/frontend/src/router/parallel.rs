@@ -31,7 +31,7 @@ use serde_json::{json, Value};
 use tracing::Instrument;
 
 use super::{
-    decode_leg, first_token, forward_headers, is_failure, migrate, pass_answer, prefill_leg, Leg, Legs, Prefilled,
+    decode_leg, first_token, forward_headers, migrate, node_failed, pass_answer, prefill_leg, Leg, Legs, Prefilled,
 };
 
 /// Run both legs at once; see the module docs.
@@ -90,7 +90,7 @@ pub(super) async fn dispatch(legs: &Legs<'_>, original: Value, permits: Box<dyn 
                     // finished hold and P may not notice a dropped non-streamed leg, so P's
                     // answer is awaited and its guard, armed with P's own params, hands the
                     // hold back at once (R4).
-                    Ok(r) if !is_failure(r.status()) && !r.headers().contains_key(crate::error::UNAVAILABLE_HEADER) => {
+                    Ok(r) if !node_failed(&r) => {
                         tracing::info!(parent: &d_span, status = r.status().as_u16(), "decode refused before prefill answered");
                         if prefilled.is_none() {
                             drop((&mut p_leg).await);
@@ -163,19 +163,7 @@ pub(super) async fn dispatch(legs: &Legs<'_>, original: Value, permits: Box<dyn 
             }
         }))
     };
-    let relay = migrate::Relay {
-        st: st.clone(),
-        req: legs.req.clone(),
-        path: legs.path,
-        request_id: legs.request_id.to_string(),
-        original,
-        span: legs.span.clone(),
-        client_trace: legs.client_trace.clone(),
-        authorization: legs.authorization.map(str::to_string),
-        d: d_index,
-        migrations: 0,
-        hold: Box::new((permits, d_span)),
-    };
+    let relay = legs.relay(original, d_index, 0, Box::new((permits, d_span)));
     match first {
         Some(first) => migrate::respond_after_first_token(relay, first, d_res, handover),
         None => migrate::respond(relay, d_res),
