@@ -7,9 +7,12 @@
 # SMOKE_BREAK=<figure> breaks one lifecycle figure on purpose and runs only what shows it; the
 # scenario must then exit 1 (`loadtest/scenarios/selfcheck.sh` runs every one and fails if
 # any passes):
-#   stranded  D's rejection notices off (`rejection_notices = false`): P frees the refused
-#             requests only at its 2 s lease deadline, stranded block-seconds while D is alive
-#   held      notices off and a fixed 480 s hold: P still holds blocks at the end
+#   stranded  D's rejection notices off (`rejection_notices = false`): P frees the requests D
+#             refused after P answered (the non-streaming burst) only at its 2 s lease
+#             deadline, stranded block-seconds while D is alive
+#   held      the router's give-ups off (`router.give_up_notices = false`) and a fixed 480 s
+#             hold: the streams D refused while P still prefilled (parallel dispatch, D66) leave
+#             P holding blocks at the end
 #   hang      D's reads delayed 20 s (`delay_transfer_ms`), clients give up after 3 s: requests
 #             that hang (error kind `timeout`)
 #   death     one of D's engine-cores killed under `pdmesh up --no-restart`: a death nobody
@@ -18,18 +21,27 @@ SCENARIO=smoke
 source "$(dirname "$0")/lib.sh"
 mesh_ports "${PDMESH_SCENARIO_PORT:-13000}"
 
+# rejection_burst: D refuses what P prefilled (rule R1) on both of the router's paths —
+# streams, whose decode leg D refuses while P still prefills (parallel dispatch, D66: the
+# router hands P's blocks back), then non-streaming requests, which reach D with P's params
+# (D tells P: the rejection notice).
 rejection_burst() {
-  log "rejection burst: 32 prompts of ~2400 tokens, over D's max_model_len (1024)"
-  load rejections --concurrency 16 --requests 32 --input-len 400 --output-len 16
-  # D refuses what P prefilled (400, rule R1); P may refuse some first with 503 + Retry-After
-  # when holds would take more than engine.max_held_fraction of its pool (overload control).
-  check_report '^http_(400|503)$'
-  python3 - "$LAST_REPORT" <<'PY' || fail "the rejection burst was not refused"
+  local mode
+  for mode in stream no-stream; do
+    log "rejection burst ($mode): 32 prompts of ~2400 tokens, over D's max_model_len (1024)"
+    # shellcheck disable=SC2046
+    load "rejections-$mode" --concurrency 16 --requests 32 --input-len 400 --output-len 16 \
+      $([[ $mode == no-stream ]] && echo --no-stream)
+    # D refuses what P prefilled (400, rule R1); P may refuse some first with 503 + Retry-After
+    # when holds would take more than engine.max_held_fraction of its pool (overload control).
+    check_report '^http_(400|503)$'
+    python3 - "$LAST_REPORT" <<'PY' || fail "the rejection burst ($mode) was not refused"
 import json, sys
 s = json.load(open(sys.argv[1]))["summary"]
 e = s["errors_by_kind"]
 sys.exit(0 if e.get("http_400", 0) > 0 and e.get("http_400", 0) + e.get("http_503", 0) == s["requests_sent"] else 1)
 PY
+  done
 }
 
 if [[ -n "${SMOKE_BREAK:-}" ]]; then
@@ -41,7 +53,7 @@ if [[ -n "${SMOKE_BREAK:-}" ]]; then
       rejection_burst
       ;;
     held)
-      COST_US=20 HOLD_MODE=fixed HOLD_S=480 P_BLOCKS=8192 D_MAX_LEN=1024 NOTICES=false start_mesh "$SCENARIO"
+      COST_US=20 HOLD_MODE=fixed HOLD_S=480 P_BLOCKS=8192 D_MAX_LEN=1024 ROUTER_EXTRA="give_up_notices = false" start_mesh "$SCENARIO"
       rejection_burst
       ;;
     hang)
