@@ -22,9 +22,12 @@
 //! - from an authenticated peer, the answer is of a kind that answers the request; a lease,
 //!   read done, give up or heartbeat entry that names a held request with a wrong (or missing)
 //!   token is refused exactly as for an unknown request, counted, and leaves the request held;
-//!   only the right token gets a lease granted or a read done acknowledged.
+//!   only the right token gets a lease granted or a read done acknowledged;
+//! - a lease for a request P does not hold may be parked (no answer yet: its hold may still
+//!   register, D65); once its wait ends it gets exactly one answer, a refusal, to its peer.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use pdmesh_kv_transfer::fuzzing::{capability_of, held_requests, AgentHarness};
 use pdmesh_kv_transfer::{AgentStats, CapabilityCheck, FaultConfig, MeshSecret};
@@ -169,6 +172,10 @@ impl Harness {
                         pings += 1;
                     }
                     let Some(reply) = reply else {
+                        if let Message::XferLease(lease) = &req.body {
+                            self.check_parked(peer, &req, lease, &before);
+                            continue;
+                        }
                         assert!(
                             matches!(req.body, Message::XferGetMetadata) && faults.handshake_timeout,
                             "{kind} went unanswered"
@@ -208,6 +215,30 @@ impl Harness {
                 assert_eq!(held, CapabilityCheck::Mismatch, "{id} is still held: nothing authenticated touched it");
             }
         }
+    }
+
+    /// A lease the policy parked (it arrived before its hold registered, D65): only a request
+    /// P does not hold is parked, and once its wait ends it gets exactly one answer, to its
+    /// peer, with its correlation and request id: a refusal, since no hold registers here.
+    fn check_parked(&mut self, peer: &[u8], req: &Envelope, lease: &XferLeaseRequest, before: &Observed) {
+        assert_eq!(
+            before.checks.first(),
+            Some(&CapabilityCheck::NotHeld),
+            "a lease for {} was parked though P holds it",
+            lease.p_request_id
+        );
+        let answers = self.agent.parked_answers_at(Instant::now() + Duration::from_secs(3600));
+        assert_eq!(answers.len(), 1, "a parked lease is answered once its wait ends");
+        let (to, bytes) = &answers[0];
+        assert_eq!(to.as_slice(), peer, "a parked lease's answer goes to the peer that asked");
+        let answer = Envelope::decode(bytes).expect("a parked lease's answer decodes");
+        assert_eq!(answer.corr, req.corr, "a parked lease's answer carries its correlation id");
+        assert_eq!(answer.request_id, req.request_id, "a parked lease's answer carries its request id");
+        assert!(
+            matches!(answer.body, Message::XferLeaseRefused(_)),
+            "a lease for a hold that never registered got {:?}",
+            answer.body
+        );
     }
 
     /// The capability state of the requests `msg` names, and the refusal counter, before it.

@@ -423,7 +423,16 @@ async fn until(deadline: Option<Instant>) {
 
 /// Send the answers the policy has now for parked lease requests (D65).
 async fn answer_parked(served: &Served, sessions: &mut Sessions, socket: &mut RouterSocket) {
-    let answers = served.policy().take_parked_answers(Instant::now());
+    for (peer, bytes) in parked_answers(served, sessions, Instant::now()) {
+        send_to(socket, peer, bytes).await;
+    }
+}
+
+/// The encoded answers the policy has at `now` for parked lease requests, each with the peer
+/// it goes to. The socket loop sends them; the fuzz targets check them (`crate::fuzzing`).
+pub(crate) fn parked_answers(served: &Served, sessions: &mut Sessions, now: Instant) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let answers = served.policy().take_parked_answers(now);
+    let mut out = Vec::with_capacity(answers.len());
     for a in answers {
         let Some((peer, env)) = sessions.parked.remove(&a.ticket) else { continue };
         let Message::XferLease(req) = &env.body else { continue };
@@ -433,8 +442,9 @@ async fn answer_parked(served: &Served, sessions: &mut Sessions, socket: &mut Ro
         let span = side_channel_span(&env);
         let body = span.in_scope(|| lease_answer(served, req, a.result));
         let Ok(bytes) = env.reply(body).encode() else { continue };
-        send_to(socket, peer, bytes).await;
+        out.push((peer, bytes));
     }
+    out
 }
 
 async fn send_to(socket: &mut RouterSocket, peer: Vec<u8>, bytes: Vec<u8>) {

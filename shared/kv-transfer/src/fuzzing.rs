@@ -313,6 +313,12 @@ impl AgentHarness {
         crate::agent::handle_frame(&self.served, &mut self.sessions, peer, frame)
     }
 
+    /// The answers the side channel sends at `now` for lease requests the policy parked (a
+    /// lease that arrived before its hold registered, D65), each with the peer it goes to.
+    pub fn parked_answers_at(&mut self, now: Instant) -> Vec<(Vec<u8>, Vec<u8>)> {
+        crate::agent::parked_answers(&self.served, &mut self.sessions, now)
+    }
+
     /// The whole side channel handshake of `peer` (hello, challenge, proof, ack) with `secret`,
     /// through [`Self::side_channel_frame`] as a decode node sends it; whether P acknowledged.
     /// With another mesh's secret the proof is forged from it (P must refuse it).
