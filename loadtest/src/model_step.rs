@@ -211,7 +211,8 @@ pub async fn run(a: OverheadArgs) -> anyhow::Result<()> {
     eprintln!("{}", serde_json::to_string(&frontend)?);
     let report = serde_json::json!({
         "pdmesh": pdmesh.display().to_string(),
-        "async_scheduling": std::env::var("PDMESH_ASYNC_SCHEDULING").unwrap_or_default(),
+        // The key is on by default since D67; the variable overrides it for the mesh started here.
+        "async_scheduling": std::env::var("PDMESH_ASYNC_SCHEDULING").unwrap_or_else(|_| "default".into()),
         "model": model.display().to_string(),
         "prompt_tokens": a.prompt_tokens,
         "max_tokens": a.max_tokens,

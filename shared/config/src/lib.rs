@@ -587,8 +587,9 @@ pub struct EngineConfig {
     /// engine-core and the engine schedules; the engine's real step reuses every row that
     /// matches exactly and computes the rest. Only on nodes without a KV connector (a P/D or
     /// offload connector writes and reads blocks outside the executor's order), and never with
-    /// `model.fault_injection`. `PDMESH_ASYNC_SCHEDULING` overrides it for one process.
-    #[serde(default)]
+    /// `model.fault_injection`. On by default; `PDMESH_ASYNC_SCHEDULING` overrides it for one
+    /// process.
+    #[serde(default = "yes")]
     pub async_scheduling: bool,
 }
 
@@ -626,7 +627,7 @@ impl Default for EngineConfig {
             max_waiting: default_max_waiting(),
             max_held_fraction: default_max_held_fraction(),
             enable_prefix_caching: true,
-            async_scheduling: false,
+            async_scheduling: true,
         }
     }
 }
