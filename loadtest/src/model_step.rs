@@ -5,7 +5,10 @@
 //! each run the engine's `pdmesh_engine_step_seconds` (a whole step, connector and worker
 //! round trips included), the worker's `pdmesh_worker_execute_seconds` (the forward pass) and
 //! `pdmesh_engine_steps_total` (steps that ran on the worker) are read, so per step:
-//! mesh cost = step − forward pass, the time the step spends outside the model. The
+//! mesh cost = step − forward pass, the time the step spends outside the model. The worker's
+//! `pdmesh_worker_step_gap_seconds` (its idle time between two forward passes of a decode
+//! chain) gives the same cost as the user pays it, and stays honest when steps overlap
+//! (`engine.async_scheduling`, D67): gap per step and its share of forward + gap. The
 //! frontend's per-token work is its process's CPU time (`/proc/<pid>/stat`, user + system)
 //! per streamed token at `--frontend-streams`, set against the real step time per token at
 //! that load. The other services' CPU per token is reported beside it.
@@ -40,6 +43,10 @@ struct StepCounters {
     steps: f64,
     forward_sum: f64,
     skipped_meta: f64,
+    /// The worker's idle time between consecutive forward passes while decoding.
+    gap_sum: f64,
+    spec_used: f64,
+    spec_discarded: f64,
 }
 
 async fn step_counters(engine: &str, worker: &str) -> StepCounters {
@@ -48,7 +55,18 @@ async fn step_counters(engine: &str, worker: &str) -> StepCounters {
         steps: client::scrape(engine, "pdmesh_engine_steps_total").await,
         forward_sum: client::scrape(worker, "pdmesh_worker_execute_seconds_sum").await,
         skipped_meta: client::scrape(engine, "pdmesh_engine_meta_rounds_skipped_total").await,
+        gap_sum: client::scrape(worker, "pdmesh_worker_step_gap_seconds_sum").await,
+        spec_used: scrape_or_zero(worker, "pdmesh_worker_speculative_rows_total{outcome=\"used\"}").await,
+        spec_discarded: scrape_or_zero(worker, "pdmesh_worker_speculative_rows_total{outcome=\"discarded\"}").await,
     }
+}
+
+/// One labelled series (`name{label="value"}`) of the page at `url`; zero when it does not
+/// exist yet (a labelled counter appears with its first increment) or at all (an older build).
+async fn scrape_or_zero(url: &str, series: &str) -> f64 {
+    let Ok(r) = reqwest::get(url).await else { return f64::NAN };
+    let Ok(text) = r.text().await else { return f64::NAN };
+    text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse::<f64>().ok()).unwrap_or(0.0)
 }
 
 /// Clock ticks per second for `/proc/<pid>/stat` (`getconf CLK_TCK`; Linux uses 100).
@@ -135,6 +153,10 @@ pub async fn run(a: OverheadArgs) -> anyhow::Result<()> {
         let step_ms = 1000.0 * (after.step_sum - before.step_sum) / steps;
         let forward_ms = 1000.0 * (after.forward_sum - before.forward_sum) / steps;
         let mesh_ms = step_ms - forward_ms;
+        // With steps overlapped (D67) a step's forward pass runs partly before the engine asks
+        // for it, so step − forward no longer measures the mesh; the worker's idle time between
+        // passes does, in either mode: it is what the mesh adds to every inter-token latency.
+        let gap_ms = 1000.0 * (after.gap_sum - before.gap_sum) / steps;
         let row = serde_json::json!({
             "concurrency": c,
             "requests": n,
@@ -147,6 +169,10 @@ pub async fn run(a: OverheadArgs) -> anyhow::Result<()> {
             "forward_ms": forward_ms,
             "mesh_ms": mesh_ms,
             "mesh_share_of_step_pct": 100.0 * mesh_ms / step_ms,
+            "gap_ms": gap_ms,
+            "gap_share_of_step_pct": 100.0 * gap_ms / (forward_ms + gap_ms),
+            "speculative_rows_used": after.spec_used - before.spec_used,
+            "speculative_rows_discarded": after.spec_discarded - before.spec_discarded,
         });
         eprintln!("{}", serde_json::to_string(&row)?);
         rows.push(row);
@@ -185,6 +211,8 @@ pub async fn run(a: OverheadArgs) -> anyhow::Result<()> {
     eprintln!("{}", serde_json::to_string(&frontend)?);
     let report = serde_json::json!({
         "pdmesh": pdmesh.display().to_string(),
+        // The key is on by default since D67; the variable overrides it for the mesh started here.
+        "async_scheduling": std::env::var("PDMESH_ASYNC_SCHEDULING").unwrap_or_else(|_| "default".into()),
         "model": model.display().to_string(),
         "prompt_tokens": a.prompt_tokens,
         "max_tokens": a.max_tokens,

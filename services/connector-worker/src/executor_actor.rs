@@ -1,11 +1,14 @@
 //! The executor thread: owns the KV cache and the model.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
 use actix::prelude::*;
 use pdmesh_model_api::{Executor, ExecutorError, KvCache};
-use pdmesh_protocol::{KvConnectorOutput, ModelRunnerOutput, OffloadMetadata, SchedulerOutput};
+use pdmesh_protocol::{
+    KvConnectorOutput, ModelRunnerOutput, OffloadMetadata, SampledToken, ScheduledChunk, SchedulerOutput,
+};
 
 use crate::metrics as m;
 
@@ -78,10 +81,15 @@ impl ExecutorFaults {
     }
 }
 
-/// Run one step.
+/// Run one step and answer on `reply`. The answer goes out before the handler returns: with
+/// `engine.async_scheduling` the thread goes on at once to the next decode step (D67), while
+/// the answer travels to engine-core.
 #[derive(Message)]
-#[rtype(result = "Result<ModelRunnerOutput, ExecutorError>")]
-pub struct RunStep(pub SchedulerOutput);
+#[rtype(result = "()")]
+pub struct RunStep {
+    pub step: SchedulerOutput,
+    pub reply: tokio::sync::oneshot::Sender<Result<ModelRunnerOutput, ExecutorError>>,
+}
 
 /// Owns the KV cache memory (allocated and touched at start) and the model.
 pub struct ExecutorActor {
@@ -96,6 +104,33 @@ pub struct ExecutorActor {
     /// The host-memory offload store, when the node runs the `OffloadConnector`: it lives on
     /// this thread because the copies touch the KV cache the forward pass uses.
     offload: Option<crate::offload::OffloadStore>,
+    /// The last forward pass whose results were used: the next pass that runs one of its
+    /// requests again observes the idle time between them ([`m::STEP_GAP_SECONDS`]).
+    last_pass: Option<LastPass>,
+    /// Whether to run each step's next decode step ahead of the engine (D67,
+    /// `engine.async_scheduling`; off where a connector moves KV outside this thread).
+    speculate: bool,
+    /// The next decode step planned by the last step, run once its answer is out.
+    planned: Option<Vec<ScheduledChunk>>,
+    /// Its results, waiting for the engine's step.
+    speculation: Option<Speculation>,
+}
+
+/// When a forward pass ended and which requests it ran.
+struct LastPass {
+    ended: Instant,
+    ids: HashSet<String>,
+}
+
+/// A decode step run before the engine asked for it (D67).
+struct Speculation {
+    chunks: Vec<ScheduledChunk>,
+    sampled: Vec<SampledToken>,
+    elapsed: std::time::Duration,
+    /// The idle time before it, observed only if its results are used.
+    gap: Option<std::time::Duration>,
+    /// The last used pass before it, restored if it is wasted.
+    before: Option<LastPass>,
 }
 
 /// Apply a step's offload copies, before that step's [`RunStep`] (the thread handles its
@@ -131,10 +166,24 @@ impl Actor for ExecutorActor {
 }
 
 impl Handler<RunStep> for ExecutorActor {
-    type Result = Result<ModelRunnerOutput, ExecutorError>;
+    type Result = ();
 
-    fn handle(&mut self, msg: RunStep, _: &mut SyncContext<Self>) -> Self::Result {
-        let step = msg.0;
+    fn handle(&mut self, msg: RunStep, _: &mut SyncContext<Self>) {
+        let result = self.run_step(msg.step);
+        // The engine may be gone (restarting): the step ran all the same.
+        let _ = msg.reply.send(result);
+        if let Some(next) = self.planned.take() {
+            self.speculate(next);
+        }
+    }
+}
+
+impl ExecutorActor {
+    fn run_step(&mut self, step: SchedulerOutput) -> Result<ModelRunnerOutput, ExecutorError> {
+        // A speculation serves only the step right after the one it continues: later steps
+        // may have changed the KV it read.
+        let speculation = self.speculation.take();
+        self.planned = None;
         let Some(executor) = self.executor.as_mut() else {
             return Err(ExecutorError::Model(format!(
                 "model not loaded: {}",
@@ -144,19 +193,52 @@ impl Handler<RunStep> for ExecutorActor {
         if !step.finished_request_ids.is_empty() {
             executor.release(&step.finished_request_ids);
         }
-        let started = Instant::now();
-        let sampled = if step.chunks.is_empty() {
-            Vec::new()
-        } else if let Some(why) = &self.lost {
+        if let (false, Some(why)) = (step.chunks.is_empty(), &self.lost) {
             return Err(ExecutorError::DeviceLost(why.clone()));
+        }
+        // Rows the speculation computed exactly as this step asks for them (same request,
+        // token, position, blocks and sampling): their results stand as they are, since a
+        // row's result does not depend on the batch it ran in.
+        let mut ready: Vec<Option<SampledToken>> = vec![None; step.chunks.len()];
+        let mut ahead = std::time::Duration::ZERO;
+        if let Some(spec) = speculation {
+            let mut results: HashMap<String, SampledToken> =
+                spec.sampled.into_iter().map(|t| (t.request_id.clone(), t)).collect();
+            let ran: HashMap<&str, &ScheduledChunk> = spec.chunks.iter().map(|c| (c.request_id.as_str(), c)).collect();
+            for (slot, chunk) in ready.iter_mut().zip(&step.chunks) {
+                if ran.get(chunk.request_id.as_str()) == Some(&chunk) {
+                    *slot = results.remove(&chunk.request_id);
+                }
+            }
+            let used = ready.iter().flatten().count();
+            m::SPECULATIVE_ROWS.with_label_values(&["used"]).inc_by(used as u64);
+            m::SPECULATIVE_ROWS.with_label_values(&["discarded"]).inc_by((spec.chunks.len() - used) as u64);
+            if used > 0 {
+                if let Some(gap) = spec.gap {
+                    m::STEP_GAP_SECONDS.observe(gap.as_secs_f64());
+                }
+                ahead = spec.elapsed;
+            } else {
+                // Wasted: the idle time before the next pass counts from the pass before it.
+                self.last_pass = spec.before;
+            }
+        }
+        let rest: Vec<ScheduledChunk> =
+            step.chunks.iter().zip(&ready).filter(|(_, r)| r.is_none()).map(|(c, _)| c.clone()).collect();
+        let started = Instant::now();
+        let mut computed = if rest.is_empty() {
+            Vec::new()
         } else {
+            if let Some(gap) = gap_before(&self.last_pass, &rest, started) {
+                m::STEP_GAP_SECONDS.observe(gap.as_secs_f64());
+            }
             self.forward_passes += 1;
             if let Some(ms) = self.faults.step_delay_ms {
                 std::thread::sleep(std::time::Duration::from_millis(ms));
             }
             let result = match self.faults.failure(self.forward_passes) {
                 Some(injected) => Err(injected),
-                None => executor.execute(&mut self.kv, &step.chunks),
+                None => executor.execute(&mut self.kv, &rest),
             };
             result.map_err(|e| {
                 m::EXECUTE_ERRORS.inc();
@@ -167,8 +249,29 @@ impl Handler<RunStep> for ExecutorActor {
                 e
             })?
         };
-        let elapsed = started.elapsed();
+        let elapsed = started.elapsed() + ahead;
         m::EXECUTE_SECONDS.observe(elapsed.as_secs_f64());
+        let sampled: Vec<SampledToken> = if ready.iter().all(Option::is_none) {
+            computed
+        } else {
+            let mut by_id: HashMap<String, SampledToken> =
+                computed.drain(..).map(|t| (t.request_id.clone(), t)).collect();
+            step.chunks.iter().zip(ready).filter_map(|(c, r)| r.or_else(|| by_id.remove(&c.request_id))).collect()
+        };
+        if !step.chunks.is_empty() {
+            let ended = match (&self.last_pass, rest.is_empty()) {
+                (Some(p), true) => p.ended,
+                _ => Instant::now(),
+            };
+            self.last_pass = Some(LastPass { ended, ids: step.chunks.iter().map(|c| c.request_id.clone()).collect() });
+            if self.speculate {
+                let next = next_decode_step(&step.chunks, &sampled, self.kv.spec().block_size);
+                if !next.is_empty() {
+                    // Run once this answer is out, ahead of any step the engine sends later.
+                    self.planned = Some(next);
+                }
+            }
+        }
         m::TOKENS_COMPUTED.inc_by(step.chunks.iter().map(|c| c.token_ids.len() as u64).sum());
         Ok(ModelRunnerOutput {
             step_id: step.step_id,
@@ -180,13 +283,85 @@ impl Handler<RunStep> for ExecutorActor {
     }
 }
 
+/// The executor's idle time before a pass starting at `at`, when the pass continues a request
+/// of `last`, the last pass whose results were used (a decode chain, not a pause between
+/// bursts).
+fn gap_before(last: &Option<LastPass>, chunks: &[ScheduledChunk], at: Instant) -> Option<std::time::Duration> {
+    let last = last.as_ref()?;
+    chunks.iter().any(|c| last.ids.contains(&c.request_id)).then(|| at.duration_since(last.ended))
+}
+
+impl ExecutorActor {
+    /// Run the next decode step ahead (D67): the requests of the step just answered go on
+    /// while that answer travels to engine-core and the engine schedules.
+    fn speculate(&mut self, chunks: Vec<ScheduledChunk>) {
+        let Some(executor) = self.executor.as_mut() else { return };
+        if self.lost.is_some() {
+            return;
+        }
+        let started = Instant::now();
+        let gap = gap_before(&self.last_pass, &chunks, started);
+        match executor.execute(&mut self.kv, &chunks) {
+            Ok(sampled) => {
+                let ended = Instant::now();
+                let ids = chunks.iter().map(|c| c.request_id.clone()).collect();
+                let before = self.last_pass.replace(LastPass { ended, ids });
+                self.speculation = Some(Speculation { chunks, sampled, elapsed: ended - started, gap, before });
+            }
+            Err(e) => {
+                // Nothing was promised: the engine's step computes these rows itself.
+                m::SPECULATIVE_ROWS.with_label_values(&["discarded"]).inc_by(chunks.len() as u64);
+                tracing::debug!(error = %e, "decode step run ahead failed");
+                if let ExecutorError::DeviceLost(why) = &e {
+                    self.lost = Some(why.clone());
+                }
+            }
+        }
+    }
+}
+
+/// The decode step that follows `chunks` if every request in it goes on: each sampling chunk
+/// continues with the token it sampled, at the next position, in the blocks it already has.
+/// Left out: structured outputs (the grammar matcher would advance), requests that stop here
+/// for their length or a stop token, and requests whose next position needs a new block (the
+/// engine chooses that block).
+fn next_decode_step(chunks: &[ScheduledChunk], sampled: &[SampledToken], block_size: u32) -> Vec<ScheduledChunk> {
+    let tokens: HashMap<&str, u32> = sampled.iter().map(|t| (t.request_id.as_str(), t.token_id)).collect();
+    chunks
+        .iter()
+        .filter(|c| c.sample && c.sampling.guided.is_none() && c.guided_output.is_empty())
+        .filter_map(|c| {
+            let token = *tokens.get(c.request_id.as_str())?;
+            let pos = c.start_pos.checked_add(c.token_ids.len() as u32)?;
+            let generated = c.output_index.checked_add(1)?;
+            let fits = u64::from(pos) < c.block_ids.len() as u64 * u64::from(block_size);
+            if generated >= c.sampling.max_tokens || c.sampling.stop_token_ids.contains(&token) || !fits {
+                return None;
+            }
+            Some(ScheduledChunk {
+                request_id: c.request_id.clone(),
+                token_ids: vec![token],
+                start_pos: pos,
+                block_ids: c.block_ids.clone(),
+                sample: true,
+                sampling: c.sampling.clone(),
+                output_index: generated,
+                guided_output: Vec::new(),
+            })
+        })
+        .collect()
+}
+
 /// Start the executor thread over `kv` (heap, or shared memory for P/D), with the offload
-/// store `offload` if the node offloads.
+/// store `offload` if the node offloads; `speculate` runs each step's next decode step ahead
+/// (D67: only where nothing outside this thread reads or writes the KV cache, and without
+/// faults, which count forward passes).
 pub fn start(
     factory: ExecutorFactory,
     kv: KvCache,
     faults: ExecutorFaults,
     offload: Option<crate::offload::OffloadStore>,
+    speculate: bool,
 ) -> Addr<ExecutorActor> {
     let spec = *kv.spec();
     let slot = std::sync::Mutex::new(Some(kv));
@@ -201,13 +376,80 @@ pub fn start(
             }
         };
         let offload = offload_slot.lock().ok().and_then(|mut s| s.take());
-        ExecutorActor { executor, kv, load_error, faults, forward_passes: 0, lost: None, offload }
+        ExecutorActor {
+            executor,
+            kv,
+            load_error,
+            faults,
+            forward_passes: 0,
+            lost: None,
+            offload,
+            last_pass: None,
+            speculate,
+            planned: None,
+            speculation: None,
+        }
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn chunk(id: &str, tokens: &[u32], start_pos: u32, blocks: &[u32], output_index: u32) -> ScheduledChunk {
+        ScheduledChunk {
+            request_id: id.into(),
+            token_ids: tokens.to_vec(),
+            start_pos,
+            block_ids: blocks.to_vec(),
+            sample: true,
+            sampling: pdmesh_protocol::SamplingParams { max_tokens: 10, ..Default::default() },
+            output_index,
+            guided_output: Vec::new(),
+        }
+    }
+
+    fn token(id: &str, token_id: u32) -> SampledToken {
+        SampledToken { request_id: id.into(), token_id, logprobs: None }
+    }
+
+    #[test]
+    fn the_step_run_ahead_continues_each_request_that_can_go_on_in_its_blocks() {
+        let mut guided = chunk("guided", &[5], 3, &[7], 1);
+        guided.sampling.guided = Some(pdmesh_protocol::GuidedSpec::JsonObject);
+        let mut stops = chunk("stops", &[5], 3, &[8], 1);
+        stops.sampling.stop_token_ids = vec![99];
+        let mut unsampled = chunk("prefill-part", &[1, 2, 3, 4], 0, &[9], 0);
+        unsampled.sample = false;
+        let chunks = vec![
+            chunk("prefilled", &[1, 2, 3], 0, &[1], 0), // last prefill chunk: decode at 3
+            chunk("decoding", &[42], 5, &[2, 3], 2),
+            chunk("full-block", &[42], 2, &[4], 2), // position 3 is the last slot of block 4
+            chunk("next-block", &[42], 3, &[5], 2), // position 4 needs a block the engine picks
+            chunk("last-token", &[42], 5, &[6], 9), // its 10th token: length cap reached
+            guided,
+            stops,
+            unsampled,
+        ];
+        let sampled: Vec<SampledToken> = ["prefilled", "decoding", "full-block", "next-block", "last-token", "guided"]
+            .iter()
+            .enumerate()
+            .map(|(i, id)| token(id, 100 + i as u32))
+            .chain([token("stops", 99)])
+            .collect();
+        let next = next_decode_step(&chunks, &sampled, 4);
+        let got: Vec<(&str, Vec<u32>, u32, u32)> =
+            next.iter().map(|c| (c.request_id.as_str(), c.token_ids.clone(), c.start_pos, c.output_index)).collect();
+        assert_eq!(
+            got,
+            vec![("prefilled", vec![100], 3, 1), ("decoding", vec![101], 6, 3), ("full-block", vec![102], 3, 3)]
+        );
+        // The engine's next chunk for the same request is equal to it, field for field.
+        assert_eq!(
+            next[1],
+            ScheduledChunk { token_ids: vec![101], start_pos: 6, output_index: 3, ..chunks[1].clone() }
+        );
+    }
 
     #[test]
     fn faults_parse_and_fire_on_their_steps() {

@@ -141,7 +141,8 @@ impl Handler<RouterEvent> for WorkerActor {
                 let offload_meta = &step.kv_connector_metadata.offload;
                 let offload_fut = (!offload_meta.is_empty())
                     .then(|| self.executor.send(executor_actor::ApplyOffload(offload_meta.clone())));
-                let step_fut = self.executor.send(RunStep(step.clone()));
+                let (reply, answer) = tokio::sync::oneshot::channel();
+                let step_req = self.executor.send(RunStep { step: step.clone(), reply });
                 let fut = async move {
                     let offload_out = match offload_fut {
                         Some(f) => f.await.unwrap_or_else(|e| {
@@ -150,7 +151,19 @@ impl Handler<RouterEvent> for WorkerActor {
                         }),
                         None => Default::default(),
                     };
-                    (offload_out, step_fut.await)
+                    // The answer comes before the executor's handler returns (it may go on with
+                    // the next decode step, D67); the request is driven too, so that a message
+                    // the mailbox could not take at once is still delivered.
+                    tokio::pin!(step_req, answer);
+                    let res = tokio::select! {
+                        biased;
+                        r = &mut answer => r.map_err(|e| e.to_string()),
+                        r = &mut step_req => match r {
+                            Ok(()) => answer.await.map_err(|e| e.to_string()),
+                            Err(e) => Err(e.to_string()),
+                        },
+                    };
+                    (offload_out, res)
                 };
                 let step_id = step.step_id;
                 ctx.spawn(fut.into_actor(self).map(move |(offload_out, res), act, _| {
@@ -480,7 +493,13 @@ pub async fn start(
             Some(offload::OffloadStore::new(spec, cfg.offload.cpu_blocks))
         }
     };
-    let executor = executor_actor::start(factory, kv, faults, offload);
+    // Overlapping steps (D67) needs every KV write and read on the executor thread, in step
+    // order: a P/D transfer or an offload copy runs beside it, so those nodes step in turn.
+    let speculate = node.engine.async_scheduling && pd.is_none() && offload.is_none() && faults.is_empty();
+    if node.engine.async_scheduling && !speculate {
+        tracing::info!("engine.async_scheduling is off on this node: it has a KV connector or executor faults");
+    }
+    let executor = executor_actor::start(factory, kv, faults, offload, speculate);
     let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
     // The mailbox exists before the actor runs, so the ROUTER is bound with its address and
     // handed to it whole; what arrives meanwhile waits in the mailbox.

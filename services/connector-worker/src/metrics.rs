@@ -6,6 +6,27 @@ use std::sync::LazyLock;
 
 pub static EXECUTE_SECONDS: LazyLock<Histogram> =
     LazyLock::new(|| histogram("pdmesh_worker_execute_seconds", "Forward pass time per step", latency_buckets()));
+/// The mesh's cost as a user pays it in inter-token latency: from the end of one forward pass
+/// to the start of the next, observed only when the next pass continues a request of the one
+/// before (decoding), so idle time between bursts is not counted. It holds every hop between
+/// two passes (the answer to engine-core, its step bookkeeping, the next step's way back).
+pub static STEP_GAP_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
+    histogram(
+        "pdmesh_worker_step_gap_seconds",
+        "Executor idle time between consecutive forward passes while requests decode",
+        latency_buckets(),
+    )
+});
+/// Rows of the decode steps the executor ran ahead (D67), by whether the engine's step used
+/// them: discarded rows are compute spent for nothing (a request that stopped, or a batch the
+/// engine changed).
+pub static SPECULATIVE_ROWS: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(
+        "pdmesh_worker_speculative_rows_total",
+        "Requests of decode steps run ahead of the engine, by outcome (used, discarded)",
+        &["outcome"],
+    )
+});
 pub static TOKENS_COMPUTED: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_worker_tokens_computed_total", "Tokens run through the model"));
 pub static DEVICE_LOST: LazyLock<IntCounter> = LazyLock::new(|| {

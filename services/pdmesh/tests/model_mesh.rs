@@ -180,3 +180,69 @@ fn post_on(mesh: &Mesh, port: u16, path: &str, body: &Value) -> Value {
     assert_eq!(r.status().as_u16(), 200, "{path} on :{port}");
     r.json().unwrap()
 }
+
+/// Greedy and seeded answers of a one-node mesh on the real model to requests sent together
+/// (so that batches form, change as requests join and stop, and cross block boundaries).
+fn answers_of_concurrent_requests(mesh: &Mesh) -> Vec<Value> {
+    let bodies: Vec<Value> = [
+        ("The capital of France is", 5, None),
+        ("Once upon a time, in a small village by the sea,", 40, None),
+        ("1, 2, 3, 4,", 23, None),
+        ("The best way to learn a language is", 31, Some(7)),
+        ("Write a haiku about rain.", 17, Some(11)),
+        ("Rust is a programming language that", 33, None),
+    ]
+    .into_iter()
+    .map(|(prompt, max_tokens, seed)| match seed {
+        None => json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}),
+        Some(s) => json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": s}),
+    })
+    .collect();
+    let url = mesh.url("/v1/completions");
+    std::thread::scope(|s| {
+        let handles: Vec<_> = bodies
+            .iter()
+            .map(|b| {
+                let url = url.clone();
+                s.spawn(move || {
+                    let r = client().post(&url).json(b).send().unwrap();
+                    assert_eq!(r.status().as_u16(), 200);
+                    let v: Value = r.json().unwrap();
+                    json!([v["choices"][0]["text"], v["usage"]["completion_tokens"]])
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// `engine.async_scheduling` (D67): the worker runs each next decode step ahead of the
+/// engine's asking. The answers are the same, greedy and seeded, as with steps in turn; the
+/// engine's steps used the rows run ahead; every block is free at the end.
+#[test]
+fn real_model_async_scheduling_answers_as_steps_in_turn() {
+    let Some(path) = common::model_path() else { return };
+    let sections = |on: bool| {
+        format!(
+            "[nodes.model]\nkind = \"gguf\"\npath = {:?}\n[nodes.engine]\nnum_blocks = 256\nmax_model_len = 1024\nasync_scheduling = {on}\n",
+            path.display().to_string()
+        )
+    };
+    let in_turn = Mesh::start("", &sections(false), &[]);
+    let want = answers_of_concurrent_requests(&in_turn);
+    let used_in_turn = common::metric(in_turn.base_port + 112, "pdmesh_worker_speculative_rows_total", "");
+    assert_eq!(used_in_turn, 0.0, "nothing runs ahead when the key is off");
+    drop(in_turn);
+
+    let ahead = Mesh::start("", &sections(true), &[]);
+    for round in 0..2 {
+        let got = answers_of_concurrent_requests(&ahead);
+        assert_eq!(got, want, "round {round}: answers equal those of steps in turn");
+    }
+    let worker = ahead.base_port + 112;
+    let used = common::metric(worker, "pdmesh_worker_speculative_rows_total", "outcome=\"used\"");
+    let discarded = common::metric(worker, "pdmesh_worker_speculative_rows_total", "outcome=\"discarded\"");
+    eprintln!("rows run ahead: {used} used, {discarded} discarded");
+    assert!(used > 100.0, "the engine's decode steps used rows run ahead: {used} used, {discarded} discarded");
+    ahead.wait_kv("blocks free", |kv| kv["used_blocks"] == 0);
+}

@@ -32,6 +32,9 @@ pub const GIVE_UP_NOTICES: &str = "PDMESH_GIVE_UP_NOTICES";
 /// `true` or `false`: automatic prefix caching of every node's engine (overrides
 /// `engine.enable_prefix_caching`).
 pub const ENABLE_PREFIX_CACHING: &str = "PDMESH_ENABLE_PREFIX_CACHING";
+/// `true` or `false`: the worker-side overlap of the next decode step with the mesh's hops
+/// (overrides `engine.async_scheduling`).
+pub const ASYNC_SCHEDULING: &str = "PDMESH_ASYNC_SCHEDULING";
 /// Client API keys of every frontend, the router included, comma-separated (vLLM's
 /// `--api-key`; `pdmesh frontend --api-key` and `pdmesh up --api-key` take the same list).
 /// Unset: no key is required.

@@ -581,6 +581,16 @@ pub struct EngineConfig {
     /// cached until evicted least-recently-used. `PDMESH_ENABLE_PREFIX_CACHING` overrides it.
     #[serde(default = "yes")]
     pub enable_prefix_caching: bool,
+    /// Overlap the mesh's hops with the forward pass (vLLM's `--async-scheduling`, done on the
+    /// worker side, D67): right after a step, the executor runs the next decode step of its
+    /// requests speculatively from the tokens it just sampled, while its answer travels to
+    /// engine-core and the engine schedules; the engine's real step reuses every row that
+    /// matches exactly and computes the rest. Only on nodes without a KV connector (a P/D or
+    /// offload connector writes and reads blocks outside the executor's order), and never with
+    /// `model.fault_injection`. On by default; `PDMESH_ASYNC_SCHEDULING` overrides it for one
+    /// process.
+    #[serde(default = "yes")]
+    pub async_scheduling: bool,
 }
 
 impl EngineConfig {
@@ -617,6 +627,7 @@ impl Default for EngineConfig {
             max_waiting: default_max_waiting(),
             max_held_fraction: default_max_held_fraction(),
             enable_prefix_caching: true,
+            async_scheduling: true,
         }
     }
 }
@@ -955,7 +966,7 @@ impl Topology {
     /// Apply the per-process overrides from the environment (`PDMESH_RUN_DIR`,
     /// `PDMESH_FAULT`, `PDMESH_EXECUTOR_FAULT`, `PDMESH_KV_LOAD_FAILURE_POLICY`,
     /// `PDMESH_GIVE_UP_NOTICES`, `PDMESH_MODEL_DEVICE`, `PDMESH_KV_BACKEND`,
-    /// `PDMESH_ENABLE_PREFIX_CACHING`) to every node
+    /// `PDMESH_ENABLE_PREFIX_CACHING`, `PDMESH_ASYNC_SCHEDULING`) to every node
     /// that has the section they change. A service process serves one node, so the override
     /// acts on that node; set on `pdmesh up` it reaches every child.
     pub fn apply_env(&mut self) -> Result<(), ConfigError> {
@@ -975,6 +986,11 @@ impl Topology {
         if let Some(on) = prefix_caching {
             for n in self.nodes.iter_mut() {
                 n.engine.enable_prefix_caching = on;
+            }
+        }
+        if let Some(on) = env_bool(env::ASYNC_SCHEDULING)? {
+            for n in self.nodes.iter_mut() {
+                n.engine.async_scheduling = on;
             }
         }
         let faults = env::get(env::FAULT);
