@@ -5,7 +5,9 @@
 # loop, streaming chat, 64 output tokens. Prints TTFT, ITL and aggregate output throughput of
 # both (medians over ROUNDS) and ends with the P/D mesh's lifecycle checks.
 #
-#   MODEL=gguf (default here; `synthetic` for a quick check), ROUNDS (3), CONCURRENCIES ("1 4 8")
+#   MODEL=gguf (default here; `synthetic` for a quick check), ROUNDS (3), CONCURRENCIES ("1 4 8"),
+#   PER_STREAM (8: requests per stream and setup, at least 16 in all; longer runs steady the
+#   throughput ratio, which varies by ±10 % between 8-request runs on a shared machine)
 #
 # On one machine P/D cannot win: P's and D's workers share the cores the colocated node has
 # to itself, and each request makes a second HTTP leg. What it measures is the cost of
@@ -44,7 +46,7 @@ wait_engines "$COLO_URL" 60 || { log "colocated node did not come up"; tail -20 
 ROUNDS=${ROUNDS:-3}
 for r in $(seq 1 "$ROUNDS"); do
   for c in ${CONCURRENCIES:-1 4 8}; do
-    n=$(( c * 8 > 16 ? c * 8 : 16 ))
+    n=$(( c * ${PER_STREAM:-8} > 16 ? c * ${PER_STREAM:-8} : 16 ))
     order=(colocated pd)
     (( r % 2 == 0 )) && order=(pd colocated)
     for setup in "${order[@]}"; do
