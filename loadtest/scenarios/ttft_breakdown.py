@@ -35,6 +35,34 @@ def event(ss, name):
 
 
 MS = 1e6
+
+
+def phases(pts, t0):
+    """Each phase's length (ms) from the end of the one before it; a missing point is None and
+    the next phase counts from the last point that was there."""
+    row, last = {}, t0
+    for k, t in pts.items():
+        if t is None:
+            row[k] = None
+            continue
+        row[k] = (t - last) / MS
+        last = t
+    return row
+
+
+def p_points(pleg, p_eng, p_wp, p_hold, hold_label):
+    """P's leg, from the router sending it to its answer back at the router."""
+    return {
+        "router: request in → P leg sent": pleg[0]["start_unix_nano"],
+        "P: HTTP, frontend, dp-lb → engine-core": p_eng[0]["start_unix_nano"],
+        "P: queued → prefill forward starts": min(s["start_unix_nano"] for s in p_wp),
+        "P: prefill forward": max(s["end_unix_nano"] for s in p_wp),
+        "P: forward done → hold registered": p_hold[0]["start_unix_nano"] if p_hold else None,
+        hold_label: p_eng[0]["end_unix_nano"],
+        "P: answer → router (dp-lb, frontend, HTTP)": pleg[0]["end_unix_nano"],
+    }
+
+
 pd_rows, d63_rows, colo_rows = [], [], []
 for tr in by_trace.values():
     root = find(tr, "router.request")
@@ -57,15 +85,7 @@ for tr in by_trace.values():
         if from_p and pleg and dleg and p_eng and d_eng and p_wp:
             # D65: P's answer leaves before its hold registers (the next step's metadata).
             hold_first = p_hold and p_hold[0]["start_unix_nano"] < p_eng[0]["end_unix_nano"]
-            pts = {
-                "router: request in → P leg sent": pleg[0]["start_unix_nano"],
-                "P: HTTP, frontend, dp-lb → engine-core": p_eng[0]["start_unix_nano"],
-                "P: queued → prefill forward starts": min(s["start_unix_nano"] for s in p_wp),
-                "P: prefill forward": max(s["end_unix_nano"] for s in p_wp),
-                "P: forward done → hold registered": p_hold[0]["start_unix_nano"] if hold_first else None,
-                "P: (hold registered →) answer released": p_eng[0]["end_unix_nano"],
-                "P: answer → router (dp-lb, frontend, HTTP)": pleg[0]["end_unix_nano"],
-            }
+            pts = p_points(pleg, p_eng, p_wp, p_hold if hold_first else [], "P: (hold registered →) answer released")
             if dleg[0]["start_unix_nano"] < pleg[0]["end_unix_nano"]:
                 # D66: D's leg left with P's and was parked on D; only the params' hand-over
                 # stands between P's answer and the client's first token.
@@ -75,26 +95,14 @@ for tr in by_trace.values():
                 pts["D: HTTP, frontend, dp-lb → engine-core"] = d_eng[0]["start_unix_nano"]
                 pts["D: admitted → its answer's headers at the router"] = event(dleg, "decode answered")
                 pts["router: D answered → P's token sent (first token)"] = from_p
-            row, last = {}, t0
-            for k, t in pts.items():
-                if t is None:
-                    row[k] = None
-                    continue
-                row[k] = (t - last) / MS
-                last = t
+            row = phases(pts, t0)
             row["= router in → first token (P's, D63)"] = (from_p - t0) / MS
             d63_rows.append(row)
             continue
         if not (pleg and dleg and p_eng and d_eng and p_wp and d_wp and d_read and first):
             continue
-        pts = {
-            "router: request in → P leg sent": pleg[0]["start_unix_nano"],
-            "P: HTTP, frontend, dp-lb → engine-core": p_eng[0]["start_unix_nano"],
-            "P: queued → prefill forward starts": min(s["start_unix_nano"] for s in p_wp),
-            "P: prefill forward": max(s["end_unix_nano"] for s in p_wp),
-            "P: forward done → hold registered": p_hold[0]["start_unix_nano"] if p_hold else None,
-            "P: hold registered → answer released": p_eng[0]["end_unix_nano"],
-            "P: answer → router (dp-lb, frontend, HTTP)": pleg[0]["end_unix_nano"],
+        pts = p_points(pleg, p_eng, p_wp, p_hold, "P: hold registered → answer released")
+        pts.update({
             "router: P answered → D leg sent": dleg[0]["start_unix_nano"],
             "D: HTTP, frontend, dp-lb → engine-core": d_eng[0]["start_unix_nano"],
             "D: admission → read starts": d_read[0]["start_unix_nano"],
@@ -102,14 +110,8 @@ for tr in by_trace.values():
             "D: read done → first step's forward starts": min(s["start_unix_nano"] for s in d_wp),
             "D: first step's forward (last prompt token)": min(s["end_unix_nano"] for s in d_wp),
             "D: token → frontend's first token": first,
-        }
-        row, last = {}, t0
-        for k, t in pts.items():
-            if t is None:
-                row[k] = None
-                continue
-            row[k] = (t - last) / MS
-            last = t
+        })
+        row = phases(pts, t0)
         row["= router in → D's frontend first token"] = (first - t0) / MS
         pd_rows.append(row)
         continue
@@ -126,10 +128,7 @@ for tr in by_trace.values():
             "prefill forward": max(s["end_unix_nano"] for s in wp),
             "token → frontend's first token": first,
         }
-        row, last = {}, t0
-        for k, t in pts.items():
-            row[k] = (t - last) / MS
-            last = t
+        row = phases(pts, t0)
         row["= frontend in → first token"] = (first - t0) / MS
         colo_rows.append(row)
 
