@@ -217,8 +217,9 @@ fn answers_of_concurrent_requests(mesh: &Mesh) -> Vec<Value> {
 }
 
 /// `engine.async_scheduling` (D67): the worker runs each next decode step ahead of the
-/// engine's asking. The answers are the same, greedy and seeded, as with steps in turn; the
-/// engine's steps used the rows run ahead; every block is free at the end.
+/// engine's asking. The answers are the same, greedy and seeded, as with steps in turn (also
+/// after a stream aborted mid-decode left its blocks to them); the engine's steps used the rows
+/// run ahead; every block is free at the end.
 #[test]
 fn real_model_async_scheduling_answers_as_steps_in_turn() {
     let Some(path) = common::model_path() else { return };
@@ -235,6 +236,26 @@ fn real_model_async_scheduling_answers_as_steps_in_turn() {
     drop(in_turn);
 
     let ahead = Mesh::start("", &sections(true), &[]);
+    // A stream the client drops while its next row runs ahead: the engine aborts it and frees
+    // its blocks (the row is discarded, R2); the requests after it take those blocks, and the
+    // row written ahead into one of them must not change their answers.
+    let mut dropped = client()
+        .post(ahead.url("/v1/completions"))
+        .json(&json!({"prompt": "Tell me a long story about the sea.", "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true}))
+        .send()
+        .unwrap();
+    assert_eq!(dropped.status().as_u16(), 200);
+    let mut buf = [0u8; 512];
+    let mut read = 0;
+    while read < 300 {
+        let n = std::io::Read::read(&mut dropped, &mut buf).unwrap();
+        assert!(n > 0, "the stream ended before the client dropped it: {:?}", String::from_utf8_lossy(&buf[..n]));
+        read += n;
+    }
+    drop(dropped);
+    ahead.wait_kv("the dropped stream's blocks are free", |kv| {
+        kv["used_blocks"] == 0 && kv["ranks"][0]["num_running"] == 0
+    });
     for round in 0..2 {
         let got = answers_of_concurrent_requests(&ahead);
         assert_eq!(got, want, "round {round}: answers equal those of steps in turn");
