@@ -67,19 +67,20 @@ mesh_ports() {
 # Knobs (environment): COST_US (synthetic per-token cost), P_BLOCKS, D_BLOCKS, P_MAX_LEN,
 # D_MAX_LEN, D_RANKS, LEASE_S, HOLD_MODE (lease | fixed: P then holds for HOLD_S, default 480),
 # NOTICES (rejection_notices of D: true | false), POLICY (kv_load_failure_policy of D),
-# P_FAULT / D_FAULT (fault_injection per node).
+# P_FAULT / D_FAULT (fault_injection per node), P_THREADS / D_THREADS (model.threads, real model).
 # model_line: the `model = {...}` line of a node for MODEL (and COST_US).
-model_line() {
+model_line() { # [THREADS]: the real model's forward-pass threads (default: every core)
   if [[ "${MODEL:-synthetic}" == gguf ]]; then
-    echo 'model = { kind = "gguf", path = "" }'
+    echo "model = { kind = \"gguf\", path = \"\"${1:+, threads = $1} }"
   else
     echo "model = { kind = \"synthetic\", name = \"pdmesh-synthetic\", per_token_cost_us = ${COST_US:-20} }"
   fi
 }
 
 write_topology() {
-  local model blocks=4096
-  model=$(model_line)
+  local p_model d_model blocks=4096
+  p_model=$(model_line "${P_THREADS:-}")
+  d_model=$(model_line "${D_THREADS:-}")
   # 720 KiB per block for SmolLM2-135M: 512 blocks (8192 tokens) is 360 MiB per rank.
   [[ "${MODEL:-synthetic}" == gguf ]] && blocks=512
   cat >"$1" <<EOF
@@ -97,7 +98,7 @@ name = "p"
 role = "prefill"
 http_port = $((HTTP_PORT + 1))
 base_port = $((BASE_PORT + 200))
-$model
+$p_model
 engine = { block_size = 16, num_blocks = ${P_BLOCKS:-$blocks}, max_model_len = ${P_MAX_LEN:-8192}, max_num_seqs = 128 }
 kv_transfer = { kv_role = "kv_producer", side_channel_port = $SIDE_PORT, data_port = $((SIDE_PORT + 2)), hold_mode = "${HOLD_MODE:-lease}", kv_lease_duration_s = ${LEASE_S:-5}, abort_request_timeout_s = ${HOLD_S:-480}, fault_injection = "${P_FAULT:-}" }
 
@@ -107,7 +108,7 @@ role = "decode"
 http_port = $((HTTP_PORT + 2))
 base_port = $((BASE_PORT + 400))
 dp_size = ${D_RANKS:-1}
-$model
+$d_model
 engine = { block_size = 16, num_blocks = ${D_BLOCKS:-$blocks}, max_model_len = ${D_MAX_LEN:-2048}, max_num_seqs = 128 }
 kv_transfer = { kv_role = "kv_consumer", side_channel_port = $((SIDE_PORT + 5)), data_port = $((SIDE_PORT + 7)), kv_load_failure_policy = "${POLICY:-fail}", rejection_notices = ${NOTICES:-true}, fault_injection = "${D_FAULT:-}" }
 EOF

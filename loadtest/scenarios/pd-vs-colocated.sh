@@ -2,10 +2,14 @@
 # P/D against colocated at equal load, side by side: a P/D mesh (router → P → D) and a
 # colocated node with the same model run at the same time on this machine; each round loads
 # one, then the other (the order alternates), at every concurrency of CONCURRENCIES, closed
-# loop, streaming chat, 64 output tokens. Prints TTFT, ITL and aggregate output throughput of
-# both (medians over ROUNDS) and ends with the P/D mesh's lifecycle checks.
+# loop, streaming chat, 64 output tokens. Prints TTFT and ITL (medians over ROUNDS of each
+# run's p50 and p99) and output throughput (all rounds' tokens over all rounds' time, so that
+# with an even ROUNDS each setup is loaded first and second equally often), each round's
+# throughput ratio, and ends with the P/D mesh's lifecycle checks. Both meshes serve a warm-up
+# load first, unmeasured: a mesh's first seconds under load are slower (first prefills of the
+# shared prompt prefix, first handshake, first touch of cache pages).
 #
-#   MODEL=gguf (default here; `synthetic` for a quick check), ROUNDS (3), CONCURRENCIES ("1 4 8"),
+#   MODEL=gguf (default here; `synthetic` for a quick check), ROUNDS (4), CONCURRENCIES ("1 4 8"),
 #   PER_STREAM (8: requests per stream and setup, at least 16 in all; longer runs steady the
 #   throughput ratio, which varies by ±10 % between 8-request runs on a shared machine)
 #
@@ -43,7 +47,15 @@ stop_colocated() {
 trap 'stop_colocated; stop_mesh' EXIT
 wait_engines "$COLO_URL" 60 || { log "colocated node did not come up"; tail -20 "$COLO_DIR/up.log" >&2; exit 1; }
 
-ROUNDS=${ROUNDS:-3}
+ROUNDS=${ROUNDS:-4}
+# Warm-up, unmeasured: both meshes at the highest concurrency, 4 requests per stream.
+warm=0
+for c in ${CONCURRENCIES:-1 4 8}; do if (( c > warm )); then warm=$c; fi; done
+for url in "$ROUTER" "$COLO_URL"; do
+  "$LOAD" run --url "$url" --endpoint chat --concurrency "$warm" --requests $(( warm * 4 )) --output-len 64 \
+    --out-dir "$RESULTS_DIR/$SCENARIO/warmup" 2>/dev/null || fail "warm-up load against $url failed"
+done
+rm -rf "$RESULTS_DIR/$SCENARIO/warmup"
 for r in $(seq 1 "$ROUNDS"); do
   for c in ${CONCURRENCIES:-1 4 8}; do
     n=$(( c * ${PER_STREAM:-8} > 16 ? c * ${PER_STREAM:-8} : 16 ))
@@ -56,6 +68,9 @@ for r in $(seq 1 "$ROUNDS"); do
       mkdir -p "$RESULTS_DIR/$SCENARIO"
       cpu_before="$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r.cpu0"
       python3 "$(dirname "$0")/cpu_by_service.py" snapshot "$topo" >"$cpu_before"
+      workers=(p="$P_WORKER_METRICS" d="http://127.0.0.1:$((BASE_PORT + 400 + 112))/metrics")
+      [[ $setup == colocated ]] && workers=(colocated="http://127.0.0.1:$((BASE_PORT + 600 + 112))/metrics")
+      python3 "$(dirname "$0")/worker_steps.py" snapshot "${workers[@]}" >"$cpu_before.steps"
       if [[ $setup == pd ]]; then
         load "pd-c$c-r$r" --endpoint chat --concurrency "$c" --requests "$n" --warmup "$c" --output-len 64
         check_report
@@ -68,9 +83,12 @@ for r in $(seq 1 "$ROUNDS"); do
       tokens=$(python3 -c 'import json,sys; s=json.load(open(sys.argv[1]))["summary"]; print(s.get("output_tokens") or 0)' \
         "$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r/report.json")
       python3 "$(dirname "$0")/cpu_by_service.py" snapshot "$topo" >"$cpu_before.after"
+      python3 "$(dirname "$0")/worker_steps.py" snapshot "${workers[@]}" >"$cpu_before.steps.after"
+      python3 "$(dirname "$0")/worker_steps.py" diff "$cpu_before.steps" "$cpu_before.steps.after" "$tokens" \
+        >"$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r/steps.json"
       python3 "$(dirname "$0")/cpu_by_service.py" diff "$cpu_before" "$cpu_before.after" "$tokens" \
         >"$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r/cpu.json"
-      rm -f "$cpu_before" "$cpu_before.after"
+      rm -f "$cpu_before" "$cpu_before.after" "$cpu_before.steps" "$cpu_before.steps.after"
     done
   done
 done
@@ -84,7 +102,9 @@ def med(setup, c):
     if bad:
         sys.exit(f"{setup} at {c} streams: failed requests {bad}")
     m = lambda f: statistics.median(f(s) for s in rs)
-    return {"tps": m(lambda s: s["output_token_throughput_tps"]),
+    # Throughput over all rounds together: each setup goes first in half of them (even ROUNDS).
+    return {"tps": sum(s["output_tokens"] for s in rs) / sum(s["duration_s"] for s in rs),
+            "rounds": [s["output_token_throughput_tps"] for s in rs],
             "ttft": m(lambda s: s["ttft_ms"]["p50_ms"]), "ttft99": m(lambda s: s["ttft_ms"]["p99_ms"]),
             "itl": m(lambda s: s["itl_ms"]["p50_ms"]), "itl99": m(lambda s: s["itl_ms"]["p99_ms"])}
 print("| streams | colocated: tok/s, TTFT p50 / p99, ITL p50 / p99 | P/D: tok/s, TTFT p50 / p99, ITL p50 / p99 | P/D ÷ colocated: tok/s, TTFT p50, ITL p50 |")
@@ -93,6 +113,12 @@ for c in cs:
     a, b = med("colocated", c), med("pd", c)
     f = lambda x: f"{x['tps']:.0f}, {x['ttft']:.0f} / {x['ttft99']:.0f} ms, {x['itl']:.1f} / {x['itl99']:.1f} ms"
     print(f"| {c} | {f(a)} | {f(b)} | {b['tps'] / a['tps']:.2f}×, {b['ttft'] / a['ttft']:.2f}×, {b['itl'] / a['itl']:.2f}× |")
+print()
+print("Throughput P/D ÷ colocated by round (the first loaded of the two: colocated in odd rounds, P/D in even):")
+print()
+for c in cs:
+    a, b = med("colocated", c), med("pd", c)
+    print(f"- {c} streams: " + ", ".join(f"{x / y:.2f}×" for x, y in zip(b["rounds"], a["rounds"])))
 # Where the cores' time goes: CPU ms per output token by service, summed over the rounds.
 def cpu(setup, c):
     tot, tokens = {}, 0
@@ -116,6 +142,35 @@ for c in cs:
         continue
     top = lambda x: ", ".join(f"{k} {v:.2f}" for k, v in sorted(x.items(), key=lambda kv: -kv[1]) if v >= 0.05)
     print(f"| {c} | {sum(a.values()):.2f} | {sum(b.values()):.2f} | {top(a)} | {top(b)} |")
+# How many forward passes an output token costs, and how long each takes, by node.
+def steps(setup, c):
+    tot, tokens = {}, 0
+    for r in range(1, rounds + 1):
+        try:
+            d = json.load(open(f"{out}/{setup}-c{c}-r{r}/steps.json"))
+        except OSError:
+            return None
+        tokens += d["tokens"]
+        for node, v in d["nodes"].items():
+            t = tot.setdefault(node, {})
+            for k in ("passes", "execute_s", "tokens", "ahead_used", "ahead_skipped", "gap_s", "gaps"):
+                t[k] = t.get(k, 0) + v[k]
+    return tokens, tot
+print()
+print("Forward passes per output token and executor time, by node (all rounds):")
+print()
+print("| streams | setup | node | passes per output token | executor ms per output token | tokens computed per pass | rows run ahead and used, skipped | mean gap |")
+print("|---|---|---|---|---|---|---|---|")
+for c in cs:
+    for setup in ("colocated", "pd"):
+        got = steps(setup, c)
+        if got is None:
+            continue
+        tokens, tot = got
+        for node, t in sorted(tot.items()):
+            gap = f"{1000 * t['gap_s'] / t['gaps']:.2f} ms" if t["gaps"] else "–"
+            print(f"| {c} | {setup} | {node} | {t['passes'] / tokens:.3f} | {1000 * t['execute_s'] / tokens:.2f} | "
+                  f"{t['tokens'] / max(t['passes'], 1):.1f} | {t['ahead_used']:.0f}, {t['ahead_skipped']:.0f} | {gap} |")
 PY
 
 check_idle 20

@@ -1,6 +1,7 @@
 //! The executor thread: owns the KV cache and the model.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -11,6 +12,7 @@ use pdmesh_protocol::{
 };
 
 use crate::metrics as m;
+use crate::pd::ReceiveView;
 
 /// The executor, handed over to the executor thread once (`SyncArbiter` wants a factory).
 pub type ExecutorFactory = Arc<dyn Fn() -> Result<Box<dyn Executor>, String> + Send + Sync>;
@@ -108,12 +110,15 @@ pub struct ExecutorActor {
     /// requests again observes the idle time between them ([`m::STEP_GAP_SECONDS`]).
     last_pass: Option<LastPass>,
     /// Whether to run each step's next decode step ahead of the engine (D67,
-    /// `engine.async_scheduling`; off where a connector moves KV outside this thread).
+    /// `engine.async_scheduling`; off on offloading nodes and with executor faults).
     speculate: bool,
     /// The next decode step planned by the last step, run once its answer is out.
     planned: Option<Vec<ScheduledChunk>>,
     /// Its results, waiting for the engine's step.
     speculation: Option<Speculation>,
+    /// This node's receives (a node that consumes KV): the step run ahead claims the blocks
+    /// it writes where they write, and waits while one is pending (D68).
+    receives: Option<ReceiveView>,
 }
 
 /// When a forward pass ended and which requests it ran.
@@ -233,6 +238,7 @@ impl ExecutorActor {
                 m::STEP_GAP_SECONDS.observe(gap.as_secs_f64());
             }
             self.forward_passes += 1;
+            m::FORWARD_PASSES.inc();
             if let Some(ms) = self.faults.step_delay_ms {
                 std::thread::sleep(std::time::Duration::from_millis(ms));
             }
@@ -294,14 +300,47 @@ fn gap_before(last: &Option<LastPass>, chunks: &[ScheduledChunk], at: Instant) -
 impl ExecutorActor {
     /// Run the next decode step ahead (D67): the requests of the step just answered go on
     /// while that answer travels to engine-core and the engine schedules.
-    fn speculate(&mut self, chunks: Vec<ScheduledChunk>) {
+    fn speculate(&mut self, mut chunks: Vec<ScheduledChunk>) {
         let Some(executor) = self.executor.as_mut() else { return };
         if self.lost.is_some() {
             return;
         }
+        if let Some(view) = &self.receives {
+            if view.pending.load(Ordering::Acquire) > 0 {
+                // A receive is under way: its request joins the next step, which then needs
+                // one pass for all its rows rather than this one plus another for the newcomer.
+                m::SPECULATIVE_ROWS.with_label_values(&["skipped"]).inc_by(chunks.len() as u64);
+                return;
+            }
+        }
+        // On a node that receives KV, a block this step writes may since have been freed and
+        // given to a request whose receive writes it now: claim each row's block first, leave
+        // out the rows whose block a receive holds, and make receives wait for the rest.
+        let claimed = self.receives.as_ref().map(|ReceiveView { writer, .. }| {
+            let block_size = self.kv.spec().block_size.max(1);
+            let writes: Vec<u32> = chunks.iter().filter_map(|c| written_block(c, block_size)).collect();
+            let claimed = writer.claim_step_writes(&writes);
+            let before = chunks.len();
+            chunks.retain(|c| written_block(c, block_size).is_some_and(|b| claimed.contains(&b)));
+            if chunks.len() < before {
+                m::SPECULATIVE_ROWS.with_label_values(&["skipped"]).inc_by((before - chunks.len()) as u64);
+            }
+            (writer.clone(), claimed)
+        });
+        if chunks.is_empty() {
+            if let Some((writer, claimed)) = claimed {
+                writer.release_step_writes(&claimed);
+            }
+            return;
+        }
         let started = Instant::now();
         let gap = gap_before(&self.last_pass, &chunks, started);
-        match executor.execute(&mut self.kv, &chunks) {
+        m::FORWARD_PASSES.inc();
+        let result = executor.execute(&mut self.kv, &chunks);
+        if let Some((writer, claimed)) = claimed {
+            writer.release_step_writes(&claimed);
+        }
+        match result {
             Ok(sampled) => {
                 let ended = Instant::now();
                 let ids = chunks.iter().map(|c| c.request_id.clone()).collect();
@@ -320,48 +359,63 @@ impl ExecutorActor {
     }
 }
 
+/// The block a one-token decode chunk writes its KV into.
+fn written_block(chunk: &ScheduledChunk, block_size: u32) -> Option<u32> {
+    chunk.block_ids.get((chunk.start_pos / block_size) as usize).copied()
+}
+
 /// The decode step that follows `chunks` if every request in it goes on: each sampling chunk
 /// continues with the token it sampled, at the next position, in the blocks it already has.
-/// Left out: structured outputs (the grammar matcher would advance), requests that stop here
-/// for their length or a stop token, and requests whose next position needs a new block (the
-/// engine chooses that block).
+/// Requests that stop here (their length, or a stop token) are left out. Empty when a request
+/// goes on in a way that cannot be run ahead: a prefill continuing in its next chunk, a
+/// structured output (the grammar matcher would advance), a next position that needs a new
+/// block (the engine chooses it). The engine's next step would then hold a row the step run
+/// ahead lacks, and one pass for all of them costs less than two: a pass's fixed cost (the
+/// weights read once) outweighs a few rows.
 fn next_decode_step(chunks: &[ScheduledChunk], sampled: &[SampledToken], block_size: u32) -> Vec<ScheduledChunk> {
     let tokens: HashMap<&str, u32> = sampled.iter().map(|t| (t.request_id.as_str(), t.token_id)).collect();
-    chunks
-        .iter()
-        .filter(|c| c.sample && c.sampling.guided.is_none() && c.guided_output.is_empty())
-        .filter_map(|c| {
-            let token = *tokens.get(c.request_id.as_str())?;
-            let pos = c.start_pos.checked_add(c.token_ids.len() as u32)?;
-            let generated = c.output_index.checked_add(1)?;
-            let fits = u64::from(pos) < c.block_ids.len() as u64 * u64::from(block_size);
-            if generated >= c.sampling.max_tokens || c.sampling.stop_token_ids.contains(&token) || !fits {
-                return None;
-            }
-            Some(ScheduledChunk {
-                request_id: c.request_id.clone(),
-                token_ids: vec![token],
-                start_pos: pos,
-                block_ids: c.block_ids.clone(),
-                sample: true,
-                sampling: c.sampling.clone(),
-                output_index: generated,
-                guided_output: Vec::new(),
-            })
-        })
-        .collect()
+    let mut next = Vec::with_capacity(chunks.len());
+    for c in chunks {
+        let Some(&token) = tokens.get(c.request_id.as_str()).filter(|_| c.sample) else {
+            return Vec::new();
+        };
+        let (Some(pos), Some(generated)) =
+            (c.start_pos.checked_add(c.token_ids.len() as u32), c.output_index.checked_add(1))
+        else {
+            return Vec::new();
+        };
+        if generated >= c.sampling.max_tokens || c.sampling.stop_token_ids.contains(&token) {
+            continue;
+        }
+        let fits = u64::from(pos) < c.block_ids.len() as u64 * u64::from(block_size);
+        if c.sampling.guided.is_some() || !c.guided_output.is_empty() || !fits {
+            return Vec::new();
+        }
+        next.push(ScheduledChunk {
+            request_id: c.request_id.clone(),
+            token_ids: vec![token],
+            start_pos: pos,
+            block_ids: c.block_ids.clone(),
+            sample: true,
+            sampling: c.sampling.clone(),
+            output_index: generated,
+            guided_output: Vec::new(),
+        });
+    }
+    next
 }
 
 /// Start the executor thread over `kv` (heap, or shared memory for P/D), with the offload
 /// store `offload` if the node offloads; `speculate` runs each step's next decode step ahead
-/// (D67: only where nothing outside this thread reads or writes the KV cache, and without
-/// faults, which count forward passes).
+/// (D67: without faults, which count forward passes; on a node that receives KV, `receives`
+/// is where those writes land, and the step run ahead claims its blocks there, D68).
 pub fn start(
     factory: ExecutorFactory,
     kv: KvCache,
     faults: ExecutorFaults,
     offload: Option<crate::offload::OffloadStore>,
     speculate: bool,
+    receives: Option<ReceiveView>,
 ) -> Addr<ExecutorActor> {
     let spec = *kv.spec();
     let slot = std::sync::Mutex::new(Some(kv));
@@ -388,6 +442,7 @@ pub fn start(
             speculate,
             planned: None,
             speculation: None,
+            receives: receives.clone(),
         }
     })
 }
@@ -414,24 +469,17 @@ mod tests {
     }
 
     #[test]
-    fn the_step_run_ahead_continues_each_request_that_can_go_on_in_its_blocks() {
-        let mut guided = chunk("guided", &[5], 3, &[7], 1);
-        guided.sampling.guided = Some(pdmesh_protocol::GuidedSpec::JsonObject);
+    fn the_step_run_ahead_continues_each_request_that_goes_on_or_none() {
         let mut stops = chunk("stops", &[5], 3, &[8], 1);
         stops.sampling.stop_token_ids = vec![99];
-        let mut unsampled = chunk("prefill-part", &[1, 2, 3, 4], 0, &[9], 0);
-        unsampled.sample = false;
         let chunks = vec![
             chunk("prefilled", &[1, 2, 3], 0, &[1], 0), // last prefill chunk: decode at 3
             chunk("decoding", &[42], 5, &[2, 3], 2),
             chunk("full-block", &[42], 2, &[4], 2), // position 3 is the last slot of block 4
-            chunk("next-block", &[42], 3, &[5], 2), // position 4 needs a block the engine picks
             chunk("last-token", &[42], 5, &[6], 9), // its 10th token: length cap reached
-            guided,
             stops,
-            unsampled,
         ];
-        let sampled: Vec<SampledToken> = ["prefilled", "decoding", "full-block", "next-block", "last-token", "guided"]
+        let sampled: Vec<SampledToken> = ["prefilled", "decoding", "full-block", "last-token"]
             .iter()
             .enumerate()
             .map(|(i, id)| token(id, 100 + i as u32))
@@ -449,6 +497,21 @@ mod tests {
             next[1],
             ScheduledChunk { token_ids: vec![101], start_pos: 6, output_index: 3, ..chunks[1].clone() }
         );
+
+        // One request that goes on in a way the worker cannot plan, and nothing is run ahead:
+        // the engine's step would need a second pass for it anyway.
+        let mut guided = chunk("guided", &[5], 3, &[7], 1);
+        guided.sampling.guided = Some(pdmesh_protocol::GuidedSpec::JsonObject);
+        let mut prefill_part = chunk("prefill-part", &[1, 2, 3, 4], 0, &[9], 0);
+        prefill_part.sample = false;
+        let next_block = chunk("next-block", &[42], 3, &[5], 2); // position 4 needs a new block
+        for (odd, its_token) in [(guided, Some(7)), (prefill_part, None), (next_block, Some(8))] {
+            let mut with = chunks.clone();
+            with.push(odd.clone());
+            let mut sampled = sampled.clone();
+            sampled.extend(its_token.map(|t| token(&odd.request_id, t)));
+            assert!(next_decode_step(&with, &sampled, 4).is_empty(), "{}", odd.request_id);
+        }
     }
 
     #[test]

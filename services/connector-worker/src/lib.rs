@@ -493,13 +493,17 @@ pub async fn start(
             Some(offload::OffloadStore::new(spec, cfg.offload.cpu_blocks))
         }
     };
-    // Overlapping steps (D67) needs every KV write and read on the executor thread, in step
-    // order: a P/D transfer or an offload copy runs beside it, so those nodes step in turn.
-    let speculate = node.engine.async_scheduling && pd.is_none() && offload.is_none() && faults.is_empty();
+    // Overlapping steps (D67) on a P/D node (D68): P's readers only read blocks of finished
+    // requests, which no step run ahead writes; D's receives write blocks the step run ahead
+    // may write (freed and given out again since it was planned), so they share one book of
+    // claimed blocks. An offload copy runs on the executor thread between steps, which the
+    // step run ahead would reorder: offloading nodes step in turn.
+    let speculate = node.engine.async_scheduling && offload.is_none() && faults.is_empty();
     if node.engine.async_scheduling && !speculate {
-        tracing::info!("engine.async_scheduling is off on this node: it has a KV connector or executor faults");
+        tracing::info!("engine.async_scheduling is off on this node: it offloads KV or has executor faults");
     }
-    let executor = executor_actor::start(factory, kv, faults, offload, speculate);
+    let receives = pd.as_ref().and_then(|p| p.receive_view());
+    let executor = executor_actor::start(factory, kv, faults, offload, speculate, receives);
     let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
     // The mailbox exists before the actor runs, so the ROUTER is bound with its address and
     // handed to it whole; what arrives meanwhile waits in the mailbox.

@@ -23,10 +23,14 @@ pub static STEP_GAP_SECONDS: LazyLock<Histogram> = LazyLock::new(|| {
 pub static SPECULATIVE_ROWS: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter_vec(
         "pdmesh_worker_speculative_rows_total",
-        "Requests of decode steps run ahead of the engine, by outcome (used, discarded)",
+        "Requests of decode steps run ahead of the engine, by outcome (used, discarded, skipped: a KV receive was pending or writing its block)",
         &["outcome"],
     )
 });
+/// Forward passes run, those of steps run ahead included: with the output tokens, how many
+/// passes a token costs (a pass has a fixed cost, the weights read once, whatever its rows).
+pub static FORWARD_PASSES: LazyLock<IntCounter> =
+    LazyLock::new(|| counter("pdmesh_worker_forward_passes_total", "Forward passes run (steps run ahead included)"));
 pub static TOKENS_COMPUTED: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_worker_tokens_computed_total", "Tokens run through the model"));
 pub static DEVICE_LOST: LazyLock<IntCounter> = LazyLock::new(|| {

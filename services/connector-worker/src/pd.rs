@@ -12,7 +12,7 @@
 //! requests (docs/DECISIONS.md, D33).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -72,6 +72,8 @@ pub struct PdRuntime {
     /// D: receives started for the current engine-core; a load that settles for another
     /// (one that restarted since) is dropped, never copied into blocks the new engine owns.
     live_recvs: std::cell::RefCell<std::collections::HashSet<String>>,
+    /// D: how many `live_recvs` there are, for the executor thread ([`ReceiveView`]).
+    pending_recvs: Arc<AtomicUsize>,
     faults: FaultConfig,
     /// D: P's blocks this worker references (R4), to give back if it shuts down.
     refs: Arc<Mutex<RemoteRefs>>,
@@ -81,6 +83,15 @@ pub struct PdRuntime {
     shutting_down: Arc<AtomicBool>,
     /// Held block-milliseconds already exported (the metric follows the table's counts).
     exported_block_ms: std::cell::Cell<HeldBlockMs>,
+}
+
+/// D's receives as the executor thread sees them (D68): where they write, and how many were
+/// started and not yet reported to the engine. While one is pending the engine is about to add
+/// its request to the decode batch, so a step run ahead would leave that row to a second pass.
+#[derive(Debug, Clone)]
+pub struct ReceiveView {
+    pub writer: LocalKv,
+    pub pending: Arc<AtomicUsize>,
 }
 
 /// Identifies P's blocks: (remote engine id, P's request id).
@@ -264,6 +275,7 @@ impl PdRuntime {
             writer,
             reads: Default::default(),
             live_recvs: Default::default(),
+            pending_recvs: Default::default(),
             faults: setup.faults,
             refs: Arc::new(Mutex::new(RemoteRefs::default())),
             give_up_notices: setup.give_up_notices,
@@ -329,6 +341,12 @@ impl PdRuntime {
         self.agents.as_ref().map(|_| (self.agent_idle / 4).clamp(Duration::from_secs(1), Duration::from_secs(30)))
     }
 
+    /// What the executor's step run ahead needs of this node's receives (a node that consumes
+    /// KV), D68.
+    pub fn receive_view(&self) -> Option<ReceiveView> {
+        self.writer.clone().map(|writer| ReceiveView { writer, pending: self.pending_recvs.clone() })
+    }
+
     /// Apply the step's connector metadata: start holds (P) and reads (D).
     /// `traces`: the requests' trace contexts from the step's Envelope (holds and reads are
     /// spans of the request's trace).
@@ -375,7 +393,9 @@ impl PdRuntime {
                     trace::set_parent(&span, trace);
                 }
                 if !r.local_block_ids.is_empty() {
-                    self.live_recvs.borrow_mut().insert(r.request_id.clone());
+                    let mut live = self.live_recvs.borrow_mut();
+                    live.insert(r.request_id.clone());
+                    self.pending_recvs.store(live.len(), Ordering::Release);
                 }
                 let ctx = ReceiveCtx {
                     agents: agents.clone(),
@@ -410,6 +430,7 @@ impl PdRuntime {
             tracing::warn!(reads = cancelled.len(), "cancelled the old engine's reads in flight");
         }
         let dropped_recvs = std::mem::take(&mut *self.live_recvs.borrow_mut()).len();
+        self.pending_recvs.store(0, Ordering::Release);
         let released = match &self.hold {
             Some(table) => table.lock().unwrap_or_else(|p| p.into_inner()).release_all(Instant::now()),
             None => 0,
@@ -427,7 +448,9 @@ impl PdRuntime {
             let id = match &s {
                 Settled::Loaded { request_id } | Settled::Failed { request_id, .. } => request_id,
             };
-            if !live.remove(id) {
+            let was_live = live.remove(id);
+            self.pending_recvs.store(live.len(), Ordering::Release);
+            if !was_live {
                 tracing::info!(request_id = %id, "a load settled for an engine-core that has restarted; dropped");
                 continue;
             }
@@ -721,7 +744,11 @@ async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
             {
                 let (agent, lease, remote_tail, writer) = (agent.clone(), lease.clone(), remote_tail.clone(), writer);
                 async move {
-                    let mut blocks = writer.checkout(&local_tail).map_err(|e| fail(FailureKind::LocalBlocks, &e))?;
+                    // After the executor's step run ahead, if it writes one of them (D68).
+                    let mut blocks = writer
+                        .checkout_after_step(&local_tail)
+                        .await
+                        .map_err(|e| fail(FailureKind::LocalBlocks, &e))?;
                     let stats = agent
                         .read_into(&lease, &remote_tail, &mut blocks)
                         .await

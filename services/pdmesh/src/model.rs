@@ -91,7 +91,10 @@ fn gguf_path(node: &NodeConfig) -> anyhow::Result<std::path::PathBuf> {
 }
 
 fn gguf_options(node: &NodeConfig) -> pdmesh_model::ModelOptions {
-    pdmesh_model::ModelOptions { max_model_len: (node.engine.max_model_len > 0).then_some(node.engine.max_model_len) }
+    pdmesh_model::ModelOptions {
+        max_model_len: (node.engine.max_model_len > 0).then_some(node.engine.max_model_len),
+        threads: (node.model.threads > 0).then_some(node.model.threads as usize),
+    }
 }
 
 /// The name served as `model`: `model.name`, else the file name without `.gguf` and quant.

@@ -169,6 +169,11 @@ fn real_model_disaggregated_equals_colocated() {
     }
     let served = first_from_p() - before;
     assert!(served >= 4.0, "the router streamed P's first token for most of them: {served}");
+    // D ran its decode steps ahead of its engine (D67 on a node that receives KV, D68), and
+    // every answer above is still the colocated node's.
+    let d_worker = mesh.base_port + 40 + 112;
+    let used = common::metric(d_worker, "pdmesh_worker_speculative_rows_total", "outcome=\"used\"");
+    assert!(used >= 20.0, "D's engine used decode rows its worker ran ahead: {used}");
     mesh.wait_kv_on(router + 1, "P holds nothing once D has read", |kv| {
         kv["held_blocks"] == 0 && kv["used_blocks"] == 0
     });

@@ -509,6 +509,11 @@ pub struct ModelConfig {
     /// `PDMESH_EXECUTOR_FAULT` overrides it for one process.
     #[serde(default)]
     pub fault_injection: String,
+    /// CPU threads of a GGUF model's forward pass on this node's workers (llama.cpp's
+    /// `--threads`). 0 (default): `PDMESH_MODEL_THREADS`, else every core this process may use.
+    /// Nodes that share a host's cores (P and D on one machine) may each take fewer.
+    #[serde(default)]
+    pub threads: u32,
 }
 
 impl Default for ModelConfig {
@@ -521,6 +526,7 @@ impl Default for ModelConfig {
             per_token_cost_us: 0,
             per_step_cost_us: 0,
             fault_injection: String::new(),
+            threads: 0,
         }
     }
 }
@@ -585,10 +591,11 @@ pub struct EngineConfig {
     /// worker side, D67): right after a step, the executor runs the next decode step of its
     /// requests speculatively from the tokens it just sampled, while its answer travels to
     /// engine-core and the engine schedules; the engine's real step reuses every row that
-    /// matches exactly and computes the rest. Only on nodes without a KV connector (a P/D or
-    /// offload connector writes and reads blocks outside the executor's order), and never with
-    /// `model.fault_injection`. On by default; `PDMESH_ASYNC_SCHEDULING` overrides it for one
-    /// process.
+    /// matches exactly. It runs ahead only when it can run the whole next step (D68: a second
+    /// pass for the rest would cost more than the overlap saves). P/D nodes too (D's receives
+    /// and the step run ahead share one book of claimed blocks); not offloading nodes (their
+    /// copies run between steps on the executor thread) and never with `model.fault_injection`.
+    /// On by default; `PDMESH_ASYNC_SCHEDULING` overrides it for one process.
     #[serde(default = "yes")]
     pub async_scheduling: bool,
 }

@@ -7,9 +7,18 @@
 //! its blocks, and the check-out refuses blocks out of range, named twice, or held by another
 //! live receive, so two receives can never write the same block even if a scheduler invariant
 //! broke. [`BlockClaims`] is that bookkeeping, shared by both kinds of memory.
+//!
+//! The executor's decode step run ahead of the engine (D67) claims the blocks it writes in the
+//! same book ([`LocalKv::claim_step_writes`]): that step is planned before the engine's next
+//! schedule, so a block it writes may meanwhile have been freed (its request aborted) and given
+//! to a request whose receive starts at once. A receive that meets such a claim waits for the
+//! step to end ([`LocalKv::checkout_after_step`]); the step leaves out a row whose block a
+//! receive already holds.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
+
+use tokio::sync::Notify;
 
 use thiserror::Error;
 
@@ -26,38 +35,96 @@ pub enum CheckoutError {
     Busy(u32),
 }
 
-/// The blocks of one cache that live receives are writing.
+/// Who holds a claimed block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holder {
+    /// A live receive writing it.
+    Receive,
+    /// The executor's step run ahead, writing one slot of it.
+    Step,
+}
+
+/// The blocks of one cache that live receives, and the executor's step run ahead, are writing.
 #[derive(Debug, Default)]
 pub(crate) struct BlockClaims {
-    held: Mutex<HashSet<u32>>,
+    held: Mutex<HashMap<u32, Holder>>,
+    /// Woken whenever the step run ahead gives its blocks back.
+    step_done: Notify,
 }
 
 impl BlockClaims {
-    /// Claim every id of `block_ids` (all or none). Refused if one is out of range, named twice,
-    /// or already claimed.
+    /// Claim every id of `block_ids` (all or none) for a receive. Refused if one is out of
+    /// range, named twice, or already claimed.
     pub(crate) fn claim(&self, block_ids: &[u32], num_blocks: u32) -> Result<(), CheckoutError> {
+        self.claim_as_receive(block_ids, num_blocks).map_err(|(e, _)| e)
+    }
+
+    /// As [`Self::claim`], also saying whether a refusal was the step run ahead's (so it ends).
+    fn claim_as_receive(&self, block_ids: &[u32], num_blocks: u32) -> Result<(), (CheckoutError, Option<Holder>)> {
         let mut seen = HashSet::with_capacity(block_ids.len());
         for &b in block_ids {
             if b >= num_blocks {
-                return Err(CheckoutError::OutOfRange { block: b, num_blocks });
+                return Err((CheckoutError::OutOfRange { block: b, num_blocks }, None));
             }
             if !seen.insert(b) {
-                return Err(CheckoutError::Duplicate(b));
+                return Err((CheckoutError::Duplicate(b), None));
             }
         }
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(&b) = block_ids.iter().find(|b| held.contains(b)) {
-            return Err(CheckoutError::Busy(b));
+        if let Some((&b, &who)) = block_ids.iter().find_map(|b| held.get_key_value(b)) {
+            return Err((CheckoutError::Busy(b), Some(who)));
         }
-        held.extend(block_ids.iter().copied());
+        held.extend(block_ids.iter().map(|&b| (b, Holder::Receive)));
         Ok(())
+    }
+
+    /// Claim, for a receive, every id of `block_ids`, waiting while the step run ahead writes
+    /// one of them (it ends within one forward pass); refused as [`Self::claim`] otherwise.
+    pub(crate) async fn claim_after_step(&self, block_ids: &[u32], num_blocks: u32) -> Result<(), CheckoutError> {
+        loop {
+            // Registered before the look, so a step ending in between still wakes this one.
+            let done = self.step_done.notified();
+            match self.claim_as_receive(block_ids, num_blocks) {
+                Err((_, Some(Holder::Step))) => done.await,
+                other => return other.map_err(|(e, _)| e),
+            }
+        }
+    }
+
+    /// Claim, for the step run ahead, each block of `block_ids` that no receive holds; returns
+    /// the ones claimed (give them back with [`Self::release_step`]).
+    pub(crate) fn claim_step(&self, block_ids: &[u32]) -> Vec<u32> {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mut claimed = Vec::with_capacity(block_ids.len());
+        for &b in block_ids {
+            if let std::collections::hash_map::Entry::Vacant(v) = held.entry(b) {
+                v.insert(Holder::Step);
+                claimed.push(b);
+            }
+        }
+        claimed
+    }
+
+    /// Give back the step run ahead's blocks and wake the receives waiting for them.
+    pub(crate) fn release_step(&self, block_ids: &[u32]) {
+        {
+            let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+            for b in block_ids {
+                if held.get(b) == Some(&Holder::Step) {
+                    held.remove(b);
+                }
+            }
+        }
+        self.step_done.notify_waiters();
     }
 
     /// Give back blocks claimed by one [`Self::claim`].
     pub(crate) fn release(&self, block_ids: &[u32]) {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         for b in block_ids {
-            held.remove(b);
+            if held.get(b) == Some(&Holder::Receive) {
+                held.remove(b);
+            }
         }
     }
 
@@ -86,6 +153,44 @@ impl LocalKv {
             LocalKv::Device(w) => w.checkout(block_ids).map(LocalBlocks::Device),
         }
     }
+
+    /// As [`Self::checkout`], first waiting for the executor's step run ahead to end if it is
+    /// writing one of `block_ids`.
+    pub async fn checkout_after_step(&self, block_ids: &[u32]) -> Result<LocalBlocks, CheckoutError> {
+        self.claims().claim_after_step(block_ids, self.num_blocks()).await?;
+        Ok(match self {
+            LocalKv::Host(w) => LocalBlocks::Host(w.claimed(block_ids)),
+            #[cfg(feature = "cuda")]
+            LocalKv::Device(w) => LocalBlocks::Device(w.claimed(block_ids)),
+        })
+    }
+
+    /// Claim for the executor's step run ahead the blocks it writes (one per row), except those
+    /// a receive is writing: returns the claimed ones, for [`Self::release_step_writes`].
+    pub fn claim_step_writes(&self, block_ids: &[u32]) -> Vec<u32> {
+        self.claims().claim_step(block_ids)
+    }
+
+    /// The step run ahead has ended: its blocks are free for receives again.
+    pub fn release_step_writes(&self, block_ids: &[u32]) {
+        self.claims().release_step(block_ids)
+    }
+
+    fn claims(&self) -> &BlockClaims {
+        match self {
+            LocalKv::Host(w) => &w.claims,
+            #[cfg(feature = "cuda")]
+            LocalKv::Device(w) => &w.claims,
+        }
+    }
+
+    fn num_blocks(&self) -> u32 {
+        match self {
+            LocalKv::Host(w) => w.spec().num_blocks,
+            #[cfg(feature = "cuda")]
+            LocalKv::Device(w) => w.spec().num_blocks,
+        }
+    }
 }
 
 /// The blocks of one receive, writable until dropped.
@@ -112,7 +217,7 @@ mod device {
     #[derive(Debug)]
     pub struct DeviceBlockWriter {
         region: Arc<DeviceKvRegion>,
-        claims: BlockClaims,
+        pub(crate) claims: BlockClaims,
     }
 
     impl DeviceBlockWriter {
@@ -127,7 +232,12 @@ mod device {
         /// As [`KvBlockWriter::checkout`].
         pub fn checkout(self: &Arc<Self>, block_ids: &[u32]) -> Result<DeviceCheckout, CheckoutError> {
             self.claims.claim(block_ids, self.region.spec().num_blocks)?;
-            Ok(DeviceCheckout { writer: self.clone(), block_ids: block_ids.to_vec() })
+            Ok(self.claimed(block_ids))
+        }
+
+        /// The checkout of blocks already claimed for a receive in `claims`.
+        pub(crate) fn claimed(self: &Arc<Self>, block_ids: &[u32]) -> DeviceCheckout {
+            DeviceCheckout { writer: self.clone(), block_ids: block_ids.to_vec() }
         }
     }
 
@@ -176,5 +286,41 @@ mod tests {
         c.release(&[1, 2]);
         c.claim(&[2], 8).unwrap();
         assert_eq!(c.len(), 2);
+    }
+
+    /// The step run ahead and the receives share one book: the step skips blocks a receive
+    /// writes, a receive waits for blocks the step writes (and only for those), and neither
+    /// gives back the other's blocks.
+    #[actix_rt::test]
+    async fn a_receive_waits_for_the_step_run_ahead_and_the_step_skips_a_receives_blocks() {
+        let c = Arc::new(BlockClaims::default());
+        c.claim(&[1], 8).unwrap();
+        assert_eq!(c.claim_step(&[1, 2, 3]), vec![2, 3], "block 1 is a receive's");
+        c.release_step(&[1]);
+        assert_eq!(c.claim(&[1], 8), Err(CheckoutError::Busy(1)), "the step cannot give back a receive's block");
+        c.release(&[2]);
+        assert_eq!(c.claim(&[2], 8), Err(CheckoutError::Busy(2)), "a receive cannot give back the step's block");
+        // Not the step's blocks: no wait. A refusal that is not the step's: no wait either.
+        c.claim_after_step(&[4, 5], 8).await.unwrap();
+        assert_eq!(c.claim_after_step(&[1], 8).await, Err(CheckoutError::Busy(1)));
+        assert_eq!(c.claim_after_step(&[9], 8).await, Err(CheckoutError::OutOfRange { block: 9, num_blocks: 8 }));
+        // Block 3 is the step's: the receive waits until the step ends, then takes it.
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let waiter = {
+            let c = c.clone();
+            actix_rt::spawn(async move {
+                let r = c.claim_after_step(&[6, 3], 8).await;
+                let _ = tx.send(r);
+            })
+        };
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(rx.try_recv().is_err(), "the receive waits while the step writes block 3");
+        assert_eq!(c.len(), 5, "and claims nothing meanwhile: 1 to 5 are held, 6 is not");
+        c.release_step(&[2, 3]);
+        waiter.await.unwrap();
+        assert_eq!(rx.await.unwrap(), Ok(()));
+        assert_eq!(c.claim_step(&[3, 6, 7]), vec![7], "3 and 6 are the receive's now");
     }
 }

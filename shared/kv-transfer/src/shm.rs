@@ -251,8 +251,8 @@ pub struct KvBlockWriter {
     base: *mut u8,
     /// Keeps the mapping alive (unmapped on drop).
     _map: MmapMut,
-    /// Blocks held by live checkouts.
-    claims: BlockClaims,
+    /// Blocks held by live checkouts (and by the executor's step run ahead).
+    pub(crate) claims: BlockClaims,
 }
 
 // SAFETY: `base` points into `_map`, which lives as long as the writer; the writer only hands
@@ -298,7 +298,12 @@ impl KvBlockWriter {
     /// another checkout.
     pub fn checkout(self: &Arc<Self>, block_ids: &[u32]) -> Result<BlockCheckout, CheckoutError> {
         self.claims.claim(block_ids, self.spec.num_blocks)?;
-        Ok(BlockCheckout { writer: self.clone(), block_ids: block_ids.to_vec() })
+        Ok(self.claimed(block_ids))
+    }
+
+    /// The checkout of blocks already claimed for a receive in `claims`.
+    pub(crate) fn claimed(self: &Arc<Self>, block_ids: &[u32]) -> BlockCheckout {
+        BlockCheckout { writer: self.clone(), block_ids: block_ids.to_vec() }
     }
 }
 

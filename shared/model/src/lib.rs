@@ -54,6 +54,8 @@ pub struct ModelOptions {
     /// Cap on the sequence length (prompt + output); `None` uses the model's context length
     /// (`llama.context_length`, 8192 for SmolLM2). A cap above the context length is ignored.
     pub max_model_len: Option<u32>,
+    /// Threads of the forward pass; `None`: [`pool::default_threads`].
+    pub threads: Option<usize>,
 }
 
 /// Load the executor and the text codec of the llama GGUF file at `path`, parsing the header

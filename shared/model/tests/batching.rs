@@ -52,3 +52,29 @@ fn greedy_tokens_do_not_depend_on_batching_or_chunking() {
         assert_eq!(chunked[i].generated, batch[i].generated, "request {i}: chunked vs batched");
     }
 }
+
+/// Nor on the forward pass's thread count (`model.threads`): the pool splits each matmul's
+/// output rows between threads, and every row is computed whole by one of them.
+#[test]
+fn greedy_tokens_do_not_depend_on_the_thread_count() {
+    let Some(path) = common::model_path() else { return };
+    let generated = |threads: Option<usize>| {
+        let options = pdmesh_model::ModelOptions { threads, ..Default::default() };
+        let (mut exec, codec) = pdmesh_model::load_gguf(&path, &options).expect("load model");
+        let prompt = codec
+            .encode(
+                &codec
+                    .render_chat(&[ChatMessage { role: "user".into(), content: common::EIGHT_PROMPTS[1].into() }])
+                    .unwrap(),
+            )
+            .unwrap();
+        let mut kv = common::kv_cache(&exec, 8, 16);
+        let mut reqs = vec![common::Req::new("t", prompt, 0, 8)];
+        common::run(&mut exec, &mut kv, &mut reqs, N_NEW, usize::MAX);
+        reqs.remove(0).generated
+    };
+    let one = generated(Some(1));
+    assert_eq!(one.len(), N_NEW);
+    assert_eq!(generated(Some(3)), one, "3 threads");
+    assert_eq!(generated(None), one, "the default (every core)");
+}
