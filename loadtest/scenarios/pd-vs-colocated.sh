@@ -119,18 +119,20 @@ print()
 for c in cs:
     a, b = med("colocated", c), med("pd", c)
     print(f"- {c} streams: " + ", ".join(f"{x / y:.2f}×" for x, y in zip(b["rounds"], a["rounds"])))
+# Each round's breakdown FILE of one setup and concurrency, or None if a round lacks it.
+def per_round(setup, c, file):
+    try:
+        return [json.load(open(f"{out}/{setup}-c{c}-r{r}/{file}")) for r in range(1, rounds + 1)]
+    except OSError:
+        return None
 # Where the cores' time goes: CPU ms per output token by service, summed over the rounds.
 def cpu(setup, c):
     tot, tokens = {}, 0
-    for r in range(1, rounds + 1):
-        try:
-            d = json.load(open(f"{out}/{setup}-c{c}-r{r}/cpu.json"))
-        except OSError:
-            return None
+    for d in per_round(setup, c, "cpu.json") or []:
         tokens += d["tokens"]
         for k, v in d["cpu_ms"].items():
             tot[k] = tot.get(k, 0) + v
-    return {k: v / max(tokens, 1) for k, v in tot.items()}
+    return {k: v / max(tokens, 1) for k, v in tot.items()} if tokens else None
 print()
 print("CPU ms per output token (user + system, all of each mesh's processes):")
 print()
@@ -145,17 +147,13 @@ for c in cs:
 # How many forward passes an output token costs, and how long each takes, by node.
 def steps(setup, c):
     tot, tokens = {}, 0
-    for r in range(1, rounds + 1):
-        try:
-            d = json.load(open(f"{out}/{setup}-c{c}-r{r}/steps.json"))
-        except OSError:
-            return None
+    for d in per_round(setup, c, "steps.json") or []:
         tokens += d["tokens"]
         for node, v in d["nodes"].items():
             t = tot.setdefault(node, {})
             for k in ("passes", "execute_s", "tokens", "ahead_used", "ahead_skipped", "gap_s", "gaps"):
                 t[k] = t.get(k, 0) + v[k]
-    return tokens, tot
+    return (tokens, tot) if tokens else None
 print()
 print("Forward passes per output token and executor time, by node (all rounds):")
 print()
