@@ -35,7 +35,7 @@ impl Harness {
     pub fn new() -> Self {
         let (codec, max_model_len): (Arc<dyn TextCodec>, u32) = match std::env::var_os("PDMESH_MODEL_PATH") {
             Some(path) => {
-                let options = pdmesh_model::ModelOptions { max_model_len: Some(2048) };
+                let options = pdmesh_model::ModelOptions { max_model_len: Some(2048), ..Default::default() };
                 let codec = pdmesh_model::GgufTextCodec::load(&path, &options).expect("load the model's text codec");
                 eprintln!("http_body: the model's tokenizer and chat template ({})", path.to_string_lossy());
                 let len = codec.max_model_len();
