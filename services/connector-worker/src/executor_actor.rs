@@ -316,30 +316,27 @@ impl ExecutorActor {
         // On a node that receives KV, a block this step writes may since have been freed and
         // given to a request whose receive writes it now: claim each row's block first, leave
         // out the rows whose block a receive holds, and make receives wait for the rest.
-        let claimed = self.receives.as_ref().map(|ReceiveView { writer, .. }| {
-            let block_size = self.kv.spec().block_size.max(1);
+        let block_size = self.kv.spec().block_size.max(1);
+        let claim = self.receives.as_ref().map(|view| {
             let writes: Vec<u32> = chunks.iter().filter_map(|c| written_block(c, block_size)).collect();
-            let claimed = writer.claim_step_writes(&writes);
+            view.writer.claim_step_writes(&writes)
+        });
+        if let Some(claim) = &claim {
             let before = chunks.len();
-            chunks.retain(|c| written_block(c, block_size).is_some_and(|b| claimed.contains(&b)));
+            chunks.retain(|c| written_block(c, block_size).is_some_and(|b| claim.holds(b)));
             if chunks.len() < before {
                 m::SPECULATIVE_ROWS.with_label_values(&["skipped"]).inc_by((before - chunks.len()) as u64);
             }
-            (writer.clone(), claimed)
-        });
+        }
         if chunks.is_empty() {
-            if let Some((writer, claimed)) = claimed {
-                writer.release_step_writes(&claimed);
-            }
             return;
         }
         let started = Instant::now();
         let gap = gap_before(&self.last_pass, &chunks, started);
         m::FORWARD_PASSES.inc();
         let result = executor.execute(&mut self.kv, &chunks);
-        if let Some((writer, claimed)) = claimed {
-            writer.release_step_writes(&claimed);
-        }
+        // The pass wrote its blocks: receives waiting for them go on.
+        drop(claim);
         match result {
             Ok(sampled) => {
                 let ended = Instant::now();

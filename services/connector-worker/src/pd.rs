@@ -71,9 +71,7 @@ pub struct PdRuntime {
     reads: ReadTasks,
     /// D: receives started for the current engine-core; a load that settles for another
     /// (one that restarted since) is dropped, never copied into blocks the new engine owns.
-    live_recvs: std::cell::RefCell<std::collections::HashSet<String>>,
-    /// D: how many `live_recvs` there are, for the executor thread ([`ReceiveView`]).
-    pending_recvs: Arc<AtomicUsize>,
+    live_recvs: LiveRecvs,
     faults: FaultConfig,
     /// D: P's blocks this worker references (R4), to give back if it shuts down.
     refs: Arc<Mutex<RemoteRefs>>,
@@ -92,6 +90,37 @@ pub struct PdRuntime {
 pub struct ReceiveView {
     pub writer: LocalKv,
     pub pending: Arc<AtomicUsize>,
+}
+
+/// D: the receives started for the current engine-core and not yet reported to it, with their
+/// count shared with the executor thread ([`ReceiveView::pending`]), kept equal on every change.
+#[derive(Debug, Default)]
+struct LiveRecvs {
+    ids: std::cell::RefCell<std::collections::HashSet<String>>,
+    count: Arc<AtomicUsize>,
+}
+
+impl LiveRecvs {
+    fn insert(&self, id: String) {
+        let mut ids = self.ids.borrow_mut();
+        ids.insert(id);
+        self.count.store(ids.len(), Ordering::Release);
+    }
+
+    /// Whether `id` was live.
+    fn remove(&self, id: &str) -> bool {
+        let mut ids = self.ids.borrow_mut();
+        let was = ids.remove(id);
+        self.count.store(ids.len(), Ordering::Release);
+        was
+    }
+
+    /// Forget them all (the engine-core restarted); returns how many there were.
+    fn clear(&self) -> usize {
+        let n = std::mem::take(&mut *self.ids.borrow_mut()).len();
+        self.count.store(0, Ordering::Release);
+        n
+    }
 }
 
 /// Identifies P's blocks: (remote engine id, P's request id).
@@ -275,7 +304,6 @@ impl PdRuntime {
             writer,
             reads: Default::default(),
             live_recvs: Default::default(),
-            pending_recvs: Default::default(),
             faults: setup.faults,
             refs: Arc::new(Mutex::new(RemoteRefs::default())),
             give_up_notices: setup.give_up_notices,
@@ -344,7 +372,7 @@ impl PdRuntime {
     /// What the executor's step run ahead needs of this node's receives (a node that consumes
     /// KV), D68.
     pub fn receive_view(&self) -> Option<ReceiveView> {
-        self.writer.clone().map(|writer| ReceiveView { writer, pending: self.pending_recvs.clone() })
+        self.writer.clone().map(|writer| ReceiveView { writer, pending: self.live_recvs.count.clone() })
     }
 
     /// Apply the step's connector metadata: start holds (P) and reads (D).
@@ -393,9 +421,7 @@ impl PdRuntime {
                     trace::set_parent(&span, trace);
                 }
                 if !r.local_block_ids.is_empty() {
-                    let mut live = self.live_recvs.borrow_mut();
-                    live.insert(r.request_id.clone());
-                    self.pending_recvs.store(live.len(), Ordering::Release);
+                    self.live_recvs.insert(r.request_id.clone());
                 }
                 let ctx = ReceiveCtx {
                     agents: agents.clone(),
@@ -429,8 +455,7 @@ impl PdRuntime {
         if !cancelled.is_empty() {
             tracing::warn!(reads = cancelled.len(), "cancelled the old engine's reads in flight");
         }
-        let dropped_recvs = std::mem::take(&mut *self.live_recvs.borrow_mut()).len();
-        self.pending_recvs.store(0, Ordering::Release);
+        let dropped_recvs = self.live_recvs.clear();
         let released = match &self.hold {
             Some(table) => table.lock().unwrap_or_else(|p| p.into_inner()).release_all(Instant::now()),
             None => 0,
@@ -443,14 +468,11 @@ impl PdRuntime {
     pub fn finish_step(&self) -> KvConnectorOutput {
         let mut out = KvConnectorOutput::default();
         let settled = std::mem::take(&mut *self.settled.lock().unwrap_or_else(|p| p.into_inner()));
-        let mut live = self.live_recvs.borrow_mut();
         for s in settled {
             let id = match &s {
                 Settled::Loaded { request_id } | Settled::Failed { request_id, .. } => request_id,
             };
-            let was_live = live.remove(id);
-            self.pending_recvs.store(live.len(), Ordering::Release);
-            if !was_live {
+            if !self.live_recvs.remove(id) {
                 tracing::info!(request_id = %id, "a load settled for an engine-core that has restarted; dropped");
                 continue;
             }

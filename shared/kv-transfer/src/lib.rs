@@ -57,7 +57,7 @@ pub use hold::{
     CapabilityCheck, HeldBlockMs, HeldInfo, HoldCounters, HoldTable, HoldTableConfig, LeaseDecision, LeaseGrant,
     LeasePolicy, LeaseRefusal, NoticeOutcome, ParkedAnswer, SharedPolicy, DEFAULT_EARLY_WAIT,
 };
-pub use local::{CheckoutError, LocalBlocks, LocalKv};
+pub use local::{CheckoutError, LocalBlocks, LocalKv, StepWrites};
 #[cfg(feature = "cuda")]
 pub use local::{DeviceBlockWriter, DeviceCheckout};
 pub use pdmesh_mesh_auth::MeshSecret;

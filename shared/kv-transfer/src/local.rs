@@ -147,33 +147,30 @@ impl LocalKv {
     /// Take `block_ids` (in the order the read fills them) for one receive, until the returned
     /// blocks are dropped.
     pub fn checkout(&self, block_ids: &[u32]) -> Result<LocalBlocks, CheckoutError> {
-        match self {
-            LocalKv::Host(w) => w.checkout(block_ids).map(LocalBlocks::Host),
-            #[cfg(feature = "cuda")]
-            LocalKv::Device(w) => w.checkout(block_ids).map(LocalBlocks::Device),
-        }
+        self.claims().claim(block_ids, self.num_blocks())?;
+        Ok(self.claimed(block_ids))
     }
 
     /// As [`Self::checkout`], first waiting for the executor's step run ahead to end if it is
     /// writing one of `block_ids`.
     pub async fn checkout_after_step(&self, block_ids: &[u32]) -> Result<LocalBlocks, CheckoutError> {
         self.claims().claim_after_step(block_ids, self.num_blocks()).await?;
-        Ok(match self {
-            LocalKv::Host(w) => LocalBlocks::Host(w.claimed(block_ids)),
-            #[cfg(feature = "cuda")]
-            LocalKv::Device(w) => LocalBlocks::Device(w.claimed(block_ids)),
-        })
+        Ok(self.claimed(block_ids))
     }
 
     /// Claim for the executor's step run ahead the blocks it writes (one per row), except those
-    /// a receive is writing: returns the claimed ones, for [`Self::release_step_writes`].
-    pub fn claim_step_writes(&self, block_ids: &[u32]) -> Vec<u32> {
-        self.claims().claim_step(block_ids)
+    /// a receive is writing. The claim lasts until the returned [`StepWrites`] is dropped.
+    pub fn claim_step_writes(&self, block_ids: &[u32]) -> StepWrites {
+        StepWrites { blocks: self.claims().claim_step(block_ids), kv: self.clone() }
     }
 
-    /// The step run ahead has ended: its blocks are free for receives again.
-    pub fn release_step_writes(&self, block_ids: &[u32]) {
-        self.claims().release_step(block_ids)
+    /// The blocks of `block_ids`, already claimed for a receive.
+    fn claimed(&self, block_ids: &[u32]) -> LocalBlocks {
+        match self {
+            LocalKv::Host(w) => LocalBlocks::Host(w.claimed(block_ids)),
+            #[cfg(feature = "cuda")]
+            LocalKv::Device(w) => LocalBlocks::Device(w.claimed(block_ids)),
+        }
     }
 
     fn claims(&self) -> &BlockClaims {
@@ -190,6 +187,27 @@ impl LocalKv {
             #[cfg(feature = "cuda")]
             LocalKv::Device(w) => w.spec().num_blocks,
         }
+    }
+}
+
+/// The blocks the executor's step run ahead writes, claimed until dropped: a receive waiting
+/// for one of them goes on then, even if the pass failed or panicked.
+#[derive(Debug)]
+pub struct StepWrites {
+    blocks: Vec<u32>,
+    kv: LocalKv,
+}
+
+impl StepWrites {
+    /// Whether the step holds `block` (a receive held the others when it claimed).
+    pub fn holds(&self, block: u32) -> bool {
+        self.blocks.contains(&block)
+    }
+}
+
+impl Drop for StepWrites {
+    fn drop(&mut self) {
+        self.kv.claims().release_step(&self.blocks);
     }
 }
 
@@ -227,12 +245,6 @@ mod device {
 
         pub fn spec(&self) -> &KvCacheSpec {
             self.region.spec()
-        }
-
-        /// As [`KvBlockWriter::checkout`].
-        pub fn checkout(self: &Arc<Self>, block_ids: &[u32]) -> Result<DeviceCheckout, CheckoutError> {
-            self.claims.claim(block_ids, self.region.spec().num_blocks)?;
-            Ok(self.claimed(block_ids))
         }
 
         /// The checkout of blocks already claimed for a receive in `claims`.
@@ -322,5 +334,50 @@ mod tests {
         waiter.await.unwrap();
         assert_eq!(rx.await.unwrap(), Ok(()));
         assert_eq!(c.claim_step(&[3, 6, 7]), vec![7], "3 and 6 are the receive's now");
+    }
+
+    /// Through a real cache: the step run ahead's claim lasts as long as its `StepWrites`, a
+    /// receive's check-out of one of its blocks waits for it to drop (whatever ended the pass)
+    /// and then writes that block in place.
+    #[actix_rt::test]
+    async fn a_receive_writes_the_step_run_aheads_block_once_its_claim_is_dropped() {
+        use pdmesh_model_api::kv_cache::KvSide;
+        use pdmesh_model_api::KvCacheSpec;
+        let spec = KvCacheSpec { num_layers: 1, num_blocks: 4, block_size: 2, num_kv_heads: 1, head_dim: 4 };
+        let name = format!("pdmesh-test-local-{}", uuid::Uuid::new_v4());
+        let region = crate::shm::ShmRegion::create_for_spec(&name, &spec).unwrap();
+        let path = region.path().to_path_buf();
+        let cache = region.into_kv_cache(spec).unwrap();
+        let local = LocalKv::Host(Arc::new(KvBlockWriter::open(&path, spec).unwrap()));
+        let step = local.claim_step_writes(&[2, 3]);
+        assert!(step.holds(2) && step.holds(3));
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let receive = {
+            let local = local.clone();
+            actix_rt::spawn(async move {
+                let mut blocks = local.checkout_after_step(&[1, 2]).await.unwrap();
+                match &mut blocks {
+                    LocalBlocks::Host(b) => b.runs().into_iter().for_each(|run| run.fill(7)),
+                    #[cfg(feature = "cuda")]
+                    LocalBlocks::Device(_) => unreachable!("a host cache"),
+                }
+                let _ = tx.send(());
+            })
+        };
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        assert!(rx.try_recv().is_err(), "the receive waits while the step holds block 2");
+        assert!(local.checkout(&[0, 3]).is_err(), "block 3 is the step's too");
+        drop(step);
+        // Bounded only so that a claim never given back fails the test instead of hanging it.
+        tokio::time::timeout(std::time::Duration::from_secs(30), receive)
+            .await
+            .expect("the receive went on once the step's claim was dropped")
+            .unwrap();
+        rx.await.unwrap();
+        let byte = |block| cache.block(0, KvSide::Key, block).unwrap()[0].to_ne_bytes()[0];
+        assert_eq!((byte(1), byte(2), byte(3)), (7, 7, 0), "the receive wrote its blocks, and only those");
+        assert!(local.checkout(&[0, 3]).is_ok(), "the step's other block is free again");
     }
 }
