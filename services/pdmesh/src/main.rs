@@ -183,14 +183,15 @@ fn parse_cli() -> Cli {
     }
 }
 
-/// The tokenizer a `cache_aware` router hashes prompts with (D59): the nodes' model, as the
+/// The tokenizer a router hashes prompts with, for `cache_aware` picks (D59) and for
+/// conditional disaggregation (`local_prefill_max_tokens`, D69): the nodes' model, as the
 /// router node's own `model` names it or, when it names none, as the topology's first
 /// prefill or decode node does (a router table rarely repeats the model; hashing with another
-/// tokenizer would find no overlap anywhere). Not loaded for other policies; a model that
-/// fails to load leaves the router picking by load (logged once by the router).
+/// tokenizer would find no overlap anywhere). Not loaded when neither needs it; a model that
+/// fails to load leaves the router picking by load and every prefill on P (logged once).
 fn router_tokenizer(ctx: &ServiceContext) -> Option<pdmesh_frontend::router::prompt::PromptTokenizer> {
     let node = &ctx.node;
-    if node.router.policy != pdmesh_config::RoutingPolicy::CacheAware {
+    if node.router.policy != pdmesh_config::RoutingPolicy::CacheAware && node.router.local_prefill_max_tokens == 0 {
         return None;
     }
     let unnamed = node.model.kind == pdmesh_config::ModelKind::Synthetic && node.model.path.is_empty();

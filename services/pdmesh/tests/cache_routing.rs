@@ -98,3 +98,77 @@ fn cache_aware_sends_each_follow_up_to_the_nodes_holding_its_prefix() {
     assert!(rr.hits.0 < 0.8 * aware.hits.0, "P hits: round-robin {} vs cache-aware {}", rr.hits.0, aware.hits.0);
     assert!(rr.hits.1 < 0.8 * aware.hits.1, "D hits: round-robin {} vs cache-aware {}", rr.hits.1, aware.hits.1);
 }
+
+/// The sum of `name` over the engines whose node base ports are `bases`.
+fn engines(bases: [u16; 2], name: &str) -> f64 {
+    bases.iter().map(|b| metric(b + 110, name, "")).sum()
+}
+
+/// Conditional disaggregation (D69, `local_prefill_max_tokens`): a prompt the chosen decode node
+/// already holds all but a few tokens of is prefilled there, without asking P; a prompt with
+/// more new tokens than that still goes through P. The answers are the same either way, and P
+/// ends holding nothing.
+#[test]
+fn a_prompt_the_decode_node_holds_skips_the_prefill_node() {
+    let (r1, r2) = (reserve_ports(), reserve_ports());
+    let run_dir = std::env::temp_dir().join(format!("pdmesh-localprefill-{}-{}", std::process::id(), r1.0));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    std::fs::create_dir_all(&run_dir).unwrap();
+    let router = "policy = \"cache_aware\", load_poll_ms = 50, local_prefill_max_tokens = 8";
+    let (text, ports) = scaleout_topology(&run_dir, r1, r2, SETTINGS, router);
+    let ready: Vec<u16> = ports.p.iter().chain(&ports.d).copied().collect();
+    let mesh = start_scaleout(&run_dir, &text, ports.router, r1.1, &ready);
+    let (p_bases, d_bases) = ([r1.1 + 20, r2.1 + 20], [r1.1 + 160, r2.1 + 160]);
+    let url = format!("http://127.0.0.1:{}/v1/completions", ports.router);
+    let placed = |placement: &str| {
+        metric(ports.router, "pdmesh_router_prefill_placement_total", &format!("placement=\"{placement}\""))
+    };
+    let p_requests = || engines(p_bases, "pdmesh_engine_requests_finished_total");
+    // Until the router's polls of both decode nodes after `since` answered, it routes on an
+    // older view of their caches.
+    let decode_polls =
+        || metric(ports.router, "pdmesh_router_load_polls_total", "outcome=\"answered\",role=\"decode\"");
+    let wait_for_decode_polls = |since: f64| {
+        common::wait_for("two more polls of the decode nodes", || decode_polls() >= since + 4.0);
+    };
+
+    // 1. A new prompt (one token a byte): nothing of it is cached anywhere: P.
+    let prompt = "a prompt nobody has sent before, long enough to fill a dozen blocks.";
+    let first = common::complete(&url, prompt, false);
+    assert_eq!((placed("remote"), placed("local")), (1.0, 0.0));
+    common::wait_for("P prefilled the new prompt", || p_requests() == 1.0);
+
+    // 2. The same prompt once the router has seen the decode node cache it: D holds every full
+    // block, so less than a block (4 tokens) is left to compute: D prefills it, P is not asked.
+    let published = || {
+        ports
+            .d
+            .iter()
+            .any(|&d| common::failover::load_of(d)["prefix"]["blocks"].as_array().is_some_and(|b| !b.is_empty()))
+    };
+    common::wait_for("the decode node publishes the prompt's blocks", published);
+    wait_for_decode_polls(decode_polls());
+    let hits_before = engines(d_bases, "pdmesh_engine_prefix_cache_hits_total");
+    let again = common::complete(&url, prompt, false);
+    let streamed = common::complete(&url, prompt, true);
+    assert_eq!((placed("remote"), placed("local")), (1.0, 2.0));
+    assert_eq!(p_requests(), 1.0, "P was not asked again");
+    assert_eq!(again, first, "the local prefill answers as P/D did");
+    assert_eq!(streamed, first, "and so does its stream");
+    let hits = engines(d_bases, "pdmesh_engine_prefix_cache_hits_total") - hits_before;
+    let held = ((prompt.len() as f64 - 1.0) / BLOCK as f64).floor() * BLOCK as f64;
+    assert!(hits >= 2.0 * held, "D computed only the tail of each prompt ({hits} tokens hit, {held} held)");
+
+    // 3. The prompt followed by more new tokens than the threshold: through P again.
+    let longer = format!("{prompt} And then it goes on for a while with words not seen before.");
+    let answer = common::complete(&url, &longer, false);
+    assert!(!answer.is_empty());
+    assert_eq!((placed("remote"), placed("local")), (2.0, 2.0));
+    common::wait_for("P prefilled the new part", || p_requests() == 2.0);
+
+    // Nothing is left held on P.
+    common::wait_for("P's holds released", || engines(p_bases, "pdmesh_engine_kv_held_blocks") == 0.0);
+    assert!(!mesh.logs().contains("panicked"));
+    drop(mesh);
+    let _ = std::fs::remove_dir_all(&run_dir);
+}

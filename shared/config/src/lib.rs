@@ -726,6 +726,15 @@ pub struct RouterConfig {
     /// decode leg leaves once P answered.
     #[serde(default = "yes")]
     pub parallel_dispatch: bool,
+    /// Conditional disaggregation (D69, Dynamo's and llm-d's): a request whose prompt the
+    /// chosen decode node would have at most this many tokens left to compute — its length
+    /// less the blocks that node's prefix cache holds, by the router's last `/load` poll of it
+    /// — skips the prefill node and is prefilled on the decode node itself. Such a prompt gives
+    /// P little to compute and D nothing, or almost nothing, to read, while P's forward pass and
+    /// hops cost as much as a decode step. 0 (the default): every request goes through P.
+    /// Needs the router to tokenise prompts (it loads the nodes' tokenizer from `model`).
+    #[serde(default)]
+    pub local_prefill_max_tokens: u32,
 }
 
 impl RouterConfig {
@@ -825,6 +834,7 @@ impl Default for RouterConfig {
             max_migrations: default_max_migrations(),
             first_token_from_prefill: true,
             parallel_dispatch: true,
+            local_prefill_max_tokens: 0,
         }
     }
 }

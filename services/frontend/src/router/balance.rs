@@ -87,6 +87,12 @@ static PREFIX_OVERLAP_HIST: LazyLock<HistogramVec> = LazyLock::new(|| {
 static CACHE_AWARE_PICKS_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(CACHE_AWARE_PICKS, "Cache-aware picks by what decided them", &["role", "reason"]));
 
+/// Polls of the upstreams' `GET /load`, by `role` and `outcome` (`answered`, `failed`).
+pub const LOAD_POLLS: &str = "pdmesh_router_load_polls_total";
+static LOAD_POLLS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(LOAD_POLLS, "Polls of an upstream's GET /load, by whether it answered", &["role", "outcome"])
+});
+
 static PICKS_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(PICKS, "Requests sent to each upstream", &["role", "upstream"]));
 static EJECTIONS_TOTAL: LazyLock<IntCounterVec> =
@@ -535,6 +541,16 @@ impl Pool {
         (chosen, chosen_held)
     }
 
+    /// Tokens of `prompt` that node `id` would compute itself: those past the full blocks its
+    /// prefix cache holds, as its last `/load` poll published them (all of them when it
+    /// published nothing). The basis of conditional disaggregation (D69).
+    pub fn uncached_tokens(&self, id: usize, prompt: &[u32]) -> usize {
+        let Some(u) = self.node(id) else { return prompt.len() };
+        let s = u.lock();
+        let held = s.prefix.overlap(prompt).saturating_mul(s.prefix.block_size() as usize);
+        prompt.len().saturating_sub(held)
+    }
+
     /// The block size the nodes publish (the first that says), for the held fraction.
     fn block_size_hint(nodes: &[Arc<Upstream>]) -> u32 {
         nodes
@@ -623,6 +639,8 @@ impl Pool {
 
     /// The outcome of one poll of node `i`: its load, or `None` when it did not answer.
     pub fn set_load(&self, i: usize, load: Option<NodeLoad>) {
+        let outcome = if load.is_some() { "answered" } else { "failed" };
+        LOAD_POLLS_TOTAL.with_label_values(&[self.role, outcome]).inc();
         self.with_state(i, |s| match load {
             Some(mut l) => {
                 s.prefix = l.prefix.take().map(|p| PrefixIndex::from_summary(&p)).unwrap_or_default();
@@ -972,6 +990,27 @@ mod tests {
         // a prompt nobody holds: plain load order, overlap 0
         let other: Vec<u32> = (100..140).collect();
         assert_eq!(p.pick_for(&[1], Some(&other)).unwrap(), Picked { node: 0, overlap: Some(0) });
+    }
+
+    #[test]
+    fn uncached_tokens_are_the_prompt_past_the_blocks_a_node_published() {
+        let p = pool(RoutingPolicy::LeastLoaded);
+        let prompt: Vec<u32> = (0..41).collect();
+        // nothing published yet: the whole prompt
+        assert_eq!(p.uncached_tokens(0, &prompt), 41);
+        p.set_load(0, Some(holding(&prompt, 10)));
+        p.set_load(1, Some(holding(&prompt, 3)));
+        assert_eq!(p.uncached_tokens(0, &prompt), 1, "10 blocks of 4 held");
+        assert_eq!(p.uncached_tokens(1, &prompt), 29);
+        // another prompt sharing only the first two blocks
+        let mut other = prompt[..8].to_vec();
+        other.extend(500..520);
+        assert_eq!(p.uncached_tokens(0, &other), 20);
+        // a node gone from the pool holds nothing
+        assert_eq!(p.uncached_tokens(7, &prompt), 41);
+        // a poll that failed keeps the last view
+        p.set_load(0, None);
+        assert_eq!(p.uncached_tokens(0, &prompt), 1);
     }
 
     #[test]

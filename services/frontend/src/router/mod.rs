@@ -7,7 +7,9 @@
 //! params, and D's answer (SSE or JSON) is passed through to the client as it arrives. Both legs
 //! carry the same `X-Request-Id` and trace context. A client that disconnects drops the
 //! upstream request of whichever leg is running, which each node's frontend turns into an
-//! abort.
+//! abort. With `router.local_prefill_max_tokens` set, a request whose prompt the chosen decode
+//! node holds all but that many tokens of (by its prefix cache as last polled) skips P: one leg,
+//! and D prefills it itself (conditional disaggregation, D69).
 //!
 //! With API keys, the router checks the client's key ([`crate::auth`]) and presents the mesh's
 //! internal key (`PDMESH_INTERNAL_API_KEY`) on every call to P and D — both legs, `/v1/models`
@@ -62,6 +64,9 @@ pub struct RouterState {
     first_token_from_prefill: bool,
     /// `router.parallel_dispatch`: send those streams' decode leg with the prefill leg (D66).
     parallel_dispatch: bool,
+    /// `router.local_prefill_max_tokens`: D prefills a prompt it holds all but this many
+    /// tokens of itself, without P (D69); 0: never.
+    local_prefill_max_tokens: u32,
     /// The nodes' tokenizer, for `cache_aware` picks (D59); `None`: picks weigh load only.
     tokenizer: Option<prompt::PromptTokenizer>,
 }
@@ -94,6 +99,7 @@ impl RouterState {
             max_migrations: cfg.max_migrations,
             first_token_from_prefill: cfg.first_token_from_prefill,
             parallel_dispatch: cfg.parallel_dispatch,
+            local_prefill_max_tokens: cfg.local_prefill_max_tokens,
             tokenizer: None,
         }
     }
@@ -185,7 +191,9 @@ fn request_span(req: &HttpRequest, request_id: &str, path: &str) -> (tracing::Sp
         request_id,
         path,
         prefill_overlap_blocks = tracing::field::Empty,
-        decode_overlap_blocks = tracing::field::Empty
+        decode_overlap_blocks = tracing::field::Empty,
+        decode_uncached_tokens = tracing::field::Empty,
+        prefill = tracing::field::Empty
     );
     pdmesh_telemetry::trace::set_parent(&span, &client);
     (span, client)
@@ -226,6 +234,17 @@ static PARALLEL_DECODE_LEGS_TOTAL: LazyLock<prometheus::IntCounter> = LazyLock::
     )
 });
 
+/// Where conditional disaggregation (D69) put requests' prefills, with the knob on.
+pub const PREFILL_PLACEMENT: &str = "pdmesh_router_prefill_placement_total";
+
+static PREFILL_PLACEMENT_TOTAL: LazyLock<prometheus::IntCounterVec> = LazyLock::new(|| {
+    pdmesh_telemetry::metrics::counter_vec(
+        PREFILL_PLACEMENT,
+        "Requests by where their prefill ran under router.local_prefill_max_tokens: remote (a prefill node) or local (the decode node)",
+        &["placement"],
+    )
+});
+
 /// What one request's legs share.
 struct Legs<'a> {
     req: &'a HttpRequest,
@@ -239,6 +258,24 @@ struct Legs<'a> {
     first_token: bool,
     /// The prompt's token ids, when the router tokenised it (`cache_aware`, D59).
     prompt: Option<&'a [u32]>,
+    /// The decode node already picked for this request (to weigh a local prefill, D69): the
+    /// decode leg's first pick takes it instead of picking again.
+    decode_pick: std::cell::Cell<Option<balance::Picked>>,
+}
+
+impl Legs<'_> {
+    /// The decode node for the next try of this request, never one of `tried`: the one picked
+    /// beforehand, once, then the pool's pick.
+    fn pick_decode(&self, tried: &[usize]) -> Option<balance::Picked> {
+        let picked = match self.decode_pick.take().filter(|p| !tried.contains(&p.node)) {
+            Some(p) => p,
+            None => self.st.decode.pick_for(tried, self.prompt)?,
+        };
+        if let Some(held) = picked.overlap {
+            self.span.record("decode_overlap_blocks", held);
+        }
+        Some(picked)
+    }
 }
 
 /// A prefill leg that P answered: its params for D, the guard over P's blocks, and P's
@@ -475,7 +512,11 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         authorization: authorization.as_deref(),
         first_token: st.first_token_from_prefill && pinned.is_none() && first_token::eligible(path, &original),
         prompt: tokens.as_deref(),
+        decode_pick: std::cell::Cell::new(None),
     };
+    if pinned.is_none() && prefills_on_decode(&legs) {
+        return decode_leg(&legs, original, None, None, Box::new((permit, key_permit))).await;
+    }
     if legs.first_token && st.parallel_dispatch {
         return parallel::dispatch(&legs, original, Box::new((permit, key_permit))).await;
     }
@@ -487,6 +528,30 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         },
     };
     decode_leg(&legs, original, prefilled, pinned, Box::new((permit, key_permit))).await
+}
+
+/// Conditional disaggregation (D69): with `router.local_prefill_max_tokens` set and the prompt
+/// tokenised, pick the decode node now (the decode leg goes to it) and say whether it would
+/// have at most that many of the prompt's tokens left to compute — then it prefills the
+/// request itself and P is not asked.
+fn prefills_on_decode(legs: &Legs<'_>) -> bool {
+    let st = legs.st;
+    if st.local_prefill_max_tokens == 0 {
+        return false;
+    }
+    let Some(prompt) = legs.prompt else { return false };
+    let Some(picked) = st.decode.pick_for(&[], Some(prompt)) else { return false };
+    legs.decode_pick.set(Some(picked));
+    let uncached = st.decode.uncached_tokens(picked.node, prompt);
+    let local = uncached <= st.local_prefill_max_tokens as usize;
+    let placement = if local { "local" } else { "remote" };
+    legs.span.record("decode_uncached_tokens", uncached);
+    legs.span.record("prefill", placement);
+    PREFILL_PLACEMENT_TOTAL.with_label_values(&[placement]).inc();
+    if local {
+        tracing::debug!(parent: legs.span, request_id = legs.request_id, uncached, "the decode node prefills the request itself");
+    }
+    local
 }
 
 /// The decode leg: the client's own body plus P's params (none for a pinned follow-up: D
@@ -518,13 +583,7 @@ async fn decode_leg(
     let mut tried: Vec<usize> = Vec::new();
     let mut migrations = 0u32;
     let (d_index, d_res, d_span) = loop {
-        let picked = pinned.or_else(|| {
-            let picked = st.decode.pick_for(&tried, legs.prompt)?;
-            if let Some(held) = picked.overlap {
-                legs.span.record("decode_overlap_blocks", held);
-            }
-            Some(picked.node)
-        });
+        let picked = pinned.or_else(|| legs.pick_decode(&tried).map(|p| p.node));
         let Some(d_index) = picked else {
             return error(ApiError::Unavailable("unavailable: no decode upstream left to try".into()), legs.request_id);
         };

@@ -37,16 +37,13 @@ use super::{
 /// Run both legs at once; see the module docs.
 pub(super) async fn dispatch(legs: &Legs<'_>, original: Value, permits: Box<dyn std::any::Any>) -> HttpResponse {
     let st = legs.st;
-    let Some(picked) = st.decode.pick_for(&[], legs.prompt) else {
+    let Some(picked) = legs.pick_decode(&[]) else {
         return sequential(legs, original, permits).await;
     };
     let d_index = picked.node;
     let Some(d) = st.decode.url(d_index) else {
         return sequential(legs, original, permits).await;
     };
-    if let Some(held) = picked.overlap {
-        legs.span.record("decode_overlap_blocks", held);
-    }
     let token = pdmesh_mesh_auth::new_capability();
     let mut d_body = original.clone();
     if let Some(o) = d_body.as_object_mut() {
