@@ -11,7 +11,9 @@
 #
 #   MODEL=gguf (default here; `synthetic` for a quick check), ROUNDS (4), CONCURRENCIES ("1 4 8"),
 #   PER_STREAM (8: requests per stream and setup, at least 16 in all; longer runs steady the
-#   throughput ratio, which varies by ±10 % between 8-request runs on a shared machine)
+#   throughput ratio, which varies by ±10 % between 8-request runs on a shared machine),
+#   ROUTER_EXTRA (router keys: `local_prefill_max_tokens = 16` lets D prefill the prompts it
+#   already holds instead of asking P, D69)
 #
 # On one machine P/D cannot win: P's and D's workers share the cores the colocated node has
 # to itself, and each request makes a second HTTP leg. What it measures is the cost of
