@@ -40,9 +40,7 @@ struct Outcome {
 
 fn run(policy: &str) -> Outcome {
     let (r1, r2) = (reserve_ports(), reserve_ports());
-    let run_dir = std::env::temp_dir().join(format!("pdmesh-cacheroute-{}-{}", std::process::id(), r1.0));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    std::fs::create_dir_all(&run_dir).unwrap();
+    let run_dir = common::failover::fresh_run_dir("pdmesh-cacheroute", r1.0);
     let router = format!("policy = \"{policy}\", load_poll_ms = 50");
     let (text, ports) = scaleout_topology(&run_dir, r1, r2, SETTINGS, &router);
     let ready: Vec<u16> = ports.p.iter().chain(&ports.d).copied().collect();
@@ -111,9 +109,7 @@ fn engines(bases: [u16; 2], name: &str) -> f64 {
 #[test]
 fn a_prompt_the_decode_node_holds_skips_the_prefill_node() {
     let (r1, r2) = (reserve_ports(), reserve_ports());
-    let run_dir = std::env::temp_dir().join(format!("pdmesh-localprefill-{}-{}", std::process::id(), r1.0));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    std::fs::create_dir_all(&run_dir).unwrap();
+    let run_dir = common::failover::fresh_run_dir("pdmesh-localprefill", r1.0);
     let router = "policy = \"cache_aware\", load_poll_ms = 50, local_prefill_max_tokens = 8";
     let (text, ports) = scaleout_topology(&run_dir, r1, r2, SETTINGS, router);
     let ready: Vec<u16> = ports.p.iter().chain(&ports.d).copied().collect();
