@@ -257,7 +257,7 @@ async fn call_decode(
     let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, &r.client_trace);
     let rb = forward_headers(
         &r.req,
-        st.client.post(format!("{url}{}", r.path)),
+        st.client().post(format!("{url}{}", r.path)),
         &r.request_id,
         Leg::Decode,
         &d_trace,

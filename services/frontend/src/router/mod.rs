@@ -45,6 +45,8 @@ use crate::metrics::HTTP_REQUESTS_TOTAL;
 pub struct RouterState {
     prefill: Arc<Pool>,
     decode: Arc<Pool>,
+    /// The client of the load poller, and of a thread whose own client could not be built;
+    /// requests use [`RouterState::client`].
     client: reqwest::Client,
     /// `router.give_up_notices`: hand P's blocks back when a request ends between the legs.
     give_up_notices: bool,
@@ -102,6 +104,20 @@ impl RouterState {
             local_prefill_max_tokens: cfg.local_prefill_max_tokens,
             tokenizer: None,
         }
+    }
+
+    /// The HTTP client for calls to P and D made on this thread: one per thread (D70). A pooled
+    /// connection's reads run on the thread whose request opened it, so one client shared by
+    /// the router's threads (its HTTP workers and the load poller) had a leg's chunks read on one
+    /// thread and relayed on another: two wake-ups per token, each a wait for a core on a busy
+    /// host. With a client per thread, a connection is only ever used by the thread that reads it.
+    fn client(&self) -> reqwest::Client {
+        thread_local! {
+            static CLIENT: std::cell::OnceCell<Option<reqwest::Client>> = const { std::cell::OnceCell::new() };
+        }
+        CLIENT
+            .with(|c| c.get_or_init(|| upstream_client_builder().build().ok()).clone())
+            .unwrap_or_else(|| self.client.clone())
     }
 
     /// Tokenise prompts with `tokenizer`, so that `cache_aware` can weigh what nodes hold.
@@ -379,7 +395,7 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
         let p_suffix = crate::headers::new_engine_id_suffix();
         let p_engine_id = format!("{}-{p_suffix}", legs.request_id);
         let mut p_release = ReleaseOnDrop::new(
-            &st.client,
+            &st.client(),
             &p,
             legs.request_id,
             &json!({"do_remote_prefill": true, "remote_request_id": p_engine_id, "remote_capability": p_capability}),
@@ -394,7 +410,7 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
         let counted = st.prefill.start(pi);
         let p_res = forward_headers(
             legs.req,
-            st.client.post(format!("{p}{}", legs.path)),
+            st.client().post(format!("{p}{}", legs.path)),
             legs.request_id,
             Leg::Prefill,
             &p_trace,
@@ -629,7 +645,7 @@ async fn decode_leg(
         let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, legs.client_trace);
         let mut d_rb = forward_headers(
             legs.req,
-            st.client.post(format!("{d}{path}")),
+            st.client().post(format!("{d}{path}")),
             legs.request_id,
             Leg::Decode,
             &d_trace,
@@ -872,7 +888,7 @@ async fn passthrough_get(req: HttpRequest, st: web::Data<RouterState>) -> HttpRe
 /// GET `path` on the node at `base` with the router's credential toward nodes, and hand its
 /// status and JSON body to the client unchanged.
 async fn forward_get(req: &HttpRequest, st: &RouterState, base: &str, path: &str) -> HttpResponse {
-    let mut rb = st.client.get(format!("{base}{path}"));
+    let mut rb = st.client().get(format!("{base}{path}"));
     if let Some(v) = st.upstream_authorization(req) {
         rb = rb.header(AUTHORIZATION.as_str(), v);
     }
@@ -895,8 +911,8 @@ async fn health(st: web::Data<RouterState>) -> HttpResponse {
     if st.readiness.is_draining() {
         return crate::handlers::admin::stopping();
     }
-    let (p_up, d_up) =
-        futures::join!(healthy_upstreams(&st.client, &st.prefill), healthy_upstreams(&st.client, &st.decode));
+    let client = st.client();
+    let (p_up, d_up) = futures::join!(healthy_upstreams(&client, &st.prefill), healthy_upstreams(&client, &st.decode));
     let body = json!({
         "prefill_upstreams": st.prefill.len(), "prefill_upstreams_up": p_up,
         "decode_upstreams": st.decode.len(), "decode_upstreams_up": d_up,
@@ -968,6 +984,16 @@ fn router_app(
         .default_service(web::to(crate::handlers::admin::not_found))
 }
 
+/// The settings of every client the router calls P and D with.
+fn upstream_client_builder() -> reqwest::ClientBuilder {
+    reqwest::Client::builder()
+        .tcp_nodelay(true)
+        // Idle connections to P and D are dropped well before the nodes' own keep-alive (5 s)
+        // closes them: a request sent on a connection the node is closing fails without
+        // reaching it, which would count as that node's failure.
+        .pool_idle_timeout(std::time::Duration::from_secs(2))
+}
+
 /// Run the router frontend of `ctx`'s node until `shutdown` begins, then stop gracefully like
 /// [`crate::run`]. `client_keys`: what clients must present (empty: nothing); `internal_key`:
 /// what the router presents to P and D (none: the client's own `Authorization` is passed on).
@@ -980,14 +1006,7 @@ pub async fn run_router(
 ) -> Result<(), FrontendError> {
     let node = ctx.node.clone();
     crate::metrics::init();
-    let client = reqwest::Client::builder()
-        .tcp_nodelay(true)
-        // Idle connections to P and D are dropped well before the nodes' own keep-alive (5 s)
-        // closes them: a request sent on a connection the node is closing fails without
-        // reaching it, which would count as that node's failure.
-        .pool_idle_timeout(std::time::Duration::from_secs(2))
-        .build()
-        .map_err(|e| FrontendError::Options(format!("http client: {e}")))?;
+    let client = upstream_client_builder().build().map_err(|e| FrontendError::Options(format!("http client: {e}")))?;
     let state = web::Data::new(
         RouterState::new(
             &node.router,
@@ -1096,7 +1115,7 @@ mod tests {
         assert_eq!(auth.as_deref(), Some("Bearer mesh-internal"));
         let built = forward_headers(
             &req,
-            st.client.post("http://p/v1/completions"),
+            st.client().post("http://p/v1/completions"),
             "r1",
             Leg::Decode,
             &TraceContext::default(),

@@ -55,7 +55,7 @@ pub(super) async fn dispatch(legs: &Legs<'_>, original: Value, permits: Box<dyn 
     let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, legs.client_trace);
     let d_rb = forward_headers(
         legs.req,
-        st.client.post(format!("{d}{}", legs.path)),
+        st.client().post(format!("{d}{}", legs.path)),
         legs.request_id,
         Leg::Decode,
         &d_trace,
@@ -123,7 +123,7 @@ pub(super) async fn dispatch(legs: &Legs<'_>, original: Value, permits: Box<dyn 
         "kv_transfer_params": p.params,
         "resume_token_ids": first.as_ref().map(|f| vec![f.id]).unwrap_or_default(),
     });
-    let mut rb = st.client.post(format!("{d}/v1/kv/params")).header(crate::headers::REQUEST_ID, legs.request_id);
+    let mut rb = st.client().post(format!("{d}/v1/kv/params")).header(crate::headers::REQUEST_ID, legs.request_id);
     if let Some(v) = legs.authorization {
         rb = rb.header(actix_web::http::header::AUTHORIZATION.as_str(), v);
     }
