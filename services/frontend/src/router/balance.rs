@@ -541,14 +541,16 @@ impl Pool {
         (chosen, chosen_held)
     }
 
-    /// Tokens of `prompt` that node `id` would compute itself: those past the full blocks its
-    /// prefix cache holds, as its last `/load` poll published them (all of them when it
-    /// published nothing). The basis of conditional disaggregation (D69).
-    pub fn uncached_tokens(&self, id: usize, prompt: &[u32]) -> usize {
-        let Some(u) = self.node(id) else { return prompt.len() };
+    /// Tokens of `prompt` that the `picked` node would compute itself: those past the full
+    /// blocks its prefix cache holds, as its last `/load` poll published them (all of them when
+    /// it published nothing). A `cache_aware` pick already counted those blocks
+    /// (`picked.overlap`): the prompt is hashed again only for other policies. The basis of
+    /// conditional disaggregation (D69).
+    pub fn uncached_tokens(&self, picked: Picked, prompt: &[u32]) -> usize {
+        let Some(u) = self.node(picked.node) else { return prompt.len() };
         let s = u.lock();
-        let held = s.prefix.overlap(prompt).saturating_mul(s.prefix.block_size() as usize);
-        prompt.len().saturating_sub(held)
+        let blocks = picked.overlap.unwrap_or_else(|| s.prefix.overlap(prompt));
+        prompt.len().saturating_sub(blocks.saturating_mul(s.prefix.block_size() as usize))
     }
 
     /// The block size the nodes publish (the first that says), for the held fraction.
@@ -996,21 +998,29 @@ mod tests {
     fn uncached_tokens_are_the_prompt_past_the_blocks_a_node_published() {
         let p = pool(RoutingPolicy::LeastLoaded);
         let prompt: Vec<u32> = (0..41).collect();
+        let on = |node: usize| Picked { node, overlap: None };
         // nothing published yet: the whole prompt
-        assert_eq!(p.uncached_tokens(0, &prompt), 41);
+        assert_eq!(p.uncached_tokens(on(0), &prompt), 41);
         p.set_load(0, Some(holding(&prompt, 10)));
         p.set_load(1, Some(holding(&prompt, 3)));
-        assert_eq!(p.uncached_tokens(0, &prompt), 1, "10 blocks of 4 held");
-        assert_eq!(p.uncached_tokens(1, &prompt), 29);
+        assert_eq!(p.uncached_tokens(on(0), &prompt), 1, "10 blocks of 4 held");
+        assert_eq!(p.uncached_tokens(on(1), &prompt), 29);
         // another prompt sharing only the first two blocks
         let mut other = prompt[..8].to_vec();
         other.extend(500..520);
-        assert_eq!(p.uncached_tokens(0, &other), 20);
+        assert_eq!(p.uncached_tokens(on(0), &other), 20);
         // a node gone from the pool holds nothing
-        assert_eq!(p.uncached_tokens(7, &prompt), 41);
+        assert_eq!(p.uncached_tokens(on(7), &prompt), 41);
         // a poll that failed keeps the last view
         p.set_load(0, None);
-        assert_eq!(p.uncached_tokens(0, &prompt), 1);
+        assert_eq!(p.uncached_tokens(on(0), &prompt), 1);
+        // a cache-aware pick's own count of held blocks is taken as it is
+        let aware = pool(RoutingPolicy::CacheAware);
+        aware.set_load(0, Some(holding(&prompt, 0)));
+        aware.set_load(1, Some(holding(&prompt, 9)));
+        let picked = aware.pick_for(&[], Some(&prompt)).unwrap();
+        assert_eq!(picked, Picked { node: 1, overlap: Some(9) });
+        assert_eq!(aware.uncached_tokens(picked, &prompt), 5);
     }
 
     #[test]

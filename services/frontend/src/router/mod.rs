@@ -558,7 +558,7 @@ fn prefills_on_decode(legs: &Legs<'_>) -> bool {
     let Some(prompt) = legs.prompt else { return false };
     let Some(picked) = st.decode.pick_for(&[], Some(prompt)) else { return false };
     legs.decode_pick.set(Some(picked));
-    let uncached = st.decode.uncached_tokens(picked.node, prompt);
+    let uncached = st.decode.uncached_tokens(picked, prompt);
     let local = uncached <= st.local_prefill_max_tokens as usize;
     let placement = if local { "local" } else { "remote" };
     legs.span.record("decode_uncached_tokens", uncached);
