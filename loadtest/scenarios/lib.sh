@@ -67,11 +67,13 @@ mesh_ports() {
 # Knobs (environment): COST_US (synthetic per-token cost), P_BLOCKS, D_BLOCKS, P_MAX_LEN,
 # D_MAX_LEN, D_RANKS, LEASE_S, HOLD_MODE (lease | fixed: P then holds for HOLD_S, default 480),
 # NOTICES (rejection_notices of D: true | false), POLICY (kv_load_failure_policy of D),
-# P_FAULT / D_FAULT (fault_injection per node), P_THREADS / D_THREADS (model.threads, real model).
+# P_FAULT / D_FAULT (fault_injection per node), P_THREADS / D_THREADS (model.threads, real model),
+# CPU_NICE (model.cpu_nice of every real-model node, the colocated ones too; default: the
+# config's, D71).
 # model_line: the `model = {...}` line of a node for MODEL (and COST_US).
 model_line() { # [THREADS]: the real model's forward-pass threads (default: every core)
   if [[ "${MODEL:-synthetic}" == gguf ]]; then
-    echo "model = { kind = \"gguf\", path = \"\"${1:+, threads = $1} }"
+    echo "model = { kind = \"gguf\", path = \"\"${1:+, threads = $1}${CPU_NICE:+, cpu_nice = $CPU_NICE} }"
   else
     echo "model = { kind = \"synthetic\", name = \"pdmesh-synthetic\", per_token_cost_us = ${COST_US:-20} }"
   fi

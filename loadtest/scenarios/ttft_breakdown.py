@@ -63,7 +63,7 @@ def p_points(pleg, p_eng, p_wp, p_hold, hold_label):
     }
 
 
-pd_rows, d63_rows, colo_rows = [], [], []
+pd_rows, d63_rows, local_rows, colo_rows = [], [], [], []
 for tr in by_trace.values():
     root = find(tr, "router.request")
     if root:
@@ -98,6 +98,21 @@ for tr in by_trace.values():
             row = phases(pts, t0)
             row["= router in → first token (P's, D63)"] = (from_p - t0) / MS
             d63_rows.append(row)
+            continue
+        relayed = event(root, "first token relayed")
+        if not pleg and dleg and d_eng and d_wp and first:
+            # D69: prefilled on D, P not asked; the router relays D's stream.
+            pts = {
+                "router: request in → D leg sent": dleg[0]["start_unix_nano"],
+                "D: HTTP, frontend, dp-lb → engine-core": d_eng[0]["start_unix_nano"],
+                "D: queued → prefill forward starts": min(s["start_unix_nano"] for s in d_wp),
+                "D: prefill forward": min(s["end_unix_nano"] for s in d_wp),
+                "D: token → frontend's first token": first,
+                "router: D's first token → relayed to the client": relayed,
+            }
+            row = phases(pts, t0)
+            row["= router in → first token relayed"] = ((relayed or first) - t0) / MS
+            local_rows.append(row)
             continue
         if not (pleg and dleg and p_eng and d_eng and p_wp and d_wp and d_read and first):
             continue
@@ -153,4 +168,5 @@ def table(title, rows, client):
 args = [float(a) for a in sys.argv[2:4]] + [None, None]
 table("P/D (router → P → D)", pd_rows, args[0])
 table("P/D, P's token streamed at once (D63)", d63_rows, args[0])
+table("P/D, prefilled on D (D69)", local_rows, args[0])
 table("colocated", colo_rows, args[1])

@@ -1678,3 +1678,39 @@ async fn n_choices_fan_out_and_merge_by_index() {
     assert_eq!(events[events.len() - 1], "[DONE]");
     assert_eq!(events[events.len() - 2]["usage"]["completion_tokens"], 16);
 }
+
+/// D72: a chat prompt the router already rendered and tokenised reaches the engine as those
+/// ids, whatever the messages render to; ids outside the vocabulary or none at all are the
+/// caller's error, and a request without them is rendered as ever.
+#[actix_web::test]
+async fn chat_takes_the_routers_prompt_token_ids_instead_of_rendering() {
+    let h = harness(generates("ok", Some(FinishReason::Stop))).await;
+    let chat = |internal: Option<Value>| {
+        let mut body = json!({"messages": [{"role": "user", "content": "yo"}], "max_tokens": 4});
+        if let Some(v) = internal {
+            body["pdmesh_internal"] = v;
+        }
+        body
+    };
+    let (status, _, _) = call(&h, "/v1/chat/completions", chat(None), &[]).await;
+    assert_eq!(status, 200);
+    let rendered = prompt_text(&added(&h)[0]);
+    assert!(rendered.contains("yo"), "rendered by the template: {rendered:?}");
+
+    let ids: Vec<u32> = "abc".bytes().map(u32::from).collect();
+    let (status, _, body) = call(&h, "/v1/chat/completions", chat(Some(json!({"prompt_token_ids": ids}))), &[]).await;
+    assert_eq!(status, 200, "{body:?}");
+    assert_eq!(prompt_text(&added(&h)[1]), "abc", "the router's ids, not a second rendering");
+    assert_eq!(json_of(&body)["usage"]["prompt_tokens"], 3);
+
+    for (bad, why) in
+        [(json!({"prompt_token_ids": [1, 99_999_999]}), "out of range"), (json!({"prompt_token_ids": []}), "empty")]
+    {
+        let (status, _, body) = call(&h, "/v1/chat/completions", chat(Some(bad)), &[]).await;
+        assert_eq!(status, 400, "{why}");
+        let e = json_of(&body);
+        assert_eq!(e["error"]["param"], "pdmesh_internal", "{why}: {e}");
+        assert!(e["error"]["message"].as_str().unwrap_or_default().contains(why), "{e}");
+    }
+    assert_eq!(added(&h).len(), 2, "a refused request reaches no engine");
+}

@@ -94,6 +94,7 @@ fn gguf_options(node: &NodeConfig) -> pdmesh_model::ModelOptions {
     pdmesh_model::ModelOptions {
         max_model_len: (node.engine.max_model_len > 0).then_some(node.engine.max_model_len),
         threads: (node.model.threads > 0).then_some(node.model.threads as usize),
+        nice: i32::from(node.model.cpu_nice),
     }
 }
 

@@ -155,12 +155,36 @@ fn a_prompt_the_decode_node_holds_skips_the_prefill_node() {
     let held = ((prompt.len() as f64 - 1.0) / BLOCK as f64).floor() * BLOCK as f64;
     assert!(hits >= 2.0 * held, "D computed only the tail of each prompt ({hits} tokens hit, {held} held)");
 
+    // 2b. A chat request: the router renders and tokenises it for the decision and sends the
+    // ids (D72); P or D takes them instead of rendering again. The answer is the one a node
+    // gives rendering the messages itself (each decode node's own port, no router).
+    let chat = |port: u16, text: &str| {
+        let body = serde_json::json!({"messages": [{"role": "user", "content": text}], "max_tokens": 12,
+                                      "temperature": 0});
+        let r = reqwest::blocking::Client::new()
+            .post(format!("http://127.0.0.1:{port}/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200, "chat on port {port}");
+        let v: serde_json::Value = r.json().unwrap();
+        v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string()
+    };
+    let tokenised_before = metric(ports.router, "pdmesh_router_prompt_tokenize_seconds_count", "");
+    let routed = chat(ports.router, prompt);
+    assert_eq!(metric(ports.router, "pdmesh_router_prompt_tokenize_seconds_count", ""), tokenised_before + 1.0);
+    for &d in &ports.d {
+        assert_eq!(chat(d, prompt), routed, "decode node on port {d} rendering the chat itself");
+    }
+    let (remote, local) = (placed("remote"), placed("local"));
+    assert_eq!(remote + local, 4.0, "the chat request was placed too");
+
     // 3. The prompt followed by more new tokens than the threshold: through P again.
     let longer = format!("{prompt} And then it goes on for a while with words not seen before.");
     let answer = common::complete(&url, &longer, false);
     assert!(!answer.is_empty());
-    assert_eq!((placed("remote"), placed("local")), (2.0, 2.0));
-    common::wait_for("P prefilled the new part", || p_requests() == 2.0);
+    assert_eq!((placed("remote"), placed("local")), (remote + 1.0, local));
+    common::wait_for("P prefilled the new part", || p_requests() == remote + 1.0);
 
     // Nothing is left held on P.
     common::wait_for("P's holds released", || engines(p_bases, "pdmesh_engine_kv_held_blocks") == 0.0);

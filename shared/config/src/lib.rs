@@ -514,6 +514,14 @@ pub struct ModelConfig {
     /// Nodes that share a host's cores (P and D on one machine) may each take fewer.
     #[serde(default)]
     pub threads: u32,
+    /// Niceness (Linux `nice`, 0–19) of a GGUF model's forward-pass threads on the CPU; 10 by
+    /// default. Those threads fill every core they are given, and on a host they share with
+    /// the node's serving processes (frontend, engine-core, a router, another node) a waking
+    /// process would otherwise wait behind a pass's time slice to relay a token or admit a
+    /// request. Below them, it takes a core at once (D71). 0 leaves the threads at the
+    /// process's priority. Ignored on a GPU.
+    #[serde(default = "default_cpu_nice")]
+    pub cpu_nice: u8,
 }
 
 impl Default for ModelConfig {
@@ -527,8 +535,13 @@ impl Default for ModelConfig {
             per_step_cost_us: 0,
             fault_injection: String::new(),
             threads: 0,
+            cpu_nice: default_cpu_nice(),
         }
     }
+}
+
+fn default_cpu_nice() -> u8 {
+    10
 }
 
 fn default_model_device() -> String {
@@ -1057,10 +1070,17 @@ impl Topology {
         self.check_backends()
     }
 
-    /// A `cuda` transfer backend needs the node's model on a GPU: the cache it serves is the
-    /// GPU executor's.
+    /// Per-node settings that stand alone: a model's niceness is one Linux accepts, and a
+    /// `cuda` transfer backend needs the node's model on a GPU (the cache it serves is the GPU
+    /// executor's).
     fn check_backends(&self) -> Result<(), ConfigError> {
         for n in &self.nodes {
+            if n.model.cpu_nice > 19 {
+                return Err(ConfigError::Invalid(format!(
+                    "node {:?}: model.cpu_nice = {} is outside 0..=19 (Linux niceness)",
+                    n.name, n.model.cpu_nice
+                )));
+            }
             let Some(kv) = &n.kv_transfer else { continue };
             let on_gpu = n.model.kind == ModelKind::Gguf && n.model.device.starts_with("cuda");
             if kv.backend == TransferBackendKind::Cuda && !on_gpu {
@@ -1371,6 +1391,17 @@ mod tests {
         assert!(t.nodes.iter().all(|n| !n.router.give_up_notices));
         assert!(t.nodes.iter().filter_map(|n| n.kv_transfer.as_ref()).all(|k| !k.give_up_notices));
         assert!(refused.is_err(), "a typo is an error, never a silent default");
+    }
+
+    #[test]
+    fn model_threads_nice_below_the_serving_processes_by_default() {
+        let node = |extra: &str| format!("[[nodes]]\nname = \"c\"\nmodel = {{ kind = \"gguf\"{extra} }}");
+        assert_eq!(Topology::from_toml(&node("")).unwrap().nodes[0].model.cpu_nice, 10);
+        assert_eq!(Topology::from_toml(&node(", cpu_nice = 0")).unwrap().nodes[0].model.cpu_nice, 0);
+        assert_eq!(Topology::from_toml(&node(", cpu_nice = 19")).unwrap().nodes[0].model.cpu_nice, 19);
+        let e = Topology::from_toml(&node(", cpu_nice = 20")).unwrap_err().to_string();
+        assert!(e.contains("model.cpu_nice = 20"), "{e}");
+        assert!(Topology::from_toml(&node(", cpu_nice = -5")).is_err(), "raising a priority is not ours to ask");
     }
 
     #[test]

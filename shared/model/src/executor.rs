@@ -194,8 +194,11 @@ impl LlamaExecutor {
         tracing::info!(name = %facts.name, layers = cfg.n_layers, hidden = h, heads = cfg.n_heads,
             kv_heads = cfg.n_kv_heads, vocab = cfg.vocab_size, max_model_len, "loaded llama GGUF model");
         let guide = crate::guided::guide_from_gguf(g, cfg.vocab_size, &facts.eos_token_ids);
-        let mm = MatmulCtx::new(options.threads.filter(|&n| n > 0).unwrap_or_else(crate::pool::default_threads));
-        tracing::info!(threads = mm.pool.n_threads(), kernels = ?mm.imp, "model compute");
+        let mm = MatmulCtx::new(
+            options.threads.filter(|&n| n > 0).unwrap_or_else(crate::pool::default_threads),
+            options.nice,
+        );
+        tracing::info!(threads = mm.pool.n_threads(), nice = options.nice, worker_nice = ?mm.pool.worker_nice(), kernels = ?mm.imp, "model compute");
         Ok(Self {
             facts,
             cfg,

@@ -821,7 +821,7 @@ mod tests {
     #[test]
     fn q4_1_is_bit_identical_to_candle() {
         use candle_core::quantized::GgmlDType;
-        let pool = Pool::new(2);
+        let pool = Pool::new(2, 0);
         for &(rows, k, m) in &[(16, 64, 1), (24, 576, 3), (40, 1536, 9), (8, 32, 5), (13, 96, 2), (48, 128, 17)] {
             let raw = q4_1_bytes(rows, k, rows as u64 * 31 + k as u64);
             let w = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&raw, rows, k).unwrap());
@@ -836,7 +836,7 @@ mod tests {
     #[test]
     fn q8_0_matches_candle() {
         use candle_core::quantized::GgmlDType;
-        let pool = Pool::new(2);
+        let pool = Pool::new(2, 0);
         for &(rows, k, m) in &[(16, 576, 1), (40, 576, 6), (12, 64, 3)] {
             let raw = q8_0_bytes(rows, k, rows as u64 + 3);
             let w = Packed::Q8_0(PackedQ8_0::from_gguf_bytes(&raw, rows, k).unwrap());
@@ -859,8 +859,8 @@ mod tests {
         let raw = q4_1_bytes(rows, k, 5);
         let w = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&raw, rows, k).unwrap());
         let x = acts(7, k, 9);
-        let one = Pool::new(1);
-        let three = Pool::new(3);
+        let one = Pool::new(1, 0);
+        let three = Pool::new(3, 0);
         for imp in Impl::available() {
             let batched = ours(&w, &x, 7, imp, &three);
             for t in 0..7 {
@@ -876,7 +876,7 @@ mod tests {
         let a = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&q4_1_bytes(16, k, 1), 16, k).unwrap());
         let b = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&q4_1_bytes(32, k, 2), 32, k).unwrap());
         let ab = Packed::concat(&[&a, &b]).unwrap();
-        let pool = Pool::new(2);
+        let pool = Pool::new(2, 0);
         let x = acts(3, k, 4);
         for imp in Impl::available() {
             let (ya, yb, yab) =
@@ -906,9 +906,9 @@ mod tests {
     fn bad_shapes_are_errors() {
         let w = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&q4_1_bytes(8, 64, 1), 8, 64).unwrap());
         let mut a = QActs::default();
-        a.quantize(&acts(2, 32, 1), 2, 32, &Pool::new(1));
+        a.quantize(&acts(2, 32, 1), 2, 32, &Pool::new(1, 0));
         let mut out = vec![0f32; 16];
-        assert!(matmul(&w, &a, &mut out, Impl::detect(), &Pool::new(1)).is_err());
+        assert!(matmul(&w, &a, &mut out, Impl::detect(), &Pool::new(1, 0)).is_err());
         assert!(PackedQ4_1::from_gguf_bytes(&[0u8; 19], 1, 32).is_none());
     }
 }

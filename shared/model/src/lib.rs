@@ -56,6 +56,9 @@ pub struct ModelOptions {
     pub max_model_len: Option<u32>,
     /// Threads of the forward pass; `None`: [`pool::default_threads`].
     pub threads: Option<usize>,
+    /// Niceness the forward pass's threads run at (the executor's calling thread from its first
+    /// pass); 0 leaves them at the process's priority (D71).
+    pub nice: i32,
 }
 
 /// Load the executor and the text codec of the llama GGUF file at `path`, parsing the header

@@ -44,8 +44,8 @@ pub(crate) struct MatmulCtx {
 }
 
 impl MatmulCtx {
-    pub fn new(threads: usize) -> Self {
-        Self { pool: Pool::new(threads), imp: Impl::detect(), acts: QActs::default(), fused: Vec::new() }
+    pub fn new(threads: usize, nice: i32) -> Self {
+        Self { pool: Pool::new(threads, nice), imp: Impl::detect(), acts: QActs::default(), fused: Vec::new() }
     }
 }
 

@@ -12,6 +12,11 @@
 //! waits for a worker that has not started; it waits only for items a worker actually claimed.
 //! Results never depend on which thread ran an item.
 //!
+//! The pool's threads, the calling one included, may run at a lower CPU priority (`nice`,
+//! D71): on a host whose cores the forward pass fills, the serving processes' short wake-ups
+//! (relaying a token, admitting a request) then take a core at once instead of queueing behind
+//! a pass's time slice.
+//!
 //! A job is a borrowed closure; the pool shows it to the workers by erasing its lifetime,
 //! which is sound because [`Pool::for_each`] does not return before the job is closed and no
 //! worker that joined it is still running (that is the one `unsafe` idea here).
@@ -57,6 +62,11 @@ pub struct Pool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     n_threads: usize,
+    /// Niceness of the pool's threads (0: left as they are); a calling thread takes it on its
+    /// first job.
+    nice: i32,
+    /// The niceness each worker runs at, as it read it back once started.
+    worker_nice: Vec<Option<i32>>,
     /// Serialises jobs (the pool is used through `&self`).
     run_lock: Mutex<()>,
 }
@@ -76,10 +86,34 @@ pub fn default_threads() -> usize {
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
+thread_local! {
+    /// Whether this thread already took a pool's niceness (a job's caller, once).
+    static NICED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Lower the calling thread's CPU priority to niceness `nice` (on Linux niceness belongs to
+/// a thread, and threads it spawns inherit it) and return the niceness it runs at. Only ever
+/// lowered, which needs no privilege: a thread already at `nice` or below keeps its own; a
+/// refusal is logged and the thread runs on at its priority.
+fn lower_priority(nice: i32) -> Option<i32> {
+    let current = rustix::process::getpriority_process(None).ok();
+    if nice <= 0 || current.is_some_and(|c| c >= nice) {
+        return current;
+    }
+    match rustix::process::setpriority_process(None, nice) {
+        Ok(()) => Some(nice),
+        Err(e) => {
+            tracing::warn!(error = %e, nice, "could not lower a model thread's CPU priority; it keeps the process's");
+            current
+        }
+    }
+}
+
 impl Pool {
-    /// A pool of `n_threads` (the caller counts as one; at least 1). If a worker thread cannot
-    /// be spawned the pool simply runs with fewer threads.
-    pub fn new(n_threads: usize) -> Self {
+    /// A pool of `n_threads` (the caller counts as one; at least 1) at niceness `nice` (0:
+    /// the threads keep the process's priority). If a worker thread cannot be spawned the pool
+    /// simply runs with fewer threads.
+    pub fn new(n_threads: usize, nice: i32) -> Self {
         let shared = Arc::new(Shared {
             job: UnsafeCell::new(None),
             state: AtomicU64::new(0),
@@ -89,9 +123,15 @@ impl Pool {
             wake: Condvar::new(),
         });
         let mut workers = Vec::new();
+        let (started_tx, started) = std::sync::mpsc::channel();
         for tid in 1..n_threads.max(1) {
             let s = Arc::clone(&shared);
-            match std::thread::Builder::new().name(format!("pdmesh-model-{tid}")).spawn(move || worker(&s)) {
+            let started_tx = started_tx.clone();
+            match std::thread::Builder::new().name(format!("pdmesh-model-{tid}")).spawn(move || {
+                let _ = started_tx.send(lower_priority(nice));
+                drop(started_tx);
+                worker(&s)
+            }) {
                 Ok(h) => workers.push(h),
                 Err(e) => {
                     tracing::warn!(error = %e, "could not spawn model worker thread; running with fewer threads");
@@ -99,12 +139,21 @@ impl Pool {
                 }
             }
         }
+        drop(started_tx);
+        // Every worker runs at its priority before the first job (a worker that died first
+        // closes its sender and is simply not counted).
+        let worker_nice = started.iter().take(workers.len()).collect();
         let n_threads = workers.len() + 1;
-        Self { shared, workers, n_threads, run_lock: Mutex::new(()) }
+        Self { shared, workers, n_threads, nice, worker_nice, run_lock: Mutex::new(()) }
     }
 
     pub fn n_threads(&self) -> usize {
         self.n_threads
+    }
+
+    /// The niceness each worker thread runs at (`None` where it could not be read).
+    pub fn worker_nice(&self) -> &[Option<i32>] {
+        &self.worker_nice
     }
 
     /// Call `f(item)` for every `item` in `0..n_items`, spread over the pool's threads in
@@ -112,6 +161,10 @@ impl Pool {
     pub fn for_each(&self, n_items: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
         if n_items == 0 {
             return true;
+        }
+        if self.nice > 0 && !NICED.get() {
+            NICED.set(true);
+            let _ = lower_priority(self.nice);
         }
         // ~8 claims per thread: few enough atomics, small enough to balance uneven items
         let unit = (n_items / (8 * self.n_threads)).max(1);
@@ -272,7 +325,7 @@ mod tests {
 
     #[test]
     fn every_chunk_once() {
-        let pool = Pool::new(3);
+        let pool = Pool::new(3, 0);
         for len in [0usize, 1, 7, 64, 1000] {
             let mut v = vec![0u32; len];
             assert!(pool.par_chunks_mut(&mut v, 7, |c, part| {
@@ -291,8 +344,31 @@ mod tests {
     }
 
     #[test]
+    fn the_pools_threads_run_at_its_niceness() {
+        // On a thread of its own, which the job's first call lowers for good.
+        let got = std::thread::spawn(|| {
+            let before = rustix::process::getpriority_process(None).unwrap_or(0);
+            let want = (before + 3).min(19);
+            let pool = Pool::new(3, want);
+            let workers = pool.worker_nice().to_vec();
+            let caller_before = rustix::process::getpriority_process(None).ok();
+            assert!(pool.for_each(16, &|_| {}));
+            (before, want, workers, caller_before, rustix::process::getpriority_process(None).ok())
+        })
+        .join()
+        .unwrap();
+        let (before, want, workers, caller_before, caller_after) = got;
+        assert_eq!(workers, vec![Some(want); 2], "each worker at the pool's niceness from the start");
+        assert_eq!(caller_before, Some(before), "the caller keeps its priority until its first job");
+        assert_eq!(caller_after, Some(want), "and runs its jobs at the pool's");
+        // a pool without a niceness leaves its threads alone
+        let plain = Pool::new(2, 0);
+        assert_eq!(plain.worker_nice(), &[rustix::process::getpriority_process(None).ok()]);
+    }
+
+    #[test]
     fn more_threads_than_cores_still_finish() {
-        let pool = Pool::new(16);
+        let pool = Pool::new(16, 0);
         let sum = AtomicUsize::new(0);
         for _ in 0..200 {
             assert!(pool.for_each(100, &|i| {
@@ -304,7 +380,7 @@ mod tests {
 
     #[test]
     fn a_panicking_item_is_reported() {
-        let pool = Pool::new(2);
+        let pool = Pool::new(2, 0);
         let ok = pool.for_each(64, &|i| {
             if i == 40 {
                 std::panic::panic_any("boom");

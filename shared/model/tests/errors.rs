@@ -111,6 +111,6 @@ fn facts_describe_the_model() {
     assert_eq!(f.weights_id, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53");
     assert_eq!(f.name, "SmolLM2-135M-Instruct.Q4_1");
     let p = common::model_path().unwrap();
-    let capped = LlamaExecutor::load(&p, &ModelOptions { max_model_len: Some(1024), threads: None }).unwrap();
+    let capped = LlamaExecutor::load(&p, &ModelOptions { max_model_len: Some(1024), ..Default::default() }).unwrap();
     assert_eq!(capped.facts().max_model_len, 1024);
 }

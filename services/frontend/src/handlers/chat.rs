@@ -101,7 +101,10 @@ pub fn validate_request(body: &ChatCompletionRequest, limits: &ModelLimits<'_>) 
         }
         params.tools = Some(setup.mode);
     }
-    let prompt = render_chat(limits.codec, &messages, vocab)?;
+    let prompt = match crate::resume::prompt_token_ids(&body.extra, vocab)? {
+        Some(ids) => ids,
+        None => render_chat(limits.codec, &messages, vocab)?,
+    };
     let max_tokens = resolve_max_tokens(
         u32::try_from(prompt.len()).unwrap_or(u32::MAX),
         params.requested_max_tokens,

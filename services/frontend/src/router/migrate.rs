@@ -48,7 +48,8 @@ pub(super) fn continuation_body(original: &Value, seen: &[u32]) -> Value {
     if let Some(o) = body.as_object_mut() {
         o.remove("kv_transfer_params");
     }
-    body[crate::resume::FIELD] = json!({"stream_token_ids": true, "resume_token_ids": seen});
+    body[crate::resume::FIELD]["stream_token_ids"] = json!(true);
+    body[crate::resume::FIELD]["resume_token_ids"] = json!(seen);
     body
 }
 
@@ -111,7 +112,7 @@ async fn run_from(mut r: Relay, mut upstream: reqwest::Response, tx: mpsc::Sende
     let st = r.st.clone();
     let mut in_flight = st.decode.start(r.d);
     loop {
-        let (reason, detail) = match pump(&st, r.d, &mut upstream, &tx, &mut seen).await {
+        let (reason, detail) = match pump(&st, r.d, &mut upstream, &tx, &mut seen, &r.span).await {
             Pumped::Done | Pumped::ClientGone => return,
             Pumped::Broken { reason, detail } => (reason, detail),
         };
@@ -275,6 +276,7 @@ async fn pump(
     upstream: &mut reqwest::Response,
     tx: &mpsc::Sender<Bytes>,
     seen: &mut Seen,
+    span: &tracing::Span,
 ) -> Pumped {
     let mut buf: Vec<u8> = Vec::new();
     let mut answered = false;
@@ -315,8 +317,10 @@ async fn pump(
                 let detail = v["error"]["message"].as_str().unwrap_or("error event").to_string();
                 return Pumped::Broken { reason: "error_event", detail: format!("{code}: {detail}") };
             }
+            let mut first_relayed = false;
             if let Some(ids) = v.as_object_mut().and_then(|o| o.remove(TOKEN_IDS_FIELD)) {
                 let ids: Vec<u32> = serde_json::from_value(ids).unwrap_or_default();
+                first_relayed = seen.ids.is_empty() && !ids.is_empty();
                 if !ids.is_empty() {
                     let now = Instant::now();
                     if let Some(t) = last_tokens {
@@ -342,6 +346,10 @@ async fn pump(
             }
             if tx.send(sse_data(&v)).await.is_err() {
                 return Pumped::ClientGone;
+            }
+            if first_relayed {
+                // The router's share of the first token's path ends here (ttft-breakdown.sh).
+                tracing::info!(parent: span, "first token relayed");
             }
         }
     }

@@ -261,6 +261,19 @@ static PREFILL_PLACEMENT_TOTAL: LazyLock<prometheus::IntCounterVec> = LazyLock::
     )
 });
 
+/// Time the router spends turning a request into prompt token ids (chat template and
+/// tokenizer) for `cache_aware` picks and conditional disaggregation: it sits on every such
+/// request's path to its first byte, before any leg leaves.
+pub const PROMPT_TOKENIZE: &str = "pdmesh_router_prompt_tokenize_seconds";
+
+static PROMPT_TOKENIZE_HIST: LazyLock<prometheus::Histogram> = LazyLock::new(|| {
+    pdmesh_telemetry::metrics::histogram(
+        PROMPT_TOKENIZE,
+        "Seconds the router spent rendering and tokenising a request's prompt before picking its nodes",
+        vec![0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05],
+    )
+});
+
 /// What one request's legs share.
 struct Legs<'a> {
     req: &'a HttpRequest,
@@ -382,7 +395,7 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
         }
         if legs.first_token {
             // P's answer names its token's id: the router streams it and D resumes after it.
-            p_body[crate::resume::FIELD] = json!({"stream_token_ids": true});
+            p_body[crate::resume::FIELD]["stream_token_ids"] = json!(true);
         }
         one_choice_on_prefill(&mut p_body);
         // From here until D has the request, the router may be the last one to know of P's blocks:
@@ -515,9 +528,18 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         return error(ApiError::Unavailable("unavailable: no prefill or decode upstream".into()), "");
     }
     let tokens = match (&st.tokenizer, pinned) {
-        (Some(t), None) => t.tokens(path, &original),
+        (Some(t), None) => {
+            let started = std::time::Instant::now();
+            let tokens = t.tokens(path, &original);
+            PROMPT_TOKENIZE_HIST.observe(started.elapsed().as_secs_f64());
+            tokens
+        }
         _ => None,
     };
+    // D72: a chat prompt tokenised here goes to the nodes as ids, so neither renders it again.
+    if let (true, Some(ids)) = (path == first_token::CHAT, &tokens) {
+        original[crate::resume::FIELD]["prompt_token_ids"] = json!(ids);
+    }
     let legs = Legs {
         req: &req,
         st: &st,
@@ -619,7 +641,8 @@ async fn decode_leg(
                 let mut b = original.clone();
                 b["kv_transfer_params"] = p;
                 if let Some(first) = &first {
-                    b[crate::resume::FIELD] = json!({"stream_token_ids": true, "resume_token_ids": [first.id]});
+                    b[crate::resume::FIELD]["stream_token_ids"] = json!(true);
+                    b[crate::resume::FIELD]["resume_token_ids"] = json!([first.id]);
                 }
                 b
             }

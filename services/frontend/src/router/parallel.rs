@@ -49,7 +49,8 @@ pub(super) async fn dispatch(legs: &Legs<'_>, original: Value, permits: Box<dyn 
     if let Some(o) = d_body.as_object_mut() {
         o.remove("kv_transfer_params");
     }
-    d_body[crate::resume::FIELD] = json!({"stream_token_ids": true, "params_follow": token});
+    d_body[crate::resume::FIELD]["stream_token_ids"] = json!(true);
+    d_body[crate::resume::FIELD]["params_follow"] = json!(token);
     let d_span = tracing::info_span!(parent: legs.span, "router.decode", otel.kind = "client", upstream = %d,
         stream = true, parallel = true);
     let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, legs.client_trace);
