@@ -39,21 +39,19 @@ struct Internal {
     _prompt_token_ids: serde::de::IgnoredAny,
 }
 
-/// The chat prompt's token ids the router sent (D72), checked as a token prompt is: every id
-/// in the vocabulary. `None` when the body has none (a client's own request): the node renders
-/// the messages itself. A client that sends them directly gets what the same ids as a
-/// completions prompt would give.
+/// The chat prompt's token ids the router sent (D72), checked by the completions endpoint's
+/// own check of a token prompt ([`crate::validation::token_ids`]: every id in the vocabulary).
+/// `None` when the body has none (a client's own request): the node renders the messages
+/// itself. A client that sends them directly gets what the same ids as a completions prompt
+/// would give.
 pub fn prompt_token_ids(extra: &Map<String, Value>, vocab_size: u32) -> Result<Option<Vec<u32>>, ApiError> {
     let Some(ids) = extra.get(FIELD).and_then(|v| v.get("prompt_token_ids")) else { return Ok(None) };
-    let ids: Vec<u32> = serde_json::from_value(ids.clone())
+    let ids: Vec<i64> = serde_json::from_value(ids.clone())
         .map_err(|e| ApiError::invalid(format!("{FIELD}.prompt_token_ids: {e}"), FIELD))?;
     if ids.is_empty() {
         return Err(ApiError::invalid(format!("{FIELD}.prompt_token_ids is empty"), FIELD));
     }
-    if let Some(bad) = ids.iter().find(|&&t| t >= vocab_size) {
-        return Err(ApiError::invalid(format!("{FIELD}.prompt_token_ids: token id {bad} is out of range"), FIELD));
-    }
-    Ok(Some(ids))
+    crate::validation::token_ids(&ids, vocab_size, FIELD).map(Some)
 }
 
 /// Apply the body's `pdmesh_internal` (if any) to a prepared request.

@@ -1703,9 +1703,10 @@ async fn chat_takes_the_routers_prompt_token_ids_instead_of_rendering() {
     assert_eq!(prompt_text(&added(&h)[1]), "abc", "the router's ids, not a second rendering");
     assert_eq!(json_of(&body)["usage"]["prompt_tokens"], 3);
 
-    for (bad, why) in
-        [(json!({"prompt_token_ids": [1, 99_999_999]}), "out of range"), (json!({"prompt_token_ids": []}), "empty")]
-    {
+    for (bad, why) in [
+        (json!({"prompt_token_ids": [1, 99_999_999]}), "out of vocabulary"),
+        (json!({"prompt_token_ids": []}), "empty"),
+    ] {
         let (status, _, body) = call(&h, "/v1/chat/completions", chat(Some(bad)), &[]).await;
         assert_eq!(status, 400, "{why}");
         let e = json_of(&body);

@@ -413,7 +413,7 @@ pub fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
 }
 
 /// Token ids in `0..vocab_size`.
-fn token_ids(ids: &[i64], vocab_size: u32, param: &str) -> Result<Vec<u32>, ApiError> {
+pub(crate) fn token_ids(ids: &[i64], vocab_size: u32, param: &str) -> Result<Vec<u32>, ApiError> {
     ids.iter()
         .map(|&id| match u32::try_from(id) {
             Ok(t) if t < vocab_size => Ok(t),

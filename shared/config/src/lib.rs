@@ -1067,13 +1067,13 @@ impl Topology {
                 kv.backend = b;
             }
         }
-        self.check_backends()
+        self.check_node_settings()
     }
 
     /// Per-node settings that stand alone: a model's niceness is one Linux accepts, and a
     /// `cuda` transfer backend needs the node's model on a GPU (the cache it serves is the GPU
     /// executor's).
-    fn check_backends(&self) -> Result<(), ConfigError> {
+    fn check_node_settings(&self) -> Result<(), ConfigError> {
         for n in &self.nodes {
             if n.model.cpu_nice > 19 {
                 return Err(ConfigError::Invalid(format!(
@@ -1176,7 +1176,7 @@ impl Topology {
                 n.router.check().map_err(|why| ConfigError::Invalid(format!("router node {:?}: {why}", n.name)))?;
             }
         }
-        self.check_backends()
+        self.check_node_settings()
     }
 }
 

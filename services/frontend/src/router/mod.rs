@@ -537,7 +537,7 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         _ => None,
     };
     // D72: a chat prompt tokenised here goes to the nodes as ids, so neither renders it again.
-    if let (true, Some(ids)) = (path == first_token::CHAT, &tokens) {
+    if let Some(ids) = tokens.as_ref().filter(|_| path == first_token::CHAT) {
         original[crate::resume::FIELD]["prompt_token_ids"] = json!(ids);
     }
     let legs = Legs {
