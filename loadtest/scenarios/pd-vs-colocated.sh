@@ -22,6 +22,9 @@
 # disaggregation in TTFT and ITL; docs/benchmarks.md.
 SCENARIO=pd-vs-colocated
 MODEL=${MODEL:-gguf}
+# D's engine is configured as the colocated node's (below), max_model_len included (the other
+# scenarios give D 2048): the two decode nodes compared differ only in being disaggregated.
+D_MAX_LEN=${D_MAX_LEN:-8192}
 source "$(dirname "$0")/lib.sh"
 mesh_ports "${PDMESH_SCENARIO_PORT:-13080}"
 start_mesh pd

@@ -4,7 +4,8 @@
 //! token a prefill node sampled to its client at once and has D continue after it (D63).
 //!
 //! `{"pdmesh_internal": {"stream_token_ids": true}}` makes every stream chunk carry the ids of
-//! its tokens (`pdmesh_token_ids`); `"resume_token_ids": [...]` continues a request whose
+//! its tokens (a `: pdmesh_token_ids [...]` comment line of its event, D73; a whole answer's
+//! `pdmesh_token_ids` field); `"resume_token_ids": [...]` continues a request whose
 //! client already saw those tokens from another node: they are appended to the prompt (the
 //! node prefills them, as if it had generated them), `max_tokens` shrinks by their number,
 //! seeded draws continue from their output index, and the stream shows only what comes after

@@ -7,6 +7,7 @@
 //! engine) and drops the guard, which aborts the engine request.
 
 use std::convert::Infallible;
+use std::io::Write as _;
 use std::sync::Arc;
 
 use actix_web::HttpResponse;
@@ -74,9 +75,30 @@ pub struct ChunkFormatter {
     token_ids: bool,
 }
 
-/// The field of a stream chunk that lists the ids of the chunk's tokens, on the router's
-/// internal calls only (D56); the router takes it out before the client sees the chunk.
+/// The field of a non-streamed answer that lists its tokens' ids, on the router's internal
+/// calls only (D56); the router takes it out before the client sees the answer. Nodes before
+/// D73 also put it in every stream chunk, and the router still takes it out there.
 pub const TOKEN_IDS_FIELD: &str = "pdmesh_token_ids";
+
+/// How a stream event's comment line carrying the ids of its tokens starts (D73): on the
+/// router's internal calls, `: pdmesh_token_ids [1,2]` precedes the event's `data:` line.
+pub const TOKEN_IDS_COMMENT: &str = ": pdmesh_token_ids ";
+
+/// The comment line of an event that carries `ids` ([`TOKEN_IDS_COMMENT`]).
+pub fn token_ids_line(ids: &[u32]) -> Vec<u8> {
+    let mut line = Vec::with_capacity(TOKEN_IDS_COMMENT.len() + 8 * ids.len() + 3);
+    line.extend_from_slice(TOKEN_IDS_COMMENT.as_bytes());
+    line.push(b'[');
+    for (i, id) in ids.iter().enumerate() {
+        if i > 0 {
+            line.push(b',');
+        }
+        // Writing into a Vec cannot fail.
+        let _ = write!(line, "{id}");
+    }
+    line.extend_from_slice(b"]\n");
+    line
+}
 
 impl ChunkFormatter {
     /// The same formatter for choice `index`.
@@ -99,6 +121,11 @@ impl ChunkFormatter {
 
     /// [`ChunkFormatter::delta_chunk`] with the ids of its tokens when the router asked for
     /// them (every token since the last chunk: outputs with nothing to show send no chunk).
+    ///
+    /// The ids go in an SSE comment line of the same event ([`token_ids_line`]), ahead of its
+    /// `data:` line, not into the JSON: the router reads them and passes the `data:` line on
+    /// as it came, so neither side parses and re-serialises a chunk per token (D73). A client
+    /// that somehow got the event would ignore the comment, as SSE says.
     pub fn delta_chunk_with_ids(
         &self,
         text: String,
@@ -110,14 +137,9 @@ impl ChunkFormatter {
         if !self.token_ids {
             return chunk;
         }
-        let json = chunk.strip_prefix(b"data: ").and_then(|b| b.strip_suffix(b"\n\n")).unwrap_or(&chunk);
-        match serde_json::from_slice::<serde_json::Value>(json) {
-            Ok(mut v) => {
-                v[TOKEN_IDS_FIELD] = serde_json::json!(ids);
-                sse_data(&v)
-            }
-            Err(_) => chunk,
-        }
+        let mut buf = token_ids_line(ids);
+        buf.extend_from_slice(&chunk);
+        Bytes::from(buf)
     }
 
     fn usage_placeholder(&self) -> UsageField {
@@ -501,10 +523,11 @@ async fn send_error(tx: &mpsc::Sender<Bytes>, error: ApiError) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn settings(api: Api, include_usage: bool, logprobs: Option<u32>) -> ResponseSettings {
+    /// A streamed request's settings for formatter tests (the router's tests use them too).
+    pub(crate) fn settings(api: Api, include_usage: bool, logprobs: Option<u32>) -> ResponseSettings {
         ResponseSettings {
             api,
             request_id: "r1".into(),

@@ -2,7 +2,8 @@
 //! decode node, and the client sees one uninterrupted stream.
 //!
 //! The router asks D for the ids of the tokens of every chunk (`pdmesh_internal.
-//! stream_token_ids`, [`crate::resume`]) and takes them out of each chunk before passing it on.
+//! stream_token_ids`, [`crate::resume`]): D writes them in a comment line of each event, which
+//! the router reads and drops, passing the chunk itself on as it came (D73).
 //! When D's stream breaks — the connection resets or ends before `[DONE]`, or D sends an error
 //! event of a 5xx kind (its engine died) — the router sends the client's own request to
 //! another decode node with `resume_token_ids` = every id the client saw: that node prefills
@@ -19,7 +20,7 @@ use std::sync::LazyLock;
 use std::time::Instant;
 
 use actix_web::{web, HttpRequest, HttpResponse};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures::StreamExt;
 use pdmesh_protocol::TraceContext;
 use pdmesh_telemetry::metrics::counter_vec;
@@ -30,7 +31,7 @@ use tokio::sync::mpsc;
 use super::{forward_headers, Leg, RouterState};
 use crate::error::ApiError;
 use crate::headers::REQUEST_ID;
-use crate::stream::{sse_data, sse_done, sse_error, TOKEN_IDS_FIELD};
+use crate::stream::{sse_data, sse_done, sse_error, TOKEN_IDS_COMMENT, TOKEN_IDS_FIELD};
 
 /// Requests moved to another decode node, by `reason` (`stream_broke`: the connection broke or
 /// ended early; `error_event`: D sent a 5xx error event; `no_answer`: D failed before its
@@ -278,7 +279,7 @@ async fn pump(
     seen: &mut Seen,
     span: &tracing::Span,
 ) -> Pumped {
-    let mut buf: Vec<u8> = Vec::new();
+    let mut buf = BytesMut::new();
     let mut answered = false;
     let mut last_tokens: Option<Instant> = None;
     loop {
@@ -300,51 +301,25 @@ async fn pump(
         }
         buf.extend_from_slice(&bytes);
         while let Some(end) = first_event_end(&buf) {
-            let event: Vec<u8> = buf.drain(..end).collect();
-            let Some(data) = event_data(&event) else { continue };
-            if data == "[DONE]" {
-                let _ = tx.send(sse_done()).await;
-                return Pumped::Done;
-            }
-            let Ok(mut v) = serde_json::from_str::<Value>(data) else {
-                // Not ours to judge: pass it on as it came.
-                if tx.send(Bytes::from(event)).await.is_err() {
-                    return Pumped::ClientGone;
+            let event = buf.split_to(end).freeze();
+            let (out, ids) = match relay_event(event, seen) {
+                Relayed::Send(out, ids) => (out, ids),
+                Relayed::Skip => continue,
+                Relayed::Done => {
+                    let _ = tx.send(sse_done()).await;
+                    return Pumped::Done;
                 }
-                continue;
+                Relayed::Failed(detail) => return Pumped::Broken { reason: "error_event", detail },
             };
-            if let Some(code) = v["error"]["code"].as_u64().filter(|c| *c >= 500) {
-                let detail = v["error"]["message"].as_str().unwrap_or("error event").to_string();
-                return Pumped::Broken { reason: "error_event", detail: format!("{code}: {detail}") };
-            }
-            let mut first_relayed = false;
-            if let Some(ids) = v.as_object_mut().and_then(|o| o.remove(TOKEN_IDS_FIELD)) {
-                let ids: Vec<u32> = serde_json::from_value(ids).unwrap_or_default();
-                first_relayed = seen.ids.is_empty() && !ids.is_empty();
-                if !ids.is_empty() {
-                    let now = Instant::now();
-                    if let Some(t) = last_tokens {
-                        st.decode.observe_latency(d, now.duration_since(t).as_secs_f64() / ids.len() as f64);
-                    }
-                    last_tokens = Some(now);
+            let first_relayed = ids > 0 && seen.ids.len() == ids;
+            if ids > 0 {
+                let now = Instant::now();
+                if let Some(t) = last_tokens {
+                    st.decode.observe_latency(d, now.duration_since(t).as_secs_f64() / ids as f64);
                 }
-                seen.ids.extend(ids);
+                last_tokens = Some(now);
             }
-            if seen.skip_role {
-                seen.skip_role = false;
-                if !v["choices"][0]["delta"]["role"].is_null() {
-                    continue;
-                }
-            }
-            match &seen.created {
-                None => seen.created = Some(v["created"].clone()),
-                Some(c) if !v["created"].is_null() => v["created"] = c.clone(),
-                Some(_) => {}
-            }
-            if !v["choices"][0]["finish_reason"].is_null() {
-                seen.finished = true;
-            }
-            if tx.send(sse_data(&v)).await.is_err() {
+            if tx.send(out).await.is_err() {
                 return Pumped::ClientGone;
             }
             if first_relayed {
@@ -353,6 +328,109 @@ async fn pump(
             }
         }
     }
+}
+
+/// What the relay does with one upstream event.
+#[derive(Debug, PartialEq)]
+enum Relayed {
+    /// Pass these bytes on to the client; the event carried this many token ids.
+    Send(Bytes, usize),
+    /// Nothing for the client: an event without data, or a continuation's role chunk.
+    Skip,
+    /// `[DONE]`.
+    Done,
+    /// D's error event of a 5xx kind: its engine or worker failed; the request moves.
+    Failed(String),
+}
+
+/// The few fields of a chunk the relay looks at, read without building the chunk as a
+/// `Value` (D73): one chunk per token passes the router, and most need no change.
+#[derive(serde::Deserialize)]
+struct Peek {
+    #[serde(default)]
+    error: Option<Value>,
+    #[serde(default)]
+    created: Option<u64>,
+    #[serde(default)]
+    choices: Vec<PeekChoice>,
+    /// Ids inside the chunk itself: nodes before D73.
+    #[serde(default, rename = "pdmesh_token_ids")]
+    inline_ids: Option<Vec<u32>>,
+}
+
+#[derive(serde::Deserialize)]
+struct PeekChoice {
+    #[serde(default)]
+    finish_reason: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    delta: Option<PeekDelta>,
+}
+
+#[derive(serde::Deserialize)]
+struct PeekDelta {
+    #[serde(default)]
+    role: Option<serde::de::IgnoredAny>,
+}
+
+/// Read one complete upstream event (`event`, up to and with its blank line): record its
+/// token ids, whether it finishes the answer and its `created` in `seen`, and say what goes
+/// to the client. The ids' comment line (D73) never does; the chunk itself goes on byte for
+/// byte unless it must change: a continuation's chunks take the first stream's `created`,
+/// and ids inside a chunk (nodes before D73) are taken out.
+fn relay_event(event: Bytes, seen: &mut Seen) -> Relayed {
+    let Ok(text) = std::str::from_utf8(&event) else { return Relayed::Send(event, 0) };
+    let (comment_ids, chunk_at) = match text.strip_prefix(TOKEN_IDS_COMMENT) {
+        Some(rest) => {
+            let line_end = rest.find('\n').unwrap_or(rest.len());
+            let ids = serde_json::from_str::<Vec<u32>>(rest[..line_end].trim()).ok();
+            (ids, (TOKEN_IDS_COMMENT.len() + line_end + 1).min(text.len()))
+        }
+        None => (None, 0),
+    };
+    let Some(data) = event_data(&event[chunk_at..]) else { return Relayed::Skip };
+    if data == "[DONE]" {
+        return Relayed::Done;
+    }
+    let Ok(peek) = serde_json::from_str::<Peek>(data) else {
+        // Not ours to judge: pass it on as it came.
+        return Relayed::Send(event.slice(chunk_at..), 0);
+    };
+    if let Some(code) = peek.error.as_ref().and_then(|e| e["code"].as_u64()).filter(|c| *c >= 500) {
+        let detail = peek.error.as_ref().and_then(|e| e["message"].as_str()).unwrap_or("error event");
+        return Relayed::Failed(format!("{code}: {detail}"));
+    }
+    let ids = comment_ids.or_else(|| peek.inline_ids.clone()).unwrap_or_default();
+    let count = ids.len();
+    seen.ids.extend(ids);
+    let first = peek.choices.first();
+    if seen.skip_role {
+        seen.skip_role = false;
+        if first.and_then(|c| c.delta.as_ref()).is_some_and(|d| d.role.is_some()) {
+            return Relayed::Skip;
+        }
+    }
+    if first.is_some_and(|c| c.finish_reason.is_some()) {
+        seen.finished = true;
+    }
+    let created = match &seen.created {
+        None => {
+            seen.created = Some(peek.created.map_or(Value::Null, Value::from));
+            None
+        }
+        Some(c) if peek.created.is_some() && c.as_u64() != peek.created => Some(c.clone()),
+        Some(_) => None,
+    };
+    if created.is_none() && peek.inline_ids.is_none() {
+        return Relayed::Send(event.slice(chunk_at..), count);
+    }
+    let Ok(mut v) = serde_json::from_str::<Value>(data) else { return Relayed::Send(event.slice(chunk_at..), count) };
+    if let Some(o) = v.as_object_mut() {
+        o.remove(TOKEN_IDS_FIELD);
+    }
+    if let Some(c) = created {
+        v["created"] = c;
+    }
+    Relayed::Send(sse_data(&v), count)
 }
 
 /// End of the first complete SSE event in `buf` (after its blank line), if any.
@@ -382,6 +460,86 @@ mod tests {
         assert!(body.get("kv_transfer_params").is_none());
         assert_eq!(body["pdmesh_internal"], json!({"stream_token_ids": true, "resume_token_ids": [5, 6]}));
         assert_eq!(body["max_tokens"], 8, "the node subtracts what was seen");
+    }
+
+    fn settings(api: crate::generate::Api) -> crate::generate::ResponseSettings {
+        let mut s = crate::stream::tests::settings(api, false, None);
+        s.stream_token_ids = true;
+        s
+    }
+
+    fn sent(r: Relayed) -> (Value, usize, Bytes) {
+        let Relayed::Send(bytes, ids) = r else { panic!("not sent: {r:?}") };
+        let text = std::str::from_utf8(&bytes).unwrap();
+        let data =
+            text.strip_prefix("data: ").and_then(|t| t.strip_suffix("\n\n")).unwrap_or_else(|| panic!("{text:?}"));
+        (serde_json::from_str(data).unwrap(), ids, bytes.clone())
+    }
+
+    #[test]
+    fn a_nodes_chunk_reaches_the_client_byte_for_byte_without_its_ids() {
+        use crate::generate::Api;
+        use crate::stream::ChunkFormatter;
+        let mut without_ids = settings(Api::Chat);
+        without_ids.stream_token_ids = false;
+        let plain = ChunkFormatter::new(&without_ids).delta_chunk("hi".into(), &[], None);
+        let f = ChunkFormatter::new(&settings(Api::Chat));
+        let mut seen = Seen::default();
+        assert_eq!(relay_event(f.role_chunk(), &mut seen), Relayed::Send(f.role_chunk(), 0));
+        let event = f.delta_chunk_with_ids("hi".into(), &[], None, &[11, 12]);
+        assert!(event.starts_with(b": pdmesh_token_ids [11,12]\n"), "{event:?}");
+        let (chunk, ids, bytes) = sent(relay_event(event, &mut seen));
+        assert_eq!(bytes, plain, "the chunk a client sees is the one a node sends it directly");
+        assert_eq!((ids, chunk["choices"][0]["delta"]["content"].as_str()), (2, Some("hi")));
+        assert_eq!(seen.ids, vec![11, 12]);
+        assert_eq!(seen.created, Some(json!(7)));
+        assert!(!seen.finished);
+        let last = f.delta_chunk_with_ids(String::new(), &[], Some(&crate::output::Finish::Length), &[13]);
+        let (chunk, ..) = sent(relay_event(last, &mut seen));
+        assert_eq!(chunk["choices"][0]["finish_reason"], "length");
+        assert!(seen.finished);
+        assert_eq!(seen.ids, vec![11, 12, 13]);
+        assert_eq!(relay_event(sse_done(), &mut seen), Relayed::Done);
+    }
+
+    #[test]
+    fn a_continuation_drops_its_role_chunk_and_takes_the_first_streams_created() {
+        use crate::generate::Api;
+        use crate::stream::ChunkFormatter;
+        let mut later = settings(Api::Chat);
+        later.created = 9;
+        let f = ChunkFormatter::new(&later);
+        let mut seen = Seen { ids: vec![5], created: Some(json!(7)), finished: false, skip_role: true };
+        assert_eq!(relay_event(f.role_chunk(), &mut seen), Relayed::Skip);
+        let (chunk, ids, _) = sent(relay_event(f.delta_chunk_with_ids("x".into(), &[], None, &[6]), &mut seen));
+        assert_eq!((chunk["created"].as_u64(), ids), (Some(7), 1));
+        assert!(chunk.get(TOKEN_IDS_FIELD).is_none());
+        assert_eq!(seen.ids, vec![5, 6]);
+    }
+
+    #[test]
+    fn ids_inside_a_chunk_from_an_older_node_are_read_and_taken_out() {
+        let mut seen = Seen::default();
+        let old = sse_data(&json!({"created": 7, "choices": [{"index": 0, "text": "a", "finish_reason": null}],
+            "pdmesh_token_ids": [3, 4]}));
+        let (chunk, ids, _) = sent(relay_event(old, &mut seen));
+        assert_eq!(ids, 2);
+        assert!(chunk.get(TOKEN_IDS_FIELD).is_none(), "{chunk}");
+        assert_eq!(chunk["choices"][0]["text"], "a");
+        assert_eq!(seen.ids, vec![3, 4]);
+    }
+
+    #[test]
+    fn a_server_error_event_moves_the_request_and_a_client_error_passes_on() {
+        let mut seen = Seen::default();
+        let engine_died = sse_data(&json!({"error": {"code": 500, "message": "engine failed"}}));
+        assert_eq!(relay_event(engine_died, &mut seen), Relayed::Failed("500: engine failed".into()));
+        let refused = sse_data(&json!({"error": {"code": 400, "message": "bad"}}));
+        assert_eq!(relay_event(refused.clone(), &mut seen), Relayed::Send(refused, 0));
+        let odd = Bytes::from_static(b"data: not json\n\n");
+        assert_eq!(relay_event(odd.clone(), &mut seen), Relayed::Send(odd, 0));
+        assert_eq!(relay_event(Bytes::from_static(b": keep-alive\n\n"), &mut seen), Relayed::Skip);
+        assert!(seen.ids.is_empty());
     }
 
     #[test]
