@@ -7,7 +7,6 @@
 //! engine) and drops the guard, which aborts the engine request.
 
 use std::convert::Infallible;
-use std::io::Write as _;
 use std::sync::Arc;
 
 use actix_web::HttpResponse;
@@ -85,18 +84,12 @@ pub const TOKEN_IDS_FIELD: &str = "pdmesh_token_ids";
 pub const TOKEN_IDS_COMMENT: &str = ": pdmesh_token_ids ";
 
 /// The comment line of an event that carries `ids` ([`TOKEN_IDS_COMMENT`]).
-pub fn token_ids_line(ids: &[u32]) -> Vec<u8> {
+fn token_ids_line(ids: &[u32]) -> Vec<u8> {
     let mut line = Vec::with_capacity(TOKEN_IDS_COMMENT.len() + 8 * ids.len() + 3);
     line.extend_from_slice(TOKEN_IDS_COMMENT.as_bytes());
-    line.push(b'[');
-    for (i, id) in ids.iter().enumerate() {
-        if i > 0 {
-            line.push(b',');
-        }
-        // Writing into a Vec cannot fail.
-        let _ = write!(line, "{id}");
-    }
-    line.extend_from_slice(b"]\n");
+    // A list of integers always serialises, and writing into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut line, ids);
+    line.push(b'\n');
     line
 }
 

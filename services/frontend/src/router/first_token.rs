@@ -18,7 +18,7 @@
 use std::sync::LazyLock;
 
 use prometheus::IntCounter;
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::openai::{
     ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice, CompletionResponse, UsageField,
@@ -46,7 +46,7 @@ pub(super) struct FirstToken {
     /// The chunks the client gets for it (chat: the role chunk, then the text).
     pub chunks: Vec<Value>,
     /// The chunks' `created`: D's chunks get it too.
-    pub created: Value,
+    pub created: u64,
 }
 
 /// Whether the client's request may take its first token from P (see the module docs).
@@ -158,12 +158,13 @@ pub(super) fn from_answer(path: &str, client_body: &Value, answer: &Value) -> Op
         })
         .ok()?]
     };
-    Some(FirstToken { id, chunks, created: json!(created) })
+    Some(FirstToken { id, chunks, created })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     #[test]
     fn only_plain_single_choice_streams_are_eligible() {
@@ -203,7 +204,7 @@ mod tests {
         let body = json!({"prompt": "x", "stream": true, "stream_options": {"include_usage": true}});
         let first = from_answer(COMPLETIONS, &body, &answer(" fox", "length", json!([42]))).unwrap();
         assert_eq!(first.id, 42);
-        assert_eq!(first.created, json!(7));
+        assert_eq!(first.created, 7);
         assert_eq!(first.chunks.len(), 1);
         let c = &first.chunks[0];
         assert_eq!((c["id"].as_str(), c["choices"][0]["text"].as_str()), (Some("cmpl-r1"), Some(" fox")));

@@ -98,7 +98,8 @@ enum Pumped {
 #[derive(Default)]
 struct Seen {
     ids: Vec<u32>,
-    created: Option<Value>,
+    /// The first stream's `created`, which a continuation's chunks take.
+    created: Option<u64>,
     finished: bool,
     /// Drop the next role chunk (a continuation's opening chunk).
     skip_role: bool,
@@ -161,8 +162,7 @@ pub(super) fn respond_after_first_token(
             }
         }
         tracing::info!(parent: &relay.span, token_id = first.id, "first token from the prefill node");
-        let mut seen =
-            Seen { ids: vec![first.id], created: Some(first.created.clone()), finished: false, skip_role: true };
+        let mut seen = Seen { ids: vec![first.id], created: Some(first.created), finished: false, skip_role: true };
         let Some(handover) = handover else {
             return run_from(relay, upstream, tx, seen).await;
         };
@@ -387,11 +387,11 @@ fn relay_event(event: Bytes, seen: &mut Seen) -> Relayed {
         }
         None => (None, 0),
     };
-    let Some(data) = event_data(&event[chunk_at..]) else { return Relayed::Skip };
+    let Some(data) = event_data(&text[chunk_at..]) else { return Relayed::Skip };
     if data == "[DONE]" {
         return Relayed::Done;
     }
-    let Ok(peek) = serde_json::from_str::<Peek>(data) else {
+    let Ok(mut peek) = serde_json::from_str::<Peek>(data) else {
         // Not ours to judge: pass it on as it came.
         return Relayed::Send(event.slice(chunk_at..), 0);
     };
@@ -399,7 +399,9 @@ fn relay_event(event: Bytes, seen: &mut Seen) -> Relayed {
         let detail = peek.error.as_ref().and_then(|e| e["message"].as_str()).unwrap_or("error event");
         return Relayed::Failed(format!("{code}: {detail}"));
     }
-    let ids = comment_ids.or_else(|| peek.inline_ids.clone()).unwrap_or_default();
+    let inline_ids = peek.inline_ids.take();
+    let ids_inside = inline_ids.is_some();
+    let ids = comment_ids.or(inline_ids).unwrap_or_default();
     let count = ids.len();
     seen.ids.extend(ids);
     let first = peek.choices.first();
@@ -412,15 +414,15 @@ fn relay_event(event: Bytes, seen: &mut Seen) -> Relayed {
     if first.is_some_and(|c| c.finish_reason.is_some()) {
         seen.finished = true;
     }
-    let created = match &seen.created {
-        None => {
-            seen.created = Some(peek.created.map_or(Value::Null, Value::from));
+    let created = match (seen.created, peek.created) {
+        (None, theirs) => {
+            seen.created = theirs;
             None
         }
-        Some(c) if peek.created.is_some() && c.as_u64() != peek.created => Some(c.clone()),
-        Some(_) => None,
+        (Some(ours), Some(theirs)) if ours != theirs => Some(ours),
+        _ => None,
     };
-    if created.is_none() && peek.inline_ids.is_none() {
+    if created.is_none() && !ids_inside {
         return Relayed::Send(event.slice(chunk_at..), count);
     }
     let Ok(mut v) = serde_json::from_str::<Value>(data) else { return Relayed::Send(event.slice(chunk_at..), count) };
@@ -428,7 +430,7 @@ fn relay_event(event: Bytes, seen: &mut Seen) -> Relayed {
         o.remove(TOKEN_IDS_FIELD);
     }
     if let Some(c) = created {
-        v["created"] = c;
+        v["created"] = json!(c);
     }
     Relayed::Send(sse_data(&v), count)
 }
@@ -444,9 +446,8 @@ fn first_event_end(buf: &[u8]) -> Option<usize> {
 }
 
 /// The `data:` payload of one event (its data lines joined), if it has one.
-fn event_data(event: &[u8]) -> Option<&str> {
-    let text = std::str::from_utf8(event).ok()?;
-    text.lines().find_map(|l| l.strip_prefix("data:")).map(str::trim)
+fn event_data(event: &str) -> Option<&str> {
+    event.lines().find_map(|l| l.strip_prefix("data:")).map(str::trim)
 }
 
 #[cfg(test)]
@@ -492,7 +493,7 @@ mod tests {
         assert_eq!(bytes, plain, "the chunk a client sees is the one a node sends it directly");
         assert_eq!((ids, chunk["choices"][0]["delta"]["content"].as_str()), (2, Some("hi")));
         assert_eq!(seen.ids, vec![11, 12]);
-        assert_eq!(seen.created, Some(json!(7)));
+        assert_eq!(seen.created, Some(7));
         assert!(!seen.finished);
         let last = f.delta_chunk_with_ids(String::new(), &[], Some(&crate::output::Finish::Length), &[13]);
         let (chunk, ..) = sent(relay_event(last, &mut seen));
@@ -509,7 +510,7 @@ mod tests {
         let mut later = settings(Api::Chat);
         later.created = 9;
         let f = ChunkFormatter::new(&later);
-        let mut seen = Seen { ids: vec![5], created: Some(json!(7)), finished: false, skip_role: true };
+        let mut seen = Seen { ids: vec![5], created: Some(7), finished: false, skip_role: true };
         assert_eq!(relay_event(f.role_chunk(), &mut seen), Relayed::Skip);
         let (chunk, ids, _) = sent(relay_event(f.delta_chunk_with_ids("x".into(), &[], None, &[6]), &mut seen));
         assert_eq!((chunk["created"].as_u64(), ids), (Some(7), 1));
@@ -546,7 +547,7 @@ mod tests {
     fn events_split_on_their_first_blank_line() {
         assert_eq!(first_event_end(b"data: a\n\ndata: b\n\n"), Some(9));
         assert_eq!(first_event_end(b"data: a\n"), None);
-        assert_eq!(event_data(b"data: {\"x\":1}\n\n"), Some("{\"x\":1}"));
-        assert_eq!(event_data(b": comment\n\n"), None);
+        assert_eq!(event_data("data: {\"x\":1}\n\n"), Some("{\"x\":1}"));
+        assert_eq!(event_data(": comment\n\n"), None);
     }
 }
