@@ -11,6 +11,7 @@ a process belongs to the mesh whose topology path its command line names; the su
 the router are counted too. CPU time is user + system time from /proc (clock ticks), summed per
 "node/service". Why: on one machine P/D and the colocated node share the cores, and the
 throughput they reach is the cores' time spent per output token, which this splits by process.
+Minor page faults are counted beside it: a cache first touched while serving shows up there.
 """
 import json
 import os
@@ -34,13 +35,15 @@ def snapshot(topology):
         if topology not in argv or not argv[0].endswith("pdmesh"):
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        # fields[11], [12]: utime, stime (the 14th and 15th fields of stat)
+        # fields[11], [12]: utime, stime (the 14th and 15th fields of stat); fields[7]: minflt
         ticks = int(fields[11]) + int(fields[12])
+        faults = int(fields[7])
         service = argv[1] if len(argv) > 1 else "?"
         node = argv[argv.index("--node") + 1] if "--node" in argv else ("" if service == "up" else "-")
         rank = argv[argv.index("--rank") + 1] if "--rank" in argv else ""
         key = "/".join(p for p in (node, service + (f"[{rank}]" if rank not in ("", "0") else "")) if p)
-        out[key] = out.get(key, 0) + ticks
+        had = out.get(key, [0, 0])
+        out[key] = [had[0] + ticks, had[1] + faults]
     return out
 
 
@@ -51,12 +54,15 @@ def main():
     if len(sys.argv) == 5 and sys.argv[1] == "diff":
         before, after = (json.load(open(p)) for p in sys.argv[2:4])
         tokens = max(int(sys.argv[4]), 1)
-        ms = {k: 1000.0 * (after.get(k, 0) - before.get(k, 0)) / TICK for k in after}
+        zero = [0, 0]
+        ms = {k: 1000.0 * (after[k][0] - before.get(k, zero)[0]) / TICK for k in after}
+        faults = {k: after[k][1] - before.get(k, zero)[1] for k in after}
         json.dump(
             {
                 "cpu_ms": {k: round(v, 1) for k, v in sorted(ms.items())},
                 "cpu_ms_total": round(sum(ms.values()), 1),
                 "cpu_ms_per_token": round(sum(ms.values()) / tokens, 3),
+                "minor_faults": dict(sorted(faults.items())),
                 "tokens": tokens,
             },
             sys.stdout,

@@ -78,15 +78,17 @@ for r in $(seq 1 "$ROUNDS"); do
       workers=(p="$P_WORKER_METRICS" d="http://127.0.0.1:$((BASE_PORT + 400 + 112))/metrics")
       [[ $setup == colocated ]] && workers=(colocated="http://127.0.0.1:$((BASE_PORT + 600 + 112))/metrics")
       python3 "$(dirname "$0")/worker_steps.py" snapshot "${workers[@]}" >"$cpu_before.steps"
-      if [[ $setup == pd ]]; then
-        load "pd-c$c-r$r" --endpoint chat --concurrency "$c" --requests "$n" --warmup "$c" --output-len 64
-        check_report
-      else
-        mkdir -p "$RESULTS_DIR/$SCENARIO"
-        "$LOAD" run --url "$COLO_URL" --endpoint chat --concurrency "$c" --requests "$n" --warmup "$c" --output-len 64 \
-          --out-dir "$RESULTS_DIR/$SCENARIO/colocated-c$c-r$r" 2>"$RESULTS_DIR/$SCENARIO/colocated-c$c-r$r.log" \
-          || fail "pdmesh-load against the colocated node exited non-zero"
-      fi
+      # Both setups are loaded by the same command, without `load`'s scraping of the P/D
+      # mesh's metrics pages: five pages rendered a second by P/D's processes and none by the
+      # colocated node's would tilt the comparison (the lifecycle checks below read the pages
+      # once, after the load).
+      url=$ROUTER
+      [[ $setup == colocated ]] && url=$COLO_URL
+      LAST_REPORT="$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r/report.json"
+      "$LOAD" run --url "$url" --endpoint chat --concurrency "$c" --requests "$n" --warmup "$c" --output-len 64 \
+        --out-dir "$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r" 2>"$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r.log" \
+        || fail "pdmesh-load against the $setup setup exited non-zero"
+      check_report
       tokens=$(python3 -c 'import json,sys; s=json.load(open(sys.argv[1]))["summary"]; print(s.get("output_tokens") or 0)' \
         "$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r/report.json")
       python3 "$(dirname "$0")/cpu_by_service.py" snapshot "$topo" >"$cpu_before.after"
@@ -151,6 +153,25 @@ for c in cs:
         continue
     top = lambda x: ", ".join(f"{k} {v:.2f}" for k, v in sorted(x.items(), key=lambda kv: -kv[1]) if v >= 0.05)
     print(f"| {c} | {sum(a.values()):.2f} | {sum(b.values()):.2f} | {top(a)} | {top(b)} |")
+# Minor page faults per output token by service: memory first touched while serving.
+def faults(setup, c):
+    tot, tokens = {}, 0
+    for d in per_round(setup, c, "cpu.json") or []:
+        tokens += d["tokens"]
+        for k, v in d.get("minor_faults", {}).items():
+            tot[k] = tot.get(k, 0) + v
+    return {k: v / max(tokens, 1) for k, v in tot.items()} if tokens else None
+print()
+print("Minor page faults per output token (services with ≥ 0.1):")
+print()
+print("| streams | colocated | P/D |")
+print("|---|---|---|")
+for c in cs:
+    a, b = faults("colocated", c), faults("pd", c)
+    if a is None or b is None:
+        continue
+    top = lambda x: ", ".join(f"{k} {v:.1f}" for k, v in sorted(x.items(), key=lambda kv: -kv[1]) if v >= 0.1) or "–"
+    print(f"| {c} | {top(a)} | {top(b)} |")
 # How many forward passes an output token costs, and how long each takes, by node.
 def steps(setup, c):
     tot, tokens = {}, 0
