@@ -161,7 +161,7 @@ impl LlamaExecutor {
         let embd_q = g.tensor_with_dims("token_embd.weight", &[cfg.vocab_size, h])?;
         let embedding = Embedding::new("token_embd.weight", &embd_q)?;
         // Tied output projection when the file has no separate `output.weight`.
-        let output = LinearSet::single(if g.has_tensor("output.weight") {
+        let mut output = LinearSet::single(if g.has_tensor("output.weight") {
             linear(g, "output.weight", cfg.vocab_size, h)?
         } else {
             Linear::new("token_embd.weight", embd_q)?
@@ -186,6 +186,20 @@ impl LlamaExecutor {
                 ]),
                 down: LinearSet::single(linear(g, &format!("{p}.ffn_down.weight"), h, f)?),
             });
+        }
+
+        // The weights a step streams, on huge pages (crate::hugemem).
+        if crate::hugemem::huge_pages_wanted() {
+            let mut packed = output.packed_mut();
+            for l in &mut layers {
+                packed.extend(l.qkv.packed_mut());
+                packed.extend(l.wo.packed_mut());
+                packed.extend(l.gate_up.packed_mut());
+                packed.extend(l.down.packed_mut());
+            }
+            if let Err(e) = crate::kernels::gather_weights(&mut packed) {
+                tracing::warn!(error = %e, "could not map the weights for huge pages; they stay on ordinary pages");
+            }
         }
 
         let max_model_len = effective_max_len(cfg.context_length, options);

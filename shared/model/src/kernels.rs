@@ -36,8 +36,12 @@
 
 #![allow(unsafe_code)]
 
+use std::ops::Range;
+use std::sync::Arc;
+
 use half::f16;
 
+use crate::hugemem::{HugeBuf, Pod};
 use crate::pool::{Pool, SendPtr};
 use crate::simd;
 
@@ -169,13 +173,68 @@ fn f16_le(b: &[u8]) -> f32 {
 #[repr(C, align(64))]
 struct Line([u8; 64]);
 
+// SAFETY: 64 plain bytes, any bit pattern valid, no drop glue, alignment 64.
+unsafe impl Pod for Line {}
+
+/// Where a matrix's data lives: its own vector while the model loads, then a range of one
+/// mapping shared by every matrix of the model ([`gather_weights`]: huge pages).
+#[derive(Debug, Clone)]
+enum Store<T: Pod> {
+    Own(Vec<T>),
+    Shared(Arc<HugeBuf<T>>, Range<usize>),
+}
+
+impl<T: Pod> std::ops::Deref for Store<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            Store::Own(v) => v,
+            Store::Shared(buf, range) => buf.get(range.clone()).unwrap_or(&[]),
+        }
+    }
+}
+
+/// Move the data of `weights` into one mapping per element type that asks for transparent
+/// huge pages ([`crate::hugemem`]): a decode step streams every matrix, and on 2 MiB pages it
+/// stops missing the TLB. The values do not change. On an error (no memory for a mapping) the
+/// matrices keep what they had so far.
+pub fn gather_weights(weights: &mut [&mut Packed]) -> std::io::Result<()> {
+    let (mut lines, mut qs, mut ds) = (Vec::new(), Vec::new(), Vec::new());
+    for w in weights.iter_mut() {
+        match w {
+            Packed::Q4_1(p) => lines.push(&mut p.data),
+            Packed::Q8_0(p) => {
+                qs.push(&mut p.qs);
+                ds.push(&mut p.d);
+            }
+        }
+    }
+    gather(&mut lines)?;
+    gather(&mut qs)?;
+    gather(&mut ds)
+}
+
+fn gather<T: Pod>(stores: &mut [&mut Store<T>]) -> std::io::Result<()> {
+    let buf = {
+        let parts: Vec<&[T]> = stores.iter().map(|s| &***s).collect();
+        Arc::new(HugeBuf::concat(&parts)?)
+    };
+    let mut at = 0;
+    for store in stores.iter_mut() {
+        let n = store.len();
+        **store = Store::Shared(Arc::clone(&buf), at..at + n);
+        at += n;
+    }
+    Ok(())
+}
+
 /// Q4_1 weights `[rows, k]`: per block `w = d·q + m`, `q ∈ 0..16`, in the 16-row interleaved
 /// layout of the module doc (`[group][block][320 bytes]`; padding rows are zero).
 #[derive(Debug, Clone)]
 pub struct PackedQ4_1 {
     pub rows: usize,
     pub k: usize,
-    data: Vec<Line>,
+    data: Store<Line>,
 }
 
 /// Q8_0 weights `[rows, k]` in 8-row groups: per block `w = d·q`, `q: i8`.
@@ -184,9 +243,9 @@ pub struct PackedQ8_0 {
     pub rows: usize,
     pub k: usize,
     /// `[group][block][row][32]`.
-    qs: Vec<i8>,
+    qs: Store<i8>,
     /// `[group][block][row]`.
-    d: Vec<f32>,
+    d: Store<f32>,
 }
 
 impl PackedQ4_1 {
@@ -210,7 +269,7 @@ impl PackedQ4_1 {
                 }
             }
         }
-        Some(Self { rows, k, data })
+        Some(Self { rows, k, data: Store::Own(data) })
     }
 
     fn bytes(&self) -> &[u8] {
@@ -249,7 +308,7 @@ impl PackedQ8_0 {
                 }
             }
         }
-        Some(Self { rows, k, qs, d })
+        Some(Self { rows, k, qs: Store::Own(qs), d: Store::Own(d) })
     }
 }
 
@@ -295,21 +354,21 @@ impl Packed {
         let rows = parts.iter().map(|p| p.rows()).sum();
         match first {
             Packed::Q4_1(_) => {
-                let mut out = PackedQ4_1 { rows, k, data: Vec::new() };
+                let mut data = Vec::new();
                 for p in parts {
                     let Packed::Q4_1(p) = p else { return None };
-                    out.data.extend_from_slice(&p.data);
+                    data.extend_from_slice(&p.data);
                 }
-                Some(Packed::Q4_1(out))
+                Some(Packed::Q4_1(PackedQ4_1 { rows, k, data: Store::Own(data) }))
             }
             Packed::Q8_0(_) => {
-                let mut out = PackedQ8_0 { rows, k, qs: Vec::new(), d: Vec::new() };
+                let (mut qs, mut d) = (Vec::new(), Vec::new());
                 for p in parts {
                     let Packed::Q8_0(p) = p else { return None };
-                    out.qs.extend_from_slice(&p.qs);
-                    out.d.extend_from_slice(&p.d);
+                    qs.extend_from_slice(&p.qs);
+                    d.extend_from_slice(&p.d);
                 }
-                Some(Packed::Q8_0(out))
+                Some(Packed::Q8_0(PackedQ8_0 { rows, k, qs: Store::Own(qs), d: Store::Own(d) }))
             }
         }
     }
@@ -889,6 +948,34 @@ mod tests {
         // rows that do not fill whole groups are not fused
         let c = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&q4_1_bytes(8, k, 3), 8, k).unwrap());
         assert!(Packed::concat(&[&a, &c]).is_none());
+    }
+
+    #[test]
+    fn gathered_weights_give_the_same_bits_from_one_mapping() {
+        let k = 64;
+        let pool = Pool::new(2, 0);
+        let x = acts(3, k, 8);
+        let mut a = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&q4_1_bytes(16, k, 1), 16, k).unwrap());
+        let mut b = Packed::Q8_0(PackedQ8_0::from_gguf_bytes(&q8_0_bytes(16, k, 2), 16, k).unwrap());
+        let mut c = Packed::Q4_1(PackedQ4_1::from_gguf_bytes(&q4_1_bytes(32, k, 3), 32, k).unwrap());
+        let before: Vec<Vec<Vec<f32>>> = Impl::available()
+            .into_iter()
+            .map(|imp| [&a, &b, &c].map(|w| ours(w, &x, 3, imp, &pool)).to_vec())
+            .collect();
+        gather_weights(&mut [&mut a, &mut b, &mut c]).unwrap();
+        let (Packed::Q4_1(pa), Packed::Q4_1(pc)) = (&a, &c) else { unreachable!() };
+        let (Store::Shared(ba, ra), Store::Shared(bc, rc)) = (&pa.data, &pc.data) else {
+            panic!("the Q4_1 matrices were not moved")
+        };
+        assert!(Arc::ptr_eq(ba, bc), "one mapping for every Q4_1 matrix");
+        assert_eq!(ra.end, rc.start, "laid end to end");
+        assert!(matches!(&b, Packed::Q8_0(p) if matches!((&p.qs, &p.d), (Store::Shared(..), Store::Shared(..)))));
+        for (imp, want) in Impl::available().into_iter().zip(before) {
+            let got = [&a, &b, &c].map(|w| ours(w, &x, 3, imp, &pool));
+            for (g, w) in got.iter().zip(&want) {
+                assert_eq!(bits(g), bits(w), "{imp:?}");
+            }
+        }
     }
 
     #[test]

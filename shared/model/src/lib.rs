@@ -36,6 +36,7 @@ pub mod text;
 mod attention;
 mod embedding;
 mod guided;
+mod hugemem;
 mod kernels;
 mod linear;
 mod pool;

@@ -164,6 +164,21 @@ impl LinearSet {
         Self { fused: None, parts: vec![l] }
     }
 
+    /// The packed matrices a forward pass reads: the fused one, else each packed part.
+    pub fn packed_mut(&mut self) -> Vec<&mut Packed> {
+        match &mut self.fused {
+            Some(Linear::Packed(p)) => vec![p],
+            _ => self
+                .parts
+                .iter_mut()
+                .filter_map(|l| match l {
+                    Linear::Packed(p) => Some(p),
+                    Linear::Candle { .. } => None,
+                })
+                .collect(),
+        }
+    }
+
     pub fn cols(&self) -> usize {
         self.parts.first().map_or(0, Linear::cols)
     }
