@@ -122,6 +122,15 @@ for c in cs:
     a, b = med("colocated", c), med("pd", c)
     f = lambda x: f"{x['tps']:.0f}, {x['ttft']:.0f} / {x['ttft99']:.0f} ms, {x['itl']:.1f} / {x['itl99']:.1f} ms"
     print(f"| {c} | {f(a)} | {f(b)} | {b['tps'] / a['tps']:.2f}×, {b['ttft'] / a['ttft']:.2f}×, {b['itl'] / a['itl']:.2f}× |")
+# Issue #22's targets on the exact ratios (the table rounds them to two decimals).
+if {1, 4, 8} <= set(cs):
+    r = {c: (med("colocated", c), med("pd", c)) for c in (1, 4, 8)}
+    ttft, itl = (r[1][1][k] / r[1][0][k] for k in ("ttft", "itl"))
+    tps4, tps8 = (r[c][1]["tps"] / r[c][0]["tps"] for c in (4, 8))
+    met = ttft <= 1.10 and itl <= 1.05 and tps4 >= 0.95 and tps8 >= 0.95
+    print()
+    print(f"Targets (one stream TTFT p50 ≤ 1.10×, ITL p50 ≤ 1.05×; 4 and 8 streams ≥ 0.95×): "
+          f"{'met' if met else 'missed'}: TTFT {ttft:.3f}×, ITL {itl:.3f}×, 4 streams {tps4:.3f}×, 8 streams {tps8:.3f}×")
 print()
 print("Throughput P/D ÷ colocated by round (the first loaded of the two: colocated in odd rounds, P/D in even):")
 print()

@@ -394,7 +394,9 @@ impl Executor for LlamaExecutor {
         if plan.is_empty() {
             return Ok(Vec::new());
         }
-        self.forward(kv, chunks, &plan)
+        let out = self.forward(kv, chunks, &plan);
+        self.mm.pool.rest();
+        out
     }
 
     fn release(&mut self, request_ids: &[String]) {

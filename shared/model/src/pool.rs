@@ -45,6 +45,8 @@ struct Shared {
     job: UnsafeCell<Option<*const Job>>,
     state: AtomicU64,
     sleepers: AtomicUsize,
+    /// Set by [`Pool::rest`]: spinning workers go to sleep now instead of at the end of `SPIN`.
+    resting: AtomicBool,
     shutdown: AtomicBool,
     lock: Mutex<()>,
     wake: Condvar,
@@ -118,6 +120,7 @@ impl Pool {
             job: UnsafeCell::new(None),
             state: AtomicU64::new(0),
             sleepers: AtomicUsize::new(0),
+            resting: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
             lock: Mutex::new(()),
             wake: Condvar::new(),
@@ -202,6 +205,7 @@ impl Pool {
         let erased: *const Job = unsafe { std::mem::transmute::<&(dyn Fn() + Sync), &'static Job>(job) };
         // SAFETY: no job is open and no worker is active (see the end of this function).
         unsafe { *s.job.get() = Some(erased) };
+        s.resting.store(false, Ordering::SeqCst);
         let seq = (s.state.load(Ordering::SeqCst) >> 32).wrapping_add(1) & 0xFFFF_FFFF;
         s.state.store((seq << 32) | OPEN, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
@@ -225,6 +229,14 @@ impl Pool {
         }
         // SAFETY: closed and no worker active: nobody can read `job` any more.
         unsafe { *s.job.get() = None };
+    }
+
+    /// Tell idle workers that no job follows soon (a forward pass is over): they sleep now
+    /// rather than spin out `SPIN`, and their core is free for whatever the pass's answer wakes
+    /// — the worker's own reply, engine-core, the frontends on the same host — instead of that
+    /// work taking the core of the thread that starts the next pass. The next job wakes them.
+    pub fn rest(&self) {
+        self.shared.resting.store(true, Ordering::SeqCst);
     }
 
     /// Split `data` into chunks of `chunk` elements (the last may be shorter) and call
@@ -280,7 +292,7 @@ fn worker(s: &Shared) {
         let mut spins = 0u32;
         while s.state.load(Ordering::Acquire) >> 32 == seen {
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(64) && start.elapsed() > SPIN {
+            if spins.is_multiple_of(64) && (start.elapsed() > SPIN || s.resting.load(Ordering::Relaxed)) {
                 let mut g = s.lock.lock().unwrap_or_else(|p| p.into_inner());
                 s.sleepers.fetch_add(1, Ordering::SeqCst);
                 while s.state.load(Ordering::SeqCst) >> 32 == seen && !s.shutdown.load(Ordering::SeqCst) {
@@ -364,6 +376,24 @@ mod tests {
         // a pool without a niceness leaves its threads alone
         let plain = Pool::new(2, 0);
         assert_eq!(plain.worker_nice(), &[rustix::process::getpriority_process(None).ok()]);
+    }
+
+    #[test]
+    fn resting_workers_sleep_and_the_next_job_wakes_them() {
+        let pool = Pool::new(3, 0);
+        let sum = AtomicUsize::new(0);
+        for round in 0..50 {
+            assert!(pool.for_each(64, &|i| {
+                sum.fetch_add(i, Ordering::Relaxed);
+            }));
+            pool.rest();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while pool.shared.sleepers.load(Ordering::SeqCst) < 2 {
+                assert!(Instant::now() < deadline, "round {round}: the workers did not go to sleep");
+                std::thread::yield_now();
+            }
+        }
+        assert_eq!(sum.load(Ordering::Relaxed), 50 * 2016);
     }
 
     #[test]
