@@ -143,12 +143,13 @@ def per_round(setup, c, file):
         return [json.load(open(f"{out}/{setup}-c{c}-r{r}/{file}")) for r in range(1, rounds + 1)]
     except OSError:
         return None
-# Where the cores' time goes: CPU ms per output token by service, summed over the rounds.
-def cpu(setup, c):
+# Per output token by service, summed over the rounds: FIELD of each round's cpu.json
+# (`cpu_ms`: where the cores' time goes; `minor_faults`: memory first touched while serving).
+def per_token(setup, c, field):
     tot, tokens = {}, 0
     for d in per_round(setup, c, "cpu.json") or []:
         tokens += d["tokens"]
-        for k, v in d["cpu_ms"].items():
+        for k, v in d.get(field, {}).items():
             tot[k] = tot.get(k, 0) + v
     return {k: v / max(tokens, 1) for k, v in tot.items()} if tokens else None
 print()
@@ -157,26 +158,18 @@ print()
 print("| streams | colocated | P/D | colocated by service (≥ 0.05 ms) | P/D by service (≥ 0.05 ms) |")
 print("|---|---|---|---|---|")
 for c in cs:
-    a, b = cpu("colocated", c), cpu("pd", c)
+    a, b = per_token("colocated", c, "cpu_ms"), per_token("pd", c, "cpu_ms")
     if a is None or b is None:
         continue
     top = lambda x: ", ".join(f"{k} {v:.2f}" for k, v in sorted(x.items(), key=lambda kv: -kv[1]) if v >= 0.05)
     print(f"| {c} | {sum(a.values()):.2f} | {sum(b.values()):.2f} | {top(a)} | {top(b)} |")
-# Minor page faults per output token by service: memory first touched while serving.
-def faults(setup, c):
-    tot, tokens = {}, 0
-    for d in per_round(setup, c, "cpu.json") or []:
-        tokens += d["tokens"]
-        for k, v in d.get("minor_faults", {}).items():
-            tot[k] = tot.get(k, 0) + v
-    return {k: v / max(tokens, 1) for k, v in tot.items()} if tokens else None
 print()
 print("Minor page faults per output token (services with ≥ 0.1):")
 print()
 print("| streams | colocated | P/D |")
 print("|---|---|---|")
 for c in cs:
-    a, b = faults("colocated", c), faults("pd", c)
+    a, b = per_token("colocated", c, "minor_faults"), per_token("pd", c, "minor_faults")
     if a is None or b is None:
         continue
     top = lambda x: ", ".join(f"{k} {v:.1f}" for k, v in sorted(x.items(), key=lambda kv: -kv[1]) if v >= 0.1) or "–"
