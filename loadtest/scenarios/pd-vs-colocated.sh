@@ -152,28 +152,29 @@ def per_token(setup, c, field):
         for k, v in d.get(field, {}).items():
             tot[k] = tot.get(k, 0) + v
     return {k: v / max(tokens, 1) for k, v in tot.items()} if tokens else None
+# (streams, colocated's, P/D's) per-token FIELD, where both setups have it.
+def both(field):
+    for c in cs:
+        a, b = per_token("colocated", c, field), per_token("pd", c, field)
+        if a is not None and b is not None:
+            yield c, a, b
+# The services at FLOOR or above, largest first.
+def top(x, digits, floor):
+    return ", ".join(f"{k} {v:.{digits}f}" for k, v in sorted(x.items(), key=lambda kv: -kv[1]) if v >= floor) or "–"
 print()
 print("CPU ms per output token (user + system, all of each mesh's processes):")
 print()
 print("| streams | colocated | P/D | colocated by service (≥ 0.05 ms) | P/D by service (≥ 0.05 ms) |")
 print("|---|---|---|---|---|")
-for c in cs:
-    a, b = per_token("colocated", c, "cpu_ms"), per_token("pd", c, "cpu_ms")
-    if a is None or b is None:
-        continue
-    top = lambda x: ", ".join(f"{k} {v:.2f}" for k, v in sorted(x.items(), key=lambda kv: -kv[1]) if v >= 0.05)
-    print(f"| {c} | {sum(a.values()):.2f} | {sum(b.values()):.2f} | {top(a)} | {top(b)} |")
+for c, a, b in both("cpu_ms"):
+    print(f"| {c} | {sum(a.values()):.2f} | {sum(b.values()):.2f} | {top(a, 2, 0.05)} | {top(b, 2, 0.05)} |")
 print()
 print("Minor page faults per output token (services with ≥ 0.1):")
 print()
 print("| streams | colocated | P/D |")
 print("|---|---|---|")
-for c in cs:
-    a, b = per_token("colocated", c, "minor_faults"), per_token("pd", c, "minor_faults")
-    if a is None or b is None:
-        continue
-    top = lambda x: ", ".join(f"{k} {v:.1f}" for k, v in sorted(x.items(), key=lambda kv: -kv[1]) if v >= 0.1) or "–"
-    print(f"| {c} | {top(a)} | {top(b)} |")
+for c, a, b in both("minor_faults"):
+    print(f"| {c} | {top(a, 1, 0.1)} | {top(b, 1, 0.1)} |")
 # How many forward passes an output token costs, and how long each takes, by node.
 def steps(setup, c):
     tot, tokens = {}, 0
