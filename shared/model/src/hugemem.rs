@@ -3,8 +3,8 @@
 //! Why: a decode step streams every weight matrix once (~100 MB for SmolLM2-135M Q4_1). On
 //! 4 KiB pages that is ~25,000 pages per step, more than the TLBs hold, so the kernels' loads
 //! keep walking page tables; on 2 MiB pages it is ~50. Measured with the `bench` example,
-//! processes with and without in turn: one-stream decode ~8 % faster, eight requests per step
-//! ~10 % (docs/benchmarks.md). Many hosts run THP in `madvise` mode, where only memory that asks
+//! processes with and without in turn: one-stream decode +4.6 %, eight requests per step +5.8 %,
+//! and a steadier speed from one process to the next (D74, docs/benchmarks.md). Many hosts run THP in `madvise` mode, where only memory that asks
 //! for huge pages (`MADV_HUGEPAGE`) gets them, and the weights are spread over ~120 heap
 //! allocations of 0.2–1 MB, none of which would: so the weights live in one mapping that asks.
 //!
@@ -25,7 +25,8 @@ const HUGE_PAGE: usize = 2 << 20;
 ///
 /// # Safety
 /// Every bit pattern must be a valid value (the buffer is filled by copying bytes), the type
-/// must have no drop glue, and its alignment must not exceed a page.
+/// must have no padding bytes (its values are read as bytes) and no drop glue, and its
+/// alignment must not exceed a page.
 pub(crate) unsafe trait Pod: Copy + 'static {}
 
 // SAFETY: integers and floats accept every bit pattern and have no drop glue.
@@ -93,8 +94,8 @@ fn advise_huge(map: &MmapMut) {
 fn advise_huge(_: &MmapMut) {}
 
 fn as_bytes<T: Pod>(xs: &[T]) -> &[u8] {
-    // SAFETY: `T: Pod` has no padding-sensitive invariants for reading as bytes (plain data),
-    // and the returned slice covers exactly the memory `xs` borrows, for as long as it does.
+    // SAFETY: `T: Pod` has no padding, so every byte of `xs` is initialised; the returned
+    // slice covers exactly the memory `xs` borrows, for as long as it does.
     unsafe { std::slice::from_raw_parts(xs.as_ptr().cast::<u8>(), std::mem::size_of_val(xs)) }
 }
 

@@ -189,7 +189,10 @@ impl<T: Pod> std::ops::Deref for Store<T> {
     fn deref(&self) -> &[T] {
         match self {
             Store::Own(v) => v,
-            Store::Shared(buf, range) => buf.get(range.clone()).unwrap_or(&[]),
+            // `gather` cuts the ranges from the buffer it made, end to end: always in bounds
+            // (the kernels trust a matrix's length, so an empty slice here would be worse than
+            // the panic this cannot reach).
+            Store::Shared(buf, range) => &buf[range.clone()],
         }
     }
 }
