@@ -135,17 +135,28 @@ impl Linear {
 pub(crate) struct LinearSet {
     /// The fused matrix, when every part is packed and fills whole row groups.
     fused: Option<Linear>,
+    /// The separate matrices, when not fused. Once fused they are dropped: the fused matrix
+    /// holds their rows, and keeping them would hold every fused layer's weights twice.
     parts: Vec<Linear>,
+    /// Rows of each part, in order: the width of each output.
+    part_rows: Vec<usize>,
+    cols: usize,
 }
 
 impl std::fmt::Debug for LinearSet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LinearSet").field("fused", &self.fused.is_some()).field("parts", &self.parts).finish()
+        f.debug_struct("LinearSet")
+            .field("fused", &self.fused)
+            .field("parts", &self.parts)
+            .field("part_rows", &self.part_rows)
+            .finish()
     }
 }
 
 impl LinearSet {
     pub fn new(parts: Vec<Linear>) -> Self {
+        let part_rows = parts.iter().map(Linear::rows).collect();
+        let cols = parts.first().map_or(0, Linear::cols);
         let packed: Option<Vec<&Packed>> = parts
             .iter()
             .map(|p| match p {
@@ -157,11 +168,12 @@ impl LinearSet {
             Some(ps) if ps.len() > 1 => Packed::concat(&ps).map(Linear::Packed),
             _ => None,
         };
-        Self { fused, parts }
+        let parts = if fused.is_some() { Vec::new() } else { parts };
+        Self { fused, parts, part_rows, cols }
     }
 
     pub fn single(l: Linear) -> Self {
-        Self { fused: None, parts: vec![l] }
+        Self::new(vec![l])
     }
 
     /// The packed matrices a forward pass reads: the fused one, else each packed part.
@@ -180,7 +192,7 @@ impl LinearSet {
     }
 
     pub fn cols(&self) -> usize {
-        self.parts.first().map_or(0, Linear::cols)
+        self.cols
     }
 
     /// `outs[i][m, rows_i] = x[m, cols] · W_iᵀ` for every part `i`.
@@ -192,10 +204,10 @@ impl LinearSet {
         outs: &mut [&mut Vec<f32>],
     ) -> Result<(), ExecutorError> {
         let cols = self.cols();
-        if x.len() != m * cols || outs.len() != self.parts.len() {
+        if x.len() != m * cols || outs.len() != self.part_rows.len() {
             return Err(model_err(format!("matmul input has {} values, expected {m}x{cols}", x.len())));
         }
-        if self.parts.iter().any(|p| matches!(p, Linear::Packed(_))) {
+        if self.fused.is_some() || self.parts.iter().any(|p| matches!(p, Linear::Packed(_))) {
             let mut acts = std::mem::take(&mut ctx.acts);
             acts.quantize(x, m, cols, &ctx.pool);
             ctx.acts = acts;
@@ -207,8 +219,7 @@ impl LinearSet {
                 if r.is_ok() {
                     let total = fused.rows();
                     let mut start = 0;
-                    for (part, out) in self.parts.iter().zip(outs.iter_mut()) {
-                        let rows = part.rows();
+                    for (&rows, out) in self.part_rows.iter().zip(outs.iter_mut()) {
                         out.clear();
                         for tok in all.chunks_exact(total) {
                             out.extend_from_slice(&tok[start..start + rows]);
