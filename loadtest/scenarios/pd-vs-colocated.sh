@@ -90,7 +90,7 @@ for r in $(seq 1 "$ROUNDS"); do
         || fail "pdmesh-load against the $setup setup exited non-zero"
       check_report
       tokens=$(python3 -c 'import json,sys; s=json.load(open(sys.argv[1]))["summary"]; print(s.get("output_tokens") or 0)' \
-        "$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r/report.json")
+        "$LAST_REPORT")
       python3 "$(dirname "$0")/cpu_by_service.py" snapshot "$topo" >"$cpu_before.after"
       python3 "$(dirname "$0")/worker_steps.py" snapshot "${workers[@]}" >"$cpu_before.steps.after"
       python3 "$(dirname "$0")/worker_steps.py" diff "$cpu_before.steps" "$cpu_before.steps.after" "$tokens" \

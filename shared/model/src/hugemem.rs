@@ -34,8 +34,9 @@ unsafe impl Pod for i8 {}
 // SAFETY: as above.
 unsafe impl Pod for f32 {}
 
-/// Whether weights ask for huge pages: on unless `PDMESH_MODEL_HUGE_PAGES=0` (for comparisons,
-/// and as an escape hatch on a host where THP compaction stalls hurt more than they pay).
+/// Whether the weights go into a [`HugeBuf`] at all: yes unless `PDMESH_MODEL_HUGE_PAGES=0` (for
+/// comparisons, and as an escape hatch on a host where THP compaction stalls hurt more than they
+/// pay). The loader asks once; a `HugeBuf` always asks the kernel.
 pub fn huge_pages_wanted() -> bool {
     std::env::var("PDMESH_MODEL_HUGE_PAGES").as_deref() != Ok("0")
 }
@@ -44,8 +45,7 @@ pub fn huge_pages_wanted() -> bool {
 pub(crate) struct HugeBuf<T: Pod> {
     /// `None` for an empty buffer (a zero-length mapping does not exist).
     map: Option<MmapMut>,
-    /// Byte offset of the first element in `map` (a huge page boundary when huge pages are
-    /// wanted, else 0: the mapping itself is page aligned).
+    /// Byte offset of the first element in `map`: its first huge page boundary.
     offset: usize,
     len: usize,
     _t: PhantomData<T>,
@@ -66,12 +66,9 @@ impl<T: Pod> HugeBuf<T> {
         if bytes == 0 {
             return Ok(Self { map: None, offset: 0, len: 0, _t: PhantomData });
         }
-        let huge = huge_pages_wanted();
-        let mut map = MmapMut::map_anon(bytes + if huge { HUGE_PAGE } else { 0 })?;
-        let offset = if huge { map.as_ptr().align_offset(HUGE_PAGE) } else { 0 };
-        if huge {
-            advise_huge(&map);
-        }
+        let mut map = MmapMut::map_anon(bytes + HUGE_PAGE)?;
+        let offset = map.as_ptr().align_offset(HUGE_PAGE);
+        advise_huge(&map);
         let mut at = offset;
         for part in parts {
             let src = as_bytes(part);
@@ -104,8 +101,8 @@ impl<T: Pod> std::ops::Deref for HugeBuf<T> {
     fn deref(&self) -> &[T] {
         match &self.map {
             // SAFETY: `concat` wrote `len` values of `T` from `offset` on, inside the mapping
-            // (it mapped `offset + len·size_of::<T>()` bytes at least); `offset` is 0 or a huge
-            // page boundary of a page-aligned mapping, so the pointer is aligned for `T`
+            // (it mapped `offset + len·size_of::<T>()` bytes at least); `offset` is a huge page
+            // boundary inside a page-aligned mapping, so the pointer is aligned for `T`
             // (`Pod`: alignment at most a page). The mapping lives as long as `self`.
             Some(map) => unsafe { std::slice::from_raw_parts(map.as_ptr().add(self.offset).cast::<T>(), self.len) },
             None => &[],
@@ -125,9 +122,7 @@ mod tests {
         assert_eq!(buf.len(), 1003);
         assert_eq!(&buf[..1000], &a[..]);
         assert_eq!(&buf[1000..], &b[..]);
-        if huge_pages_wanted() {
-            assert_eq!(buf.as_ptr() as usize % HUGE_PAGE, 0);
-        }
+        assert_eq!(buf.as_ptr() as usize % HUGE_PAGE, 0);
         let empty = HugeBuf::<i8>::concat(&[]).unwrap();
         assert!(empty.is_empty());
     }
