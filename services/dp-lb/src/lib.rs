@@ -5,9 +5,11 @@
 //!   rank by vLLM's score `4 × waiting + running` ([`policy`]), using the load each rank
 //!   reports after its steps plus what was sent since.
 //! - Aborts go to the rank that owns the request; unknown ids are counted.
-//! - Engine outputs (PULL) are forwarded to the frontend (PUSH).
+//! - Engine outputs go from each rank straight to the frontend; a rank's load reports, sent
+//!   only when something changed, say which requests finished (D75).
 //! - When a rank's connection drops, its in-flight requests end at once with an
-//!   `unavailable` error instead of hanging, and new requests avoid it.
+//!   `unavailable` error sent to the frontend (PUSH) instead of hanging, and new requests
+//!   avoid it.
 //! - Overload control: a request is refused with an `overloaded` error (503 + `Retry-After`
 //!   at the frontend, which also sends P its rejection notice, rule R1) when the in-flight
 //!   table holds `limits.dp_lb_max_in_flight` requests, or when no rank's waiting queue —
@@ -22,10 +24,12 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use actix::prelude::*;
-use pdmesh_protocol::{EngineOutput, EngineOutputBatch, Envelope, ErrorClass, MeshStats, Message, WireError};
+use pdmesh_protocol::{
+    EngineLoadReport, EngineOutput, EngineOutputBatch, Envelope, ErrorClass, MeshStats, Message, WireError,
+};
 use pdmesh_service::{ServiceContext, Shutdown, Unfinished};
 use pdmesh_transport::{
-    bind_pull, bind_router, connect_push, PeerId, PullEvent, PushHandle, RouterEvent, RouterHandle,
+    bind_router, connect_push, PeerId, PushHandle, RouterEvent, RouterHandle,
 };
 use thiserror::Error;
 
@@ -337,11 +341,16 @@ impl DpLb {
     }
 
     /// Finished requests leave the in-flight table (and free their place under its bound).
-    fn forget_finished(&mut self, batch: &EngineOutputBatch) {
-        for o in &batch.outputs {
-            if o.finish_reason.is_some() {
-                self.in_flight.remove(&o.request_id);
-            }
+    /// Take a rank's load report: its counts, and the requests that finished on it, which
+    /// leave the in-flight table (the outputs themselves went to the frontend, D75).
+    fn take_load_report(&mut self, report: &EngineLoadReport) {
+        if let Some(l) = self.ranks.get_mut(report.engine_rank as usize) {
+            l.waiting = report.num_waiting;
+            l.running = report.num_running;
+            l.pending = 0;
+        }
+        for id in &report.finished_request_ids {
+            self.in_flight.remove(id);
         }
         m::IN_FLIGHT.set(self.in_flight.len() as i64);
     }
@@ -429,7 +438,9 @@ impl DpLb {
         m::IN_FLIGHT.set(self.in_flight.len() as i64);
         m::FAILED_BY_RANK_LOSS.inc_by(lost.len() as u64);
         if let Some(o) = &self.outputs {
-            let _ = o.send(Envelope::new(Message::EngineOutputs(EngineOutputBatch { engine_rank: rank, outputs })));
+            if o.send(Envelope::new(Message::EngineOutputs(EngineOutputBatch { engine_rank: rank, outputs }))).is_err() {
+                m::OUTPUTS_DROPPED.inc();
+            }
         }
     }
 }
@@ -464,13 +475,7 @@ impl Handler<FromEngines> for DpLb {
                     tracing::info!(rank = h.rank, pid = h.pid, "engine rank connected");
                     self.flush_pending_notices(h.rank);
                 }
-                Message::LoadReport(r) => {
-                    if let Some(l) = self.ranks.get_mut(r.engine_rank as usize) {
-                        l.waiting = r.num_waiting;
-                        l.running = r.num_running;
-                        l.pending = 0;
-                    }
-                }
+                Message::LoadReport(r) => self.take_load_report(&r),
                 Message::StatsReply(s) => {
                     let corr = envelope.corr;
                     if let Some(g) = self.stats.get_mut(&corr) {
@@ -486,20 +491,6 @@ impl Handler<FromEngines> for DpLb {
                 }
                 other => tracing::warn!(kind = other.kind(), "unexpected message from engine"),
             },
-        }
-    }
-}
-
-impl Handler<PullEvent> for DpLb {
-    type Result = ();
-    fn handle(&mut self, ev: PullEvent, _: &mut Context<Self>) {
-        if let Message::EngineOutputs(batch) = &ev.envelope.body {
-            self.forget_finished(batch);
-        }
-        if let Some(o) = &self.outputs {
-            if o.send(ev.envelope).is_err() {
-                m::OUTPUTS_DROPPED.inc();
-            }
         }
     }
 }
@@ -550,7 +541,8 @@ pub async fn start(ctx: &ServiceContext) -> Result<Addr<DpLb>, DpLbError> {
     let en_tag = Tag(actor.clone(), FromEngines).start();
     let frontend = bind_router(&eps.dplb_frontend.bind, fe_tag.recipient()).await?;
     let engines = bind_router(&eps.dplb_engines.bind, en_tag.recipient()).await?;
-    bind_pull(&eps.dplb_outputs.bind, actor.clone().recipient()).await?;
+    // Only for the failures of a rank that went away: engines send their outputs to the
+    // frontend themselves (D75).
     let outputs = connect_push(&eps.frontend_outputs.connect);
     actor.do_send(Wire { frontend, engines, outputs });
     tracing::info!(frontend = %eps.dplb_frontend.bind, engines = %eps.dplb_engines.bind, dp_size = node.dp_size, "dp-lb ready");
@@ -561,7 +553,7 @@ pub async fn start(ctx: &ServiceContext) -> Result<Addr<DpLb>, DpLbError> {
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
     use super::*;
-    use pdmesh_protocol::{EngineRequest, FinishReason, KvTransferParams};
+    use pdmesh_protocol::{EngineRequest, KvTransferParams};
 
     /// A dp-lb with `connected` ranks and no sockets (what it sends goes nowhere).
     fn dp_lb(connected: u32, limits: Limits) -> DpLb {
@@ -588,18 +580,8 @@ mod tests {
     }
 
     fn finish(lb: &mut DpLb, id: &str) {
-        let output = EngineOutput {
-            request_id: id.into(),
-            new_token_ids: vec![],
-            new_logprobs: None,
-            finish_reason: Some(FinishReason::Stop),
-            stop_token_id: None,
-            kv_transfer_params: None,
-            num_external_tokens: 0,
-            num_cached_tokens: 0,
-            error: None,
-        };
-        lb.forget_finished(&EngineOutputBatch { engine_rank: 0, outputs: vec![output] });
+        let report = EngineLoadReport { engine_rank: 0, finished_request_ids: vec![id.into()], ..Default::default() };
+        lb.take_load_report(&report);
     }
 
     fn class(reply: &Message) -> Option<ErrorClass> {

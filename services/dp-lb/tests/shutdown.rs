@@ -7,11 +7,9 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use pdmesh_config::{Service, Topology};
-use pdmesh_protocol::{
-    EngineOutput, EngineOutputBatch, EngineRequest, Envelope, FinishReason, Hello, Message, ServiceKind,
-};
+use pdmesh_protocol::{EngineLoadReport, EngineRequest, Envelope, Hello, Message, ServiceKind};
 use pdmesh_service::{shutdown_channel, ServiceContext};
-use pdmesh_transport::{connect_dealer, connect_push, LinkConfig, LinkEvent};
+use pdmesh_transport::{connect_dealer, LinkConfig, LinkEvent};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// What the test's peers receive is not what this test checks (the dp-lb's `Ack` says the
@@ -50,9 +48,9 @@ fn free_port() -> u16 {
 }
 
 /// Shutdown is a tested feature: once the handle fires, the dp-lb's readiness goes 503 at
-/// once, it keeps serving the request it has in flight until that request's output arrives,
+/// once, it keeps serving the request it has in flight until its rank reports it finished,
 /// and only then does `run` return and its ops port close. Fails if readiness stayed 200
-/// while stopping, if `run` returned (dropping the request) before the output came, if it
+/// while stopping, if `run` returned (dropping the request) before the report came, if it
 /// never returned after it, or if the ops server kept its port.
 #[actix_rt::test]
 async fn a_dp_lb_goes_unready_drains_its_request_then_frees_its_port() {
@@ -79,7 +77,7 @@ async fn a_dp_lb_goes_unready_drains_its_request_then_frees_its_port() {
 
     // This test is engine rank 0 ...
     let hello = Envelope::new(Message::Hello(Hello { service: ServiceKind::EngineCore, rank: 0, pid: 1 }));
-    let _engine = connect_dealer(
+    let engine = connect_dealer(
         LinkConfig::new(eps.dplb_engines.connect.clone()).identity("engine-core-0").hello(hello),
         Ignore.start().recipient(),
     );
@@ -109,23 +107,10 @@ async fn a_dp_lb_goes_unready_drains_its_request_then_frees_its_port() {
     assert_eq!(http_status(ops_port, "/live").await, Some(200), "still serving while it drains");
     assert!(!service.is_finished(), "stopped with a request in flight");
 
-    // The engine finishes the request: the dp-lb has nothing left in flight and stops.
-    let outputs = connect_push(&eps.dplb_outputs.connect);
-    let finished = EngineOutput {
-        request_id: "drain-me".into(),
-        finish_reason: Some(FinishReason::Length),
-        new_token_ids: vec![7],
-        error: None,
-        new_logprobs: None,
-        stop_token_id: None,
-        kv_transfer_params: None,
-        num_external_tokens: 0,
-        num_cached_tokens: 0,
-    };
-    eventually("the output link up", || std::future::ready(outputs.is_up())).await;
-    outputs
-        .send(Envelope::new(Message::EngineOutputs(EngineOutputBatch { engine_rank: 0, outputs: vec![finished] })))
-        .unwrap();
+    // The engine finishes the request (its output went to the frontend; its load report
+    // names it, D75): the dp-lb has nothing left in flight and stops.
+    let report = EngineLoadReport { engine_rank: 0, finished_request_ids: vec!["drain-me".into()], ..Default::default() };
+    engine.send(Envelope::new(Message::LoadReport(report))).unwrap();
     tokio::time::timeout(Duration::from_secs(30), service).await.expect("run returned").unwrap().unwrap();
     assert_eq!(http_status(ops_port, "/live").await, None, "the ops server is gone");
     std::net::TcpListener::bind(("127.0.0.1", ops_port)).expect("the ops port is free again");

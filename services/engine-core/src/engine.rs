@@ -37,6 +37,10 @@ const CONNECTOR_DOWN_TICK: Duration = Duration::from_millis(50);
 /// round at least this often (or every sixth of a shorter hold) keeps them on time (D64).
 const META_ROUND_AT_LEAST_EVERY: Duration = Duration::from_secs(1);
 
+/// A busy rank reports its load at least this often even while it does not change (D75): a
+/// dp-lb that restarted, or lost a report, routes by the right counts again within it.
+const LOAD_REPORT_AT_LEAST_EVERY: Duration = Duration::from_secs(1);
+
 /// Everything one step needs besides the scheduler.
 #[derive(Clone)]
 struct Peers {
@@ -103,7 +107,9 @@ impl Actor for EngineCore {
                 .hello(hello(ServiceKind::EngineCore)),
             me.clone().recipient(),
         );
-        let outputs = connect_push(&eps.dplb_outputs.connect);
+        // Outputs go straight to the frontend, as vLLM's engines send theirs to the API
+        // server: no relay on each token's way (D75).
+        let outputs = connect_push(&eps.frontend_outputs.connect);
         self.peers = Some(Peers { dplb: None, outputs, connector, worker });
     }
 }
@@ -379,11 +385,14 @@ async fn run_step(
     if done.meta_round {
         clock.last.set(started);
     }
+    let finished: Vec<String> =
+        done.outputs.iter().filter(|o| o.finish_reason.is_some()).map(|o| o.request_id.clone()).collect();
+    let overdue = started.duration_since(clock.last_report.get()) >= LOAD_REPORT_AT_LEAST_EVERY;
     let (rank, load) = {
-        let st = state.borrow();
+        let mut st = state.borrow_mut();
         publish_gauges(&st.sched);
         m::UNKNOWN_IDS.inc_by(st.sched.counters().unknown_ids.saturating_sub(unknown_before));
-        (st.rank, st.load())
+        (st.rank, st.load_report(finished, overdue))
     };
     // Hand-offs of the step before: this step's worker call registered their holds with
     // their traces, so their spans end now.
@@ -413,21 +422,24 @@ async fn run_step(
         let batch =
             Envelope::new(Message::EngineOutputs(EngineOutputBatch { engine_rank: rank, outputs: done.outputs }));
         if let Err(e) = peers.outputs.send(batch) {
-            tracing::warn!(error = %e, "outputs not delivered: dp-lb unavailable");
+            tracing::warn!(error = %e, "outputs not delivered: frontend unavailable");
         }
     }
-    if let Some(dplb) = &peers.dplb {
+    if let (Some(dplb), Some(load)) = (&peers.dplb, load) {
+        clock.last_report.set(started);
         let _ = dplb.send(Envelope::new(Message::LoadReport(load)));
     }
     m::STEP_SECONDS.observe(started.elapsed().as_secs_f64());
     (done.next, done.refused)
 }
 
-/// When the last connector metadata round went out, and how long steps may go without one.
+/// The driver's clocks: when the last connector metadata round went out and how long steps
+/// may go without one; when the last load report went to the dp-lb.
 #[derive(Clone)]
 struct MetaClock {
     last: Rc<Cell<Instant>>,
     every: Duration,
+    last_report: Rc<Cell<Instant>>,
 }
 
 /// Run one step on the worker; every way it can go wrong becomes the reason its requests fail.
@@ -563,7 +575,11 @@ pub fn start(ctx: &ServiceContext) -> Result<Addr<EngineCore>, EngineError> {
     let actor = EngineCore {
         state: Rc::new(RefCell::new(state)),
         step_timeout: Duration::from_millis(e.step_timeout_ms),
-        meta_clock: MetaClock { last: Rc::new(Cell::new(Instant::now())), every: meta_every },
+        meta_clock: MetaClock {
+            last: Rc::new(Cell::new(Instant::now())),
+            every: meta_every,
+            last_report: Rc::new(Cell::new(Instant::now())),
+        },
         peers: None,
         stepping: false,
         worker_info: None,

@@ -63,11 +63,26 @@ pub struct EngineState {
     /// empty: while `connector_calls` has not moved since, the connector has nothing queued
     /// and a metadata round would only carry an empty answer back (D64).
     quiet_at: Option<u64>,
+    /// Set when a step took in added or aborted requests: its load report goes out even if
+    /// the counts came out as before (the dp-lb counts what it sent since the last report, D75).
+    load_touched: bool,
+    /// The (waiting, running) counts of the last load report sent.
+    last_reported: Option<(u32, u32)>,
 }
 
 impl EngineState {
     pub fn new(rank: u32, sched: Scheduler) -> Self {
-        Self { rank, sched, inbox: Inbox::default(), step_id: 0, force_meta: false, connector_calls: 0, quiet_at: None }
+        Self {
+            rank,
+            sched,
+            inbox: Inbox::default(),
+            step_id: 0,
+            force_meta: false,
+            connector_calls: 0,
+            quiet_at: None,
+            load_touched: false,
+            last_reported: None,
+        }
     }
 
     /// Whether a metadata round could carry anything: a call since the last empty answer,
@@ -90,7 +105,25 @@ impl EngineState {
             num_waiting: self.sched.num_waiting(),
             num_running: self.sched.num_running(),
             kv: self.sched.kv_usage(),
+            finished_request_ids: Vec::new(),
         }
+    }
+
+    /// The load report owed after a step whose finishing outputs were `finished`, if any is
+    /// (D75): when a request finished, was added or aborted, when the counts moved since the
+    /// last report, or when the driver says one is `overdue` (its clock: a dp-lb that
+    /// restarted learns the load within that time even while nothing changes). A steady
+    /// decode step owes none, so it costs the dp-lb nothing.
+    pub fn load_report(&mut self, finished: Vec<String>, overdue: bool) -> Option<EngineLoadReport> {
+        let mut report = self.load();
+        let counts = (report.num_waiting, report.num_running);
+        if finished.is_empty() && !self.load_touched && !overdue && self.last_reported == Some(counts) {
+            return None;
+        }
+        self.load_touched = false;
+        self.last_reported = Some(counts);
+        report.finished_request_ids = finished;
+        Some(report)
     }
 }
 
@@ -207,6 +240,9 @@ impl EngineStep {
             meta_round: false,
             handed_off: false,
         };
+        if !st.inbox.adds.is_empty() || !st.inbox.aborts.is_empty() {
+            st.load_touched = true;
+        }
         for req in std::mem::take(&mut st.inbox.adds) {
             let id = req.request_id.clone();
             let params = req.kv_transfer_params.clone();

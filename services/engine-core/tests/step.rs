@@ -8,6 +8,8 @@
 //! the connector and nothing queued there, goes straight to the worker; an added, finished or
 //! aborted request, a rejection notice, a non-empty or lost answer, or the driver's clock
 //! (`force_meta`, for D's heartbeats) brings the metadata round back.
+//!
+//! And when a step reports the load to the dp-lb (D75): only after a change.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use pdmesh_engine_core::scheduler::{Scheduler, SchedulerConfig};
@@ -324,4 +326,49 @@ fn a_hand_off_leaves_with_the_step_that_finished_it() {
     assert!(st.sched.holds("p-req"), "P keeps the blocks held for D");
     // The next step carries the hold to the worker: it must ask the connector for metadata.
     assert!(run(&mut st, noop).asked_meta(), "the hold registers through the next step's metadata round");
+}
+
+/// The finishing outputs of a step, as the driver hands them to `load_report`.
+fn finished(done: &StepDone) -> Vec<String> {
+    done.outputs.iter().filter(|o| o.finish_reason.is_some()).map(|o| o.request_id.clone()).collect()
+}
+
+/// D75: a rank tells the dp-lb its load after a step only when something in it changed; a
+/// steady decode step reports nothing (the dp-lb is off each token's path). Fails if a
+/// steady step reports, or if an add, an abort, a finish or the driver's clock goes unreported.
+#[test]
+fn a_load_report_goes_out_only_when_the_load_or_the_requests_changed() {
+    let mut st = state();
+    st.inbox.adds.push(decoding("long", 100, 50));
+    let s = run(&mut st, noop);
+    let first = st.load_report(finished(&s.done), false).expect("the add's step reports");
+    assert_eq!((first.num_waiting, first.num_running), (0, 1));
+    for i in 0..3 {
+        let s = run(&mut st, noop);
+        assert_eq!(st.load_report(finished(&s.done), false), None, "steady decode step {i} reports nothing");
+    }
+    let s = run(&mut st, noop);
+    assert!(st.load_report(finished(&s.done), true).is_some(), "the driver's clock brings a report");
+
+    st.inbox.adds.push(decoding("short", 200, 2));
+    let s = run(&mut st, noop);
+    let added = st.load_report(finished(&s.done), false).expect("the add's step reports");
+    assert_eq!(added.num_running, 2);
+    let mut named = Vec::new();
+    for _ in 0..6 {
+        let s = run(&mut st, noop);
+        if let Some(r) = st.load_report(finished(&s.done), false) {
+            named.extend(r.finished_request_ids);
+            break;
+        }
+    }
+    assert_eq!(named, ["short"], "the report after the finish names the finished request");
+
+    // An abort changes no count here (the id is unknown), yet its step reports: the dp-lb
+    // resets what it counts as sent since the last report.
+    st.inbox.aborts.push("nobody".into());
+    let s = run(&mut st, noop);
+    assert!(st.load_report(finished(&s.done), false).is_some(), "an abort's step reports");
+    let s = run(&mut st, noop);
+    assert_eq!(st.load_report(finished(&s.done), false), None, "and the steady steps after it do not");
 }

@@ -897,9 +897,8 @@ pub struct NodeEndpoints {
     pub dplb_frontend: Endpoint,
     /// dp-lb ROUTER that each engine-core's DEALER connects to.
     pub dplb_engines: Endpoint,
-    /// dp-lb PULL for engine outputs.
-    pub dplb_outputs: Endpoint,
-    /// frontend PULL for outputs forwarded by the dp-lb.
+    /// frontend PULL for engine outputs: each engine-core's PUSH (D75), and the dp-lb's for
+    /// the failures of a rank that went away.
     pub frontend_outputs: Endpoint,
     /// per rank: connector-scheduler ROUTER.
     pub connector_scheduler: Vec<Endpoint>,
@@ -933,15 +932,14 @@ impl NodeConfig {
     }
 
     /// Internal endpoints. tcp ports: base+0 dp-lb (frontend side), +1 dp-lb (engine side),
-    /// +2 dp-lb outputs, +3 frontend outputs, +10+2r connector-scheduler r,
+    /// +2 unused (the dp-lb's output relay before D75; kept so no port moves), +3 frontend outputs, +10+2r connector-scheduler r,
     /// +11+2r connector-worker r.
     pub fn endpoints(&self, run_dir: &Path) -> NodeEndpoints {
         let lb = self.host_of(&self.hosts.dp_lb, 0);
         let fe = self.host_of(&self.hosts.frontend, 0);
         NodeEndpoints {
             dplb_frontend: self.endpoint(run_dir, "dplb-frontend", 0, lb.clone()),
-            dplb_engines: self.endpoint(run_dir, "dplb-engines", 1, lb.clone()),
-            dplb_outputs: self.endpoint(run_dir, "dplb-outputs", 2, lb),
+            dplb_engines: self.endpoint(run_dir, "dplb-engines", 1, lb),
             frontend_outputs: self.endpoint(run_dir, "frontend-outputs", 3, fe),
             connector_scheduler: (0..self.dp_size)
                 .map(|r| {
@@ -1225,7 +1223,7 @@ mod tests {
             }
         }
         let e = n.endpoints(run_dir);
-        let internal = [&e.dplb_frontend, &e.dplb_engines, &e.dplb_outputs, &e.frontend_outputs]
+        let internal = [&e.dplb_frontend, &e.dplb_engines, &e.frontend_outputs]
             .into_iter()
             .chain(&e.connector_scheduler)
             .chain(&e.connector_worker);

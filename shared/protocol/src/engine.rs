@@ -189,13 +189,21 @@ pub struct EngineOutputBatch {
     pub outputs: Vec<EngineOutput>,
 }
 
-/// A rank's load, for the DP load balancer (vLLM scores a rank 4 × waiting + running).
+/// A rank's load, for the DP load balancer (vLLM scores a rank 4 × waiting + running), and
+/// the requests that finished on it since the last report.
+///
+/// An engine sends one after a step only when something in it changed (D75): its outputs go
+/// straight to the frontend, so this report is how the dp-lb learns which of its in-flight
+/// requests are over, and a steady decode step sends the dp-lb nothing.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct EngineLoadReport {
     pub engine_rank: u32,
     pub num_waiting: u32,
     pub num_running: u32,
     pub kv: KvUsage,
+    /// Requests whose finishing output this rank sent since its last report.
+    #[serde(default)]
+    pub finished_request_ids: Vec<String>,
 }
 
 /// Statistics of one engine rank, for `/debug/kv` and the tests.

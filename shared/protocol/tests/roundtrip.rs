@@ -133,6 +133,7 @@ pub fn every_message() -> Vec<Message> {
             num_waiting: 1,
             num_running: 2,
             kv: KvUsage::default(),
+            finished_request_ids: vec!["a".into(), "b".into()],
         }),
         Message::WorkerInfoQuery,
         Message::WorkerInfo(WorkerInfo {
