@@ -136,7 +136,9 @@ fn cpu_per_token(
 ) -> serde_json::Map<String, serde_json::Value> {
     after
         .iter()
-        .map(|(name, s)| (name.clone(), serde_json::json!(per_token_us(s - before.get(name).copied().unwrap_or(0.0), tokens))))
+        .map(|(name, s)| {
+            (name.clone(), serde_json::json!(per_token_us(s - before.get(name).copied().unwrap_or(0.0), tokens)))
+        })
         .collect()
 }
 

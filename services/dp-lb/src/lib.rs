@@ -28,9 +28,7 @@ use pdmesh_protocol::{
     EngineLoadReport, EngineOutput, EngineOutputBatch, Envelope, ErrorClass, MeshStats, Message, WireError,
 };
 use pdmesh_service::{ServiceContext, Shutdown, Unfinished};
-use pdmesh_transport::{
-    bind_router, connect_push, PeerId, PushHandle, RouterEvent, RouterHandle,
-};
+use pdmesh_transport::{bind_router, connect_push, PeerId, PushHandle, RouterEvent, RouterHandle};
 use thiserror::Error;
 
 use crate::metrics as m;
@@ -438,7 +436,8 @@ impl DpLb {
         m::IN_FLIGHT.set(self.in_flight.len() as i64);
         m::FAILED_BY_RANK_LOSS.inc_by(lost.len() as u64);
         if let Some(o) = &self.outputs {
-            if o.send(Envelope::new(Message::EngineOutputs(EngineOutputBatch { engine_rank: rank, outputs }))).is_err() {
+            if o.send(Envelope::new(Message::EngineOutputs(EngineOutputBatch { engine_rank: rank, outputs }))).is_err()
+            {
                 m::OUTPUTS_DROPPED.inc();
             }
         }

@@ -15,8 +15,9 @@ pub static UNKNOWN_IDS: LazyLock<IntCounter> =
 pub static FAILED_BY_RANK_LOSS: LazyLock<IntCounter> = LazyLock::new(|| {
     counter("pdmesh_dplb_requests_failed_rank_lost_total", "Requests failed because their rank went away")
 });
-pub static OUTPUTS_DROPPED: LazyLock<IntCounter> =
-    LazyLock::new(|| counter("pdmesh_dplb_outputs_dropped_total", "Failure outputs of a lost rank dropped: frontend unavailable"));
+pub static OUTPUTS_DROPPED: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter("pdmesh_dplb_outputs_dropped_total", "Failure outputs of a lost rank dropped: frontend unavailable")
+});
 pub static NOTICES_FORWARDED: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter_vec("pdmesh_dplb_rejection_notices_forwarded_total", "Rejection notices sent to ranks, by mode", &["mode"])
 });

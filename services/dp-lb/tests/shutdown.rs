@@ -109,7 +109,8 @@ async fn a_dp_lb_goes_unready_drains_its_request_then_frees_its_port() {
 
     // The engine finishes the request (its output went to the frontend; its load report
     // names it, D75): the dp-lb has nothing left in flight and stops.
-    let report = EngineLoadReport { engine_rank: 0, finished_request_ids: vec!["drain-me".into()], ..Default::default() };
+    let report =
+        EngineLoadReport { engine_rank: 0, finished_request_ids: vec!["drain-me".into()], ..Default::default() };
     engine.send(Envelope::new(Message::LoadReport(report))).unwrap();
     tokio::time::timeout(Duration::from_secs(30), service).await.expect("run returned").unwrap().unwrap();
     assert_eq!(http_status(ops_port, "/live").await, None, "the ops server is gone");

@@ -31,11 +31,11 @@ const BODY_BUFFER: usize = 64;
 
 /// One SSE event carrying `value` as JSON: `data: {...}\n\n`.
 pub fn sse_data<T: Serialize>(value: &T) -> Bytes {
-    match serde_json::to_vec(value) {
-        Ok(json) => {
-            let mut buf = Vec::with_capacity(json.len() + 8);
-            buf.extend_from_slice(b"data: ");
-            buf.extend_from_slice(&json);
+    // Serialised in place after the prefix: one buffer per event, no copy.
+    let mut buf = Vec::with_capacity(256);
+    buf.extend_from_slice(b"data: ");
+    match serde_json::to_writer(&mut buf, value) {
+        Ok(()) => {
             buf.extend_from_slice(b"\n\n");
             Bytes::from(buf)
         }

@@ -108,3 +108,99 @@ fn token_text_for_logprobs() {
     assert_eq!(c.token_text(905), " world");
     assert_eq!(c.token_text(u32::MAX), "");
 }
+
+/// A small deterministic generator (xorshift) for the sequences below.
+fn next(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
+}
+
+/// Decoding cuts the text from each token's bytes, computed once (`TokenBytes`): it must give
+/// what the tokenizer's own decoder gives, for every token alone (special tokens included:
+/// nothing) and for random sequences, which split multi-byte characters, mix in special
+/// tokens and leave stray bytes. Fails on the first id or sequence that differs.
+#[test]
+fn decoding_from_token_bytes_equals_the_tokenizer() {
+    let Some(c) = codec() else { return };
+    for id in 0..c.vocab_size() {
+        assert_eq!(c.decode(&[id]).unwrap(), c.tokenizer_decode(&[id]).unwrap(), "token {id}");
+    }
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    for round in 0..3000 {
+        let len = 1 + (next(&mut state) % 12) as usize;
+        let ids: Vec<u32> = (0..len)
+            .map(|_| match next(&mut state) % 8 {
+                // Special tokens, and the byte tokens that split characters, over-represented.
+                0 => (next(&mut state) % 17) as u32,
+                1 => 17 + (next(&mut state) % 256) as u32,
+                _ => (next(&mut state) % u64::from(c.vocab_size())) as u32,
+            })
+            .collect();
+        assert_eq!(c.decode(&ids).unwrap(), c.tokenizer_decode(&ids).unwrap(), "round {round}: {ids:?}");
+    }
+}
+
+/// The streamed pieces are those of tokenizers' `DecodeStream` algorithm (decode a window of
+/// ids with the tokenizer, emit the new suffix once it does not end in U+FFFD), which the
+/// stream computed before it cut its text from the token bytes: the same piece at every step,
+/// on the random sequences above and on text with split emoji. Fails on the first piece that
+/// differs.
+#[test]
+fn the_decode_stream_emits_what_the_windowed_tokenizer_algorithm_emits() {
+    let Some(c) = codec() else { return };
+    /// The windowed algorithm over the tokenizer itself (the stream's previous implementation).
+    struct Windowed<'a> {
+        c: &'a GgufTextCodec,
+        ids: Vec<u32>,
+        prefix: String,
+        prefix_index: usize,
+    }
+    impl Windowed<'_> {
+        fn step(&mut self, id: u32) -> String {
+            if self.prefix.is_empty() && !self.ids.is_empty() {
+                let p = self.c.tokenizer_decode(&self.ids).unwrap();
+                if !p.ends_with('\u{FFFD}') {
+                    self.prefix = p;
+                    self.prefix_index = self.ids.len();
+                }
+            }
+            self.ids.push(id);
+            let text = self.c.tokenizer_decode(&self.ids).unwrap();
+            if text.len() <= self.prefix.len() || text.ends_with('\u{FFFD}') {
+                return String::new();
+            }
+            let new_text = match text.get(self.prefix.len()..) {
+                Some(t) if text.starts_with(&self.prefix) => t.to_string(),
+                _ => text.clone(),
+            };
+            let keep_from = self.prefix_index.min(self.ids.len());
+            self.ids.drain(..keep_from);
+            self.prefix = self.c.tokenizer_decode(&self.ids).unwrap();
+            self.prefix_index = self.ids.len();
+            new_text
+        }
+    }
+    let mut sequences = vec![c.encode("Crab 🦀, rocket 🚀, family 👨‍👩‍👧 and 日本語 — done.").unwrap()];
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    for _ in 0..1000 {
+        let len = 1 + (next(&mut state) % 24) as usize;
+        sequences.push(
+            (0..len)
+                .map(|_| match next(&mut state) % 4 {
+                    0 => 17 + (next(&mut state) % 256) as u32,
+                    1 => (next(&mut state) % 17) as u32,
+                    _ => (next(&mut state) % u64::from(c.vocab_size())) as u32,
+                })
+                .collect(),
+        );
+    }
+    for ids in &sequences {
+        let mut stream = c.decode_stream();
+        let mut reference = Windowed { c: &c, ids: Vec::new(), prefix: String::new(), prefix_index: 0 };
+        for (i, &id) in ids.iter().enumerate() {
+            assert_eq!(stream.step(id).unwrap(), reference.step(id), "piece {i} of {ids:?}");
+        }
+    }
+}
