@@ -111,7 +111,8 @@ fn service_cpu(run_dir: &Path, ticks: f64) -> std::collections::BTreeMap<String,
 fn threads_on_cpu_seconds(process: &Path) -> Option<f64> {
     let mut ns = 0u64;
     for task in std::fs::read_dir(process.join("task")).ok()?.flatten() {
-        let text = std::fs::read_to_string(task.path().join("schedstat")).ok()?;
+        // A thread that exited since the listing has nothing left to count.
+        let Ok(text) = std::fs::read_to_string(task.path().join("schedstat")) else { continue };
         ns += text.split_whitespace().next()?.parse::<u64>().ok()?;
     }
     Some(ns as f64 / 1e9)

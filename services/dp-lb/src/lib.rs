@@ -338,9 +338,9 @@ impl DpLb {
         self.publish_pending();
     }
 
-    /// Finished requests leave the in-flight table (and free their place under its bound).
     /// Take a rank's load report: its counts, and the requests that finished on it, which
-    /// leave the in-flight table (the outputs themselves went to the frontend, D75).
+    /// leave the in-flight table and free their place under its bound (their outputs went to
+    /// the frontend, D75).
     fn take_load_report(&mut self, report: &EngineLoadReport) {
         if let Some(l) = self.ranks.get_mut(report.engine_rank as usize) {
             l.waiting = report.num_waiting;
