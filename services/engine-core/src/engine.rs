@@ -385,14 +385,12 @@ async fn run_step(
     if done.meta_round {
         clock.last.set(started);
     }
-    let finished: Vec<String> =
-        done.outputs.iter().filter(|o| o.finish_reason.is_some()).map(|o| o.request_id.clone()).collect();
     let overdue = started.duration_since(clock.last_report.get()) >= LOAD_REPORT_AT_LEAST_EVERY;
     let (rank, load) = {
         let mut st = state.borrow_mut();
         publish_gauges(&st.sched);
         m::UNKNOWN_IDS.inc_by(st.sched.counters().unknown_ids.saturating_sub(unknown_before));
-        (st.rank, st.load_report(finished, overdue))
+        (st.rank, st.load_report(&done.outputs, overdue))
     };
     // Hand-offs of the step before: this step's worker call registered their holds with
     // their traces, so their spans end now.

@@ -109,12 +109,14 @@ impl EngineState {
         }
     }
 
-    /// The load report owed after a step whose finishing outputs were `finished`, if any is
-    /// (D75): when a request finished, was added or aborted, when the counts moved since the
+    /// The load report owed after a step that sent `outputs`, if any is (D75): when a request
+    /// finished (the report names it), was added or aborted, when the counts moved since the
     /// last report, or when the driver says one is `overdue` (its clock: a dp-lb that
     /// restarted learns the load within that time even while nothing changes). A steady
     /// decode step owes none, so it costs the dp-lb nothing.
-    pub fn load_report(&mut self, finished: Vec<String>, overdue: bool) -> Option<EngineLoadReport> {
+    pub fn load_report(&mut self, outputs: &[EngineOutput], overdue: bool) -> Option<EngineLoadReport> {
+        let finished: Vec<String> =
+            outputs.iter().filter(|o| o.finish_reason.is_some()).map(|o| o.request_id.clone()).collect();
         let mut report = self.load();
         let counts = (report.num_waiting, report.num_running);
         if finished.is_empty() && !self.load_touched && !overdue && self.last_reported == Some(counts) {

@@ -328,11 +328,6 @@ fn a_hand_off_leaves_with_the_step_that_finished_it() {
     assert!(run(&mut st, noop).asked_meta(), "the hold registers through the next step's metadata round");
 }
 
-/// The finishing outputs of a step, as the driver hands them to `load_report`.
-fn finished(done: &StepDone) -> Vec<String> {
-    done.outputs.iter().filter(|o| o.finish_reason.is_some()).map(|o| o.request_id.clone()).collect()
-}
-
 /// D75: a rank tells the dp-lb its load after a step only when something in it changed; a
 /// steady decode step reports nothing (the dp-lb is off each token's path). Fails if a
 /// steady step reports, or if an add, an abort, a finish or the driver's clock goes unreported.
@@ -341,23 +336,23 @@ fn a_load_report_goes_out_only_when_the_load_or_the_requests_changed() {
     let mut st = state();
     st.inbox.adds.push(decoding("long", 100, 50));
     let s = run(&mut st, noop);
-    let first = st.load_report(finished(&s.done), false).expect("the add's step reports");
+    let first = st.load_report(&s.done.outputs, false).expect("the add's step reports");
     assert_eq!((first.num_waiting, first.num_running), (0, 1));
     for i in 0..3 {
         let s = run(&mut st, noop);
-        assert_eq!(st.load_report(finished(&s.done), false), None, "steady decode step {i} reports nothing");
+        assert_eq!(st.load_report(&s.done.outputs, false), None, "steady decode step {i} reports nothing");
     }
     let s = run(&mut st, noop);
-    assert!(st.load_report(finished(&s.done), true).is_some(), "the driver's clock brings a report");
+    assert!(st.load_report(&s.done.outputs, true).is_some(), "the driver's clock brings a report");
 
     st.inbox.adds.push(decoding("short", 200, 2));
     let s = run(&mut st, noop);
-    let added = st.load_report(finished(&s.done), false).expect("the add's step reports");
+    let added = st.load_report(&s.done.outputs, false).expect("the add's step reports");
     assert_eq!(added.num_running, 2);
     let mut named = Vec::new();
     for _ in 0..6 {
         let s = run(&mut st, noop);
-        if let Some(r) = st.load_report(finished(&s.done), false) {
+        if let Some(r) = st.load_report(&s.done.outputs, false) {
             named.extend(r.finished_request_ids);
             break;
         }
@@ -368,7 +363,7 @@ fn a_load_report_goes_out_only_when_the_load_or_the_requests_changed() {
     // resets what it counts as sent since the last report.
     st.inbox.aborts.push("nobody".into());
     let s = run(&mut st, noop);
-    assert!(st.load_report(finished(&s.done), false).is_some(), "an abort's step reports");
+    assert!(st.load_report(&s.done.outputs, false).is_some(), "an abort's step reports");
     let s = run(&mut st, noop);
-    assert_eq!(st.load_report(finished(&s.done), false), None, "and the steady steps after it do not");
+    assert_eq!(st.load_report(&s.done.outputs, false), None, "and the steady steps after it do not");
 }
