@@ -3,8 +3,8 @@
 //! comes back behind the test's back.
 //!
 //! 1. 16 concurrent streams of 64 tokens run undisturbed: the reference texts.
-//! 2. The same 16 again; once every stream has tokens, every process of one D node gets
-//!    SIGKILL. Every stream still ends with 64 tokens, finish reason `length` and the
+//! 2. The same 16 again; once every stream has tokens, every process of a D node running
+//!    some of them gets SIGKILL. Every stream still ends with 64 tokens, finish reason `length` and the
 //!    reference text (the router moved the broken ones to the other D with the tokens already
 //!    streamed), and the router counted migrations.
 //! 3. Every process of one P node gets SIGKILL, then the same 16 start at once: the prefills
@@ -19,9 +19,12 @@
 
 mod common;
 
+use std::cell::Cell;
 use std::sync::atomic::AtomicUsize;
 
-use common::failover::{burst, check_all, check_reference, kill_node, stream_one, STREAMS, TOKENS};
+use common::failover::{
+    burst, burst_when, check_all, check_reference, kill_node, load_of, set_victim, stream_one, STREAMS, TOKENS,
+};
 use common::{metric, reserve_ports, scaleout_topology};
 
 /// A per-token cost so that 8 streams of 64 tokens on one D last a few seconds.
@@ -46,16 +49,25 @@ fn killing_a_decode_node_then_a_prefill_node_loses_no_stream() {
     let before = metric(ports.router, "pdmesh_router_migrations_total", "");
     assert_eq!(before, 0.0, "nothing moved in the undisturbed run");
 
-    // 2. SIGKILL every process of decode-a mid-stream.
-    let got = burst(&url, STREAMS, || {
-        let killed = kill_node(&mesh, "d-a");
-        assert!(killed >= 3, "d-a's frontend, dp-lb and engine processes");
-        eprintln!("killed {killed} processes of d-a");
-    });
-    check_all(&got, &reference, "d-a killed");
+    // 2. SIGKILL every process of a D mid-stream: the first one seen running requests once
+    // every stream has tokens (the router's latency-aware pick may leave either out).
+    let decode = [("d-a".to_string(), ports.d[0]), ("d-b".to_string(), ports.d[1])];
+    let d_victim = Cell::new(None);
+    let got = burst_when(
+        &url,
+        |n| n >= STREAMS && set_victim(&d_victim, &decode, |port| load_of(port)["running"].as_u64().unwrap_or(0)),
+        || {
+            let d_dead = &decode[d_victim.get().unwrap()].0;
+            let killed = kill_node(&mesh, d_dead);
+            assert!(killed >= 3, "{d_dead}'s frontend, dp-lb and engine processes");
+            eprintln!("killed {killed} processes of {d_dead}");
+        },
+    );
+    let d_alive = 1 - d_victim.get().unwrap();
+    check_all(&got, &reference, "a D killed");
     let moved = metric(ports.router, "pdmesh_router_migrations_total", "");
     eprintln!("migrations: {moved}");
-    assert!(moved >= 1.0, "streams on d-a moved to d-b");
+    assert!(moved >= 1.0, "streams on the killed D moved to the other");
 
     // 3. SIGKILL every process of prefill-a, then the 16 streams at once.
     assert!(kill_node(&mesh, "p-a") >= 3);
@@ -74,7 +86,7 @@ fn killing_a_decode_node_then_a_prefill_node_loses_no_stream() {
     for port in ports.p.iter().skip(1) {
         mesh.wait_kv_on(*port, "P holds nothing", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
     }
-    mesh.wait_kv_on(ports.d[1], "D's blocks are free", |kv| kv["used_blocks"] == 0);
+    mesh.wait_kv_on(decode[d_alive].1, "D's blocks are free", |kv| kv["used_blocks"] == 0);
     assert!(!mesh.logs().contains("panicked"));
     drop(mesh);
     let _ = std::fs::remove_dir_all(&run_dir);

@@ -5,11 +5,12 @@
 //! starts it, so nothing comes back behind the test's back.
 //!
 //! 1. 16 concurrent greedy streams of 64 tokens run undisturbed: the reference texts.
-//! 2. The same 16 again; once every stream has text and the first D reports requests running,
-//!    every process of that D gets SIGKILL. Every stream still ends with 64 tokens, finish
+//! 2. The same 16 again; once every stream has text and a D reports requests running, every
+//!    process of that D gets SIGKILL (whichever D: the router's latency-aware pick may leave
+//!    one out of a burst). Every stream still ends with 64 tokens, finish
 //!    reason `length` and the reference text (the router moved the broken ones to the other D
 //!    with the tokens already streamed), and the router counted migrations.
-//! 3. The same 16 again; once the first P reports requests in its engine (P only computes
+//! 3. The same 16 again; once a P reports requests in its engine (P only computes
 //!    prefills, and each of its forward passes is slowed by `P_STEP_DELAY_MS`, so they are
 //!    mid-prefill), every process of that P gets SIGKILL. The prefills it held are retried on
 //!    the other P; every stream again equals the reference, and the router counted prefill
@@ -30,11 +31,12 @@
 
 mod common;
 
+use std::cell::Cell;
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
-use common::failover::{burst_when, check_all, check_reference, kill_node, load_of, STREAMS};
+use common::failover::{burst_when, check_all, check_reference, kill_node, load_of, set_victim, STREAMS};
 use common::{metric, reserve_ports, side_ports};
 use toml::{Table, Value};
 
@@ -131,9 +133,6 @@ fn scaleout_loses_no_stream_when_a_decode_node_then_a_prefill_node_mid_prefill_d
     let mesh = common::failover::up(&topo, &run_dir, nodes.router, r1.1, &engines);
     eprintln!("mesh ready in {:.1} s", started.elapsed().as_secs_f64());
     let url = format!("http://127.0.0.1:{}/v1/completions", nodes.router);
-    let (d_dead, d_port) = nodes.decode[0].clone();
-    let (p_dead, p_port) = nodes.prefill[0].clone();
-
     // 1. The undisturbed run.
     let t = Instant::now();
     let reference = burst_when(&url, |_| true, || {});
@@ -142,35 +141,43 @@ fn scaleout_loses_no_stream_when_a_decode_node_then_a_prefill_node_mid_prefill_d
     assert_eq!(metric(nodes.router, "pdmesh_router_migrations_total", ""), 0.0, "nothing moved undisturbed");
     assert_eq!(metric(nodes.router, "pdmesh_router_prefill_retries_total", ""), 0.0, "nothing retried undisturbed");
 
-    // 2. SIGKILL every process of the first D while its streams run.
+    // 2. SIGKILL every process of a D while its streams run: the first one seen running
+    // requests once every stream has text (the router may have left either D out).
+    let d_victim = Cell::new(None);
     let t = Instant::now();
     let got = burst_when(
         &url,
-        |n| n >= STREAMS && load_of(d_port)["running"].as_u64().unwrap_or(0) > 0,
+        |n| n >= STREAMS && set_victim(&d_victim, &nodes.decode, |port| load_of(port)["running"].as_u64().unwrap_or(0)),
         || {
-            let killed = kill_node(&mesh, &d_dead);
+            let d_dead = &nodes.decode[d_victim.get().unwrap()].0;
+            let killed = kill_node(&mesh, d_dead);
             assert!(killed >= 3, "{d_dead}'s frontend, dp-lb and engine processes");
             eprintln!("killed {killed} processes of {d_dead} mid-stream");
         },
     );
+    let (d_dead, _) = &nodes.decode[d_victim.get().unwrap()];
     eprintln!("burst with {d_dead} killed: {:.1} s", t.elapsed().as_secs_f64());
     check_all(&got, &reference, &format!("{d_dead} killed"));
     let moved = metric(nodes.router, "pdmesh_router_migrations_total", "");
     eprintln!("migrations: {moved}");
     assert!(moved >= 1.0, "streams on {d_dead} moved to the other D");
 
-    // 3. SIGKILL every process of the first P while it computes prefills.
+    // 3. SIGKILL every process of a P while it computes prefills: the first one seen with
+    // requests in its engine.
+    let p_victim = Cell::new(None);
     let retried_before = metric(nodes.router, "pdmesh_router_prefill_retries_total", "");
     let t = Instant::now();
     let got = burst_when(
         &url,
-        |_| in_engine(p_port) > 0,
+        |_| set_victim(&p_victim, &nodes.prefill, in_engine),
         || {
-            let killed = kill_node(&mesh, &p_dead);
+            let p_dead = &nodes.prefill[p_victim.get().unwrap()].0;
+            let killed = kill_node(&mesh, p_dead);
             assert!(killed >= 3, "{p_dead}'s frontend, dp-lb and engine processes");
             eprintln!("killed {killed} processes of {p_dead} with requests in its engine (mid-prefill)");
         },
     );
+    let (p_dead, _) = &nodes.prefill[p_victim.get().unwrap()];
     eprintln!("burst with {p_dead} killed: {:.1} s", t.elapsed().as_secs_f64());
     check_all(&got, &reference, &format!("{p_dead} killed"));
     let retries = metric(nodes.router, "pdmesh_router_prefill_retries_total", "") - retried_before;
@@ -178,9 +185,9 @@ fn scaleout_loses_no_stream_when_a_decode_node_then_a_prefill_node_mid_prefill_d
     assert!(retries >= 1.0, "prefills in {p_dead} were retried on the other P");
 
     // Nothing stays held on the survivors.
-    let (_, p_alive) = &nodes.prefill[1];
+    let (_, p_alive) = &nodes.prefill[1 - p_victim.get().unwrap()];
     mesh.wait_kv_on(*p_alive, "P holds nothing", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
-    let (_, d_alive) = &nodes.decode[1];
+    let (_, d_alive) = &nodes.decode[1 - d_victim.get().unwrap()];
     mesh.wait_kv_on(*d_alive, "D's blocks are free", |kv| kv["used_blocks"] == 0);
     assert!(!mesh.logs().contains("panicked"));
     drop(mesh);

@@ -133,6 +133,19 @@ pub fn kill_node(mesh: &Mesh, node: &str) -> usize {
     pids.len()
 }
 
+/// Whether one of `nodes` has work by `work` (of its port); the first that has is kept in
+/// `victim`. The test kills whichever node holds work rather than a fixed one: the router's
+/// latency-aware pick may leave a node that was slower in the last burst out of the next.
+pub fn set_victim(victim: &std::cell::Cell<Option<usize>>, nodes: &[(String, u16)], work: impl Fn(u16) -> u64) -> bool {
+    match nodes.iter().position(|(_, port)| work(*port) > 0) {
+        Some(i) => {
+            victim.set(Some(i));
+            true
+        }
+        None => false,
+    }
+}
+
 /// `GET /load` of the node on `port` (what the router routes by).
 pub fn load_of(port: u16) -> Value {
     reqwest::blocking::get(format!("http://127.0.0.1:{port}/load")).unwrap().json().unwrap()
