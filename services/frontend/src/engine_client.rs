@@ -8,11 +8,18 @@
 //! a lost link ends every request in flight with an `unavailable` error output, and a handler
 //! that went away (client disconnect) gets its engine request aborted.
 //!
+//! Outputs reach their handlers through the *inbox* of the thread the handler was submitted
+//! from (D77): a task on each HTTP worker thread that takes one batch of outputs per engine
+//! step and hands each to its request's channel. The actor thus wakes each worker thread once
+//! per step, however many of its streams the step served; handing every output to its
+//! channel from here woke a worker for each output it had gone back to sleep before.
+//!
 //! Each submission carries a *ticket* (a process-unique number). Aborts and cleanups name
 //! the ticket as well as the id, so a late abort of a finished request never hits a newer
 //! request that reuses the same client-chosen id.
 
-use std::collections::HashMap;
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -92,6 +99,116 @@ pub struct Submit {
     pub request: EngineRequest,
     pub trace: TraceContext,
     pub ticket: u64,
+    /// The submitting thread's inbox ([`thread_inbox`]); without one the actor hands each
+    /// output to the request's channel itself.
+    pub inbox: Option<Inbox>,
+}
+
+/// One output on its way to its request's channel.
+struct Delivery {
+    tx: mpsc::Sender<EngineOutput>,
+    ticket: u64,
+    output: EngineOutput,
+}
+
+impl std::fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Delivery").field("ticket", &self.ticket).field("request_id", &self.output.request_id).finish()
+    }
+}
+
+/// Where the outputs of the requests submitted from one thread go (D77): the sending side of
+/// a task on that thread that hands each output to its request's channel.
+#[derive(Debug, Clone)]
+pub struct Inbox {
+    id: u64,
+    tx: mpsc::UnboundedSender<Vec<Delivery>>,
+}
+
+static NEXT_INBOX: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    static INBOX: RefCell<Option<Inbox>> = const { RefCell::new(None) };
+}
+
+/// The inbox of the calling thread, started on first use; `None` outside an actix arbiter
+/// (no local task set to run it on). A thread whose arbiter stopped gets a new one.
+pub fn thread_inbox(client: &Addr<EngineClient>) -> Option<Inbox> {
+    actix::Arbiter::try_current()?;
+    INBOX.with(|slot| {
+        let mut slot = slot.borrow_mut();
+        if let Some(inbox) = slot.as_ref().filter(|i| !i.tx.is_closed()) {
+            return Some(inbox.clone());
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        actix::spawn(deliver_batches(rx, client.clone()));
+        let inbox = Inbox { id: NEXT_INBOX.fetch_add(1, Ordering::Relaxed), tx };
+        *slot = Some(inbox.clone());
+        Some(inbox)
+    })
+}
+
+/// Tickets of requests cut off at a full buffer that an inbox remembers: enough for the few
+/// batches already on their way when the actor learns of it.
+const CUT_OFF_REMEMBERED: usize = 64;
+
+/// The inbox task: hand each output to its request's channel, on the request's own thread. A
+/// request whose handler is gone or no longer reads is reported to the actor as an [`Abort`],
+/// which stops following it; later outputs of a request cut off here are dropped, so its
+/// client never gets a stream with a hole in it.
+async fn deliver_batches(mut rx: mpsc::UnboundedReceiver<Vec<Delivery>>, client: Addr<EngineClient>) {
+    let mut cut_off: VecDeque<u64> = VecDeque::with_capacity(CUT_OFF_REMEMBERED);
+    while let Some(batch) = rx.recv().await {
+        for Delivery { tx, ticket, output } in batch {
+            if cut_off.contains(&ticket) {
+                continue;
+            }
+            let finished = output.finish_reason.is_some();
+            let (reason, request_id) = match put(&tx, output) {
+                Handed::Queued => continue,
+                Handed::Gone(id) => (AbortReason::ReceiverGone, id),
+                Handed::Overflow(id) => {
+                    if cut_off.len() == CUT_OFF_REMEMBERED {
+                        cut_off.pop_front();
+                    }
+                    cut_off.push_back(ticket);
+                    (AbortReason::OutputOverflow, id)
+                }
+            };
+            if !finished {
+                client.do_send(Abort { request_id, ticket, reason });
+            }
+        }
+    }
+}
+
+/// What putting one output in its request's channel came to; the request's id where it did
+/// not go in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Handed {
+    Queued,
+    /// The handler is gone without aborting (it was cancelled mid-submit).
+    Gone(String),
+    /// The client stopped reading and the request's buffer is full.
+    Overflow(String),
+}
+
+fn put(tx: &mpsc::Sender<EngineOutput>, output: EngineOutput) -> Handed {
+    match tx.try_send(output) {
+        Ok(()) => Handed::Queued,
+        Err(mpsc::error::TrySendError::Closed(o)) => Handed::Gone(o.request_id),
+        Err(mpsc::error::TrySendError::Full(o)) => {
+            let request_id = o.request_id;
+            // Do not buffer a client's output without bound: the request is cut off, which
+            // ends the handler's stream after what it has buffered (an error for the client),
+            // and the engine stops generating.
+            if let Some(suppressed) = OVERFLOW_LOG.check() {
+                tracing::warn!(%request_id, buffer = tx.max_capacity(), suppressed,
+                    "output buffer full (client not reading); aborting the request");
+            }
+            Handed::Overflow(request_id)
+        }
+    }
 }
 
 /// Stop following a request and abort it in the engine if it is still running there. A
@@ -122,6 +239,22 @@ pub struct InFlightCount;
 struct InFlight {
     ticket: u64,
     tx: mpsc::Sender<EngineOutput>,
+    inbox: Option<Inbox>,
+}
+
+/// The outputs of one batch, gathered per inbox: each inbox gets them in one message.
+#[derive(Default)]
+struct Outgoing {
+    batches: Vec<(Inbox, Vec<Delivery>)>,
+}
+
+impl Outgoing {
+    fn push(&mut self, inbox: &Inbox, delivery: Delivery) {
+        match self.batches.iter_mut().find(|(i, _)| i.id == inbox.id) {
+            Some((_, batch)) => batch.push(delivery),
+            None => self.batches.push((inbox.clone(), vec![delivery])),
+        }
+    }
 }
 
 /// The actor (see the module docs).
@@ -151,38 +284,52 @@ impl EngineClient {
         (addr, link)
     }
 
-    /// Route one output to its handler.
-    fn dispatch(&mut self, output: EngineOutput) {
+    /// Route one output to its handler: into its inbox's share of `outgoing`, or (a request
+    /// submitted without an inbox) into its channel at once. A finished request is forgotten
+    /// here: its last output is the last the engine sends.
+    fn dispatch(&mut self, output: EngineOutput, outgoing: &mut Outgoing) {
         let finished = output.finish_reason.is_some();
         let Some(entry) = self.in_flight.get(&output.request_id) else {
             UNKNOWN_OUTPUTS.inc();
             tracing::debug!(request_id = %output.request_id, "output for a request nobody waits for");
             return;
         };
-        let request_id = output.request_id.clone();
-        match entry.tx.try_send(output) {
-            Ok(()) if finished => {
-                self.in_flight.remove(&request_id);
+        let (ticket, inbox) = (entry.ticket, entry.inbox.clone());
+        let tx = if finished {
+            match self.in_flight.remove(&output.request_id) {
+                Some(e) => e.tx,
+                None => return,
             }
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Closed(_)) => {
-                // The handler is gone without aborting (it was cancelled mid-submit).
-                self.in_flight.remove(&request_id);
-                if !finished {
-                    self.send_abort(vec![request_id], AbortReason::ReceiverGone);
-                }
-            }
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                // The client stopped reading: do not buffer its output without bound. Dropping
-                // the sender ends the handler's stream after what it has buffered (an error for
-                // the client), and the engine stops generating.
-                self.in_flight.remove(&request_id);
-                if let Some(suppressed) = OVERFLOW_LOG.check() {
-                    tracing::warn!(%request_id, buffer = self.output_buffer, suppressed,
-                        "output buffer full (client not reading); aborting the request");
-                }
-                if !finished {
-                    self.send_abort(vec![request_id], AbortReason::OutputOverflow);
+        } else {
+            entry.tx.clone()
+        };
+        match inbox {
+            Some(inbox) => outgoing.push(&inbox, Delivery { tx, ticket, output }),
+            None => self.deliver_here(Delivery { tx, ticket, output }),
+        }
+    }
+
+    /// Put one output in its request's channel from this thread.
+    fn deliver_here(&mut self, Delivery { tx, ticket, output }: Delivery) {
+        let finished = output.finish_reason.is_some();
+        let (reason, request_id) = match put(&tx, output) {
+            Handed::Queued => return,
+            Handed::Gone(id) => (AbortReason::ReceiverGone, id),
+            Handed::Overflow(id) => (AbortReason::OutputOverflow, id),
+        };
+        // Dropping the request's sender ends the handler's stream after what it buffered.
+        if self.remove_if_current(&request_id, ticket) && !finished {
+            self.send_abort(vec![request_id], reason);
+        }
+    }
+
+    /// Hand each inbox its share of a batch; the share of an inbox whose thread is gone is
+    /// delivered from here.
+    fn send_out(&mut self, outgoing: Outgoing) {
+        for (inbox, batch) in outgoing.batches {
+            if let Err(mpsc::error::SendError(batch)) = inbox.tx.send(batch) {
+                for delivery in batch {
+                    self.deliver_here(delivery);
                 }
             }
         }
@@ -191,9 +338,11 @@ impl EngineClient {
     fn handle_envelope(&mut self, envelope: Envelope) {
         match envelope.body {
             WireMessage::EngineOutputs(batch) => {
+                let mut outgoing = Outgoing::default();
                 for output in batch.outputs {
-                    self.dispatch(output);
+                    self.dispatch(output, &mut outgoing);
                 }
+                self.send_out(outgoing);
             }
             other => {
                 UNEXPECTED_MESSAGES_TOTAL.with_label_values(&[other.kind()]).inc();
@@ -212,12 +361,13 @@ impl EngineClient {
         }
     }
 
-    /// End every request in flight with an error output (the link to the dp-lb is gone).
+    /// End every request in flight with an error output (the link to the dp-lb is gone),
+    /// through the inboxes, behind the outputs already on their way.
     fn fail_all(&mut self, message: &str) {
         let n = self.in_flight.len();
+        let mut outgoing = Outgoing::default();
         for (request_id, entry) in self.in_flight.drain() {
-            // A full buffer gets no error output, but the dropped sender ends the stream.
-            let _ = entry.tx.try_send(EngineOutput {
+            let output = EngineOutput {
                 request_id,
                 new_token_ids: Vec::new(),
                 new_logprobs: None,
@@ -227,8 +377,14 @@ impl EngineClient {
                 num_external_tokens: 0,
                 num_cached_tokens: 0,
                 error: Some(message.to_string()),
-            });
+            };
+            match &entry.inbox {
+                Some(inbox) => outgoing.push(inbox, Delivery { tx: entry.tx, ticket: entry.ticket, output }),
+                // A full buffer gets no error output, but the dropped sender ends the stream.
+                None => drop(entry.tx.try_send(output)),
+            }
         }
+        self.send_out(outgoing);
         if n > 0 {
             tracing::warn!(requests = n, "failed every request in flight: {message}");
         }
@@ -299,7 +455,7 @@ impl Handler<Submit> for EngineClient {
     type Result = ResponseActFuture<Self, Result<OutputReceiver, ApiError>>;
 
     fn handle(&mut self, msg: Submit, _ctx: &mut Self::Context) -> Self::Result {
-        let Submit { request, trace, ticket } = msg;
+        let Submit { request, trace, ticket, inbox } = msg;
         let request_id = request.request_id.clone();
         if self.in_flight.contains_key(&request_id) {
             return Box::pin(fut::ready(Err(ApiError::DuplicateRequestId(request_id))));
@@ -311,7 +467,7 @@ impl Handler<Submit> for EngineClient {
         // Register before sending: the first output may overtake the Ack (they travel on
         // different sockets).
         let (tx, rx) = mpsc::channel(self.output_buffer);
-        self.in_flight.insert(request_id.clone(), InFlight { ticket, tx });
+        self.in_flight.insert(request_id.clone(), InFlight { ticket, tx, inbox });
         let envelope =
             Envelope::new(WireMessage::AddRequest(request)).with_request_id(request_id.clone()).with_trace(trace);
         let link = self.link.clone();

@@ -12,7 +12,7 @@ use actix_web::HttpResponse;
 use pdmesh_model_api::TextCodec;
 use pdmesh_protocol::{EngineRequest, KvTransferParams, TraceContext};
 
-use crate::engine_client::{next_ticket, Abort, AbortReason, EngineClient, OutputReceiver, Submit};
+use crate::engine_client::{next_ticket, thread_inbox, Abort, AbortReason, EngineClient, OutputReceiver, Submit};
 use crate::error::ApiError;
 use crate::headers::{RequestMeta, REQUEST_ID};
 use crate::metrics::{E2E, FINISH_REASONS_TOTAL, GENERATION_TOKENS_TOTAL, IN_FLIGHT, ITL, PROMPT_TOKENS_TOTAL, TTFT};
@@ -262,8 +262,9 @@ async fn submit_one(
 ) -> Result<(OutputReceiver, RequestGuard), ApiError> {
     let engine_request_id = request.request_id.clone();
     let ticket = next_ticket();
+    let inbox = thread_inbox(&state.client);
     let outputs =
-        state.client.send(Submit { request, trace, ticket }).await.map_err(|e| {
+        state.client.send(Submit { request, trace, ticket, inbox }).await.map_err(|e| {
             ApiError::Unavailable(format!("engine unavailable: the engine client is not running ({e})"))
         })??;
     Ok((outputs, RequestGuard::new(state.client.clone(), engine_request_id, ticket, arrival, span)))

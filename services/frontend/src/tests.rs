@@ -1260,9 +1260,10 @@ async fn overload_refusals_from_the_dp_lb_and_the_engine_are_503_with_retry_afte
 async fn a_client_that_stops_reading_is_cut_off_at_the_output_buffer() {
     // 300 one-byte outputs (the fake engine ignores max_tokens): more than the SSE body
     // buffer and the 4-output buffer together
-    let h = harness_with("limits = { output_buffer = 4 }", |req| {
+    let digit = |i: usize| char::from(b'0' + (i % 10) as u8).to_string();
+    let h = harness_with("limits = { output_buffer = 4 }", move |req| {
         let outputs =
-            (0..300).map(|i| output(&req.request_id, "x", (i == 299).then_some(FinishReason::Length))).collect();
+            (0..300).map(|i| output(&req.request_id, &digit(i), (i == 299).then_some(FinishReason::Length))).collect();
         Script { reply: Some(WireMessage::Ack), outputs }
     })
     .await;
@@ -1282,6 +1283,11 @@ async fn a_client_that_stops_reading_is_cut_off_at_the_output_buffer() {
     let events = sse_events(&body);
     assert!(events.iter().any(|e| e["error"]["code"] == 503), "{}", String::from_utf8_lossy(&body));
     assert_eq!(events.last().unwrap(), "[DONE]");
+    // what it got is the start of the text, without a hole where outputs were cut off
+    let text: String = events.iter().filter_map(|e| e["choices"][0]["text"].as_str()).collect();
+    let expected: String = (0..text.len()).map(digit).collect();
+    assert!(!text.is_empty() && text.len() < 300, "{text}");
+    assert_eq!(text, expected);
 }
 
 // ---- per-key bound (limits.max_in_flight_per_key)
