@@ -122,7 +122,15 @@ impl std::fmt::Debug for Delivery {
 #[derive(Debug, Clone)]
 pub struct Inbox {
     id: u64,
-    tx: mpsc::UnboundedSender<Vec<Delivery>>,
+    tx: mpsc::UnboundedSender<Batch>,
+}
+
+/// One engine client's outputs of one step for one inbox. The client comes along because a
+/// thread may serve the handlers of more than one (tests start several in one process), and
+/// what the inbox reports back must reach the one following the request.
+struct Batch {
+    client: Addr<EngineClient>,
+    deliveries: Vec<Delivery>,
 }
 
 static NEXT_INBOX: AtomicU64 = AtomicU64::new(1);
@@ -133,7 +141,7 @@ thread_local! {
 
 /// The inbox of the calling thread, started on first use; `None` outside an actix arbiter
 /// (no local task set to run it on). A thread whose arbiter stopped gets a new one.
-pub fn thread_inbox(client: &Addr<EngineClient>) -> Option<Inbox> {
+pub fn thread_inbox() -> Option<Inbox> {
     actix::Arbiter::try_current()?;
     INBOX.with(|slot| {
         let mut slot = slot.borrow_mut();
@@ -141,7 +149,7 @@ pub fn thread_inbox(client: &Addr<EngineClient>) -> Option<Inbox> {
             return Some(inbox.clone());
         }
         let (tx, rx) = mpsc::unbounded_channel();
-        actix::spawn(deliver_batches(rx, client.clone()));
+        actix::spawn(deliver_batches(rx));
         let inbox = Inbox { id: NEXT_INBOX.fetch_add(1, Ordering::Relaxed), tx };
         *slot = Some(inbox.clone());
         Some(inbox)
@@ -156,10 +164,10 @@ const CUT_OFF_REMEMBERED: usize = 64;
 /// request whose handler is gone or no longer reads is reported to the actor as an [`Abort`],
 /// which stops following it; later outputs of a request cut off here are dropped, so its
 /// client never gets a stream with a hole in it.
-async fn deliver_batches(mut rx: mpsc::UnboundedReceiver<Vec<Delivery>>, client: Addr<EngineClient>) {
+async fn deliver_batches(mut rx: mpsc::UnboundedReceiver<Batch>) {
     let mut cut_off: VecDeque<u64> = VecDeque::with_capacity(CUT_OFF_REMEMBERED);
-    while let Some(batch) = rx.recv().await {
-        for Delivery { tx, ticket, output } in batch {
+    while let Some(Batch { client, deliveries }) = rx.recv().await {
+        for Delivery { tx, ticket, output } in deliveries {
             if cut_off.contains(&ticket) {
                 continue;
             }
@@ -263,6 +271,8 @@ pub struct EngineClient {
     in_flight: HashMap<String, InFlight>,
     /// Capacity of each request's output channel.
     output_buffer: usize,
+    /// This actor's own address, which its batches carry to the inboxes (set once started).
+    me: Option<Addr<EngineClient>>,
 }
 
 impl EngineClient {
@@ -280,7 +290,7 @@ impl EngineClient {
         let config = LinkConfig::new(endpoint).identity(LINK_IDENTITY).hello(hello);
         let link = connect_dealer(config, ctx.address().recipient());
         let output_buffer = output_buffer.max(1);
-        let addr = ctx.run(EngineClient { link: link.clone(), in_flight: HashMap::new(), output_buffer });
+        let addr = ctx.run(EngineClient { link: link.clone(), in_flight: HashMap::new(), output_buffer, me: None });
         (addr, link)
     }
 
@@ -326,11 +336,16 @@ impl EngineClient {
     /// Hand each inbox its share of a batch; the share of an inbox whose thread is gone is
     /// delivered from here.
     fn send_out(&mut self, outgoing: Outgoing) {
-        for (inbox, batch) in outgoing.batches {
-            if let Err(mpsc::error::SendError(batch)) = inbox.tx.send(batch) {
-                for delivery in batch {
-                    self.deliver_here(delivery);
-                }
+        for (inbox, deliveries) in outgoing.batches {
+            let undelivered = match &self.me {
+                Some(me) => match inbox.tx.send(Batch { client: me.clone(), deliveries }) {
+                    Ok(()) => continue,
+                    Err(mpsc::error::SendError(batch)) => batch.deliveries,
+                },
+                None => deliveries,
+            };
+            for delivery in undelivered {
+                self.deliver_here(delivery);
             }
         }
     }
@@ -417,6 +432,7 @@ impl Actor for EngineClient {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
+        self.me = Some(ctx.address());
         // Handlers on every HTTP worker submit here; don't make them queue behind 16 slots.
         ctx.set_mailbox_capacity(4096);
         ctx.run_interval(SWEEP_INTERVAL, |act, _| act.sweep());

@@ -262,7 +262,7 @@ async fn submit_one(
 ) -> Result<(OutputReceiver, RequestGuard), ApiError> {
     let engine_request_id = request.request_id.clone();
     let ticket = next_ticket();
-    let inbox = thread_inbox(&state.client);
+    let inbox = thread_inbox();
     let outputs =
         state.client.send(Submit { request, trace, ticket, inbox }).await.map_err(|e| {
             ApiError::Unavailable(format!("engine unavailable: the engine client is not running ({e})"))

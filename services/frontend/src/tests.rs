@@ -1290,6 +1290,31 @@ async fn a_client_that_stops_reading_is_cut_off_at_the_output_buffer() {
     assert_eq!(text, expected);
 }
 
+#[actix_web::test]
+async fn a_cut_off_reaches_the_engine_client_that_follows_the_request() {
+    // One thread serves the handlers of two frontends here: the first one's request starts the
+    // thread's inbox (D77), the second one's request is then cut off at a full buffer, and its
+    // abort must reach the second frontend's dp-lb, not the first's.
+    let first = harness(generates("ok", Some(FinishReason::Length))).await;
+    let (status, _, body) = call(&first, "/v1/completions", json!({"prompt": "a", "max_tokens": 2}), &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let second = harness_with("limits = { output_buffer = 4 }", |req| {
+        let outputs =
+            (0..300).map(|i| output(&req.request_id, "x", (i == 299).then_some(FinishReason::Length))).collect();
+        Script { reply: Some(WireMessage::Ack), outputs }
+    })
+    .await;
+    let app = test::init_service(app(second.state.clone())).await;
+    let req = test::TestRequest::post()
+        .uri("/v1/completions")
+        .insert_header(("x-request-id", "stalled-2"))
+        .set_json(json!({"prompt": "a", "max_tokens": 60, "stream": true}));
+    let res = test::call_service(&app, req.to_request()).await;
+    assert_eq!(res.status(), 200);
+    assert!(wait_for_abort(&second, "stalled-2").await, "the second frontend aborts its stalled request");
+    drop(res);
+}
+
 // ---- per-key bound (limits.max_in_flight_per_key)
 
 /// A 429 that tells the client to come back: `Retry-After` and OpenAI's rate-limit body.
