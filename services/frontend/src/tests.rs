@@ -1256,25 +1256,39 @@ async fn overload_refusals_from_the_dp_lb_and_the_engine_are_503_with_retry_afte
     assert!(wait_for_notice(&h, "p-req-7").await.is_some());
 }
 
-#[actix_web::test]
-async fn a_client_that_stops_reading_is_cut_off_at_the_output_buffer() {
-    // 300 one-byte outputs (the fake engine ignores max_tokens): more than the SSE body
-    // buffer and the 4-output buffer together
-    let digit = |i: usize| char::from(b'0' + (i % 10) as u8).to_string();
-    let h = harness_with("limits = { output_buffer = 4 }", move |req| {
+/// Digit `i % 10` of the text [`floods`] generates.
+fn digit(i: usize) -> String {
+    char::from(b'0' + (i % 10) as u8).to_string()
+}
+
+/// A frontend whose engine answers every request with 300 one-byte outputs (the fake engine
+/// ignores max_tokens), digits in turn: more than the SSE body buffer and a 4-output buffer.
+async fn floods() -> Harness {
+    harness_with("limits = { output_buffer = 4 }", |req| {
         let outputs =
             (0..300).map(|i| output(&req.request_id, &digit(i), (i == 299).then_some(FinishReason::Length))).collect();
         Script { reply: Some(WireMessage::Ack), outputs }
     })
-    .await;
+    .await
+}
+
+/// Start a streamed completion with request id `id` on `h`; its body is left unread.
+async fn stalled_stream(h: &Harness, id: &str) -> actix_web::dev::ServiceResponse {
     let app = test::init_service(app(h.state.clone())).await;
     let req = test::TestRequest::post()
         .uri("/v1/completions")
-        .insert_header(("x-request-id", "stalled"))
+        .insert_header(("x-request-id", id))
         .set_json(json!({"prompt": "a", "max_tokens": 60, "stream": true}));
-    let before = crate::metrics::ABORTS_SENT_TOTAL.with_label_values(&["output_overflow"]).get();
     let res = test::call_service(&app, req.to_request()).await;
     assert_eq!(res.status(), 200);
+    res.map_into_boxed_body()
+}
+
+#[actix_web::test]
+async fn a_client_that_stops_reading_is_cut_off_at_the_output_buffer() {
+    let h = floods().await;
+    let before = crate::metrics::ABORTS_SENT_TOTAL.with_label_values(&["output_overflow"]).get();
+    let res = stalled_stream(&h, "stalled").await;
     // nobody reads the body: the frontend stops buffering and aborts the engine request
     assert!(wait_for_abort(&h, "stalled").await, "the stalled request is aborted");
     assert_eq!(crate::metrics::ABORTS_SENT_TOTAL.with_label_values(&["output_overflow"]).get(), before + 1);
@@ -1298,19 +1312,8 @@ async fn a_cut_off_reaches_the_engine_client_that_follows_the_request() {
     let first = harness(generates("ok", Some(FinishReason::Length))).await;
     let (status, _, body) = call(&first, "/v1/completions", json!({"prompt": "a", "max_tokens": 2}), &[]).await;
     assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
-    let second = harness_with("limits = { output_buffer = 4 }", |req| {
-        let outputs =
-            (0..300).map(|i| output(&req.request_id, "x", (i == 299).then_some(FinishReason::Length))).collect();
-        Script { reply: Some(WireMessage::Ack), outputs }
-    })
-    .await;
-    let app = test::init_service(app(second.state.clone())).await;
-    let req = test::TestRequest::post()
-        .uri("/v1/completions")
-        .insert_header(("x-request-id", "stalled-2"))
-        .set_json(json!({"prompt": "a", "max_tokens": 60, "stream": true}));
-    let res = test::call_service(&app, req.to_request()).await;
-    assert_eq!(res.status(), 200);
+    let second = floods().await;
+    let res = stalled_stream(&second, "stalled-2").await;
     assert!(wait_for_abort(&second, "stalled-2").await, "the second frontend aborts its stalled request");
     drop(res);
 }
