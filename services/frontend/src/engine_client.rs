@@ -271,8 +271,9 @@ pub struct EngineClient {
     in_flight: HashMap<String, InFlight>,
     /// Capacity of each request's output channel.
     output_buffer: usize,
-    /// This actor's own address, which its batches carry to the inboxes (set once started).
-    me: Option<Addr<EngineClient>>,
+    /// This actor's own address, which its batches carry to the inboxes; weak, so that the
+    /// actor still stops once nothing else holds its address.
+    me: actix::WeakAddr<EngineClient>,
 }
 
 impl EngineClient {
@@ -290,7 +291,8 @@ impl EngineClient {
         let config = LinkConfig::new(endpoint).identity(LINK_IDENTITY).hello(hello);
         let link = connect_dealer(config, ctx.address().recipient());
         let output_buffer = output_buffer.max(1);
-        let addr = ctx.run(EngineClient { link: link.clone(), in_flight: HashMap::new(), output_buffer, me: None });
+        let me = ctx.address().downgrade();
+        let addr = ctx.run(EngineClient { link: link.clone(), in_flight: HashMap::new(), output_buffer, me });
         (addr, link)
     }
 
@@ -337,8 +339,8 @@ impl EngineClient {
     /// delivered from here.
     fn send_out(&mut self, outgoing: Outgoing) {
         for (inbox, deliveries) in outgoing.batches {
-            let undelivered = match &self.me {
-                Some(me) => match inbox.tx.send(Batch { client: me.clone(), deliveries }) {
+            let undelivered = match self.me.upgrade() {
+                Some(client) => match inbox.tx.send(Batch { client, deliveries }) {
                     Ok(()) => continue,
                     Err(mpsc::error::SendError(batch)) => batch.deliveries,
                 },
@@ -432,7 +434,6 @@ impl Actor for EngineClient {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Self::Context) {
-        self.me = Some(ctx.address());
         // Handlers on every HTTP worker submit here; don't make them queue behind 16 slots.
         ctx.set_mailbox_capacity(4096);
         ctx.run_interval(SWEEP_INTERVAL, |act, _| act.sweep());
