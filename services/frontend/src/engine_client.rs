@@ -111,12 +111,6 @@ struct Delivery {
     output: EngineOutput,
 }
 
-impl std::fmt::Debug for Delivery {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Delivery").field("ticket", &self.ticket).field("request_id", &self.output.request_id).finish()
-    }
-}
-
 /// Where the outputs of the requests submitted from one thread go (D77): the sending side of
 /// a task on that thread that hands each output to its request's channel.
 #[derive(Debug, Clone)]
@@ -244,6 +238,7 @@ pub struct Readiness;
 #[rtype(result = "usize")]
 pub struct InFlightCount;
 
+#[derive(Clone)]
 struct InFlight {
     ticket: u64,
     tx: mpsc::Sender<EngineOutput>,
@@ -300,20 +295,15 @@ impl EngineClient {
     /// submitted without an inbox) into its channel at once. A finished request is forgotten
     /// here: its last output is the last the engine sends.
     fn dispatch(&mut self, output: EngineOutput, outgoing: &mut Outgoing) {
-        let finished = output.finish_reason.is_some();
-        let Some(entry) = self.in_flight.get(&output.request_id) else {
+        let entry = if output.finish_reason.is_some() {
+            self.in_flight.remove(&output.request_id)
+        } else {
+            self.in_flight.get(&output.request_id).cloned()
+        };
+        let Some(InFlight { ticket, tx, inbox }) = entry else {
             UNKNOWN_OUTPUTS.inc();
             tracing::debug!(request_id = %output.request_id, "output for a request nobody waits for");
             return;
-        };
-        let (ticket, inbox) = (entry.ticket, entry.inbox.clone());
-        let tx = if finished {
-            match self.in_flight.remove(&output.request_id) {
-                Some(e) => e.tx,
-                None => return,
-            }
-        } else {
-            entry.tx.clone()
         };
         match inbox {
             Some(inbox) => outgoing.push(&inbox, Delivery { tx, ticket, output }),

@@ -19,11 +19,10 @@
 
 mod common;
 
-use std::cell::Cell;
 use std::sync::atomic::AtomicUsize;
 
 use common::failover::{
-    burst, burst_when, check_all, check_reference, kill_node, load_of, set_victim, stream_one, STREAMS, TOKENS,
+    burst, burst_when, busy_node, check_all, check_reference, kill_node, load_of, stream_one, STREAMS, TOKENS,
 };
 use common::{metric, reserve_ports, scaleout_topology};
 
@@ -52,18 +51,17 @@ fn killing_a_decode_node_then_a_prefill_node_loses_no_stream() {
     // 2. SIGKILL every process of a D mid-stream: the first one seen running requests once
     // every stream has tokens (the router's latency-aware pick may leave either out).
     let decode = [("d-a".to_string(), ports.d[0]), ("d-b".to_string(), ports.d[1])];
-    let d_victim = Cell::new(None);
-    let got = burst_when(
+    let (got, d_victim) = burst_when(
         &url,
-        |n| n >= STREAMS && set_victim(&d_victim, &decode, |port| load_of(port)["running"].as_u64().unwrap_or(0)),
-        || {
-            let d_dead = &decode[d_victim.get().unwrap()].0;
+        |n| if n >= STREAMS { busy_node(&decode, |port| load_of(port)["running"].as_u64().unwrap_or(0)) } else { None },
+        |d| {
+            let d_dead = &decode[d].0;
             let killed = kill_node(&mesh, d_dead);
             assert!(killed >= 3, "{d_dead}'s frontend, dp-lb and engine processes");
             eprintln!("killed {killed} processes of {d_dead}");
         },
     );
-    let d_alive = 1 - d_victim.get().unwrap();
+    let d_alive = 1 - d_victim;
     check_all(&got, &reference, "a D killed");
     let moved = metric(ports.router, "pdmesh_router_migrations_total", "");
     eprintln!("migrations: {moved}");

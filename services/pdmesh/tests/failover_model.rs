@@ -31,12 +31,11 @@
 
 mod common;
 
-use std::cell::Cell;
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
-use common::failover::{burst_when, check_all, check_reference, kill_node, load_of, set_victim, STREAMS};
+use common::failover::{burst_when, busy_node, check_all, check_reference, kill_node, load_of, STREAMS};
 use common::{metric, reserve_ports, side_ports};
 use toml::{Table, Value};
 
@@ -135,7 +134,7 @@ fn scaleout_loses_no_stream_when_a_decode_node_then_a_prefill_node_mid_prefill_d
     let url = format!("http://127.0.0.1:{}/v1/completions", nodes.router);
     // 1. The undisturbed run.
     let t = Instant::now();
-    let reference = burst_when(&url, |_| true, || {});
+    let (reference, ()) = burst_when(&url, |_| Some(()), |()| {});
     eprintln!("undisturbed burst: {:.1} s", t.elapsed().as_secs_f64());
     check_reference(&reference);
     assert_eq!(metric(nodes.router, "pdmesh_router_migrations_total", ""), 0.0, "nothing moved undisturbed");
@@ -143,19 +142,24 @@ fn scaleout_loses_no_stream_when_a_decode_node_then_a_prefill_node_mid_prefill_d
 
     // 2. SIGKILL every process of a D while its streams run: the first one seen running
     // requests once every stream has text (the router may have left either D out).
-    let d_victim = Cell::new(None);
     let t = Instant::now();
-    let got = burst_when(
+    let (got, d_victim) = burst_when(
         &url,
-        |n| n >= STREAMS && set_victim(&d_victim, &nodes.decode, |port| load_of(port)["running"].as_u64().unwrap_or(0)),
-        || {
-            let d_dead = &nodes.decode[d_victim.get().unwrap()].0;
+        |n| {
+            if n >= STREAMS {
+                busy_node(&nodes.decode, |port| load_of(port)["running"].as_u64().unwrap_or(0))
+            } else {
+                None
+            }
+        },
+        |d| {
+            let d_dead = &nodes.decode[d].0;
             let killed = kill_node(&mesh, d_dead);
             assert!(killed >= 3, "{d_dead}'s frontend, dp-lb and engine processes");
             eprintln!("killed {killed} processes of {d_dead} mid-stream");
         },
     );
-    let (d_dead, _) = &nodes.decode[d_victim.get().unwrap()];
+    let (d_dead, _) = &nodes.decode[d_victim];
     eprintln!("burst with {d_dead} killed: {:.1} s", t.elapsed().as_secs_f64());
     check_all(&got, &reference, &format!("{d_dead} killed"));
     let moved = metric(nodes.router, "pdmesh_router_migrations_total", "");
@@ -164,20 +168,19 @@ fn scaleout_loses_no_stream_when_a_decode_node_then_a_prefill_node_mid_prefill_d
 
     // 3. SIGKILL every process of a P while it computes prefills: the first one seen with
     // requests in its engine.
-    let p_victim = Cell::new(None);
     let retried_before = metric(nodes.router, "pdmesh_router_prefill_retries_total", "");
     let t = Instant::now();
-    let got = burst_when(
+    let (got, p_victim) = burst_when(
         &url,
-        |_| set_victim(&p_victim, &nodes.prefill, in_engine),
-        || {
-            let p_dead = &nodes.prefill[p_victim.get().unwrap()].0;
+        |_| busy_node(&nodes.prefill, in_engine),
+        |p| {
+            let p_dead = &nodes.prefill[p].0;
             let killed = kill_node(&mesh, p_dead);
             assert!(killed >= 3, "{p_dead}'s frontend, dp-lb and engine processes");
             eprintln!("killed {killed} processes of {p_dead} with requests in its engine (mid-prefill)");
         },
     );
-    let (p_dead, _) = &nodes.prefill[p_victim.get().unwrap()];
+    let (p_dead, _) = &nodes.prefill[p_victim];
     eprintln!("burst with {p_dead} killed: {:.1} s", t.elapsed().as_secs_f64());
     check_all(&got, &reference, &format!("{p_dead} killed"));
     let retries = metric(nodes.router, "pdmesh_router_prefill_retries_total", "") - retried_before;
@@ -185,9 +188,9 @@ fn scaleout_loses_no_stream_when_a_decode_node_then_a_prefill_node_mid_prefill_d
     assert!(retries >= 1.0, "prefills in {p_dead} were retried on the other P");
 
     // Nothing stays held on the survivors.
-    let (_, p_alive) = &nodes.prefill[1 - p_victim.get().unwrap()];
+    let (_, p_alive) = &nodes.prefill[1 - p_victim];
     mesh.wait_kv_on(*p_alive, "P holds nothing", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
-    let (_, d_alive) = &nodes.decode[1 - d_victim.get().unwrap()];
+    let (_, d_alive) = &nodes.decode[1 - d_victim];
     mesh.wait_kv_on(*d_alive, "D's blocks are free", |kv| kv["used_blocks"] == 0);
     assert!(!mesh.logs().contains("panicked"));
     drop(mesh);

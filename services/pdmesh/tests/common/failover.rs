@@ -98,9 +98,14 @@ pub fn stream_one(url: &str, i: usize, started: &AtomicUsize) -> Streamed {
     out
 }
 
-/// Run the `STREAMS` streams at once; `during` runs once `ready(started)` holds, `started`
-/// being how many streams have text so far.
-pub fn burst_when(url: &str, ready: impl Fn(usize) -> bool, during: impl FnOnce()) -> Vec<Streamed> {
+/// Run the `STREAMS` streams at once; `during` runs with what `ready(started)` gives once it
+/// gives something, `started` being how many streams have text so far; returns the streams and
+/// that value (which node was disturbed, say).
+pub fn burst_when<T: Copy>(
+    url: &str,
+    ready: impl Fn(usize) -> Option<T>,
+    during: impl FnOnce(T),
+) -> (Vec<Streamed>, T) {
     let started = Arc::new(AtomicUsize::new(0));
     let handles: Vec<_> = (0..STREAMS)
         .map(|i| {
@@ -108,14 +113,19 @@ pub fn burst_when(url: &str, ready: impl Fn(usize) -> bool, during: impl FnOnce(
             std::thread::spawn(move || stream_one(&url, i, &started))
         })
         .collect();
-    super::wait_for("the moment to disturb the streams", || ready(started.load(Ordering::SeqCst)));
-    during();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let mut moment = None;
+    super::wait_for("the moment to disturb the streams", || {
+        moment = ready(started.load(Ordering::SeqCst));
+        moment.is_some()
+    });
+    let moment = moment.unwrap();
+    during(moment);
+    (handles.into_iter().map(|h| h.join().unwrap()).collect(), moment)
 }
 
 /// Run the `STREAMS` streams at once; `during` runs once `wait_started` of them have text.
 pub fn burst(url: &str, wait_started: usize, during: impl FnOnce()) -> Vec<Streamed> {
-    burst_when(url, |n| n >= wait_started, during)
+    burst_when(url, |n| (n >= wait_started).then_some(()), |()| during()).0
 }
 
 /// SIGKILL every process of `node` (from the process table); returns how many.
@@ -133,17 +143,11 @@ pub fn kill_node(mesh: &Mesh, node: &str) -> usize {
     pids.len()
 }
 
-/// Whether one of `nodes` has work by `work` (of its port); the first that has is kept in
-/// `victim`. The test kills whichever node holds work rather than a fixed one: the router's
-/// latency-aware pick may leave a node that was slower in the last burst out of the next.
-pub fn set_victim(victim: &std::cell::Cell<Option<usize>>, nodes: &[(String, u16)], work: impl Fn(u16) -> u64) -> bool {
-    match nodes.iter().position(|(_, port)| work(*port) > 0) {
-        Some(i) => {
-            victim.set(Some(i));
-            true
-        }
-        None => false,
-    }
+/// The first of `nodes` with work by `work` (of its port). The tests kill whichever node holds
+/// work rather than a fixed one: the router's latency-aware pick may leave a node that was
+/// slower in the last burst out of the next.
+pub fn busy_node(nodes: &[(String, u16)], work: impl Fn(u16) -> u64) -> Option<usize> {
+    nodes.iter().position(|(_, port)| work(*port) > 0)
 }
 
 /// `GET /load` of the node on `port` (what the router routes by).
