@@ -204,6 +204,7 @@ impl ExecutorActor {
         // Rows the speculation computed exactly as this step asks for them (same request,
         // token, position, blocks and sampling): their results stand as they are, since a
         // row's result does not depend on the batch it ran in.
+        let block_size = self.kv.spec().block_size;
         let mut ready: Vec<Option<SampledToken>> = vec![None; step.chunks.len()];
         let mut ahead = std::time::Duration::ZERO;
         if let Some(spec) = speculation {
@@ -211,7 +212,7 @@ impl ExecutorActor {
                 spec.sampled.into_iter().map(|t| (t.request_id.clone(), t)).collect();
             let ran: HashMap<&str, &ScheduledChunk> = spec.chunks.iter().map(|c| (c.request_id.as_str(), c)).collect();
             for (slot, chunk) in ready.iter_mut().zip(&step.chunks) {
-                if ran.get(chunk.request_id.as_str()) == Some(&chunk) {
+                if ran.get(chunk.request_id.as_str()).is_some_and(|r| computes_the_same(r, chunk, block_size)) {
                     *slot = results.remove(&chunk.request_id);
                 }
             }
@@ -356,6 +357,27 @@ impl ExecutorActor {
     }
 }
 
+/// Whether the row run ahead, `ran`, computed what the engine's chunk `asked` asks for: every
+/// field equal, except that the block tables need only agree on the blocks the chunk reads and
+/// writes. The engine gives a request the block of its next position a step early (D78), so
+/// its chunk may carry one block more than the row planned from the step before; a row's
+/// result does not depend on blocks past its position.
+fn computes_the_same(ran: &ScheduledChunk, asked: &ScheduledChunk, block_size: u32) -> bool {
+    // Destructured whole, so a field added to the chunk has to be placed here.
+    let ScheduledChunk { request_id, token_ids, start_pos, block_ids, sample, sampling, output_index, guided_output } =
+        asked;
+    let touched = (u64::from(*start_pos) + token_ids.len() as u64).div_ceil(u64::from(block_size.max(1)));
+    let touched = usize::try_from(touched).unwrap_or(usize::MAX);
+    ran.request_id == *request_id
+        && ran.token_ids == *token_ids
+        && ran.start_pos == *start_pos
+        && ran.sample == *sample
+        && ran.sampling == *sampling
+        && ran.output_index == *output_index
+        && ran.guided_output == *guided_output
+        && ran.block_ids.get(..touched).is_some_and(|b| Some(b) == block_ids.get(..touched))
+}
+
 /// The block a one-token decode chunk writes its KV into.
 fn written_block(chunk: &ScheduledChunk, block_size: u32) -> Option<u32> {
     chunk.block_ids.get((chunk.start_pos / block_size) as usize).copied()
@@ -366,7 +388,8 @@ fn written_block(chunk: &ScheduledChunk, block_size: u32) -> Option<u32> {
 /// Requests that stop here (their length, or a stop token) are left out. Empty when a request
 /// goes on in a way that cannot be run ahead: a prefill continuing in its next chunk, a
 /// structured output (the grammar matcher would advance), a next position that needs a new
-/// block (the engine chooses it). The engine's next step would then hold a row the step run
+/// block (the engine chooses it; since D78 it gives it a step early where it has a free one,
+/// so this is left for a full pool). The engine's next step would then hold a row the step run
 /// ahead lacks, and one pass for all of them costs less than two: a pass's fixed cost (the
 /// weights read once) outweighs a few rows.
 fn next_decode_step(chunks: &[ScheduledChunk], sampled: &[SampledToken], block_size: u32) -> Vec<ScheduledChunk> {
@@ -509,6 +532,37 @@ mod tests {
             sampled.extend(its_token.map(|t| token(&odd.request_id, t)));
             assert!(next_decode_step(&with, &sampled, 4).is_empty(), "{}", odd.request_id);
         }
+    }
+
+    #[test]
+    fn a_row_run_ahead_serves_a_chunk_whose_table_grew_past_its_position() {
+        // Planned at position 6 of 4-token blocks (block 3 holds it): the engine's chunk for
+        // it carries block 9 as well, given early for position 8 (D78). Same work.
+        let ran = chunk("r", &[101], 6, &[2, 3], 3);
+        let asked = ScheduledChunk { block_ids: vec![2, 3, 9], ..ran.clone() };
+        assert!(computes_the_same(&ran, &asked, 4));
+        assert!(computes_the_same(&ran, &ran, 4));
+        // A block the row reads or writes differs, or any other field: computed again.
+        let different = [
+            ScheduledChunk { block_ids: vec![2, 7, 9], ..ran.clone() },
+            ScheduledChunk { block_ids: vec![5, 3], ..ran.clone() },
+            ScheduledChunk { token_ids: vec![102], ..ran.clone() },
+            ScheduledChunk { start_pos: 7, ..ran.clone() },
+            ScheduledChunk { output_index: 4, ..ran.clone() },
+            ScheduledChunk { sample: false, ..ran.clone() },
+            ScheduledChunk { request_id: "other".into(), ..ran.clone() },
+            ScheduledChunk { guided_output: vec![1], ..ran.clone() },
+            ScheduledChunk {
+                sampling: pdmesh_protocol::SamplingParams { max_tokens: 11, ..ran.sampling.clone() },
+                ..ran.clone()
+            },
+        ];
+        for asked in &different {
+            assert!(!computes_the_same(&ran, asked, 4), "{asked:?}");
+        }
+        // A row planned without the block its position needs serves nothing.
+        let short = ScheduledChunk { block_ids: vec![2], ..ran.clone() };
+        assert!(!computes_the_same(&short, &ran, 4));
     }
 
     #[test]

@@ -494,7 +494,9 @@ struct World {
 impl World {
     /// `p_caching: false` runs P without prefix caching: its own cache would then always hold
     /// what its small offload store holds, and the store's loads would never be exercised.
-    fn new(recompute: bool, p_caching: bool) -> Self {
+    /// `reserve`: both engines give a request going on its next position's block a step early
+    /// (D78), as where the worker runs steps ahead.
+    fn new(recompute: bool, p_caching: bool, reserve: bool) -> Self {
         let producer = ProducerIdentity {
             engine_id: "p".into(),
             side_channel_host: "127.0.0.1".into(),
@@ -508,11 +510,14 @@ impl World {
         });
         let mut p = Node::new(PdConnector::new(Some(producer), false, HOLD), P_BLOCKS, false, EngineFaults::default());
         p.state.sched.set_prefix_caching(p_caching);
+        p.state.sched.set_reserve_next_block(reserve);
+        // Heartbeats due every step (a hold of zero): the test decides when they arrive.
+        // D's engine refuses some hand-offs itself (rule R1 inside the engine).
+        let mut d = Node::new(PdConnector::new(None, true, Duration::ZERO), D_BLOCKS, recompute, d_engine_faults());
+        d.state.sched.set_reserve_next_block(reserve);
         Self {
             p,
-            // Heartbeats due every step (a hold of zero): the test decides when they arrive.
-            // D's engine refuses some hand-offs itself (rule R1 inside the engine).
-            d: Node::new(PdConnector::new(None, true, Duration::ZERO), D_BLOCKS, recompute, d_engine_faults()),
+            d,
             table,
             now: Instant::now(),
             next_id: 0,
@@ -1076,9 +1081,10 @@ fn run_cases(cases: u32) -> u64 {
     use proptest::test_runner::{Config, TestRunner};
     let applied = std::cell::Cell::new(0u64);
     let mut runner = TestRunner::new(Config { cases, failure_persistence: None, ..Config::default() });
-    let strategy = (proptest::collection::vec(ev(), 1..160), any::<bool>(), any::<bool>(), any::<bool>());
-    let result = runner.run(&strategy, |(events, recompute, deliver_notices, p_caching)| {
-        let mut w = World::new(recompute, p_caching);
+    let strategy =
+        (proptest::collection::vec(ev(), 1..160), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>());
+    let result = runner.run(&strategy, |(events, recompute, deliver_notices, p_caching, reserve)| {
+        let mut w = World::new(recompute, p_caching, reserve);
         for e in &events {
             w.apply(e)?;
         }
@@ -1119,7 +1125,7 @@ fn the_generator_reaches_the_race_windows() {
     let (mut early_granted, mut early_refused) = (0, 0);
     for case in 0..200 {
         let events = proptest::collection::vec(ev(), 1..160).new_tree(&mut runner).unwrap().current();
-        let mut w = World::new(false, case % 2 == 0);
+        let mut w = World::new(false, case % 2 == 0, case % 3 == 0);
         for e in &events {
             w.apply(e).unwrap();
         }

@@ -557,6 +557,7 @@ pub fn start(ctx: &ServiceContext) -> Result<Addr<EngineCore>, EngineError> {
     let mut sched = Scheduler::new(cfg);
     sched.set_prefix_caching(e.enable_prefix_caching);
     sched.set_faults(faults);
+    sched.set_reserve_next_block(node.steps_run_ahead());
     sched.set_admission_limits(crate::scheduler::AdmissionLimits {
         max_waiting: e.max_waiting,
         max_held_fraction: e.max_held_fraction,

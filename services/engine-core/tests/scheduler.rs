@@ -519,3 +519,61 @@ fn failed_load_fails_only_that_request_under_fail_policy() {
     assert_eq!(s.kv_usage().free_blocks, 16);
     check_accounting(&s);
 }
+
+/// D78: where the worker runs steps ahead, a request going on after a step gets the block of
+/// its next position in that step's chunk, so the worker can run the next step ahead across a
+/// block boundary; never for a request that ends there, a remote decoder's prefill, or at the
+/// cost of a preemption; every block free at the end as before.
+#[test]
+fn the_block_of_the_next_position_comes_a_step_early_where_steps_run_ahead() {
+    // 4-token blocks; a 4-token prompt and 6 tokens out: positions 0..=8 are written.
+    let tables = |reserve: bool| {
+        let mut s = Scheduler::new(cfg(64, 64));
+        s.set_reserve_next_block(reserve);
+        s.add_request(req("a", 4, 6)).unwrap();
+        let mut seen = Vec::new();
+        while s.has_requests() {
+            for c in step(&mut s, 7) {
+                seen.push((c.start_pos, c.block_ids));
+            }
+        }
+        assert_eq!(s.kv_usage().free_blocks, 64, "reserve {reserve}: every block free at the end");
+        seen
+    };
+    let (early, in_turn) = (tables(true), tables(false));
+    let lens = |t: &[(u32, Vec<u32>)]| t.iter().map(|(pos, b)| (*pos, b.len())).collect::<Vec<_>>();
+    // The prefill (positions 0..4) already holds block 1 for position 4; position 7's step
+    // holds block 2 for position 8; position 8's step is the last and reserves nothing.
+    assert_eq!(lens(&early), vec![(0, 2), (4, 2), (5, 2), (6, 2), (7, 3), (8, 3)]);
+    assert_eq!(lens(&in_turn), vec![(0, 1), (4, 2), (5, 2), (6, 2), (7, 2), (8, 3)]);
+    // Each step's table starts with the one before: the block given early is the one the
+    // step at the next position uses.
+    for pair in early.windows(2) {
+        assert!(pair[1].1.starts_with(&pair[0].1[..pair[1].1.len().min(pair[0].1.len())]), "{pair:?}");
+    }
+
+    // A remote decoder's prefill (P) ends at its first token: it holds only its prompt's
+    // blocks for the reader. A request at its length cap gets nothing either.
+    let mut s = Scheduler::new(cfg(64, 64));
+    s.set_reserve_next_block(true);
+    s.add_request(to_decode_remotely("p", 8)).unwrap();
+    s.add_request(req("one-token", 8, 1)).unwrap();
+    for call in s.match_queries() {
+        if let ConnectorCall::GetNumNewMatchedTokens { request_id, .. } = call {
+            s.apply_match(&request_id, Some(0), false);
+        }
+    }
+    let sched = s.schedule();
+    let lens: Vec<(&str, usize)> = sched.chunks.iter().map(|c| (c.request_id.as_str(), c.block_ids.len())).collect();
+    assert_eq!(lens, vec![("p", 2), ("one-token", 2)]);
+
+    // An empty pool: the early block is skipped, nobody is preempted for it.
+    let mut s = Scheduler::new(cfg(2, 64));
+    s.set_reserve_next_block(true);
+    s.add_request(req("x", 4, 10)).unwrap();
+    s.add_request(req("y", 4, 10)).unwrap();
+    let first = step(&mut s, 7);
+    assert_eq!(first.iter().map(|c| c.block_ids.len()).collect::<Vec<_>>(), vec![1, 1]);
+    assert_eq!(s.num_running(), 2, "both still running");
+    assert_eq!(s.kv_usage().free_blocks, 0);
+}

@@ -271,4 +271,22 @@ fn real_model_async_scheduling_answers_as_steps_in_turn() {
     eprintln!("rows run ahead: {used} used, {discarded} discarded");
     assert!(used > 100.0, "the engine's decode steps used rows run ahead: {used} used, {discarded} discarded");
     ahead.wait_kv("blocks free", |kv| kv["used_blocks"] == 0);
+
+    // Alone, a request runs every decode step ahead, block boundaries included: the engine
+    // gives it its next position's block a step early (D78). 40 tokens after a prompt of a
+    // few cross two or three 16-token boundaries; each of its 39 decode steps uses its row.
+    let (used_before, discarded_before) = (used, discarded);
+    let r = client()
+        .post(ahead.url("/v1/completions"))
+        .json(&json!({"prompt": "Count slowly:", "max_tokens": 40, "temperature": 0, "ignore_eos": true}))
+        .send()
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let v: Value = r.json().unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 40);
+    let used = common::metric(worker, "pdmesh_worker_speculative_rows_total", "outcome=\"used\"") - used_before;
+    let discarded =
+        common::metric(worker, "pdmesh_worker_speculative_rows_total", "outcome=\"discarded\"") - discarded_before;
+    assert_eq!((used, discarded), (39.0, 0.0), "every decode step of a lone request ran ahead");
+    ahead.wait_kv("blocks free", |kv| kv["used_blocks"] == 0);
 }

@@ -907,6 +907,16 @@ pub struct NodeEndpoints {
 }
 
 impl NodeConfig {
+    /// Whether this node's worker runs each next decode step ahead (`engine.async_scheduling`,
+    /// D67/D68): not where it offloads KV (the copies run between steps on the executor
+    /// thread) nor with `model.fault_injection` (faults count forward passes). The engine
+    /// then also gives a request going on the block of its next position a step early (D78).
+    pub fn steps_run_ahead(&self) -> bool {
+        self.engine.async_scheduling
+            && !self.kv_transfer.as_ref().is_some_and(|k| k.uses_offload())
+            && self.model.fault_injection.split(',').all(|f| f.trim().is_empty())
+    }
+
     fn host_of(&self, configured: &Option<String>, rank: u32) -> String {
         configured.as_ref().map(|h| h.replace("{rank}", &rank.to_string())).unwrap_or_else(|| {
             if self.bind_host == "0.0.0.0" {
