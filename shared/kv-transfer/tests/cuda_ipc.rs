@@ -163,11 +163,29 @@ fn cuda_ipc_reads_p_blocks_from_another_process() {
     assert!(p.wait().unwrap().success());
 }
 
+/// P's process and the rest of its stdout. The pipe stays open until P is waited for: P's
+/// test harness prints its verdict there when P ends, and a closed pipe would fail P.
+struct PProcess {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl PProcess {
+    /// Close P's stdin (its cue to finish), read what it prints until it exits, and return
+    /// whether it succeeded.
+    fn finish(mut self) -> bool {
+        drop(self.child.stdin.take());
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut self.out, &mut rest);
+        self.child.wait().is_ok_and(|s| s.success())
+    }
+}
+
 /// Start this test binary as P running `test`, and read the line P prints after `marker`.
-/// The caller waits for P; a failed assert ends this process, which closes P's stdin and so
+/// The caller finishes P; a failed assert ends this process, which closes P's stdin and so
 /// ends P too.
 #[allow(clippy::zombie_processes)]
-fn start_p(test: &str, role: &str, marker: &str) -> (Child, String) {
+fn start_p(test: &str, role: &str, marker: &str) -> (PProcess, String) {
     let mut p = Command::new(std::env::current_exe().unwrap())
         .args(["--ignored", "--exact", test, "--nocapture", "--test-threads=1"])
         .env("PDMESH_CUDA_IPC_ROLE", role)
@@ -181,7 +199,8 @@ fn start_p(test: &str, role: &str, marker: &str) -> (Child, String) {
         assert!(out.read_line(&mut line).unwrap() > 0, "P exited before printing {marker}");
         // the harness may print "test NAME ... " on the same line first
         if let Some(i) = line.find(marker) {
-            return (p, line[i + marker.len()..].trim().to_string());
+            let found = line[i + marker.len()..].trim().to_string();
+            return (PProcess { child: p, out }, found);
         }
     }
 }
@@ -219,12 +238,13 @@ fn p_agent_process() {
         let handle = region.export().unwrap().to_hex();
         let (agent, table) = common::device_agent("p-gpu", handle, spec, compat(&spec)).await;
         let deadline = Instant::now() + Duration::from_secs(120);
-        let mut t = table.lock().unwrap();
-        assert!(t.hold_with_capability("req-p", vec![3, 4, 9], vec![1, 1, 1], deadline, common::cap("req-p")));
-        for (id, n) in bw_requests() {
-            assert!(t.hold_with_capability(&id, (0..n).collect(), vec![1; n as usize], deadline, common::cap(&id)));
+        {
+            let mut t = table.lock().unwrap();
+            assert!(t.hold_with_capability("req-p", vec![3, 4, 9], vec![1, 1, 1], deadline, common::cap("req-p")));
+            for (id, n) in bw_requests() {
+                assert!(t.hold_with_capability(&id, (0..n).collect(), vec![1; n as usize], deadline, common::cap(&id)));
+            }
         }
-        drop(t);
         println!("SIDE_CHANNEL {}", agent.side_channel_endpoint());
         std::io::stdout().flush().unwrap();
         tokio::task::spawn_blocking(|| std::io::stdin().read_line(&mut String::new())).await.unwrap().unwrap();
@@ -245,7 +265,7 @@ fn cuda_backend_leases_reads_and_confirms_between_processes() {
         Ok(c) => c,
         Err(e) => return skip_without_gpu("the cuda backend test", &e),
     };
-    let (mut p, endpoint) = start_p("p_agent_process", "agent", "SIDE_CHANNEL ");
+    let (p, endpoint) = start_p("p_agent_process", "agent", "SIDE_CHANNEL ");
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         // D's block count differs from P's (only the geometry must match).
@@ -331,6 +351,5 @@ fn cuda_backend_leases_reads_and_confirms_between_processes() {
         assert_ne!(block_offset(&local_spec, 7, 1, 200), src, "the regions' layouts differ");
         assert!(got.iter().enumerate().all(|(j, x)| *x == pattern(src + j)), "timed reads copied P's blocks");
     });
-    writeln!(p.stdin.take().unwrap()).unwrap();
-    assert!(p.wait().unwrap().success(), "P saw its hold released by read done");
+    assert!(p.finish(), "P saw its hold released by read done");
 }
