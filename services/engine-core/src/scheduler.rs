@@ -722,9 +722,13 @@ impl Scheduler {
             }
         }
         // Last, so that no running request is preempted and no waiting one left out for a
-        // block given early.
+        // block given early; and only while more blocks are free than requests run, so that
+        // one given early is never one another running request needs for its next step.
         if self.reserve_next_block {
             for chunk in &mut out.chunks {
+                if self.pool.num_free() <= self.running.len() as u32 {
+                    break;
+                }
                 if let Some(req) = self.requests.get_mut(&chunk.request_id) {
                     if let Some(block) = Self::reserve_next_block(&mut self.pool, &self.cfg, req, chunk) {
                         chunk.block_ids.push(block);
@@ -762,8 +766,9 @@ impl Scheduler {
     /// the next decode step ahead only when every row's next position has a block (it cannot
     /// choose one itself), so without this every block boundary — at 8 streams and 16-token
     /// blocks ~40 % of the steps, at 64 nearly all — stepped in turn. It moves an allocation
-    /// one step earlier, nothing more: best effort (only from free blocks, after the step's
-    /// own allocations and admissions; where none is free the next step allocates as before),
+    /// one step earlier, nothing more: best effort (after the step's own allocations and
+    /// admissions, and only while more blocks are free than requests run; else the next step
+    /// allocates as before),
     /// and not for requests that end here as far as the engine knows (their length, a remote
     /// decoder's prefill) or whose next step cannot run ahead anyway (structured outputs). The
     /// block is the request's like any other: freed with it, cached only once full, and not

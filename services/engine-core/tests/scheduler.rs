@@ -567,13 +567,24 @@ fn the_block_of_the_next_position_comes_a_step_early_where_steps_run_ahead() {
     let lens: Vec<(&str, usize)> = sched.chunks.iter().map(|c| (c.request_id.as_str(), c.block_ids.len())).collect();
     assert_eq!(lens, vec![("p", 2), ("one-token", 2)]);
 
-    // An empty pool: the early block is skipped, nobody is preempted for it.
-    let mut s = Scheduler::new(cfg(2, 64));
+    // A short pool: two requests run and no more than two blocks are free, so none is given
+    // early (it could be the one the other request's next step needs); nobody is preempted.
+    for free in [0, 1, 2] {
+        let mut s = Scheduler::new(cfg(2 + free, 64));
+        s.set_reserve_next_block(true);
+        s.add_request(req("x", 4, 10)).unwrap();
+        s.add_request(req("y", 4, 10)).unwrap();
+        let first = step(&mut s, 7);
+        assert_eq!(first.iter().map(|c| c.block_ids.len()).collect::<Vec<_>>(), vec![1, 1], "{free} free");
+        assert_eq!(s.num_running(), 2, "both still running");
+        assert_eq!(s.kv_usage().free_blocks, free);
+    }
+    // Three free for two running: the first gets its block early, then the watermark holds.
+    let mut s = Scheduler::new(cfg(5, 64));
     s.set_reserve_next_block(true);
     s.add_request(req("x", 4, 10)).unwrap();
     s.add_request(req("y", 4, 10)).unwrap();
     let first = step(&mut s, 7);
-    assert_eq!(first.iter().map(|c| c.block_ids.len()).collect::<Vec<_>>(), vec![1, 1]);
-    assert_eq!(s.num_running(), 2, "both still running");
-    assert_eq!(s.kv_usage().free_blocks, 0);
+    assert_eq!(first.iter().map(|c| c.block_ids.len()).collect::<Vec<_>>(), vec![2, 1]);
+    assert_eq!(s.kv_usage().free_blocks, 2);
 }
