@@ -498,7 +498,7 @@ pub async fn start(
     // may write (freed and given out again since it was planned), so they share one book of
     // claimed blocks. An offload copy runs on the executor thread between steps, which the
     // step run ahead would reorder: offloading nodes step in turn.
-    let speculate = node.steps_run_ahead() && offload.is_none() && faults.is_empty();
+    let speculate = node.steps_run_ahead();
     if node.engine.async_scheduling && !speculate {
         tracing::info!("engine.async_scheduling is off on this node: it offloads KV or has executor faults");
     }

@@ -150,8 +150,8 @@ pub fn thread_inbox() -> Option<Inbox> {
     })
 }
 
-/// Tickets of requests cut off at a full buffer that an inbox remembers: enough for the few
-/// batches already on their way when the actor learns of it.
+/// Tickets of requests cut off (a full buffer, a handler gone) that an inbox remembers: enough
+/// for the few batches already on their way when the actor learns of it.
 const CUT_OFF_REMEMBERED: usize = 64;
 
 /// The inbox task: hand each output to its request's channel, on the request's own thread. A
@@ -169,14 +169,13 @@ async fn deliver_batches(mut rx: mpsc::UnboundedReceiver<Batch>) {
             let (reason, request_id) = match put(&tx, output) {
                 Handed::Queued => continue,
                 Handed::Gone(id) => (AbortReason::ReceiverGone, id),
-                Handed::Overflow(id) => {
-                    if cut_off.len() == CUT_OFF_REMEMBERED {
-                        cut_off.pop_front();
-                    }
-                    cut_off.push_back(ticket);
-                    (AbortReason::OutputOverflow, id)
-                }
+                Handed::Overflow(id) => (AbortReason::OutputOverflow, id),
             };
+            // Reported once: the request's later outputs on their way are dropped here.
+            if cut_off.len() == CUT_OFF_REMEMBERED {
+                cut_off.pop_front();
+            }
+            cut_off.push_back(ticket);
             if !finished {
                 client.do_send(Abort { request_id, ticket, reason });
             }
