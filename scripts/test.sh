@@ -47,6 +47,9 @@ python3 scripts/check-k8s.py --selftest
 # labels they carry; its provisioning points at files compose mounts (docs/METRICS.md, D48).
 # --selftest: known-bad expressions must each be refused.
 python3 scripts/check-dashboard.py --selftest
+# pd-vs-colocated's verdict (issue #22, D79) reads past host bursts on either side's rounds and
+# still sees a cost P/D pays in every round; checked on made-up rounds.
+python3 loadtest/scenarios/pd_vs_colocated.py --selftest
 # Coverage-guided fuzzing of every parser of outside bytes (envelope, side channel, tcp data
 # plane, HTTP bodies), 20 s a target; fails on any crash or hang (docs/SECURITY.md). Reuses
 # the release build above for every third-party crate.

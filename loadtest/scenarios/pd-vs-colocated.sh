@@ -5,11 +5,13 @@
 # loop, streaming chat, 64 output tokens. Prints TTFT and ITL (medians over ROUNDS of each
 # run's p50 and p99) and output throughput (all rounds' tokens over all rounds' time, so that
 # with an even ROUNDS each setup is loaded first and second equally often), each round's
-# throughput ratio, and ends with the P/D mesh's lifecycle checks. Both meshes serve a warm-up
+# ratios, issue #22's verdict on each setup's undisturbed level (pd_vs_colocated.py, D79), and
+# ends with the P/D mesh's lifecycle checks. Both meshes serve a warm-up
 # load first, unmeasured: a mesh's first seconds under load are slower (first prefills of the
 # shared prompt prefix, first handshake, first touch of cache pages).
 #
-#   MODEL=gguf (default here; `synthetic` for a quick check), ROUNDS (4), CONCURRENCIES ("1 4 8"),
+#   MODEL=gguf (default here; `synthetic` for a quick check), ROUNDS (4; issue #22's verdict
+#   runs use `MIN_REQUESTS=48 PER_STREAM=16 ROUNDS=8`), CONCURRENCIES ("1 4 8"),
 #   PER_STREAM (8: requests per stream and setup; longer runs steady the throughput ratio, which
 #   varies by ±10 % between 8-request runs on a shared machine), MIN_REQUESTS (16: the fewest
 #   requests of a run whatever its streams; the one-stream TTFT median moves by ~1 ms between
@@ -85,9 +87,14 @@ for r in $(seq 1 "$ROUNDS"); do
       url=$ROUTER
       [[ $setup == colocated ]] && url=$COLO_URL
       LAST_REPORT="$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r/report.json"
+      mkdir -p "$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r"
+      head -1 /proc/stat >"$cpu_before.host"
       "$LOAD" run --url "$url" --endpoint chat --concurrency "$c" --requests "$n" --warmup "$c" --output-len 64 \
         --out-dir "$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r" 2>"$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r.log" \
         || fail "pdmesh-load against the $setup setup exited non-zero"
+      # The host's CPU counters around the load alone: the summary prints each round's share of
+      # the vCPUs' time the hypervisor gave elsewhere (steal), the noise these ratios carry.
+      { cat "$cpu_before.host"; head -1 /proc/stat; } >"$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r/host_cpu.txt"
       check_report
       tokens=$(python3 -c 'import json,sys; s=json.load(open(sys.argv[1]))["summary"]; print(s.get("output_tokens") or 0)' \
         "$LAST_REPORT")
@@ -97,110 +104,13 @@ for r in $(seq 1 "$ROUNDS"); do
         >"$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r/steps.json"
       python3 "$(dirname "$0")/cpu_by_service.py" diff "$cpu_before" "$cpu_before.after" "$tokens" \
         >"$RESULTS_DIR/$SCENARIO/$setup-c$c-r$r/cpu.json"
-      rm -f "$cpu_before" "$cpu_before.after" "$cpu_before.steps" "$cpu_before.steps.after"
+      rm -f "$cpu_before" "$cpu_before.after" "$cpu_before.steps" "$cpu_before.steps.after" "$cpu_before.host"
     done
   done
 done
 
-python3 - "$RESULTS_DIR/$SCENARIO" "$ROUNDS" ${CONCURRENCIES:-1 4 8} <<'PY' | tee "$RESULTS_DIR/$SCENARIO/summary.md" >&2
-import json, statistics, sys
-out, rounds, cs = sys.argv[1], int(sys.argv[2]), [int(c) for c in sys.argv[3:]]
-def med(setup, c):
-    rs = [json.load(open(f"{out}/{setup}-c{c}-r{r}/report.json"))["summary"] for r in range(1, rounds + 1)]
-    bad = [s["failed"] for s in rs if s["failed"]]
-    if bad:
-        sys.exit(f"{setup} at {c} streams: failed requests {bad}")
-    m = lambda f: statistics.median(f(s) for s in rs)
-    # Throughput over all rounds together: each setup goes first in half of them (even ROUNDS).
-    return {"tps": sum(s["output_tokens"] for s in rs) / sum(s["duration_s"] for s in rs),
-            "rounds": [s["output_token_throughput_tps"] for s in rs],
-            "ttft": m(lambda s: s["ttft_ms"]["p50_ms"]), "ttft99": m(lambda s: s["ttft_ms"]["p99_ms"]),
-            "itl": m(lambda s: s["itl_ms"]["p50_ms"]), "itl99": m(lambda s: s["itl_ms"]["p99_ms"])}
-print("| streams | colocated: tok/s, TTFT p50 / p99, ITL p50 / p99 | P/D: tok/s, TTFT p50 / p99, ITL p50 / p99 | P/D ÷ colocated: tok/s, TTFT p50, ITL p50 |")
-print("|---|---|---|---|")
-for c in cs:
-    a, b = med("colocated", c), med("pd", c)
-    f = lambda x: f"{x['tps']:.0f}, {x['ttft']:.0f} / {x['ttft99']:.0f} ms, {x['itl']:.1f} / {x['itl99']:.1f} ms"
-    print(f"| {c} | {f(a)} | {f(b)} | {b['tps'] / a['tps']:.2f}×, {b['ttft'] / a['ttft']:.2f}×, {b['itl'] / a['itl']:.2f}× |")
-# Issue #22's targets on the exact ratios (the table rounds them to two decimals).
-if {1, 4, 8} <= set(cs):
-    r = {c: (med("colocated", c), med("pd", c)) for c in (1, 4, 8)}
-    ttft, itl = (r[1][1][k] / r[1][0][k] for k in ("ttft", "itl"))
-    tps4, tps8 = (r[c][1]["tps"] / r[c][0]["tps"] for c in (4, 8))
-    met = ttft <= 1.10 and itl <= 1.05 and tps4 >= 0.95 and tps8 >= 0.95
-    print()
-    print(f"Targets (one stream TTFT p50 ≤ 1.10×, ITL p50 ≤ 1.05×; 4 and 8 streams ≥ 0.95×): "
-          f"{'met' if met else 'missed'}: TTFT {ttft:.3f}×, ITL {itl:.3f}×, 4 streams {tps4:.3f}×, 8 streams {tps8:.3f}×")
-print()
-print("Throughput P/D ÷ colocated by round (the first loaded of the two: colocated in odd rounds, P/D in even):")
-print()
-for c in cs:
-    a, b = med("colocated", c), med("pd", c)
-    print(f"- {c} streams: " + ", ".join(f"{x / y:.2f}×" for x, y in zip(b["rounds"], a["rounds"])))
-# Each round's breakdown FILE of one setup and concurrency, or None if a round lacks it.
-def per_round(setup, c, file):
-    try:
-        return [json.load(open(f"{out}/{setup}-c{c}-r{r}/{file}")) for r in range(1, rounds + 1)]
-    except OSError:
-        return None
-# Per output token by service, summed over the rounds: FIELD of each round's cpu.json
-# (`cpu_ms`: where the cores' time goes; `minor_faults`: memory first touched while serving).
-def per_token(setup, c, field):
-    tot, tokens = {}, 0
-    for d in per_round(setup, c, "cpu.json") or []:
-        tokens += d["tokens"]
-        for k, v in d.get(field, {}).items():
-            tot[k] = tot.get(k, 0) + v
-    return {k: v / max(tokens, 1) for k, v in tot.items()} if tokens else None
-# (streams, colocated's, P/D's) per-token FIELD, where both setups have it.
-def both(field):
-    for c in cs:
-        a, b = per_token("colocated", c, field), per_token("pd", c, field)
-        if a is not None and b is not None:
-            yield c, a, b
-# The services at FLOOR or above, largest first.
-def top(x, digits, floor):
-    return ", ".join(f"{k} {v:.{digits}f}" for k, v in sorted(x.items(), key=lambda kv: -kv[1]) if v >= floor) or "–"
-print()
-print("CPU ms per output token (user + system, all of each mesh's processes):")
-print()
-print("| streams | colocated | P/D | colocated by service (≥ 0.05 ms) | P/D by service (≥ 0.05 ms) |")
-print("|---|---|---|---|---|")
-for c, a, b in both("cpu_ms"):
-    print(f"| {c} | {sum(a.values()):.2f} | {sum(b.values()):.2f} | {top(a, 2, 0.05)} | {top(b, 2, 0.05)} |")
-print()
-print("Minor page faults per output token (services with ≥ 0.1):")
-print()
-print("| streams | colocated | P/D |")
-print("|---|---|---|")
-for c, a, b in both("minor_faults"):
-    print(f"| {c} | {top(a, 1, 0.1)} | {top(b, 1, 0.1)} |")
-# How many forward passes an output token costs, and how long each takes, by node.
-def steps(setup, c):
-    tot, tokens = {}, 0
-    for d in per_round(setup, c, "steps.json") or []:
-        tokens += d["tokens"]
-        for node, v in d["nodes"].items():
-            t = tot.setdefault(node, {})
-            for k in ("passes", "execute_s", "tokens", "ahead_used", "ahead_skipped", "gap_s", "gaps"):
-                t[k] = t.get(k, 0) + v[k]
-    return (tokens, tot) if tokens else None
-print()
-print("Forward passes per output token and executor time, by node (all rounds):")
-print()
-print("| streams | setup | node | passes per output token | executor ms per output token | tokens computed per pass | rows run ahead and used, skipped | mean gap |")
-print("|---|---|---|---|---|---|---|---|")
-for c in cs:
-    for setup in ("colocated", "pd"):
-        got = steps(setup, c)
-        if got is None:
-            continue
-        tokens, tot = got
-        for node, t in sorted(tot.items()):
-            gap = f"{1000 * t['gap_s'] / t['gaps']:.2f} ms" if t["gaps"] else "–"
-            print(f"| {c} | {setup} | {node} | {t['passes'] / tokens:.3f} | {1000 * t['execute_s'] / tokens:.2f} | "
-                  f"{t['tokens'] / max(t['passes'], 1):.1f} | {t['ahead_used']:.0f}, {t['ahead_skipped']:.0f} | {gap} |")
-PY
+python3 "$(dirname "$0")/pd_vs_colocated.py" "$RESULTS_DIR/$SCENARIO" "$ROUNDS" ${CONCURRENCIES:-1 4 8} \
+  | tee "$RESULTS_DIR/$SCENARIO/summary.md" >&2
 
 check_idle 20
 stop_colocated
