@@ -156,7 +156,8 @@ def summary(out, rounds, cs):
         try:
             rows = [[int(v) for v in line.split()[1:]] for line in open(f"{out}/{setup}-c{c}-r{r}/host_cpu.txt")]
             delta = [y - x for x, y in zip(rows[0], rows[1])]
-            return f"{100 * delta[7] / max(sum(delta), 1):.0f}"
+            # user nice system idle iowait irq softirq steal (guest time is inside user and nice)
+            return f"{100 * delta[7] / max(sum(delta[:8]), 1):.0f}"
         except (OSError, IndexError, ValueError):
             return "?"
 
@@ -180,8 +181,8 @@ def summary(out, rounds, cs):
                 continue
             ratios = [x / y for x, y in zip(rounds_of("pd", c, key), rounds_of("colocated", c, key))]
             print(f"- {c} streams, {name}: " + ", ".join(f"{x:.2f}×" for x in ratios))
-        print(f"  - ms per pass: " + ", ".join(f"{pass_ms('colocated', c, r)} / {pass_ms('pd', c, r)}" for r in range(1, rounds + 1)))
-        print(f"  - steal: " + ", ".join(f"{steal('colocated', c, r)} / {steal('pd', c, r)}" for r in range(1, rounds + 1)))
+        print("  - ms per pass: " + ", ".join(f"{pass_ms('colocated', c, r)} / {pass_ms('pd', c, r)}" for r in range(1, rounds + 1)))
+        print("  - steal: " + ", ".join(f"{steal('colocated', c, r)} / {steal('pd', c, r)}" for r in range(1, rounds + 1)))
     # Each round's breakdown FILE of one setup and concurrency, or None if a round lacks it.
     def per_round(setup, c, file):
         try:
