@@ -57,6 +57,9 @@ trap 'stop_colocated; stop_mesh' EXIT
 wait_engines "$COLO_URL" 60 || { log "colocated node did not come up"; tail -20 "$COLO_DIR/up.log" >&2; exit 1; }
 
 ROUNDS=${ROUNDS:-4}
+# A run's rounds replace the last run's whole: `pd_vs_colocated.py --verdict` reads every round
+# a directory holds, so rounds left over from a longer run would join this one.
+rm -rf "${RESULTS_DIR:?}/$SCENARIO"
 # Warm-up, unmeasured: both meshes at the highest concurrency, 4 requests per stream.
 warm=0
 for c in ${CONCURRENCIES:-1 4 8}; do if (( c > warm )); then warm=$c; fi; done
