@@ -9,7 +9,9 @@
 #           llama-server closes kept-alive connections on its own schedule) at 1, 4 and 8
 #           concurrent streams
 #
-# Usage: LLAMA_CPP_BIN=<dir holding llama-bench and llama-server> scripts/bench-llamacpp.sh
+# Usage: LLAMA_CPP_BIN=<dir holding llama-bench and llama-server> scripts/bench-llamacpp.sh [MODEL]
+#   MODEL: a GGUF file, or a name scripts/fetch-model.sh knows (qwen2.5-0.5b, qwen2.5-1.5b, ...);
+#   default: PDMESH_MODEL_PATH, else SmolLM2.
 # llama.cpp is built outside this project (recipe in docs/benchmarks.md). Environment:
 #   ROUNDS (3), THREADS (2), PART (all | engine | http), OUT (a fresh temp dir),
 #   PDMESH_MODEL_PATH (default: scripts/fetch-model.sh), LLAMA_PORT (18080), PDMESH_PORT (8000,
@@ -25,12 +27,17 @@ LLAMA_PORT=${LLAMA_PORT:-18080}
 PDMESH_PORT=${PDMESH_PORT:-8000}
 OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/pdmesh-vs-llamacpp.XXXXXX")}
 mkdir -p "$OUT"
-MODEL=${PDMESH_MODEL_PATH:-$(scripts/fetch-model.sh)}
+if [[ -n "${1:-}" ]]; then
+  if [[ -f "$1" ]]; then MODEL=$1; else MODEL=$(scripts/fetch-model.sh "$1"); fi
+else
+  MODEL=${PDMESH_MODEL_PATH:-$(scripts/fetch-model.sh)}
+fi
+log() { echo "[$(date -u +%H:%M:%S)] bench-llamacpp: $*" >&2; }
+log "model: $MODEL"
 : "${LLAMA_CPP_BIN:?set LLAMA_CPP_BIN to the directory holding llama-bench and llama-server}"
 for b in "$LLAMA_CPP_BIN/llama-bench" "$LLAMA_CPP_BIN/llama-server"; do
   [[ -x "$b" ]] || { echo "bench-llamacpp: $b missing" >&2; exit 2; }
 done
-log() { echo "[$(date -u +%H:%M:%S)] bench-llamacpp: $*" >&2; }
 
 if [[ "$PART" == all || "$PART" == engine ]]; then
   log "building the engine benchmark"

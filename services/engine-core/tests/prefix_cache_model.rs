@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use pdmesh_engine_core::scheduler::{Scheduler, SchedulerConfig};
-use pdmesh_model::{default_model_path, LlamaExecutor, ModelOptions};
+use pdmesh_model::{default_model_path, GgufExecutor, ModelOptions};
 use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{ChatMessage, Executor, KvCache, KvCacheSpec, TextCodec};
 use pdmesh_protocol::{ConnectorCall, EngineRequest, ModelRunnerOutput, SamplingParams, ScheduledChunk};
@@ -15,7 +15,7 @@ const SYSTEM: &str = "You are a terse assistant for a logistics company. Answer 
     never use lists, and always mention the warehouse code when one is given. The warehouse codes \
     are NW-1 for Seattle, SW-2 for Phoenix, NE-3 for Boston and SE-4 for Miami.";
 
-fn load() -> Option<LlamaExecutor> {
+fn load() -> Option<GgufExecutor> {
     if std::env::var("PDMESH_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
         eprintln!("PDMESH_SKIP_MODEL_TESTS=1: skipping a test that needs the model");
         return None;
@@ -40,7 +40,7 @@ thread_local! {
     static PROMPTS: std::cell::RefCell<Vec<Vec<u32>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-fn kv_cache(exec: &LlamaExecutor, num_blocks: u32) -> KvCache {
+fn kv_cache(exec: &GgufExecutor, num_blocks: u32) -> KvCache {
     let f = exec.facts();
     KvCache::new_heap(KvCacheSpec {
         num_layers: f.num_layers,
@@ -68,7 +68,7 @@ fn scheduler(caching: bool, budget: u32) -> Scheduler {
 /// tokens, the cached-token count reported, and every chunk scheduled.
 fn generate(
     s: &mut Scheduler,
-    exec: &mut LlamaExecutor,
+    exec: &mut GgufExecutor,
     kv: &mut KvCache,
     id: &str,
     prompt: &[u32],

@@ -293,7 +293,8 @@ where
     let topo = load_topology(&args.topology);
     let identity = service_identity(name, &args, topo.as_ref().ok());
     let telemetry = pdmesh_telemetry::init_service(&identity);
-    let topo = topo?;
+    let mut topo = topo?;
+    model::resolve_kv_budgets(&mut topo).context(Misconfigured("engine.kv_cache_memory".into()))?;
     links::seal_internal_links(&topo, &args.node)?;
     let deadline = pdmesh_service::deadline_from_env()?;
     let system = actix_rt::System::new();

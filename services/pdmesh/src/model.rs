@@ -69,6 +69,34 @@ pub fn load_text(node: &NodeConfig) -> anyhow::Result<LoadedText> {
     }
 }
 
+/// `engine.kv_cache_memory` turned into `engine.num_blocks` on every node that sets it, from
+/// the KV bytes per token of the node's model (its GGUF header, or the synthetic model's
+/// facts). Every process of a mesh runs this on the same topology and files, so the frontend,
+/// the engine and the workers agree on the pool. A budget that cannot hold one sequence is a
+/// configuration error naming both numbers.
+pub fn resolve_kv_budgets(topo: &mut pdmesh_config::Topology) -> anyhow::Result<()> {
+    for node in &mut topo.nodes {
+        if node.engine.kv_cache_memory.is_none() {
+            continue;
+        }
+        let (per_token, model_max) = match node.model.kind {
+            ModelKind::Synthetic => {
+                let f = pdmesh_model_api::Executor::facts(&SyntheticExecutor::new(synthetic_config(node))).clone();
+                (u64::from(f.num_layers) * u64::from(f.num_kv_heads) * u64::from(f.head_dim) * 2 * 4, f.max_model_len)
+            }
+            ModelKind::Gguf => {
+                let path = gguf_path(node)?;
+                let cfg = pdmesh_model::read_config(&path).with_context(|| format!("reading {}", path.display()))?;
+                (cfg.kv_bytes_per_token(), cfg.context_length)
+            }
+        };
+        node.engine
+            .apply_kv_budget(per_token, model_max)
+            .map_err(|why| anyhow::anyhow!("node {:?}: {why}", node.name))?;
+    }
+    Ok(())
+}
+
 /// Rule R1 notices are on unless the node's `kv_transfer.rejection_notices = false`.
 fn rejection_notices(node: &NodeConfig) -> bool {
     node.kv_transfer.as_ref().is_none_or(|k| k.rejection_notices)
@@ -98,13 +126,35 @@ fn gguf_options(node: &NodeConfig) -> pdmesh_model::ModelOptions {
     }
 }
 
-/// The name served as `model`: `model.name`, else the file name without `.gguf` and quant.
+/// The name served as `model`: `model.name`, else the file name without `.gguf` and without a
+/// `.Q4_1`-style quantization suffix (`SmolLM2-135M-Instruct.Q4_1.gguf` →
+/// `SmolLM2-135M-Instruct`; `qwen2.5-coder-0.5b-instruct-q4_k_m.gguf` keeps its dots).
 fn served_name(node: &NodeConfig, path: &std::path::Path) -> String {
     if !node.model.name.is_empty() {
         return node.model.name.clone();
     }
+    name_of_file(path)
+}
+
+fn name_of_file(path: &std::path::Path) -> String {
     let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
-    stem.split('.').next().unwrap_or(&stem).to_string()
+    match stem.rsplit_once('.') {
+        Some((name, quant)) if !name.is_empty() && is_quant_suffix(quant) => name.to_string(),
+        _ => stem,
+    }
+}
+
+/// `Q4_1`, `Q4_K_M`, `IQ2_XS`, `F16`, `BF16`, `f32`: a GGML type name as file names carry them.
+fn is_quant_suffix(s: &str) -> bool {
+    let u = s.to_ascii_uppercase();
+    let body = u
+        .strip_prefix("IQ")
+        .or_else(|| u.strip_prefix("BF"))
+        .or_else(|| u.strip_prefix('Q'))
+        .or_else(|| u.strip_prefix('F'));
+    body.is_some_and(|b| {
+        b.starts_with(|c: char| c.is_ascii_digit()) && b.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    })
 }
 
 /// The executor a connector-worker of `node` runs, its model's facts, and where its KV cache
@@ -149,7 +199,7 @@ fn load_gguf_executor(
     match cuda_ordinal(&node.model.device)? {
         None => Ok((
             Box::new(
-                pdmesh_model::LlamaExecutor::load(path, &gguf_options(node))
+                pdmesh_model::GgufExecutor::load(path, &gguf_options(node))
                     .with_context(|| format!("loading {}", path.display()))?,
             ),
             KvPlacement::Host,
@@ -182,6 +232,16 @@ fn load_gguf_executor(
 #[cfg(test)]
 mod tests {
     use super::cuda_ordinal;
+
+    #[test]
+    fn served_names_drop_only_a_quant_suffix() {
+        let name = |f: &str| super::name_of_file(std::path::Path::new(f));
+        assert_eq!(name("/m/SmolLM2-135M-Instruct.Q4_1.gguf"), "SmolLM2-135M-Instruct");
+        assert_eq!(name("/m/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"), "qwen2.5-coder-0.5b-instruct-q4_k_m");
+        assert_eq!(name("/m/gemma-3-270m-q4_k_m.gguf"), "gemma-3-270m-q4_k_m");
+        assert_eq!(name("/m/Llama-3.2-1B.BF16.gguf"), "Llama-3.2-1B");
+        assert_eq!(name("/m/model.v2.gguf"), "model.v2");
+    }
 
     #[test]
     fn devices_parse() {

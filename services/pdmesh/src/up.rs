@@ -62,8 +62,34 @@ pub struct UpArgs {
     /// router, prefill or decode node needs `PDMESH_INTERNAL_API_KEY` (docs/SECURITY.md).
     #[arg(long = "node", value_name = "NAME", value_delimiter = ',')]
     nodes: Vec<String>,
+    /// The GGUF file every model node serves (any supported architecture: docs/MODEL.md),
+    /// in place of the topology's `model.path`: `scripts/fetch-model.sh qwen2.5-0.5b` prints
+    /// one. Default: the topology's path, else `PDMESH_MODEL_PATH`, else SmolLM2.
+    #[arg(long, value_name = "PATH")]
+    model: Option<PathBuf>,
     #[command(flatten)]
     keys: ApiKeyArgs,
+}
+
+/// `--model PATH` written into every GGUF node of the topology (the children read the
+/// topology's text, so the text is written anew from it). A path that is not a file is a
+/// configuration error here, before anything starts.
+fn with_model(mut topo: Topology, model: &Path) -> anyhow::Result<(Topology, String)> {
+    if !model.is_file() {
+        return Err(anyhow::anyhow!(
+            "--model {}: no such file (scripts/fetch-model.sh --list names the models it fetches)",
+            model.display()
+        )
+        .context(Misconfigured("--model".into())));
+    }
+    let path = std::fs::canonicalize(model).context(Misconfigured("--model".into()))?;
+    for node in &mut topo.nodes {
+        if node.model.kind == pdmesh_config::ModelKind::Gguf {
+            node.model.path = path.to_string_lossy().into_owned();
+        }
+    }
+    let text = topo.to_toml()?;
+    Ok((topo, text))
 }
 
 /// The nodes one `pdmesh up` starts: every node of the topology, or those `--node` names.
@@ -385,6 +411,10 @@ async fn supervise(args: UpArgs) -> anyhow::Result<()> {
     let text = match &args.topology {
         Some(p) => std::fs::read_to_string(p)?,
         None => pdmesh_config::DEFAULT_TOPOLOGY.to_string(),
+    };
+    let (topo, text) = match &args.model {
+        Some(model) => with_model(topo, model)?,
+        None => (topo, text),
     };
     supervise_launch(Launch {
         topo,

@@ -21,12 +21,10 @@ fn client() -> reqwest::blocking::Client {
 }
 
 fn model_settings() -> Option<String> {
-    if std::env::var("PDMESH_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("PDMESH_SKIP_MODEL_TESTS=1: skipping");
-        return None;
-    }
-    let p = pdmesh_model::default_model_path();
-    assert!(p.is_file(), "model {} missing: run scripts/fetch-model.sh", p.display());
+    settings_for(common::model_path()?)
+}
+
+fn settings_for(p: std::path::PathBuf) -> Option<String> {
     Some(format!(
         "model = {{ kind = \"gguf\", path = {:?} }}\nengine = {{ num_blocks = 64, max_model_len = 512 }}",
         p.display().to_string()
@@ -86,8 +84,12 @@ enum Side {
 /// under either policy. `kind`: the failure kind D's worker counts.
 fn scenario(fault: &str, side: Side, fails: bool, kind: &str) {
     let Some(settings) = model_settings() else { return };
+    scenario_on(&settings, fault, side, fails, kind);
+}
+
+fn scenario_on(settings: &str, fault: &str, side: Side, fails: bool, kind: &str) {
     let (p_faults, d_faults) = if side == Side::P { (fault, "") } else { ("", fault) };
-    let mesh = Mesh::start_nodes(|h, b| topology(h, b, &settings, p_faults, d_faults), |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(|h, b| topology(h, b, settings, p_faults, d_faults), |h| vec![h + 1, h + 2, h + 3]);
     let p = mesh.http_port + 1;
     let url = |port: u16| mesh.url_on(port, "/v1/completions");
     let plain = json!({"prompt": PROMPT, "max_tokens": 12, "temperature": 0});
@@ -185,6 +187,14 @@ fn transfer_setup_error() {
 #[test]
 fn transfer_fails_midway() {
     scenario("transfer_midway", Side::D, true, "read");
+}
+
+/// Rule R3 on Qwen2.5-0.5B (qwen2: another KV geometry, 24 layers x 2 KV heads): a transfer
+/// that fails midway recomputes to the same text, or fails that request alone.
+#[test]
+fn qwen2_transfer_fails_midway() {
+    let Some(settings) = common::qwen_model_path().and_then(settings_for) else { return };
+    scenario_on(&settings, "transfer_midway", Side::D, true, "read");
 }
 
 #[test]

@@ -7,7 +7,10 @@
 //! bad file fails at start-up with a clear message.
 
 pub mod api_keys;
+mod bytes;
 pub mod env;
+
+pub use bytes::ByteSize;
 
 pub use api_keys::ApiKeySettings;
 
@@ -565,9 +568,18 @@ pub enum ModelKind {
 pub struct EngineConfig {
     #[serde(default = "default_block_size")]
     pub block_size: u32,
-    /// KV-cache blocks per rank.
+    /// KV-cache blocks per rank. Replaced at start by what `kv_cache_memory` holds when that
+    /// is set.
     #[serde(default = "default_num_blocks")]
     pub num_blocks: u32,
+    /// The KV cache's memory per rank (`"2GiB"`, `"512MiB"` or bytes; vLLM's
+    /// `kv_cache_memory_bytes`): the number of blocks is what this budget holds for the model
+    /// served, so a larger model gets fewer blocks instead of more memory. Every process of the
+    /// node reads the model's KV geometry from its file's header and comes to the same count.
+    /// Start-up refuses a budget that cannot hold one `max_model_len` sequence (the model's
+    /// context length when `max_model_len = 0`), naming both. Unset: `num_blocks`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_cache_memory: Option<ByteSize>,
     #[serde(default = "default_max_num_seqs")]
     pub max_num_seqs: u32,
     /// Token budget of one step (prefill chunks + decode tokens).
@@ -614,6 +626,30 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// With `kv_cache_memory` set: the number of blocks the budget holds for a model whose K
+    /// and V take `kv_bytes_per_token` per token (all layers), written into `num_blocks`. An
+    /// error (naming the budget, the sequence length and the fix) when the budget cannot hold
+    /// one sequence of `max_model_len` tokens, or of the model's `model_max_len` when
+    /// `max_model_len = 0` (as vLLM refuses one). Without a budget: nothing changes.
+    pub fn apply_kv_budget(&mut self, kv_bytes_per_token: u64, model_max_len: u32) -> Result<(), String> {
+        let Some(budget) = self.kv_cache_memory else { return Ok(()) };
+        let per_block = kv_bytes_per_token.saturating_mul(u64::from(self.block_size)).max(1);
+        let blocks = u32::try_from(budget.0 / per_block).unwrap_or(u32::MAX);
+        let want = if self.max_model_len == 0 { model_max_len } else { self.max_model_len.min(model_max_len) };
+        let fits_tokens = u64::from(blocks) * u64::from(self.block_size);
+        if blocks < 2 || fits_tokens < u64::from(want) {
+            let need = ByteSize(u64::from(want.div_ceil(self.block_size)).max(2) * per_block);
+            return Err(format!(
+                "kv_cache_memory {budget} holds {blocks} blocks of {} tokens ({fits_tokens} tokens at {kv_bytes_per_token} \
+                 bytes per token), less than one sequence of max_model_len {want} tokens, which needs {need}: \
+                 raise kv_cache_memory to at least {need} or set max_model_len to at most {fits_tokens}",
+                self.block_size
+            ));
+        }
+        self.num_blocks = blocks;
+        Ok(())
+    }
+
     /// Tokens the KV pool of one rank can hold: one request longer than this could never run.
     pub fn pool_tokens(&self) -> u64 {
         u64::from(self.num_blocks) * u64::from(self.block_size)
@@ -639,6 +675,7 @@ impl Default for EngineConfig {
         Self {
             block_size: default_block_size(),
             num_blocks: default_num_blocks(),
+            kv_cache_memory: None,
             max_num_seqs: default_max_num_seqs(),
             max_num_batched_tokens: default_max_batched(),
             max_model_len: 0,
@@ -1139,7 +1176,8 @@ impl Topology {
             if e.num_blocks < 2 {
                 return invalid(format!("node {:?}: num_blocks must be at least 2", n.name));
             }
-            if u64::from(e.max_model_len) > e.pool_tokens() {
+            // with a memory budget, the pool is known only once the model is (checked at start)
+            if e.kv_cache_memory.is_none() && u64::from(e.max_model_len) > e.pool_tokens() {
                 return invalid(format!(
                     "node {:?}: max_model_len {} does not fit the KV pool: {} blocks of {} tokens hold {} tokens; \
                      raise num_blocks to at least {} or lower max_model_len",
@@ -1196,6 +1234,32 @@ fn env_bool(name: &str) -> Result<Option<bool>, ConfigError> {
         Some("true") => Ok(Some(true)),
         Some("false") => Ok(Some(false)),
         Some(other) => Err(ConfigError::Invalid(format!("{name}={other:?}: expected \"true\" or \"false\""))),
+    }
+}
+
+#[cfg(test)]
+mod kv_budget_tests {
+    #![allow(clippy::unwrap_used)]
+    use super::{ByteSize, EngineConfig};
+
+    #[test]
+    fn a_budget_becomes_blocks_and_refuses_what_cannot_hold_one_sequence() {
+        // Qwen2.5-1.5B: 28 layers x 2 kv heads x 128 x (K, V) x 4 bytes = 57 344 bytes a token
+        let per_token = 28 * 2 * 128 * 2 * 4;
+        let mut e =
+            EngineConfig { kv_cache_memory: Some(ByteSize(1 << 30)), max_model_len: 4096, ..Default::default() };
+        e.apply_kv_budget(per_token, 32768).unwrap();
+        assert_eq!(e.num_blocks, (1u64 << 30) as u32 / (per_token as u32 * 16));
+        assert!(e.pool_tokens() >= 4096);
+        // max_model_len 0: the model's own 32k context must fit, and 1 GiB does not
+        let mut e = EngineConfig { kv_cache_memory: Some(ByteSize(1 << 30)), ..Default::default() };
+        let err = e.apply_kv_budget(per_token, 32768).unwrap_err();
+        assert!(err.contains("max_model_len 32768") && err.contains("1.00 GiB"), "{err}");
+        assert!(err.contains("set max_model_len to at most 18720"), "{err}");
+        // no budget: num_blocks as configured
+        let mut e = EngineConfig { num_blocks: 77, ..Default::default() };
+        e.apply_kv_budget(per_token, 32768).unwrap();
+        assert_eq!(e.num_blocks, 77);
     }
 }
 

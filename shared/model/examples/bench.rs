@@ -1,4 +1,4 @@
-//! Throughput of [`LlamaExecutor`] in the shapes llama-bench measures (see
+//! Throughput of [`GgufExecutor`] in the shapes llama-bench measures (see
 //! `BASELINE_LLAMACPP.md`): prefill of 128 and 512 tokens in one chunk (`pp128`, `pp512`),
 //! decode of 128 tokens one per step from an empty cache (`tg128`), and aggregate decode with 8
 //! requests per step (`tg×8`). Token ids are synthetic; greedy sampling runs on every step.
@@ -15,7 +15,7 @@
 
 use std::time::Instant;
 
-use pdmesh_model::{default_model_path, LlamaExecutor, ModelOptions};
+use pdmesh_model::{default_model_path, GgufExecutor, ModelOptions};
 use pdmesh_model_api::{Executor, KvCache, KvCacheSpec};
 use pdmesh_protocol::{SamplingParams, ScheduledChunk};
 
@@ -39,7 +39,7 @@ fn synthetic(n: usize, seed: usize) -> Vec<u32> {
 }
 
 /// (wall, thread-CPU) seconds to prefill `n` tokens in one chunk.
-fn prefill(exec: &mut LlamaExecutor, kv: &mut KvCache, n: usize) -> (f64, f64) {
+fn prefill(exec: &mut GgufExecutor, kv: &mut KvCache, n: usize) -> (f64, f64) {
     let blocks: Vec<u32> = (0..(n as u32).div_ceil(BLOCK)).collect();
     let (t, c) = (Instant::now(), thread_cpu());
     exec.execute(kv, &[chunk(0, synthetic(n, 1), 0, blocks)]).expect("prefill");
@@ -48,7 +48,7 @@ fn prefill(exec: &mut LlamaExecutor, kv: &mut KvCache, n: usize) -> (f64, f64) {
 
 /// (wall, thread-CPU) seconds for `steps` decode steps of `batch` requests, each starting from
 /// `ctx` cached tokens (the context prefill is not timed).
-fn decode(exec: &mut LlamaExecutor, kv: &mut KvCache, batch: usize, ctx: usize, steps: usize) -> (f64, f64) {
+fn decode(exec: &mut GgufExecutor, kv: &mut KvCache, batch: usize, ctx: usize, steps: usize) -> (f64, f64) {
     let per_req = ((ctx + steps) as u32).div_ceil(BLOCK);
     let blocks = |r: usize| -> Vec<u32> { (r as u32 * per_req..(r as u32 + 1) * per_req).collect() };
     if ctx > 0 {
@@ -96,7 +96,7 @@ fn main() {
     let path = default_model_path();
     let t = Instant::now();
     let mut exec =
-        LlamaExecutor::load(&path, &ModelOptions::default()).expect("load model (run scripts/fetch-model.sh)");
+        GgufExecutor::load(&path, &ModelOptions::default()).expect("load model (run scripts/fetch-model.sh)");
     println!("load: {:.0} ms ({})", t.elapsed().as_secs_f64() * 1e3, path.display());
     let f = exec.facts().clone();
     let mut kv = KvCache::new_heap(KvCacheSpec {

@@ -24,9 +24,13 @@ pub enum ModelError {
     /// The file is not a GGUF file, or its header / tensor table is corrupt.
     #[error("{} is not a valid GGUF file: {reason}", path.display())]
     InvalidGguf { path: PathBuf, reason: String },
-    /// `general.architecture` names something other than `llama`.
-    #[error("unsupported model architecture {arch:?}: only \"llama\" is supported")]
-    UnsupportedArchitecture { arch: String },
+    /// `general.architecture` names an architecture we do not serve.
+    #[error("unsupported model architecture {arch:?} (supported: {supported})")]
+    UnsupportedArchitecture { arch: String, supported: String },
+    /// The architecture is supported, but the file uses a part of it we do not implement
+    /// (RoPE scaling, mixture of experts, ...).
+    #[error("unsupported model feature: {feature}")]
+    UnsupportedFeature { feature: String },
     /// A required metadata key is absent.
     #[error("GGUF metadata key {key:?} is missing")]
     MissingMetadata { key: String },

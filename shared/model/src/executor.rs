@@ -1,19 +1,26 @@
-//! [`LlamaExecutor`]: the llama forward pass over the worker's paged KV cache.
+//! [`GgufExecutor`]: the forward pass of a GGUF model over the worker's paged KV cache.
+//!
+//! Written once for every architecture: the pieces a layer has beyond llama's (QKV biases,
+//! Q/K norms, post-norms, GELU, sliding windows, NeoX RoPE) come from the model's
+//! [`crate::arch::Recipe`], never from its name.
 //!
 //! One [`Executor::execute`] call runs one engine step:
 //!
 //! 1. validate every chunk (token ids, positions, block tables, cache geometry) so bad input is
 //!    an [`ExecutorError`], never a panic or a silent out-of-bounds write;
 //! 2. concatenate the tokens of all chunks into one `[n_tokens, hidden]` activation;
-//! 3. per layer: RMSNorm → Q/K/V (one batched matmul each over all tokens) → RoPE → write K/V
-//!    of every token into its `(block, slot)` → causal attention per request over its block
-//!    table → output projection → residual → RMSNorm → SiLU-gated MLP (batched) → residual;
+//! 3. per layer: RMSNorm → Q/K/V (one batched matmul each over all tokens) [+ biases]
+//!    [→ per-head Q/K RMSNorm] → RoPE → write K/V of every token into its `(block, slot)` →
+//!    causal attention per request over its block table (or the window of it a sliding layer
+//!    sees) → output projection [→ RMSNorm] → residual → RMSNorm → SiLU- or GELU-gated MLP
+//!    (batched) [→ RMSNorm] → residual;
 //! 4. final RMSNorm and the vocabulary projection only for the last token of each chunk that
 //!    samples, then [`pdmesh_model_api::sampling::sample`].
 //!
-//! The numerics follow candle-transformers' `quantized_llama` (the reference the tests compare
-//! against): the same RMSNorm formula, interleaved RoPE (`rope_i`, pairs `(2i, 2i+1)`, which is
-//! what GGUF llama weights are permuted for), softmax in f32, SiLU as `x / (1 + e^-x)`.
+//! The numerics follow candle-transformers' quantized models (the references the tests compare
+//! against): the same RMSNorm formula, interleaved RoPE for llama (`rope_i`, pairs `(2i, 2i+1)`,
+//! which is what GGUF llama weights are permuted for) and NeoX RoPE for the others (`rope`,
+//! pairs `(i, i + d/2)`), softmax in f32, SiLU as `x / (1 + e^-x)`, GELU as candle's tanh form.
 //! Every row of every matmul is computed independently of the other rows, and attention only
 //! reads a request's own blocks, so a request's tokens do not depend on what it is batched
 //! with or how its prefill is chunked.
@@ -23,10 +30,11 @@ use std::path::Path;
 use pdmesh_model_api::{sampling, Executor, ExecutorError, KvCache, ModelFacts};
 use pdmesh_protocol::{SampledToken, ScheduledChunk};
 
+use crate::arch::{Activation, ModelConfig, RopeLayout};
 use crate::attention;
 use crate::embedding::Embedding;
 use crate::error::ModelError;
-use crate::gguf::{sha256_file, GgufFile, LlamaConfig};
+use crate::gguf::{sha256_file, GgufFile};
 use crate::linear::{Linear, LinearSet, MatmulCtx};
 use crate::ModelOptions;
 
@@ -34,8 +42,20 @@ struct Layer {
     attn_norm: Vec<f32>,
     /// Q, K, V (fused when possible).
     qkv: LinearSet,
+    /// Biases added to Q, K and V (`Recipe::qkv_bias`).
+    qkv_bias: Option<[Vec<f32>; 3]>,
+    /// RMSNorm weights over each Q and each K head (`Recipe::qk_norm`).
+    qk_norm: Option<[Vec<f32>; 2]>,
     wo: LinearSet,
+    /// RMSNorm on the attention output before the residual add (`Recipe::post_norms`).
+    post_attn_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
+    /// RMSNorm on the MLP output before the residual add (`Recipe::post_norms`).
+    post_ffn_norm: Option<Vec<f32>>,
+    /// Index of this layer's RoPE table in `GgufExecutor::ropes`.
+    rope: usize,
+    /// Attend over the last this many positions only.
+    window: Option<usize>,
     /// gate, up (fused when possible).
     gate_up: LinearSet,
     down: LinearSet,
@@ -65,32 +85,39 @@ pub(crate) struct TokenPlan {
     pub(crate) chunk: usize,
 }
 
-/// A llama-architecture GGUF model implementing [`Executor`].
-pub struct LlamaExecutor {
+/// `cos`/`sin` of `pos * theta_i` for one RoPE base, `[max_model_len][head_dim / 2]`.
+struct RopeTable {
+    base: f32,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+/// A GGUF model of any supported architecture (`crate::arch`) implementing [`Executor`].
+pub struct GgufExecutor {
     facts: ModelFacts,
-    cfg: LlamaConfig,
+    cfg: ModelConfig,
     embedding: Embedding,
     layers: Vec<Layer>,
     out_norm: Vec<f32>,
     output: LinearSet,
     /// Thread pool, kernel choice and matmul buffers.
     mm: MatmulCtx,
-    /// `cos`/`sin` of `pos * theta_i`, `[max_model_len][head_dim / 2]`.
-    rope_cos: Vec<f32>,
-    rope_sin: Vec<f32>,
+    /// One table per distinct RoPE base (Gemma 3 has two).
+    ropes: Vec<RopeTable>,
     scratch: Scratch,
     /// Grammar matchers of the requests with structured outputs (D53).
     guide: pdmesh_guided::Guide,
 }
 
-impl std::fmt::Debug for LlamaExecutor {
+impl std::fmt::Debug for GgufExecutor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LlamaExecutor").field("facts", &self.facts).field("cfg", &self.cfg).finish_non_exhaustive()
+        f.debug_struct("GgufExecutor").field("facts", &self.facts).field("cfg", &self.cfg).finish_non_exhaustive()
     }
 }
 
-pub(crate) fn norm_weights(g: &mut GgufFile, name: &str, hidden: usize) -> Result<Vec<f32>, ModelError> {
-    let t = g.tensor_with_dims(name, &[hidden])?;
+/// A vector of weights (a norm's, a bias), as f32.
+pub(crate) fn norm_weights(g: &mut GgufFile, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+    let t = g.tensor_with_dims(name, &[len])?;
     t.dequantize(&candle_core::Device::Cpu)
         .and_then(|t| t.to_vec1::<f32>())
         .map_err(|e| ModelError::InvalidTensor { name: name.to_string(), reason: e.to_string() })
@@ -110,7 +137,7 @@ pub(crate) fn model_name(path: &Path) -> String {
 
 /// What the engine needs to know of a loaded model (shared by the CPU and GPU executors).
 pub(crate) fn model_facts(
-    cfg: &LlamaConfig,
+    cfg: &ModelConfig,
     path: &Path,
     max_model_len: u32,
     eos_token_ids: Vec<u32>,
@@ -136,12 +163,14 @@ pub(crate) fn effective_max_len(context_length: u32, options: &ModelOptions) -> 
     }
 }
 
-impl LlamaExecutor {
-    /// Load the weights of the llama GGUF file at `path` (and hash the file for
+impl GgufExecutor {
+    /// Load the weights of the GGUF file at `path` (and hash the file for
     /// [`ModelFacts::weights_id`]).
     pub fn load(path: impl AsRef<Path>, options: &ModelOptions) -> Result<Self, ModelError> {
         let path = path.as_ref();
         let mut g = GgufFile::open(path)?;
+        // refuse a model we cannot run before hashing a file of gigabytes
+        crate::arch::model_config(&g)?;
         let weights_id = sha256_file(path)?;
         let eos_token_ids = crate::text::eos_token_ids(g.metadata())?;
         Self::from_gguf(&mut g, options, weights_id, eos_token_ids)
@@ -153,10 +182,10 @@ impl LlamaExecutor {
         weights_id: String,
         eos_token_ids: Vec<u32>,
     ) -> Result<Self, ModelError> {
-        let cfg = LlamaConfig::from_gguf(g)?;
+        let cfg = crate::arch::model_config(g)?;
         let (hd, h, f) = (cfg.head_dim, cfg.hidden, cfg.ffn_dim);
-        let q_dim = cfg.n_heads * hd;
-        let kv_dim = cfg.n_kv_heads * hd;
+        let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
+        let recipe = &cfg.recipe;
 
         let embd_q = g.tensor_with_dims("token_embd.weight", &[cfg.vocab_size, h])?;
         let embedding = Embedding::new("token_embd.weight", &embd_q)?;
@@ -168,9 +197,19 @@ impl LlamaExecutor {
         });
         let out_norm = norm_weights(g, "output_norm.weight", h)?;
 
+        let mut ropes: Vec<RopeTable> = Vec::new();
+        let max_model_len = effective_max_len(cfg.context_length, options);
         let mut layers = Vec::with_capacity(cfg.n_layers);
-        for i in 0..cfg.n_layers {
+        for (i, attn) in recipe.layers.iter().enumerate() {
             let p = format!("blk.{i}");
+            let rope = match ropes.iter().position(|r| r.base == attn.rope_base) {
+                Some(r) => r,
+                None => {
+                    let (cos, sin) = rope_tables(hd, attn.rope_base, max_model_len as usize);
+                    ropes.push(RopeTable { base: attn.rope_base, cos, sin });
+                    ropes.len() - 1
+                }
+            };
             layers.push(Layer {
                 attn_norm: norm_weights(g, &format!("{p}.attn_norm.weight"), h)?,
                 qkv: LinearSet::new(vec![
@@ -178,8 +217,37 @@ impl LlamaExecutor {
                     linear(g, &format!("{p}.attn_k.weight"), kv_dim, h)?,
                     linear(g, &format!("{p}.attn_v.weight"), kv_dim, h)?,
                 ]),
+                qkv_bias: if recipe.qkv_bias {
+                    Some([
+                        norm_weights(g, &format!("{p}.attn_q.bias"), q_dim)?,
+                        norm_weights(g, &format!("{p}.attn_k.bias"), kv_dim)?,
+                        norm_weights(g, &format!("{p}.attn_v.bias"), kv_dim)?,
+                    ])
+                } else {
+                    None
+                },
+                qk_norm: if recipe.qk_norm {
+                    Some([
+                        norm_weights(g, &format!("{p}.attn_q_norm.weight"), hd)?,
+                        norm_weights(g, &format!("{p}.attn_k_norm.weight"), hd)?,
+                    ])
+                } else {
+                    None
+                },
                 wo: LinearSet::single(linear(g, &format!("{p}.attn_output.weight"), h, q_dim)?),
+                post_attn_norm: if recipe.post_norms {
+                    Some(norm_weights(g, &format!("{p}.post_attention_norm.weight"), h)?)
+                } else {
+                    None
+                },
                 ffn_norm: norm_weights(g, &format!("{p}.ffn_norm.weight"), h)?,
+                post_ffn_norm: if recipe.post_norms {
+                    Some(norm_weights(g, &format!("{p}.post_ffw_norm.weight"), h)?)
+                } else {
+                    None
+                },
+                rope,
+                window: attn.sliding_window,
                 gate_up: LinearSet::new(vec![
                     linear(g, &format!("{p}.ffn_gate.weight"), f, h)?,
                     linear(g, &format!("{p}.ffn_up.weight"), f, h)?,
@@ -202,30 +270,16 @@ impl LlamaExecutor {
             }
         }
 
-        let max_model_len = effective_max_len(cfg.context_length, options);
-        let (rope_cos, rope_sin) = rope_tables(hd, cfg.rope_base, max_model_len as usize);
         let facts = model_facts(&cfg, &g.path, max_model_len, eos_token_ids, weights_id);
-        tracing::info!(name = %facts.name, layers = cfg.n_layers, hidden = h, heads = cfg.n_heads,
-            kv_heads = cfg.n_kv_heads, vocab = cfg.vocab_size, max_model_len, "loaded llama GGUF model");
+        tracing::info!(name = %facts.name, arch = %cfg.arch, layers = cfg.n_layers, hidden = h, heads = cfg.n_heads,
+            kv_heads = cfg.n_kv_heads, head_dim = hd, vocab = cfg.vocab_size, max_model_len, "loaded GGUF model");
         let guide = crate::guided::guide_from_gguf(g, cfg.vocab_size, &facts.eos_token_ids);
         let mm = MatmulCtx::new(
             options.threads.filter(|&n| n > 0).unwrap_or_else(crate::pool::default_threads),
             options.nice,
         );
         tracing::info!(threads = mm.pool.n_threads(), nice = options.nice, worker_nice = ?mm.pool.worker_nice(), kernels = ?mm.imp, "model compute");
-        Ok(Self {
-            facts,
-            cfg,
-            embedding,
-            layers,
-            out_norm,
-            output,
-            mm,
-            rope_cos,
-            rope_sin,
-            scratch: Scratch::default(),
-            guide,
-        })
+        Ok(Self { facts, cfg, embedding, layers, out_norm, output, mm, ropes, scratch: Scratch::default(), guide })
     }
 
     /// Override the served model name (defaults to the file name without `.gguf`).
@@ -239,8 +293,8 @@ impl LlamaExecutor {
         &self.scratch.logits
     }
 
-    /// The hyper-parameters read from the file.
-    pub fn config(&self) -> &LlamaConfig {
+    /// The hyper-parameters and layer recipe read from the file.
+    pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
@@ -250,15 +304,19 @@ impl LlamaExecutor {
         chunks: &[ScheduledChunk],
         plan: &[TokenPlan],
     ) -> Result<Vec<SampledToken>, ExecutorError> {
-        let Self { cfg, embedding, layers, out_norm, output, mm, rope_cos, rope_sin, scratch: s, guide, facts } = self;
+        let Self { cfg, embedding, layers, out_norm, output, mm, ropes, scratch: s, guide, facts } = self;
         let n = plan.len();
         let (h, hd) = (cfg.hidden, cfg.head_dim);
         let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
         let group = nh / nkv;
-        let kv_dim = nkv * hd;
+        let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
         let bs = kv.spec().block_size as usize;
-        // as candle: `att / sqrt(hd)` is an affine op with the f64 factor cast to f32
-        let scale = (1.0 / (hd as f64).sqrt()) as f32;
+        let recipe = &cfg.recipe;
+        let scale = recipe.attention_scale;
+        let rope_fn: fn(&mut [f32], &[f32], &[f32]) = match recipe.rope {
+            RopeLayout::Interleaved => rope_interleaved,
+            RopeLayout::Neox => rope_neox,
+        };
 
         // Embeddings of all tokens of the step, in chunk order.
         s.x.clear();
@@ -267,19 +325,35 @@ impl LlamaExecutor {
         for (row, id) in s.x.chunks_exact_mut(h).zip(ids) {
             embedding.row_into(id as usize, row);
         }
+        if let Some(k) = recipe.embedding_scale {
+            s.x.iter_mut().for_each(|v| *v *= k);
+        }
 
         for (li, layer) in layers.iter().enumerate() {
             // ---- attention
             rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, &mut s.h);
             layer.qkv.forward(&s.h, n, mm, &mut [&mut s.q, &mut s.k, &mut s.v])?;
+            if let Some([bq, bk, bv]) = &layer.qkv_bias {
+                for (x, b) in [(&mut s.q, bq), (&mut s.k, bk), (&mut s.v, bv)] {
+                    for row in x.chunks_exact_mut(b.len()) {
+                        add_in_place(row, b);
+                    }
+                }
+            }
+            if let Some([wq, wk]) = &layer.qk_norm {
+                rms_norm_in_place(&mut s.q, wq, cfg.rms_eps, &mut s.h);
+                rms_norm_in_place(&mut s.k, wk, cfg.rms_eps, &mut s.h);
+            }
+            let rope =
+                ropes.get(layer.rope).ok_or_else(|| ExecutorError::Model("layer without a RoPE table".into()))?;
             for (t, tp) in plan.iter().enumerate() {
-                let cos = rope_cos.get(tp.pos * hd / 2..(tp.pos + 1) * hd / 2).unwrap_or(&[]);
-                let sin = rope_sin.get(tp.pos * hd / 2..(tp.pos + 1) * hd / 2).unwrap_or(&[]);
-                for head in s.q[t * nh * hd..(t + 1) * nh * hd].chunks_exact_mut(hd) {
-                    rope_interleaved(head, cos, sin);
+                let cos = rope.cos.get(tp.pos * hd / 2..(tp.pos + 1) * hd / 2).unwrap_or(&[]);
+                let sin = rope.sin.get(tp.pos * hd / 2..(tp.pos + 1) * hd / 2).unwrap_or(&[]);
+                for head in s.q[t * q_dim..(t + 1) * q_dim].chunks_exact_mut(hd) {
+                    rope_fn(head, cos, sin);
                 }
                 for head in s.k[t * kv_dim..(t + 1) * kv_dim].chunks_exact_mut(hd) {
-                    rope_interleaved(head, cos, sin);
+                    rope_fn(head, cos, sin);
                 }
             }
 
@@ -293,18 +367,24 @@ impl LlamaExecutor {
                 vc[off..off + kv_dim].copy_from_slice(&s.v[t * kv_dim..(t + 1) * kv_dim]);
             }
             let (kc, vc) = (&*kc, &*vc);
-            // Causal attention of each token over its own request's positions 0..=pos, one
-            // (token, head) per work item (claimed dynamically: later tokens attend further).
+            // Causal attention of each token over its own request's positions `first..=pos`
+            // (`first` is 0 unless the layer slides a window), one (token, head) per work item
+            // (claimed dynamically: later tokens attend further).
             s.attn.clear();
-            s.attn.resize(n * nh * hd, 0.0);
+            s.attn.resize(n * q_dim, 0.0);
             let q = &s.q;
+            let window = layer.window;
             let ok = mm.pool.par_chunks_mut(&mut s.attn, hd, |item, out| {
                 let (t, head) = (item / nh, item % nh);
                 let tp = &plan[t];
                 let c = &chunks[tp.chunk];
                 let g = head / group;
-                let key_off = |j: usize| ((c.block_ids[j / bs] as usize * bs + j % bs) * nkv + g) * hd;
-                attention::with_scores(tp.pos + 1, |scores| {
+                let first = window.map_or(0, |w| (tp.pos + 1).saturating_sub(w));
+                let key_off = |j: usize| {
+                    let j = j + first;
+                    ((c.block_ids[j / bs] as usize * bs + j % bs) * nkv + g) * hd
+                };
+                attention::with_scores(tp.pos + 1 - first, |scores| {
                     attention::attend_head(&q[item * hd..(item + 1) * hd], kc, vc, key_off, scale, scores, out);
                 });
             });
@@ -312,18 +392,28 @@ impl LlamaExecutor {
                 return Err(ExecutorError::Model("attention worker panicked".into()));
             }
             layer.wo.forward(&s.attn, n, mm, &mut [&mut s.proj])?;
+            if let Some(w) = &layer.post_attn_norm {
+                rms_norm_in_place(&mut s.proj, w, cfg.rms_eps, &mut s.h);
+            }
             add_in_place(&mut s.x, &s.proj);
 
             // ---- MLP
             rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, &mut s.h);
             layer.gate_up.forward(&s.h, n, mm, &mut [&mut s.gate, &mut s.up])?;
-            // element-wise, so any split gives the same bits; rows of 1536 per work item
+            // element-wise, so any split gives the same bits; one row per work item
             let (up, ff) = (&s.up, cfg.ffn_dim);
-            let ok = mm.pool.par_chunks_mut(&mut s.gate, ff, |c, g| crate::simd::silu_mul(g, &up[c * ff..][..g.len()]));
+            let act: fn(&mut [f32], &[f32]) = match recipe.activation {
+                Activation::Silu => crate::simd::silu_mul,
+                Activation::GeluTanh => gelu_tanh_mul,
+            };
+            let ok = mm.pool.par_chunks_mut(&mut s.gate, ff, |c, g| act(g, &up[c * ff..][..g.len()]));
             if !ok {
-                return Err(ExecutorError::Model("silu worker panicked".into()));
+                return Err(ExecutorError::Model("activation worker panicked".into()));
             }
             layer.down.forward(&s.gate, n, mm, &mut [&mut s.proj])?;
+            if let Some(w) = &layer.post_ffn_norm {
+                rms_norm_in_place(&mut s.proj, w, cfg.rms_eps, &mut s.h);
+            }
             add_in_place(&mut s.x, &s.proj);
         }
 
@@ -384,7 +474,7 @@ impl LlamaExecutor {
     }
 }
 
-impl Executor for LlamaExecutor {
+impl Executor for GgufExecutor {
     fn facts(&self) -> &ModelFacts {
         &self.facts
     }
@@ -408,7 +498,7 @@ impl Executor for LlamaExecutor {
 /// tables, cache geometry) so bad input is an [`ExecutorError`], never a panic or an
 /// out-of-bounds write; returns the per-token plan. Shared by the CPU and GPU executors.
 pub(crate) fn plan_step(
-    cfg: &LlamaConfig,
+    cfg: &ModelConfig,
     max_len: usize,
     kv: &KvCache,
     chunks: &[ScheduledChunk],
@@ -483,6 +573,36 @@ fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32]) {
         pair[0] = x0 * c - x1 * s;
         pair[1] = x0 * s + x1 * c;
     }
+}
+
+/// `gate = gelu(gate) * up`, GELU in its tanh form exactly as candle's `gelu` op computes it
+/// for f32 (`0.5·x·(1 + tanh(√(2/π)·x·(1 + 0.044715·x²)))`), which is also Gemma's
+/// `gelu_pytorch_tanh`.
+pub(crate) fn gelu_tanh_mul(gate: &mut [f32], up: &[f32]) {
+    // candle's constant, to the last bit
+    #[allow(clippy::excessive_precision)]
+    const SQRT_TWO_OVER_PI: f32 = 0.797_884_560_802_865_355_879_892_119_868_763_737;
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = 0.5 * x * (1.0 + f32::tanh(SQRT_TWO_OVER_PI * x * (1.0 + 0.044715 * x * x))) * u;
+    }
+}
+
+/// NeoX RoPE (candle `rope`): rotate pairs `(x[i], x[i + d/2])` by angle `i`.
+fn rope_neox(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let (lo, hi) = x.split_at_mut(x.len() / 2);
+    for (((a, b), &c), &s) in lo.iter_mut().zip(hi.iter_mut()).zip(cos).zip(sin) {
+        let (x0, x1) = (*a, *b);
+        *a = x0 * c - x1 * s;
+        *b = x0 * s + x1 * c;
+    }
+}
+
+/// [`rms_norm`] of every `w.len()`-wide row of `x`, written back into `x` (`tmp` is scratch):
+/// the per-head Q/K norms and the post-norms.
+fn rms_norm_in_place(x: &mut Vec<f32>, w: &[f32], eps: f32, tmp: &mut Vec<f32>) {
+    rms_norm(x, w, eps, tmp);
+    std::mem::swap(x, tmp);
 }
 
 /// Row-wise RMSNorm as candle's `rms_norm`: `x / sqrt(mean(x²) + eps) * w`.

@@ -1,5 +1,5 @@
-//! Opening a GGUF file: header, typed metadata access, the llama hyper-parameters and the
-//! weights id.
+//! Opening a GGUF file: header, typed metadata access and the weights id (the hyper-parameters
+//! are each architecture's business: `crate::arch`).
 //!
 //! Parsing is candle's `gguf_file::Content`, which bounds-checks every length in the header
 //! against the file size, so a corrupt or truncated file is an error, never a huge allocation or
@@ -201,112 +201,8 @@ pub(crate) fn md_int_array(md: &HashMap<String, Value>, key: &str) -> Result<Vec
     }
 }
 
-// ---- llama hyper-parameters ------------------------------------------------------------
-
-/// The llama hyper-parameters the forward pass needs, read from `llama.*` metadata and
-/// cross-checked against tensor shapes.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LlamaConfig {
-    pub n_layers: usize,
-    pub hidden: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    pub head_dim: usize,
-    pub ffn_dim: usize,
-    pub vocab_size: usize,
-    pub rms_eps: f32,
-    pub rope_base: f32,
-    /// `llama.context_length`: the longest sequence the model was trained for.
-    pub context_length: u32,
-}
-
-/// Check `general.architecture` before anything else, so a non-llama model gets a clear error
-/// instead of a confusing "missing key llama.block_count".
+/// Check `general.architecture` before anything else, so an unsupported model gets a clear
+/// error naming the architectures we serve, not a confusing missing key.
 pub(crate) fn check_architecture(md: &HashMap<String, Value>) -> Result<(), ModelError> {
-    let arch = md_str(md, "general.architecture")?;
-    if arch != "llama" {
-        return Err(ModelError::UnsupportedArchitecture { arch: arch.to_string() });
-    }
-    Ok(())
-}
-
-impl LlamaConfig {
-    pub(crate) fn from_gguf(g: &GgufFile) -> Result<Self, ModelError> {
-        let md = g.metadata();
-        check_architecture(md)?;
-        let n_layers = md_u32(md, "llama.block_count")? as usize;
-        let hidden = md_u32(md, "llama.embedding_length")? as usize;
-        let n_heads = md_u32(md, "llama.attention.head_count")? as usize;
-        let n_kv_heads = md_u32_opt(md, "llama.attention.head_count_kv")?.map_or(n_heads, |v| v as usize);
-        let rms_eps = md_f32(md, "llama.attention.layer_norm_rms_epsilon")?;
-        let rope_base =
-            if md.contains_key("llama.rope.freq_base") { md_f32(md, "llama.rope.freq_base")? } else { 10_000.0 };
-        let context_length = md_u32(md, "llama.context_length")?;
-
-        if n_layers == 0 || hidden == 0 || n_heads == 0 || n_kv_heads == 0 {
-            return Err(invalid("llama.*", "block_count, embedding_length and head counts must be positive"));
-        }
-        if !hidden.is_multiple_of(n_heads) {
-            return Err(invalid("llama.attention.head_count", format!("{n_heads} does not divide {hidden}")));
-        }
-        if !n_heads.is_multiple_of(n_kv_heads) {
-            return Err(invalid("llama.attention.head_count_kv", format!("{n_kv_heads} does not divide {n_heads}")));
-        }
-        let head_dim = hidden / n_heads;
-        if !head_dim.is_multiple_of(2) {
-            return Err(invalid("llama.attention.head_count", format!("odd head_dim {head_dim}")));
-        }
-        if let Some(rope_dim) = md_u32_opt(md, "llama.rope.dimension_count")? {
-            if rope_dim as usize != head_dim {
-                return Err(invalid(
-                    "llama.rope.dimension_count",
-                    format!("{rope_dim} != head_dim {head_dim} (partial RoPE is not supported)"),
-                ));
-            }
-        }
-        if md_u32_opt(md, "llama.expert_count")?.unwrap_or(0) > 1 {
-            return Err(ModelError::UnsupportedArchitecture { arch: "llama (mixture of experts)".into() });
-        }
-        if let Ok(kind) = md_str(md, "llama.rope.scaling.type") {
-            if kind != "none" {
-                return Err(invalid("llama.rope.scaling.type", format!("RoPE scaling {kind:?} is not supported")));
-            }
-        }
-        if g.has_tensor("rope_freqs.weight") {
-            return Err(ModelError::UnsupportedArchitecture {
-                arch: "llama with rope_freqs (llama-3.1 RoPE scaling)".into(),
-            });
-        }
-        let embd = g.tensor_dims("token_embd.weight")?;
-        let vocab_size = match embd.as_slice() {
-            [v, h] if *h == hidden => *v,
-            other => {
-                return Err(ModelError::InvalidTensor {
-                    name: "token_embd.weight".into(),
-                    reason: format!("shape {other:?}, expected [vocab, {hidden}]"),
-                })
-            }
-        };
-        let ffn_dim = match g.tensor_dims("blk.0.ffn_gate.weight")?.as_slice() {
-            [f, h] if *h == hidden => *f,
-            other => {
-                return Err(ModelError::InvalidTensor {
-                    name: "blk.0.ffn_gate.weight".into(),
-                    reason: format!("shape {other:?}, expected [ffn, {hidden}]"),
-                })
-            }
-        };
-        Ok(Self {
-            n_layers,
-            hidden,
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            ffn_dim,
-            vocab_size,
-            rms_eps,
-            rope_base,
-            context_length,
-        })
-    }
+    crate::arch::architecture_of(md).map(|_| ())
 }

@@ -1,20 +1,22 @@
-//! A real model for pdmesh: llama-architecture GGUF files on the CPU.
+//! A real model for pdmesh: GGUF files on the CPU (llama, qwen2 and gemma3 architectures).
 //!
 //! The mesh talks to models only through `pdmesh-model-api`; this crate provides the two
 //! implementations that serve a GGUF file:
 //!
-//! - [`LlamaExecutor`] ([`pdmesh_model_api::Executor`]): our own forward pass over the worker's
+//! - [`GgufExecutor`] ([`pdmesh_model_api::Executor`]): our own forward pass over the worker's
 //!   paged [`pdmesh_model_api::KvCache`]. All tokens of a step go through each weight matmul
 //!   together; attention is per request over its block table. See [`executor`].
 //! - [`GgufTextCodec`] ([`pdmesh_model_api::TextCodec`]): tokenizer and chat template rebuilt
 //!   from the GGUF metadata. See [`text`].
 //!
 //! Use [`load_gguf`] to get both from one file (the frontend needs only [`GgufTextCodec::load`],
-//! the connector-worker only [`LlamaExecutor::load`]).
+//! the connector-worker only [`GgufExecutor::load`]).
 //!
 //! Module map:
-//! - [`gguf`]: header parsing, typed metadata, [`LlamaConfig`], the sha256 weights id.
-//! - [`executor`]: the forward pass and [`LlamaExecutor`].
+//! - [`gguf`]: header parsing, typed metadata, the sha256 weights id.
+//! - [`arch`]: one module per architecture (hyper-parameters and layer recipe:
+//!   [`ModelConfig`]); adding an architecture is a module there.
+//! - [`executor`]: the forward pass, written once over [`ModelConfig`], and [`GgufExecutor`].
 //! - `linear`: weight matrices and the batched matmul dispatch.
 //! - `embedding`: token embedding rows, dequantized on demand.
 //! - `kernels`: AVX2 Q4_1/Q8_0 matmul kernels (bit-identical to candle's), scalar fallback.
@@ -26,6 +28,7 @@
 //! Sampling lives in `pdmesh_model_api::sampling` (model-agnostic). `docs/MODEL.md` has the
 //! design, the build target and measured speed.
 
+pub mod arch;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod error;
@@ -44,9 +47,9 @@ mod simd;
 
 use std::path::Path;
 
+pub use arch::ModelConfig;
 pub use error::ModelError;
-pub use executor::LlamaExecutor;
-pub use gguf::LlamaConfig;
+pub use executor::GgufExecutor;
 pub use text::GgufTextCodec;
 
 /// Options for loading a model.
@@ -62,15 +65,24 @@ pub struct ModelOptions {
     pub nice: i32,
 }
 
-/// Load the executor and the text codec of the llama GGUF file at `path`, parsing the header
+/// Load the executor and the text codec of the GGUF file at `path`, parsing the header
 /// once.
-pub fn load_gguf(path: impl AsRef<Path>, options: &ModelOptions) -> Result<(LlamaExecutor, GgufTextCodec), ModelError> {
+pub fn load_gguf(path: impl AsRef<Path>, options: &ModelOptions) -> Result<(GgufExecutor, GgufTextCodec), ModelError> {
     let path = path.as_ref();
     let mut g = gguf::GgufFile::open(path)?;
+    arch::model_config(&g)?;
     let codec = GgufTextCodec::from_gguf(&g, options)?;
     let weights_id = gguf::sha256_file(path)?;
-    let executor = LlamaExecutor::from_gguf(&mut g, options, weights_id, codec.eos_token_ids().to_vec())?;
+    let executor = GgufExecutor::from_gguf(&mut g, options, weights_id, codec.eos_token_ids().to_vec())?;
     Ok((executor, codec))
+}
+
+/// The architecture, hyper-parameters and layer recipe of the GGUF file at `path`, from its
+/// header alone (no weights are read): what the KV cache's geometry and a memory budget's block
+/// count are computed from before the model loads.
+pub fn read_config(path: impl AsRef<Path>) -> Result<ModelConfig, ModelError> {
+    let g = gguf::GgufFile::open(path.as_ref())?;
+    arch::model_config(&g)
 }
 
 /// Where the default model lives: `$PDMESH_MODEL_PATH`, else

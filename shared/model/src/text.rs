@@ -164,7 +164,7 @@ impl GgufTextCodec {
             Err(ModelError::MissingMetadata { .. }) => None,
             Err(e) => return Err(e),
         };
-        let context_length = md_u32(md, "llama.context_length")?;
+        let context_length = crate::arch::context_length(md)?;
         let vocab_size = tokens.len() as u32;
         let token_bytes = TokenBytes::of(&tokenizer, vocab_size);
         Ok(Self {

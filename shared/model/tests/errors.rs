@@ -5,7 +5,7 @@ mod common;
 
 use std::io::Write;
 
-use pdmesh_model::{GgufTextCodec, LlamaExecutor, ModelError, ModelOptions};
+use pdmesh_model::{GgufExecutor, GgufTextCodec, ModelError, ModelOptions};
 use pdmesh_model_api::{Executor, ExecutorError};
 use pdmesh_protocol::ScheduledChunk;
 
@@ -18,7 +18,7 @@ fn temp_file(name: &str, bytes: &[u8]) -> std::path::PathBuf {
 #[test]
 fn missing_file_is_not_found() {
     let p = std::path::Path::new("/nonexistent/dir/model.gguf");
-    let e = LlamaExecutor::load(p, &ModelOptions::default()).unwrap_err();
+    let e = GgufExecutor::load(p, &ModelOptions::default()).unwrap_err();
     assert!(matches!(e, ModelError::NotFound { .. }), "{e:?}");
     assert!(e.to_string().contains("fetch-model.sh"));
     let e = GgufTextCodec::load(p, &ModelOptions::default()).unwrap_err();
@@ -111,6 +111,107 @@ fn facts_describe_the_model() {
     assert_eq!(f.weights_id, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53");
     assert_eq!(f.name, "SmolLM2-135M-Instruct.Q4_1");
     let p = common::model_path().unwrap();
-    let capped = LlamaExecutor::load(&p, &ModelOptions { max_model_len: Some(1024), ..Default::default() }).unwrap();
+    let capped = GgufExecutor::load(&p, &ModelOptions { max_model_len: Some(1024), ..Default::default() }).unwrap();
     assert_eq!(capped.facts().max_model_len, 1024);
+}
+
+/// A small GGUF file with `metadata` and two tiny f32 tensors (embedding and gate), written by
+/// candle's GGUF writer.
+fn gguf_with(name: &str, metadata: &[(&str, candle_core::quantized::gguf_file::Value)]) -> std::path::PathBuf {
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
+    let t = |rows: usize, cols: usize| {
+        QTensor::quantize(
+            &Tensor::zeros((rows, cols), candle_core::DType::F32, &Device::Cpu).unwrap(),
+            candle_core::quantized::GgmlDType::F32,
+        )
+        .unwrap()
+    };
+    let (embd, gate) = (t(8, 16), t(32, 16));
+    let p = std::env::temp_dir().join(format!("pdmesh-model-test-{}-{name}", std::process::id()));
+    let mut f = std::fs::File::create(&p).unwrap();
+    let md: Vec<(&str, &candle_core::quantized::gguf_file::Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    candle_core::quantized::gguf_file::write(
+        &mut f,
+        &md,
+        &[("token_embd.weight", &embd), ("blk.0.ffn_gate.weight", &gate)],
+    )
+    .unwrap();
+    p
+}
+
+fn llama_header(
+    arch: &str,
+    overrides: &[(&str, candle_core::quantized::gguf_file::Value)],
+) -> Vec<(String, candle_core::quantized::gguf_file::Value)> {
+    use candle_core::quantized::gguf_file::Value;
+    let mut md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        (format!("{arch}.block_count"), Value::U32(1)),
+        (format!("{arch}.embedding_length"), Value::U32(16)),
+        (format!("{arch}.attention.head_count"), Value::U32(2)),
+        (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(1e-5)),
+        (format!("{arch}.context_length"), Value::U32(64)),
+    ];
+    for (k, v) in overrides {
+        md.retain(|(key, _)| key != k);
+        md.push((k.to_string(), v.clone()));
+    }
+    md
+}
+
+fn load_header(name: &str, md: &[(String, candle_core::quantized::gguf_file::Value)]) -> ModelError {
+    let md: Vec<(&str, candle_core::quantized::gguf_file::Value)> =
+        md.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let p = gguf_with(name, &md);
+    let e = pdmesh_model::read_config(&p).unwrap_err();
+    // the executor refuses it the same way, before reading any weight
+    let e2 = GgufExecutor::load(&p, &ModelOptions::default()).unwrap_err();
+    assert_eq!(e.to_string(), e2.to_string());
+    let _ = std::fs::remove_file(p);
+    e
+}
+
+#[test]
+fn an_unsupported_architecture_is_named_with_the_supported_ones() {
+    let e = load_header("bert.gguf", &llama_header("bert", &[]));
+    assert!(matches!(&e, ModelError::UnsupportedArchitecture { arch, .. } if arch == "bert"), "{e:?}");
+    let msg = e.to_string();
+    assert!(msg.contains("\"bert\"") && msg.contains("llama, qwen2, gemma3"), "{msg}");
+}
+
+#[test]
+fn absurd_header_counts_are_refused_before_anything_is_sized() {
+    use candle_core::quantized::gguf_file::Value;
+    for (key, value) in [
+        ("llama.block_count", Value::U32(4_000_000_000)),
+        ("llama.embedding_length", Value::U32(u32::MAX)),
+        ("llama.context_length", Value::U32(u32::MAX)),
+        ("llama.attention.head_count", Value::U32(0)),
+        ("llama.attention.key_length", Value::U32(3)),
+    ] {
+        let e = load_header("absurd.gguf", &llama_header("llama", &[(key, value)]));
+        assert!(matches!(e, ModelError::InvalidMetadata { .. }), "{key}: {e:?}");
+    }
+}
+
+#[test]
+fn unsupported_features_are_refused_by_name() {
+    use candle_core::quantized::gguf_file::Value;
+    let e = load_header(
+        "rope-scaling.gguf",
+        &llama_header(
+            "llama",
+            &[
+                ("llama.rope.scaling.type", Value::String("yarn".into())),
+                ("llama.rope.scaling.factor", Value::F32(4.0)),
+            ],
+        ),
+    );
+    assert!(matches!(&e, ModelError::UnsupportedFeature { feature } if feature.contains("yarn")), "{e:?}");
+    let e = load_header("moe.gguf", &llama_header("llama", &[("llama.expert_count", Value::U32(8))]));
+    assert!(
+        matches!(&e, ModelError::UnsupportedFeature { feature } if feature.contains("mixture of experts")),
+        "{e:?}"
+    );
 }

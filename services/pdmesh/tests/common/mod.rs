@@ -548,3 +548,24 @@ pub fn model_path() -> Option<PathBuf> {
     assert!(p.is_file(), "model {} missing: run scripts/fetch-model.sh", p.display());
     Some(p)
 }
+
+/// A model `scripts/fetch-model.sh NAME` fetches, by its file name in the model directory
+/// (`$PDMESH_MODEL_DIR`, else `~/.cache/pdmesh/models`), or `None` under
+/// `PDMESH_SKIP_MODEL_TESTS=1`; missing otherwise is a failure naming the fetch command.
+pub fn named_model_path(name: &str, file: &str) -> Option<PathBuf> {
+    if std::env::var("PDMESH_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        eprintln!("PDMESH_SKIP_MODEL_TESTS=1: skipping");
+        return None;
+    }
+    let dir = std::env::var_os("PDMESH_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/pdmesh/models"));
+    let p = dir.join(file);
+    assert!(p.is_file(), "model {} missing: run scripts/fetch-model.sh {name}", p.display());
+    Some(p)
+}
+
+/// Qwen2.5-Coder-0.5B-Instruct Q4_K_M (`scripts/fetch-model.sh qwen2.5-0.5b`).
+pub fn qwen_model_path() -> Option<PathBuf> {
+    named_model_path("qwen2.5-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+}

@@ -38,10 +38,11 @@ use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{Executor, ExecutorError, KvCache, KvCacheSpec, ModelFacts};
 use pdmesh_protocol::{SampledToken, ScheduledChunk};
 
+use crate::arch::ModelConfig;
 use crate::embedding::Embedding;
 use crate::error::ModelError;
 use crate::executor::{effective_max_len, model_facts, norm_weights, plan_step, rope_tables};
-use crate::gguf::{sha256_file, GgufFile, LlamaConfig};
+use crate::gguf::{sha256_file, GgufFile};
 use crate::ModelOptions;
 
 const KERNELS: &str = include_str!("kernels.cu");
@@ -252,7 +253,7 @@ pub struct CudaLlamaExecutor {
     facts: ModelFacts,
     /// Grammar matchers of the requests with structured outputs (D53).
     guide: pdmesh_guided::Guide,
-    cfg: LlamaConfig,
+    cfg: ModelConfig,
     stream: Arc<CudaStream>,
     kernels: Kernels,
     embedding: Embedding,
@@ -343,6 +344,18 @@ impl CudaLlamaExecutor {
         eos_token_ids: Vec<u32>,
         ordinal: usize,
     ) -> Result<Self, ModelError> {
+        // The GPU kernels implement the llama recipe only: any other architecture is refused
+        // here, by name, before the GPU is touched (the CPU executor serves it).
+        let cfg = crate::arch::model_config(g)?;
+        if !cfg.is_plain_llama() {
+            return Err(ModelError::UnsupportedFeature {
+                feature: format!(
+                    "the CUDA executor runs the llama recipe only; {:?} (its biases, norms, activation or \
+                     sliding windows) runs on the CPU executor (model.device = \"cpu\")",
+                    cfg.arch
+                ),
+            });
+        }
         if let Some(missing) = missing_cuda_library() {
             return Err(ModelError::Cuda(format!("{missing} cannot be loaded on this machine")));
         }
@@ -354,7 +367,6 @@ impl CudaLlamaExecutor {
         let module = ctx.load_module(ptx).map_err(|e| cuda_err("load kernels", e))?;
         let kernels = Kernels::load(&module)?;
 
-        let cfg = LlamaConfig::from_gguf(g)?;
         let (hd, h, f) = (cfg.head_dim, cfg.hidden, cfg.ffn_dim);
         let (q_dim, kv_dim) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
         let up = |what: &str, e| cuda_err(what, e);
@@ -386,7 +398,8 @@ impl CudaLlamaExecutor {
             });
         }
         let max_model_len = effective_max_len(cfg.context_length, options);
-        let (cos, sin) = rope_tables(hd, cfg.rope_base, max_model_len as usize);
+        let (cos, sin) =
+            rope_tables(hd, cfg.recipe.layers.first().map_or(10_000.0, |l| l.rope_base), max_model_len as usize);
         let rope_cos = stream.clone_htod(&cos).map_err(|e| up("rope", e))?;
         let rope_sin = stream.clone_htod(&sin).map_err(|e| up("rope", e))?;
         stream.synchronize().map_err(|e| up("upload weights", e))?;

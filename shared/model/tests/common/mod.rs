@@ -1,10 +1,12 @@
 //! Shared helpers for the model tests: finding the model file and a tiny step scheduler.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test helpers: fail loudly
 
+pub mod gemma3_reference;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-use pdmesh_model::{default_model_path, GgufTextCodec, LlamaExecutor, ModelOptions};
+use pdmesh_model::{default_model_path, GgufExecutor, GgufTextCodec, ModelOptions};
 use pdmesh_model_api::{Executor, KvCache, KvCacheSpec};
 use pdmesh_protocol::{SamplingParams, ScheduledChunk};
 
@@ -25,7 +27,7 @@ pub fn model_path() -> Option<PathBuf> {
     Some(p)
 }
 
-pub fn load() -> Option<(LlamaExecutor, GgufTextCodec)> {
+pub fn load() -> Option<(GgufExecutor, GgufTextCodec)> {
     let p = model_path()?;
     Some(pdmesh_model::load_gguf(&p, &ModelOptions::default()).expect("load model"))
 }

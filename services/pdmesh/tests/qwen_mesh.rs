@@ -1,0 +1,154 @@
+//! A model users bring, through the whole mesh: Qwen2.5-Coder-0.5B-Instruct (qwen2, Q4_K_M,
+//! 24 layers × 2 KV heads × 64, a 151 936-token BPE vocabulary and ChatML) served by P and D
+//! behind the router, against a colocated node on the same file.
+//!
+//! - 16 prompts, completions and chat, streamed and not: the router's answers equal the
+//!   colocated node's, and P and D end holding nothing;
+//! - rule R1: D's engine refuses the request before admission (its own fault injection), and P
+//!   frees its blocks at once (P holds for 480 s here, so only the notice can free it in time).
+//!
+//! Rule R3 on this model is `faults.rs`'s `qwen2_transfer_fails_midway`. The file comes from
+//! `scripts/fetch-model.sh qwen2.5-0.5b` (scripts/test.sh fetches it).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{sse_events, Mesh};
+use serde_json::{json, Value};
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap()
+}
+
+fn settings(path: &std::path::Path, engine: &str) -> String {
+    format!("model = {{ kind = \"gguf\", path = {:?} }}\n{engine}", path.display().to_string())
+}
+
+const ENGINE: &str = "engine = { num_blocks = 128, max_model_len = 1024 }";
+
+/// An answer's text and completion tokens, streamed (SSE deltas joined) or not.
+fn answer(port: u16, path: &str, body: &Value, stream: bool) -> (String, u64) {
+    let url = format!("http://127.0.0.1:{port}{path}");
+    let mut b = body.clone();
+    if stream {
+        b["stream"] = json!(true);
+        b["stream_options"] = json!({"include_usage": true});
+    }
+    let r = client().post(&url).json(&b).send().unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{path} on :{port}");
+    if !stream {
+        let v: Value = r.json().unwrap();
+        let c = &v["choices"][0];
+        let text = c["text"].as_str().or(c["message"]["content"].as_str()).unwrap_or("").to_string();
+        return (text, v["usage"]["completion_tokens"].as_u64().unwrap());
+    }
+    let (mut text, mut tokens) = (String::new(), 0);
+    for e in sse_events(&r.text().unwrap()) {
+        if e == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(c) = v["choices"].get(0) {
+            text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or(""));
+        }
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            tokens = n;
+        }
+    }
+    (text, tokens)
+}
+
+#[test]
+fn qwen2_disaggregated_equals_colocated() {
+    let Some(path) = common::qwen_model_path() else { return };
+    let node_settings = settings(&path, ENGINE);
+    let mesh = Mesh::start_nodes(
+        |http, base| common::pd_topology(http, base, "shm", 1, &node_settings),
+        |h| vec![h + 1, h + 2, h + 3],
+    );
+    let (router, colocated) = (mesh.http_port, mesh.http_port + 3);
+    let models: Value = client().get(mesh.url("/v1/models")).send().unwrap().json().unwrap();
+    assert_eq!(models["data"][0]["id"], "qwen2.5-coder-0.5b-instruct-q4_k_m", "{models}");
+
+    let completions = [
+        "The capital of France is",
+        "def quicksort(arr):\n",
+        "// A function in Rust that reverses a string\nfn reverse(",
+        "Once upon a time, in a small village by the sea,",
+        "1, 2, 3, 5, 8, 13, 21,",
+        "SELECT name FROM users WHERE",
+        "The three primary colours are",
+        "import numpy as np\n\n# compute the mean of a list\n",
+    ];
+    let chats = [
+        "What is the capital of France?",
+        "Write a Python function that returns the square of a number.",
+        "Explain what a hash map is in one sentence.",
+        "Name three programming languages.",
+        "What does HTTP stand for?",
+        "Write a haiku about the ocean.",
+        "How do I reverse a list in Python?",
+        "Translate 'good morning' into French.",
+    ];
+    let mut bodies: Vec<(&str, Value)> = Vec::new();
+    for (i, p) in completions.iter().enumerate() {
+        bodies.push(("/v1/completions", json!({"prompt": p, "max_tokens": 12 + i, "temperature": 0})));
+    }
+    for (i, c) in chats.iter().enumerate() {
+        bodies.push((
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": c}], "max_tokens": 12 + i, "temperature": 0}),
+        ));
+    }
+    assert_eq!(bodies.len(), 16);
+    for (i, (path, body)) in bodies.iter().enumerate() {
+        let stream = i % 2 == 1;
+        let want = answer(colocated, path, body, stream);
+        let got = answer(router, path, body, stream);
+        assert!(want.1 > 0 && !want.0.is_empty(), "the colocated node answered {path} {body}: {want:?}");
+        assert_eq!(got, want, "{path} (stream {stream}) {body}");
+    }
+    // The chat answer about France is right: the model, template and tokenizer work together.
+    let (paris, _) = answer(router, "/v1/chat/completions", &bodies[8].1, false);
+    assert!(paris.contains("Paris"), "{paris:?}");
+    mesh.wait_kv_on(router + 1, "P holds nothing once D has read", |kv| {
+        kv["held_blocks"] == 0 && kv["used_blocks"] == 0
+    });
+    mesh.wait_kv_on(router + 2, "D's blocks are free", |kv| kv["used_blocks"] == 0);
+}
+
+/// Rule R1 on Qwen: D's engine refuses every request at admission; the router's client gets a
+/// clear error, and P frees its blocks at once instead of holding them to the 480 s deadline.
+#[test]
+fn qwen2_refusal_on_d_frees_p_at_once() {
+    let Some(path) = common::qwen_model_path() else { return };
+    let shared = settings(&path, ENGINE);
+    let refusing = settings(
+        &path,
+        "engine = { num_blocks = 128, max_model_len = 1024, fault_injection = \"refuse_admission_every=1\" }",
+    );
+    let mesh = Mesh::start_nodes(
+        |h, b| {
+            let t = common::pd_topology(h, b, "shm", 1, &shared);
+            // D's section is the only one named "d": its settings are the first after that.
+            let at = t.find("name = \"d\"").unwrap();
+            let (head, tail) = t.split_at(at);
+            format!("{head}{}", tail.replacen(&shared, &refusing, 1))
+        },
+        |h| vec![h + 1, h + 2, h + 3],
+    );
+    let p = mesh.http_port + 1;
+    let body = json!({"prompt": "def quicksort(arr):\n", "max_tokens": 8, "temperature": 0});
+    let r = client().post(mesh.url("/v1/completions")).json(&body).send().unwrap();
+    let status = r.status().as_u16();
+    let v: Value = r.json().unwrap_or(Value::Null);
+    assert!((400..600).contains(&status), "a clear error from D's refusal: {status} {v}");
+    assert!(v["error"]["message"].is_string(), "an OpenAI-style error body: {v}");
+    mesh.wait_kv_on(p, "P freed at once", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
+    // P still serves: the same prompt on P alone (colocated path of P's own engine).
+    let r = client().post(mesh.url_on(p, "/v1/completions")).json(&body).send().unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+}
