@@ -11,7 +11,7 @@
 //! matrix front to back once. Two quads share a byte (low and high nibble) and the 5th/6th bits
 //! of every quad of a sub-block sit in one more vector, so the packed matrix is as small as
 //! the file's blocks (Q4_K and Q5_K: +4 bytes per 256 values, their 6-bit scales unpacked).
-//! A tile decodes a sub-block of 8 rows to bytes once and reuses it for 4 tokens.
+//! A tile decodes a sub-block of 8 rows to bytes once and reuses it for up to 8 tokens.
 //!
 //! **Arithmetic.** Integer dot products are exact however they are summed; the float part of
 //! every (row, token) result follows one fixed sequence, the same in the AVX2 and the scalar
@@ -513,7 +513,7 @@ pub(crate) mod avx2 {
     ///
     /// # Safety
     /// AVX2, FMA and F16C must be available; the preconditions of [`super::lanes_scalar`],
-    /// with `nt ≤ 4`.
+    /// with `nt ≤ 8`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn lanes(w: &PackedLanes, a: &QActs, tile: &Tile) {
         macro_rules! go {
@@ -521,6 +521,10 @@ pub(crate) mod avx2 {
                 // SAFETY: forwarded preconditions.
                 unsafe {
                     match tile.nt {
+                        8 => lanes_tile::<{ $k as u8 }, 8>(w, a, tile),
+                        7 => lanes_tile::<{ $k as u8 }, 7>(w, a, tile),
+                        6 => lanes_tile::<{ $k as u8 }, 6>(w, a, tile),
+                        5 => lanes_tile::<{ $k as u8 }, 5>(w, a, tile),
                         4 => lanes_tile::<{ $k as u8 }, 4>(w, a, tile),
                         3 => lanes_tile::<{ $k as u8 }, 3>(w, a, tile),
                         2 => lanes_tile::<{ $k as u8 }, 2>(w, a, tile),
@@ -595,11 +599,15 @@ pub(crate) mod avx2 {
                         for (q, wv) in wq.iter_mut().enumerate().take(nq) {
                             // bits q·hbits.. of each byte to bit 4 (16-bit shifts: bits that
                             // cross a byte land outside the mask)
-                            let sh = 4 - (q * l.hbits) as i32;
-                            let hb = if sh >= 0 {
-                                _mm256_sll_epi16(h, _mm_cvtsi32_si128(sh))
-                            } else {
-                                _mm256_srl_epi16(h, _mm_cvtsi32_si128(-sh))
+                            let hb = match 4 - (q * l.hbits) as i32 {
+                                4 => _mm256_slli_epi16::<4>(h),
+                                3 => _mm256_slli_epi16::<3>(h),
+                                2 => _mm256_slli_epi16::<2>(h),
+                                1 => _mm256_slli_epi16::<1>(h),
+                                0 => h,
+                                -1 => _mm256_srli_epi16::<1>(h),
+                                -2 => _mm256_srli_epi16::<2>(h),
+                                _ => _mm256_srli_epi16::<3>(h),
                             };
                             *wv = _mm256_or_si256(*wv, _mm256_and_si256(hb, hmask));
                         }
