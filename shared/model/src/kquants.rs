@@ -404,6 +404,18 @@ pub fn quantize_q8k(x: &[f32], q: &mut [i8], d: &mut [f32], bsums: &mut [i16]) {
     }
 }
 
+/// The activation factors of the K-quants' min/offset terms, per row (candle computes them per
+/// weight tile; the values are the same f32 operations): `mins32[j] = d·(bsum_2j + bsum_2j+1)`
+/// (Q4_K/Q5_K, per 32 values) and `off16[j] = 32·bsum_j` (Q6_K, per 16).
+pub fn q8k_terms(d: &[f32], bsums: &[i16], mins32: &mut [f32], off16: &mut [f32]) {
+    for (j, (m, pair)) in mins32.iter_mut().zip(bsums.chunks_exact(2)).enumerate() {
+        *m = d[j / 8] * (i32::from(pair[0]) + i32::from(pair[1])) as f32;
+    }
+    for (o, &b) in off16.iter_mut().zip(bsums) {
+        *o = 32.0 * f32::from(b);
+    }
+}
+
 /// One tile of a rows-in-lanes matrix, the portable way (same bits as the AVX2 path).
 ///
 /// # Safety
@@ -452,18 +464,15 @@ pub(crate) unsafe fn lanes_scalar(w: &PackedLanes, a: &QActs, tile: &Tile) {
                         }
                         Kind::Q4K | Kind::Q5K => {
                             let da = a.dk[tok * nb + b];
-                            let bs = tok * (k / 16) + b * 16 + 2 * s;
-                            let bsum = (i32::from(a.bsums[bs]) + i32::from(a.bsums[bs + 1])) as f32;
                             let sc = f32::from(c[l.sc_off() + s * LANES + r]) * d;
                             let mn = f32::from(c[l.mn_off() + s * LANES + r]) * dmin;
                             acc = (isum as f32).mul_add(sc * da, acc);
-                            acc = (-mn).mul_add(da * bsum, acc);
+                            acc = (-mn).mul_add(a.mins32[tok * (k / 32) + b * 8 + s], acc);
                         }
                         Kind::Q6K => {
                             let da = a.dk[tok * nb + b];
-                            let bsum = f32::from(a.bsums[tok * (k / 16) + b * 16 + s]);
                             let sc = f32::from(c[l.sc_off() + s * LANES + r] as i8) * d;
-                            acc = (isum as f32 - 32.0 * bsum).mul_add(sc * da, acc);
+                            acc = (isum as f32 - a.off16[tok * (k / 16) + b * 16 + s]).mul_add(sc * da, acc);
                         }
                     }
                 }
@@ -573,7 +582,7 @@ pub(crate) mod avx2 {
         let q8k = l.block == QK_K;
         // SAFETY: group g has nb chunks of `chunk` bytes (packed groups are complete); the
         // activation rows t0..t0+T < m hold k values (qs or qk), k/32 scales and sums (d, isum)
-        // or k/256 scales and k/16 sums (dk, bsums); output offsets are (t0+t)·rows + g·8 + r
+        // or k/256 scales, k/32 and k/16 terms (dk, mins32, off16); output offsets are (t0+t)·rows + g·8 + r
         // with r < nr (Tile invariants). Loads and stores are unaligned.
         unsafe {
             let base = w.data.as_ptr().add(g * nb * chunk);
@@ -652,21 +661,16 @@ pub(crate) mod avx2 {
                                 *acc_t = _mm256_add_ps(*acc_t, term);
                             }
                             Kind::Q4K | Kind::Q5K => {
-                                let da = *a.dk.as_ptr().add(tok * nb + b);
-                                let bs = a.bsums.as_ptr().add(tok * (k / 16) + b * 16 + 2 * s);
-                                let bsum = (i32::from(*bs) + i32::from(*bs.add(1))) as f32;
-                                *acc_t = _mm256_fmadd_ps(
-                                    _mm256_cvtepi32_ps(isum),
-                                    _mm256_mul_ps(scv, _mm256_set1_ps(da)),
-                                    *acc_t,
-                                );
-                                *acc_t = _mm256_fnmadd_ps(mnv, _mm256_set1_ps(da * bsum), *acc_t);
+                                let da = _mm256_broadcast_ss(&*a.dk.as_ptr().add(tok * nb + b));
+                                let mins = _mm256_broadcast_ss(&*a.mins32.as_ptr().add(tok * (k / 32) + b * 8 + s));
+                                *acc_t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scv, da), *acc_t);
+                                *acc_t = _mm256_fnmadd_ps(mnv, mins, *acc_t);
                             }
                             Kind::Q6K => {
-                                let da = *a.dk.as_ptr().add(tok * nb + b);
-                                let bsum = f32::from(*a.bsums.as_ptr().add(tok * (k / 16) + b * 16 + s));
-                                let f = _mm256_sub_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(32.0 * bsum));
-                                *acc_t = _mm256_fmadd_ps(f, _mm256_mul_ps(scv, _mm256_set1_ps(da)), *acc_t);
+                                let da = _mm256_broadcast_ss(&*a.dk.as_ptr().add(tok * nb + b));
+                                let off = _mm256_broadcast_ss(&*a.off16.as_ptr().add(tok * (k / 16) + b * 16 + s));
+                                let f = _mm256_sub_ps(_mm256_cvtepi32_ps(isum), off);
+                                *acc_t = _mm256_fmadd_ps(f, _mm256_mul_ps(scv, da), *acc_t);
                             }
                         }
                     }
