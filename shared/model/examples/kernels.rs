@@ -10,6 +10,8 @@
 //!   --threads 2             threads of both (candle: RAYON_NUM_THREADS, set here)
 //!   --secs 0.3              minimum timed seconds per case (after one warm-up call)
 //!   --no-candle             only ours
+//!   --check-gguf FILE       instead: every matrix of FILE, ours vs candle's QMatMul on the
+//!                           real weights (m = 1 and 4): bit-equal or the largest difference
 //! ```
 //!
 //! Reports per case the best time of a call (activation quantization included, as a real
@@ -139,7 +141,61 @@ fn time(secs: f64, mut f: impl FnMut()) -> (f64, f64) {
     (best, (cpu_secs() - cpu0) / f64::from(n))
 }
 
+/// Every 2-D tensor of a GGUF file through ours and candle's `QMatMul`, on the real weights.
+fn check_gguf(path: &str, threads: usize) {
+    use candle_core::quantized::gguf_file::Content;
+    let mut f = std::fs::File::open(path).unwrap();
+    let content = Content::read(&mut f).unwrap();
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort();
+    let (mut equal, mut close, mut total) = (0, 0, 0);
+    for name in names {
+        let qt = content.tensor(&mut f, name, &Device::Cpu).unwrap();
+        let [rows, k] = qt.shape().dims() else { continue };
+        let (rows, k, dt) = (*rows, *k, qt.dtype());
+        let raw = qt.data().unwrap().into_owned();
+        let Some(mut ours) = KernelMatmul::new(dt, &raw, rows, k, threads) else {
+            println!("{name:<28} {dt:?} {rows}x{k}: not packed (refused or shape)");
+            continue;
+        };
+        let qmm = QMatMul::from_qtensor(qt).unwrap();
+        for m in [1usize, 4] {
+            let x: Vec<f32> = (0..m * k).map(|i| (((i * 7919 + m) % 2003) as f32 - 1001.0) * 0.002).collect();
+            let mut out = Vec::new();
+            ours.forward(&x, m, &mut out).unwrap();
+            let want = qmm
+                .forward(&Tensor::from_slice(&x, (m, k), &Device::Cpu).unwrap())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let same = out.iter().zip(&want).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let diff = out.iter().zip(&want).fold(0f32, |a, (o, w)| a.max((o - w).abs()));
+            total += 1;
+            if same == want.len() {
+                equal += 1;
+            } else if diff <= 1e-5 * scale {
+                close += 1;
+            }
+            println!(
+                "{name:<28} {:<5} {rows:>6}x{k:<5} m={m}: {same}/{} bits equal, max |diff| {diff:.3e} (max |y| {scale:.3e})",
+                format!("{dt:?}"),
+                want.len()
+            );
+        }
+    }
+    println!("{equal} of {total} (matrix, m) bit-equal to candle, {close} more within 1e-5 of max |y|");
+}
+
 fn main() {
+    if let Some(path) = arg("--check-gguf") {
+        let threads: usize = arg("--threads").map_or(2, |s| s.parse().unwrap());
+        std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+        check_gguf(&path, threads);
+        return;
+    }
     let threads: usize = arg("--threads").map_or(2, |s| s.parse().unwrap());
     // candle sizes its pool from this on first use
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
