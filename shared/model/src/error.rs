@@ -43,11 +43,15 @@ pub enum ModelError {
     /// A tensor is present but has the wrong shape, or cannot be read.
     #[error("tensor {name:?} is invalid: {reason}")]
     InvalidTensor { name: String, reason: String },
-    /// The tokenizer described by the metadata is not one we can build.
+    /// A tensor's GGML type has no kernel here (Q2_K, Q3_K, the IQ types, Q8_1, ...): refused at
+    /// load rather than computed slowly or wrongly.
+    #[error("tensor {name:?} has GGML type {dtype}, which this build cannot compute with (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)")]
+    UnsupportedTensorType { name: String, dtype: String },
     /// The GPU executor (feature `cuda`) could not start: no driver, no GPU, or a kernel that
     /// did not compile or load.
     #[error("cuda: {0}")]
     Cuda(String),
+    /// The tokenizer described by the metadata is not one we can build.
     #[error("unsupported tokenizer: {0}")]
     UnsupportedTokenizer(String),
     /// Building the tokenizer failed.

@@ -32,6 +32,8 @@ pub(crate) unsafe trait Pod: Copy + 'static {}
 // SAFETY: integers and floats accept every bit pattern and have no drop glue.
 unsafe impl Pod for i8 {}
 // SAFETY: as above.
+unsafe impl Pod for u8 {}
+// SAFETY: as above.
 unsafe impl Pod for f32 {}
 
 /// Whether the weights go into a [`HugeBuf`] at all: yes unless `PDMESH_MODEL_HUGE_PAGES=0` (for

@@ -41,7 +41,10 @@ use std::sync::Arc;
 
 use half::f16;
 
+use candle_core::quantized::GgmlDType;
+
 use crate::hugemem::{HugeBuf, Pod};
+use crate::kquants::{self, FloatKind, Kind, PackedFloat, PackedLanes};
 use crate::pool::{Pool, SendPtr};
 use crate::simd;
 
@@ -106,56 +109,160 @@ impl Impl {
         match (self, w) {
             #[cfg(target_arch = "x86_64")]
             (Impl::Avx512, Packed::Q4_1(_)) => 8,
+            #[cfg(target_arch = "x86_64")]
+            // measured: 5-10 % less CPU per prefill matmul than 4 tokens (the decoded sub-block
+            // is reused twice as often)
+            (Impl::Avx2 | Impl::Avx512, Packed::Lanes(_)) => 8,
             _ => 4,
         }
     }
 }
 
-/// Activations `[rows, k]` quantized to 8 bits in blocks of [`QK`], with candle's rounding.
+/// Which forms of the activations a matmul reads ([`Packed::needs`]); a [`LinearSet`] whose
+/// parts have different types computes the union once.
+///
+/// [`LinearSet`]: crate::linear::LinearSet
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Needs {
+    /// Blocks of 32 (Q8_0/Q8_1): Q4_0, Q4_1, Q5_0, Q8_0 weights.
+    pub q8: bool,
+    /// Q8_K blocks of 256: K-quant weights.
+    pub q8k: bool,
+    /// The f32 values themselves: float weights.
+    pub f32: bool,
+}
+
+impl Needs {
+    pub const Q8: Needs = Needs { q8: true, q8k: false, f32: false };
+
+    pub fn union(self, o: Needs) -> Needs {
+        Needs { q8: self.q8 || o.q8, q8k: self.q8k || o.q8k, f32: self.f32 || o.f32 }
+    }
+}
+
+/// Activations `[rows, k]` in the forms the step's matmuls need ([`Needs`]), each computed
+/// once per [`crate::linear::LinearSet::forward`]:
+///
+/// - 8 bits in blocks of [`QK`] with candle's `BlockQ8_1`/`BlockQ8_0` rounding (`qs`, `d`, `s`,
+///   `isum`);
+/// - Q8_K, candle's `BlockQ8K` (`qk`, `dk`, `bsums`; [`crate::kquants::quantize_q8k`]);
+/// - a copy of the f32 values (`x`).
 #[derive(Debug, Default, Clone)]
 pub struct QActs {
     pub rows: usize,
     pub k: usize,
-    qs: Vec<i8>,
+    pub(crate) has: Needs,
+    pub(crate) qs: Vec<i8>,
     /// Block scale (an f16 value, widened).
-    d: Vec<f32>,
+    pub(crate) d: Vec<f32>,
     /// Q8_1 `s = f16(Σq) · d` computed in f16 (widened); used by Q4_1.
-    s: Vec<f32>,
+    pub(crate) s: Vec<f32>,
+    /// `Σq` of each block of 32 (exact): the Q4_0/Q5_0 offsets.
+    pub(crate) isum: Vec<i32>,
+    /// Q8_K values, `[rows, k]`.
+    pub(crate) qk: Vec<i8>,
+    /// Q8_K scales, `[rows, k / 256]`.
+    pub(crate) dk: Vec<f32>,
+    /// Q8_K sums of each 16 values, `[rows, k / 16]`.
+    pub(crate) bsums: Vec<i16>,
+    /// Per 32 Q8_K values `d · (bsum_2s + bsum_2s+1)`, `[rows, k / 32]`: the Q4_K/Q5_K mins
+    /// term's activation factor, computed once here instead of per weight row group.
+    pub(crate) mins32: Vec<f32>,
+    /// Per 16 Q8_K values `32 · bsum_s`, `[rows, k / 16]`: Q6_K's offset term.
+    pub(crate) off16: Vec<f32>,
+    /// The f32 activations, `[rows, k]`.
+    pub(crate) x: Vec<f32>,
 }
 
 impl QActs {
-    /// Quantize `x` (`rows × k`, `k` a multiple of [`QK`]) into `self`, reusing its buffers;
-    /// rows are quantized in parallel on `pool` (each row's bits do not depend on the split).
+    /// Quantize `x` (`rows × k`, `k` a multiple of [`QK`]) into blocks of 32, reusing the
+    /// buffers; rows are quantized in parallel on `pool` (each row's bits do not depend on the
+    /// split). (The forward pass uses [`QActs::prepare`].)
+    #[cfg(test)]
     pub fn quantize(&mut self, x: &[f32], rows: usize, k: usize, pool: &Pool) {
-        let nb = k / QK;
+        self.prepare(x, rows, k, Needs::Q8, pool);
+    }
+
+    /// Compute the forms of `x` that `needs` asks for (others are left empty). Q8_K needs `k`
+    /// to be a multiple of 256, blocks of 32 a multiple of 32; a form whose `k` does not fit is
+    /// not computed (a matmul that needs it then refuses with a shape error).
+    pub fn prepare(&mut self, x: &[f32], rows: usize, k: usize, needs: Needs, pool: &Pool) {
         self.rows = rows;
         self.k = k;
-        self.qs.clear();
-        self.qs.resize(rows * k, 0);
-        self.d.clear();
-        self.d.resize(rows * nb, 0.0);
-        self.s.clear();
-        self.s.resize(rows * nb, 0.0);
-        if x.len() < rows * k {
+        let ok = x.len() >= rows * k;
+        let q8 = needs.q8 && ok && k.is_multiple_of(QK);
+        let q8k = needs.q8k && ok && k.is_multiple_of(crate::kquants::QK_K);
+        let f = needs.f32 && ok;
+        self.has = Needs { q8, q8k, f32: f };
+        let nb = k / QK;
+        let nbk = k / crate::kquants::QK_K;
+        fn reset<T: Clone>(v: &mut Vec<T>, n: usize, zero: T) {
+            v.clear();
+            v.resize(n, zero);
+        }
+        reset(&mut self.qs, if q8 { rows * k } else { 0 }, 0);
+        reset(&mut self.d, if q8 { rows * nb } else { 0 }, 0.0);
+        reset(&mut self.s, if q8 { rows * nb } else { 0 }, 0.0);
+        reset(&mut self.isum, if q8 { rows * nb } else { 0 }, 0);
+        reset(&mut self.qk, if q8k { rows * k } else { 0 }, 0);
+        reset(&mut self.dk, if q8k { rows * nbk } else { 0 }, 0.0);
+        reset(&mut self.bsums, if q8k { rows * (k / 16) } else { 0 }, 0);
+        reset(&mut self.mins32, if q8k { rows * (k / 32) } else { 0 }, 0.0);
+        reset(&mut self.off16, if q8k { rows * (k / 16) } else { 0 }, 0.0);
+        self.x.clear();
+        if f {
+            self.x.extend_from_slice(&x[..rows * k]);
+        }
+        if !q8 && !q8k {
             return;
         }
-        let (qs, d, s) = (SendPtr(self.qs.as_mut_ptr()), SendPtr(self.d.as_mut_ptr()), SendPtr(self.s.as_mut_ptr()));
+        let (qs, d, s, isum) = (
+            SendPtr(self.qs.as_mut_ptr()),
+            SendPtr(self.d.as_mut_ptr()),
+            SendPtr(self.s.as_mut_ptr()),
+            SendPtr(self.isum.as_mut_ptr()),
+        );
+        let (qk, dk, bsums) =
+            (SendPtr(self.qk.as_mut_ptr()), SendPtr(self.dk.as_mut_ptr()), SendPtr(self.bsums.as_mut_ptr()));
+        let (mins32, off16) = (SendPtr(self.mins32.as_mut_ptr()), SendPtr(self.off16.as_mut_ptr()));
         pool.for_each(rows, &|r| {
-            // SAFETY: row r owns qs[r·k..(r+1)·k] and d/s[r·nb..(r+1)·nb] (all resized above to
-            // rows·k and rows·nb); `for_each` visits each row once, so the slices are disjoint.
-            let (qr, dr, sr) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut(qs.get().add(r * k), k),
-                    std::slice::from_raw_parts_mut(d.get().add(r * nb), nb),
-                    std::slice::from_raw_parts_mut(s.get().add(r * nb), nb),
-                )
-            };
             let xr = &x[r * k..(r + 1) * k];
-            for ((xb, qb), (d, s)) in xr.chunks_exact(QK).zip(qr.chunks_exact_mut(QK)).zip(dr.iter_mut().zip(sr)) {
-                let (scale, sum) = simd::quantize_block(xb, qb);
-                let d16 = f16::from_f32(scale);
-                *d = d16.to_f32();
-                *s = (f16::from_f32(sum as f32) * d16).to_f32();
+            if q8 {
+                // SAFETY: row r owns qs[r·k..(r+1)·k] and d/s/isum[r·nb..(r+1)·nb] (all resized
+                // above to rows·k and rows·nb); `for_each` visits each row once, so the slices
+                // are disjoint.
+                let (qr, dr, sr, ir) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(qs.get().add(r * k), k),
+                        std::slice::from_raw_parts_mut(d.get().add(r * nb), nb),
+                        std::slice::from_raw_parts_mut(s.get().add(r * nb), nb),
+                        std::slice::from_raw_parts_mut(isum.get().add(r * nb), nb),
+                    )
+                };
+                for (((xb, qb), (d, s)), is) in
+                    xr.chunks_exact(QK).zip(qr.chunks_exact_mut(QK)).zip(dr.iter_mut().zip(sr)).zip(ir)
+                {
+                    let (scale, sum) = simd::quantize_block(xb, qb);
+                    let d16 = f16::from_f32(scale);
+                    *d = d16.to_f32();
+                    *s = (f16::from_f32(sum as f32) * d16).to_f32();
+                    *is = sum;
+                }
+            }
+            if q8k {
+                // SAFETY: as above for qk[r·k..], dk[r·nbk..], bsums and off16[r·k/16..] and
+                // mins32[r·k/32..].
+                let (qr, dr, br, mr, or) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(qk.get().add(r * k), k),
+                        std::slice::from_raw_parts_mut(dk.get().add(r * nbk), nbk),
+                        std::slice::from_raw_parts_mut(bsums.get().add(r * (k / 16)), k / 16),
+                        std::slice::from_raw_parts_mut(mins32.get().add(r * (k / 32)), k / 32),
+                        std::slice::from_raw_parts_mut(off16.get().add(r * (k / 16)), k / 16),
+                    )
+                };
+                crate::kquants::quantize_q8k(xr, qr, dr, br);
+                crate::kquants::q8k_terms(dr, br, mr, or);
             }
         });
     }
@@ -179,7 +286,7 @@ unsafe impl Pod for Line {}
 /// Where a matrix's data lives: its own vector while the model loads, then a range of one
 /// mapping shared by every matrix of the model ([`gather_weights`]: huge pages).
 #[derive(Debug, Clone)]
-enum Store<T: Pod> {
+pub(crate) enum Store<T: Pod> {
     Own(Vec<T>),
     Shared(Arc<HugeBuf<T>>, Range<usize>),
 }
@@ -202,7 +309,7 @@ impl<T: Pod> std::ops::Deref for Store<T> {
 /// stops missing the TLB. The values do not change. On an error (no memory for a mapping) the
 /// matrices keep what they had so far.
 pub fn gather_weights(weights: &mut [&mut Packed]) -> std::io::Result<()> {
-    let (mut lines, mut qs, mut ds) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut lines, mut qs, mut ds, mut bytes) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for w in weights.iter_mut() {
         match w {
             Packed::Q4_1(p) => lines.push(&mut p.data),
@@ -210,11 +317,14 @@ pub fn gather_weights(weights: &mut [&mut Packed]) -> std::io::Result<()> {
                 qs.push(&mut p.qs);
                 ds.push(&mut p.d);
             }
+            Packed::Lanes(p) => bytes.push(&mut p.data),
+            Packed::Float(p) => bytes.push(&mut p.data),
         }
     }
     gather(&mut lines)?;
     gather(&mut qs)?;
-    gather(&mut ds)
+    gather(&mut ds)?;
+    gather(&mut bytes)
 }
 
 fn gather<T: Pod>(stores: &mut [&mut Store<T>]) -> std::io::Result<()> {
@@ -320,13 +430,36 @@ impl PackedQ8_0 {
 pub enum Packed {
     Q4_1(PackedQ4_1),
     Q8_0(PackedQ8_0),
+    /// Q4_0, Q5_0, Q4_K, Q5_K, Q6_K ([`crate::kquants`]).
+    Lanes(PackedLanes),
+    /// F32, F16, BF16 ([`crate::kquants`]).
+    Float(PackedFloat),
 }
 
 impl Packed {
+    /// Pack a GGUF tensor's raw data (`[rows, k]` row-major, the file's blocks) for our
+    /// kernels; `None` for a type we have no kernel for or a `k` its blocks do not divide.
+    pub fn from_gguf(dtype: GgmlDType, bytes: &[u8], rows: usize, k: usize) -> Option<Packed> {
+        match dtype {
+            GgmlDType::Q4_1 => PackedQ4_1::from_gguf_bytes(bytes, rows, k).map(Packed::Q4_1),
+            GgmlDType::Q8_0 => PackedQ8_0::from_gguf_bytes(bytes, rows, k).map(Packed::Q8_0),
+            _ => {
+                if let Some(kind) = Kind::from_dtype(dtype) {
+                    PackedLanes::from_gguf_bytes(kind, bytes, rows, k).map(Packed::Lanes)
+                } else {
+                    let kind = FloatKind::from_dtype(dtype)?;
+                    PackedFloat::from_gguf_bytes(kind, bytes, rows, k).map(Packed::Float)
+                }
+            }
+        }
+    }
+
     pub fn rows(&self) -> usize {
         match self {
             Packed::Q4_1(w) => w.rows,
             Packed::Q8_0(w) => w.rows,
+            Packed::Lanes(w) => w.rows,
+            Packed::Float(w) => w.rows,
         }
     }
 
@@ -334,6 +467,38 @@ impl Packed {
         match self {
             Packed::Q4_1(w) => w.k,
             Packed::Q8_0(w) => w.k,
+            Packed::Lanes(w) => w.k,
+            Packed::Float(w) => w.k,
+        }
+    }
+
+    /// A short name of the weight type (logs, Debug, the benchmark).
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Packed::Q4_1(_) => "q4_1",
+            Packed::Q8_0(_) => "q8_0",
+            Packed::Lanes(w) => match w.kind {
+                Kind::Q4_0 => "q4_0",
+                Kind::Q5_0 => "q5_0",
+                Kind::Q4K => "q4_k",
+                Kind::Q5K => "q5_k",
+                Kind::Q6K => "q6_k",
+            },
+            Packed::Float(w) => match w.kind {
+                FloatKind::F32 => "f32",
+                FloatKind::F16 => "f16",
+                FloatKind::Bf16 => "bf16",
+            },
+        }
+    }
+
+    /// The activation forms this matrix's kernel reads.
+    pub fn needs(&self) -> Needs {
+        match self {
+            Packed::Q4_1(_) | Packed::Q8_0(_) => Needs::Q8,
+            Packed::Lanes(w) if w.kind.q8k() => Needs { q8k: true, ..Needs::default() },
+            Packed::Lanes(_) => Needs::Q8,
+            Packed::Float(_) => Needs { f32: true, ..Needs::default() },
         }
     }
 
@@ -342,6 +507,18 @@ impl Packed {
         match self {
             Packed::Q4_1(_) => Q4_GROUP,
             Packed::Q8_0(_) => Q8_GROUP,
+            Packed::Lanes(_) => kquants::LANES,
+            Packed::Float(_) => kquants::FLOAT_GROUP,
+        }
+    }
+
+    /// Whether two matrices have the same packed type (so their rows can be stacked).
+    fn same_type(&self, o: &Packed) -> bool {
+        match (self, o) {
+            (Packed::Q4_1(_), Packed::Q4_1(_)) | (Packed::Q8_0(_), Packed::Q8_0(_)) => true,
+            (Packed::Lanes(a), Packed::Lanes(b)) => a.kind == b.kind,
+            (Packed::Float(a), Packed::Float(b)) => a.kind == b.kind,
+            _ => false,
         }
     }
 
@@ -351,7 +528,7 @@ impl Packed {
         let first = parts.first()?;
         let k = first.k();
         let group = first.group_rows();
-        if parts.iter().any(|p| p.k() != k || p.group_rows() != group || p.rows() % group != 0) {
+        if parts.iter().any(|p| p.k() != k || !p.same_type(first) || p.rows() % group != 0) {
             return None;
         }
         let rows = parts.iter().map(|p| p.rows()).sum();
@@ -373,6 +550,22 @@ impl Packed {
                 }
                 Some(Packed::Q8_0(PackedQ8_0 { rows, k, qs: Store::Own(qs), d: Store::Own(d) }))
             }
+            Packed::Lanes(f) => {
+                let mut data = Vec::new();
+                for p in parts {
+                    let Packed::Lanes(p) = p else { return None };
+                    data.extend_from_slice(&p.data);
+                }
+                Some(Packed::Lanes(PackedLanes { kind: f.kind, rows, k, data: Store::Own(data) }))
+            }
+            Packed::Float(f) => {
+                let mut data = Vec::new();
+                for p in parts {
+                    let Packed::Float(p) = p else { return None };
+                    data.extend_from_slice(&p.data);
+                }
+                Some(Packed::Float(PackedFloat { kind: f.kind, rows, k, data: Store::Own(data) }))
+            }
         }
     }
 }
@@ -384,8 +577,16 @@ pub struct ShapeError(pub String);
 /// `out[m, rows] = acts · Wᵀ`, computed on `pool`, one row group per work item.
 pub fn matmul(w: &Packed, acts: &QActs, out: &mut [f32], imp: Impl, pool: &Pool) -> Result<(), ShapeError> {
     let (rows, k, m) = (w.rows(), w.k(), acts.rows);
-    if acts.k != k || out.len() != rows * m || acts.qs.len() != m * k || k % QK != 0 {
-        return Err(ShapeError(format!("matmul [{rows}x{k}] x acts [{m}x{}] into {} values", acts.k, out.len())));
+    let needs = w.needs();
+    let has = needs.union(acts.has) == acts.has;
+    if acts.k != k || out.len() != rows * m || !has {
+        return Err(ShapeError(format!(
+            "matmul [{rows}x{k}] {} x acts [{m}x{}] {:?} into {} values",
+            w.type_name(),
+            acts.k,
+            acts.has,
+            out.len()
+        )));
     }
     if m == 0 || rows == 0 {
         return Ok(());
@@ -402,17 +603,33 @@ pub fn matmul(w: &Packed, acts: &QActs, out: &mut [f32], imp: Impl, pool: &Pool)
             match imp {
                 // SAFETY: see `Tile`: group g < groups, t0 + nt ≤ m, out holds m·rows values;
                 // each group writes only its own columns, so work items never overlap.
-                Impl::Scalar => unsafe { scalar_group(w, acts, &tile) },
+                Impl::Scalar => unsafe {
+                    match w {
+                        Packed::Lanes(q) => kquants::lanes_scalar(q, acts, &tile),
+                        Packed::Float(q) => kquants::float_scalar(q, acts, &tile),
+                        _ => scalar_group(w, acts, &tile),
+                    }
+                },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above, and `Impl::Avx2` is only constructed after detecting AVX2,
-                // FMA and F16C; packed groups are complete (padding rows are zero-filled).
-                Impl::Avx2 => unsafe { avx2::group(w, acts, &tile) },
+                // FMA and F16C; packed groups are complete (padding rows are zero-filled), and
+                // the activations hold the forms `w` needs (checked above).
+                Impl::Avx2 => unsafe {
+                    match w {
+                        Packed::Lanes(q) => kquants::avx2::lanes(q, acts, &tile),
+                        Packed::Float(q) => kquants::avx2::float(q, acts, &tile),
+                        _ => avx2::group(w, acts, &tile),
+                    }
+                },
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above; `Impl::Avx512` additionally implies AVX-512 F/BW/VNNI.
+                // SAFETY: as above; `Impl::Avx512` additionally implies AVX-512 F/BW/VNNI
+                // (and AVX2, FMA, F16C for the types without AVX-512 kernels).
                 Impl::Avx512 => unsafe {
                     match w {
                         Packed::Q4_1(q) => avx512::q4_1(q, acts, &tile),
                         Packed::Q8_0(q) => avx512::q8_0(q, acts, &tile),
+                        Packed::Lanes(q) => kquants::avx2::lanes(q, acts, &tile),
+                        Packed::Float(q) => kquants::avx2::float(q, acts, &tile),
                     }
                 },
             }
@@ -432,13 +649,13 @@ pub fn matmul(w: &Packed, acts: &QActs, out: &mut [f32], imp: Impl, pool: &Pool)
 /// Invariants the kernels rely on: `g < rows.div_ceil(G)`, `nr = min(G, rows − g·G)`,
 /// `nt ≤` the implementation's tile tokens, `t0 + nt ≤ acts.rows`, and `out` points to
 /// `acts.rows · rows` writable values that no other thread writes in these columns.
-struct Tile {
-    g: usize,
-    nr: usize,
-    t0: usize,
-    nt: usize,
-    rows: usize,
-    out: *mut f32,
+pub(crate) struct Tile {
+    pub(crate) g: usize,
+    pub(crate) nr: usize,
+    pub(crate) t0: usize,
+    pub(crate) nt: usize,
+    pub(crate) rows: usize,
+    pub(crate) out: *mut f32,
 }
 
 /// The portable path: candle's scalar `vec_dot` formulas for one tile.
@@ -478,6 +695,8 @@ unsafe fn scalar_group(w: &Packed, a: &QActs, tile: &Tile) {
                             w.qs[i * QK..i * QK + QK].iter().zip(aqb).map(|(&x, &y)| i32::from(x) * i32::from(y)).sum();
                         sumf += sumi as f32 * w.d[i] * da;
                     }
+                    // dispatched to `kquants` by `matmul`
+                    Packed::Lanes(_) | Packed::Float(_) => {}
                 }
             }
             // SAFETY: tok < m and g·G + r < rows (Tile invariants).

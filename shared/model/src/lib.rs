@@ -20,6 +20,7 @@
 //! - `linear`: weight matrices and the batched matmul dispatch.
 //! - `embedding`: token embedding rows, dequantized on demand.
 //! - `kernels`: AVX2 Q4_1/Q8_0 matmul kernels (bit-identical to candle's), scalar fallback.
+//! - `kquants`: kernels for Q4_K/Q5_K/Q6_K/Q5_0/Q4_0 and F32/F16/BF16 weights.
 //! - `pool`: the persistent worker threads the forward pass runs on.
 //! - `attention`: causal attention over the paged KV cache, in a fixed arithmetic order.
 //! - [`text`]: [`GgufTextCodec`] and its incremental detokenizer.
@@ -34,6 +35,8 @@ pub mod cuda;
 pub mod error;
 pub mod executor;
 pub mod gguf;
+#[doc(hidden)]
+pub mod kernel_bench;
 pub mod text;
 
 mod attention;
@@ -41,6 +44,7 @@ mod embedding;
 mod guided;
 mod hugemem;
 mod kernels;
+mod kquants;
 mod linear;
 mod pool;
 mod simd;

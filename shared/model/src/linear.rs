@@ -1,12 +1,17 @@
 //! Weight matrices and the batched matmul `y[m, rows] = x[m, cols] · Wᵀ`.
 //!
 //! Every projection of a step runs as one matmul over all the step's tokens (`m` rows of `x`),
-//! so the weights stream from memory once per step, not once per request. Q4_1 and Q8_0
-//! matrices (all of SmolLM2) go through our kernels ([`crate::kernels`]); any other GGUF type
-//! falls back to candle's `QMatMul`, which computes the same thing more slowly.
+//! so the weights stream from memory once per step, not once per request. Every supported
+//! GGUF type goes through our kernels: Q4_1 and Q8_0 in [`crate::kernels`]; Q4_0, Q5_0, Q4_K,
+//! Q5_K, Q6_K, F32, F16 and BF16 in [`crate::kquants`]. Any other type is refused at load
+//! ([`ModelError::UnsupportedTensorType`]). candle's `QMatMul` remains for
+//! `PDMESH_MODEL_KERNELS=candle` (comparisons) and a shape our kernels do not take (a float
+//! matrix whose rows are not a multiple of 8 values).
 //!
-//! Projections that read the same input (Q/K/V, gate/up) are fused into one matrix when their
-//! row counts allow, so they cost one activation quantization and one parallel region.
+//! Projections that read the same input (Q/K/V, gate/up) are fused into one matrix when they
+//! share one packed type and their row counts allow, so they cost one parallel region. Parts of
+//! different types (a Q5_0 Q/K with a Q8_0 V) run as separate matmuls over one set of
+//! activations, quantized once in every form the parts need.
 
 use std::sync::Arc;
 
@@ -15,7 +20,7 @@ use candle_core::{Device, Module, Tensor};
 use pdmesh_model_api::ExecutorError;
 
 use crate::error::ModelError;
-use crate::kernels::{self, Impl, Packed, PackedQ4_1, PackedQ8_0, QActs};
+use crate::kernels::{self, Impl, Needs, Packed, QActs};
 use crate::pool::Pool;
 
 /// One weight matrix `[rows (out), cols (in)]`, as stored in the GGUF file.
@@ -27,8 +32,7 @@ pub(crate) enum Linear {
 impl std::fmt::Debug for Linear {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match self {
-            Linear::Packed(Packed::Q4_1(_)) => "q4_1",
-            Linear::Packed(Packed::Q8_0(_)) => "q8_0",
+            Linear::Packed(p) => p.type_name(),
             Linear::Candle { .. } => "candle",
         };
         f.debug_struct("Linear").field("rows", &self.rows()).field("cols", &self.cols()).field("kind", &kind).finish()
@@ -49,6 +53,30 @@ impl MatmulCtx {
     }
 }
 
+/// The GGML types our kernels compute with ([`crate::kernels`], [`crate::kquants`]).
+pub(crate) const SUPPORTED: [GgmlDType; 10] = [
+    GgmlDType::F32,
+    GgmlDType::F16,
+    GgmlDType::BF16,
+    GgmlDType::Q4_0,
+    GgmlDType::Q4_1,
+    GgmlDType::Q5_0,
+    GgmlDType::Q8_0,
+    GgmlDType::Q4K,
+    GgmlDType::Q5K,
+    GgmlDType::Q6K,
+];
+
+/// Refuse a tensor of a type without a kernel here, naming it (a model that uses one cannot be
+/// served at the speed and with the arithmetic this crate promises).
+pub(crate) fn check_supported(name: &str, dtype: GgmlDType) -> Result<(), ModelError> {
+    if SUPPORTED.contains(&dtype) {
+        Ok(())
+    } else {
+        Err(ModelError::UnsupportedTensorType { name: name.to_string(), dtype: format!("{dtype:?}") })
+    }
+}
+
 fn model_err(e: impl std::fmt::Display) -> ExecutorError {
     ExecutorError::Model(e.to_string())
 }
@@ -60,18 +88,15 @@ impl Linear {
             [r, c] => (*r, *c),
             other => return Err(bad(format!("expected a matrix, got {other:?}"))),
         };
-        // PDMESH_MODEL_KERNELS=candle: use candle's QMatMul for everything (same bits, slower;
-        // for comparisons and as an escape hatch).
+        check_supported(name, qt.dtype())?;
+        // PDMESH_MODEL_KERNELS=candle: use candle's QMatMul for everything (the same or nearly
+        // the same bits, slower; for comparisons and as an escape hatch).
         let candle_only = std::env::var("PDMESH_MODEL_KERNELS").as_deref() == Ok("candle");
-        let packed = match qt.dtype() {
-            GgmlDType::Q4_1 | GgmlDType::Q8_0 if !candle_only => {
-                let raw = qt.data().map_err(|e| bad(e.to_string()))?;
-                match qt.dtype() {
-                    GgmlDType::Q4_1 => PackedQ4_1::from_gguf_bytes(&raw, rows, cols).map(Packed::Q4_1),
-                    _ => PackedQ8_0::from_gguf_bytes(&raw, rows, cols).map(Packed::Q8_0),
-                }
-            }
-            _ => None,
+        let packed = if candle_only {
+            None
+        } else {
+            let raw = qt.data().map_err(|e| bad(e.to_string()))?;
+            Packed::from_gguf(qt.dtype(), &raw, rows, cols)
         };
         match packed {
             Some(p) => Ok(Linear::Packed(p)),
@@ -207,9 +232,18 @@ impl LinearSet {
         if x.len() != m * cols || outs.len() != self.part_rows.len() {
             return Err(model_err(format!("matmul input has {} values, expected {m}x{cols}", x.len())));
         }
-        if self.fused.is_some() || self.parts.iter().any(|p| matches!(p, Linear::Packed(_))) {
+        let needs = self
+            .fused
+            .iter()
+            .chain(&self.parts)
+            .filter_map(|l| match l {
+                Linear::Packed(p) => Some(p.needs()),
+                Linear::Candle { .. } => None,
+            })
+            .fold(Needs::default(), Needs::union);
+        if needs != Needs::default() {
             let mut acts = std::mem::take(&mut ctx.acts);
-            acts.quantize(x, m, cols, &ctx.pool);
+            acts.prepare(x, m, cols, needs, &ctx.pool);
             ctx.acts = acts;
         }
         match &self.fused {
@@ -236,6 +270,91 @@ impl LinearSet {
                 }
                 Ok(())
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+
+    fn qtensor(dtype: GgmlDType, rows: usize, cols: usize, seed: usize) -> QTensor {
+        let vals: Vec<f32> = (0..rows * cols)
+            .map(|i| (((i + seed) * 7919 % 1013) as f32 - 506.0) * 0.001 * (1.0 + (i % 11) as f32 * 0.1))
+            .collect();
+        QTensor::quantize(&Tensor::from_vec(vals, (rows, cols), &Device::Cpu).unwrap(), dtype).unwrap()
+    }
+
+    fn run(set: &LinearSet, x: &[f32], m: usize, ctx: &mut MatmulCtx) -> Vec<Vec<f32>> {
+        let mut outs = vec![Vec::new(); set.part_rows.len()];
+        {
+            let mut refs: Vec<&mut Vec<f32>> = outs.iter_mut().collect();
+            set.forward(x, m, ctx, &mut refs).unwrap();
+        }
+        outs
+    }
+
+    #[test]
+    fn unsupported_types_are_refused_naming_the_tensor() {
+        for dtype in [GgmlDType::Q2K, GgmlDType::Q3K, GgmlDType::Q5_1] {
+            let err = Linear::new("blk.3.ffn_down.weight", qtensor(dtype, 16, 256, 1)).unwrap_err();
+            match &err {
+                ModelError::UnsupportedTensorType { name, dtype: d } => {
+                    assert_eq!(name, "blk.3.ffn_down.weight");
+                    assert_eq!(d, &format!("{dtype:?}"));
+                }
+                other => panic!("{dtype:?}: {other}"),
+            }
+            assert!(err.to_string().contains("blk.3.ffn_down.weight"), "{err}");
+        }
+    }
+
+    #[test]
+    fn every_supported_type_is_packed_for_our_kernels() {
+        for dtype in SUPPORTED {
+            let l = Linear::new("w", qtensor(dtype, 16, 512, 2)).unwrap();
+            assert!(matches!(l, Linear::Packed(_)), "{dtype:?}: {l:?}");
+        }
+    }
+
+    #[test]
+    fn mixed_type_parts_run_separately_on_one_quantization_and_equal_lone_matmuls() {
+        let (k, m) = (512, 3);
+        let x: Vec<f32> = (0..m * k).map(|i| ((i * 31 % 97) as f32 - 48.0) * 0.01).collect();
+        let mut ctx = MatmulCtx::new(2, 0);
+        // Q5_0 q/k with a Q8_0 v (Qwen2.5), a K-quant and a float part in one set
+        let types = [GgmlDType::Q5_0, GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q6K, GgmlDType::F16];
+        let parts = |seed| {
+            types
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| Linear::new("w", qtensor(t, 16, k, seed + i)).unwrap())
+                .collect::<Vec<_>>()
+        };
+        let set = LinearSet::new(parts(10));
+        assert!(set.fused.is_none(), "parts of different types are not fused");
+        let got = run(&set, &x, m, &mut ctx);
+        for (i, lone) in parts(10).into_iter().enumerate() {
+            let want = run(&LinearSet::single(lone), &x, m, &mut ctx);
+            let (g, w): (Vec<u32>, Vec<u32>) =
+                (got[i].iter().map(|v| v.to_bits()).collect(), want[0].iter().map(|v| v.to_bits()).collect());
+            assert_eq!(g, w, "part {i} ({:?})", types[i]);
+        }
+        // parts of one type are fused, with the same bits
+        let same =
+            || (0..3).map(|i| Linear::new("w", qtensor(GgmlDType::Q4K, 16, k, 40 + i)).unwrap()).collect::<Vec<_>>();
+        let fused = LinearSet::new(same());
+        assert!(fused.fused.is_some());
+        let got = run(&fused, &x, m, &mut ctx);
+        for (i, lone) in same().into_iter().enumerate() {
+            let want = run(&LinearSet::single(lone), &x, m, &mut ctx);
+            assert_eq!(
+                got[i].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
         }
     }
 }

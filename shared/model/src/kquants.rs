@@ -1,0 +1,995 @@
+//! Matmul kernels for the GGUF types of Q4_K_M files (Q4_K, Q5_K, Q6_K, Q5_0; also Q4_0) and
+//! for float weights (F32, F16, BF16). The Q4_1/Q8_0 kernels live in [`crate::kernels`], which
+//! dispatches to these through [`crate::kernels::Packed`].
+//!
+//! **Rows in lanes.** Weights are repacked at load into groups of 8 rows ([`LANES`], one f32
+//! lane each in an AVX2 register). A block's values are cut into *quads* (4 consecutive
+//! values) and stored so that 32 bytes hold one quad of each of the 8 rows: byte `4r + e` of
+//! the vector for quad `q` is value `4q + e` of row `r`. One `vpmaddubsw` of that vector with
+//! the 4 matching activation bytes broadcast to every lane, then `vpmaddwd`, adds each row's
+//! partial dot product into its own lane: no horizontal sums, and a decode step streams each
+//! matrix front to back once. Two quads share a byte (low and high nibble) and the 5th/6th bits
+//! of every quad of a sub-block sit in one more vector, so the packed matrix is as small as
+//! the file's blocks (Q4_K and Q5_K: +4 bytes per 256 values, their 6-bit scales unpacked).
+//! A tile decodes a sub-block of 8 rows to bytes once and reuses it for up to 8 tokens.
+//!
+//! **Arithmetic.** Integer dot products are exact however they are summed; the float part of
+//! every (row, token) result follows one fixed sequence, the same in the AVX2 and the scalar
+//! path (bit-identical) and whatever the batch, tile or thread split:
+//!
+//! - Q4_K (Q5_K the same with 5-bit values), activations in Q8_K (candle's
+//!   `BlockQ8K::from_float`: 256 values, `d = max / -127`, per-16 sums): per sub-block `s` of 32
+//!   `acc = fma(isum_s, (d·sc_s)·d_a, acc); acc = fma(−(dmin·m_s), d_a·(bsum_2s + bsum_2s+1), acc)`
+//!   — candle 0.11.1's own AVX2 Q4_K path (`repack_x86`, used at every batch size), so Q4_K
+//!   equals candle's `QMatMul` bit for bit;
+//! - Q6_K: per sub-block of 16, `acc = fma(isum_s − 32·bsum_s, (d·sc_s)·d_a, acc)`: candle's
+//!   path for batches > 1 (bit-identical there); for a single token candle uses its
+//!   `vec_dot_q6k_q8k` (8 partial sums per row), which differs in the last bits;
+//! - Q5_0 and Q4_0, activations in Q8_0: per block `acc += (sumi·d_w)·d_a`, candle's scalar
+//!   `vec_dot` for Q5_0 (bit-identical; candle has no SIMD Q5_0). candle's Q4_0 uses an AVX2
+//!   `vec_dot` with 8 partial sums (last-bit differences);
+//! - F32/F16/BF16: per row 8 lanes of `fma(w, x)` in order, then candle's `hsum_float_8`; candle
+//!   multiplies these with a dense f32 matmul (gemm), a different summation order.
+//!
+//! Where we differ from candle, the difference is rounding of a sum of the same exact terms:
+//! relative to `Σ|w·x|` it stays below 1e-5 (asserted in the tests).
+
+#![allow(unsafe_code)]
+
+use candle_core::quantized::GgmlDType;
+use half::{bf16, f16};
+
+use crate::kernels::{QActs, Store, Tile};
+
+/// Values per K-quant super-block (and per Q8_K activation block).
+pub const QK_K: usize = 256;
+/// Weight rows per packed group: one f32 lane per row in an AVX2 register.
+pub const LANES: usize = 8;
+/// Weight rows per group of a float matrix.
+pub const FLOAT_GROUP: usize = 4;
+
+/// The quantized types packed rows-in-lanes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    Q4_0 = 0,
+    Q5_0 = 1,
+    Q4K = 2,
+    Q5K = 3,
+    Q6K = 4,
+}
+
+/// The layout constants of one [`Kind`].
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    /// Values per GGUF block.
+    block: usize,
+    /// Bytes per GGUF block.
+    gguf_bytes: usize,
+    /// Values per sub-block (one integer sum and one scale each).
+    sub: usize,
+    /// Value bits above the low nibble (0, 1 or 2).
+    hbits: usize,
+    /// 6-bit scales and mins (Q4_K, Q5_K).
+    mins: bool,
+    /// Per-sub-block scales at all (K-quants).
+    scales: bool,
+}
+
+impl Layout {
+    const fn of(kind: Kind) -> Self {
+        match kind {
+            Kind::Q4_0 => Layout { block: 32, gguf_bytes: 18, sub: 32, hbits: 0, mins: false, scales: false },
+            Kind::Q5_0 => Layout { block: 32, gguf_bytes: 22, sub: 32, hbits: 1, mins: false, scales: false },
+            Kind::Q4K => Layout { block: QK_K, gguf_bytes: 144, sub: 32, hbits: 0, mins: true, scales: true },
+            Kind::Q5K => Layout { block: QK_K, gguf_bytes: 176, sub: 32, hbits: 1, mins: true, scales: true },
+            Kind::Q6K => Layout { block: QK_K, gguf_bytes: 210, sub: 16, hbits: 2, mins: false, scales: true },
+        }
+    }
+    const fn subs(&self) -> usize {
+        self.block / self.sub
+    }
+    /// Quads per sub-block.
+    const fn quads(&self) -> usize {
+        self.sub / 4
+    }
+    /// Bytes per (group, sub-block): nibbles of 8 rows, then the high-bit vector.
+    const fn sub_bytes(&self) -> usize {
+        self.sub * 4 + if self.hbits > 0 { 32 } else { 0 }
+    }
+    /// Offset of the per-(sub-block, row) scale bytes inside a (group, block) chunk.
+    const fn sc_off(&self) -> usize {
+        self.subs() * self.sub_bytes()
+    }
+    /// Offset of the mins (Q4_K/Q5_K).
+    const fn mn_off(&self) -> usize {
+        self.sc_off() + if self.scales { self.subs() * LANES } else { 0 }
+    }
+    /// Offset of the 8 rows' f16 `d`, followed (with mins) by their f16 `dmin`.
+    const fn d_off(&self) -> usize {
+        self.mn_off() + if self.mins { self.subs() * LANES } else { 0 }
+    }
+    /// Bytes per (group, block).
+    const fn chunk(&self) -> usize {
+        self.d_off() + 2 * LANES * if self.mins { 2 } else { 1 }
+    }
+    /// Subtracted from every value (Q4_0: 8, Q5_0: 16); K-quants handle it through scales.
+    const fn offset(&self) -> i32 {
+        match (self.block, self.hbits) {
+            (32, 0) => 8,
+            (32, _) => 16,
+            _ => 0,
+        }
+    }
+}
+
+impl Kind {
+    pub fn from_dtype(dtype: GgmlDType) -> Option<Kind> {
+        Some(match dtype {
+            GgmlDType::Q4_0 => Kind::Q4_0,
+            GgmlDType::Q5_0 => Kind::Q5_0,
+            GgmlDType::Q4K => Kind::Q4K,
+            GgmlDType::Q5K => Kind::Q5K,
+            GgmlDType::Q6K => Kind::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// Whether the activations are Q8_K (else Q8_0 blocks of 32).
+    pub fn q8k(self) -> bool {
+        Layout::of(self).block == QK_K
+    }
+}
+
+/// Scales of one decoded GGUF block.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct BlockParams {
+    /// f16 bits of `d`.
+    pub d: u16,
+    /// f16 bits of `dmin` (Q4_K, Q5_K).
+    pub dmin: u16,
+    /// Per-sub-block scales (Q6_K: i8 stored as u8).
+    pub sc: [u8; 16],
+    /// Per-sub-block mins (Q4_K, Q5_K).
+    pub mn: [u8; 8],
+}
+
+fn u16_at(b: &[u8], i: usize) -> u16 {
+    match b.get(i..i + 2) {
+        Some(&[lo, hi]) => u16::from_le_bytes([lo, hi]),
+        _ => 0,
+    }
+}
+
+/// ggml's `get_scale_min_k4`: the 6-bit scale and min of sub-block `j` from the 12 bytes.
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// Decode one GGUF block (`blk`: exactly the block's bytes) into its unsigned values
+/// (`vals`: `block` of them; Q4_0/Q4_K 0..16, Q5_0/Q5_K 0..32, Q6_K 0..64) and scales.
+/// The real value is `d·(v − 8)` (Q4_0), `d·(v − 16)` (Q5_0), `d·sc·v − dmin·m` (Q4_K, Q5_K)
+/// or `d·sc·(v − 32)` (Q6_K), as in ggml's `dequantize_row_*`.
+pub fn decode_block(kind: Kind, blk: &[u8], vals: &mut [u8]) -> BlockParams {
+    let mut p = BlockParams::default();
+    match kind {
+        Kind::Q4_0 | Kind::Q5_0 => {
+            p.d = u16_at(blk, 0);
+            let (qh, qs) = if kind == Kind::Q5_0 {
+                (u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]), &blk[6..22])
+            } else {
+                (0, &blk[2..18])
+            };
+            for (j, &q) in qs.iter().enumerate() {
+                vals[j] = (q & 0x0F) | ((((qh >> j) & 1) as u8) << 4);
+                vals[j + 16] = (q >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+            }
+        }
+        Kind::Q4K | Kind::Q5K => {
+            p.d = u16_at(blk, 0);
+            p.dmin = u16_at(blk, 2);
+            let scales = &blk[4..16];
+            for j in 0..8 {
+                (p.sc[j], p.mn[j]) = scale_min_k4(j, scales);
+            }
+            static NO_HIGH_BITS: [u8; 32] = [0; 32];
+            let (qh, qs) =
+                if kind == Kind::Q5K { (&blk[16..48], &blk[48..176]) } else { (&NO_HIGH_BITS[..], &blk[16..144]) };
+            for c in 0..4 {
+                for l in 0..32 {
+                    let q = qs[32 * c + l];
+                    vals[64 * c + l] = (q & 0x0F) | (((qh[l] >> (2 * c)) & 1) << 4);
+                    vals[64 * c + 32 + l] = (q >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+                }
+            }
+        }
+        Kind::Q6K => {
+            let (ql, qh, sc) = (&blk[0..128], &blk[128..192], &blk[192..208]);
+            p.d = u16_at(blk, 208);
+            p.sc.copy_from_slice(sc);
+            for h in 0..2 {
+                let (ql, qh, v) = (&ql[64 * h..], &qh[32 * h..], &mut vals[128 * h..]);
+                for l in 0..32 {
+                    v[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+                    v[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+                    v[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                    v[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                }
+            }
+        }
+    }
+    p
+}
+
+/// Dequantize one row of GGUF blocks to f32 with candle's `to_float` arithmetic (bit for bit).
+pub fn dequantize_row(kind: Kind, row: &[u8], out: &mut [f32]) {
+    let l = Layout::of(kind);
+    let mut vals = [0u8; QK_K];
+    for (blk, ob) in row.chunks_exact(l.gguf_bytes).zip(out.chunks_exact_mut(l.block)) {
+        let p = decode_block(kind, blk, &mut vals);
+        let d = f16::from_bits(p.d).to_f32();
+        let vals = &vals[..l.block];
+        match kind {
+            Kind::Q4_0 | Kind::Q5_0 => {
+                let off = l.offset();
+                for (o, &v) in ob.iter_mut().zip(vals) {
+                    *o = (i32::from(v) - off) as f32 * d;
+                }
+            }
+            Kind::Q4K | Kind::Q5K => {
+                let dmin = f16::from_bits(p.dmin).to_f32();
+                for (s, (os, vs)) in ob.chunks_exact_mut(32).zip(vals.chunks_exact(32)).enumerate() {
+                    let (d1, m1) = (d * f32::from(p.sc[s]), dmin * f32::from(p.mn[s]));
+                    for (o, &v) in os.iter_mut().zip(vs) {
+                        *o = d1 * f32::from(v) - m1;
+                    }
+                }
+            }
+            Kind::Q6K => {
+                for (s, (os, vs)) in ob.chunks_exact_mut(16).zip(vals.chunks_exact(16)).enumerate() {
+                    let ds = d * f32::from(p.sc[s] as i8);
+                    for (o, &v) in os.iter_mut().zip(vs) {
+                        *o = ds * f32::from(v as i8 - 32);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A quantized matrix `[rows, k]` packed rows-in-lanes (module doc): `[group][block][chunk]`,
+/// padding rows zero.
+#[derive(Debug, Clone)]
+pub struct PackedLanes {
+    pub kind: Kind,
+    pub rows: usize,
+    pub k: usize,
+    pub(crate) data: Store<u8>,
+}
+
+impl PackedLanes {
+    /// Repack raw GGUF blocks (row-major, `k / block` blocks per row).
+    pub fn from_gguf_bytes(kind: Kind, bytes: &[u8], rows: usize, k: usize) -> Option<Self> {
+        let l = Layout::of(kind);
+        if k == 0 || !k.is_multiple_of(l.block) || bytes.len() != rows * (k / l.block) * l.gguf_bytes {
+            return None;
+        }
+        let nb = k / l.block;
+        let groups = rows.div_ceil(LANES);
+        let chunk = l.chunk();
+        let mut data = vec![0u8; groups * nb * chunk];
+        let mut vals = [0u8; QK_K];
+        for (row, rb) in bytes.chunks_exact(nb * l.gguf_bytes).enumerate() {
+            let (g, r) = (row / LANES, row % LANES);
+            for (b, blk) in rb.chunks_exact(l.gguf_bytes).enumerate() {
+                let p = decode_block(kind, blk, &mut vals);
+                let c = &mut data[(g * nb + b) * chunk..][..chunk];
+                let half = l.quads() / 2;
+                for s in 0..l.subs() {
+                    let sv = &vals[s * l.sub..(s + 1) * l.sub];
+                    let so = s * l.sub_bytes();
+                    for e in 0..4 {
+                        for q in 0..half {
+                            c[so + 32 * q + 4 * r + e] = (sv[4 * q + e] & 0xF) | ((sv[4 * (q + half) + e] & 0xF) << 4);
+                        }
+                        if l.hbits > 0 {
+                            let mut h = 0u8;
+                            for q in 0..l.quads() {
+                                h |= (sv[4 * q + e] >> 4) << (q * l.hbits);
+                            }
+                            c[so + l.sub * 4 + 4 * r + e] = h;
+                        }
+                    }
+                    if l.scales {
+                        c[l.sc_off() + s * LANES + r] = p.sc[s];
+                    }
+                    if l.mins {
+                        c[l.mn_off() + s * LANES + r] = p.mn[s];
+                    }
+                }
+                c[l.d_off() + 2 * r..][..2].copy_from_slice(&p.d.to_le_bytes());
+                if l.mins {
+                    c[l.d_off() + 2 * LANES + 2 * r..][..2].copy_from_slice(&p.dmin.to_le_bytes());
+                }
+            }
+        }
+        Some(Self { kind, rows, k, data: Store::Own(data) })
+    }
+}
+
+/// The element type of a float matrix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatKind {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl FloatKind {
+    pub fn from_dtype(dtype: GgmlDType) -> Option<Self> {
+        Some(match dtype {
+            GgmlDType::F32 => FloatKind::F32,
+            GgmlDType::F16 => FloatKind::F16,
+            GgmlDType::BF16 => FloatKind::Bf16,
+            _ => return None,
+        })
+    }
+    fn size(self) -> usize {
+        match self {
+            FloatKind::F32 => 4,
+            FloatKind::F16 | FloatKind::Bf16 => 2,
+        }
+    }
+}
+
+/// A float matrix `[rows, k]`, the file's bytes row-major; `k` a multiple of 8.
+#[derive(Debug, Clone)]
+pub struct PackedFloat {
+    pub kind: FloatKind,
+    pub rows: usize,
+    pub k: usize,
+    pub(crate) data: Store<u8>,
+}
+
+impl PackedFloat {
+    pub fn from_gguf_bytes(kind: FloatKind, bytes: &[u8], rows: usize, k: usize) -> Option<Self> {
+        if k == 0 || !k.is_multiple_of(8) || bytes.len() != rows * k * kind.size() {
+            return None;
+        }
+        Some(Self { kind, rows, k, data: Store::Own(bytes.to_vec()) })
+    }
+
+    fn at(&self, i: usize) -> f32 {
+        let b = &self.data[i * self.kind.size()..];
+        match self.kind {
+            FloatKind::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            FloatKind::F16 => f16::from_le_bytes([b[0], b[1]]).to_f32(),
+            FloatKind::Bf16 => bf16::from_le_bytes([b[0], b[1]]).to_f32(),
+        }
+    }
+}
+
+/// Q8_K activations of one row (candle's `BlockQ8K::from_float`, bit for bit): per block of 256,
+/// the signed value of largest magnitude `max`, `iscale = −127/max`, `q = round(iscale·x)`
+/// (half away from zero, clamped to i8), `d = 1/iscale`, and the sums of each 16 `q`.
+pub fn quantize_q8k(x: &[f32], q: &mut [i8], d: &mut [f32], bsums: &mut [i16]) {
+    for (((xb, qb), db), sb) in
+        x.chunks_exact(QK_K).zip(q.chunks_exact_mut(QK_K)).zip(d.iter_mut()).zip(bsums.chunks_exact_mut(QK_K / 16))
+    {
+        let (mut max, mut amax) = (0f32, 0f32);
+        for &v in xb {
+            if amax < v.abs() {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            *db = 0.0;
+            qb.fill(0);
+            sb.fill(0);
+            continue;
+        }
+        let iscale = -127f32 / max;
+        for (qv, &v) in qb.iter_mut().zip(xb) {
+            *qv = crate::simd::round_half_away(iscale * v).clamp(-128.0, 127.0) as i8;
+        }
+        for (s, qs) in sb.iter_mut().zip(qb.chunks_exact(16)) {
+            *s = qs.iter().map(|&v| i16::from(v)).sum();
+        }
+        *db = 1.0 / iscale;
+    }
+}
+
+/// The activation factors of the K-quants' min/offset terms, per row (candle computes them per
+/// weight tile; the values are the same f32 operations): `mins32[j] = d·(bsum_2j + bsum_2j+1)`
+/// (Q4_K/Q5_K, per 32 values) and `off16[j] = 32·bsum_j` (Q6_K, per 16).
+pub fn q8k_terms(d: &[f32], bsums: &[i16], mins32: &mut [f32], off16: &mut [f32]) {
+    for (j, (m, pair)) in mins32.iter_mut().zip(bsums.chunks_exact(2)).enumerate() {
+        *m = d[j / 8] * (i32::from(pair[0]) + i32::from(pair[1])) as f32;
+    }
+    for (o, &b) in off16.iter_mut().zip(bsums) {
+        *o = 32.0 * f32::from(b);
+    }
+}
+
+/// One tile of a rows-in-lanes matrix, the portable way (same bits as the AVX2 path).
+///
+/// # Safety
+/// The [`Tile`] invariants, with `g` a group of `w` and the activations `a` holding the
+/// quantization `w.kind` needs for `a.rows` rows of `w.k` values.
+pub(crate) unsafe fn lanes_scalar(w: &PackedLanes, a: &QActs, tile: &Tile) {
+    let l = Layout::of(w.kind);
+    let k = a.k;
+    let nb = k / l.block;
+    let Tile { g, nr, t0, nt, rows, out } = *tile;
+    let chunk = l.chunk();
+    let half = l.quads() / 2;
+    let mut vals = [0i32; 32];
+    for r in 0..nr {
+        for tok in t0..t0 + nt {
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let c = &w.data[(g * nb + b) * chunk..][..chunk];
+                let d = f16::from_bits(u16_at(c, l.d_off() + 2 * r)).to_f32();
+                let dmin = f16::from_bits(u16_at(c, l.d_off() + 2 * LANES + 2 * r)).to_f32();
+                for s in 0..l.subs() {
+                    let so = s * l.sub_bytes();
+                    for q in 0..l.quads() {
+                        for e in 0..4 {
+                            let byte = c[so + 32 * (q % half) + 4 * r + e];
+                            let nib = if q < half { byte & 0xF } else { byte >> 4 };
+                            let hi = if l.hbits > 0 {
+                                (c[so + l.sub * 4 + 4 * r + e] >> (q * l.hbits)) & ((1 << l.hbits) - 1)
+                            } else {
+                                0
+                            };
+                            vals[4 * q + e] = i32::from(nib | (hi << 4));
+                        }
+                    }
+                    let at = tok * k + b * l.block + s * l.sub;
+                    let isum: i32 = if l.block == QK_K {
+                        a.qk[at..at + l.sub].iter().zip(&vals).map(|(&x, &v)| i32::from(x) * v).sum()
+                    } else {
+                        a.qs[at..at + l.sub].iter().zip(&vals).map(|(&x, &v)| i32::from(x) * v).sum()
+                    };
+                    match w.kind {
+                        Kind::Q4_0 | Kind::Q5_0 => {
+                            let i = tok * (k / 32) + b;
+                            let sumi = isum - l.offset() * a.isum[i];
+                            acc += sumi as f32 * d * a.d[i];
+                        }
+                        Kind::Q4K | Kind::Q5K => {
+                            let da = a.dk[tok * nb + b];
+                            let sc = f32::from(c[l.sc_off() + s * LANES + r]) * d;
+                            let mn = f32::from(c[l.mn_off() + s * LANES + r]) * dmin;
+                            acc = (isum as f32).mul_add(sc * da, acc);
+                            acc = (-mn).mul_add(a.mins32[tok * (k / 32) + b * 8 + s], acc);
+                        }
+                        Kind::Q6K => {
+                            let da = a.dk[tok * nb + b];
+                            let sc = f32::from(c[l.sc_off() + s * LANES + r] as i8) * d;
+                            acc = (isum as f32 - a.off16[tok * (k / 16) + b * 16 + s]).mul_add(sc * da, acc);
+                        }
+                    }
+                }
+            }
+            // SAFETY: tok < m and g·8 + r < rows (Tile invariants).
+            unsafe { *out.add(tok * rows + g * LANES + r) = acc };
+        }
+    }
+}
+
+/// candle's `hsum_float_8` order on 8 lanes.
+fn hsum8(l: &[f32; 8]) -> f32 {
+    ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
+}
+
+/// One tile of a float matrix, the portable way (same bits as the AVX2 path).
+///
+/// # Safety
+/// The [`Tile`] invariants (group rows [`FLOAT_GROUP`]), with `a.x` holding `a.rows · w.k`.
+pub(crate) unsafe fn float_scalar(w: &PackedFloat, a: &QActs, tile: &Tile) {
+    let k = a.k;
+    let Tile { g, nr, t0, nt, rows, out } = *tile;
+    for r in 0..nr {
+        let row = g * FLOAT_GROUP + r;
+        for tok in t0..t0 + nt {
+            let x = &a.x[tok * k..(tok + 1) * k];
+            let mut lanes = [0f32; 8];
+            for c in 0..k / 8 {
+                for (j, lane) in lanes.iter_mut().enumerate() {
+                    *lane = w.at(row * k + 8 * c + j).mul_add(x[8 * c + j], *lane);
+                }
+            }
+            // SAFETY: tok < m and row < rows (Tile invariants).
+            unsafe { *out.add(tok * rows + row) = hsum8(&lanes) };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{FloatKind, Kind, Layout, PackedFloat, PackedLanes, Tile, FLOAT_GROUP, LANES, QK_K};
+    use crate::kernels::QActs;
+
+    /// One rows-in-lanes tile with AVX2.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; the preconditions of [`super::lanes_scalar`],
+    /// with `nt ≤ 8`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn lanes(w: &PackedLanes, a: &QActs, tile: &Tile) {
+        macro_rules! go {
+            ($k:expr) => {
+                // SAFETY: forwarded preconditions.
+                unsafe {
+                    match tile.nt {
+                        8 => lanes_tile::<{ $k as u8 }, 8>(w, a, tile),
+                        7 => lanes_tile::<{ $k as u8 }, 7>(w, a, tile),
+                        6 => lanes_tile::<{ $k as u8 }, 6>(w, a, tile),
+                        5 => lanes_tile::<{ $k as u8 }, 5>(w, a, tile),
+                        4 => lanes_tile::<{ $k as u8 }, 4>(w, a, tile),
+                        3 => lanes_tile::<{ $k as u8 }, 3>(w, a, tile),
+                        2 => lanes_tile::<{ $k as u8 }, 2>(w, a, tile),
+                        1 => lanes_tile::<{ $k as u8 }, 1>(w, a, tile),
+                        _ => {}
+                    }
+                }
+            };
+        }
+        match w.kind {
+            Kind::Q4_0 => go!(Kind::Q4_0),
+            Kind::Q5_0 => go!(Kind::Q5_0),
+            Kind::Q4K => go!(Kind::Q4K),
+            Kind::Q5K => go!(Kind::Q5K),
+            Kind::Q6K => go!(Kind::Q6K),
+        }
+    }
+
+    const fn kind_of(k: u8) -> Kind {
+        match k {
+            0 => Kind::Q4_0,
+            1 => Kind::Q5_0,
+            2 => Kind::Q4K,
+            3 => Kind::Q5K,
+            _ => Kind::Q6K,
+        }
+    }
+
+    /// # Safety
+    /// As [`lanes`] with `nt = T` and `w.kind as u8 == K`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn lanes_tile<const K: u8, const T: usize>(w: &PackedLanes, a: &QActs, tile: &Tile) {
+        let kind = kind_of(K);
+        let l = Layout::of(kind);
+        let k = a.k;
+        let nb = k / l.block;
+        let Tile { g, nr, t0, rows, out, .. } = *tile;
+        let chunk = l.chunk();
+        let nq = l.quads();
+        let half = nq / 2;
+        // quads summed in i16 before widening: n·2·max(v)·128 must stay below 2^15
+        let run = 8 >> l.hbits;
+        let m4 = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let hmask = _mm256_set1_epi8(if l.hbits == 1 { 0x10 } else { 0x30 });
+        let q8k = l.block == QK_K;
+        // SAFETY: group g has nb chunks of `chunk` bytes (packed groups are complete); the
+        // activation rows t0..t0+T < m hold k values (qs or qk), k/32 scales and sums (d, isum)
+        // or k/256 scales, k/32 and k/16 terms (dk, mins32, off16); output offsets are (t0+t)·rows + g·8 + r
+        // with r < nr (Tile invariants). Loads and stores are unaligned.
+        unsafe {
+            let base = w.data.as_ptr().add(g * nb * chunk);
+            let mut acc = [_mm256_setzero_ps(); T];
+            for b in 0..nb {
+                let p = base.add(b * chunk);
+                let dv = _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off()) as *const __m128i));
+                let dminv = if l.mins {
+                    _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off() + 2 * LANES) as *const __m128i))
+                } else {
+                    _mm256_setzero_ps()
+                };
+                for s in 0..l.subs() {
+                    let sp = p.add(s * l.sub_bytes());
+                    let mut wq = [_mm256_setzero_si256(); 8];
+                    for q in 0..half {
+                        let raw = _mm256_loadu_si256(sp.add(32 * q) as *const __m256i);
+                        wq[q] = _mm256_and_si256(raw, m4);
+                        wq[q + half] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
+                    }
+                    if l.hbits > 0 {
+                        let h = _mm256_loadu_si256(sp.add(l.sub * 4) as *const __m256i);
+                        for (q, wv) in wq.iter_mut().enumerate().take(nq) {
+                            // bits q·hbits.. of each byte to bit 4 (16-bit shifts: bits that
+                            // cross a byte land outside the mask)
+                            let hb = match 4 - (q * l.hbits) as i32 {
+                                4 => _mm256_slli_epi16::<4>(h),
+                                3 => _mm256_slli_epi16::<3>(h),
+                                2 => _mm256_slli_epi16::<2>(h),
+                                1 => _mm256_slli_epi16::<1>(h),
+                                0 => h,
+                                -1 => _mm256_srli_epi16::<1>(h),
+                                -2 => _mm256_srli_epi16::<2>(h),
+                                _ => _mm256_srli_epi16::<3>(h),
+                            };
+                            *wv = _mm256_or_si256(*wv, _mm256_and_si256(hb, hmask));
+                        }
+                    }
+                    let (scv, mnv) = if l.scales {
+                        let sc8 = _mm_loadl_epi64(p.add(l.sc_off() + s * LANES) as *const __m128i);
+                        let sc = if kind == Kind::Q6K { _mm256_cvtepi8_epi32(sc8) } else { _mm256_cvtepu8_epi32(sc8) };
+                        let scv = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), dv);
+                        let mnv = if l.mins {
+                            let mn8 = _mm_loadl_epi64(p.add(l.mn_off() + s * LANES) as *const __m128i);
+                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn8)), dminv)
+                        } else {
+                            _mm256_setzero_ps()
+                        };
+                        (scv, mnv)
+                    } else {
+                        (_mm256_setzero_ps(), _mm256_setzero_ps())
+                    };
+                    for (t, acc_t) in acc.iter_mut().enumerate() {
+                        let tok = t0 + t;
+                        let at = tok * k + b * l.block + s * l.sub;
+                        let ap = if q8k { a.qk.as_ptr().add(at) } else { a.qs.as_ptr().add(at) };
+                        let mut isum = _mm256_setzero_si256();
+                        let mut s16 = _mm256_setzero_si256();
+                        for (q, wv) in wq.iter().enumerate().take(nq) {
+                            let av = _mm256_set1_epi32((ap.add(4 * q) as *const i32).read_unaligned());
+                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(*wv, av));
+                            if (q + 1) % run == 0 || q + 1 == nq {
+                                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(s16, ones));
+                                s16 = _mm256_setzero_si256();
+                            }
+                        }
+                        match kind {
+                            Kind::Q4_0 | Kind::Q5_0 => {
+                                let i = tok * (k / 32) + b;
+                                let sumi =
+                                    _mm256_sub_epi32(isum, _mm256_set1_epi32(l.offset() * *a.isum.as_ptr().add(i)));
+                                let term = _mm256_mul_ps(
+                                    _mm256_mul_ps(_mm256_cvtepi32_ps(sumi), dv),
+                                    _mm256_set1_ps(*a.d.as_ptr().add(i)),
+                                );
+                                *acc_t = _mm256_add_ps(*acc_t, term);
+                            }
+                            Kind::Q4K | Kind::Q5K => {
+                                let da = _mm256_broadcast_ss(&*a.dk.as_ptr().add(tok * nb + b));
+                                let mins = _mm256_broadcast_ss(&*a.mins32.as_ptr().add(tok * (k / 32) + b * 8 + s));
+                                *acc_t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scv, da), *acc_t);
+                                *acc_t = _mm256_fnmadd_ps(mnv, mins, *acc_t);
+                            }
+                            Kind::Q6K => {
+                                let da = _mm256_broadcast_ss(&*a.dk.as_ptr().add(tok * nb + b));
+                                let off = _mm256_broadcast_ss(&*a.off16.as_ptr().add(tok * (k / 16) + b * 16 + s));
+                                let f = _mm256_sub_ps(_mm256_cvtepi32_ps(isum), off);
+                                *acc_t = _mm256_fmadd_ps(f, _mm256_mul_ps(scv, da), *acc_t);
+                            }
+                        }
+                    }
+                }
+            }
+            for (t, acc_t) in acc.iter().enumerate() {
+                let dst = out.add((t0 + t) * rows + g * LANES);
+                if nr == LANES {
+                    _mm256_storeu_ps(dst, *acc_t);
+                } else {
+                    let mut lanes = [0f32; 8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_t);
+                    for (r, &v) in lanes.iter().enumerate().take(nr) {
+                        *dst.add(r) = v;
+                    }
+                }
+            }
+        }
+    }
+
+    /// candle's `hsum_float_8`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn hsum_f32(x: __m256) -> f32 {
+        let res = _mm256_extractf128_ps::<1>(x);
+        let res = _mm_add_ps(res, _mm256_castps256_ps128(x));
+        let res = _mm_add_ps(res, _mm_movehl_ps(res, res));
+        let res = _mm_add_ss(res, _mm_movehdup_ps(res));
+        _mm_cvtss_f32(res)
+    }
+
+    /// 8 weights of a float matrix as f32.
+    ///
+    /// # Safety
+    /// F16C/AVX2; `p` points to 8 elements of `kind`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load8(kind: FloatKind, p: *const u8) -> __m256 {
+        // SAFETY: forwarded.
+        unsafe {
+            match kind {
+                FloatKind::F32 => _mm256_loadu_ps(p as *const f32),
+                FloatKind::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)),
+                FloatKind::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                    _mm_loadu_si128(p as *const __m128i),
+                ))),
+            }
+        }
+    }
+
+    /// One float tile with AVX2: rows in pairs, 8 lanes of FMA per (row, token).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; the preconditions of [`super::float_scalar`],
+    /// with `nt ≤ 4`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn float(w: &PackedFloat, a: &QActs, tile: &Tile) {
+        // SAFETY: forwarded preconditions.
+        unsafe {
+            match tile.nt {
+                4 => float_tile::<4>(w, a, tile),
+                3 => float_tile::<3>(w, a, tile),
+                2 => float_tile::<2>(w, a, tile),
+                1 => float_tile::<1>(w, a, tile),
+                _ => {}
+            }
+        }
+    }
+
+    /// # Safety
+    /// As [`float`] with `nt = T`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn float_tile<const T: usize>(w: &PackedFloat, a: &QActs, tile: &Tile) {
+        let k = a.k;
+        let Tile { g, nr, t0, rows, out, .. } = *tile;
+        let sz = w.kind.size();
+        // SAFETY: rows g·4 + r < rows hold k elements each (r < nr); tokens t0..t0+T < m hold
+        // k activations; outputs as in `lanes_tile`.
+        unsafe {
+            for r0 in (0..nr).step_by(2) {
+                let two = r0 + 1 < nr;
+                let row0 = g * FLOAT_GROUP + r0;
+                let p0 = w.data.as_ptr().add(row0 * k * sz);
+                let p1 = if two { p0.add(k * sz) } else { p0 };
+                let mut acc0 = [_mm256_setzero_ps(); T];
+                let mut acc1 = [_mm256_setzero_ps(); T];
+                for c in 0..k / 8 {
+                    let w0 = load8(w.kind, p0.add(8 * c * sz));
+                    let w1 = load8(w.kind, p1.add(8 * c * sz));
+                    for (t, (a0, a1)) in acc0.iter_mut().zip(acc1.iter_mut()).enumerate() {
+                        let x = _mm256_loadu_ps(a.x.as_ptr().add((t0 + t) * k + 8 * c));
+                        *a0 = _mm256_fmadd_ps(w0, x, *a0);
+                        *a1 = _mm256_fmadd_ps(w1, x, *a1);
+                    }
+                }
+                for (t, (a0, a1)) in acc0.iter().zip(&acc1).enumerate() {
+                    *out.add((t0 + t) * rows + row0) = hsum_f32(*a0);
+                    if two {
+                        *out.add((t0 + t) * rows + row0 + 1) = hsum_f32(*a1);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::{QMatMul, QTensor};
+    use candle_core::{Device, Module, Tensor};
+
+    use super::*;
+    use crate::kernels::{matmul, Impl, Needs, Packed};
+    use crate::pool::Pool;
+
+    const TYPES: [GgmlDType; 8] = [
+        GgmlDType::Q4_0,
+        GgmlDType::Q5_0,
+        GgmlDType::Q4K,
+        GgmlDType::Q5K,
+        GgmlDType::Q6K,
+        GgmlDType::F32,
+        GgmlDType::F16,
+        GgmlDType::BF16,
+    ];
+
+    /// Deterministic values with a spread of magnitudes and both signs.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|i| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let u = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+                u * (0.2 + (i % 29) as f32 * 0.05)
+            })
+            .collect()
+    }
+
+    /// A random `[rows, k]` matrix quantized by candle, its raw blocks and its dequantized values.
+    fn weights(dtype: GgmlDType, rows: usize, k: usize, seed: u64) -> (QTensor, Vec<u8>, Vec<f32>) {
+        let t = Tensor::from_vec(values(rows * k, seed), (rows, k), &Device::Cpu).unwrap();
+        let qt = QTensor::quantize(&t, dtype).unwrap();
+        let raw = qt.data().unwrap().into_owned();
+        let deq = qt.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        (qt, raw, deq)
+    }
+
+    fn ours(w: &Packed, x: &[f32], m: usize, imp: Impl, pool: &Pool) -> Vec<f32> {
+        let mut a = QActs::default();
+        a.prepare(x, m, w.k(), w.needs(), pool);
+        let mut out = vec![f32::NAN; m * w.rows()];
+        matmul(w, &a, &mut out, imp, pool).unwrap();
+        out
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// Whether candle's `QMatMul` runs its 256-bit repacked Q4_K/Q6_K kernels here (AVX2 + FMA
+    /// without AVX-512 VNNI, which it would use instead).
+    fn candle_repacks_with_avx2() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni"))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
+    /// `Σ|w·x|` per (token, row): the scale rounding differences are measured against.
+    fn abs_dot(deq: &[f32], x: &[f32], rows: usize, k: usize, m: usize) -> Vec<f64> {
+        let mut out = vec![0f64; m * rows];
+        for t in 0..m {
+            for r in 0..rows {
+                out[t * rows + r] = (0..k).map(|i| f64::from(deq[r * k + i] * x[t * k + i]).abs()).sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_type_matches_the_dequantized_f64_product_within_the_activation_rounding() {
+        let pool = Pool::new(2, 0);
+        let (k, m) = (512, 5);
+        for dtype in TYPES {
+            for rows in [24, 13] {
+                let (_, raw, deq) = weights(dtype, rows, k, rows as u64 + dtype.type_size() as u64);
+                let w = Packed::from_gguf(dtype, &raw, rows, k).unwrap();
+                let x = values(m * k, 77);
+                // the activation block each value is quantized in, and its rounding step
+                let block = match w.needs() {
+                    Needs { q8k: true, .. } => QK_K,
+                    Needs { q8: true, .. } => 32,
+                    _ => 0,
+                };
+                let absd = abs_dot(&deq, &x, rows, k, m);
+                for imp in Impl::available() {
+                    let got = ours(&w, &x, m, imp, &pool);
+                    for t in 0..m {
+                        let xt = &x[t * k..(t + 1) * k];
+                        for r in 0..rows {
+                            let wr = &deq[r * k..(r + 1) * k];
+                            let exact: f64 = wr.iter().zip(xt).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+                            // each activation moves by at most ~half a step (0.6 with the f16
+                            // rounding of Q8_0's scale); the float sums add a few ulps
+                            let mut bound = 1e-5 * absd[t * rows + r];
+                            if block > 0 {
+                                for (wb, xb) in wr.chunks(block).zip(xt.chunks(block)) {
+                                    let step = f64::from(xb.iter().fold(0f32, |a, v| a.max(v.abs()))) / 127.0;
+                                    bound += wb.iter().map(|&v| f64::from(v).abs()).sum::<f64>() * step * 0.6;
+                                }
+                            }
+                            let err = (f64::from(got[t * rows + r]) - exact).abs();
+                            assert!(
+                                err <= bound,
+                                "{dtype:?} {imp:?} row {r} tok {t}: {} vs {exact} (bound {bound})",
+                                got[t * rows + r]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn matches_candle_qmatmul_bit_for_bit_where_the_arithmetic_is_the_same() {
+        let pool = Pool::new(2, 0);
+        // rows a multiple of 16 and k of 256: candle's repacked x86 path applies to Q4_K/Q6_K
+        let (rows, k) = (32, 512);
+        for dtype in TYPES {
+            let (qt, raw, deq) = weights(dtype, rows, k, 5 + dtype.type_size() as u64);
+            let w = Packed::from_gguf(dtype, &raw, rows, k).unwrap();
+            let mm = QMatMul::from_qtensor(qt).unwrap();
+            for m in [1, 5] {
+                let x = values(m * k, 31 + m as u64);
+                let xt = Tensor::from_slice(&x, (m, k), &Device::Cpu).unwrap();
+                let want = mm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                // Q5_0: candle's scalar vec_dot; Q4_K: its repacked AVX2 kernel (any m); Q6_K:
+                // the same for m > 1. Only where candle runs those paths (AVX2 + FMA).
+                let exact = match dtype {
+                    GgmlDType::Q5_0 => true,
+                    GgmlDType::Q4K => candle_repacks_with_avx2(),
+                    GgmlDType::Q6K => candle_repacks_with_avx2() && m > 1,
+                    _ => false,
+                };
+                let absd = abs_dot(&deq, &x, rows, k, m);
+                for imp in Impl::available() {
+                    let got = ours(&w, &x, m, imp, &pool);
+                    if exact {
+                        assert_eq!(bits(&got), bits(&want), "{dtype:?} {imp:?} m={m}");
+                    } else {
+                        for (i, (g, c)) in got.iter().zip(&want).enumerate() {
+                            let diff = f64::from((g - c).abs());
+                            assert!(diff <= 1e-5 * absd[i] + 1e-30, "{dtype:?} {imp:?} m={m} [{i}]: {g} vs candle {c}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_has_the_same_bits_alone_and_anywhere_in_a_batch_on_every_impl() {
+        let (rows, k, m) = (20, 768, 13);
+        let one = Pool::new(1, 0);
+        let three = Pool::new(3, 0);
+        for dtype in TYPES {
+            let (_, raw, _) = weights(dtype, rows, k, 9);
+            let w = Packed::from_gguf(dtype, &raw, rows, k).unwrap();
+            let x = values(m * k, 123);
+            let mut first: Option<Vec<u32>> = None;
+            for imp in Impl::available() {
+                let batched = bits(&ours(&w, &x, m, imp, &three));
+                for t in 0..m {
+                    let alone = ours(&w, &x[t * k..(t + 1) * k], 1, imp, &one);
+                    assert_eq!(bits(&alone), batched[t * rows..(t + 1) * rows], "{dtype:?} {imp:?} token {t}");
+                }
+                // scalar and AVX2 (and AVX-512) give the same bits
+                match &first {
+                    Some(f) => assert_eq!(f, &batched, "{dtype:?} {imp:?} vs {:?}", Impl::Scalar),
+                    None => first = Some(batched),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q8k_activations_are_candles() {
+        use candle_core::quantized::k_quants::{BlockQ8K, GgmlType};
+        let k = 768;
+        let mut x = values(k, 3);
+        x[300] = 0.0;
+        x[512..768].fill(0.0);
+        let (mut q, mut d, mut bs) = (vec![0i8; k], vec![0f32; 3], vec![0i16; k / 16]);
+        quantize_q8k(&x, &mut q, &mut d, &mut bs);
+        let mut blocks = vec![BlockQ8K::zeros(); 3];
+        BlockQ8K::from_float(&x, &mut blocks);
+        let mut deq = vec![0f32; k];
+        BlockQ8K::to_float(&blocks, &mut deq);
+        for i in 0..k {
+            assert_eq!((f32::from(q[i]) * d[i / QK_K]).to_bits(), deq[i].to_bits(), "value {i}");
+        }
+        for (j, s) in bs.iter().enumerate() {
+            assert_eq!(i32::from(*s), q[16 * j..16 * j + 16].iter().map(|&v| i32::from(v)).sum::<i32>());
+        }
+        assert_eq!(d[2], 0.0);
+    }
+
+    #[test]
+    fn shapes_the_blocks_do_not_divide_are_not_packed() {
+        // 896 values per row (Qwen2.5-0.5B) is not a whole number of 256-value super-blocks
+        assert!(PackedLanes::from_gguf_bytes(Kind::Q4K, &[0u8; 144 * 3], 1, 896).is_none());
+        assert!(PackedLanes::from_gguf_bytes(Kind::Q5_0, &[0u8; 21], 1, 32).is_none());
+        assert!(PackedFloat::from_gguf_bytes(FloatKind::F32, &[0u8; 4 * 12], 1, 12).is_none());
+    }
+}
