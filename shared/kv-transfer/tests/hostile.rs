@@ -70,6 +70,16 @@ async fn wait_until(what: &str, secs: u64, cond: impl Fn() -> bool) {
     }
 }
 
+/// This process's resident set (KiB), for the figures printed beside the checks.
+fn rss_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// A long request id and trace, as a stranger would send to make P echo them.
 fn bulky(body: Message, kib: usize) -> Envelope {
     let big = "x".repeat(kib * 1024);
@@ -102,12 +112,14 @@ async fn a_stranger_that_never_reads_is_dropped_not_buffered() {
     let stats = p.agent.stats();
     let mut s = raw_dealer(&p.endpoint()).await;
     let frame = bytes::Bytes::from(bulky(Message::XferGetMetadata, 200).encode().unwrap());
+    let rss_before = rss_kib();
     for _ in 0..2000 {
         if s.send(ZmqMessage::from(frame.clone())).await.is_err() {
             break; // P dropped the connection
         }
     }
     wait_until("P drops the stranger", 30, || stats.peers_dropped.load(Ordering::Relaxed) >= 1).await;
+    eprintln!("test process RSS grew by {} KiB while the stranger sent", rss_kib().saturating_sub(rss_before));
     let refused = stats.unauthenticated.load(Ordering::Relaxed);
     assert!(refused <= 17, "P answered {refused} of the stranger's frames before dropping it");
     assert_eq!(stats.metadata_requests.load(Ordering::Relaxed), 0);
