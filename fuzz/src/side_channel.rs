@@ -37,8 +37,10 @@ use pdmesh_protocol::{
 };
 
 /// The ROUTER routing ids of the two peers (P assigns real ones at random; any bytes do).
-const NODE: &[u8] = b"\x00decode-node";
-const FOREIGN: &[u8] = b"\x00foreign-peer";
+/// Routing ids as P's ROUTER names connections (16 random bytes, shaped as a UUID v4): P
+/// authenticates no connection whose peer chose its own identity (D96).
+const NODE: &[u8] = b"\x11\x22\x33\x44\x55\x66\x47\x77\x88\x99\xaa\xbb\xcc\xdd\xee\xff";
+const FOREIGN: &[u8] = b"\xf1\xe2\xd3\xc4\xb5\xa6\x47\x97\xa8\x79\x6a\x5b\x4c\x3d\x2e\x1f";
 
 /// Who sends an input's frames (its first byte, modulo 4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -163,6 +165,7 @@ impl Harness {
                 _ if !authed => {
                     let answer = reply.expect("an unauthenticated peer is answered").expect("the refusal decodes");
                     assert_eq!(answer.corr, req.corr);
+                    assert_eq!(answer.request_id, None, "a refusal echoes nothing the peer sent");
                     assert!(is_refusal(&answer.body), "{kind} before the handshake got {:?}", answer.body);
                     refused += 1;
                 }
@@ -193,7 +196,7 @@ impl Harness {
                         }
                     };
                     assert_eq!(answer.corr, req.corr, "the answer to {kind} carries its correlation id");
-                    assert_eq!(answer.request_id, req.request_id, "the answer to {kind} carries its request id");
+                    assert_eq!(answer.request_id, echoed(&req), "the answer to {kind} carries its (short) request id");
                     assert!(!is_refusal(&answer.body), "an authenticated peer's {kind} was refused as unauthenticated");
                     assert!(answers(&req.body, &answer.body), "{} is no answer to {kind}", answer.body.kind());
                     self.check_capabilities(&req.body, &answer.body, &before, &faults);
@@ -233,7 +236,7 @@ impl Harness {
         assert_eq!(to.as_slice(), peer, "a parked lease's answer goes to the peer that asked");
         let answer = Envelope::decode(bytes).expect("a parked lease's answer decodes");
         assert_eq!(answer.corr, req.corr, "a parked lease's answer carries its correlation id");
-        assert_eq!(answer.request_id, req.request_id, "a parked lease's answer carries its request id");
+        assert_eq!(answer.request_id, echoed(req), "a parked lease's answer carries its (short) request id");
         assert!(
             matches!(answer.body, Message::XferLeaseRefused(_)),
             "a lease for a hold that never registered got {:?}",
@@ -307,6 +310,12 @@ impl Default for Harness {
 /// Whether P answers `hello` with a challenge (the side channel's label, a 32-byte nonce).
 fn hello_ok(hello: &AuthHello) -> bool {
     hello.channel == "side_channel" && hello.client_nonce.len() == pdmesh_mesh_auth::NONCE_LEN
+}
+
+/// The request id an answer to `req` carries: the request's own when it is at most 128 bytes,
+/// none otherwise (P echoes nothing long a peer sent, D95).
+fn echoed(req: &Envelope) -> Option<String> {
+    req.request_id.clone().filter(|id| id.len() <= 128)
 }
 
 fn is_refusal(body: &Message) -> bool {

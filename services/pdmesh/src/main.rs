@@ -128,6 +128,7 @@ fn is_config_error(e: &anyhow::Error) -> bool {
     e.downcast_ref::<Misconfigured>().is_some()
         || e.chain().any(|c| {
             c.is::<pdmesh_config::ConfigError>()
+                || c.is::<pdmesh_mesh_auth::SecretError>()
                 || c.downcast_ref::<StartError>().is_some_and(StartError::is_config)
                 || matches!(
                     c.downcast_ref::<FrontendError>(),
@@ -142,6 +143,10 @@ fn is_config_error(e: &anyhow::Error) -> bool {
 }
 
 fn main() -> ExitCode {
+    // Everything this process (or a library in it) creates on the host — logs, `ipc` sockets,
+    // P's KV region in /dev/shm, the run dir's files — is its user's alone (D97,
+    // docs/SECURITY.md "Same-host access"); children of `pdmesh up` inherit the mask too.
+    let _previous = rustix::process::umask(rustix::fs::Mode::from_bits_truncate(pdmesh_config::private::PRIVATE_UMASK));
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is::<StopTimedOut>() => {
@@ -295,6 +300,10 @@ where
     let telemetry = pdmesh_telemetry::init_service(&identity);
     let mut topo = topo?;
     model::resolve_kv_budgets(&mut topo).context(Misconfigured("engine.kv_cache_memory".into()))?;
+    // The node's `ipc` sockets live in the run dir: it must be this user's and private (D97).
+    if topo.node(&args.node).is_ok_and(|n| n.transport == pdmesh_config::SocketTransport::Ipc) {
+        pdmesh_config::private::private_dir(&topo.run_dir)?;
+    }
     links::seal_internal_links(&topo, &args.node)?;
     let deadline = pdmesh_service::deadline_from_env()?;
     let system = actix_rt::System::new();

@@ -330,11 +330,69 @@ fn mesh_secret(given: Option<pdmesh_mesh_auth::MeshSecret>) -> pdmesh_mesh_auth:
     }
 }
 
-fn spawn(spec: &ChildSpec, topology_path: &Path, run_dir: &Path, keys: &KeyEnv) -> anyhow::Result<Child> {
-    let exe = std::env::current_exe().context("locating the pdmesh binary")?;
-    let log = std::fs::OpenOptions::new().create(true).append(true).open(&spec.log)?;
+/// The binary `pdmesh up` starts its children from: its own, opened once at start and held
+/// open (D98). A rebuild replaces the file at the binary's path (a new inode; the old one is
+/// "(deleted)"), so resolving the path again per spawn — as before — failed every restart
+/// after a `cargo build`. The open file keeps the running inode alive, and each child is
+/// executed through `/proc/self/fd/<n>`, so every child, first start or restart, runs exactly
+/// the binary `pdmesh up` runs.
+pub(crate) struct OwnBinary {
+    /// Held open for the life of the supervisor: the inode the children run.
+    file: std::fs::File,
+    /// What the children see as their name (`argv[0]`).
+    name: std::ffi::OsString,
+}
+
+impl OwnBinary {
+    pub(crate) fn open() -> anyhow::Result<Self> {
+        let file = std::fs::File::open("/proc/self/exe").context("opening the pdmesh binary (/proc/self/exe)")?;
+        let name = std::env::args_os().next().unwrap_or_else(|| "pdmesh".into());
+        Ok(Self { file, name })
+    }
+
+    /// The path that executes the held inode. The descriptor is close-on-exec: the kernel
+    /// resolves the path before it closes it, so the child does not keep it.
+    fn exec_path(&self) -> PathBuf {
+        use std::os::fd::AsRawFd as _;
+        PathBuf::from(format!("/proc/self/fd/{}", self.file.as_raw_fd()))
+    }
+}
+
+/// Open (or create) a child's log, owner-only (D97): a log left by an older run with a wider
+/// mode is narrowed.
+fn open_log(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let log =
+        std::fs::OpenOptions::new().create(true).append(true).mode(pdmesh_config::private::FILE_MODE).open(path)?;
+    pdmesh_config::private::make_private_file(path)?;
+    Ok(log)
+}
+
+/// Write `text` to `path`, owner-only (D97).
+fn write_private(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .truncate(true)
+        .mode(pdmesh_config::private::FILE_MODE)
+        .open(path)?;
+    pdmesh_config::private::make_private_file(path)?;
+    f.write_all(text.as_bytes())
+}
+
+fn spawn(
+    exe: &OwnBinary,
+    spec: &ChildSpec,
+    topology_path: &Path,
+    run_dir: &Path,
+    keys: &KeyEnv,
+) -> anyhow::Result<Child> {
+    let log = open_log(&spec.log).with_context(|| format!("opening its log {}", spec.log.display()))?;
     let log2 = log.try_clone()?;
-    let mut cmd = Command::new(exe);
+    let mut cmd = Command::new(exe.exec_path());
+    cmd.arg0(&exe.name);
     cmd.arg(spec.service.name())
         .arg("--topology")
         .arg(topology_path)
@@ -381,7 +439,7 @@ fn write_state(state: &Path, procs: &[Running]) {
     let text = serde_json::to_string_pretty(&serde_json::json!({ "up_pid": std::process::id(), "processes": entries }))
         .unwrap_or_default();
     let tmp = state.with_extension("json.tmp");
-    if std::fs::write(&tmp, text).is_ok() {
+    if write_private(&tmp, &text).is_ok() {
         let _ = std::fs::rename(&tmp, state);
     }
 }
@@ -464,19 +522,29 @@ async fn supervise_launch(args: Launch) -> anyhow::Result<()> {
         tracing::info!(nodes = %selection.names.join(","), "starting only these nodes of the topology");
     }
     let _ = MESH_SECRET.set(mesh_secret(given_secret));
+    let exe = OwnBinary::open()?;
     let run_dir = topo.run_dir.clone();
     let logs = run_dir.join("logs");
-    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    // The run dir holds the node's sockets, logs and the topology: this user's alone (D97).
+    for dir in [&run_dir, &logs] {
+        match pdmesh_config::private::private_dir(dir).context(Misconfigured("the run dir".into()))? {
+            pdmesh_config::private::PrivateDir::Tightened(mode) => {
+                tracing::warn!(dir = %dir.display(), was = %format!("{mode:o}"), "made a directory of the mesh owner-only (0700)");
+                eprintln!("pdmesh up: {} was open to other users (mode {mode:o}); made it 0700", dir.display());
+            }
+            pdmesh_config::private::PrivateDir::Created | pdmesh_config::private::PrivateDir::Private => {}
+        }
+    }
     let suffix = args.file_suffix.clone().unwrap_or_else(|| selection.file_suffix());
     let state = run_dir.join(format!("mesh{suffix}.json"));
     // Children read the same topology; write the effective one where they can find it.
     let topology_path = run_dir.join(format!("topology{suffix}.toml"));
-    std::fs::write(&topology_path, &args.text)?;
+    write_private(&topology_path, &args.text).with_context(|| format!("writing {}", topology_path.display()))?;
 
     let mut procs: Vec<Running> = Vec::new();
     for spec in children_of(&topo, &selection, &logs) {
-        let child =
-            spawn(&spec, &topology_path, &run_dir, &key_env).with_context(|| format!("starting {}", spec.label()))?;
+        let child = spawn(&exe, &spec, &topology_path, &run_dir, &key_env)
+            .with_context(|| format!("starting {}", spec.label()))?;
         let pid = child.id().unwrap_or(0);
         tracing::info!(process = %spec.label(), pid, log = %spec.log.display(), "started");
         let started_at = tokio::time::Instant::now();
@@ -494,7 +562,9 @@ async fn supervise_launch(args: Launch) -> anyhow::Result<()> {
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     // Set when a child stopped on a configuration error: the mesh stops with it.
     let mut misconfigured: Option<String> = None;
-    while misconfigured.is_none() {
+    // Set when a child could not be started again: the mesh stops with it (D98).
+    let mut unrestartable: Option<String> = None;
+    while misconfigured.is_none() && unrestartable.is_none() {
         tokio::select! {
             _ = term.recv() => break,
             _ = int.recv() => break,
@@ -551,7 +621,7 @@ async fn supervise_launch(args: Launch) -> anyhow::Result<()> {
                 }
             } else if p.next_start.is_some_and(|t| t <= tokio::time::Instant::now()) {
                 p.next_start = None;
-                match spawn(&p.spec, &topology_path, &run_dir, &key_env) {
+                match spawn(&exe, &p.spec, &topology_path, &run_dir, &key_env) {
                     Ok(child) => {
                         p.pid = child.id().unwrap_or(0);
                         p.child = Some(child);
@@ -561,8 +631,14 @@ async fn supervise_launch(args: Launch) -> anyhow::Result<()> {
                         changed = true;
                     }
                     Err(e) => {
-                        tracing::error!(process = %p.spec.label(), error = %e, "restart failed");
-                        p.next_start = Some(tokio::time::Instant::now() + Duration::from_secs(5));
+                        // Retrying cannot help (the binary is held open; what failed is the
+                        // host: its log, a limit): a node left down without a word is worse
+                        // than a mesh that stops and says why (D98).
+                        tracing::error!(process = %p.spec.label(), error = %format!("{e:#}"),
+                            "cannot restart a child; stopping the mesh");
+                        eprintln!("pdmesh up: cannot restart {}: {e:#}; stopping the mesh", p.spec.label());
+                        unrestartable = Some(format!("cannot restart {}: {e:#}", p.spec.label()));
+                        break;
                     }
                 }
             }
@@ -606,6 +682,9 @@ async fn supervise_launch(args: Launch) -> anyhow::Result<()> {
     let _ = std::fs::remove_file(&state);
     if let Some(why) = misconfigured {
         return Err(anyhow::Error::msg(why).context(Misconfigured("the mesh stopped".into())));
+    }
+    if let Some(why) = unrestartable {
+        return Err(anyhow::Error::msg(why).context("the mesh stopped"));
     }
     if forced > 0 {
         anyhow::bail!("{forced} process(es) had to be killed at shutdown");

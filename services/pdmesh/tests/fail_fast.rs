@@ -128,3 +128,45 @@ fn log_files_carry_no_colour_codes() {
     assert!(!logs.contains('\u{1b}'), "an escape code in a log file: {logs}");
     assert!(mesh.stop().success());
 }
+
+/// Issue 40: a mesh secret that is too short is a configuration error of `pdmesh up` itself
+/// (exit 78, as docs/SECURITY.md promises), not a failure (exit 1), and nothing starts.
+#[test]
+fn a_short_mesh_secret_stops_up_with_the_configuration_status() {
+    let o = up_until_exit("", &[("PDMESH_MESH_SECRET", "short")]);
+    assert_eq!(o.status.code(), Some(EXIT_CONFIG), "stderr:\n{}", o.stderr);
+    assert!(o.stderr.contains("configuration error"), "{}", o.stderr);
+    assert!(processes_of(&o.run_dir).is_empty(), "no child of the mesh runs");
+    let _ = std::fs::remove_dir_all(&o.run_dir);
+}
+
+/// Issue 40: a topology whose side-channel port is one of the node's own `/metrics` ports
+/// (`base_port` + 100, the dp-lb's) is refused before anything starts, naming both uses,
+/// instead of starting a worker that cannot bind and is restarted in a loop.
+#[test]
+fn a_topology_whose_ports_collide_is_refused_naming_both_uses() {
+    let (http, base) = reserve_ports();
+    let (run_dir, topology) = common::one_node_run_dir(
+        "pdmesh-portclash",
+        http,
+        base,
+        &format!("kv_transfer = {{ kv_role = \"kv_both\", side_channel_port = {} }}", base + 100),
+    );
+    let o = Command::new(pdmesh_bin())
+        .arg("up")
+        .arg("--topology")
+        .arg(&topology)
+        .env("PDMESH_RUN_DIR", &run_dir)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(EXIT_CONFIG), "stderr:\n{stderr}");
+    assert!(
+        stderr.contains(&format!("port {}", base + 100))
+            && stderr.contains("dp-lb metrics")
+            && stderr.contains("KV side channel of rank 0"),
+        "both uses are named:\n{stderr}"
+    );
+    assert!(!run_dir.join("logs").exists(), "nothing started");
+    let _ = std::fs::remove_dir_all(&run_dir);
+}

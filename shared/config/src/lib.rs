@@ -9,6 +9,7 @@
 pub mod api_keys;
 mod bytes;
 pub mod env;
+pub mod private;
 
 pub use bytes::ByteSize;
 
@@ -1003,6 +1004,59 @@ impl NodeConfig {
         }
     }
 
+    /// Every port this node listens on, with the address it binds and what it is for: its HTTP
+    /// port, its services' `/metrics` ports, its internal tcp ports, and per rank its KV side
+    /// channel and (tcp backend) block server. [`Topology::validate`] refuses two uses of one.
+    pub fn listening_ports(&self, run_dir: &Path) -> Vec<ListeningPort> {
+        let at = |host: &str, port: u16, what: String| ListeningPort { host: host.to_string(), port, what };
+        let mut out = vec![at(&self.http_host, self.http_port, format!("node {:?} HTTP", self.name))];
+        if self.role == NodeRole::Router {
+            return out;
+        }
+        out.push(at(
+            &self.bind_host,
+            self.metrics_port(Service::DpLb, 0),
+            format!("node {:?} dp-lb metrics", self.name),
+        ));
+        for r in 0..self.dp_size {
+            for s in [Service::EngineCore, Service::ConnectorScheduler, Service::ConnectorWorker] {
+                out.push(at(
+                    &self.bind_host,
+                    self.metrics_port(s, r),
+                    format!("node {:?} {} {r} metrics", self.name, s.name()),
+                ));
+            }
+        }
+        let e = self.endpoints(run_dir);
+        let internal = [&e.dplb_frontend, &e.dplb_engines, &e.frontend_outputs]
+            .into_iter()
+            .chain(&e.connector_scheduler)
+            .chain(&e.connector_worker);
+        for ep in internal {
+            if let Some(port) = ep.bind.strip_prefix("tcp://").and_then(|a| a.rsplit(':').next()?.parse().ok()) {
+                out.push(at(&self.bind_host, port, format!("node {:?} internal link {}", self.name, ep.bind)));
+            }
+        }
+        if let Some(kv) = &self.kv_transfer {
+            for r in 0..self.dp_size {
+                let r16 = r as u16;
+                out.push(at(
+                    &self.bind_host,
+                    kv.side_channel_port.saturating_add(r16),
+                    format!("node {:?} KV side channel of rank {r}", self.name),
+                ));
+                if kv.backend == TransferBackendKind::Tcp {
+                    out.push(at(
+                        &self.bind_host,
+                        kv.data_port.saturating_add(r16),
+                        format!("node {:?} KV block server of rank {r}", self.name),
+                    ));
+                }
+            }
+        }
+        out
+    }
+
     /// HTTP port of a service's `/metrics` (and `/health`) server. The frontend serves them
     /// on its API port; the others on base+100+… so every port of a node is predictable.
     pub fn metrics_port(&self, service: Service, rank: u32) -> u16 {
@@ -1017,7 +1071,40 @@ impl NodeConfig {
     }
 }
 
+/// One port a node listens on ([`NodeConfig::listening_ports`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListeningPort {
+    /// The address it binds.
+    pub host: String,
+    pub port: u16,
+    /// What listens there, for the error that names both uses of a port.
+    pub what: String,
+}
+
 impl Topology {
+    /// No two listeners may share a port: within a node whatever the addresses (its services
+    /// may bind the same host, and a wildcard covers every address), across nodes when they
+    /// bind the same address. A collision is refused naming both uses, instead of one process
+    /// failing to bind and being restarted in a loop.
+    fn check_ports(&self) -> Result<(), ConfigError> {
+        let mut seen: std::collections::BTreeMap<(String, u16), String> = std::collections::BTreeMap::new();
+        for n in &self.nodes {
+            let mut own: std::collections::BTreeMap<u16, String> = std::collections::BTreeMap::new();
+            for p in n.listening_ports(&self.run_dir) {
+                if let Some(other) = own.insert(p.port, p.what.clone()) {
+                    return Err(ConfigError::Invalid(format!("port {} is used twice: {other} and {}", p.port, p.what)));
+                }
+                if let Some(other) = seen.insert((p.host.clone(), p.port), p.what.clone()) {
+                    return Err(ConfigError::Invalid(format!(
+                        "port {} on {} is used twice: {other} and {}",
+                        p.port, p.host, p.what
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Parse and validate TOML text.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
         let topo: Topology = toml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
@@ -1222,7 +1309,8 @@ impl Topology {
                 n.router.check().map_err(|why| ConfigError::Invalid(format!("router node {:?}: {why}", n.name)))?;
             }
         }
-        self.check_node_settings()
+        self.check_node_settings()?;
+        self.check_ports()
     }
 }
 
@@ -1282,39 +1370,44 @@ mod tests {
         }
     }
 
-    /// Every port a node listens on, with what it is for: its HTTP port, its services'
-    /// `/metrics` ports, its internal tcp ports, and per rank its KV side channel and (tcp
-    /// backend) block server.
     fn listening_ports(n: &NodeConfig, run_dir: &Path) -> Vec<(u16, String)> {
-        let mut out = vec![(n.http_port, format!("{} http", n.name))];
-        if n.role == NodeRole::Router {
-            return out;
-        }
-        out.push((n.metrics_port(Service::DpLb, 0), format!("{} dp-lb metrics", n.name)));
-        for r in 0..n.dp_size {
-            for s in [Service::EngineCore, Service::ConnectorScheduler, Service::ConnectorWorker] {
-                out.push((n.metrics_port(s, r), format!("{} {} {r} metrics", n.name, s.name())));
+        n.listening_ports(run_dir).into_iter().map(|p| (p.port, p.what)).collect()
+    }
+
+    /// Issue 40: two uses of one port — a side channel on the node's own dp-lb `/metrics` port
+    /// (`base_port` + 100), a block server on a side channel's port, two nodes on one address
+    /// and one side-channel port — are refused naming both uses; every shipped topology passes.
+    #[test]
+    fn colliding_ports_are_refused_naming_both_uses() {
+        let node = |extra: &str| format!("[[nodes]]\nname = \"a\"\nhttp_port = 9000\nbase_port = 7000\n{extra}\n");
+        let err = Topology::from_toml(&node("kv_transfer = { kv_role = \"kv_both\", side_channel_port = 7100 }"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("port 7100") && err.contains("dp-lb metrics") && err.contains("KV side channel of rank 0"),
+            "{err}"
+        );
+        let err = Topology::from_toml(&node(
+            "kv_transfer = { kv_role = \"kv_both\", backend = \"tcp\", side_channel_port = 5600, data_port = 5600 }",
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("port 5600") && err.contains("block server") && err.contains("side channel"), "{err}");
+        let two = format!(
+            "{}{}",
+            node("kv_transfer = { kv_role = \"kv_both\", side_channel_port = 5600 }"),
+            "[[nodes]]\nname = \"b\"\nhttp_port = 9001\nbase_port = 7500\nkv_transfer = { kv_role = \"kv_both\", side_channel_port = 5600 }\n"
+        );
+        let err = Topology::from_toml(&two).unwrap_err().to_string();
+        assert!(err.contains("node \"a\" KV side channel") && err.contains("node \"b\" KV side channel"), "{err}");
+        Topology::from_toml(&node("kv_transfer = { kv_role = \"kv_both\", side_channel_port = 5600 }")).unwrap();
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/topology");
+        for f in std::fs::read_dir(&dir).unwrap().flatten() {
+            if f.path().extension().is_some_and(|e| e == "toml") {
+                Topology::load(&f.path()).unwrap_or_else(|e| panic!("{}: {e}", f.path().display()));
             }
         }
-        let e = n.endpoints(run_dir);
-        let internal = [&e.dplb_frontend, &e.dplb_engines, &e.frontend_outputs]
-            .into_iter()
-            .chain(&e.connector_scheduler)
-            .chain(&e.connector_worker);
-        for ep in internal {
-            if let Some(port) = ep.bind.strip_prefix("tcp://").and_then(|a| a.rsplit(':').next()?.parse().ok()) {
-                out.push((port, format!("{} internal {}", n.name, ep.bind)));
-            }
-        }
-        if let Some(kv) = &n.kv_transfer {
-            for r in 0..n.dp_size as u16 {
-                out.push((kv.side_channel_port + r, format!("{} side channel {r}", n.name)));
-                if kv.backend == TransferBackendKind::Tcp {
-                    out.push((kv.data_port + r, format!("{} block server {r}", n.name)));
-                }
-            }
-        }
-        out
+        Topology::default_mesh().unwrap();
     }
 
     /// deploy/topology/scaleout.toml: a router over 2 P and 2 D nodes on the real model, whose

@@ -92,6 +92,11 @@ pub struct AgentStats {
     pub tcp_unauthenticated: AtomicU64,
     /// Leases, reads and notices that carried a wrong capability token for a held request.
     pub capability_refused: AtomicU64,
+    /// Side channel connections P dropped: over their allowance before the handshake, evicted
+    /// for a newcomer, expired, or not reading their answers (D95, D96).
+    pub peers_dropped: AtomicU64,
+    /// Side channel peers connected and not (yet) authenticated, as of the last change.
+    pub pending_peers: AtomicU64,
     /// Rejection → release latencies (µs) of give-ups for rejections before admission (R1),
     /// drained by the worker into its histogram.
     pub rejection_to_release_us: std::sync::Mutex<Vec<u64>>,
@@ -231,14 +236,17 @@ impl TransferAgent {
         });
 
         let mut socket = RouterSocket::new();
-        // Peer disconnects end their authenticated sessions (a reconnect authenticates again).
+        // Accepted connections start fresh entries, disconnects end sessions (a reconnect
+        // authenticates again).
         let events = socket.monitor();
         prepare_ipc(&config.side_channel);
-        let bound = socket
-            .bind(&config.side_channel)
-            .await
-            .map_err(|e| AgentError::Bind { endpoint: config.side_channel.clone(), reason: e.to_string() })?
-            .to_string();
+        let bind_err = |reason: String| AgentError::Bind { endpoint: config.side_channel.clone(), reason };
+        let bound = match tcp_side_channel_listener(&config.side_channel) {
+            Some(listener) => socket.bind_listener(listener.map_err(|e| bind_err(e.to_string()))?).await,
+            None => socket.bind(&config.side_channel).await,
+        }
+        .map_err(|e| bind_err(e.to_string()))?
+        .to_string();
         let mut handles = vec![tokio::spawn(serve_side_channel(socket, events, served.clone()))];
         if let Some((listener, region)) = block_server {
             handles.push(tokio::spawn(tcp::serve_blocks(listener, Arc::new(region), spec, served.clone())));
@@ -288,6 +296,27 @@ fn absolute(path: &Path) -> PathBuf {
     std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
+/// How long a side channel connection may leave P's answers unread (the kernel's
+/// `TCP_USER_TIMEOUT`: data unacknowledged, or held back by a zero window) before the kernel
+/// aborts it, and the ROUTER drops the peer with everything queued for it (D95).
+pub const SIDE_CHANNEL_STALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// For a `tcp://host:port` endpoint, a listener whose accepted connections inherit
+/// [`SIDE_CHANNEL_STALL_TIMEOUT`]; `None` for another transport. The zeromq crate has no
+/// socket options of its own for this (docs/DEPENDENCIES.md), but binds a listener it is given.
+fn tcp_side_channel_listener(endpoint: &str) -> Option<std::io::Result<std::net::TcpListener>> {
+    let addr = endpoint.strip_prefix("tcp://")?;
+    let (host, port) = addr.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let host = if host == "*" { "0.0.0.0" } else { host };
+    let port: u16 = port.parse().ok()?;
+    Some((|| {
+        let listener = std::net::TcpListener::bind((host, port))?;
+        socket2::SockRef::from(&listener).set_tcp_user_timeout(Some(SIDE_CHANNEL_STALL_TIMEOUT))?;
+        Ok(listener)
+    })())
+}
+
 fn prepare_ipc(endpoint: &str) {
     if let Some(path) = endpoint.strip_prefix("ipc://") {
         let path = Path::new(path);
@@ -303,48 +332,217 @@ fn prepare_ipc(endpoint: &str) {
 ///
 /// D's DEALER sets no identity, so the ROUTER names each connection with 128 random bits that
 /// never leave P: another peer cannot name (and so cannot ride) an authenticated session. A
-/// session ends when its connection does; a reconnect authenticates again.
+/// session ends when its connection does; a reconnect authenticates again. A peer may choose
+/// its own identity, and the ROUTER then hands the connection of a later peer with the same
+/// identity the earlier one's routing id: so every accepted connection starts a fresh,
+/// unauthenticated entry, ending whatever session its routing id had (D96).
+///
+/// Pre-handshake state is bounded and short-lived (D96): at most [`MAX_PENDING`] peers that
+/// have not authenticated, at most [`MAX_PENDING_PER_SOURCE`] of one source address, each
+/// allowed [`MAX_PREAUTH_FRAMES`] frames and [`PREAUTH_TTL`] before it is dropped. A newcomer
+/// that finds the table full takes the slot of the oldest pending peer of the source holding
+/// the most slots (its own, when it is that source), so strangers flooding from some
+/// addresses never keep a peer from another address — or a peer that answers its challenge
+/// at once — from authenticating.
 #[derive(Default)]
 pub(crate) struct Sessions {
-    peers: std::collections::HashMap<Vec<u8>, PeerAuth>,
+    peers: std::collections::HashMap<Vec<u8>, Peer>,
+    /// Pending (not authenticated) peers per source address.
+    pending_by_source: std::collections::HashMap<String, usize>,
+    /// Authenticated peers (bounded by [`MAX_AUTHENTICATED`]).
+    authenticated: usize,
+    /// Peers to disconnect, drained by the socket loop: over their pre-handshake allowance,
+    /// evicted for a newcomer, expired, or refused for a full table of authenticated peers.
+    to_drop: Vec<Vec<u8>>,
     /// Lease requests the policy parked until their hold registers (D65), by ticket: the
     /// asking peer and its request, to answer later. As many as the policy parks (bounded
     /// there), each removed when the policy answers it.
     parked: std::collections::HashMap<u64, (Vec<u8>, Envelope)>,
 }
 
+struct Peer {
+    /// The connection's source address (`unknown` when the ROUTER did not say).
+    source: String,
+    /// When the connection was first seen: the start of its pre-handshake allowance.
+    since: Instant,
+    /// Frames received before it authenticated.
+    preauth_frames: u32,
+    auth: PeerAuth,
+}
+
 enum PeerAuth {
+    /// Connected, no hello yet (or its hello was refused).
+    None,
     /// Sent our challenge; waiting for the peer's proof.
-    Challenged {
-        challenge: ServerChallenge,
-        since: Instant,
-    },
+    Challenged(ServerChallenge),
     Authenticated,
 }
 
-/// Peers in the handshake or authenticated at once; beyond it, challenges older than
-/// [`CHALLENGE_TTL`] are dropped, and if that is not enough new hellos are refused, so a flood
-/// of half-open handshakes cannot grow P's memory.
-const MAX_SESSIONS: usize = 8192;
-const CHALLENGE_TTL: Duration = Duration::from_secs(10);
+/// Authenticated peers at once (each proved the secret: mesh members).
+const MAX_AUTHENTICATED: usize = 4096;
+/// Peers that have not authenticated, at once.
+pub(crate) const MAX_PENDING: usize = 1024;
+/// Peers of one source address that have not authenticated, at once.
+pub(crate) const MAX_PENDING_PER_SOURCE: usize = 64;
+/// Frames a peer may send before it authenticated: a hello and a proof need two; the rest is
+/// room for a peer that retries. Each is answered with at most a small refusal, so a peer
+/// that never reads can make P queue a few KiB at most before it is dropped; one that re-sends
+/// hellos to keep its slot is dropped too.
+pub(crate) const MAX_PREAUTH_FRAMES: u32 = 16;
+/// How long a peer may take to authenticate from its connection (or first frame).
+pub(crate) const PREAUTH_TTL: Duration = Duration::from_secs(5);
+/// The source of a peer whose connection the ROUTER did not report.
+const UNKNOWN_SOURCE: &str = "unknown";
 
 /// One refused-peer log line per second per channel at most.
 static SIDE_CHANNEL_LOG: LogLimiter = LogLimiter::new(Duration::from_secs(1));
+/// One undecodable-frame log line per second at most (D99).
+static UNDECODABLE_LOG: LogLimiter = LogLimiter::new(Duration::from_secs(1));
 
 impl Sessions {
     fn is_authenticated(&self, peer: &[u8]) -> bool {
-        matches!(self.peers.get(peer), Some(PeerAuth::Authenticated))
+        matches!(self.peers.get(peer), Some(Peer { auth: PeerAuth::Authenticated, .. }))
     }
 
-    fn make_room(&mut self, now: Instant) -> bool {
-        if self.peers.len() >= MAX_SESSIONS {
-            self.peers.retain(|_, p| match p {
-                PeerAuth::Challenged { since, .. } => now.duration_since(*since) < CHALLENGE_TTL,
-                PeerAuth::Authenticated => true,
-            });
-        }
-        self.peers.len() < MAX_SESSIONS
+    /// Peers that have not authenticated.
+    pub(crate) fn pending(&self) -> usize {
+        self.peers.len() - self.authenticated
     }
+
+    /// Forget `peer` (its connection ended or is being dropped).
+    fn forget(&mut self, peer: &[u8]) {
+        if let Some(old) = self.peers.remove(peer) {
+            if matches!(old.auth, PeerAuth::Authenticated) {
+                self.authenticated -= 1;
+            } else if let Some(n) = self.pending_by_source.get_mut(&old.source) {
+                *n -= 1;
+                if *n == 0 {
+                    self.pending_by_source.remove(&old.source);
+                }
+            }
+        }
+    }
+
+    /// Forget `peer` and have the socket loop disconnect it.
+    fn drop_peer(&mut self, peer: &[u8]) {
+        self.forget(peer);
+        self.to_drop.push(peer.to_vec());
+    }
+
+    /// A connection was accepted from `source`: a fresh, unauthenticated entry, whatever its
+    /// routing id held before (a peer-chosen identity reused by another connection).
+    pub(crate) fn accepted(&mut self, peer: &[u8], source: &str, now: Instant) {
+        self.forget(peer);
+        self.admit(peer, source, now);
+    }
+
+    /// The connection of `peer` ended.
+    pub(crate) fn disconnected(&mut self, peer: &[u8]) {
+        self.forget(peer);
+    }
+
+    /// Make a pending entry for `peer`, making room as the fair-share rule says.
+    fn admit(&mut self, peer: &[u8], source: &str, now: Instant) {
+        self.expire(now);
+        let own = self.pending_by_source.get(source).copied().unwrap_or(0);
+        let victim_source = if own >= MAX_PENDING_PER_SOURCE {
+            Some(source.to_string())
+        } else if self.pending() >= MAX_PENDING {
+            self.pending_by_source.iter().max_by_key(|(_, n)| **n).map(|(s, _)| s.clone())
+        } else {
+            None
+        };
+        if let Some(victim_source) = victim_source {
+            let oldest = self
+                .peers
+                .iter()
+                .filter(|(_, p)| !matches!(p.auth, PeerAuth::Authenticated) && p.source == victim_source)
+                .min_by_key(|(_, p)| p.since)
+                .map(|(id, _)| id.clone());
+            if let Some(oldest) = oldest {
+                self.drop_peer(&oldest);
+            }
+        }
+        self.peers.insert(
+            peer.to_vec(),
+            Peer { source: source.to_string(), since: now, preauth_frames: 0, auth: PeerAuth::None },
+        );
+        *self.pending_by_source.entry(source.to_string()).or_insert(0) += 1;
+    }
+
+    /// Drop every pending peer whose allowance of time ran out.
+    pub(crate) fn expire(&mut self, now: Instant) {
+        let expired: Vec<Vec<u8>> = self
+            .peers
+            .iter()
+            .filter(|(_, p)| !matches!(p.auth, PeerAuth::Authenticated) && now.duration_since(p.since) >= PREAUTH_TTL)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in expired {
+            self.drop_peer(&id);
+        }
+    }
+
+    /// Count a frame of a peer that has not authenticated; `false` when it is over its
+    /// allowance (it is then dropped, its frame unanswered).
+    fn preauth_frame(&mut self, peer: &[u8], now: Instant) -> bool {
+        if !self.peers.contains_key(peer) {
+            self.admit(peer, UNKNOWN_SOURCE, now);
+        }
+        let Some(p) = self.peers.get_mut(peer) else { return false };
+        p.preauth_frames += 1;
+        if p.preauth_frames > MAX_PREAUTH_FRAMES || now.duration_since(p.since) >= PREAUTH_TTL {
+            self.drop_peer(peer);
+            return false;
+        }
+        true
+    }
+
+    /// The peers the socket loop is to disconnect now.
+    pub(crate) fn take_drops(&mut self) -> Vec<Vec<u8>> {
+        std::mem::take(&mut self.to_drop)
+    }
+}
+
+/// Whether `peer` is a routing id P's ROUTER made up (16 random bytes shaped as a UUID v4, what
+/// the zeromq crate gives a connection that claims no identity), rather than one the peer chose.
+/// Only such connections are authenticated (D96): a chosen identity can be claimed again by a
+/// stranger's connection, which the ROUTER would then hand the first one's routing id. A
+/// chosen identity shaped as a UUID v4 passes, but can meet only another chosen one: the
+/// ROUTER's own are 122 random bits that never leave P. Accepted connections reset their
+/// routing id's entry as well ([`Sessions::accepted`]).
+fn router_named(peer: &[u8]) -> bool {
+    peer.len() == 16 && peer[6] >> 4 == 4 && peer[8] & 0xc0 == 0x80
+}
+
+/// The reply to a message of a peer that has not authenticated: the handshake's next step or
+/// a refusal, carrying nothing the peer sent but the fixed-size correlation number D matches
+/// answers by — no request id, no trace (D95): a stranger cannot make P hold or send back
+/// bytes of its choosing.
+fn preauth_reply(env: &Envelope, body: Message) -> Option<Vec<u8>> {
+    Envelope::new(body).with_corr(env.corr).encode().ok()
+}
+
+/// The longest request id an answer echoes.
+pub(crate) const ECHOED_ID_MAX: usize = 128;
+
+/// The envelope of an answer to an authenticated peer: its correlation number and, when it is
+/// at most [`ECHOED_ID_MAX`] bytes, its request id — never its trace context (D95). Every
+/// answer is then of a size P decides, so what a peer can make P queue for it is bounded by
+/// its frames, not by their size.
+fn member_reply(env: &Envelope, body: Message) -> Envelope {
+    let mut reply = Envelope::new(body).with_corr(env.corr);
+    reply.request_id = env.request_id.clone().filter(|id| id.len() <= ECHOED_ID_MAX);
+    reply
+}
+
+/// An id a peer sent, as it may appear in an answer's text: at most 128 bytes of it (D95).
+fn shown(id: &str) -> &str {
+    let mut end = id.len().min(ECHOED_ID_MAX);
+    while !id.is_char_boundary(end) {
+        end -= 1;
+    }
+    &id[..end]
 }
 
 /// Count and (rate-limited) log a refused side channel message.
@@ -361,17 +559,28 @@ fn refuse_unauthenticated(served: &Served, why: &dyn std::fmt::Display) {
 /// message goes to [`answer`].
 fn authenticate(served: &Served, sessions: &mut Sessions, peer: &[u8], env: &Envelope) -> Option<Message> {
     let now = Instant::now();
+    if !sessions.peers.contains_key(peer) {
+        sessions.admit(peer, UNKNOWN_SOURCE, now);
+    }
     match &env.body {
+        Message::AuthHello(_) if !router_named(peer) => {
+            refuse_unauthenticated(served, &"a peer-chosen ZeroMQ identity");
+            Some(Message::Error(pdmesh_mesh_auth::refusal(
+                "set no ZeroMQ identity: P names side channel connections itself",
+            )))
+        }
         Message::AuthHello(hello) => {
             // A new hello restarts the handshake (and ends an earlier session of this peer).
-            sessions.peers.remove(peer);
-            if !sessions.make_room(now) {
-                refuse_unauthenticated(served, &"too many handshakes in progress");
-                return Some(Message::Error(pdmesh_mesh_auth::refusal("busy")));
+            if sessions.is_authenticated(peer) {
+                let source = sessions.peers.get(peer).map_or(UNKNOWN_SOURCE.to_string(), |p| p.source.clone());
+                sessions.forget(peer);
+                sessions.admit(peer, &source, now);
             }
             match ServerChallenge::answer(&served.secret, Channel::SideChannel, hello) {
                 Ok((challenge, reply)) => {
-                    sessions.peers.insert(peer.to_vec(), PeerAuth::Challenged { challenge, since: now });
+                    if let Some(p) = sessions.peers.get_mut(peer) {
+                        p.auth = PeerAuth::Challenged(challenge);
+                    }
                     Some(Message::AuthChallenge(reply))
                 }
                 Err(e) => {
@@ -380,23 +589,49 @@ fn authenticate(served: &Served, sessions: &mut Sessions, peer: &[u8], env: &Env
                 }
             }
         }
-        Message::AuthProof(proof) => match sessions.peers.remove(peer) {
-            Some(PeerAuth::Challenged { challenge, .. }) => match challenge.verify(&served.secret, proof) {
-                Ok(()) => {
-                    sessions.peers.insert(peer.to_vec(), PeerAuth::Authenticated);
+        Message::AuthProof(proof) => {
+            if sessions.is_authenticated(peer) {
+                // A proof on an established session ends it.
+                let source = sessions.peers.get(peer).map_or(UNKNOWN_SOURCE.to_string(), |p| p.source.clone());
+                sessions.forget(peer);
+                sessions.admit(peer, &source, now);
+                refuse_unauthenticated(served, &"auth_proof on an established session");
+                return Some(Message::Error(pdmesh_mesh_auth::refusal("no handshake in progress")));
+            }
+            let challenge = match sessions.peers.get_mut(peer) {
+                Some(p) => match std::mem::replace(&mut p.auth, PeerAuth::None) {
+                    PeerAuth::Challenged(c) => Some(c),
+                    _ => None,
+                },
+                None => None,
+            };
+            let Some(challenge) = challenge else {
+                refuse_unauthenticated(served, &"auth_proof without a challenge");
+                return Some(Message::Error(pdmesh_mesh_auth::refusal("no handshake in progress")));
+            };
+            match challenge.verify(&served.secret, proof) {
+                Ok(()) if sessions.authenticated < MAX_AUTHENTICATED => {
+                    let source = sessions.peers.get(peer).map_or(UNKNOWN_SOURCE.to_string(), |p| p.source.clone());
+                    sessions.forget(peer);
+                    sessions.peers.insert(
+                        peer.to_vec(),
+                        Peer { source, since: now, preauth_frames: 0, auth: PeerAuth::Authenticated },
+                    );
+                    sessions.authenticated += 1;
                     tracing::debug!("side channel: peer authenticated");
                     Some(Message::Ack)
+                }
+                Ok(()) => {
+                    refuse_unauthenticated(served, &"too many authenticated peers");
+                    sessions.drop_peer(peer);
+                    Some(Message::Error(pdmesh_mesh_auth::refusal("busy")))
                 }
                 Err(e) => {
                     refuse_unauthenticated(served, &e);
                     Some(Message::Error(pdmesh_mesh_auth::refusal("wrong mesh secret")))
                 }
-            },
-            _ => {
-                refuse_unauthenticated(served, &"auth_proof without a challenge");
-                Some(Message::Error(pdmesh_mesh_auth::refusal("no handshake in progress")))
             }
-        },
+        }
         other if !sessions.is_authenticated(peer) => {
             refuse_unauthenticated(served, &format_args!("{} before the handshake", other.kind()));
             Some(Message::Error(pdmesh_mesh_auth::refusal("authenticate first (auth_hello)")))
@@ -424,7 +659,10 @@ async fn until(deadline: Option<Instant>) {
 /// Send the answers the policy has now for parked lease requests (D65).
 async fn answer_parked(served: &Served, sessions: &mut Sessions, socket: &mut RouterSocket) {
     for (peer, bytes) in parked_answers(served, sessions, Instant::now()) {
-        send_to(socket, peer, bytes).await;
+        if !send_to(socket, peer.clone(), bytes).await {
+            tracing::warn!("side channel: a peer stopped reading its answers; dropped");
+            sessions.drop_peer(&peer);
+        }
     }
 }
 
@@ -441,28 +679,65 @@ pub(crate) fn parked_answers(served: &Served, sessions: &mut Sessions, now: Inst
         }
         let span = side_channel_span(&env);
         let body = span.in_scope(|| lease_answer(served, req, a.result));
-        let Ok(bytes) = env.reply(body).encode() else { continue };
+        let Ok(bytes) = member_reply(&env, body).encode() else { continue };
         out.push((peer, bytes));
     }
     out
 }
 
-async fn send_to(socket: &mut RouterSocket, peer: Vec<u8>, bytes: Vec<u8>) {
+/// How long the loop waits for a peer's send queue to take an answer. The queue (the zeromq
+/// crate's, 100,000 messages, not configurable) is full only when the peer stopped reading:
+/// it is then dropped rather than waited on (D95).
+const SEND_WAIT: Duration = Duration::from_millis(100);
+
+/// Queue `bytes` for `peer`; `false` when its queue would not take them (the peer is then to
+/// be dropped).
+async fn send_to(socket: &mut RouterSocket, peer: Vec<u8>, bytes: Vec<u8>) -> bool {
     let mut out = ZmqMessage::from(bytes);
     out.push_front(peer.into());
-    match tokio::time::timeout(Duration::from_secs(5), socket.send(out)).await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => tracing::debug!(error = %e, "side channel: peer gone before the answer"),
-        Err(_) => tracing::warn!("side channel: answer not accepted within 5 s"),
+    match tokio::time::timeout(SEND_WAIT, socket.send(out)).await {
+        Ok(Ok(())) => true,
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "side channel: peer gone before the answer");
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+/// Disconnect `peer` from the ROUTER: its queued answers are discarded and its frames no
+/// longer read (the zeromq crate's own removal of a peer, which its ROUTER also runs when a
+/// connection fails).
+fn disconnect(served: &Served, socket: &RouterSocket, peer: &[u8]) {
+    let Ok(id) = zeromq::util::PeerIdentity::try_from(peer) else { return };
+    AgentStats::inc(&served.stats.peers_dropped);
+    pdmesh_mesh_auth::metrics::SIDE_CHANNEL_PEERS_DROPPED.inc();
+    socket.backend().peer_disconnected(&id);
+}
+
+/// Disconnect every peer the session table gave up on.
+fn apply_drops(served: &Served, sessions: &mut Sessions, socket: &RouterSocket) {
+    for peer in sessions.take_drops() {
+        disconnect(served, socket, &peer);
+    }
+    served.stats.pending_peers.store(sessions.pending() as u64, Ordering::Relaxed);
+}
+
+/// The source address of an accepted connection (`ipc` peers share one).
+fn source_of(endpoint: &zeromq::Endpoint) -> String {
+    match endpoint {
+        zeromq::Endpoint::Tcp(host, _) => host.to_string(),
+        other => other.to_string(),
     }
 }
 
 /// One task answers every side channel message in arrival order. Each answer takes
 /// microseconds (a policy call under its lock), so one task is plenty and keeps the policy's
 /// calls serial. Every peer authenticates first ([`authenticate`]); until it has, every other
-/// message gets only a refusal. A lease request that arrives before its hold registered is
-/// parked by the policy and answered here when the policy signals the registration, or when
-/// its wait ends (D65).
+/// message gets only a refusal, and its connection a bounded allowance ([`Sessions`]). A lease
+/// request that arrives before its hold registered is parked by the policy and answered here
+/// when the policy signals the registration, or when its wait ends (D65). A peer whose send
+/// queue stopped taking answers is dropped (D95).
 async fn serve_side_channel(
     mut socket: RouterSocket,
     mut events: futures::channel::mpsc::Receiver<SocketEvent>,
@@ -470,22 +745,36 @@ async fn serve_side_channel(
 ) {
     let mut sessions = Sessions::default();
     let wakeup = served.policy().parked_wakeup();
+    let mut sweep = tokio::time::interval(Duration::from_secs(1));
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let parked_until = if sessions.parked.is_empty() { None } else { served.policy().next_parked_deadline() };
         let msg = tokio::select! {
             biased;
             Some(event) = events.next() => {
-                if let SocketEvent::Disconnected(peer) = event {
-                    sessions.peers.remove(peer.as_ref());
+                match event {
+                    SocketEvent::Accepted(endpoint, peer) => {
+                        sessions.accepted(peer.as_ref(), &source_of(&endpoint), Instant::now());
+                    }
+                    SocketEvent::Disconnected(peer) => sessions.disconnected(peer.as_ref()),
+                    _ => {}
                 }
+                apply_drops(&served, &mut sessions, &socket);
                 continue;
             }
             () = registered(wakeup.as_deref()) => {
                 answer_parked(&served, &mut sessions, &mut socket).await;
+                apply_drops(&served, &mut sessions, &socket);
                 continue;
             }
             () = until(parked_until) => {
                 answer_parked(&served, &mut sessions, &mut socket).await;
+                apply_drops(&served, &mut sessions, &socket);
+                continue;
+            }
+            _ = sweep.tick() => {
+                sessions.expire(Instant::now());
+                apply_drops(&served, &mut sessions, &socket);
                 continue;
             }
             msg = socket.recv() => msg,
@@ -499,13 +788,20 @@ async fn serve_side_channel(
         };
         let mut frames = msg.into_vec();
         if frames.len() < 2 {
-            AgentStats::inc(&served.stats.decode_errors);
+            undecodable(&served, &"a message without a routing id and a frame");
             continue;
         }
         let peer = frames.remove(0);
         let Some(frame) = frames.pop() else { continue };
-        let Some(bytes) = handle_frame(&served, &mut sessions, &peer, &frame) else { continue };
-        send_to(&mut socket, peer.to_vec(), bytes).await;
+        let reply = handle_peer_frame(&served, &mut sessions, &peer, &frame);
+        if let Some(bytes) = reply {
+            if !send_to(&mut socket, peer.to_vec(), bytes).await {
+                tracing::warn!("side channel: a peer stopped reading its answers; dropped");
+                sessions.disconnected(&peer);
+                disconnect(&served, &socket, &peer);
+            }
+        }
+        apply_drops(&served, &mut sessions, &socket);
     }
 }
 
@@ -518,13 +814,12 @@ pub(crate) fn handle_frame(served: &Served, sessions: &mut Sessions, peer: &[u8]
     let env = match Envelope::decode(frame) {
         Ok(env) => env,
         Err(e) => {
-            AgentStats::inc(&served.stats.decode_errors);
-            tracing::warn!(error = %e, "side channel: dropping undecodable frame");
+            undecodable(served, &e);
             return None;
         }
     };
     if let Some(step) = authenticate(served, sessions, peer, &env) {
-        return env.reply(step).encode().ok();
+        return preauth_reply(&env, step);
     }
     let span = side_channel_span(&env);
     let mut parked = None;
@@ -533,6 +828,28 @@ pub(crate) fn handle_frame(served: &Served, sessions: &mut Sessions, peer: &[u8]
         sessions.parked.insert(ticket, (peer.to_vec(), env));
     }
     reply
+}
+
+/// What the socket loop does with one frame from `peer`: a peer that has not authenticated
+/// spends one frame of its allowance first, and one over it (or past its time) is dropped
+/// unanswered (D96); then [`handle_frame`].
+fn handle_peer_frame(served: &Served, sessions: &mut Sessions, peer: &[u8], frame: &[u8]) -> Option<Vec<u8>> {
+    if !sessions.is_authenticated(peer) && !sessions.preauth_frame(peer, Instant::now()) {
+        refuse_unauthenticated(served, &"over its allowance before the handshake; dropped");
+        return None;
+    }
+    handle_frame(served, sessions, peer, frame)
+}
+
+/// Count an undecodable frame (stats and `pdmesh_kv_side_channel_undecodable_frames_total`)
+/// and log it at most once a second with the number not logged (D99): a flood of garbage is
+/// not a flood of log lines.
+fn undecodable(served: &Served, e: &dyn std::fmt::Display) {
+    AgentStats::inc(&served.stats.decode_errors);
+    pdmesh_mesh_auth::metrics::UNDECODABLE_FRAMES.inc();
+    if let Some(suppressed) = UNDECODABLE_LOG.allow() {
+        tracing::warn!(error = %e, suppressed, "side channel: dropping undecodable frame");
+    }
 }
 
 /// A span per side-channel message, child of the reader's span on D, so the handshake, lease
@@ -568,7 +885,10 @@ fn lease_answer(
         Err(refusal) => {
             AgentStats::inc(&stats.leases_refused);
             tracing::info!(p_request_id = %req.p_request_id, consumer = %req.consumer, %refusal, "lease refused");
-            Message::XferLeaseRefused(XferLeaseRefused { reason: refusal.reason, detail: refusal.detail })
+            Message::XferLeaseRefused(XferLeaseRefused {
+                reason: refusal.reason,
+                detail: shown(&refusal.detail).to_string(),
+            })
         }
     }
 }
@@ -623,7 +943,7 @@ fn answer(served: &Served, env: &Envelope, parked: &mut Option<u64>) -> Option<V
             if faults.engine_id_mismatch {
                 meta.engine_id = format!("{}-fault-injected", meta.engine_id);
             }
-            let reply = env.reply(Message::XferMetadata(meta)).encode().ok()?;
+            let reply = member_reply(env, Message::XferMetadata(meta)).encode().ok()?;
             if faults.undecodable_metadata {
                 // A frame cut in half: what a reader of another version or a corrupt link sees.
                 return Some(reply[..reply.len() / 2].to_vec());
@@ -680,7 +1000,7 @@ fn answer(served: &Served, env: &Envelope, parked: &mut Option<u64>) -> Option<V
                 AgentStats::inc(&stats.read_done_rejected);
                 Message::Error(WireError::new(
                     ErrorClass::NotFound,
-                    format!("lease {} of {} is not active ({outcome:?})", n.lease_id, n.p_request_id),
+                    format!("lease {} of {} is not active ({outcome:?})", n.lease_id, shown(&n.p_request_id)),
                 ))
             }
         }
@@ -735,7 +1055,7 @@ fn answer(served: &Served, env: &Envelope, parked: &mut Option<u64>) -> Option<V
             Message::Error(WireError::new(ErrorClass::InvalidRequest, format!("unexpected {}", other.kind())))
         }
     };
-    env.reply(body).encode().ok()
+    member_reply(env, body).encode().ok()
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -37,6 +38,9 @@ pub enum ShmError {
 fn io_err<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> ShmError + 'a {
     move |source| ShmError::Io { op, path: path.to_path_buf(), source }
 }
+
+/// Mode of a region file: its creator's user alone may open it (D97).
+pub const REGION_MODE: u32 = 0o600;
 
 /// Where region files go: `/dev/shm` when it exists (tmpfs: the pages are RAM, nothing reaches
 /// a disk), else the temporary directory (still mmap-able, e.g. on macOS).
@@ -85,8 +89,15 @@ impl ShmRegion {
         // A file left by a crashed previous incarnation is replaced, never reused: a reader
         // still mapping the old inode keeps seeing the old bytes, not ours.
         let _ = std::fs::remove_file(path);
-        let mut file =
-            OpenOptions::new().read(true).write(true).create_new(true).open(path).map_err(io_err("create", path))?;
+        // Owner-only (0600, D97): the cache encodes other users' prompts, and any local user
+        // who could open the file could map it. Readers (D on this host) run as P's user.
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(REGION_MODE)
+            .open(path)
+            .map_err(io_err("create", path))?;
         let zeros = vec![0u8; 1 << 20];
         let mut left = len;
         while left > 0 {
@@ -426,6 +437,17 @@ mod tests {
         assert!(!path.exists());
         // The reader's mapping outlives the file.
         assert_eq!(ro.bytes()[28..32], 1.5f32.to_ne_bytes());
+    }
+
+    /// Issue 40 (defect 6): P's KV region is owner-only (0600) whatever the process's
+    /// file-creation mask, so no other local user can map the cache and read its prompts.
+    #[test]
+    fn region_file_is_owner_only() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let name = format!("pdmesh-test-shm-mode-{}", uuid::Uuid::new_v4());
+        let region = ShmRegion::create(&name, 4096).unwrap();
+        let mode = std::fs::metadata(region.path()).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "region mode {mode:o}");
     }
 
     /// This thread's minor page faults so far (`/proc/thread-self/stat`, field 10).

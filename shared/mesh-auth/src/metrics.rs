@@ -23,6 +23,24 @@ pub static CAPABILITY_REFUSED: LazyLock<IntCounter> = LazyLock::new(|| {
     )
 });
 
+/// Side channel frames P could not decode (not an envelope of this protocol): counted, and
+/// logged at most once a second (D99).
+pub static UNDECODABLE_FRAMES: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_kv_side_channel_undecodable_frames_total",
+        "Side channel frames dropped because they did not decode",
+    )
+});
+
+/// Side channel connections P dropped: over their allowance before the handshake, evicted for
+/// a newcomer, expired, refused their proof, or not reading their answers (D95, D96).
+pub static SIDE_CHANNEL_PEERS_DROPPED: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_kv_side_channel_peers_dropped_total",
+        "Side channel connections dropped by P (pre-handshake allowance, eviction, expiry, failed proof, not reading)",
+    )
+});
+
 /// Count a refusal on `channel`.
 pub fn unauthenticated(channel: crate::Channel) {
     UNAUTHENTICATED.with_label_values(&[channel.label()]).inc();
