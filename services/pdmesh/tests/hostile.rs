@@ -65,11 +65,15 @@ fn hostile_specs_neither_kill_nor_stall_the_frontend() {
 }
 
 /// Defect 2: after the frontend died and `pdmesh up` restarted it, engine-core went on
-/// sending outputs to the dead process's socket for 25–45 s: requests in that window never
-/// got them and hung forever, the in-flight gauge stayed up. Now the new frontend's hello
-/// re-points every output stream at once and the old process's requests are aborted in the
-/// engine: every request after the restart is answered, nothing stays in flight, the engine
-/// ends using no blocks.
+/// sending outputs to the dead process's socket for 25–45 s (seen on a P node behind the
+/// router); requests in that window hung forever. Now the new frontend's hello re-points every
+/// output stream at once and the old process's requests are aborted in the engine. On this
+/// one-node ipc mesh the old stream happens to fail fast, so what this test pins is the
+/// re-admission itself: the hello reaches the engine, which aborts the orphans (on the commit
+/// before the fix nothing does, and the assertion on the counter fails), every request after
+/// the restart is answered, nothing stays in flight, the engine ends using no blocks. The
+/// deadline that ends a request whose outputs are lost anyway is
+/// `pdmesh-frontend`'s `requests_end_at_their_deadline_and_are_aborted`.
 #[test]
 fn a_restarted_frontend_gets_its_outputs_at_once() {
     let mesh = Mesh::start("", "[nodes.model]\nper_token_cost_us = 20000\n", &[]);
@@ -96,8 +100,7 @@ fn a_restarted_frontend_gets_its_outputs_at_once() {
             .any(|p| p["service"] == "frontend" && p["pid"].as_i64().is_some_and(|p| p != i64::from(old)))
             && client().get(mesh.url("/health")).send().is_ok_and(|r| r.status().is_success())
     });
-    // Every request from now on is answered (on the commit before the fix, those sent in the
-    // first tens of seconds lost their outputs and hung).
+    // Every request from now on is answered.
     for i in 0..12 {
         let text = common::complete(&mesh.url("/v1/completions"), &format!("after the restart {i}"), i % 2 == 0);
         assert!(!text.is_empty());
