@@ -12,9 +12,11 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod envelope;
+pub mod guided;
 pub mod http;
 pub mod side_channel;
 pub mod tcp;
+pub mod topology;
 
 /// The protocol's round-trip test, compiled in for its `every_message()`: one real instance
 /// of every message (its tests are compiled out here).

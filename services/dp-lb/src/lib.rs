@@ -79,6 +79,8 @@ pub struct DpLb {
     /// Rejection notices that arrived while no rank was connected (rule R1).
     pending_notices: notices::PendingNotices,
     limits: Limits,
+    /// The pid of the frontend process last heard from (its hello), to tell a restart.
+    frontend_pid: Option<u32>,
 }
 
 /// The dp-lb's bounds (see the crate docs).
@@ -187,7 +189,7 @@ impl Handler<FromFrontend> for DpLb {
                     let _ = f.send(&peer, envelope.reply(Message::Readiness(readiness)));
                 }
             }
-            Message::Hello(h) => tracing::info!(service = ?h.service, pid = h.pid, "frontend connected"),
+            Message::Hello(h) => self.frontend_hello(h, &envelope),
             other => tracing::warn!(kind = other.kind(), "unexpected message from frontend"),
         }
     }
@@ -210,6 +212,7 @@ impl DpLb {
             health,
             limits,
             pending_notices: notices::PendingNotices::default(),
+            frontend_pid: None,
         }
     }
 
@@ -351,6 +354,29 @@ impl DpLb {
             self.in_flight.remove(id);
         }
         m::IN_FLIGHT.set(self.in_flight.len() as i64);
+    }
+
+    /// A frontend said hello (on every connect of its link). A new pid is a new frontend
+    /// process (D92): the old one's output socket is gone, and a PUSH still connected to it
+    /// loses what it sends for tens of seconds before it notices. So the dp-lb reconnects its
+    /// own output stream and passes the hello to every rank, which reconnects its stream and
+    /// aborts the requests the old process was waiting for (no one can read them now). The
+    /// same process reconnecting (the dp-lb restarted, a transient loss) changes nothing.
+    fn frontend_hello(&mut self, h: &pdmesh_protocol::Hello, envelope: &Envelope) {
+        if self.frontend_pid == Some(h.pid) {
+            tracing::info!(pid = h.pid, "frontend reconnected");
+            return;
+        }
+        let previous = self.frontend_pid.replace(h.pid);
+        tracing::info!(pid = h.pid, ?previous, "frontend connected; re-pointing the output streams");
+        m::FRONTEND_RESTARTS.inc();
+        if let Some(o) = &self.outputs {
+            o.reconnect();
+        }
+        let ranks: Vec<u32> = self.rank_peers.values().copied().collect();
+        for rank in ranks {
+            self.send_to_rank(rank, envelope.clone());
+        }
     }
 
     fn send_to_rank(&self, rank: u32, env: Envelope) {

@@ -37,3 +37,9 @@ pub static OVERLOAD_REFUSALS: LazyLock<IntCounterVec> = LazyLock::new(|| {
         &["reason"],
     )
 });
+pub static FRONTEND_RESTARTS: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_dplb_frontend_restarts_total",
+        "Hellos from a new frontend process: output streams re-pointed, its predecessor's requests aborted",
+    )
+});

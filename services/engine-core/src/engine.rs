@@ -273,6 +273,24 @@ impl Handler<LinkEvent> for EngineCore {
 }
 
 impl EngineCore {
+    /// A new frontend process took over this node's output socket: send outputs to it from
+    /// now on (the stream to its predecessor may look connected for tens of seconds, and what
+    /// goes there is lost), and abort the requests the old process was waiting for — their
+    /// clients went with it — which frees their blocks by the usual rules. Blocks held for
+    /// remote readers are not requests anyone here waits for, and stay held.
+    fn frontend_restarted(&mut self, pid: u32, ctx: &mut Context<Self>) {
+        if let Some(peers) = &self.peers {
+            peers.outputs.reconnect();
+        }
+        let orphans = self.state.borrow().sched.live_request_ids();
+        tracing::info!(pid, orphans = orphans.len(), "new frontend process: output stream re-pointed");
+        if !orphans.is_empty() {
+            m::FRONTEND_ORPHANS_ABORTED.inc_by(orphans.len() as u64);
+            self.state.borrow_mut().inbox.aborts.extend(orphans);
+            self.kick(ctx);
+        }
+    }
+
     fn on_message(&mut self, env: Envelope, ctx: &mut Context<Self>) {
         match env.body {
             Message::AddRequest(req) => {
@@ -336,6 +354,8 @@ impl EngineCore {
                     let _ = dplb.send(env.reply(Message::Pong));
                 }
             }
+            // D92: the dp-lb passes on the hello of a new frontend process.
+            Message::Hello(h) if h.service == ServiceKind::Frontend => self.frontend_restarted(h.pid, ctx),
             other => {
                 tracing::warn!(kind = other.kind(), "unexpected message");
             }

@@ -97,3 +97,9 @@ pub fn note_refusal(request_id: &str, error: &crate::scheduler::AdmissionError) 
         tracing::warn!(request_id, error = %error, suppressed, "request refused: overloaded");
     }
 }
+pub static FRONTEND_ORPHANS_ABORTED: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_engine_frontend_orphans_aborted_total",
+        "Requests aborted because the frontend process that submitted them was replaced",
+    )
+});

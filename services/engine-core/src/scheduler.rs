@@ -1070,6 +1070,12 @@ impl Scheduler {
             || !self.free_on_recv.is_empty()
     }
 
+    /// The requests waiting or running: the ones a client still waits for (finished ones,
+    /// and blocks held for a remote reader, are not among them).
+    pub fn live_request_ids(&self) -> Vec<String> {
+        self.waiting.iter().chain(self.running.iter()).cloned().collect()
+    }
+
     /// Whether there is compute to do (as opposed to only connector work).
     pub fn has_unfinished_requests(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()

@@ -21,7 +21,7 @@
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use pdmesh_protocol::{
@@ -76,6 +76,8 @@ pub enum AbortReason {
     OutputError,
     /// The request's output buffer is full: its client stopped reading (`limits.output_buffer`).
     OutputOverflow,
+    /// The request ran past its deadline (`limits.request_deadline_s`, D92).
+    Deadline,
 }
 
 impl AbortReason {
@@ -87,6 +89,7 @@ impl AbortReason {
             AbortReason::SubmitTimeout => "submit_timeout",
             AbortReason::OutputError => "output_error",
             AbortReason::OutputOverflow => "output_overflow",
+            AbortReason::Deadline => "deadline",
         }
     }
 }
@@ -242,6 +245,8 @@ struct InFlight {
     ticket: u64,
     tx: mpsc::Sender<EngineOutput>,
     inbox: Option<Inbox>,
+    /// When the request is ended whatever the engine does (D92); `None`: never.
+    expires: Option<Instant>,
 }
 
 /// The outputs of one batch, gathered per inbox: each inbox gets them in one message.
@@ -268,6 +273,8 @@ pub struct EngineClient {
     /// This actor's own address, which its batches carry to the inboxes; weak, so that the
     /// actor still stops once nothing else holds its address.
     me: actix::WeakAddr<EngineClient>,
+    /// How long a request may live from its submission (`limits.request_deadline_s`).
+    deadline: Option<Duration>,
 }
 
 impl EngineClient {
@@ -276,6 +283,19 @@ impl EngineClient {
     /// request whose handler falls that far behind is aborted. The returned handle tells
     /// whether the link is up (for `/health`).
     pub fn start(endpoint: String, output_buffer: usize) -> (Addr<Self>, LinkHandle) {
+        Self::start_with_deadline(endpoint, output_buffer, None)
+    }
+
+    /// [`EngineClient::start`], with every request ended `deadline` after its submission
+    /// (D92): past it the handler gets a `timeout` error output (a 504, or an error event on
+    /// a stream) and the engine an abort, which frees the request's blocks. No request, and
+    /// no place under `limits.max_in_flight`, outlives it, whatever happens to the engine's
+    /// outputs on their way.
+    pub fn start_with_deadline(
+        endpoint: String,
+        output_buffer: usize,
+        deadline: Option<Duration>,
+    ) -> (Addr<Self>, LinkHandle) {
         let ctx = Context::<Self>::new();
         let hello = Envelope::new(WireMessage::Hello(Hello {
             service: ServiceKind::Frontend,
@@ -286,7 +306,7 @@ impl EngineClient {
         let link = connect_dealer(config, ctx.address().recipient());
         let output_buffer = output_buffer.max(1);
         let me = ctx.address().downgrade();
-        let addr = ctx.run(EngineClient { link: link.clone(), in_flight: HashMap::new(), output_buffer, me });
+        let addr = ctx.run(EngineClient { link: link.clone(), in_flight: HashMap::new(), output_buffer, me, deadline });
         (addr, link)
     }
 
@@ -299,7 +319,7 @@ impl EngineClient {
         } else {
             self.in_flight.get(&output.request_id).cloned()
         };
-        let Some(InFlight { ticket, tx, inbox }) = entry else {
+        let Some(InFlight { ticket, tx, inbox, .. }) = entry else {
             UNKNOWN_OUTPUTS.inc();
             tracing::debug!(request_id = %output.request_id, "output for a request nobody waits for");
             return;
@@ -371,8 +391,41 @@ impl EngineClient {
     /// through the inboxes, behind the outputs already on their way.
     fn fail_all(&mut self, message: &str) {
         let n = self.in_flight.len();
+        let entries: Vec<(String, InFlight)> = self.in_flight.drain().collect();
+        self.fail(entries, message);
+        if n > 0 {
+            tracing::warn!(requests = n, "failed every request in flight: {message}");
+        }
+    }
+
+    /// End the requests past their deadline: an error output to each handler, an abort to
+    /// the engine.
+    fn expire(&mut self, now: Instant) {
+        let expired: Vec<String> = self
+            .in_flight
+            .iter()
+            .filter(|(_, e)| e.expires.is_some_and(|t| t <= now))
+            .map(|(id, _)| id.clone())
+            .collect();
+        if expired.is_empty() {
+            return;
+        }
+        let entries: Vec<(String, InFlight)> =
+            expired.iter().filter_map(|id| self.in_flight.remove(id).map(|e| (id.clone(), e))).collect();
+        crate::metrics::DEADLINE_EXPIRED_TOTAL.inc_by(entries.len() as u64);
+        let secs = self.deadline.map_or(0, |d| d.as_secs());
+        tracing::warn!(requests = entries.len(), deadline_s = secs, "requests ran past their deadline; ending them");
+        self.fail(
+            entries,
+            &format!("timeout: the request ran past its deadline of {secs} s (`limits.request_deadline_s`)"),
+        );
+        self.send_abort(expired, AbortReason::Deadline);
+    }
+
+    /// Hand each of `entries` an error output saying `message`.
+    fn fail(&mut self, entries: Vec<(String, InFlight)>, message: &str) {
         let mut outgoing = Outgoing::default();
-        for (request_id, entry) in self.in_flight.drain() {
+        for (request_id, entry) in entries {
             let output = EngineOutput {
                 request_id,
                 new_token_ids: Vec::new(),
@@ -391,9 +444,6 @@ impl EngineClient {
             }
         }
         self.send_out(outgoing);
-        if n > 0 {
-            tracing::warn!(requests = n, "failed every request in flight: {message}");
-        }
     }
 
     /// Forget requests whose handler is gone and abort them.
@@ -425,7 +475,10 @@ impl Actor for EngineClient {
     fn started(&mut self, ctx: &mut Self::Context) {
         // Handlers on every HTTP worker submit here; don't make them queue behind 16 slots.
         ctx.set_mailbox_capacity(4096);
-        ctx.run_interval(SWEEP_INTERVAL, |act, _| act.sweep());
+        ctx.run_interval(SWEEP_INTERVAL, |act, _| {
+            act.sweep();
+            act.expire(Instant::now());
+        });
         LINK_UP.set(0);
     }
 }
@@ -473,7 +526,8 @@ impl Handler<Submit> for EngineClient {
         // Register before sending: the first output may overtake the Ack (they travel on
         // different sockets).
         let (tx, rx) = mpsc::channel(self.output_buffer);
-        self.in_flight.insert(request_id.clone(), InFlight { ticket, tx, inbox });
+        let expires = self.deadline.map(|d| Instant::now() + d);
+        self.in_flight.insert(request_id.clone(), InFlight { ticket, tx, inbox, expires });
         let envelope =
             Envelope::new(WireMessage::AddRequest(request)).with_request_id(request_id.clone()).with_trace(trace);
         let link = self.link.clone();

@@ -59,6 +59,9 @@ pub enum ApiError {
     /// The body is larger than the frontend accepts (413).
     #[error("{0}")]
     PayloadTooLarge(String),
+    /// The client did not send the whole body within `limits.body_timeout_s` (408, D93).
+    #[error("{0}")]
+    BodyTimeout(String),
     /// The client's `X-Request-Id` names a request that is still in flight (400): outputs
     /// are routed by id, so two live requests cannot share one.
     #[error("request id `{0}` is already used by a request in flight")]
@@ -138,6 +141,7 @@ impl ApiError {
             | ApiError::ResponseNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -157,6 +161,7 @@ impl ApiError {
             // OpenAI answers a missing or wrong key with `invalid_request_error` too.
             StatusCode::BAD_REQUEST
             | StatusCode::PAYLOAD_TOO_LARGE
+            | StatusCode::REQUEST_TIMEOUT
             | StatusCode::UNAUTHORIZED
             | StatusCode::METHOD_NOT_ALLOWED => "invalid_request_error",
             StatusCode::NOT_FOUND => "NotFoundError",
@@ -193,6 +198,7 @@ impl ApiError {
             ApiError::MethodNotAllowed { .. } => "method_not_allowed",
             ApiError::PreviousResponseNotFound(_) | ApiError::ResponseNotFound(_) => "response_not_found",
             ApiError::PayloadTooLarge(_) => "payload_too_large",
+            ApiError::BodyTimeout(_) => "body_timeout",
             ApiError::Unauthorized(_) => "unauthorized",
             ApiError::DuplicateRequestId(_) => "duplicate_request_id",
             ApiError::Unavailable(_) => "unavailable",
@@ -286,6 +292,8 @@ impl ApiError {
             ApiError::Unavailable(message.to_string())
         } else if lower.starts_with("invalid request") {
             ApiError::invalid_request(message)
+        } else if lower.starts_with("timeout") {
+            ApiError::Timeout(message.to_string())
         } else {
             ApiError::EngineFailed(message.to_string())
         }
@@ -302,6 +310,22 @@ impl ApiError {
             }
             JsonPayloadError::ContentType => ApiError::InvalidJson("the request body must be JSON".to_string()),
             JsonPayloadError::Deserialize(e) => ApiError::InvalidJson(format!("invalid request body: {e}")),
+            JsonPayloadError::Payload(p) => Self::from_payload_error(p),
+            other => ApiError::InvalidJson(format!("cannot read the request body: {other}")),
+        }
+    }
+}
+
+impl ApiError {
+    /// A failure reading the body: 408 when the body timer ([`crate::body_timeout`]) ran out.
+    pub fn from_payload_error(err: &actix_web::error::PayloadError) -> Self {
+        match err {
+            actix_web::error::PayloadError::Io(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                ApiError::BodyTimeout(e.to_string())
+            }
+            actix_web::error::PayloadError::Overflow => {
+                ApiError::PayloadTooLarge("request body is larger than the limit".to_string())
+            }
             other => ApiError::InvalidJson(format!("cannot read the request body: {other}")),
         }
     }
@@ -443,6 +467,8 @@ mod tests {
         assert_eq!(ApiError::from_engine_failure(Some("unavailable: rank 0 died")).status().as_u16(), 503);
         assert_eq!(ApiError::from_engine_failure(Some("KV load failed")).status().as_u16(), 500);
         assert_eq!(ApiError::from_engine_failure(None).status().as_u16(), 500);
+        let late = ApiError::from_engine_failure(Some("timeout: the request ran past its deadline"));
+        assert_eq!(late.status().as_u16(), 504);
         let full = ApiError::from_engine_failure(Some("overloaded: waiting queue full"));
         assert_eq!((full.status().as_u16(), full.kind()), (503, "overloaded"));
     }

@@ -37,6 +37,7 @@
 //! remote-prefill requests (vLLM #41269), for which the wire has no message yet.
 
 pub mod auth;
+pub mod body_timeout;
 pub mod engine_client;
 pub mod error;
 pub mod generate;

@@ -130,6 +130,18 @@ pub(crate) static STRUCTURED_OUTPUTS_TOTAL: LazyLock<IntCounterVec> = LazyLock::
     )
 });
 
+pub(crate) static GUIDED_REFUSALS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(
+        "pdmesh_frontend_guided_refusals_total",
+        "Structured-output specs refused before any engine work, by reason (invalid, limit, busy, compiler)",
+        &["reason"],
+    )
+});
+
+/// Requests ended by `limits.request_deadline_s` (D92).
+pub(crate) static DEADLINE_EXPIRED_TOTAL: LazyLock<IntCounter> =
+    LazyLock::new(|| counter("pdmesh_frontend_request_deadline_expired_total", "Requests ended at their deadline"));
+
 pub(crate) static UNEXPECTED_MESSAGES_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(UNEXPECTED_MESSAGES, "Unexpected messages from the dp-lb, by kind", &["kind"]));
 
@@ -156,6 +168,8 @@ pub(crate) fn init() {
     LazyLock::force(&OVERLOAD_REFUSALS_TOTAL);
     LazyLock::force(&KEY_LIMIT_REFUSALS_TOTAL);
     LazyLock::force(&STRUCTURED_OUTPUTS_TOTAL);
+    LazyLock::force(&GUIDED_REFUSALS_TOTAL);
+    LazyLock::force(&DEADLINE_EXPIRED_TOTAL);
 }
 
 /// Decode legs parked before P answered (D66), by outcome: `parked` (taken in), `expired` (the

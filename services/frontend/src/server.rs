@@ -54,6 +54,8 @@ pub struct AppState {
     pub readiness: pdmesh_telemetry::ops::Health,
     /// Decode legs waiting for their params (D66).
     pub parked: crate::parked::Parked,
+    /// How long a client may take to send a body (`limits.body_timeout_s`, D93).
+    pub body_timeout: std::time::Duration,
 }
 
 impl AppState {
@@ -76,6 +78,7 @@ impl AppState {
             key_limit: KeyLimit::disabled("frontend"),
             readiness: Default::default(),
             parked: Default::default(),
+            body_timeout: crate::body_timeout::DEFAULT,
         }
     }
 
@@ -117,10 +120,13 @@ pub fn app(
     >,
 > {
     let api_keys = web::Data::new(state.api_keys.clone());
+    let body_timeout = crate::body_timeout::BodyTimeout(state.body_timeout);
     App::new()
         .app_data(state)
         .app_data(api_keys)
         .app_data(json_config())
+        .app_data(body_timeout)
+        .wrap(from_fn(crate::body_timeout::middleware))
         .wrap(from_fn(crate::auth::require_api_key))
         .wrap_fn(|req, srv| {
             let fut = srv.call(req);
@@ -177,8 +183,15 @@ pub async fn start(
     crate::metrics::init();
     let (node, endpoints) = (&ctx.node, &ctx.endpoints);
     crate::error::set_retry_after_s(node.limits.retry_after_s);
-    let (client, link) =
-        EngineClient::start(endpoints.dplb_frontend.connect.clone(), node.limits.output_buffer as usize);
+    let request_deadline =
+        Some(node.limits.request_deadline_s).filter(|s| *s > 0).map(|s| std::time::Duration::from_secs(u64::from(s)));
+    let (client, link) = EngineClient::start_with_deadline(
+        endpoints.dplb_frontend.connect.clone(),
+        node.limits.output_buffer as usize,
+        request_deadline,
+    );
+    apply_guided_limits(&node.limits);
+    crate::validation::set_max_tools(node.limits.max_tools);
     let outputs = bind_pull(&endpoints.frontend_outputs.bind, client.clone().recipient())
         .await
         .map_err(FrontendError::OutputSocket)?;
@@ -194,6 +207,7 @@ pub async fn start(
     app_state.key_limit = KeyLimit::new(node.limits.max_in_flight_per_key, api_keys.len(), "frontend");
     app_state.api_keys = api_keys;
     app_state.readiness = ctx.health.clone();
+    app_state.body_timeout = std::time::Duration::from_secs(u64::from(node.limits.body_timeout_s));
     let state = web::Data::new(app_state);
     let app_state = state.clone();
     let addr = format!("{}:{}", node.http_host, node.http_port);
@@ -211,4 +225,22 @@ pub async fn start(
         .map_err(|source| FrontendError::HttpBind { addr, source })?;
     let addrs = server.addrs();
     Ok(Started { server: server.run(), addrs, state })
+}
+
+/// The structured-output bounds of a node's `limits` (D90).
+pub fn guided_limits(limits: &pdmesh_config::LimitsConfig) -> pdmesh_guided::GuidedLimits {
+    pdmesh_guided::GuidedLimits {
+        max_spec_bytes: limits.guided_max_spec_bytes as usize,
+        max_choices: limits.guided_max_choices as usize,
+        max_ref_depth: limits.guided_max_ref_depth as usize,
+        compile_timeout: std::time::Duration::from_millis(u64::from(limits.guided_compile_timeout_ms)),
+        ..pdmesh_guided::GuidedLimits::default()
+    }
+}
+
+/// Set this process's structured-output bounds from a node's `limits`: every service that
+/// compiles grammars (the frontend validating, the worker's executor masking) applies the
+/// same ones, so the worker never refuses a spec its frontend accepted.
+pub fn apply_guided_limits(limits: &pdmesh_config::LimitsConfig) {
+    pdmesh_guided::set_limits(guided_limits(limits));
 }

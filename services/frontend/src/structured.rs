@@ -69,10 +69,40 @@ pub fn guided_spec(extra: &Map<String, Value>) -> Result<Option<(GuidedSpec, &'s
         ));
     }
     let Some((spec, field)) = found.pop() else { return Ok(None) };
-    if let Err(e) = pdmesh_guided::validate(&spec) {
-        return Err(ApiError::invalid(format!("`{field}` cannot be compiled: {e}"), field));
-    }
+    pdmesh_guided::validate(&spec).map_err(|e| compile_error(&e, field, &format!("`{field}`")))?;
     Ok(Some((spec, field)))
+}
+
+/// The answer to a spec that did not compile (D90): 400 naming the field and the problem or
+/// the limit it is over; 503 when every compile thread is busy (the spec may be fine). A
+/// compiler failure's detail (a panic's backtrace, with build paths) goes to the log, under
+/// the request's span, and never into the body.
+pub fn compile_error(e: &pdmesh_guided::GuidedError, param: &str, what: &str) -> ApiError {
+    use pdmesh_guided::GuidedError;
+    crate::metrics::GUIDED_REFUSALS_TOTAL.with_label_values(&[refusal_reason(e)]).inc();
+    match e {
+        GuidedError::Busy | GuidedError::Unavailable(_) => {
+            tracing::warn!(error = %e.detail(), "structured output not compiled: compiler unavailable");
+            ApiError::Overloaded(format!("overloaded: {e}; retry"))
+        }
+        GuidedError::Compiler(detail) => {
+            tracing::warn!(error = %detail, "grammar compiler failed on a request's spec");
+            ApiError::invalid(format!("{what} cannot be compiled: {e}."), param)
+        }
+        GuidedError::Limit(_) => ApiError::invalid(format!("{what} is over a limit: {e}."), param),
+        GuidedError::Invalid(_) => ApiError::invalid(format!("{what} cannot be compiled: {e}"), param),
+    }
+}
+
+/// The `reason` label of `pdmesh_frontend_guided_refusals_total`.
+fn refusal_reason(e: &pdmesh_guided::GuidedError) -> &'static str {
+    use pdmesh_guided::GuidedError;
+    match e {
+        GuidedError::Invalid(_) => "invalid",
+        GuidedError::Limit(_) => "limit",
+        GuidedError::Busy | GuidedError::Unavailable(_) => "busy",
+        GuidedError::Compiler(_) => "compiler",
+    }
 }
 
 /// The `kind` label of a spec in `pdmesh_frontend_structured_output_requests_total`.

@@ -1749,3 +1749,157 @@ async fn chat_takes_the_routers_prompt_token_ids_instead_of_rendering() {
     }
     assert_eq!(added(&h).len(), 2, "a refused request reaches no engine");
 }
+
+// ---- issue 40: no request may crash or hang a frontend ----
+
+/// A JSON schema whose root is a chain of `depth` `$ref`s.
+fn ref_chain_schema(depth: usize) -> Value {
+    let mut defs = serde_json::Map::new();
+    for i in 0..depth {
+        // each an object whose one property is the next: the shape that overflowed at 300
+        let next = if i + 1 == depth {
+            json!({"type": "integer"})
+        } else {
+            json!({"type": "object", "properties": {"x": {"$ref": format!("#/$defs/a{}", i + 1)}}, "required": ["x"]})
+        };
+        defs.insert(format!("a{i}"), next);
+    }
+    json!({"$ref": "#/$defs/a0", "$defs": defs})
+}
+
+/// Defect 1: a 300-step `$ref` chain in `response_format` (or `guided_json`) overflowed the
+/// stack and aborted the frontend (this test process, on the commit before the fix). Now it
+/// is a 400 naming the limit, and the frontend serves the next request.
+#[actix_web::test]
+async fn deep_ref_schema_is_a_400_naming_the_limit_not_a_crash() {
+    let h = harness(generates("7", Some(FinishReason::Stop))).await;
+    let rf = json!({"type": "json_schema", "json_schema": {"name": "deep", "schema": ref_chain_schema(300)}});
+    let (s, _, b) = call(
+        &h,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": "n"}], "response_format": rf}),
+        &[],
+    )
+    .await;
+    assert_eq!(s, 400, "{}", String::from_utf8_lossy(&b));
+    let e = json_of(&b);
+    assert_eq!(e["error"]["param"], "response_format");
+    assert!(e["error"]["message"].as_str().unwrap().contains("limits.guided_max_ref_depth"), "{e}");
+    let (s, _, b) =
+        call(&h, "/v1/completions", json!({"prompt": "n", "guided_json": ref_chain_schema(300)}), &[]).await;
+    assert_eq!(s, 400, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(json_of(&b)["error"]["param"], "guided_json");
+    // a chain within the limit is served
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "n", "guided_json": ref_chain_schema(20)}), &[]).await;
+    assert_eq!(s, 200, "{}", String::from_utf8_lossy(&b));
+    assert_eq!(json_of(&b)["choices"][0]["text"], "7");
+}
+
+/// Defect 3: 100k `guided_choice` strings took 29 s to a 400 whose body carried a Rust
+/// backtrace with build paths. Now the count is refused before any work, naming the field
+/// and the limit, and no error body names a source file. `stop` and `tools` lists are
+/// counted before they are read.
+#[actix_web::test]
+async fn huge_lists_are_400s_naming_field_and_limit_without_backtraces() {
+    let h = harness(generates("a", Some(FinishReason::Stop))).await;
+    let choices: Vec<String> = (0..100_000).map(|i| format!("option {i}")).collect();
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "n", "guided_choice": choices}), &[]).await;
+    assert_eq!(s, 400, "{}", String::from_utf8_lossy(&b));
+    let e = json_of(&b);
+    let message = e["error"]["message"].as_str().unwrap();
+    assert_eq!(e["error"]["param"], "guided_choice");
+    assert!(message.contains("limits.guided_max_choices") && message.contains("100000"), "{message}");
+    for leak in ["backtrace", ".rs:", "/src/", "panic"] {
+        assert!(!message.contains(leak), "the error leaks `{leak}`: {message}");
+    }
+    let stops: Vec<String> = (0..100_000).map(|i| format!("s{i}")).collect();
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "n", "stop": stops}), &[]).await;
+    assert_eq!(s, 400);
+    assert_eq!(json_of(&b)["error"]["param"], "stop");
+    let long_stop = "x".repeat(crate::validation::MAX_STOP_STRING_BYTES + 1);
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "n", "stop": [long_stop]}), &[]).await;
+    assert_eq!(s, 400);
+    assert!(json_of(&b)["error"]["message"].as_str().unwrap().contains("bytes"));
+    let tool = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}});
+    let tools = vec![tool; crate::validation::max_tools() + 1];
+    let (s, _, b) =
+        call(&h, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "n"}], "tools": tools}), &[])
+            .await;
+    assert_eq!(s, 400, "{}", String::from_utf8_lossy(&b));
+    let e = json_of(&b);
+    assert_eq!(e["error"]["param"], "tools");
+    assert!(e["error"]["message"].as_str().unwrap().contains("limits.max_tools"), "{e}");
+    // the frontend serves on
+    let (s, _, _) = call(&h, "/v1/completions", json!({"prompt": "n", "guided_choice": ["a", "b"]}), &[]).await;
+    assert_eq!(s, 200);
+}
+
+/// Defect 4: a body trickled after its headers was never timed out. Now the client gets a
+/// 408 once `limits.body_timeout_s` has passed, and the connection closes.
+#[actix_web::test]
+async fn slow_body_gets_408() {
+    let h = harness_with("[nodes.limits]\nbody_timeout_s = 1\n", generates("a", Some(FinishReason::Stop))).await;
+    let mut conn = tokio::net::TcpStream::connect(h.addr).await.unwrap();
+    let head =
+        "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n";
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(b"{\"prompt\": ").await.unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    // the server answers and closes; the outer timeout only keeps a broken build from hanging
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(20), conn.read(&mut buf))
+            .await
+            .expect("a slow body must be answered")
+            .unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&seen).to_string();
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("limits.body_timeout_s"), "{text}");
+    // a body sent in time is served as before
+    let (s, _, _) = call(&h, "/v1/completions", json!({"prompt": "n"}), &[]).await;
+    assert_eq!(s, 200);
+}
+
+/// Defect 2: a request whose outputs never come (an engine link that lost them) waited
+/// forever and held its place under `max_in_flight`. Now it ends at `limits.request_deadline_s`
+/// with a 504 (an error event on a stream), the engine is told to abort it, and nothing of it
+/// stays in flight.
+#[actix_web::test]
+async fn requests_end_at_their_deadline_and_are_aborted() {
+    let h = harness_with(
+        "[nodes.limits]\nrequest_deadline_s = 1\n",
+        // accepted, then silence: the outputs are lost
+        |_| Script { reply: Some(WireMessage::Ack), outputs: vec![] },
+    )
+    .await;
+    let app = test::init_service(app(h.state.clone())).await;
+    let plain = test::TestRequest::post()
+        .uri("/v1/completions")
+        .insert_header(("X-Request-Id", "late"))
+        .set_json(json!({"prompt": "x"}))
+        .to_request();
+    let streamed = test::TestRequest::post()
+        .uri("/v1/completions")
+        .insert_header(("X-Request-Id", "late-stream"))
+        .set_json(json!({"prompt": "x", "stream": true}))
+        .to_request();
+    let run = async {
+        let (a, b) = futures::join!(test::call_service(&app, plain), test::call_service(&app, streamed));
+        (a.status(), b.status(), test::read_body(a).await, test::read_body(b).await)
+    };
+    let (sa, sb, ba, bb) =
+        tokio::time::timeout(Duration::from_secs(30), run).await.expect("requests must end at their deadline");
+    assert_eq!(sa, 504, "{}", String::from_utf8_lossy(&ba));
+    assert!(json_of(&ba)["error"]["message"].as_str().unwrap().contains("limits.request_deadline_s"));
+    assert_eq!(sb, 200);
+    let events = sse_events(&bb);
+    assert_eq!(events[events.len() - 2]["error"]["code"], 504, "{events:?}");
+    assert!(wait_for_abort(&h, "late").await && wait_for_abort(&h, "late-stream").await);
+    assert_eq!(h.state.client.send(crate::engine_client::InFlightCount).await.unwrap(), 0);
+    assert_eq!(h.state.in_flight.current(), 0);
+}

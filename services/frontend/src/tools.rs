@@ -49,6 +49,14 @@ struct Tool {
 }
 
 fn tools_list(tools: &[Value]) -> Result<Vec<Tool>, ApiError> {
+    // counted before any is read (D91)
+    let max = crate::validation::max_tools();
+    if tools.len() > max {
+        return Err(ApiError::invalid(
+            format!("`tools` may hold at most {max} tools (`limits.max_tools`), got {}.", tools.len()),
+            "tools",
+        ));
+    }
     tools
         .iter()
         .map(|t| {
@@ -149,7 +157,7 @@ pub fn tool_setup(tools: Option<&[Value]>, tool_choice: Option<&Value>) -> Resul
     };
     if let Some(spec) = &guided {
         pdmesh_guided::validate(spec)
-            .map_err(|e| ApiError::invalid(format!("the tool's `parameters` cannot be compiled: {e}"), "tools"))?;
+            .map_err(|e| crate::structured::compile_error(&e, "tools", "the tool's `parameters`"))?;
     }
     Ok(Some(ToolSetup { mode, system_block: system_block(&tools), guided }))
 }

@@ -19,6 +19,21 @@ pub const MAX_STOP_STRINGS: usize = 4;
 pub const MAX_LOGPROBS: i64 = 20;
 /// `max_tokens` of a completion request that names none (OpenAI's and vLLM's default).
 pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
+/// Longest stop string, in bytes: the frontend holds back that much output per request.
+pub const MAX_STOP_STRING_BYTES: usize = 1024;
+
+/// `limits.max_tools` of this process (D91), set once at start.
+static MAX_TOOLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(128);
+
+/// Set `limits.max_tools` (the frontend does, at start).
+pub fn set_max_tools(n: u32) {
+    MAX_TOOLS.store(n, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Entries a request's `tools` may hold.
+pub fn max_tools() -> usize {
+    MAX_TOOLS.load(std::sync::atomic::Ordering::Relaxed) as usize
+}
 
 /// The fields that completions and chat share, borrowed from either request type.
 #[derive(Debug, Clone, Default)]
@@ -391,6 +406,13 @@ pub fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
     let list = match stop {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::String(s)) => vec![s.clone()],
+        // counted before anything is copied (D91)
+        Some(Value::Array(items)) if items.len() > MAX_STOP_STRINGS => {
+            return Err(ApiError::invalid(
+                format!("`stop` may hold at most {MAX_STOP_STRINGS} strings, got {}.", items.len()),
+                "stop",
+            ))
+        }
         Some(Value::Array(items)) => items
             .iter()
             .map(|v| match v {
@@ -408,6 +430,12 @@ pub fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
     }
     if list.iter().any(String::is_empty) {
         return Err(ApiError::invalid("stop strings must not be empty.", "stop"));
+    }
+    if let Some(long) = list.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
+        return Err(ApiError::invalid(
+            format!("a stop string may be at most {MAX_STOP_STRING_BYTES} bytes, got {}.", long.len()),
+            "stop",
+        ));
     }
     Ok(list)
 }

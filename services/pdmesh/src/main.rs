@@ -317,6 +317,8 @@ where
             trigger.trigger();
         });
         let ctx = ServiceContext::start(topo, &args.node, service, args.rank)?;
+        // D90: one set of structured-output bounds per node, for the frontend and the worker
+        pdmesh_frontend::server::apply_guided_limits(&ctx.node.limits);
         match pdmesh_service::stop_within_deadline(f(ctx, shutdown.clone()), &shutdown).await {
             Ok(res) => res,
             Err(overran) => Err(anyhow::Error::new(StopTimedOut(overran))),

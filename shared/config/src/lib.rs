@@ -150,6 +150,33 @@ pub struct LimitsConfig {
     /// Seconds a refused client is told to wait (`Retry-After`) on every 503 and 429.
     #[serde(default = "one")]
     pub retry_after_s: u32,
+    /// Frontend: seconds a generation request may live, from arrival to its last byte
+    /// (D92). Past it the request is aborted in the engine (its blocks freed) and the client
+    /// gets a 504, or an error event on a stream. Generous by default: a long answer from a
+    /// slow model runs for many minutes. 0: no deadline.
+    #[serde(default = "default_request_deadline_s")]
+    pub request_deadline_s: u32,
+    /// Frontend (and router): seconds a client may take to send a request's whole body
+    /// once its headers arrived; past it the answer is 408 and the connection closes (D93).
+    #[serde(default = "default_body_timeout_s")]
+    pub body_timeout_s: u32,
+    /// Structured outputs (D90): bytes of a JSON schema, regex or grammar; for a `choice`,
+    /// of all its strings together.
+    #[serde(default = "default_guided_max_spec_bytes")]
+    pub guided_max_spec_bytes: u32,
+    /// Structured outputs: strings in a `choice` (`guided_choice`, `structured_outputs.choice`).
+    #[serde(default = "default_guided_max_choices")]
+    pub guided_max_choices: u32,
+    /// Structured outputs: the longest chain of `$ref`s a JSON schema may make the compiler
+    /// follow (each step costs stack in the compiler).
+    #[serde(default = "default_guided_max_ref_depth")]
+    pub guided_max_ref_depth: u32,
+    /// Structured outputs: milliseconds one compilation of a schema or grammar may take.
+    #[serde(default = "default_guided_compile_timeout_ms")]
+    pub guided_compile_timeout_ms: u32,
+    /// Chat: entries in `tools` (D91).
+    #[serde(default = "default_max_tools")]
+    pub max_tools: u32,
 }
 
 impl Default for LimitsConfig {
@@ -160,8 +187,37 @@ impl Default for LimitsConfig {
             output_buffer: default_output_buffer(),
             dp_lb_max_in_flight: default_dp_lb_max_in_flight(),
             retry_after_s: 1,
+            request_deadline_s: default_request_deadline_s(),
+            body_timeout_s: default_body_timeout_s(),
+            guided_max_spec_bytes: default_guided_max_spec_bytes(),
+            guided_max_choices: default_guided_max_choices(),
+            guided_max_ref_depth: default_guided_max_ref_depth(),
+            guided_compile_timeout_ms: default_guided_compile_timeout_ms(),
+            max_tools: default_max_tools(),
         }
     }
+}
+
+fn default_request_deadline_s() -> u32 {
+    1800
+}
+fn default_body_timeout_s() -> u32 {
+    30
+}
+fn default_guided_max_spec_bytes() -> u32 {
+    256 * 1024
+}
+fn default_guided_max_choices() -> u32 {
+    1024
+}
+fn default_guided_max_ref_depth() -> u32 {
+    64
+}
+fn default_guided_compile_timeout_ms() -> u32 {
+    10_000
+}
+fn default_max_tools() -> u32 {
+    128
 }
 
 fn default_max_in_flight() -> u32 {

@@ -14,12 +14,24 @@
 //!
 //! When the grammar is complete, only EOS is allowed, so the request ends with
 //! `finish_reason: "stop"` and the text parses.
+//!
+//! Both uses compile under the same bounds (D90, [`limits`]): a spec is measured first, then
+//! compiled on a big-stack thread of [`pool`] under a time budget, so no spec can overflow a
+//! stack or hold a thread that serves anything else. The frontend's verdicts are cached by
+//! content ([`cache`]), so a spec sent again costs a hash.
+
+pub mod cache;
+pub mod limits;
+pub mod pool;
+
+pub use limits::{limits, set_limits, GuidedLimits};
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{GrammarInit, ParserLimits, TopLevelGrammar};
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
+use llguidance::Logger;
 use llguidance::{Matcher, ParserFactory};
 use pdmesh_protocol::{GuidedSpec, ScheduledChunk};
 use serde_json::{json, Value};
@@ -35,9 +47,83 @@ pub enum GuidedError {
     /// The spec is malformed (bad JSON schema, regex or grammar): the message names the problem.
     #[error("{0}")]
     Invalid(String),
+    /// The spec is over one of the [`GuidedLimits`]: the message names the limit.
+    #[error("{0}")]
+    Limit(String),
+    /// Every compile thread is busy and the queue is full: try again.
+    #[error("the grammar compiler is busy")]
+    Busy,
+    /// The compiler failed inside (a panic): the detail ([`GuidedError::detail`]) is for the
+    /// log, never for the client (it may carry a backtrace with build paths).
+    #[error("the grammar compiler failed on this spec")]
+    Compiler(String),
     /// The vocabulary could not be turned into a token trie.
     #[error("structured outputs unavailable: {0}")]
     Unavailable(String),
+}
+
+impl GuidedError {
+    /// Everything known about the failure, for the log.
+    pub fn detail(&self) -> String {
+        match self {
+            GuidedError::Compiler(d) => d.clone(),
+            other => other.to_string(),
+        }
+    }
+
+    /// An llguidance error message as an error: a caught panic (which carries a backtrace)
+    /// becomes [`GuidedError::Compiler`]; anything else keeps its first lines, so a client
+    /// sees what is wrong with its spec and never a page of compiler state.
+    fn from_compiler(message: String) -> Self {
+        if message.starts_with("panic:") || message.contains("<backtrace>") {
+            return GuidedError::Compiler(message);
+        }
+        const MAX_CHARS: usize = 500;
+        let short: String = message.lines().take(3).collect::<Vec<_>>().join(" ").chars().take(MAX_CHARS).collect();
+        GuidedError::Invalid(short)
+    }
+}
+
+/// llguidance's own bounds, from ours: no grammar text in error messages.
+fn parser_limits(limits: &GuidedLimits) -> ParserLimits {
+    ParserLimits {
+        max_grammar_size: limits.max_grammar_size,
+        max_lexer_states: limits.max_lexer_states,
+        verbose_errors: false,
+        ..ParserLimits::default()
+    }
+}
+
+/// Compile `grammar` with `factory` under `limits` (on the calling thread: callers are the
+/// pool's jobs).
+fn compile(factory: &ParserFactory, grammar: TopLevelGrammar, limits: &GuidedLimits) -> Result<Matcher, GuidedError> {
+    let parser = factory.create_parser_from_init_ext(
+        GrammarInit::Serialized(grammar),
+        Logger::new(0, 0),
+        llguidance::toktrie::InferenceCapabilities::default(),
+        parser_limits(limits),
+    );
+    let matcher = Matcher::new(parser);
+    match matcher.get_error() {
+        Some(e) => Err(GuidedError::from_compiler(e)),
+        None => Ok(matcher),
+    }
+}
+
+/// [`compile`] on a compile thread, under the limits' time budget, after [`limits::check`].
+fn compile_bounded(factory: Arc<ParserFactory>, spec: &GuidedSpec) -> Result<Matcher, GuidedError> {
+    compile_within(factory, spec, limits())
+}
+
+fn compile_within(
+    factory: Arc<ParserFactory>,
+    spec: &GuidedSpec,
+    limits: GuidedLimits,
+) -> Result<Matcher, GuidedError> {
+    limits::check(spec, &limits)?;
+    let spec = spec.clone();
+    let budget = limits.compile_timeout;
+    pool::run(budget, move || compile(&factory, grammar(&spec)?, &limits))?
 }
 
 /// JSON compile options used when the schema sets none: no free whitespace (a small model
@@ -85,20 +171,25 @@ fn quiet_factory(env: &TokEnv) -> Result<ParserFactory, GuidedError> {
 }
 
 /// A parser factory over one token per byte, shared by every [`validate`] call.
-fn validation_factory() -> Result<&'static ParserFactory, GuidedError> {
-    static FACTORY: OnceLock<Result<ParserFactory, GuidedError>> = OnceLock::new();
-    FACTORY.get_or_init(|| quiet_factory(&ApproximateTokEnv::single_byte_env())).as_ref().map_err(Clone::clone)
+fn validation_factory() -> Result<Arc<ParserFactory>, GuidedError> {
+    static FACTORY: OnceLock<Result<Arc<ParserFactory>, GuidedError>> = OnceLock::new();
+    FACTORY.get_or_init(|| quiet_factory(&ApproximateTokEnv::single_byte_env()).map(Arc::new)).clone()
 }
 
-/// Check that `spec` compiles (the frontend's 400 before any engine work).
+/// Check that `spec` compiles within the [`GuidedLimits`] (the frontend's 400 before any
+/// engine work). Safe to call from any thread: the compilation runs on [`pool`], and the
+/// caller only waits, at most the time budget. Verdicts are cached by content, failures
+/// included, so a spec sent again (an attacker's too) costs a hash.
 pub fn validate(spec: &GuidedSpec) -> Result<(), GuidedError> {
-    let grammar = grammar(spec)?;
-    let factory = validation_factory()?;
-    let matcher = Matcher::new(factory.create_parser(grammar));
-    match matcher.get_error() {
-        Some(e) => Err(GuidedError::Invalid(e)),
-        None => Ok(()),
+    if let Some(verdict) = cache::get(spec) {
+        return verdict;
     }
+    let verdict = validation_factory().and_then(|factory| compile_bounded(factory, spec)).map(drop);
+    // a busy pool says nothing about the spec
+    if !matches!(verdict, Err(GuidedError::Busy | GuidedError::Unavailable(_))) {
+        cache::put(spec, verdict.clone());
+    }
+    verdict
 }
 
 /// The bytes of each token of a byte-level BPE vocabulary (GPT-2 style, as GGUF's
@@ -265,14 +356,11 @@ impl Guide {
         }
     }
 
+    /// A matcher for `spec`, compiled under the same bounds as [`validate`] (on a compile
+    /// thread: the executor's own stack is never at stake, whatever the spec).
     fn fresh_matcher(&mut self, spec: &GuidedSpec) -> Result<Matcher, GuidedError> {
-        let grammar = grammar(spec)?;
         let factory = self.factory()?;
-        let matcher = Matcher::new(factory.create_parser(grammar));
-        match matcher.get_error() {
-            Some(e) => Err(GuidedError::Invalid(e)),
-            None => Ok(matcher),
-        }
+        compile_bounded(factory, spec)
     }
 
     fn evict_if_full(&mut self) {

@@ -101,3 +101,109 @@ fn apply_mask_blocks_everything_not_allowed() {
     assert_eq!(l[0], 1.0);
     assert!(l[1].is_infinite() && l[3].is_infinite());
 }
+
+/// A schema whose root is a chain of `depth` `$ref`s, each an object whose one property is
+/// the next (the shape that overflowed a 2 MiB stack at 300), the last an integer.
+fn ref_chain(depth: usize) -> GuidedSpec {
+    let mut defs = serde_json::Map::new();
+    for i in 0..depth {
+        let next = if i + 1 == depth {
+            json!({"type": "integer"})
+        } else {
+            json!({"type": "object", "properties": {"x": {"$ref": format!("#/$defs/a{}", i + 1)}}, "required": ["x"]})
+        };
+        defs.insert(format!("a{i}"), next);
+    }
+    GuidedSpec::JsonSchema(json!({"$ref": "#/$defs/a0", "$defs": defs}).to_string())
+}
+
+/// Issue 40, defect 1: a 300-step `$ref` chain overflowed the compiling thread's stack and
+/// aborted the process. Now it is refused, naming the limit, and a chain within the limit
+/// still compiles.
+#[test]
+fn deep_ref_chain_is_refused_naming_the_limit() {
+    let e = validate(&ref_chain(300)).unwrap_err();
+    assert!(matches!(e, GuidedError::Limit(_)), "{e:?}");
+    assert!(e.to_string().contains("guided_max_ref_depth"), "{e}");
+    assert!(validate(&ref_chain(40)).is_ok());
+    // the executor side refuses it the same way (a request ends; the worker lives)
+    let mut guide = Guide::single_byte(256);
+    assert!(matches!(guide.mask(&chunk("deep", ref_chain(300), &[])), Some(Mask::Fail(_))));
+}
+
+/// The compile threads' stack holds chains far past the limit: a limit raised by an operator
+/// cannot bring the crash back.
+#[test]
+fn compile_threads_survive_chains_past_the_limit() {
+    let limits = GuidedLimits { max_ref_depth: 10_000, ..GuidedLimits::default() };
+    let factory = validation_factory().unwrap();
+    for depth in [300, 3000] {
+        let r = compile_within(factory.clone(), &ref_chain(depth), limits.clone());
+        assert!(r.is_ok(), "depth {depth}: {:?}", r.err());
+    }
+}
+
+#[test]
+fn ref_depth_counts_chains_cycles_and_fanout() {
+    let chain = |spec: GuidedSpec| match spec {
+        GuidedSpec::JsonSchema(t) => serde_json::from_str::<Value>(&t).unwrap(),
+        _ => unreachable!(),
+    };
+    assert_eq!(limits::ref_depth(&chain(ref_chain(5)), 100), 5);
+    assert_eq!(limits::ref_depth(&chain(ref_chain(500)), 100), 101);
+    // a recursive schema (a tree) is one step deep, not infinite
+    let tree = json!({"$ref": "#/$defs/node", "$defs": {"node": {"type": "object",
+        "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}});
+    assert_eq!(limits::ref_depth(&tree, 100), 1);
+    // a wide diamond lattice: 40 levels of two refs each to both nodes of the next level
+    // (2^40 paths) is measured in linear time
+    let mut defs = serde_json::Map::new();
+    for i in 0..40 {
+        let next = json!({"anyOf": [{"$ref": format!("#/$defs/l{}", i + 1)}, {"$ref": format!("#/$defs/r{}", i + 1)}]});
+        defs.insert(format!("l{i}"), next.clone());
+        defs.insert(format!("r{i}"), next);
+    }
+    defs.insert("l40".into(), json!({"type": "null"}));
+    defs.insert("r40".into(), json!({"type": "null"}));
+    assert_eq!(limits::ref_depth(&json!({"$ref": "#/$defs/l0", "$defs": defs}), 100), 41);
+}
+
+/// Issue 40, defect 3: 100k choices took 29 s to refuse. Now the count is refused before
+/// any work, naming the limit, and the verdict is cached.
+#[test]
+fn huge_choice_is_refused_before_any_work() {
+    let many: Vec<String> = (0..100_000).map(|i| format!("choice number {i}")).collect();
+    let e = validate(&GuidedSpec::Choice(many.clone())).unwrap_err();
+    assert!(e.to_string().contains("guided_max_choices") && e.to_string().contains("100000"), "{e}");
+    let long = vec!["x".repeat(300 * 1024)];
+    assert!(validate(&GuidedSpec::Choice(long)).unwrap_err().to_string().contains("guided_max_spec_bytes"));
+    let big_schema = format!(r#"{{"type":"string","description":"{}"}}"#, "d".repeat(300 * 1024));
+    assert!(validate(&GuidedSpec::JsonSchema(big_schema)).unwrap_err().to_string().contains("guided_max_spec_bytes"));
+    // within the limits a long choice list compiles
+    let ok: Vec<String> = (0..1000).map(|i| format!("choice number {i}")).collect();
+    assert!(validate(&GuidedSpec::Choice(ok)).is_ok());
+}
+
+/// A caught compiler panic carries a backtrace with build paths: none of it reaches the
+/// message a client sees; all of it stays in the detail for the log.
+#[test]
+fn compiler_panics_never_reach_the_message() {
+    let raw = "panic: index out of bounds\n<backtrace>\n  0: /root/.cargo/registry/src/x.rs:12\n</backtrace>";
+    let e = GuidedError::from_compiler(raw.into());
+    assert!(!e.to_string().contains("backtrace") && !e.to_string().contains('/'), "{e}");
+    assert_eq!(e.detail(), raw);
+    let long = GuidedError::from_compiler(format!("bad\nline two\nline three\nline four {}", "x".repeat(5000)));
+    assert!(long.to_string().len() <= 500 && !long.to_string().contains("line four"), "{long}");
+}
+
+/// Verdicts are cached by content, refusals too.
+#[test]
+fn verdicts_are_cached_by_content() {
+    let spec = GuidedSpec::Regex("cached-[0-9]{3}".into());
+    assert_eq!(cache::get(&spec), None);
+    assert!(validate(&spec).is_ok());
+    assert_eq!(cache::get(&spec), Some(Ok(())));
+    let bad = GuidedSpec::Regex("cached-(".into());
+    let first = validate(&bad).unwrap_err();
+    assert_eq!(cache::get(&bad), Some(Err(first)));
+}

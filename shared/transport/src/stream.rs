@@ -70,11 +70,21 @@ pub struct PushHandle {
     tx: mpsc::UnboundedSender<Envelope>,
     up: Arc<AtomicBool>,
     queued: Arc<std::sync::atomic::AtomicUsize>,
+    /// Asks the socket task to drop its connection and connect afresh ([`PushHandle::reconnect`]).
+    reset: Arc<tokio::sync::Notify>,
 }
 
 impl PushHandle {
     pub fn is_up(&self) -> bool {
         self.up.load(Ordering::Acquire)
+    }
+
+    /// Drop the connection and connect again, keeping every message not yet sent. For a
+    /// peer known to have restarted (a frontend's hello with a new pid, D92): its old socket
+    /// may look connected for tens of seconds, and what is sent there is lost. Messages
+    /// queued after this call go out on the new connection.
+    pub fn reconnect(&self) {
+        self.reset.notify_one();
     }
 
     /// Queue a message. While the peer is not connected, up to [`PUSH_QUEUE_LIMIT`] messages
@@ -100,7 +110,9 @@ pub fn connect_push_with(endpoint: &str, seal_with: Seal) -> PushHandle {
     let (tx, mut rx) = mpsc::unbounded_channel::<Envelope>();
     let up = Arc::new(AtomicBool::new(false));
     let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let handle = PushHandle { endpoint: Arc::from(endpoint), tx, up: up.clone(), queued: queued.clone() };
+    let reset = Arc::new(tokio::sync::Notify::new());
+    let handle =
+        PushHandle { endpoint: Arc::from(endpoint), tx, up: up.clone(), queued: queued.clone(), reset: reset.clone() };
     let endpoint = endpoint.to_string();
     // One session for the stream's life: a reconnect continues its counter.
     let mut sealer = seal_with.sealer(endpoint_port(&endpoint), Direction::ToBound);
@@ -126,6 +138,12 @@ pub fn connect_push_with(endpoint: &str, seal_with: Seal) -> PushHandle {
             up.store(true, Ordering::Release);
             loop {
                 tokio::select! {
+                    // before any message: one queued after a reset goes to the new peer
+                    biased;
+                    () = reset.notified() => {
+                        tracing::info!(%endpoint, "push stream: peer restarted; reconnecting");
+                        break;
+                    }
                     out = rx.recv() => {
                         let Some(env) = out else { return };
                         queued.fetch_sub(1, Ordering::AcqRel);

@@ -6,7 +6,7 @@ pub mod chat;
 pub mod completions;
 pub mod responses;
 
-use actix_web::{HttpMessage, HttpRequest, HttpResponse, ResponseError};
+use actix_web::{web, HttpMessage, HttpRequest, HttpResponse, ResponseError};
 use tracing::Instrument;
 
 use crate::auth::ClientKey;
@@ -63,16 +63,16 @@ pub(crate) fn remote_prefill_params(value: Option<&serde_json::Value>) -> Option
 }
 
 /// The shared flow of a generation request. `prepare` validates the body into an engine
-/// request; it runs inside the request's span.
+/// request; it runs inside the request's span, off the async worker (see [`serve_with`]).
 pub async fn serve<F>(
     req: &HttpRequest,
-    state: &AppState,
+    state: &web::Data<AppState>,
     api: Api,
     remote_prefill: Option<KvTransferParams>,
     prepare: F,
 ) -> HttpResponse
 where
-    F: FnOnce(RequestMeta, &AppState) -> Result<Prepared, ApiError>,
+    F: FnOnce(RequestMeta, &AppState) -> Result<Prepared, ApiError> + Send + 'static,
 {
     let endpoint = match api {
         Api::Completion => "completions",
@@ -92,16 +92,21 @@ where
 /// [`serve`] with the answer left to the caller: `prepare` validates the body into an engine
 /// request plus whatever `answer` needs (`T`); `answer` turns the accepted request into the
 /// response. Every refusal before admission goes through [`note_rejection`] (rule R1).
+///
+/// `prepare` runs on a blocking thread, not on the async worker (D91): validation can cost
+/// (a grammar to compile, a long prompt to render and tokenise), and a worker busy with it
+/// serves none of its other connections, `/live` included.
 pub async fn serve_with<F, T, R, Fut>(
     req: &HttpRequest,
-    state: &AppState,
+    state: &web::Data<AppState>,
     endpoint: &'static str,
     remote_prefill: Option<KvTransferParams>,
     prepare: F,
     answer: R,
 ) -> HttpResponse
 where
-    F: FnOnce(RequestMeta, &AppState) -> Result<(Prepared, T), ApiError>,
+    F: FnOnce(RequestMeta, &AppState) -> Result<(Prepared, T), ApiError> + Send + 'static,
+    T: Send + 'static,
     R: FnOnce(Accepted, T) -> Fut,
     Fut: Future<Output = Result<HttpResponse, ApiError>>,
 {
@@ -137,8 +142,15 @@ where
     let span = tracing::info_span!("frontend.request", otel.kind = "server", request_id = %meta.request_id,
         trace_id = %meta.trace_id, endpoint);
     pdmesh_telemetry::trace::set_parent(&span, &meta.parent);
+    let validated = {
+        let (state, span) = (state.clone(), span.clone());
+        web::block(move || span.in_scope(|| prepare(meta, &state)))
+    };
     async move {
-        let accepted = match prepare(meta, state) {
+        let validated = validated
+            .await
+            .unwrap_or_else(|e| Err(ApiError::Internal(format!("request validation did not finish: {e}"))));
+        let accepted = match validated {
             Ok((prepared, _)) if prepared.params_follow.is_some() => {
                 return park(req, prepared, permit, key_permit, dp_rank, &request_id);
             }

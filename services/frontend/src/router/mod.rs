@@ -71,6 +71,8 @@ pub struct RouterState {
     local_prefill_max_tokens: u32,
     /// The nodes' tokenizer, for `cache_aware` picks (D59); `None`: picks weigh load only.
     tokenizer: Option<prompt::PromptTokenizer>,
+    /// `limits.body_timeout_s` (D93).
+    body_timeout: std::time::Duration,
 }
 
 impl RouterState {
@@ -103,7 +105,14 @@ impl RouterState {
             parallel_dispatch: cfg.parallel_dispatch,
             local_prefill_max_tokens: cfg.local_prefill_max_tokens,
             tokenizer: None,
+            body_timeout: crate::body_timeout::DEFAULT,
         }
+    }
+
+    /// Answer 408 to a client whose body takes longer than `limit` (D93; zero: never).
+    pub fn with_body_timeout(mut self, limit: std::time::Duration) -> Self {
+        self.body_timeout = limit;
+        self
     }
 
     /// The HTTP client for calls to P and D made on this thread: one per thread (D70). A pooled
@@ -980,10 +989,13 @@ fn router_app(
         InitError = (),
     >,
 > {
+    let body_timeout = crate::body_timeout::BodyTimeout(state.body_timeout);
     App::new()
         .app_data(state)
         .app_data(client_keys)
         .app_data(web::PayloadConfig::new(crate::server::MAX_BODY_BYTES))
+        .app_data(body_timeout)
+        .wrap(actix_web::middleware::from_fn(crate::body_timeout::middleware))
         .wrap(actix_web::middleware::from_fn(crate::auth::require_api_key))
         .wrap_fn(|req, srv| {
             let fut = actix_web::dev::Service::call(srv, req);
@@ -1039,7 +1051,8 @@ pub async fn run_router(
             crate::overload::KeyLimit::new(node.limits.max_in_flight_per_key, client_keys.len(), "router"),
             ctx.health.clone(),
         )
-        .with_tokenizer(tokenizer),
+        .with_tokenizer(tokenizer)
+        .with_body_timeout(std::time::Duration::from_secs(u64::from(node.limits.body_timeout_s))),
     );
     if node.router.policy == pdmesh_config::RoutingPolicy::CacheAware && state.tokenizer.is_none() {
         tracing::warn!("router.policy = cache_aware without the nodes' tokenizer: picking by load only (least_loaded)");
