@@ -7,6 +7,12 @@ export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 # The model tests need the GGUF file; fetch it (idempotent, verified by sha256).
 if [[ "${PDMESH_SKIP_MODEL_TESTS:-0}" != "1" ]]; then
   export PDMESH_MODEL_PATH="${PDMESH_MODEL_PATH:-$(scripts/fetch-model.sh)}"
+  # The tokenizers and templates of the other models users bring (shared/model/tests/
+  # tokenizer_models.rs, the frontend's chat tests), and llama.cpp's tokenizer vectors for the
+  # qwen2, llama-bpe and SentencePiece vocabularies (shared/model/tests/vocab_vectors.rs).
+  export PDMESH_GEMMA3_PATH="${PDMESH_GEMMA3_PATH:-$(scripts/fetch-model.sh gemma3-270m)}"
+  export PDMESH_QWEN25_PATH="${PDMESH_QWEN25_PATH:-$(scripts/fetch-model.sh qwen2.5-0.5b)}"
+  export PDMESH_VOCAB_DIR="${PDMESH_VOCAB_DIR:-$(scripts/fetch-vocab-vectors.sh)}"
 fi
 cargo build --release --workspace --all-targets
 # The GPU feature must build on every machine (CUDA is loaded at run time): the binary with
