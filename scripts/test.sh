@@ -7,10 +7,13 @@ export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 # The model tests need the GGUF file; fetch it (idempotent, verified by sha256).
 if [[ "${PDMESH_SKIP_MODEL_TESTS:-0}" != "1" ]]; then
   export PDMESH_MODEL_PATH="${PDMESH_MODEL_PATH:-$(scripts/fetch-model.sh)}"
-  # The models users bring (shared/model/tests/architectures.rs, services/pdmesh/tests/qwen_mesh.rs):
-  # Qwen2.5-Coder-0.5B-Instruct and Gemma 3 270M, both Q4_K_M, into the same model directory.
-  scripts/fetch-model.sh qwen2.5-0.5b >/dev/null
-  scripts/fetch-model.sh gemma3-270m >/dev/null
+  # The other models users bring, into the same model directory: Qwen2.5-Coder-0.5B-Instruct and
+  # Gemma 3 270M, both Q4_K_M (shared/model/tests/architectures.rs and tokenizer_models.rs,
+  # services/pdmesh/tests/qwen_mesh.rs, the frontend's chat tests), and llama.cpp's tokenizer
+  # vectors for the qwen2, llama-bpe and SentencePiece vocabularies (shared/model/tests/vocab_vectors.rs).
+  export PDMESH_GEMMA3_PATH="${PDMESH_GEMMA3_PATH:-$(scripts/fetch-model.sh gemma3-270m)}"
+  export PDMESH_QWEN25_PATH="${PDMESH_QWEN25_PATH:-$(scripts/fetch-model.sh qwen2.5-0.5b)}"
+  export PDMESH_VOCAB_DIR="${PDMESH_VOCAB_DIR:-$(scripts/fetch-vocab-vectors.sh)}"
 fi
 cargo build --release --workspace --all-targets
 # The GPU feature must build on every machine (CUDA is loaded at run time): the binary with

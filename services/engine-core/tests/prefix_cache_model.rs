@@ -25,10 +25,7 @@ fn load() -> Option<GgufExecutor> {
     let (exec, codec) = pdmesh_model::load_gguf(&p, &ModelOptions::default()).expect("load model");
     PROMPTS.with(|cell| {
         let render = |q: &str| {
-            let msgs = [
-                ChatMessage { role: "system".into(), content: SYSTEM.into() },
-                ChatMessage { role: "user".into(), content: q.into() },
-            ];
+            let msgs = [ChatMessage::text("system", SYSTEM), ChatMessage::text("user", q)];
             codec.encode(&codec.render_chat(&msgs).unwrap()).unwrap()
         };
         *cell.borrow_mut() = vec![render("Where do parcels for Boston ship from?"), render("Which code is Miami?")];

@@ -1,10 +1,13 @@
 //! Tool calling in chat (D54): `tools`, `tool_choice`, tool calls in the history, and
 //! `tool_calls` in the answer.
 //!
-//! The model's chat template is used as is; when it has no tool support (SmolLM2's has none)
-//! the tools go into a Hermes-style system block, and calls are written as
-//! `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (what vLLM's `hermes` parser
-//! reads). `tool_choice`:
+//! The model's chat template is used as is. When it renders tools itself (it reads a `tools`
+//! variable: Qwen2.5's ChatML-with-tools, Llama 3's) it gets `tools` and the history's
+//! `tool_calls` / `tool` messages as data, as Hugging Face's `apply_chat_template` gives them
+//! (D88); Qwen's asks for the same Hermes `<tool_call>` answers read here. When it has no tool
+//! support (SmolLM2's has none) the tools go into a Hermes-style system block, and calls are
+//! written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (what vLLM's `hermes`
+//! parser reads). `tool_choice`:
 //! - `none`: the tools are not shown and nothing is parsed;
 //! - `auto` (the default with tools): the answer is searched for `<tool_call>` blocks;
 //! - `required` / a named function: the structured-output machinery (D53) forces a valid call,
@@ -180,6 +183,28 @@ pub fn render_tool_calls(calls: &[Value]) -> Result<String, ApiError> {
     Ok(out.join("\n"))
 }
 
+/// An assistant message's `tool_calls` as a template that renders tools reads them: each call
+/// as sent, with `function.arguments` (JSON text in OpenAI's shape) parsed to the object the
+/// template prints with `tojson` (vLLM does the same); text that is not JSON is kept as text.
+pub fn template_tool_calls(calls: &[Value]) -> Result<Vec<Value>, ApiError> {
+    calls
+        .iter()
+        .map(|c| {
+            let mut c = c.clone();
+            let f = c
+                .get_mut("function")
+                .filter(|f| f.is_object())
+                .ok_or_else(|| ApiError::invalid("a tool call must have a `function` object.", "messages"))?;
+            if let Some(Value::String(text)) = f.get("arguments") {
+                if let Ok(parsed) = serde_json::from_str::<Value>(text) {
+                    f["arguments"] = parsed;
+                }
+            }
+            Ok(c)
+        })
+        .collect()
+}
+
 /// A `role: "tool"` message's content, as Hermes templates show a tool's result.
 pub fn render_tool_result(content: &str) -> String {
     format!("<tool_response>\n{content}\n</tool_response>")
@@ -297,5 +322,17 @@ mod tests {
             "function": {"name": "g", "arguments": "{\"q\": 2}"}})])
         .unwrap();
         assert_eq!(history, format!("<tool_call>\n{}\n</tool_call>", json!({"name": "g", "arguments": {"q": 2}})));
+    }
+
+    #[test]
+    fn template_calls_carry_parsed_arguments() {
+        let calls = [
+            json!({"id": "c1", "type": "function", "function": {"name": "g", "arguments": "{\"q\": 2}"}}),
+            json!({"type": "function", "function": {"name": "h", "arguments": "not json"}}),
+        ];
+        let out = template_tool_calls(&calls).unwrap();
+        assert_eq!(out[0], json!({"id": "c1", "type": "function", "function": {"name": "g", "arguments": {"q": 2}}}));
+        assert_eq!(out[1]["function"]["arguments"], json!("not json"));
+        assert!(template_tool_calls(&[json!({"id": "x"})]).is_err());
     }
 }

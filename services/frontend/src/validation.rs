@@ -467,12 +467,15 @@ pub fn kv_transfer_params(value: Option<&Value>) -> Result<Option<KvTransferPara
 fn text_error(e: TextError) -> ApiError {
     match e {
         TextError::Template(m) => ApiError::Template(format!("chat template error: {m}")),
+        e @ TextError::NoChatTemplate => ApiError::invalid(e.to_string(), "messages"),
         TextError::Tokenizer(m) => ApiError::invalid(format!("cannot tokenise the input: {m}"), "prompt"),
     }
 }
 
 /// The completions `prompt`: a string, `[string]`, `[ids...]` or `[[ids...]]` → token ids.
-/// Batches (several prompts) are refused: one request is one engine request here.
+/// Batches (several prompts) are refused: one request is one engine request here. Text is
+/// encoded as a whole prompt (BOS first when the model asks for it, as vLLM's
+/// `add_special_tokens=True`); token ids are taken as they are.
 pub fn completion_prompt(prompt: Option<&Value>, codec: &dyn TextCodec, vocab_size: u32) -> Result<Vec<u32>, ApiError> {
     let shape_error =
         || ApiError::invalid("prompt must be a string, an array of one string, or an array of token ids.", "prompt");
@@ -484,7 +487,7 @@ pub fn completion_prompt(prompt: Option<&Value>, codec: &dyn TextCodec, vocab_si
             if s.is_empty() {
                 return Err(empty_error());
             }
-            codec.encode(s).map_err(text_error)?
+            codec.encode_prompt(s).map_err(text_error)?
         }
         Some(Value::Array(items)) => match items.as_slice() {
             [] => return Err(empty_error()),
@@ -492,7 +495,7 @@ pub fn completion_prompt(prompt: Option<&Value>, codec: &dyn TextCodec, vocab_si
                 if s.is_empty() {
                     return Err(empty_error());
                 }
-                codec.encode(s).map_err(text_error)?
+                codec.encode_prompt(s).map_err(text_error)?
             }
             [Value::Array(inner)] => ids_of(inner, vocab_size).ok_or_else(shape_error)??,
             items if items.iter().all(Value::is_number) => ids_of(items, vocab_size).ok_or_else(shape_error)??,
@@ -516,7 +519,13 @@ fn ids_of(items: &[Value], vocab_size: u32) -> Option<Result<Vec<u32>, ApiError>
 
 /// Chat messages → the codec's messages. Content may be a string, null, or an array of text
 /// parts (joined with newlines, as vLLM does); other part types are refused.
-pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
+///
+/// Tool calls in the history: with `template_tools` (the template renders tools itself, see
+/// [`TextCodec::template_renders_tools`]) they are handed to the template as `tool_calls`, each
+/// call's `arguments` parsed to a JSON object as vLLM does, and a tool result keeps its
+/// `tool_call_id`; otherwise they are written into the content the way the model is told to
+/// write calls, tool results wrapped as Hermes templates show them (D54).
+pub fn chat_messages(messages: &[ChatMessageIn], template_tools: bool) -> Result<Vec<ChatMessage>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty.", "messages"));
     }
@@ -550,10 +559,18 @@ pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, Api
                     ))
                 }
             };
-            // Tool calls in the history are shown as the model writes them, tool results
-            // wrapped as Hermes templates show them (D54).
-            let content = match (&m.tool_calls, m.role.as_str()) {
-                (Some(calls), _) if !calls.is_empty() => {
+            let calls = m.tool_calls.as_ref().filter(|c| !c.is_empty());
+            if template_tools {
+                return Ok(ChatMessage {
+                    role: m.role.clone(),
+                    content,
+                    tool_calls: calls.map(|c| crate::tools::template_tool_calls(c)).transpose()?,
+                    tool_call_id: m.tool_call_id.clone(),
+                    name: m.name.clone(),
+                });
+            }
+            let content = match (calls, m.role.as_str()) {
+                (Some(calls), _) => {
                     let calls = crate::tools::render_tool_calls(calls)?;
                     if content.is_empty() {
                         calls
@@ -564,15 +581,21 @@ pub fn chat_messages(messages: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, Api
                 (_, "tool") => crate::tools::render_tool_result(&content),
                 _ => content,
             };
-            Ok(ChatMessage { role: m.role.clone(), content })
+            Ok(ChatMessage::text(m.role.clone(), content))
         })
         .collect()
 }
 
-/// Render chat messages with the model's template (a template error is the client's: 400).
-pub fn render_chat(codec: &dyn TextCodec, messages: &[ChatMessage], vocab_size: u32) -> Result<Vec<u32>, ApiError> {
-    let text = codec.render_chat(messages).map_err(text_error)?;
-    let tokens = codec.encode(&text).map_err(text_error)?;
+/// Render chat messages with the model's template and encode them as a prompt (a template
+/// error is the client's: 400). `tools` go to the template's `tools` variable.
+pub fn render_chat(
+    codec: &dyn TextCodec,
+    messages: &[ChatMessage],
+    tools: Option<&[Value]>,
+    vocab_size: u32,
+) -> Result<Vec<u32>, ApiError> {
+    let text = codec.render_chat_with_tools(messages, tools).map_err(text_error)?;
+    let tokens = codec.encode_prompt(&text).map_err(text_error)?;
     if tokens.is_empty() {
         return Err(ApiError::invalid("The rendered prompt is empty.", "messages"));
     }
@@ -802,19 +825,21 @@ mod tests {
     #[test]
     fn chat_content_shapes() {
         let msg = |content: Value| ChatMessageIn { role: "user".into(), content: Some(content), ..Default::default() };
-        let m = chat_messages(&[msg(json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]))]).unwrap();
+        let m = chat_messages(&[msg(json!([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]))], false)
+            .unwrap();
         assert_eq!(m[0].content, "a\nb");
         let m =
-            chat_messages(&[ChatMessageIn { role: "assistant".into(), content: None, ..Default::default() }]).unwrap();
+            chat_messages(&[ChatMessageIn { role: "assistant".into(), content: None, ..Default::default() }], false)
+                .unwrap();
         assert_eq!(m[0].content, "");
-        assert_400(chat_messages(&[]), "messages");
-        assert_400(chat_messages(&[msg(json!([{"type": "image_url", "image_url": {}}]))]), "messages");
-        assert_400(chat_messages(&[msg(json!([{"text": "no type"}]))]), "messages");
-        assert_400(chat_messages(&[msg(json!(5))]), "messages");
+        assert_400(chat_messages(&[], false), "messages");
+        assert_400(chat_messages(&[msg(json!([{"type": "image_url", "image_url": {}}]))], false), "messages");
+        assert_400(chat_messages(&[msg(json!([{"text": "no type"}]))], false), "messages");
+        assert_400(chat_messages(&[msg(json!(5))], false), "messages");
         // a template error is a 400 invalid_request_error
         let c = SyntheticTextCodec;
-        let bad = [ChatMessage { role: "wizard".into(), content: "x".into() }];
-        let e = render_chat(&c, &bad, VOCAB).unwrap_err();
+        let bad = [ChatMessage::text("wizard", "x")];
+        let e = render_chat(&c, &bad, None, VOCAB).unwrap_err();
         assert_eq!(e.status().as_u16(), 400);
         assert_eq!(e.error_type(), "invalid_request_error");
     }

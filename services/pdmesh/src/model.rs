@@ -50,8 +50,11 @@ pub fn load_text(node: &NodeConfig) -> anyhow::Result<LoadedText> {
         }
         ModelKind::Gguf => {
             let path = gguf_path(node)?;
-            let codec = pdmesh_model::GgufTextCodec::load(&path, &gguf_options(node))
+            let mut codec = pdmesh_model::GgufTextCodec::load(&path, &gguf_options(node))
                 .with_context(|| format!("loading the tokenizer of {}", path.display()))?;
+            if !node.model.chat_template.is_empty() {
+                codec = with_chat_template(codec, &node.model.chat_template)?;
+            }
             let max_model_len = effective_max_len(node, codec.max_model_len());
             let eos = codec.eos_token_ids().to_vec();
             let vocab = pdmesh_model_api::TextCodec::vocab_size(&codec);
@@ -95,6 +98,17 @@ pub fn resolve_kv_budgets(topo: &mut pdmesh_config::Topology) -> anyhow::Result<
             .map_err(|why| anyhow::anyhow!("node {:?}: {why}", node.name))?;
     }
     Ok(())
+}
+
+/// The codec with the template of `model.chat_template` (`--chat-template`) in place of the
+/// file's. A file that cannot be read or does not compile is an error of the node's
+/// configuration (the caller marks it so: exit 78), not something to serve chat without.
+fn with_chat_template(codec: pdmesh_model::GgufTextCodec, path: &str) -> anyhow::Result<pdmesh_model::GgufTextCodec> {
+    let source = std::fs::read_to_string(path).with_context(|| format!("model.chat_template: cannot read {path:?}"))?;
+    let codec = codec.with_chat_template(source).with_context(|| format!("model.chat_template {path:?}"))?;
+    tracing::info!(template = %path, renders_tools = pdmesh_model_api::TextCodec::template_renders_tools(&codec),
+        "chat template from the configuration");
+    Ok(codec)
 }
 
 /// Rule R1 notices are on unless the node's `kv_transfer.rejection_notices = false`.

@@ -54,6 +54,10 @@ pub struct ServeArgs {
     /// vLLM takes several aliases; pdmesh serves one name.
     #[arg(long, num_args = 1..)]
     served_model_name: Vec<String>,
+    /// A Jinja chat template file replacing the model file's own (`model.chat_template`): for
+    /// a model whose file has none, or to fix one.
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
     /// Longest prompt + output (`engine.max_model_len`).
     #[arg(long)]
     max_model_len: Option<u32>,
@@ -274,6 +278,13 @@ fn serve_topology(args: &ServeArgs, env_of: &dyn Fn(&str) -> Option<String>) -> 
     node.model.kind = ModelKind::Gguf;
     node.model.path = model;
     node.model.name = args.served_model_name.first().cloned().unwrap_or_default();
+    if let Some(file) = &args.chat_template {
+        // absolute, so that the node's processes read it wherever they run
+        let path = std::fs::canonicalize(file).map_err(|e| {
+            misconfigured("--chat-template", format!("{}: {e} (a Jinja chat template file)", file.display()))
+        })?;
+        node.model.chat_template = path.to_string_lossy().into_owned();
+    }
     if let Some(dp) = args.data_parallel_size {
         node.dp_size = dp;
     }
@@ -554,6 +565,26 @@ mod tests {
         assert_eq!((kv.side_channel_host.as_str(), kv.side_channel_port, kv.data_port), ("10.0.0.7", 5900, 5950));
         let back = Topology::from_toml(&topo.to_toml().unwrap()).unwrap();
         assert_eq!(back.nodes[0].engine.num_blocks, 64, "the children read the same node back");
+    }
+
+    /// `--chat-template FILE` becomes the node's `model.chat_template`, as an absolute path the
+    /// children read back; a file that is not there is a configuration error naming the flag.
+    #[test]
+    fn chat_template_flag_sets_the_nodes_template() {
+        let (d, model) = model_file();
+        let template = d.0.join("chatml.jinja");
+        std::fs::write(&template, "{{ messages[0].content }}").unwrap();
+        let args = parse(&[&model, "--chat-template", &template.display().to_string()]).unwrap();
+        let topo = serve_topology(&args, &no_env).unwrap();
+        let set = &topo.nodes[0].model.chat_template;
+        assert_eq!(std::path::Path::new(set), std::fs::canonicalize(&template).unwrap());
+        let back = Topology::from_toml(&topo.to_toml().unwrap()).unwrap();
+        assert_eq!(&back.nodes[0].model.chat_template, set);
+        assert_eq!(serve_topology(&parse(&[&model]).unwrap(), &no_env).unwrap().nodes[0].model.chat_template, "");
+        let missing = parse(&[&model, "--chat-template", "/nonexistent/t.jinja"]).unwrap();
+        let err = serve_topology(&missing, &no_env).unwrap_err();
+        assert!(err.downcast_ref::<Misconfigured>().is_some());
+        assert!(format!("{err:#}").contains("--chat-template"), "{err:#}");
     }
 
     #[test]

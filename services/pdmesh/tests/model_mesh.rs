@@ -110,9 +110,7 @@ fn real_model_through_the_mesh_matches_the_reference() {
     let chat = json!({"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 24, "temperature": 0});
     let v = post(&mesh, "/v1/chat/completions", &chat);
     let answer = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
-    let rendered = codec
-        .render_chat(&[ChatMessage { role: "user".into(), content: "What is the capital of France?".into() }])
-        .unwrap();
+    let rendered = codec.render_chat(&[ChatMessage::text("user", "What is the capital of France?")]).unwrap();
     assert!(rendered.contains("<|im_start|>system"), "default system turn: {rendered}");
     let chat_ids = codec.encode(&rendered).unwrap();
     assert_eq!(v["usage"]["prompt_tokens"], chat_ids.len());

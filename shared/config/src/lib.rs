@@ -582,6 +582,12 @@ pub struct ModelConfig {
     /// process's priority. Ignored on a GPU.
     #[serde(default = "default_cpu_nice")]
     pub cpu_nice: u8,
+    /// A Jinja chat template file that replaces the GGUF file's own (vLLM's `--chat-template`):
+    /// for a model whose file has none (base models such as Gemma 3 270M), or to fix one.
+    /// Empty (default): the file's template; without one, `/v1/chat/completions` answers 400.
+    /// A file that cannot be read or does not compile stops the node (exit 78). docs/MODEL.md.
+    #[serde(default)]
+    pub chat_template: String,
 }
 
 impl Default for ModelConfig {
@@ -596,6 +602,7 @@ impl Default for ModelConfig {
             fault_injection: String::new(),
             threads: 0,
             cpu_nice: default_cpu_nice(),
+            chat_template: String::new(),
         }
     }
 }

@@ -14,11 +14,7 @@ fn greedy_tokens_do_not_depend_on_batching_or_chunking() {
     let texts = common::EIGHT_PROMPTS;
     let prompts: Vec<Vec<u32>> = texts
         .iter()
-        .map(|t| {
-            codec
-                .encode(&codec.render_chat(&[ChatMessage { role: "user".into(), content: (*t).into() }]).unwrap())
-                .unwrap()
-        })
+        .map(|t| codec.encode(&codec.render_chat(&[ChatMessage::text("user", *t)]).unwrap()).unwrap())
         .collect();
     let blocks_per_req = 8u32; // block_size 16: 128 positions each
     let mut kv = common::kv_cache(&exec, blocks_per_req * 8, 16);
@@ -61,13 +57,8 @@ fn greedy_tokens_do_not_depend_on_the_thread_count() {
     let generated = |threads: Option<usize>| {
         let options = pdmesh_model::ModelOptions { threads, ..Default::default() };
         let (mut exec, codec) = pdmesh_model::load_gguf(&path, &options).expect("load model");
-        let prompt = codec
-            .encode(
-                &codec
-                    .render_chat(&[ChatMessage { role: "user".into(), content: common::EIGHT_PROMPTS[1].into() }])
-                    .unwrap(),
-            )
-            .unwrap();
+        let prompt =
+            codec.encode(&codec.render_chat(&[ChatMessage::text("user", common::EIGHT_PROMPTS[1])]).unwrap()).unwrap();
         let mut kv = common::kv_cache(&exec, 8, 16);
         let mut reqs = vec![common::Req::new("t", prompt, 0, 8)];
         common::run(&mut exec, &mut kv, &mut reqs, N_NEW, usize::MAX);

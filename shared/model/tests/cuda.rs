@@ -39,7 +39,7 @@ fn gpu() -> Option<CudaLlamaExecutor> {
 }
 
 fn chat(codec: &pdmesh_model::GgufTextCodec, u: &str) -> Vec<u32> {
-    codec.encode(&codec.render_chat(&[ChatMessage { role: "user".into(), content: u.into() }]).unwrap()).unwrap()
+    codec.encode(&codec.render_chat(&[ChatMessage::text("user", u)]).unwrap()).unwrap()
 }
 
 #[test]

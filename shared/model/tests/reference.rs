@@ -17,9 +17,7 @@ const N_NEW: usize = 32;
 const MAX_LOGIT_DEVIATION: f32 = 0.0;
 
 fn prompts(codec: &pdmesh_model::GgufTextCodec) -> Vec<Vec<u32>> {
-    let chat = |u: &str| {
-        codec.encode(&codec.render_chat(&[ChatMessage { role: "user".into(), content: u.into() }]).unwrap()).unwrap()
-    };
+    let chat = |u: &str| codec.encode(&codec.render_chat(&[ChatMessage::text("user", u)]).unwrap()).unwrap();
     vec![
         codec.encode("The capital of France is").unwrap(),
         codec.encode("Once upon a time, in a small village by the sea,").unwrap(),

@@ -53,7 +53,7 @@ fn round_trips() {
 #[test]
 fn chat_template_renders_default_system_turn() {
     let Some(c) = codec() else { return };
-    let user = [ChatMessage { role: "user".into(), content: "What is the capital of France?".into() }];
+    let user = [ChatMessage::text("user", "What is the capital of France?")];
     let s = c.render_chat(&user).unwrap();
     assert!(s.starts_with("<|im_start|>system\n"), "{s:?}");
     assert!(s.contains("SmolLM"), "default system prompt: {s:?}");
@@ -62,8 +62,7 @@ fn chat_template_renders_default_system_turn() {
         "{s:?}"
     );
 
-    let with_system =
-        [ChatMessage { role: "system".into(), content: "You are a concise assistant.".into() }, user[0].clone()];
+    let with_system = [ChatMessage::text("system", "You are a concise assistant."), user[0].clone()];
     let s = c.render_chat(&with_system).unwrap();
     assert_eq!(
         s,

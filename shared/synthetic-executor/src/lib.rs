@@ -224,7 +224,11 @@ impl TextCodec for SyntheticTextCodec {
         Box::new(ByteDecodeStream { pending: Vec::new() })
     }
 
-    fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TextError> {
+    fn render_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        _tools: Option<&[serde_json::Value]>,
+    ) -> Result<String, TextError> {
         let mut out = String::new();
         for m in messages {
             if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool") {
@@ -370,6 +374,6 @@ mod tests {
             text.push_str(&s.step(*id).unwrap());
         }
         assert_eq!(text, "héllo 🎉");
-        assert!(c.render_chat(&[ChatMessage { role: "wizard".into(), content: "x".into() }]).is_err());
+        assert!(c.render_chat(&[ChatMessage::text("wizard", "x")]).is_err());
     }
 }

@@ -79,7 +79,11 @@ pub fn validate_request(body: &ChatCompletionRequest, limits: &ModelLimits<'_>) 
     };
     let mut params = validate_params(&input, vocab)?;
     params.sampling.guided = crate::structured::guided_spec(&body.extra)?.map(|(spec, _)| spec);
-    let mut messages = chat_messages(&body.messages)?;
+    // A template that renders `tools` itself (Qwen's, Llama 3's) gets the tools and the
+    // history's calls as data; another gets them as text (D54, D88).
+    let template_tools = limits.codec.template_renders_tools();
+    let mut messages = chat_messages(&body.messages, template_tools)?;
+    let mut template_tool_defs = None;
     if let Some(setup) = crate::tools::tool_setup(body.tools.as_deref(), body.tool_choice.as_ref())? {
         if setup.guided.is_some() {
             if params.sampling.guided.is_some() {
@@ -90,20 +94,22 @@ pub fn validate_request(body: &ChatCompletionRequest, limits: &ModelLimits<'_>) 
             }
             params.sampling.guided = setup.guided;
         }
-        // the tools go into the system message (the template has no tool support of its own)
-        match messages.first_mut() {
-            Some(first) if first.role == "system" => {
-                first.content = format!("{}\n\n{}", first.content, setup.system_block);
-            }
-            _ => {
-                messages.insert(0, pdmesh_model_api::ChatMessage { role: "system".into(), content: setup.system_block })
+        if template_tools {
+            template_tool_defs = body.tools.as_deref();
+        } else {
+            // the tools go into the system message (the template has no tool support of its own)
+            match messages.first_mut() {
+                Some(first) if first.role == "system" => {
+                    first.content = format!("{}\n\n{}", first.content, setup.system_block);
+                }
+                _ => messages.insert(0, pdmesh_model_api::ChatMessage::text("system", setup.system_block)),
             }
         }
         params.tools = Some(setup.mode);
     }
     let prompt = match crate::resume::prompt_token_ids(&body.extra, vocab)? {
         Some(ids) => ids,
-        None => render_chat(limits.codec, &messages, vocab)?,
+        None => render_chat(limits.codec, &messages, template_tool_defs, vocab)?,
     };
     let max_tokens = resolve_max_tokens(
         u32::try_from(prompt.len()).unwrap_or(u32::MAX),
@@ -113,4 +119,106 @@ pub fn validate_request(body: &ChatCompletionRequest, limits: &ModelLimits<'_>) 
         "messages",
     )?;
     Ok(ValidatedRequest { params, prompt, max_tokens })
+}
+
+/// Chat over the real tokenizers and templates of the models users bring (pdmesh-model's
+/// codec, loaded from `PDMESH_QWEN25_PATH` / `PDMESH_GEMMA3_PATH`, which scripts/test.sh sets;
+/// unset, a test says it skips).
+#[cfg(test)]
+mod model_templates {
+    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: fail loudly
+
+    use pdmesh_model_api::TextCodec;
+    use serde_json::json;
+
+    use super::*;
+    use crate::tools::{parse, ToolCall, ToolMode};
+    use crate::FrontendOptions;
+
+    fn codec(var: &str) -> Option<pdmesh_model::GgufTextCodec> {
+        let Some(path) = std::env::var_os(var) else {
+            eprintln!("{var} is unset: skipping (scripts/fetch-model.sh fetches the model; scripts/test.sh sets it)");
+            return None;
+        };
+        Some(pdmesh_model::GgufTextCodec::load(&path, &pdmesh_model::ModelOptions::default()).unwrap())
+    }
+
+    fn options(codec: &pdmesh_model::GgufTextCodec) -> FrontendOptions {
+        FrontendOptions {
+            served_model_name: "m".into(),
+            max_model_len: codec.max_model_len(),
+            vocab_size: codec.vocab_size(),
+            eos_token_ids: codec.eos_token_ids().to_vec(),
+            rejection_notices: true,
+        }
+    }
+
+    fn request(body: serde_json::Value) -> ChatCompletionRequest {
+        serde_json::from_value(body).unwrap()
+    }
+
+    /// A tools request to Qwen: the tools reach Qwen's own template (its `# Tools` block with
+    /// the definition), not the Hermes block written for templates without tool support; the
+    /// history's call and result render as Qwen's template writes them; and the answer the
+    /// template asks for is read back as a call.
+    #[test]
+    fn qwen_gets_the_tools_through_its_template_and_its_answer_parses() {
+        let Some(c) = codec("PDMESH_QWEN25_PATH") else { return };
+        let options = options(&c);
+        let limits = ModelLimits { options: &options, codec: &c, vocab_size: c.vocab_size() };
+        let tool = json!({"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+        let body = request(json!({
+            "messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "18C"},
+                {"role": "user", "content": "And in Rome?"}
+            ],
+            "tools": [tool],
+        }));
+        let v = validate_request(&body, &limits).unwrap();
+        assert_eq!(v.params.tools, Some(ToolMode::Auto));
+        let text = c.decode(&v.prompt).unwrap();
+        assert!(
+            text.contains("# Tools") && text.contains(r#"{"type": "function", "function": {"name": "get_weather""#),
+            "{text}"
+        );
+        assert!(!text.contains("You are a function calling AI model"), "no second tool block: {text}");
+        assert!(
+            text.contains(
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"
+            ),
+            "{text}"
+        );
+        assert!(text.contains("<tool_response>\n18C\n</tool_response>"), "{text}");
+        assert_eq!(v.prompt[0], 151644, "no BOS before <|im_start|> (Qwen's add_bos_token is false)");
+
+        let answer = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>";
+        let (content, calls) = parse(&ToolMode::Auto, answer).unwrap();
+        assert_eq!(content, None);
+        assert_eq!(calls, vec![ToolCall { name: "get_weather".into(), arguments: "{\"city\":\"Rome\"}".into() }]);
+    }
+
+    /// Gemma 3 270M's file has no chat template: chat is a 400 naming the fix, completions work
+    /// and begin with BOS.
+    #[test]
+    fn gemma_without_a_template_refuses_chat_by_name_and_completes_with_bos() {
+        let Some(c) = codec("PDMESH_GEMMA3_PATH") else { return };
+        let options = options(&c);
+        let limits = ModelLimits { options: &options, codec: &c, vocab_size: c.vocab_size() };
+        let e =
+            validate_request(&request(json!({"messages": [{"role": "user", "content": "hi"}]})), &limits).unwrap_err();
+        assert_eq!(e.status(), actix_web::http::StatusCode::BAD_REQUEST);
+        let body = serde_json::to_value(e.body()).unwrap();
+        let message = body["error"]["message"].as_str().unwrap();
+        assert!(message.contains("no chat template") && message.contains("--chat-template"), "{body}");
+        assert_eq!(body["error"]["param"], "messages");
+
+        let completion: crate::openai::CompletionRequest =
+            serde_json::from_value(json!({"prompt": "Hello world", "max_tokens": 4})).unwrap();
+        let v = crate::handlers::completions::validate_request(&completion, &limits).unwrap();
+        assert_eq!(v.prompt, vec![2, 9259, 1902]);
+    }
 }

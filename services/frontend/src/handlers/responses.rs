@@ -127,7 +127,7 @@ pub fn validate_request(
         Some(id) => {
             let previous = store.get(id).ok_or_else(|| ApiError::PreviousResponseNotFound(id.to_string()))?;
             let mut messages = previous.messages.clone();
-            messages.push(ChatMessage { role: "assistant".into(), content: previous.output_text.clone() });
+            messages.push(ChatMessage::text("assistant", previous.output_text.clone()));
             messages
         }
         None => Vec::new(),
@@ -135,10 +135,10 @@ pub fn validate_request(
     messages.extend(input_messages(body.input.as_ref())?);
     let mut rendered = Vec::with_capacity(messages.len() + 1);
     if let Some(instructions) = body.instructions.as_ref().filter(|i| !i.is_empty()) {
-        rendered.push(ChatMessage { role: "system".into(), content: instructions.clone() });
+        rendered.push(ChatMessage::text("system", instructions.clone()));
     }
     rendered.extend(messages.iter().cloned());
-    let prompt = render_chat(limits.codec, &rendered, vocab)?;
+    let prompt = render_chat(limits.codec, &rendered, None, vocab)?;
     let max_tokens = resolve_max_tokens(
         u32::try_from(prompt.len()).unwrap_or(u32::MAX),
         params.requested_max_tokens,
@@ -153,7 +153,7 @@ pub fn validate_request(
 fn input_messages(input: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
     match input {
         None | Some(Value::Null) => Err(ApiError::invalid("`input` is required.", "input")),
-        Some(Value::String(s)) => Ok(vec![ChatMessage { role: "user".into(), content: s.clone() }]),
+        Some(Value::String(s)) => Ok(vec![ChatMessage::text("user", s.clone())]),
         Some(Value::Array(items)) if items.is_empty() => Err(ApiError::invalid("`input` must not be empty.", "input")),
         Some(Value::Array(items)) => items.iter().map(input_item).collect(),
         Some(_) => Err(ApiError::invalid("`input` must be a string or an array of message items.", "input")),
@@ -194,7 +194,7 @@ fn input_item(item: &Value) -> Result<ChatMessage, ApiError> {
             return Err(ApiError::invalid("message content must be a string or an array of input_text parts.", "input"))
         }
     };
-    Ok(ChatMessage { role: role.to_string(), content })
+    Ok(ChatMessage::text(role, content))
 }
 
 #[cfg(test)]
@@ -205,15 +205,15 @@ mod tests {
     #[test]
     fn input_shapes() {
         let m = input_messages(Some(&json!("hi"))).unwrap();
-        assert_eq!(m, vec![ChatMessage { role: "user".into(), content: "hi".into() }]);
+        assert_eq!(m, vec![ChatMessage::text("user", "hi")]);
         let m = input_messages(Some(&json!([
             {"role": "developer", "content": "be brief"},
             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
                                                              {"type": "input_text", "text": "b"}]}
         ])))
         .unwrap();
-        assert_eq!(m[0], ChatMessage { role: "system".into(), content: "be brief".into() });
-        assert_eq!(m[1], ChatMessage { role: "user".into(), content: "a\nb".into() });
+        assert_eq!(m[0], ChatMessage::text("system", "be brief"));
+        assert_eq!(m[1], ChatMessage::text("user", "a\nb"));
         for bad in [
             json!(null),
             json!([]),
