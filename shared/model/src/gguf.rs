@@ -200,9 +200,3 @@ pub(crate) fn md_int_array(md: &HashMap<String, Value>, key: &str) -> Result<Vec
         other => Err(invalid(key, format!("expected an array, got {:?}", other.value_type()))),
     }
 }
-
-/// Check `general.architecture` before anything else, so an unsupported model gets a clear
-/// error naming the architectures we serve, not a confusing missing key.
-pub(crate) fn check_architecture(md: &HashMap<String, Value>) -> Result<(), ModelError> {
-    crate::arch::architecture_of(md).map(|_| ())
-}

@@ -62,9 +62,10 @@ fn load(path: &Path) -> (GgufExecutor, GgufTextCodec) {
 
 /// Six prompts: plain text, code, numbers, and (where the model has a template) chat.
 fn prompts(codec: &GgufTextCodec) -> Vec<Vec<u32>> {
-    let plain = |t: &str| codec.encode(t).unwrap();
-    let chat = |u: &str| match codec.render_chat(&[ChatMessage { role: "user".into(), content: u.into() }]) {
-        Ok(text) => codec.encode(&text).unwrap(),
+    // as the frontend encodes them: BOS first where the model asks for it (Gemma)
+    let plain = |t: &str| codec.encode_prompt(t).unwrap();
+    let chat = |u: &str| match codec.render_chat(&[ChatMessage::text("user", u)]) {
+        Ok(text) => codec.encode_prompt(&text).unwrap(),
         // a base model without a template: the question as plain text
         Err(_) => plain(&format!("Question: {u}\nAnswer:")),
     };
@@ -218,7 +219,8 @@ fn each_file_reads_as_its_architecture() {
 fn gemma3_continues_a_sentence() {
     let Some(path) = gemma_path() else { return };
     let (mut exec, codec) = load(&path);
-    let prompt = codec.encode("The capital of France is").unwrap();
+    let prompt = codec.encode_prompt("The capital of France is").unwrap();
+    assert_eq!(prompt.first(), Some(&2), "BOS first: {prompt:?}");
     let mut kv = common::kv_cache(&exec, 8, 16);
     let mut reqs = vec![common::Req::new("r", prompt, 0, 8)];
     common::run(&mut exec, &mut kv, &mut reqs, 6, usize::MAX);
