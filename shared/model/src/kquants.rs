@@ -799,16 +799,20 @@ pub(crate) mod avx2 {
                 for (t, acc_t) in acc.iter_mut().enumerate() {
                     let tok = t0 + t;
                     let ap = a.qk.as_ptr().add(tok * k + b * QK_K);
+                    // candle lane 4·(s mod 2) + q takes quad q of sub-block s (`q6k_lane`); the
+                    // pair loop keeps every lane index a constant, so the sums stay in registers
                     let mut sumi = [_mm256_setzero_si256(); 8];
-                    for s in 0..16 {
-                        for q in 0..4 {
-                            let av = _mm256_set1_epi32((ap.add(16 * s + 4 * q) as *const i32).read_unaligned());
-                            let p16 = _mm256_sub_epi16(
-                                _mm256_maddubs_epi16(wq[4 * s + q], av),
-                                _mm256_maddubs_epi16(m32, av),
-                            );
-                            let lane = super::q6k_lane(16 * s + 4 * q);
-                            sumi[lane] = _mm256_add_epi32(sumi[lane], _mm256_madd_epi16(p16, scv[s]));
+                    for s2 in 0..8 {
+                        for h in 0..2 {
+                            let s = 2 * s2 + h;
+                            for q in 0..4 {
+                                let av = _mm256_set1_epi32((ap.add(16 * s + 4 * q) as *const i32).read_unaligned());
+                                let p16 = _mm256_sub_epi16(
+                                    _mm256_maddubs_epi16(wq[4 * s + q], av),
+                                    _mm256_maddubs_epi16(m32, av),
+                                );
+                                sumi[4 * h + q] = _mm256_add_epi32(sumi[4 * h + q], _mm256_madd_epi16(p16, scv[s]));
+                            }
                         }
                     }
                     let dd = _mm256_mul_ps(_mm256_broadcast_ss(&*a.dk.as_ptr().add(tok * nb + b)), dv);
