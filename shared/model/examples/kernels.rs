@@ -11,7 +11,8 @@
 //!   --secs 0.3              minimum timed seconds per case (after one warm-up call)
 //!   --no-candle             only ours
 //!   --check-gguf FILE       instead: every matrix of FILE, ours vs candle's QMatMul on the
-//!                           real weights (m = 1 and 4): bit-equal or the largest difference
+//!                           real weights (m = 1 and 4): bit-equal or the largest difference,
+//!                           and bits equal to candle run one token per call
 //! ```
 //!
 //! Reports per case the best time of a call (activation quantization included, as a real
@@ -148,7 +149,7 @@ fn check_gguf(path: &str, threads: usize) {
     let content = Content::read(&mut f).unwrap();
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
     names.sort();
-    let (mut equal, mut close, mut total) = (0, 0, 0);
+    let (mut equal, mut close, mut total, mut equal_one) = (0, 0, 0, 0);
     for name in names {
         let qt = content.tensor(&mut f, name, &Device::Cpu).unwrap();
         let [rows, k] = qt.shape().dims() else { continue };
@@ -163,13 +164,21 @@ fn check_gguf(path: &str, threads: usize) {
             let x: Vec<f32> = (0..m * k).map(|i| (((i * 7919 + m) % 2003) as f32 - 1001.0) * 0.002).collect();
             let mut out = Vec::new();
             ours.forward(&x, m, &mut out).unwrap();
-            let want = qmm
-                .forward(&Tensor::from_slice(&x, (m, k), &Device::Cpu).unwrap())
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap();
+            let run = |x: &[f32], m: usize| {
+                qmm.forward(&Tensor::from_slice(x, (m, k), &Device::Cpu).unwrap())
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            };
+            let want = run(&x, m);
+            // candle one token per call (its m = 1 arithmetic, what a one-token reference runs)
+            let one: Vec<f32> = (0..m).flat_map(|t| run(&x[t * k..(t + 1) * k], 1)).collect();
+            let same_one = out.iter().zip(&one).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+            if same_one == one.len() {
+                equal_one += 1;
+            }
             let same = out.iter().zip(&want).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
             let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
             let diff = out.iter().zip(&want).fold(0f32, |a, (o, w)| a.max((o - w).abs()));
@@ -180,13 +189,14 @@ fn check_gguf(path: &str, threads: usize) {
                 close += 1;
             }
             println!(
-                "{name:<28} {:<5} {rows:>6}x{k:<5} m={m}: {same}/{} bits equal, max |diff| {diff:.3e} (max |y| {scale:.3e})",
+                "{name:<28} {:<5} {rows:>6}x{k:<5} m={m}: {same}/{} bits equal, max |diff| {diff:.3e} (max |y| {scale:.3e}); one token per call: {same_one} equal",
                 format!("{dt:?}"),
                 want.len()
             );
         }
     }
     println!("{equal} of {total} (matrix, m) bit-equal to candle, {close} more within 1e-5 of max |y|");
+    println!("{equal_one} of {total} (matrix, m) bit-equal to candle run one token per call");
 }
 
 fn main() {

@@ -168,8 +168,6 @@ pub struct QActs {
     /// Per 32 Q8_K values `d · (bsum_2s + bsum_2s+1)`, `[rows, k / 32]`: the Q4_K/Q5_K mins
     /// term's activation factor, computed once here instead of per weight row group.
     pub(crate) mins32: Vec<f32>,
-    /// Per 16 Q8_K values `32 · bsum_s`, `[rows, k / 16]`: Q6_K's offset term.
-    pub(crate) off16: Vec<f32>,
     /// The f32 activations, `[rows, k]`.
     pub(crate) x: Vec<f32>,
 }
@@ -208,7 +206,6 @@ impl QActs {
         reset(&mut self.dk, if q8k { rows * nbk } else { 0 }, 0.0);
         reset(&mut self.bsums, if q8k { rows * (k / 16) } else { 0 }, 0);
         reset(&mut self.mins32, if q8k { rows * (k / 32) } else { 0 }, 0.0);
-        reset(&mut self.off16, if q8k { rows * (k / 16) } else { 0 }, 0.0);
         self.x.clear();
         if f {
             self.x.extend_from_slice(&x[..rows * k]);
@@ -224,7 +221,7 @@ impl QActs {
         );
         let (qk, dk, bsums) =
             (SendPtr(self.qk.as_mut_ptr()), SendPtr(self.dk.as_mut_ptr()), SendPtr(self.bsums.as_mut_ptr()));
-        let (mins32, off16) = (SendPtr(self.mins32.as_mut_ptr()), SendPtr(self.off16.as_mut_ptr()));
+        let mins32 = SendPtr(self.mins32.as_mut_ptr());
         pool.for_each(rows, &|r| {
             let xr = &x[r * k..(r + 1) * k];
             if q8 {
@@ -250,19 +247,18 @@ impl QActs {
                 }
             }
             if q8k {
-                // SAFETY: as above for qk[r·k..], dk[r·nbk..], bsums and off16[r·k/16..] and
+                // SAFETY: as above for qk[r·k..], dk[r·nbk..], bsums[r·k/16..] and
                 // mins32[r·k/32..].
-                let (qr, dr, br, mr, or) = unsafe {
+                let (qr, dr, br, mr) = unsafe {
                     (
                         std::slice::from_raw_parts_mut(qk.get().add(r * k), k),
                         std::slice::from_raw_parts_mut(dk.get().add(r * nbk), nbk),
                         std::slice::from_raw_parts_mut(bsums.get().add(r * (k / 16)), k / 16),
                         std::slice::from_raw_parts_mut(mins32.get().add(r * (k / 32)), k / 32),
-                        std::slice::from_raw_parts_mut(off16.get().add(r * (k / 16)), k / 16),
                     )
                 };
                 crate::kquants::quantize_q8k(xr, qr, dr, br);
-                crate::kquants::q8k_terms(dr, br, mr, or);
+                crate::kquants::q8k_terms(dr, br, mr);
             }
         });
     }

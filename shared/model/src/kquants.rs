@@ -22,9 +22,12 @@
 //!   `acc = fma(isum_s, (d·sc_s)·d_a, acc); acc = fma(−(dmin·m_s), d_a·(bsum_2s + bsum_2s+1), acc)`
 //!   — candle 0.11.1's own AVX2 Q4_K path (`repack_x86`, used at every batch size), so Q4_K
 //!   equals candle's `QMatMul` bit for bit;
-//! - Q6_K: per sub-block of 16, `acc = fma(isum_s − 32·bsum_s, (d·sc_s)·d_a, acc)`: candle's
-//!   path for batches > 1 (bit-identical there); for a single token candle uses its
-//!   `vec_dot_q6k_q8k` (8 partial sums per row), which differs in the last bits;
+//! - Q6_K: candle's one-token arithmetic (`vec_dot_q6k_q8k`, AVX2, what its `QMatMul` runs at
+//!   m = 1) at every batch size: per super-block 8 exact integer partial sums `sumi_L` (lane
+//!   `L` takes the 4 values `4L..4L+4` of every 32, each `sc·(v − 32)·x`), then
+//!   `acc_L = fma(d_a·d, sumi_L, acc_L)`, and candle's `hsum_float_8` of the 8 accumulators.
+//!   So a one-token reference matches bit for bit; candle's own batches (m > 1) use a
+//!   repacked kernel with per-sub-block float sums, which differs from its m = 1 result;
 //! - Q5_0 and Q4_0, activations in Q8_0: per block `acc += (sumi·d_w)·d_a`, candle's scalar
 //!   `vec_dot` for Q5_0 (bit-identical; candle has no SIMD Q5_0). candle's Q4_0 uses an AVX2
 //!   `vec_dot` with 8 partial sums (last-bit differences);
@@ -404,15 +407,11 @@ pub fn quantize_q8k(x: &[f32], q: &mut [i8], d: &mut [f32], bsums: &mut [i16]) {
     }
 }
 
-/// The activation factors of the K-quants' min/offset terms, per row (candle computes them per
-/// weight tile; the values are the same f32 operations): `mins32[j] = d·(bsum_2j + bsum_2j+1)`
-/// (Q4_K/Q5_K, per 32 values) and `off16[j] = 32·bsum_j` (Q6_K, per 16).
-pub fn q8k_terms(d: &[f32], bsums: &[i16], mins32: &mut [f32], off16: &mut [f32]) {
+/// The activation factor of the Q4_K/Q5_K mins term, per row (candle computes it per weight
+/// tile; the values are the same f32 operations): `mins32[j] = d·(bsum_2j + bsum_2j+1)`.
+pub fn q8k_terms(d: &[f32], bsums: &[i16], mins32: &mut [f32]) {
     for (j, (m, pair)) in mins32.iter_mut().zip(bsums.chunks_exact(2)).enumerate() {
         *m = d[j / 8] * (i32::from(pair[0]) + i32::from(pair[1])) as f32;
-    }
-    for (o, &b) in off16.iter_mut().zip(bsums) {
-        *o = 32.0 * f32::from(b);
     }
 }
 
@@ -425,6 +424,10 @@ pub(crate) unsafe fn lanes_scalar(w: &PackedLanes, a: &QActs, tile: &Tile) {
     let l = Layout::of(w.kind);
     let k = a.k;
     let nb = k / l.block;
+    if w.kind == Kind::Q6K {
+        // SAFETY: forwarded preconditions.
+        return unsafe { q6k_scalar(w, a, tile) };
+    }
     let Tile { g, nr, t0, nt, rows, out } = *tile;
     let chunk = l.chunk();
     let half = l.quads() / 2;
@@ -469,16 +472,62 @@ pub(crate) unsafe fn lanes_scalar(w: &PackedLanes, a: &QActs, tile: &Tile) {
                             acc = (isum as f32).mul_add(sc * da, acc);
                             acc = (-mn).mul_add(a.mins32[tok * (k / 32) + b * 8 + s], acc);
                         }
-                        Kind::Q6K => {
-                            let da = a.dk[tok * nb + b];
-                            let sc = f32::from(c[l.sc_off() + s * LANES + r] as i8) * d;
-                            acc = (isum as f32 - a.off16[tok * (k / 16) + b * 16 + s]).mul_add(sc * da, acc);
-                        }
+                        Kind::Q6K => {} // q6k_scalar
                     }
                 }
             }
             // SAFETY: tok < m and g·8 + r < rows (Tile invariants).
             unsafe { *out.add(tok * rows + g * LANES + r) = acc };
+        }
+    }
+}
+
+/// The Q6_K lane of candle's one-token `vec_dot_q6k_q8k` (AVX2) that value `i` (0..256) of a
+/// super-block adds into: its 8 i32 lanes each hold 4 consecutive values of every 32.
+const fn q6k_lane(i: usize) -> usize {
+    (i % 32) / 4
+}
+
+/// One Q6_K tile, the portable way, in candle's one-token arithmetic (module doc): per row and
+/// token 8 integer partial sums per super-block, `acc_L = fma(d_a·d, sumi_L, acc_L)`, then
+/// `hsum_float_8` of the 8 accumulators.
+///
+/// # Safety
+/// As [`lanes_scalar`] with `w.kind == Kind::Q6K`.
+unsafe fn q6k_scalar(w: &PackedLanes, a: &QActs, tile: &Tile) {
+    let l = Layout::of(Kind::Q6K);
+    let k = a.k;
+    let nb = k / QK_K;
+    let Tile { g, nr, t0, nt, rows, out } = *tile;
+    let chunk = l.chunk();
+    for r in 0..nr {
+        for tok in t0..t0 + nt {
+            let mut acc = [0f32; 8];
+            for b in 0..nb {
+                let c = &w.data[(g * nb + b) * chunk..][..chunk];
+                let d = f16::from_bits(u16_at(c, l.d_off() + 2 * r)).to_f32();
+                let mut sumi = [0i32; 8];
+                for s in 0..l.subs() {
+                    let so = s * l.sub_bytes();
+                    let sc = i32::from(c[l.sc_off() + s * LANES + r] as i8);
+                    for q in 0..4 {
+                        for e in 0..4 {
+                            let byte = c[so + 32 * (q % 2) + 4 * r + e];
+                            let nib = if q < 2 { byte & 0xF } else { byte >> 4 };
+                            let hi = (c[so + 64 + 4 * r + e] >> (2 * q)) & 3;
+                            let i = 16 * s + 4 * q + e;
+                            let x = i32::from(a.qk[tok * k + b * QK_K + i]);
+                            sumi[q6k_lane(i)] += sc * ((i32::from(nib | (hi << 4)) - 32) * x);
+                        }
+                    }
+                }
+                let dd = a.dk[tok * nb + b] * d;
+                for (acc_l, &s) in acc.iter_mut().zip(&sumi) {
+                    *acc_l = dd.mul_add(s as f32, *acc_l);
+                }
+            }
+            // SAFETY: tok < m and g·8 + r < rows (Tile invariants).
+            unsafe { *out.add(tok * rows + g * LANES + r) = hsum8(&acc) };
         }
     }
 }
@@ -548,7 +597,20 @@ pub(crate) mod avx2 {
             Kind::Q5_0 => go!(Kind::Q5_0),
             Kind::Q4K => go!(Kind::Q4K),
             Kind::Q5K => go!(Kind::Q5K),
-            Kind::Q6K => go!(Kind::Q6K),
+            // SAFETY: forwarded preconditions.
+            Kind::Q6K => unsafe {
+                match tile.nt {
+                    8 => q6k_tile::<8>(w, a, tile),
+                    7 => q6k_tile::<7>(w, a, tile),
+                    6 => q6k_tile::<6>(w, a, tile),
+                    5 => q6k_tile::<5>(w, a, tile),
+                    4 => q6k_tile::<4>(w, a, tile),
+                    3 => q6k_tile::<3>(w, a, tile),
+                    2 => q6k_tile::<2>(w, a, tile),
+                    1 => q6k_tile::<1>(w, a, tile),
+                    _ => {}
+                }
+            },
         }
     }
 
@@ -582,7 +644,7 @@ pub(crate) mod avx2 {
         let q8k = l.block == QK_K;
         // SAFETY: group g has nb chunks of `chunk` bytes (packed groups are complete); the
         // activation rows t0..t0+T < m hold k values (qs or qk), k/32 scales and sums (d, isum)
-        // or k/256 scales, k/32 and k/16 terms (dk, mins32, off16); output offsets are (t0+t)·rows + g·8 + r
+        // or k/256 scales and k/32 terms (dk, mins32); output offsets are (t0+t)·rows + g·8 + r
         // with r < nr (Tile invariants). Loads and stores are unaligned.
         unsafe {
             let base = w.data.as_ptr().add(g * nb * chunk);
@@ -666,12 +728,7 @@ pub(crate) mod avx2 {
                                 *acc_t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scv, da), *acc_t);
                                 *acc_t = _mm256_fnmadd_ps(mnv, mins, *acc_t);
                             }
-                            Kind::Q6K => {
-                                let da = _mm256_broadcast_ss(&*a.dk.as_ptr().add(tok * nb + b));
-                                let off = _mm256_broadcast_ss(&*a.off16.as_ptr().add(tok * (k / 16) + b * 16 + s));
-                                let f = _mm256_sub_ps(_mm256_cvtepi32_ps(isum), off);
-                                *acc_t = _mm256_fmadd_ps(f, _mm256_mul_ps(scv, da), *acc_t);
-                            }
+                            Kind::Q6K => {} // q6k_tile
                         }
                     }
                 }
@@ -685,6 +742,99 @@ pub(crate) mod avx2 {
                     _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_t);
                     for (r, &v) in lanes.iter().enumerate().take(nr) {
                         *dst.add(r) = v;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One Q6_K tile with AVX2 in candle's one-token arithmetic (as [`super::q6k_scalar`]): a
+    /// super-block of 8 rows is decoded to bytes once (64 quad vectors, 16 scale vectors) and
+    /// reused for every token; per token, each quad's `(v − 32)·x` pairs (exact in i16) times
+    /// its sub-block's scale go into the i32 partial sum of its candle lane.
+    ///
+    /// # Safety
+    /// As [`lanes`] with `nt = T` and `w.kind == Kind::Q6K`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q6k_tile<const T: usize>(w: &PackedLanes, a: &QActs, tile: &Tile) {
+        let l = Layout::of(Kind::Q6K);
+        let k = a.k;
+        let nb = k / QK_K;
+        let Tile { g, nr, t0, rows, out, .. } = *tile;
+        let chunk = l.chunk();
+        let m4 = _mm256_set1_epi8(0x0F);
+        let hmask = _mm256_set1_epi8(0x30);
+        let m32 = _mm256_set1_epi8(32);
+        let lo16 = _mm256_set1_epi32(0xFFFF);
+        // SAFETY: as in `lanes_tile` (Q8_K activations: qk and dk).
+        unsafe {
+            let base = w.data.as_ptr().add(g * nb * chunk);
+            let mut acc = [[_mm256_setzero_ps(); 8]; T];
+            let mut wq = [_mm256_setzero_si256(); 64];
+            let mut scv = [_mm256_setzero_si256(); 16];
+            for b in 0..nb {
+                let p = base.add(b * chunk);
+                let dv = _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off()) as *const __m128i));
+                for s in 0..16 {
+                    let sp = p.add(s * l.sub_bytes());
+                    let raw0 = _mm256_loadu_si256(sp as *const __m256i);
+                    let raw1 = _mm256_loadu_si256(sp.add(32) as *const __m256i);
+                    let h = _mm256_loadu_si256(sp.add(64) as *const __m256i);
+                    // bits 2q..2q+1 of each high byte to bits 4..5 (16-bit shifts: bits that
+                    // cross a byte land outside the mask)
+                    let hq = [_mm256_slli_epi16::<4>(h), _mm256_slli_epi16::<2>(h), h, _mm256_srli_epi16::<2>(h)];
+                    let lo = [
+                        _mm256_and_si256(raw0, m4),
+                        _mm256_and_si256(raw1, m4),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(raw0), m4),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(raw1), m4),
+                    ];
+                    for q in 0..4 {
+                        wq[4 * s + q] = _mm256_or_si256(lo[q], _mm256_and_si256(hq[q], hmask));
+                    }
+                    // the row's i8 scale in both i16 halves of its lane
+                    let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(l.sc_off() + s * LANES) as *const __m128i));
+                    scv[s] = _mm256_or_si256(_mm256_and_si256(sc, lo16), _mm256_slli_epi32::<16>(sc));
+                }
+                for (t, acc_t) in acc.iter_mut().enumerate() {
+                    let tok = t0 + t;
+                    let ap = a.qk.as_ptr().add(tok * k + b * QK_K);
+                    // candle lane 4·(s mod 2) + q takes quad q of sub-block s (`q6k_lane`); the
+                    // pair loop keeps every lane index a constant, so the sums stay in registers
+                    let mut sumi = [_mm256_setzero_si256(); 8];
+                    for s2 in 0..8 {
+                        for h in 0..2 {
+                            let s = 2 * s2 + h;
+                            for q in 0..4 {
+                                let av = _mm256_set1_epi32((ap.add(16 * s + 4 * q) as *const i32).read_unaligned());
+                                let p16 = _mm256_sub_epi16(
+                                    _mm256_maddubs_epi16(wq[4 * s + q], av),
+                                    _mm256_maddubs_epi16(m32, av),
+                                );
+                                sumi[4 * h + q] = _mm256_add_epi32(sumi[4 * h + q], _mm256_madd_epi16(p16, scv[s]));
+                            }
+                        }
+                    }
+                    let dd = _mm256_mul_ps(_mm256_broadcast_ss(&*a.dk.as_ptr().add(tok * nb + b)), dv);
+                    for (acc_l, s) in acc_t.iter_mut().zip(&sumi) {
+                        *acc_l = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(*s), *acc_l);
+                    }
+                }
+            }
+            for (t, acc_t) in acc.iter().enumerate() {
+                // candle's hsum_float_8 across the 8 accumulators, per row lane
+                let v = _mm256_add_ps(
+                    _mm256_add_ps(_mm256_add_ps(acc_t[0], acc_t[4]), _mm256_add_ps(acc_t[2], acc_t[6])),
+                    _mm256_add_ps(_mm256_add_ps(acc_t[1], acc_t[5]), _mm256_add_ps(acc_t[3], acc_t[7])),
+                );
+                let dst = out.add((t0 + t) * rows + g * LANES);
+                if nr == LANES {
+                    _mm256_storeu_ps(dst, v);
+                } else {
+                    let mut lanes = [0f32; 8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), v);
+                    for (r, &x) in lanes.iter().enumerate().take(nr) {
+                        *dst.add(r) = x;
                     }
                 }
             }
@@ -845,6 +995,17 @@ mod tests {
         false
     }
 
+    /// Whether candle's one-token Q6_K `vec_dot` takes its AVX2 path (else its scalar
+    /// `vec_dot_unopt`, another summation order).
+    fn candle_has_avx2_fma() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
     /// `Σ|w·x|` per (token, row): the scale rounding differences are measured against.
     fn abs_dot(deq: &[f32], x: &[f32], rows: usize, k: usize, m: usize) -> Vec<f64> {
         let mut out = vec![0f64; m * rows];
@@ -912,14 +1073,25 @@ mod tests {
             let mm = QMatMul::from_qtensor(qt).unwrap();
             for m in [1, 5] {
                 let x = values(m * k, 31 + m as u64);
-                let xt = Tensor::from_slice(&x, (m, k), &Device::Cpu).unwrap();
-                let want = mm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let run = |x: &[f32], m: usize| {
+                    let xt = Tensor::from_slice(x, (m, k), &Device::Cpu).unwrap();
+                    mm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                };
+                let batch = run(&x, m);
+                // Q6_K: candle's one-token result (`vec_dot_q6k_q8k`, m = 1), token by token;
+                // its own m > 1 result (repacked kernel) differs from that in the last bits,
+                // ours equals the one-token result at every m.
+                let want = if dtype == GgmlDType::Q6K {
+                    (0..m).flat_map(|t| run(&x[t * k..(t + 1) * k], 1)).collect()
+                } else {
+                    batch.clone()
+                };
                 // Q5_0: candle's scalar vec_dot; Q4_K: its repacked AVX2 kernel (any m); Q6_K:
-                // the same for m > 1. Only where candle runs those paths (AVX2 + FMA).
+                // its AVX2 vec_dot. Only where candle runs those paths (AVX2 + FMA).
                 let exact = match dtype {
                     GgmlDType::Q5_0 => true,
                     GgmlDType::Q4K => candle_repacks_with_avx2(),
-                    GgmlDType::Q6K => candle_repacks_with_avx2() && m > 1,
+                    GgmlDType::Q6K => candle_has_avx2_fma(),
                     _ => false,
                 };
                 let absd = abs_dot(&deq, &x, rows, k, m);
@@ -927,11 +1099,12 @@ mod tests {
                     let got = ours(&w, &x, m, imp, &pool);
                     if exact {
                         assert_eq!(bits(&got), bits(&want), "{dtype:?} {imp:?} m={m}");
-                    } else {
-                        for (i, (g, c)) in got.iter().zip(&want).enumerate() {
-                            let diff = f64::from((g - c).abs());
-                            assert!(diff <= 1e-5 * absd[i] + 1e-30, "{dtype:?} {imp:?} m={m} [{i}]: {g} vs candle {c}");
-                        }
+                    }
+                    // every type, and candle's own batched Q6_K: the same exact terms, rounded
+                    // differently at most
+                    for (i, (g, c)) in got.iter().zip(&batch).enumerate() {
+                        let diff = f64::from((g - c).abs());
+                        assert!(diff <= 1e-5 * absd[i] + 1e-30, "{dtype:?} {imp:?} m={m} [{i}]: {g} vs candle {c}");
                     }
                 }
             }
