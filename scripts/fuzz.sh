@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Coverage-guided fuzzing of the mesh's input parsers with libFuzzer (docs/SECURITY.md,
 # "Fuzzing"; D42). Targets (fuzz/fuzz_targets): envelope, side_channel, tcp_server,
-# tcp_client, http_body, guided, topology.
+# tcp_client, http_body, guided, topology, gguf.
 #
 #   scripts/fuzz.sh short            every target FUZZ_SHORT_S (20) s: the test run's campaign
 #   scripts/fuzz.sh long             every target FUZZ_LONG_S (600) s: the benchmark campaign
@@ -23,7 +23,7 @@ export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 target_dir=${CARGO_TARGET_DIR:-$root/target}
 FUZZ_DIR=${FUZZ_DIR:-$target_dir/fuzz}
 FUZZ_INPUT_TIMEOUT_S=${FUZZ_INPUT_TIMEOUT_S:-10}
-TARGETS=(envelope side_channel tcp_server tcp_client http_body guided topology)
+TARGETS=(envelope side_channel tcp_server tcp_client http_body guided topology gguf)
 
 need_cxx() {
   command -v c++ >/dev/null 2>&1 && return

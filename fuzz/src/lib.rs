@@ -12,6 +12,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 pub mod envelope;
+pub mod gguf;
 pub mod guided;
 pub mod http;
 pub mod side_channel;

@@ -729,25 +729,30 @@ mod tests {
 name = "router"
 role = "router"
 http_port = 9000
+base_port = 7000
 router = { prefill = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"], decode = ["http://127.0.0.1:9003"] }
 [[nodes]]
 name = "p-a"
 role = "prefill"
 http_port = 9001
-kv_transfer = { kv_role = "kv_producer" }
+base_port = 7200
+kv_transfer = { kv_role = "kv_producer", side_channel_port = 5600 }
 [[nodes]]
 name = "p-b"
 role = "prefill"
 http_port = 9002
-kv_transfer = { kv_role = "kv_producer" }
+base_port = 7400
+kv_transfer = { kv_role = "kv_producer", side_channel_port = 5620 }
 [[nodes]]
 name = "d-a"
 role = "decode"
 http_port = 9003
-kv_transfer = { kv_role = "kv_consumer" }
+base_port = 7600
+kv_transfer = { kv_role = "kv_consumer", side_channel_port = 5640 }
 [[nodes]]
 name = "solo"
 http_port = 9004
+base_port = 7800
 "#;
 
     fn names(v: &[&str]) -> Vec<String> {

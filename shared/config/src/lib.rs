@@ -1147,8 +1147,10 @@ pub struct ListeningPort {
 impl Topology {
     /// No two listeners may share a port: within a node whatever the addresses (its services
     /// may bind the same host, and a wildcard covers every address), across nodes when they
-    /// bind the same address. A collision is refused naming both uses, instead of one process
-    /// failing to bind and being restarted in a loop.
+    /// bind the same specific address. Nodes that bind a wildcard (`0.0.0.0`, `::`) are not
+    /// compared with each other: one topology file drives several hosts (`pdmesh up --node`),
+    /// and nodes on different hosts may use the same ports. A collision is refused naming both
+    /// uses, instead of one process failing to bind and being restarted in a loop.
     fn check_ports(&self) -> Result<(), ConfigError> {
         let mut seen: std::collections::BTreeMap<(String, u16), String> = std::collections::BTreeMap::new();
         for n in &self.nodes {
@@ -1156,6 +1158,10 @@ impl Topology {
             for p in n.listening_ports(&self.run_dir) {
                 if let Some(other) = own.insert(p.port, p.what.clone()) {
                     return Err(ConfigError::Invalid(format!("port {} is used twice: {other} and {}", p.port, p.what)));
+                }
+                let wildcard = matches!(p.host.as_str(), "0.0.0.0" | "::" | "[::]" | "");
+                if wildcard {
+                    continue;
                 }
                 if let Some(other) = seen.insert((p.host.clone(), p.port), p.what.clone()) {
                     return Err(ConfigError::Invalid(format!(

@@ -432,6 +432,12 @@ impl Sessions {
     /// A connection was accepted from `source`: a fresh, unauthenticated entry, whatever its
     /// routing id held before (a peer-chosen identity reused by another connection).
     pub(crate) fn accepted(&mut self, peer: &[u8], source: &str, now: Instant) {
+        // A hello can be read before the ROUTER reports its connection: a handshake pending
+        // under this routing id is that connection's own, and goes on. Only an authenticated
+        // session ends here (a chosen identity reused by another connection).
+        if self.peers.get(peer).is_some_and(|p| !matches!(p.auth, PeerAuth::Authenticated)) {
+            return;
+        }
         self.forget(peer);
         self.admit(peer, source, now);
     }
