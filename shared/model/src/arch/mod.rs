@@ -158,12 +158,6 @@ pub(crate) fn model_config(g: &GgufFile) -> Result<ModelConfig, ModelError> {
     Ok(cfg)
 }
 
-/// `<arch>.context_length` of the file (the text codec needs it without the weights).
-pub(crate) fn context_length(md: &HashMap<String, Value>) -> Result<u32, ModelError> {
-    let arch = architecture_of(md)?;
-    md_u32(md, &format!("{}.context_length", arch.name()))
-}
-
 fn invalid(key: &str, reason: impl Into<String>) -> ModelError {
     ModelError::InvalidMetadata { key: key.to_string(), reason: reason.into() }
 }
