@@ -299,6 +299,21 @@ impl HyperParams {
         (1.0 / (self.head_dim as f64).sqrt()) as f32
     }
 
+    /// llama's recipe for these hyper-parameters: interleaved RoPE, SiLU, no optional piece,
+    /// every layer global. Other architectures start from it and say what differs.
+    pub fn llama_recipe(&self) -> Recipe {
+        Recipe {
+            rope: RopeLayout::Interleaved,
+            activation: Activation::Silu,
+            qkv_bias: false,
+            qk_norm: false,
+            post_norms: false,
+            embedding_scale: None,
+            attention_scale: self.default_attention_scale(),
+            layers: self.uniform_layers(),
+        }
+    }
+
     /// Every layer global, at the model's RoPE base.
     pub fn uniform_layers(&self) -> Vec<LayerAttention> {
         vec![LayerAttention { sliding_window: None, rope_base: self.rope_base }; self.n_layers]
