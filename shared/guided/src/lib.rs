@@ -112,18 +112,37 @@ fn compile(factory: &ParserFactory, grammar: TopLevelGrammar, limits: &GuidedLim
 
 /// [`compile`] on a compile thread, under the limits' time budget, after [`limits::check`].
 fn compile_bounded(factory: Arc<ParserFactory>, spec: &GuidedSpec) -> Result<Matcher, GuidedError> {
-    compile_within(factory, spec, limits())
+    compile_within(factory, spec, limits(), Ok)
 }
 
-fn compile_within(
+/// [`compile_bounded`], then the first mask, as [`validate`] needs it: a spec can compile and
+/// still admit no output at all (a `$ref` that points at itself and nothing else, a grammar
+/// rule with no finite derivation), which llguidance reports only when the first token is
+/// masked. Found at the frontend, that is a 400; found by the executor, it would end a request
+/// the client was told was accepted.
+fn check_bounded(factory: Arc<ParserFactory>, spec: &GuidedSpec) -> Result<(), GuidedError> {
+    compile_within(factory, spec, limits(), |mut matcher| match matcher.compute_mask() {
+        Ok(_) => Ok(()),
+        Err(e) => {
+            let why = e.to_string();
+            let first = why.lines().next().unwrap_or_default().chars().take(200).collect::<String>();
+            Err(GuidedError::Invalid(format!("the spec admits no output: no first token is possible ({first})")))
+        }
+    })
+}
+
+/// Compile `spec` on a compile thread under `limits` (after [`limits::check`]) and hand the
+/// matcher to `then` there, so that whatever `then` does is under the same time budget.
+fn compile_within<T: Send + 'static>(
     factory: Arc<ParserFactory>,
     spec: &GuidedSpec,
     limits: GuidedLimits,
-) -> Result<Matcher, GuidedError> {
+    then: impl FnOnce(Matcher) -> Result<T, GuidedError> + Send + 'static,
+) -> Result<T, GuidedError> {
     limits::check(spec, &limits)?;
     let spec = spec.clone();
     let budget = limits.compile_timeout;
-    pool::run(budget, move || compile(&factory, grammar(&spec)?, &limits))?
+    pool::run(budget, move || compile(&factory, grammar(&spec)?, &limits).and_then(then))?
 }
 
 /// JSON compile options used when the schema sets none: no free whitespace (a small model
@@ -184,7 +203,7 @@ pub fn validate(spec: &GuidedSpec) -> Result<(), GuidedError> {
     if let Some(verdict) = cache::get(spec) {
         return verdict;
     }
-    let verdict = validation_factory().and_then(|factory| compile_bounded(factory, spec)).map(drop);
+    let verdict = validation_factory().and_then(|factory| check_bounded(factory, spec));
     // a busy pool says nothing about the spec
     if !matches!(verdict, Err(GuidedError::Busy | GuidedError::Unavailable(_))) {
         cache::put(spec, verdict.clone());

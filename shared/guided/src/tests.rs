@@ -50,6 +50,21 @@ fn bad_specs_are_named_and_good_ones_compile() {
     assert!(validate(&GuidedSpec::Lark("start: undefined_rule".into())).is_err());
 }
 
+/// A spec that compiles but admits no output (found by the `guided` fuzz target: a `$ref`
+/// pointing at itself) is refused by [`validate`], naming why, and never reaches an executor.
+#[test]
+fn a_spec_with_no_possible_output_is_refused_up_front() {
+    let cycle = json!({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}).to_string();
+    let e = validate(&GuidedSpec::JsonSchema(cycle.clone())).unwrap_err();
+    assert!(matches!(e, GuidedError::Invalid(_)) && e.to_string().contains("admits no output"), "{e}");
+    // what the executor would have met: a compiled matcher with no first token
+    let mut guide = Guide::single_byte(256);
+    assert!(matches!(guide.mask(&chunk("c", GuidedSpec::JsonSchema(cycle), &[])), Some(Mask::Fail(_))));
+    // the same shape with something at the end of the chain is fine
+    let ok = json!({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"type": "integer"}}});
+    assert!(validate(&GuidedSpec::JsonSchema(ok.to_string())).is_ok());
+}
+
 #[test]
 fn masks_keep_the_output_in_the_grammar_and_end_it() {
     let mut g = Guide::single_byte(256);
@@ -138,7 +153,7 @@ fn compile_threads_survive_chains_past_the_limit() {
     let limits = GuidedLimits { max_ref_depth: 10_000, ..GuidedLimits::default() };
     let factory = validation_factory().unwrap();
     for depth in [300, 3000] {
-        let r = compile_within(factory.clone(), &ref_chain(depth), limits.clone());
+        let r = compile_within(factory.clone(), &ref_chain(depth), limits.clone(), Ok);
         assert!(r.is_ok(), "depth {depth}: {:?}", r.err());
     }
 }
