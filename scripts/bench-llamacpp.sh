@@ -16,8 +16,9 @@
 #   ROUNDS (3), THREADS (2), PART (all | engine | http), OUT (a fresh temp dir),
 #   PDMESH_MODEL_PATH (default: scripts/fetch-model.sh), LLAMA_PORT (18080), PDMESH_PORT (8000,
 #   the colocated topology's port).
-# Prints Markdown tables (medians over rounds, ratio = pdmesh / llama.cpp) and leaves raw data
-# in $OUT.
+# Prints Markdown tables and leaves raw data in $OUT. Each round runs both engines back to back,
+# so the ratio (pdmesh / llama.cpp) is taken per round: the tables give the median ratio over
+# rounds and its spread (lowest-highest round), beside each side's median tok/s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-3}
@@ -41,7 +42,8 @@ done
 
 if [[ "$PART" == all || "$PART" == engine ]]; then
   log "building the engine benchmark"
-  CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target} cargo build --release -q -p pdmesh-model --example bench
+  # --workspace: a `-p` build resolves features differently and rebuilds third-party crates
+  CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target} cargo build --release -q --workspace --example bench
   BENCH="${CARGO_TARGET_DIR:-target}/release/examples/bench"
   for r in $(seq 1 "$ROUNDS"); do
     log "engine round $r/$ROUNDS: llama-bench"
@@ -53,24 +55,31 @@ if [[ "$PART" == all || "$PART" == engine ]]; then
   python3 - "$OUT" "$ROUNDS" <<'EOF'
 import json, re, statistics, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
-ll = {"pp128": [], "pp512": [], "tg128": []}
-pd = {"pp128": [], "pp512": [], "tg128": []}
-for r in range(1, rounds + 1):
-    for line in open(f"{out}/llama-bench.{r}.jsonl"):
+keys = ("pp128", "pp512", "tg128")
+ll = {k: [[] for _ in range(rounds)] for k in keys}
+pd = {k: [[] for _ in range(rounds)] for k in keys}
+for r in range(rounds):
+    for line in open(f"{out}/llama-bench.{r + 1}.jsonl"):
         j = json.loads(line)
         key = f"pp{j['n_prompt']}" if j["n_gen"] == 0 else f"tg{j['n_gen']}"
         if key in ll:
-            ll[key] += j["samples_ts"]
-    for line in open(f"{out}/pdmesh-bench.{r}.txt"):
+            ll[key][r] += j["samples_ts"]
+    for line in open(f"{out}/pdmesh-bench.{r + 1}.txt"):
         m = re.match(r"^(pp128|pp512|tg128) .*?\[(.*)\]", line)
         if m:
-            pd[m.group(1)] += [float(v) for v in m.group(2).split(",")]
-print("| test | llama.cpp tok/s | pdmesh tok/s | ratio |")
-print("|---|---|---|---|")
-for k in ("pp128", "pp512", "tg128"):
-    a, b = statistics.median(ll[k]), statistics.median(pd[k])
-    print(f"| {k} | {a:.1f} (n={len(ll[k])}) | {b:.1f} (n={len(pd[k])}) | {b / a:.2f}x |")
+            pd[m.group(1)][r] += [float(v) for v in m.group(2).split(",")]
+flat = lambda rows: [v for row in rows for v in row]
+print("| test | llama.cpp tok/s | pdmesh tok/s | ratio, median of rounds | ratio spread (rounds) |")
+print("|---|---|---|---|---|")
+for k in keys:
+    ratios = sorted(statistics.median(p) / statistics.median(l) for l, p in zip(ll[k], pd[k]) if l and p)
+    a, b = flat(ll[k]), flat(pd[k])
+    print(f"| {k} | {statistics.median(a):.1f} (n={len(a)}) | {statistics.median(b):.1f} (n={len(b)}) | "
+          f"{statistics.median(ratios):.2f}x | {ratios[0]:.2f}-{ratios[-1]:.2f}x ({len(ratios)}) |")
 EOF
+  echo
+  echo "pdmesh load time and memory, per round:"
+  grep -h "^load:\|^memory after load" "$OUT"/pdmesh-bench.*.txt | sed 's/^/  /'
 fi
 
 if [[ "$PART" == all || "$PART" == http ]]; then
@@ -113,25 +122,27 @@ if [[ "$PART" == all || "$PART" == http ]]; then
   python3 - "$OUT" "$ROUNDS" <<'EOF'
 import json, statistics, sys
 out, rounds = sys.argv[1], int(sys.argv[2])
-def load(server, n):
+def rounds_of(server, n):
     rows = []
     for r in range(1, rounds + 1):
         s = json.load(open(f"{out}/http/{server}-c{n}-r{r}/report.json"))["summary"]
         if s["failed"]:
             sys.exit(f"{server} at {n} streams: {s['failed']} failed requests ({s['errors_by_kind']})")
         rows.append(s)
-    med = lambda f: statistics.median(f(s) for s in rows)
-    return {
-        "agg": med(lambda s: s["output_token_throughput_tps"]),
-        "ttft": med(lambda s: s["ttft_ms"]["p50_ms"]),
-        "itl": med(lambda s: s["itl_ms"]["p50_ms"]),
-    }
-print("| streams | llama.cpp: aggregate tok/s, TTFT p50, ITL p50 | pdmesh: aggregate tok/s, TTFT p50, ITL p50 | aggregate ratio |")
-print("|---|---|---|---|")
+    return rows
+def med(rows, f):
+    return statistics.median(f(s) for s in rows)
+agg = lambda s: s["output_token_throughput_tps"]
+print("| streams | llama.cpp: aggregate tok/s, TTFT p50, ITL p50 | pdmesh: aggregate tok/s, TTFT p50, ITL p50 "
+      "| aggregate ratio, median of rounds | spread (rounds) |")
+print("|---|---|---|---|---|")
 for n in (1, 4, 8):
-    a, b = load("llamacpp", n), load("pdmesh", n)
-    print(f"| {n} | {a['agg']:.1f}, {a['ttft']:.0f} ms, {a['itl']:.1f} ms | {b['agg']:.1f}, {b['ttft']:.0f} ms, "
-          f"{b['itl']:.1f} ms | {b['agg'] / a['agg']:.2f}x |")
+    a, b = rounds_of("llamacpp", n), rounds_of("pdmesh", n)
+    ratios = sorted(agg(y) / agg(x) for x, y in zip(a, b))
+    cell = lambda rows: (f"{med(rows, agg):.1f}, {med(rows, lambda s: s['ttft_ms']['p50_ms']):.0f} ms, "
+                         f"{med(rows, lambda s: s['itl_ms']['p50_ms']):.1f} ms")
+    print(f"| {n} | {cell(a)} | {cell(b)} | {statistics.median(ratios):.2f}x | "
+          f"{ratios[0]:.2f}-{ratios[-1]:.2f}x ({len(ratios)}) |")
 EOF
 fi
 log "raw data in $OUT"

@@ -75,6 +75,14 @@ fn thread_cpu() -> f64 {
         .map_or(0.0, |ns| ns / 1e9)
 }
 
+/// A `/proc/self/status` figure in MiB (Linux), or 0.
+fn status_mib(key: &str) -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok()))
+        .map_or(0.0, |kib| kib / 1024.0)
+}
+
 /// Run `f` `reps` times; returns (wall tok/s samples, tok per thread-CPU-second samples).
 fn measure(reps: usize, tokens: f64, mut f: impl FnMut() -> (f64, f64)) -> (Vec<f64>, Vec<f64>) {
     let (mut wall, mut cpu) = (Vec::new(), Vec::new());
@@ -98,6 +106,12 @@ fn main() {
     let mut exec =
         GgufExecutor::load(&path, &ModelOptions::default()).expect("load model (run scripts/fetch-model.sh)");
     println!("load: {:.0} ms ({})", t.elapsed().as_secs_f64() * 1e3, path.display());
+    let file_mib = std::fs::metadata(&path).map_or(0.0, |m| m.len() as f64 / 1048576.0);
+    println!(
+        "memory after load: RSS {:.0} MiB, peak RSS {:.0} MiB (file {file_mib:.0} MiB)",
+        status_mib("VmRSS:"),
+        status_mib("VmHWM:")
+    );
     let f = exec.facts().clone();
     let mut kv = KvCache::new_heap(KvCacheSpec {
         num_layers: f.num_layers,

@@ -13,6 +13,8 @@
 //!
 //! The files come from `scripts/fetch-model.sh qwen2.5-0.5b` and `gemma3-270m` (scripts/test.sh
 //! fetches both); `PDMESH_SKIP_MODEL_TESTS=1` skips, a missing file fails.
+//! `PDMESH_PARITY_REPORT_ONLY=1` prints each prompt's deviation and first differing step
+//! instead of failing (how the ignored 1.5B benchmark is read, docs/benchmarks.md).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: fail loudly
 
 mod common;
@@ -131,7 +133,17 @@ fn check_parity(path: &Path, mut reference: impl FnMut(u32, usize) -> Vec<f32>) 
                 l[want[p] as usize], l[got[p] as usize]
             )
         });
-        eprintln!("prompt {i}: max |logit - reference| = {max_dev}: {:?}", codec.decode(got).unwrap());
+        let spread = ref_logits
+            .iter()
+            .take(same_until)
+            .map(|l| l.iter().fold(f32::MIN, |a, &b| a.max(b)) - l.iter().fold(f32::MAX, |a, &b| a.min(b)))
+            .fold(0f32, f32::max);
+        eprintln!("prompt {i}: max |logit - reference| = {max_dev} (logit spread {spread}): {:?}", codec.decode(got).unwrap());
+        let report_only = std::env::var_os("PDMESH_PARITY_REPORT_ONLY").is_some();
+        if report_only && got != &want {
+            eprintln!("prompt {i}: tokens differ from step {}{}", first_diff.unwrap_or(N_NEW), note.clone().unwrap_or_default());
+            continue;
+        }
         assert_eq!(
             got,
             &want,
@@ -141,7 +153,9 @@ fn check_parity(path: &Path, mut reference: impl FnMut(u32, usize) -> Vec<f32>) 
             codec.decode(&want).unwrap(),
             note.unwrap_or_default()
         );
-        assert!(max_dev <= MAX_LOGIT_DEVIATION, "prompt {i}: logits deviate from the reference by {max_dev}");
+        if !report_only {
+            assert!(max_dev <= MAX_LOGIT_DEVIATION, "prompt {i}: logits deviate from the reference by {max_dev}");
+        }
     }
     eprintln!("{}: worst |logit - reference| over 6 prompts x {N_NEW} steps = {worst}", path.display());
 }
@@ -149,7 +163,20 @@ fn check_parity(path: &Path, mut reference: impl FnMut(u32, usize) -> Vec<f32>) 
 #[test]
 fn qwen2_greedy_tokens_match_candle_reference() {
     let Some(path) = qwen_path() else { return };
-    let mut f = std::fs::File::open(&path).unwrap();
+    qwen2_parity(&path);
+}
+
+/// The same on Qwen2.5-Coder-1.5B (1.1 GB; not in the test run: a benchmark, run as
+/// `cargo test --release --workspace --test architectures -- --ignored`, see docs/benchmarks.md).
+#[test]
+#[ignore = "a benchmark: needs scripts/fetch-model.sh qwen2.5-1.5b and a few minutes"]
+fn qwen2_1_5b_greedy_tokens_match_candle_reference() {
+    let Some(path) = model_file("qwen2.5-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf") else { return };
+    qwen2_parity(&path);
+}
+
+fn qwen2_parity(path: &Path) {
+    let mut f = std::fs::File::open(path).unwrap();
     let content = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
     let mut model = candle_transformers::models::quantized_qwen2::ModelWeights::from_gguf(
         content,
@@ -157,7 +184,7 @@ fn qwen2_greedy_tokens_match_candle_reference() {
         &candle_core::Device::Cpu,
     )
     .unwrap();
-    check_parity(&path, |tok, pos| {
+    check_parity(path, |tok, pos| {
         let input = candle_core::Tensor::new(&[tok], &candle_core::Device::Cpu).unwrap().unsqueeze(0).unwrap();
         model.forward(&input, pos).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
     });
