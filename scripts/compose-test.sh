@@ -39,7 +39,9 @@ if ! docker image inspect debian:bookworm-slim >/dev/null 2>&1; then
 fi
 
 # ---- 2. the image, from the host-built binaries
-cargo build --release -p pdmesh -p pdmesh-otlp-sink
+# --workspace: the build the test run already made (a `-p` build resolves features anew and
+# rebuilds third-party crates)
+cargo build --release --workspace --bins
 mkdir -p deploy/.prebuilt
 cp "$TARGET_DIR/release/pdmesh" "$TARGET_DIR/release/pdmesh-otlp-sink" deploy/.prebuilt/
 docker build -q -f deploy/Dockerfile -t "$IMAGE" \
