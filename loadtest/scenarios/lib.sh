@@ -69,7 +69,7 @@ mesh_ports() {
 # NOTICES (rejection_notices of D: true | false), POLICY (kv_load_failure_policy of D),
 # P_FAULT / D_FAULT (fault_injection per node), P_THREADS / D_THREADS (model.threads, real model),
 # CPU_NICE (model.cpu_nice of every real-model node, the colocated ones too; default: the
-# config's, D71).
+# config's, D71), LIMITS (keys of every node's `limits` table, e.g. `request_deadline_s = 60`).
 # model_line: the `model = {...}` line of a node for MODEL (and COST_US).
 model_line() { # [THREADS]: the real model's forward-pass threads (default: every core)
   if [[ "${MODEL:-synthetic}" == gguf ]]; then
@@ -80,7 +80,8 @@ model_line() { # [THREADS]: the real model's forward-pass threads (default: ever
 }
 
 write_topology() {
-  local p_model d_model blocks=4096
+  local p_model d_model blocks=4096 limits=""
+  [[ -n "${LIMITS:-}" ]] && limits="limits = { $LIMITS }"
   p_model=$(model_line "${P_THREADS:-}")
   d_model=$(model_line "${D_THREADS:-}")
   # 720 KiB per block for SmolLM2-135M: 512 blocks (8192 tokens) is 360 MiB per rank.
@@ -94,6 +95,7 @@ role = "router"
 http_port = $HTTP_PORT
 base_port = $BASE_PORT
 router = { prefill = ["$P_URL"], decode = ["$D_URL"]${ROUTER_EXTRA:+, $ROUTER_EXTRA} }
+$limits
 
 [[nodes]]
 name = "p"
@@ -103,6 +105,7 @@ base_port = $((BASE_PORT + 200))
 $p_model
 engine = { block_size = 16, num_blocks = ${P_BLOCKS:-$blocks}, max_model_len = ${P_MAX_LEN:-8192}, max_num_seqs = 128 }
 kv_transfer = { kv_role = "kv_producer", side_channel_port = $SIDE_PORT, data_port = $((SIDE_PORT + 2)), hold_mode = "${HOLD_MODE:-lease}", kv_lease_duration_s = ${LEASE_S:-5}, abort_request_timeout_s = ${HOLD_S:-480}, fault_injection = "${P_FAULT:-}" }
+$limits
 
 [[nodes]]
 name = "d"
@@ -113,6 +116,7 @@ dp_size = ${D_RANKS:-1}
 $d_model
 engine = { block_size = 16, num_blocks = ${D_BLOCKS:-$blocks}, max_model_len = ${D_MAX_LEN:-2048}, max_num_seqs = 128 }
 kv_transfer = { kv_role = "kv_consumer", side_channel_port = $((SIDE_PORT + 5)), data_port = $((SIDE_PORT + 7)), kv_load_failure_policy = "${POLICY:-fail}", rejection_notices = ${NOTICES:-true}, fault_injection = "${D_FAULT:-}" }
+$limits
 EOF
 }
 

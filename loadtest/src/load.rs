@@ -122,6 +122,11 @@ pub struct LoadArgs {
     /// with other servers use this.
     #[arg(long)]
     pub fresh_connections: bool,
+    /// Closed loop: a client refused with a `Retry-After` (a 503 or 429) waits that long before
+    /// its next request, as a well-behaved client does, instead of asking again at once (which
+    /// turns a restarting node's second of 503s into thousands of refusals).
+    #[arg(long)]
+    pub respect_retry_after: bool,
     /// Prometheus `/metrics` URL to sample while the load runs (repeatable).
     #[arg(long)]
     pub scrape: Vec<String>,
@@ -292,7 +297,8 @@ enum Outcome {
     },
     /// The client dropped the connection on purpose (`--disconnect-fraction`).
     Disconnected,
-    /// `http_<status>`, `error_event`, `transport`, `timeout`, `incomplete_stream`, `bad_body`.
+    /// `http_<status>` (see [`refusal_kind`]), `error_event`, `transport`, `timeout`,
+    /// `incomplete_stream`, `bad_body`.
     Error(String),
 }
 
@@ -372,14 +378,38 @@ fn is_openai_error(body: &[u8]) -> bool {
     serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| v["error"]["message"].is_string())
 }
 
+/// An answer's `Retry-After` in whole seconds, when it carries one (an HTTP date is valid
+/// too, but no pdmesh process sends one).
+pub fn retry_after_s(headers: &reqwest::header::HeaderMap) -> Option<u64> {
+    headers.get(reqwest::header::RETRY_AFTER).and_then(|v| v.to_str().ok()).and_then(|v| v.trim().parse().ok())
+}
+
+/// The error kind of an answer with failure `status`: `http_<status>` when it is a clean
+/// refusal. A refusal counts as clean only with an OpenAI error object; anything else (an empty
+/// or cut body, a proxy's HTML page) is `http_<status>_bad_body`, so scenarios can tell. A 503
+/// or 429 also has to say when to come back: without `Retry-After` it is
+/// `http_<status>_no_retry_after` (a client has nothing to pace its retries by).
+pub fn refusal_kind(status: u16, retry_after: bool, body: &[u8]) -> String {
+    let mut kind = format!("http_{status}");
+    if !is_openai_error(body) {
+        kind.push_str("_bad_body");
+    }
+    if matches!(status, 503 | 429) && !retry_after {
+        kind.push_str("_no_retry_after");
+    }
+    kind
+}
+
 /// Text of a chunk's first choice (completions `text`, chat `delta.content`).
 fn chunk_text(v: &serde_json::Value) -> Option<&str> {
     let c = &v["choices"][0];
     c["text"].as_str().or_else(|| c["delta"]["content"].as_str())
 }
 
-async fn one_request(s: &Shared, p: &Plan) -> Record {
+/// One request and how it ended; with it, the `Retry-After` of a refusal that carried one.
+async fn one_request(s: &Shared, p: &Plan) -> (Record, Option<Duration>) {
     let start = Instant::now();
+    let mut retry_after: Option<u64> = None;
     let mut per_sec: Vec<(usize, u32)> = Vec::new();
     let mut bump = |now: Instant| {
         let sec = now.duration_since(s.t0).as_secs() as usize;
@@ -395,12 +425,12 @@ async fn one_request(s: &Shared, p: &Plan) -> Record {
         };
         if !r.status().is_success() {
             let status = r.status().as_u16();
-            // A refusal counts as clean only with an OpenAI error object; anything else (an
-            // empty or cut body, a proxy's HTML page) is its own kind, so scenarios can tell.
+            retry_after = retry_after_s(r.headers());
+            let told = retry_after.is_some();
             return match r.bytes().await {
-                Ok(b) if is_openai_error(&b) => Outcome::Error(format!("http_{status}")),
                 Err(e) if e.is_timeout() => Outcome::Error("timeout".into()),
-                _ => Outcome::Error(format!("http_{status}_bad_body")),
+                Ok(b) => Outcome::Error(refusal_kind(status, told, &b)),
+                Err(_) => Outcome::Error(refusal_kind(status, told, &[])),
             };
         }
         if s.args.no_stream {
@@ -492,7 +522,13 @@ async fn one_request(s: &Shared, p: &Plan) -> Record {
         Outcome::Error("incomplete_stream".into())
     }
     .await;
-    Record { outcome, prompt_words: p.prompt_words, tokens_per_second: per_sec, end_s: s.t0.elapsed().as_secs_f64() }
+    let record = Record {
+        outcome,
+        prompt_words: p.prompt_words,
+        tokens_per_second: per_sec,
+        end_s: s.t0.elapsed().as_secs_f64(),
+    };
+    (record, retry_after.map(Duration::from_secs))
 }
 
 fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
@@ -504,10 +540,11 @@ fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
     }
 }
 
-async fn run_and_record(s: Arc<Shared>, index: u64) {
+/// Send request `index` and record how it ended; the refusal's `Retry-After`, if any.
+async fn run_and_record(s: Arc<Shared>, index: u64) -> Option<Duration> {
     let p = plan(&s.args, &s.prompts, index);
     s.sent.fetch_add(1, Ordering::Relaxed);
-    let rec = one_request(&s, &p).await;
+    let (rec, retry_after) = one_request(&s, &p).await;
     if matches!(rec.outcome, Outcome::Error(_)) {
         s.failed.fetch_add(1, Ordering::Relaxed);
     }
@@ -515,6 +552,7 @@ async fn run_and_record(s: Arc<Shared>, index: u64) {
     if let Ok(mut r) = s.records.lock() {
         r.push(rec);
     }
+    retry_after
 }
 
 /// The measured phase's limits: stop sending after `requests` or at `deadline`.
@@ -541,7 +579,12 @@ async fn closed_loop(s: Arc<Shared>, concurrency: usize, limits: Limits, index_b
                 if !limits.open(i) {
                     return;
                 }
-                run_and_record(s.clone(), index_base + i as u64).await;
+                let retry_after = run_and_record(s.clone(), index_base + i as u64).await;
+                if let Some(wait) = retry_after.filter(|_| s.args.respect_retry_after) {
+                    // Not past the phase's end: a refusal near it must not delay the report.
+                    let until = Instant::now() + wait;
+                    tokio::time::sleep_until(limits.deadline.map_or(until, |d| until.min(d)).into()).await;
+                }
             }
         }));
     }
@@ -1018,6 +1061,22 @@ mod tests {
         for bad in [&b""[..], b"<html>502 Bad Gateway</html>", br#"{"error": "x"}"#, br#"{"error": {"messa"#] {
             assert!(!is_openai_error(bad), "{}", String::from_utf8_lossy(bad));
         }
+    }
+
+    #[test]
+    fn a_refusal_without_retry_after_is_its_own_kind() {
+        let body = br#"{"error": {"message": "busy", "type": "service_unavailable"}}"#;
+        assert_eq!(refusal_kind(503, true, body), "http_503");
+        assert_eq!(refusal_kind(503, false, body), "http_503_no_retry_after");
+        assert_eq!(refusal_kind(429, false, body), "http_429_no_retry_after");
+        assert_eq!(refusal_kind(400, false, body), "http_400", "only 503 and 429 must say when to retry");
+        assert_eq!(refusal_kind(503, false, b"<html>"), "http_503_bad_body_no_retry_after");
+        let mut headers = reqwest::header::HeaderMap::new();
+        assert_eq!(retry_after_s(&headers), None);
+        headers.insert(reqwest::header::RETRY_AFTER, reqwest::header::HeaderValue::from_static("1"));
+        assert_eq!(retry_after_s(&headers), Some(1));
+        headers.insert(reqwest::header::RETRY_AFTER, reqwest::header::HeaderValue::from_static("soon"));
+        assert_eq!(retry_after_s(&headers), None);
     }
 
     #[test]

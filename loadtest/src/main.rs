@@ -3,6 +3,7 @@
 //! executor called in-process.
 
 mod client;
+mod hostile;
 mod inprocess;
 mod load;
 mod model_step;
@@ -44,6 +45,10 @@ enum Cmd {
     /// on (and per router policy), side by side: TTFT of later turns, prefill tokens
     /// computed, KV bytes moved, cached tokens reported.
     Multiturn(multiturn::MultiturnArgs),
+    /// Issue 40's hostile load, for a duration: deep-`$ref` and huge-choice schemas over HTTP,
+    /// side-channel peers that send bulky frames and never read, and a handshake flood of
+    /// ZeroMQ connections; a JSON report of what each attacker sent and got.
+    Hostile(hostile::HostileArgs),
 }
 
 #[derive(Args, Clone)]
@@ -87,6 +92,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Rejections(a) => rt.block_on(rejections::run(a)),
         Cmd::Offload(a) => rt.block_on(offload::run(a)),
         Cmd::Multiturn(a) => rt.block_on(multiturn::run(a)),
+        Cmd::Hostile(a) => rt.block_on(hostile::run(a)),
     }
 }
 

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::StreamExt as _;
 use pdmesh_mesh_auth::{Channel, ClientHello, MeshSecret};
 use pdmesh_model_api::{KvCache, KvCacheSpec};
 use pdmesh_protocol::{
@@ -24,7 +25,10 @@ use pdmesh_protocol::{
     XferReadDone,
 };
 use tokio::sync::{oneshot, Mutex as AsyncMutex};
-use zeromq::{DealerRecvHalf, DealerSendHalf, DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{
+    DealerRecvHalf, DealerSendHalf, DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend,
+    ZmqMessage,
+};
 
 use crate::compat::check_geometry;
 use crate::error::{HandshakeError, TransferError};
@@ -44,6 +48,9 @@ pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default limit for one block read.
 pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// Connections one handshake opens at most when P closes them before it is through (see
+/// `SideLink::connect`).
+const HANDSHAKE_CONNECTIONS: u32 = 4;
 
 /// How D's side behaves.
 #[derive(Debug, Clone)]
@@ -307,19 +314,43 @@ impl SideLink {
     /// Connect and run the mesh handshake: P proves it knows the mesh secret before D sends it
     /// anything else, then D proves it (P serves nothing before). The DEALER sets no identity,
     /// so P's ROUTER names this connection with random bits nobody else knows.
+    ///
+    /// A connection P closes before the handshake is through is opened again, up to
+    /// [`HANDSHAKE_CONNECTIONS`] in all (the caller bounds the time). P drops pending peers to
+    /// stay bounded under a handshake flood (D96): when its share for one source address is
+    /// full, a newcomer takes the slot of that source's oldest pending peer. Strangers on P's own
+    /// host share 127.0.0.1 with a D there, and one issue 40 flood evicted D's pending
+    /// connection between its hello and its proof (the load failed, P's blocks waited for
+    /// their lease). A fresh connection is as likely as any stranger's to get through.
     async fn connect(endpoint: &str, timeout: Duration, secret: &MeshSecret) -> Result<Self, HandshakeError> {
         probe(endpoint).await?;
+        let mut tries = 1;
+        loop {
+            let link = Self::open(endpoint, timeout).await?;
+            match link.authenticate(secret).await {
+                Ok(()) => return Ok(link),
+                Err(HandshakeError::Unreachable(e)) if tries < HANDSHAKE_CONNECTIONS => {
+                    tracing::info!(endpoint, error = %e, "side channel closed during the handshake; connecting again");
+                    tries += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// A DEALER connected to `endpoint` and its answer reader, before any handshake.
+    async fn open(endpoint: &str, timeout: Duration) -> Result<Self, HandshakeError> {
         let mut options = SocketOptions::default();
         options.connect_timeout(timeout);
         let mut socket = DealerSocket::with_options(options);
+        // Before the connect, so that no event is missed (see `read_answers`).
+        let events = socket.monitor();
         socket.connect(endpoint).await.map_err(|e| HandshakeError::Unreachable(format!("{endpoint}: {e}")))?;
         let (send, recv) = socket.split();
         let waiters = Arc::new(Waiters::default());
         let healthy = Arc::new(AtomicBool::new(true));
-        let reader = tokio::spawn(read_answers(recv, waiters.clone(), healthy.clone()));
-        let link = Self { send: AsyncMutex::new(send), waiters, next_corr: AtomicU64::new(1), healthy, reader };
-        link.authenticate(secret).await?;
-        Ok(link)
+        let reader = tokio::spawn(read_answers(recv, events, waiters.clone(), healthy.clone()));
+        Ok(Self { send: AsyncMutex::new(send), waiters, next_corr: AtomicU64::new(1), healthy, reader })
     }
 
     async fn authenticate(&self, secret: &MeshSecret) -> Result<(), HandshakeError> {
@@ -372,9 +403,15 @@ impl SideLink {
 }
 
 /// The reader task of a [`SideLink`]: hands every answer to the caller waiting for its
-/// correlation id. A broken socket fails every waiting call; an undecodable frame cannot be
-/// matched to its caller, so it fails them all too (the link is not to be trusted after it).
-async fn read_answers(mut recv: DealerRecvHalf, waiters: Arc<Waiters>, healthy: Arc<AtomicBool>) {
+/// correlation id. A broken socket, or one P closed, fails every waiting call and ends the
+/// link; an undecodable frame cannot be matched to its caller, so it fails them all too (the
+/// link is not to be trusted after it).
+async fn read_answers(
+    mut recv: DealerRecvHalf,
+    mut events: futures::channel::mpsc::Receiver<SocketEvent>,
+    waiters: Arc<Waiters>,
+    healthy: Arc<AtomicBool>,
+) {
     let fail_all = |error: &dyn Fn() -> LinkError, close: bool| {
         healthy.store(false, Ordering::Release);
         let mut pending = lock_waiters(&waiters);
@@ -383,8 +420,26 @@ async fn read_answers(mut recv: DealerRecvHalf, waiters: Arc<Waiters>, healthy: 
             let _ = tx.send(Err(error()));
         }
     };
+    let mut monitored = true;
     loop {
-        let msg = match recv.recv().await {
+        let received = tokio::select! {
+            received = recv.recv() => received,
+            // P closing the connection (a FIN, not a reset) is no error to the crate's DEALER:
+            // it drops the connection's stream and waits for another peer, so calls would wait
+            // for their timeouts. The socket's own report of the disconnect ends the link.
+            event = events.next(), if monitored => {
+                match event {
+                    Some(SocketEvent::Disconnected(_)) => {
+                        fail_all(&|| LinkError::Io("side channel closed by P".into()), true);
+                        return;
+                    }
+                    Some(_) => {}
+                    None => monitored = false,
+                }
+                continue;
+            }
+        };
+        let msg = match received {
             Ok(msg) => msg,
             Err(e) => {
                 let e = e.to_string();

@@ -200,6 +200,54 @@ async fn a_handshake_flood_from_strangers_never_starves_a_peer_with_the_secret()
     assert!(stats.peers_dropped.load(Ordering::Relaxed) > 0, "strangers over the bound were dropped");
 }
 
+/// The same flood from P's own host (issue 40's hostile load): strangers share 127.0.0.1 with D,
+/// so a newcomer can evict D's connection while D's handshake is pending (D96). D then
+/// connects again within its handshake deadline instead of failing the load. A side channel
+/// that closes the first connection on its hello stands in for the eviction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_evicted_during_its_handshake_connects_again() {
+    let p = producer(BackendConfig::Shm, "", 8).await;
+    let metadata = p.agent.metadata().clone();
+    let mut socket = zeromq::RouterSocket::new();
+    let endpoint = socket.bind("tcp://127.0.0.1:0").await.unwrap().to_string();
+    let hellos = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = hellos.clone();
+    let side_channel = tokio::spawn(async move {
+        let mut challenge = None;
+        while let Ok(msg) = socket.recv().await {
+            let mut frames = msg.into_vec();
+            let peer = frames.remove(0);
+            let env = Envelope::decode(frames.last().unwrap()).unwrap();
+            let answer = match &env.body {
+                Message::AuthHello(_) if seen.fetch_add(1, Ordering::SeqCst) == 0 => {
+                    // Evicted: the connection goes, as P's own drop does it.
+                    socket.backend().peer_disconnected(&zeromq::util::PeerIdentity::try_from(peer.to_vec()).unwrap());
+                    continue;
+                }
+                Message::AuthHello(h) => {
+                    let (c, reply) =
+                        pdmesh_mesh_auth::ServerChallenge::answer(&secret(), Channel::SideChannel, h).unwrap();
+                    challenge = Some(c);
+                    Message::AuthChallenge(reply)
+                }
+                Message::AuthProof(proof) => {
+                    challenge.take().unwrap().verify(&secret(), proof).unwrap();
+                    Message::Ack
+                }
+                Message::XferGetMetadata => Message::XferMetadata(metadata.clone()),
+                other => panic!("unexpected {other:?}"),
+            };
+            let mut out = ZmqMessage::from(env.reply(answer).encode().unwrap());
+            out.push_front(peer);
+            socket.send(out).await.unwrap();
+        }
+    });
+    let agent = client_for(spec(8), "").handshake(&endpoint, "p-0").await;
+    assert!(agent.is_ok(), "the handshake failed: {:?}", agent.err());
+    assert_eq!(hellos.load(Ordering::SeqCst), 2, "the evicted connection, then a fresh one");
+    side_channel.abort();
+}
+
 /// The smaller defect: a peer that chose its own ZeroMQ identity is not authenticated; and a
 /// stranger whose connection claims the identity of an authenticated peer (one shaped as the
 /// ROUTER's own) starts from nothing — it gets a refusal, not the peer's session.

@@ -862,19 +862,51 @@ impl Drop for ReleaseOnDrop {
         let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
         tracing::info!(%request_id, "decode leg never started; handing P's blocks back");
         rt.spawn(async move {
-            let mut rb = client.post(&url).header(REQUEST_ID, request_id.as_str());
-            if let Some(v) = authorization {
-                rb = rb.header(AUTHORIZATION.as_str(), v);
-            }
-            let res = rb.json(&json!({"kv_transfer_params": params})).send().await;
-            match res {
-                Ok(r) if r.status().is_success() => {}
-                Ok(r) => tracing::warn!(%request_id, status = r.status().as_u16(), "P refused the release"),
-                Err(e) => tracing::warn!(%request_id, error = %e, "release not delivered; P frees at its deadline"),
+            let body = json!({"kv_transfer_params": params});
+            // The guard most often fires because P's frontend just died (its leg was reset or
+            // refused), and that frontend is the only door to P's release: its restart takes
+            // about a second, while the hold, which lives on in P's engine and worker, would
+            // stay until its deadline (the lease, or `abort_request_timeout_s` — minutes). So a
+            // release P did not take (unreachable, or a 503 while its engine link comes back) is
+            // sent again for a while; a second delivery is harmless (P frees a hold once, and a
+            // notice for a hold it no longer has changes nothing).
+            let mut delay = RELEASE_RETRY_FIRST;
+            let give_up = tokio::time::Instant::now() + RELEASE_RETRY_FOR;
+            loop {
+                let mut rb = client.post(&url).header(REQUEST_ID, request_id.as_str());
+                if let Some(v) = &authorization {
+                    rb = rb.header(AUTHORIZATION.as_str(), v.as_str());
+                }
+                let failure = match rb.json(&body).send().await {
+                    Ok(r) if r.status().is_success() => return,
+                    Ok(r) if r.status() != reqwest::StatusCode::SERVICE_UNAVAILABLE => {
+                        tracing::warn!(%request_id, status = r.status().as_u16(), "P refused the release");
+                        return;
+                    }
+                    Ok(r) => format!("P answered {}", r.status().as_u16()),
+                    Err(e) => e.to_string(),
+                };
+                if tokio::time::Instant::now() + delay > give_up {
+                    tracing::warn!(%request_id, error = %failure, "release not delivered; P frees at its deadline");
+                    return;
+                }
+                tracing::info!(%request_id, error = %failure, retry_in_ms = delay.as_millis() as u64,
+                    "release not delivered; sending it again");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(RELEASE_RETRY_MAX_DELAY);
             }
         });
     }
 }
+
+/// First wait before a release P did not take is sent again (see [`ReleaseOnDrop`]).
+const RELEASE_RETRY_FIRST: std::time::Duration = std::time::Duration::from_millis(250);
+/// Longest wait between two sends of one release.
+const RELEASE_RETRY_MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long a release is sent again: a frontend restart (`pdmesh up` backs off up to 8 s
+/// between restarts of a child that keeps dying) fits; a P gone for good frees at its
+/// deadline.
+const RELEASE_RETRY_FOR: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// The prefill leg of a request with `n > 1` is one request: P prefills the prompt once and
 /// holds its blocks for one reader; D fans the decode leg out into the `n` choices (D58).
@@ -1332,6 +1364,46 @@ mod tests {
         )
         .await;
         assert_eq!(res.status(), 404);
+    }
+
+    /// A release P does not take (here two 503s, as from a P frontend whose engine link is
+    /// coming back after a restart) is sent again until P takes it, then no more.
+    #[actix_web::test]
+    async fn a_release_p_did_not_take_is_sent_again() {
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = calls.clone();
+        let p = HttpServer::new(move || {
+            let seen = seen.clone();
+            App::new().route(
+                "/v1/kv/release",
+                web::post().to(move || {
+                    let n = seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    async move {
+                        if n < 2 {
+                            actix_web::ResponseError::error_response(&ApiError::Unavailable("unavailable".into()))
+                        } else {
+                            HttpResponse::Accepted().json(json!({"released": true}))
+                        }
+                    }
+                }),
+            )
+        })
+        .workers(1)
+        .bind(("127.0.0.1", 0))
+        .unwrap();
+        let p_addr = p.addrs()[0];
+        let p = p.run();
+        let handle = p.handle();
+        actix_web::rt::spawn(p);
+        let params = json!({"do_remote_prefill": true, "remote_request_id": "r-1", "remote_capability": "c"});
+        drop(ReleaseOnDrop::new(&reqwest::Client::new(), &format!("http://{p_addr}"), "r", &params, None));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while calls.load(std::sync::atomic::Ordering::SeqCst) < 3 && std::time::Instant::now() < deadline {
+            actix_web::rt::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        actix_web::rt::time::sleep(RELEASE_RETRY_MAX_DELAY).await;
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 3, "two refusals, then the release P took");
+        handle.stop(false).await;
     }
 
     /// Response ids name the decode node that stored them, and only one of ours.
