@@ -10,7 +10,13 @@
 //!   as `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))` (gemm's horizontal f32 kernel);
 //! - softmax: max, `exp(x - max)`, a sum over 32 lanes (`i % 32`) reduced like candle's AVX
 //!   `vec_sum`, then a division;
-//! - `Σ_j p_j · v_j`: one FMA chain per output element, in position order (gemm's gemv).
+//! - `Σ_j p_j · v_j`: one FMA chain per output element, in position order (gemm's gemv);
+//!   except over exactly two positions, where gemm takes its `gevv` path (`k <= 2`), whose
+//!   products and sum are unfused: `p_1·v_1 + p_0·v_0`, each product rounded. (One position
+//!   is `p_0·v_0` either way.) The 1-ulp differences an FMA there leaves in position 1's
+//!   attention output are absorbed by Q8_0's activation quantization (Qwen2.5-0.5B) but not
+//!   always by Q8_K's (Qwen2.5-1.5B's Q4_K `attn_output`), and then reach every later token
+//!   through position 1's K/V.
 //!
 //! With the same weights arithmetic, this makes our logits bit-identical to candle-transformers'
 //! `quantized_llama` fed one token per step (for contexts up to 256 tokens, beyond which gemm
@@ -115,6 +121,14 @@ pub(crate) fn attend_head(
         *s = dot(q, &k_cache[off..off + hd]) * scale;
     }
     softmax(scores);
+    if let [p0, p1] = *scores {
+        // two positions: gemm's `gevv` (see the module doc)
+        let (v0, v1) = (&v_cache[key_off(0)..][..hd], &v_cache[key_off(1)..][..hd]);
+        for ((o, &x0), &x1) in out.iter_mut().zip(v0).zip(v1) {
+            *o = p1 * x1 + p0 * x0;
+        }
+        return;
+    }
     out.fill(0.0);
     for (j, &p) in scores.iter().enumerate() {
         let off = key_off(j);
@@ -136,6 +150,33 @@ mod tests {
         let d = dot(&x[..64], &x[1..65]);
         let naive: f64 = x[..64].iter().zip(&x[1..65]).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
         assert!((f64::from(d) - naive).abs() < 1e-5);
+    }
+
+    /// Over two positions the output is gemm's unfused `p1·v1 + p0·v0`, over three an FMA
+    /// chain, on the SIMD head sizes (64, 128) and the scalar fallback (256) alike.
+    #[test]
+    fn weighted_sum_of_values_follows_gemm() {
+        for hd in [64, 128, 256] {
+            let val = |i: usize| ((i * 7919 % 1013) as f32 - 506.0) * 1.37e-3;
+            let q: Vec<f32> = (0..hd).map(val).collect();
+            let k: Vec<f32> = (0..3 * hd).map(|i| val(i + 17)).collect();
+            let v: Vec<f32> = (0..3 * hd).map(|i| val(i + 101) * 3.1).collect();
+            let scale = (1.0 / (hd as f64).sqrt()) as f32;
+            for n in [2, 3] {
+                let mut p: Vec<f32> = (0..n).map(|j| dot(&q, &k[j * hd..(j + 1) * hd]) * scale).collect();
+                softmax(&mut p);
+                let want: Vec<f32> = (0..hd)
+                    .map(|i| match n {
+                        2 => p[1] * v[hd + i] + p[0] * v[i],
+                        _ => (0..n).fold(0f32, |o, j| p[j].mul_add(v[j * hd + i], o)),
+                    })
+                    .collect();
+                let (mut scores, mut out) = (vec![0f32; n], vec![0f32; hd]);
+                attend_head(&q, &k, &v, |j| j * hd, scale, &mut scores, &mut out);
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&out), bits(&want), "head_dim {hd}, {n} positions");
+            }
+        }
     }
 
     #[test]

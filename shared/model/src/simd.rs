@@ -8,7 +8,8 @@
 //!   calls) on 4 doubles per vector: the same table, shift and polynomial, lane by lane. Lanes
 //!   with `|x| ≥ 88`, infinities or NaN go to `f32::exp` itself;
 //! - [`attend_head`]: `q·k` as one FMA per 8 elements into 8 lanes, reduced like candle's
-//!   `hsum_float_8`; `Σ p·v` as one FMA chain per output element in position order;
+//!   `hsum_float_8`; `Σ p·v` as one FMA chain per output element in position order (over two
+//!   positions, unfused `p1·v1 + p0·v0`, as gemm's `gevv`);
 //! - [`quantize_block`]: candle's Q8_1 rounding (`round` half away from zero) on 8 lanes.
 //!
 //! Every entry point checks for AVX2+FMA at run time and otherwise runs the scalar form.
@@ -295,12 +296,24 @@ mod x86 {
         }
         super::super::attention::softmax(scores);
         let mut acc = [_mm256_setzero_ps(); NC];
-        for (jj, &p) in scores.iter().enumerate() {
-            let vp = &v_cache[key_off(jj)..][..hd];
-            let pv = _mm256_set1_ps(p);
+        if let [p0, p1] = *scores {
+            // two positions: `p1·v1 + p0·v0`, unfused (gemm's `gevv`, see `attention`)
+            let (v0, v1) = (&v_cache[key_off(0)..][..hd], &v_cache[key_off(1)..][..hd]);
+            let (p0, p1) = (_mm256_set1_ps(p0), _mm256_set1_ps(p1));
             for (c, a) in acc.iter_mut().enumerate() {
-                // SAFETY: vp holds hd values.
-                *a = _mm256_fmadd_ps(pv, unsafe { _mm256_loadu_ps(vp.as_ptr().add(8 * c)) }, *a);
+                // SAFETY: v0 and v1 hold hd values.
+                let (x0, x1) =
+                    unsafe { (_mm256_loadu_ps(v0.as_ptr().add(8 * c)), _mm256_loadu_ps(v1.as_ptr().add(8 * c))) };
+                *a = _mm256_add_ps(_mm256_mul_ps(p1, x1), _mm256_mul_ps(p0, x0));
+            }
+        } else {
+            for (jj, &p) in scores.iter().enumerate() {
+                let vp = &v_cache[key_off(jj)..][..hd];
+                let pv = _mm256_set1_ps(p);
+                for (c, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: vp holds hd values.
+                    *a = _mm256_fmadd_ps(pv, unsafe { _mm256_loadu_ps(vp.as_ptr().add(8 * c)) }, *a);
+                }
             }
         }
         for (c, a) in acc.iter().enumerate() {
