@@ -980,8 +980,10 @@ fn answer(served: &Served, env: &Envelope, parked: &mut Option<u64>) -> Option<V
                 LeaseDecision::Granted(grant) => lease_answer(served, req, Ok(grant)),
                 LeaseDecision::Refused(refusal) => lease_answer(served, req, Err(refusal)),
                 LeaseDecision::Parked(ticket) => {
-                    // Early: P answered before its worker registered the hold (D65).
-                    tracing::debug!(p_request_id = %req.p_request_id, ticket, "lease waits for its hold to register");
+                    // Early: P answered before its worker registered the hold (D65). The
+                    // answer goes out later, in a second `kv.serve.xfer_lease` span; this event
+                    // says why this one ends without it.
+                    tracing::info!(p_request_id = %req.p_request_id, ticket, "lease parked");
                     *parked = Some(ticket);
                     return None;
                 }
