@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{BufReader, Read};
+use std::io::{BufReader, Read, Seek};
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -45,6 +45,15 @@ impl GgufFile {
             return Err(ModelError::InvalidGguf { path: path.to_path_buf(), reason: "is a directory".into() });
         }
         let mut reader = BufReader::new(file);
+        if alignment_is_zero(&mut reader) {
+            return Err(ModelError::InvalidGguf {
+                path: path.to_path_buf(),
+                reason: "`general.alignment` is 0 (tensor data cannot be aligned to 0 bytes)".into(),
+            });
+        }
+        reader
+            .seek(std::io::SeekFrom::Start(0))
+            .map_err(|e| ModelError::Io { path: path.to_path_buf(), source: e })?;
         let content = Content::read(&mut reader)
             .map_err(|e| ModelError::InvalidGguf { path: path.to_path_buf(), reason: e.to_string() })?;
         Ok(Self { path: path.to_path_buf(), content, reader })
@@ -88,6 +97,83 @@ impl GgufFile {
         }
         self.tensor(name)
     }
+}
+
+/// Whether the header's metadata sets `general.alignment` to 0, which candle's parser divides
+/// by (a panic; found by the `gguf` fuzz target). A walk over the key/value section only,
+/// skipping values by their sizes; anything it cannot read is left for candle to report.
+fn alignment_is_zero(r: &mut BufReader<File>) -> bool {
+    fn u32_of(r: &mut impl Read) -> Option<u32> {
+        let mut b = [0u8; 4];
+        r.read_exact(&mut b).ok().map(|_| u32::from_le_bytes(b))
+    }
+    fn u64_of(r: &mut impl Read) -> Option<u64> {
+        let mut b = [0u8; 8];
+        r.read_exact(&mut b).ok().map(|_| u64::from_le_bytes(b))
+    }
+    // GGUF v1 counts and lengths are u32, later versions u64
+    fn len_of(r: &mut impl Read, v1: bool) -> Option<u64> {
+        if v1 { u32_of(r).map(u64::from) } else { u64_of(r) }
+    }
+    fn fixed_size(ty: u32) -> Option<i64> {
+        match ty {
+            0 | 1 | 7 => Some(1),
+            2 | 3 => Some(2),
+            4..=6 => Some(4),
+            10..=12 => Some(8),
+            _ => None,
+        }
+    }
+    // `seek_relative` keeps BufReader's buffer: a vocabulary is 10^5 small strings
+    fn skip(r: &mut BufReader<File>, ty: u32, v1: bool) -> Option<()> {
+        if let Some(n) = fixed_size(ty) {
+            return r.seek_relative(n).ok();
+        }
+        match ty {
+            8 => {
+                let n = i64::try_from(len_of(r, v1)?).ok()?;
+                r.seek_relative(n).ok()
+            }
+            9 => {
+                let item = u32_of(r)?;
+                let n = len_of(r, v1)?;
+                match fixed_size(item) {
+                    Some(size) => r.seek_relative(i64::try_from(n).ok()?.checked_mul(size)?).ok(),
+                    None => (0..n).try_for_each(|_| skip(r, item, v1)),
+                }
+            }
+            _ => None,
+        }
+    }
+    fn scan(r: &mut BufReader<File>) -> Option<bool> {
+        let _magic = u32_of(r)?;
+        let v1 = u32_of(r)? == 1;
+        let _tensors = len_of(r, v1)?;
+        let kvs = len_of(r, v1)?;
+        for _ in 0..kvs {
+            let key_len = usize::try_from(len_of(r, v1)?).ok()?;
+            if key_len > 1 << 16 {
+                return None;
+            }
+            let mut key = vec![0u8; key_len];
+            r.read_exact(&mut key).ok()?;
+            let ty = u32_of(r)?;
+            // candle drops a string's trailing NULs (some writers terminate them)
+            while key.last() == Some(&0) {
+                key.pop();
+            }
+            // candle reads the alignment from the 8- to 32-bit integer types only
+            if key == b"general.alignment" && ty <= 5 {
+                let mut b = [0u8; 8];
+                let n = usize::try_from(fixed_size(ty)?).ok()?;
+                r.read_exact(b.get_mut(..n)?).ok()?;
+                return Some(b.iter().all(|&x| x == 0));
+            }
+            skip(r, ty, v1)?;
+        }
+        Some(false)
+    }
+    scan(r).unwrap_or(false)
 }
 
 /// Hex sha256 of a file, streamed in 1 MiB pieces (the model is ~100 MB; it is never held in

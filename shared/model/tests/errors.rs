@@ -215,3 +215,34 @@ fn unsupported_features_are_refused_by_name() {
         "{e:?}"
     );
 }
+
+/// `general.alignment = 0` made candle's header parser divide by zero (a panic; found by the
+/// `gguf` fuzz target): it is an `InvalidGguf` naming the key, in every integer width candle
+/// reads it from; a float 0 (which candle ignores) is not.
+#[test]
+fn a_zero_alignment_is_refused_not_a_panic() {
+    use candle_core::quantized::gguf_file::Value;
+    for value in [Value::U8(0), Value::I16(0), Value::U32(0), Value::I32(0)] {
+        let md = llama_header("llama", &[("general.alignment", value.clone())]);
+        let e = load_header("align0.gguf", &md);
+        assert!(matches!(&e, ModelError::InvalidGguf { reason, .. } if reason.contains("general.alignment")), "{value:?}: {e:?}");
+    }
+    // the fuzz target's input: the key NUL-terminated, which candle reads as the same key
+    let mut raw = b"GGUF".to_vec();
+    raw.extend_from_slice(&3u32.to_le_bytes());
+    raw.extend_from_slice(&0u64.to_le_bytes());
+    raw.extend_from_slice(&1u64.to_le_bytes());
+    raw.extend_from_slice(&18u64.to_le_bytes());
+    raw.extend_from_slice(b"general.alignment\0");
+    raw.extend_from_slice(&0u32.to_le_bytes());
+    raw.push(0);
+    let p = temp_file("align-nul.gguf", &raw);
+    let e = pdmesh_model::read_config(&p).unwrap_err();
+    assert!(matches!(&e, ModelError::InvalidGguf { reason, .. } if reason.contains("general.alignment")), "{e:?}");
+    let _ = std::fs::remove_file(p);
+    let md = llama_header("llama", &[("general.alignment", Value::F32(0.0))]);
+    let md: Vec<(&str, Value)> = md.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let p = gguf_with("align-float.gguf", &md);
+    assert!(pdmesh_model::read_config(&p).is_ok());
+    let _ = std::fs::remove_file(p);
+}
