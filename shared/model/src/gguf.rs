@@ -51,9 +51,7 @@ impl GgufFile {
                 reason: "`general.alignment` is 0 (tensor data cannot be aligned to 0 bytes)".into(),
             });
         }
-        reader
-            .seek(std::io::SeekFrom::Start(0))
-            .map_err(|e| ModelError::Io { path: path.to_path_buf(), source: e })?;
+        reader.seek(std::io::SeekFrom::Start(0)).map_err(|e| ModelError::Io { path: path.to_path_buf(), source: e })?;
         let content = Content::read(&mut reader)
             .map_err(|e| ModelError::InvalidGguf { path: path.to_path_buf(), reason: e.to_string() })?;
         Ok(Self { path: path.to_path_buf(), content, reader })
@@ -113,7 +111,11 @@ fn alignment_is_zero(r: &mut BufReader<File>) -> bool {
     }
     // GGUF v1 counts and lengths are u32, later versions u64
     fn len_of(r: &mut impl Read, v1: bool) -> Option<u64> {
-        if v1 { u32_of(r).map(u64::from) } else { u64_of(r) }
+        if v1 {
+            u32_of(r).map(u64::from)
+        } else {
+            u64_of(r)
+        }
     }
     fn fixed_size(ty: u32) -> Option<i64> {
         match ty {

@@ -138,10 +138,17 @@ fn check_parity(path: &Path, mut reference: impl FnMut(u32, usize) -> Vec<f32>) 
             .take(same_until)
             .map(|l| l.iter().fold(f32::MIN, |a, &b| a.max(b)) - l.iter().fold(f32::MAX, |a, &b| a.min(b)))
             .fold(0f32, f32::max);
-        eprintln!("prompt {i}: max |logit - reference| = {max_dev} (logit spread {spread}): {:?}", codec.decode(got).unwrap());
+        eprintln!(
+            "prompt {i}: max |logit - reference| = {max_dev} (logit spread {spread}): {:?}",
+            codec.decode(got).unwrap()
+        );
         let report_only = std::env::var_os("PDMESH_PARITY_REPORT_ONLY").is_some();
         if report_only && got != &want {
-            eprintln!("prompt {i}: tokens differ from step {}{}", first_diff.unwrap_or(N_NEW), note.clone().unwrap_or_default());
+            eprintln!(
+                "prompt {i}: tokens differ from step {}{}",
+                first_diff.unwrap_or(N_NEW),
+                note.clone().unwrap_or_default()
+            );
             continue;
         }
         assert_eq!(

@@ -225,7 +225,10 @@ fn a_zero_alignment_is_refused_not_a_panic() {
     for value in [Value::U8(0), Value::I16(0), Value::U32(0), Value::I32(0)] {
         let md = llama_header("llama", &[("general.alignment", value.clone())]);
         let e = load_header("align0.gguf", &md);
-        assert!(matches!(&e, ModelError::InvalidGguf { reason, .. } if reason.contains("general.alignment")), "{value:?}: {e:?}");
+        assert!(
+            matches!(&e, ModelError::InvalidGguf { reason, .. } if reason.contains("general.alignment")),
+            "{value:?}: {e:?}"
+        );
     }
     // the fuzz target's input: the key NUL-terminated, which candle reads as the same key
     let mut raw = b"GGUF".to_vec();
