@@ -1145,6 +1145,18 @@ pub async fn run_router(
 mod tests {
     use super::*;
 
+    /// An upstream stand-in on a free local port, one worker: its address and server handle.
+    macro_rules! spawn_stub {
+        ($factory:expr) => {{
+            let server = HttpServer::new($factory).workers(1).bind(("127.0.0.1", 0)).unwrap();
+            let addr = server.addrs()[0];
+            let server = server.run();
+            let handle = server.handle();
+            actix_web::rt::spawn(server);
+            (addr, handle)
+        }};
+    }
+
     fn collect(items: Vec<Result<&'static str, &'static str>>) -> String {
         let upstream = futures::stream::iter(
             items
@@ -1205,7 +1217,7 @@ mod tests {
     async fn router_before_an_overloaded_p(
         max_in_flight: u32,
     ) -> (web::Data<RouterState>, actix_web::dev::ServerHandle) {
-        let p = HttpServer::new(|| {
+        let (p_addr, handle) = spawn_stub!(|| {
             App::new().route(
                 "/v1/completions",
                 web::post().to(|| async {
@@ -1215,14 +1227,7 @@ mod tests {
                                                "param": null, "code": 503}}))
                 }),
             )
-        })
-        .workers(1)
-        .bind(("127.0.0.1", 0))
-        .unwrap();
-        let p_addr = p.addrs()[0];
-        let p = p.run();
-        let handle = p.handle();
-        actix_web::rt::spawn(p);
+        });
         let url = format!("http://{p_addr}");
         let state = web::Data::new(state_over(&url, &url, None, max_in_flight));
         (state, handle)
@@ -1271,7 +1276,7 @@ mod tests {
     /// reaches the client as the node wrote it: status, `Retry-After` and OpenAI's body.
     #[actix_web::test]
     async fn a_nodes_429_and_retry_after_pass_through_unchanged() {
-        let p = HttpServer::new(|| {
+        let (p_addr, handle) = spawn_stub!(|| {
             App::new().route(
                 "/v1/completions",
                 web::post().to(|| async {
@@ -1285,14 +1290,7 @@ mod tests {
                     r
                 }),
             )
-        })
-        .workers(1)
-        .bind(("127.0.0.1", 0))
-        .unwrap();
-        let p_addr = p.addrs()[0];
-        let p = p.run();
-        let handle = p.handle();
-        actix_web::rt::spawn(p);
+        });
         let st = web::Data::new(state_over(&format!("http://{p_addr}"), "http://d", None, 0));
         let (status, retry, body) = post(&st).await;
         assert_eq!(status, 429);
@@ -1372,7 +1370,7 @@ mod tests {
     async fn a_release_p_did_not_take_is_sent_again() {
         let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let seen = calls.clone();
-        let p = HttpServer::new(move || {
+        let (p_addr, handle) = spawn_stub!(move || {
             let seen = seen.clone();
             App::new().route(
                 "/v1/kv/release",
@@ -1387,14 +1385,7 @@ mod tests {
                     }
                 }),
             )
-        })
-        .workers(1)
-        .bind(("127.0.0.1", 0))
-        .unwrap();
-        let p_addr = p.addrs()[0];
-        let p = p.run();
-        let handle = p.handle();
-        actix_web::rt::spawn(p);
+        });
         let params = json!({"do_remote_prefill": true, "remote_request_id": "r-1", "remote_capability": "c"});
         drop(ReleaseOnDrop::new(&reqwest::Client::new(), &format!("http://{p_addr}"), "r", &params, None));
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
