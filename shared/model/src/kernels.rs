@@ -96,6 +96,7 @@ impl Impl {
             out.push(Impl::Avx2);
             if is_x86_feature_detected!("avx512f")
                 && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
                 && is_x86_feature_detected!("avx512vnni")
             {
                 out.push(Impl::Avx512);
@@ -112,7 +113,9 @@ impl Impl {
             #[cfg(target_arch = "x86_64")]
             // measured: 5-10 % less CPU per prefill matmul than 4 tokens (the decoded sub-block
             // is reused twice as often)
-            (Impl::Avx2 | Impl::Avx512, Packed::Lanes(_)) => 8,
+            (Impl::Avx2, Packed::Lanes(_)) => 8,
+            #[cfg(target_arch = "x86_64")]
+            (Impl::Avx512, Packed::Lanes(_)) => kquants::avx512::TILE_TOKENS,
             _ => 4,
         }
     }
@@ -624,7 +627,7 @@ pub fn matmul(w: &Packed, acts: &QActs, out: &mut [f32], imp: Impl, pool: &Pool)
                     match w {
                         Packed::Q4_1(q) => avx512::q4_1(q, acts, &tile),
                         Packed::Q8_0(q) => avx512::q8_0(q, acts, &tile),
-                        Packed::Lanes(q) => kquants::avx2::lanes(q, acts, &tile),
+                        Packed::Lanes(q) => kquants::avx512::lanes(q, acts, &tile),
                         Packed::Float(q) => kquants::avx2::float(q, acts, &tile),
                     }
                 },
