@@ -67,7 +67,8 @@ pub enum Impl {
     /// AVX2 + FMA + F16C (`x86-64-v3`).
     #[cfg(target_arch = "x86_64")]
     Avx2,
-    /// AVX2 as above, and AVX-512 F/BW/VNNI for Q4_1.
+    /// AVX2 as above, and AVX-512 F/BW/VL/VNNI for Q4_1, Q8_0 and the rows-in-lanes types
+    /// (`vpdpbusd`; floats stay on AVX2).
     #[cfg(target_arch = "x86_64")]
     Avx512,
 }
