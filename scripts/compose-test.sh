@@ -51,8 +51,9 @@ docker build -q -f deploy/Dockerfile -t "$IMAGE" \
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 export PDMESH_IMAGE="$IMAGE" PDMESH_COMPOSE_TOPOLOGY=/etc/pdmesh/compose-synthetic.toml
 export PDMESH_HTTP_PORT="$(free_port)" JAEGER_UI_PORT="$(free_port)" PDMESH_MODEL_DIR="$WORK/models"
-# The mesh secret every container shares (compose refuses to start without one).
-export PDMESH_MESH_SECRET="${PDMESH_MESH_SECRET:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
+# Nothing set, as a newcomer types it: the compose file's one-shot service generates the mesh
+# secret every container shares (checked below).
+unset PDMESH_MESH_SECRET
 mkdir -p "$PDMESH_MODEL_DIR"
 cat >"$WORK/override.yml" <<YAML
 services:
@@ -95,6 +96,11 @@ answer="$(curl -fsS "$base/v1/completions" -H 'content-type: application/json' \
   -d '{"prompt": "compose test", "max_tokens": 8, "temperature": 0}')"
 echo "$answer" | python3 -c 'import json,sys; v=json.load(sys.stdin); assert v["choices"][0]["finish_reason"] in ("length","stop"), v'
 echo "compose-test: request through :$PDMESH_HTTP_PORT answered"
+
+# the generated mesh secret (P and D authenticated with it above): owner-only, the services' user's
+mode="$(compose exec -T p-worker-0 stat -c '%a %u %s' /var/lib/pdmesh/secret/mesh-secret)"
+[[ "$mode" == "600 10001 64" ]] || { echo "compose-test: mesh secret file is '$mode', want '600 10001 64'"; exit 1; }
+echo "compose-test: generated mesh secret is mode 600, uid 10001, 64 hex digits"
 
 # ---- 5. its spans reached the OTLP receiver container: every service of both nodes
 want="pdmesh-router pdmesh-frontend pdmesh-dp-lb pdmesh-engine-core pdmesh-connector-scheduler pdmesh-connector-worker"

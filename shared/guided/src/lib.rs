@@ -142,20 +142,50 @@ fn compile_within<T: Send + 'static>(
     limits::check(spec, &limits)?;
     let spec = spec.clone();
     let budget = limits.compile_timeout;
-    pool::run(budget, move || compile(&factory, grammar(&spec)?, &limits).and_then(then))?
+    pool::run(budget, move || {
+        let matcher = match compile(&factory, grammar(&spec)?, &limits) {
+            // as vLLM does: a JSON schema that fails strictly is tried once more leniently
+            // (unknown `format` values and keywords llguidance does not implement are ignored,
+            // as JSON Schema allows); if that fails too, its error is the answer
+            Err(GuidedError::Invalid(_)) if matches!(spec, GuidedSpec::JsonSchema(_)) => {
+                compile(&factory, grammar_with(&spec, true)?, &limits)?
+            }
+            other => other?,
+        };
+        then(matcher)
+    })?
 }
 
-/// JSON compile options used when the schema sets none: no free whitespace (a small model
-/// given the choice fills the output with newlines), but readable separators.
-fn default_json_options() -> Value {
-    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+/// JSON compile options a schema's own `x-guidance` does not set: no free whitespace (a small
+/// model given the choice fills the output with newlines) but readable separators, and `oneOf`
+/// read as `anyOf` (as vLLM sets llguidance: `oneOf` is how OpenAI-style schemas spell unions,
+/// and llguidance cannot enforce "exactly one"). `lenient` is the second attempt's.
+fn default_json_options(lenient: bool) -> serde_json::Map<String, Value> {
+    let mut options = serde_json::Map::new();
+    options.insert("whitespace_flexible".into(), json!(false));
+    options.insert("item_separator".into(), json!(", "));
+    options.insert("key_separator".into(), json!(": "));
+    options.insert("coerce_one_of".into(), json!(true));
+    if lenient {
+        options.insert("lenient".into(), json!(true));
+    }
+    options
 }
 
-/// The llguidance grammar of a spec.
+/// The llguidance grammar of a spec (JSON schemas strict: see [`compile_within`]).
 pub fn grammar(spec: &GuidedSpec) -> Result<TopLevelGrammar, GuidedError> {
+    grammar_with(spec, false)
+}
+
+fn grammar_with(spec: &GuidedSpec, lenient: bool) -> Result<TopLevelGrammar, GuidedError> {
     let json_schema = |mut schema: Value| {
         if let Value::Object(map) = &mut schema {
-            map.entry("x-guidance").or_insert_with(default_json_options);
+            let options = map.entry("x-guidance").or_insert_with(|| json!({}));
+            if let Value::Object(options) = options {
+                for (key, value) in default_json_options(lenient) {
+                    options.entry(key).or_insert(value);
+                }
+            }
         }
         TopLevelGrammar::from_json_schema(schema)
     };

@@ -222,3 +222,43 @@ fn verdicts_are_cached_by_content() {
     let first = validate(&bad).unwrap_err();
     assert_eq!(cache::get(&bad), Some(Err(first)));
 }
+
+/// Schemas as OpenAI-style clients write them, compiled as vLLM compiles them: a `oneOf` union
+/// is read as `anyOf` and still keeps the output inside the union; an unknown `format` is
+/// ignored (JSON Schema allows it) rather than refused; a schema that cannot compile even
+/// leniently is still refused, naming why.
+#[test]
+fn one_of_and_unknown_formats_compile_as_vllm_compiles_them() {
+    let one_of = json!({
+        "type": "object",
+        "properties": {"v": {"oneOf": [{"type": "integer"}, {"enum": ["none"]}]}},
+        "required": ["v"],
+        "additionalProperties": false
+    });
+    assert!(validate(&GuidedSpec::JsonSchema(one_of.to_string())).is_ok());
+    let mut g = Guide::single_byte(256);
+    for pick in [|ids: &[u32]| ids[0], |ids: &[u32]| *ids.last().unwrap()] {
+        let s = generate(&mut g, GuidedSpec::JsonSchema(one_of.to_string()), pick);
+        let v: Value = serde_json::from_str(&s).unwrap();
+        assert!(v["v"].is_i64() || v["v"] == "none", "{s}");
+    }
+    let html = json!({
+        "type": "object",
+        "properties": {"page": {"type": "string", "format": "html"}},
+        "required": ["page"],
+        "additionalProperties": false
+    });
+    assert!(validate(&GuidedSpec::JsonSchema(html.to_string())).is_ok());
+    // close the string as soon as the grammar allows (the lowest byte would fill it forever)
+    let s = generate(&mut g, GuidedSpec::JsonSchema(html.to_string()), |ids| {
+        if ids.contains(&u32::from(b'"')) {
+            u32::from(b'"')
+        } else {
+            ids[0]
+        }
+    });
+    let v: Value = serde_json::from_str(&s).unwrap();
+    assert!(v["page"].is_string(), "{s}");
+    let e = validate(&GuidedSpec::JsonSchema(r#"{"type":"objekt","format":"html"}"#.into())).unwrap_err();
+    assert!(matches!(e, GuidedError::Invalid(_)) && e.to_string().contains("objekt"), "{e}");
+}

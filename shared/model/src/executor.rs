@@ -318,6 +318,17 @@ impl GgufExecutor {
             RopeLayout::Neox => rope_neox,
         };
 
+        // Each chunk's cache slot per position (`block * bs + offset`), once per step: the
+        // attention of every layer and head reads keys through it (a division per key there
+        // cost more than the key's dot product).
+        let slots: Vec<Vec<usize>> = chunks
+            .iter()
+            .map(|c| {
+                let end = c.start_pos as usize + c.token_ids.len();
+                (0..end).map(|j| c.block_ids.get(j / bs).map_or(0, |&b| b as usize * bs + j % bs)).collect()
+            })
+            .collect();
+
         // Embeddings of all tokens of the step, in chunk order.
         s.x.clear();
         s.x.resize(n * h, 0.0);
@@ -377,13 +388,10 @@ impl GgufExecutor {
             let ok = mm.pool.par_chunks_mut(&mut s.attn, hd, |item, out| {
                 let (t, head) = (item / nh, item % nh);
                 let tp = &plan[t];
-                let c = &chunks[tp.chunk];
+                let slot = &slots[tp.chunk][..];
                 let g = head / group;
                 let first = window.map_or(0, |w| (tp.pos + 1).saturating_sub(w));
-                let key_off = |j: usize| {
-                    let j = j + first;
-                    ((c.block_ids[j / bs] as usize * bs + j % bs) * nkv + g) * hd
-                };
+                let key_off = |j: usize| (slot[j + first] * nkv + g) * hd;
                 attention::with_scores(tp.pos + 1 - first, |scores| {
                     attention::attend_head(&q[item * hd..(item + 1) * hd], kc, vc, key_off, scale, scores, out);
                 });

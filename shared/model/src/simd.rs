@@ -93,11 +93,11 @@ pub(crate) fn round_half_away(x: f32) -> f32 {
 
 /// Attention of one query head over positions `0..scores.len()`, when the vectorised path
 /// applies (`hd` 64 or 128 and AVX2); returns `false` (and does nothing) otherwise.
-pub(crate) fn attend_head(
+pub(crate) fn attend_head<F: Fn(usize) -> usize>(
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
-    key_off: &dyn Fn(usize) -> usize,
+    key_off: &F,
     scale: f32,
     scores: &mut [f32],
     out: &mut [f32],
@@ -107,8 +107,8 @@ pub(crate) fn attend_head(
         // SAFETY (both arms): AVX2 and FMA were detected; q and out hold 8·NC values; cache
         // reads go through bounds-checked slices.
         match q.len() {
-            64 => unsafe { x86::attend_head::<8>(q, k_cache, v_cache, key_off, scale, scores, out) },
-            128 => unsafe { x86::attend_head::<16>(q, k_cache, v_cache, key_off, scale, scores, out) },
+            64 => unsafe { x86::attend_head::<8, F>(q, k_cache, v_cache, key_off, scale, scores, out) },
+            128 => unsafe { x86::attend_head::<16, F>(q, k_cache, v_cache, key_off, scale, scores, out) },
             _ => return false,
         }
         return true;
@@ -248,11 +248,11 @@ mod x86 {
     /// # Safety
     /// AVX2 and FMA must be available; `q` and `out` must hold `8·NC` values.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn attend_head<const NC: usize>(
+    pub(super) unsafe fn attend_head<const NC: usize, F: Fn(usize) -> usize>(
         q: &[f32],
         k_cache: &[f32],
         v_cache: &[f32],
-        key_off: &dyn Fn(usize) -> usize,
+        key_off: &F,
         scale: f32,
         scores: &mut [f32],
         out: &mut [f32],
