@@ -64,3 +64,7 @@ python3 loadtest/scenarios/pd_vs_colocated.py --selftest
 # docker compose up of deploy/docker-compose.yml on this machine's engine (skipped, with the
 # reason, when there is none); reuses the release binaries built above.
 ./scripts/compose-test.sh
+# Prometheus (Debian's package; skipped, with the reason, when it is not installed) scrapes a
+# running mesh with deploy/prometheus.yml's config: every target up, a pdmesh series queried
+# through its HTTP API with the dashboard's labels.
+PDMESH_BIN_DIR="${CARGO_TARGET_DIR:-target}/release" ./scripts/prometheus-test.sh
