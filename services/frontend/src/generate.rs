@@ -517,19 +517,27 @@ fn chat_body(
 
 /// The assistant message of a finished chat answer and its `finish_reason`: with tools, calls
 /// found in the text become `tool_calls` (`finish_reason: "tool_calls"`, D54).
+///
+/// A forced call (`tool_choice` `required` or a named function) cut by the token limit is
+/// still `tool_calls`, the cut call's arguments as produced, with `finish_reason: "length"`
+/// (`tools::parse_cut`): never the raw call text as `content`.
 pub fn chat_message(settings: &ResponseSettings, text: String, finish: &Finish) -> (ChatMessageOut, &'static str) {
+    use crate::tools::ToolMode;
     let parsed = match (&settings.tools, finish) {
-        (Some(mode), Finish::Stop(_)) => crate::tools::parse(mode, &text),
+        (Some(mode), Finish::Stop(_)) => crate::tools::parse(mode, &text).map(|p| (p, "tool_calls")),
+        (Some(mode @ (ToolMode::Required | ToolMode::Named(_))), Finish::Length) => {
+            Some(((None, crate::tools::parse_cut(mode, &text)), "length"))
+        }
         _ => None,
     };
     match parsed {
-        Some((content, calls)) => (
+        Some(((content, calls), finish_reason)) => (
             ChatMessageOut {
                 role: "assistant",
                 content,
                 tool_calls: Some(crate::tools::calls_json(&calls, &settings.request_id, false)),
             },
-            "tool_calls",
+            finish_reason,
         ),
         None => (ChatMessageOut { role: "assistant", content: Some(text), tool_calls: None }, finish.as_str()),
     }

@@ -254,6 +254,63 @@ pub fn parse(mode: &ToolMode, text: &str) -> Option<(Option<String>, Vec<ToolCal
     }
 }
 
+/// The calls of a forced answer (`required` or a named function) that the token limit cut:
+/// every call that is complete, then the cut one with what was produced of its arguments (raw,
+/// not valid JSON), so nothing generated is lost and nothing is passed off as plain content.
+/// vLLM returns a named call's text as its `arguments` whatever the finish; the response's
+/// `finish_reason` (`length`) is what marks the last call incomplete.
+pub fn parse_cut(mode: &ToolMode, text: &str) -> Vec<ToolCall> {
+    let text = text.trim();
+    match mode {
+        ToolMode::Named(name) => {
+            let arguments = serde_json::from_str::<Value>(text).map_or_else(|_| text.to_string(), |v| v.to_string());
+            vec![ToolCall { name: name.clone(), arguments }]
+        }
+        ToolMode::Required => {
+            let mut calls = Vec::new();
+            let mut rest = text.strip_prefix('[').unwrap_or(text);
+            loop {
+                rest = rest.trim_start_matches(|c: char| c.is_whitespace() || c == ',');
+                if rest.is_empty() || rest.starts_with(']') {
+                    break;
+                }
+                let mut values = serde_json::Deserializer::from_str(rest).into_iter::<Value>();
+                match values.next() {
+                    Some(Ok(v)) => {
+                        if let Some(name) = v.get("name").and_then(Value::as_str) {
+                            let arguments = v.get("parameters").cloned().unwrap_or_else(|| json!({})).to_string();
+                            calls.push(ToolCall { name: name.to_string(), arguments });
+                        }
+                        rest = &rest[values.byte_offset()..];
+                    }
+                    _ => {
+                        calls.extend(cut_call(rest));
+                        break;
+                    }
+                }
+            }
+            calls
+        }
+        ToolMode::Auto => Vec::new(),
+    }
+}
+
+/// The name and raw arguments of a call object cut short (`{"name": "f", "parameters": {"x`),
+/// if its name was produced in full (the grammar writes `name` before `parameters`).
+fn cut_call(object: &str) -> Option<ToolCall> {
+    let after_key = &object[object.find("\"name\"")? + "\"name\"".len()..];
+    let value = after_key.trim_start().strip_prefix(':')?.trim_start();
+    let name = serde_json::Deserializer::from_str(value).into_iter::<String>().next()?.ok()?;
+    let arguments = match object.find("\"parameters\"") {
+        Some(at) => {
+            let v = object[at + "\"parameters\"".len()..].trim_start();
+            v.strip_prefix(':').unwrap_or(v).trim_start().to_string()
+        }
+        None => String::new(),
+    };
+    Some(ToolCall { name, arguments })
+}
+
 /// The OpenAI shape of the calls (`message.tool_calls`, and with `index` in stream deltas).
 pub fn calls_json(calls: &[ToolCall], id_seed: &str, with_index: bool) -> Value {
     Value::Array(
@@ -318,6 +375,21 @@ mod tests {
         assert_eq!(calls, vec![ToolCall { name: "g".into(), arguments: "{\"q\":2}".into() }]);
         assert!(parse(&ToolMode::Auto, "no calls here").is_none());
         assert!(parse(&ToolMode::Named("f".into()), "{truncated").is_none());
+        // cut by the token limit: complete calls parsed, the cut one kept raw
+        assert_eq!(
+            parse_cut(&ToolMode::Named("f".into()), "{\"city\": \"Par"),
+            vec![ToolCall { name: "f".into(), arguments: "{\"city\": \"Par".into() }]
+        );
+        let cut = r#"[{"name": "f", "parameters": {"x": 1}}, {"name": "g", "parameters": {"y": "ab"#;
+        assert_eq!(
+            parse_cut(&ToolMode::Required, cut),
+            vec![
+                ToolCall { name: "f".into(), arguments: "{\"x\":1}".into() },
+                ToolCall { name: "g".into(), arguments: "{\"y\": \"ab".into() },
+            ]
+        );
+        assert_eq!(parse_cut(&ToolMode::Required, r#"[{"name": "f", "parameters": {"x": 1}}, {"na"#).len(), 1);
+        assert!(parse_cut(&ToolMode::Required, "[").is_empty());
         let history = render_tool_calls(&[json!({"id": "1", "type": "function",
             "function": {"name": "g", "arguments": "{\"q\": 2}"}})])
         .unwrap();

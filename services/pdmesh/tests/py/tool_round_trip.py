@@ -74,4 +74,27 @@ for chunk in stream:
     finish = c.finish_reason or finish
 assert finish == "tool_calls" and name == "get_weather", (finish, name)
 check_args(arguments)
+
+# a forced call cut by max_tokens is still a tool call (its arguments as far as they got,
+# finish_reason "length"), never the call's text as content: named, plain and streamed, and
+# `required` (name complete, parameters cut)
+for choice_kind, limit in ((named, 5), ("required", 14)):
+    r = client.chat.completions.create(model=model, messages=messages[:1], tools=tools, tool_choice=choice_kind,
+                                       temperature=0, max_tokens=limit)
+    c = r.choices[0]
+    assert c.finish_reason == "length", (choice_kind, c)
+    assert not c.message.content, (choice_kind, c.message)
+    assert c.message.tool_calls and c.message.tool_calls[-1].function.name == "get_weather", (choice_kind, c.message)
+    stream = client.chat.completions.create(model=model, messages=messages[:1], tools=tools, tool_choice=choice_kind,
+                                            temperature=0, max_tokens=limit, stream=True)
+    names, content, finish = [], "", None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0]
+        names += [t.function.name for t in d.delta.tool_calls or [] if t.function.name]
+        content += d.delta.content or ""
+        finish = d.finish_reason or finish
+    assert finish == "length" and names and names[-1] == "get_weather" and not content, (choice_kind, finish, names, content)
+    print("cut:", choice_kind, "->", c.message.tool_calls[-1].function.arguments)
 print("OK")
