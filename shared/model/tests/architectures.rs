@@ -108,7 +108,7 @@ fn check_parity(path: &Path, mut reference: impl FnMut(u32, usize) -> Vec<f32>) 
     let mut worst = 0f32;
     for (i, prompt) in prompts(&codec).into_iter().enumerate() {
         let (want, ref_logits) = reference_greedy(&mut reference, &prompt);
-        let blocks = (MAX_LEN / 16) as u32;
+        let blocks = MAX_LEN / 16;
         let mut kv = common::kv_cache(&exec, blocks, 16);
         let mut reqs = vec![common::Req::new("r", prompt.clone(), 0, blocks)];
         let mut ours_logits = Vec::new();
