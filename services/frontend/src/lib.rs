@@ -32,9 +32,8 @@
 //! - [`overload`]: the bounds on requests in flight, per server (503 + `Retry-After` beyond it)
 //!   and per client API key (429 + `Retry-After`).
 //!
-//! Not done here (see the module docs where relevant): `n > 1`, `echo`, penalties and
-//! `logit_bias` (refused with 400), and the pre-admission rejection notice to P for
-//! remote-prefill requests (vLLM #41269), for which the wire has no message yet.
+//! Not done here (refused with a 400 naming the field, docs/CONFIG.md): `echo`, beam search,
+//! presence/frequency/repetition penalties and `min_tokens`.
 
 pub mod auth;
 pub mod body_timeout;

@@ -1576,9 +1576,14 @@ async fn unhonoured_fields_are_400_naming_the_field() {
         ("/v1/completions", completion(json!({"guided_choice": []})), "guided_choice"),
         ("/v1/chat/completions", chat(json!({"structured_outputs": "json"})), "structured_outputs"),
         ("/v1/completions", completion(json!({"guided_regex": "a", "guided_choice": ["a"]})), "guided_choice"),
-        ("/v1/completions", completion(json!({"min_p": 0.1})), "min_p"),
+        ("/v1/completions", completion(json!({"min_p": 1.5})), "min_p"),
+        ("/v1/chat/completions", chat(json!({"allowed_token_ids": [1, "x"]})), "allowed_token_ids"),
+        ("/v1/chat/completions", chat(json!({"allowed_token_ids": [257]})), "allowed_token_ids"),
+        ("/v1/responses", responses(json!({"min_p": 0.1})), "min_p"),
         ("/v1/chat/completions", chat(json!({"continue_final_message": true})), "continue_final_message"),
-        ("/v1/chat/completions", chat(json!({"logit_bias": {"5": 10}})), "logit_bias"),
+        ("/v1/chat/completions", chat(json!({"logit_bias": {"abc": 10}})), "logit_bias"),
+        ("/v1/chat/completions", chat(json!({"logit_bias": {"5": 1000}})), "logit_bias"),
+        ("/v1/completions", completion(json!({"logit_bias": {"257": 1}})), "logit_bias"),
         ("/v1/chat/completions", chat(json!({"n": 65})), "n"),
         ("/v1/completions", completion(json!({"echo": true})), "echo"),
         ("/v1/completions", completion(json!({"suffix": "tail"})), "suffix"),
@@ -1622,6 +1627,18 @@ async fn unhonoured_fields_are_400_naming_the_field() {
     for (path, body) in &accepted {
         let (s, _, b) = call(&h, path, body.clone(), &[]).await;
         assert_eq!(s, 200, "{path} {body}: {}", String::from_utf8_lossy(&b));
+    }
+    // logit_bias, min_p and allowed_token_ids reach the engine's sampler (issue 41)
+    for path in ["/v1/chat/completions", "/v1/completions"] {
+        let extra = json!({"logit_bias": {"7": -100, "5": 2.5}, "min_p": 0.25, "allowed_token_ids": [5, 7, 9]});
+        let body = if path == "/v1/completions" { completion(extra) } else { chat(extra) };
+        let (s, _, b) = call(&h, path, body, &[]).await;
+        assert_eq!(s, 200, "{path}: {}", String::from_utf8_lossy(&b));
+        let sent = added(&h);
+        let Some(WireMessage::AddRequest(r)) = sent.last().map(|e| &e.body) else { panic!("no request sent") };
+        assert_eq!(r.sampling.logit_bias, vec![(5, 2.5), (7, -100.0)], "{path}");
+        assert_eq!(r.sampling.min_p, 0.25, "{path}");
+        assert_eq!(r.sampling.allowed_token_ids, vec![5, 7, 9], "{path}");
     }
 }
 

@@ -197,6 +197,8 @@ fn unhonoured_value(endpoint: Endpoint, field: &str, value: &Value) -> Option<bo
         "guided_json" | "guided_regex" | "guided_choice" | "guided_grammar" | "structured_outputs" => Some(!null),
         "guided_decoding_backend" | "guided_whitespace_pattern" | "guided_json_object" => Some(!falsy),
         // vLLM's sampling extras the engine does not apply.
+        // honoured on chat and completions ([`sampling_extras`])
+        "min_p" | "allowed_token_ids" if endpoint != Endpoint::Responses => None,
         "min_p" => Some(!zero),
         "length_penalty" => Some(!(null || value.as_f64() == Some(1.0))),
         "allowed_token_ids" | "bad_words" | "logits_processors" => Some(!empty),
@@ -306,9 +308,10 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
     if input.repetition_penalty.is_some_and(|p| p != 1.0) {
         return Err(unsupported("repetition_penalty"));
     }
-    if input.logit_bias.is_some_and(|b| !b.is_empty()) {
-        return Err(unsupported("logit_bias"));
-    }
+    let logit_bias = match input.logit_bias {
+        None => Vec::new(),
+        Some(map) => logit_bias(map, vocab_size)?,
+    };
     if input.min_tokens.is_some_and(|m| m > 0) {
         return Err(unsupported("min_tokens"));
     }
@@ -343,6 +346,10 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
             // set by the handler from the request's structured-output fields (D53)
             guided: None,
             output_index_offset: 0,
+            logit_bias,
+            // set by the handler from the request's vLLM extras ([`sampling_extras`])
+            min_p: 0.0,
+            allowed_token_ids: Vec::new(),
         },
         requested_max_tokens,
         stop,
@@ -354,6 +361,62 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
         tools: None,
     })
     .and_then(one_choice_per_prefill)
+}
+
+/// OpenAI `logit_bias`: token id (a decimal string) → bias in [-100, 100], ids below the
+/// vocabulary size; sorted by id.
+fn logit_bias(map: &serde_json::Map<String, Value>, vocab_size: u32) -> Result<Vec<(u32, f32)>, ApiError> {
+    let mut out = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        let id = key.parse::<u32>().ok().filter(|&id| id < vocab_size).ok_or_else(|| {
+            ApiError::invalid(
+                format!("logit_bias keys must be token ids below {vocab_size}, got {key:?}."),
+                "logit_bias",
+            )
+        })?;
+        let bias = value.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
+            ApiError::invalid(
+                format!("logit_bias values must be numbers in [-100, 100], got {value} for {key}."),
+                "logit_bias",
+            )
+        })?;
+        out.push((id, bias as f32));
+    }
+    out.sort_by_key(|&(id, _)| id);
+    Ok(out)
+}
+
+/// vLLM's sampling extras chat and completions honour, from the request's other fields:
+/// `min_p` in [0, 1] and `allowed_token_ids` (ids below the vocabulary size; empty = off).
+pub fn sampling_extras(
+    extra: &serde_json::Map<String, Value>,
+    vocab_size: u32,
+    sampling: &mut SamplingParams,
+) -> Result<(), ApiError> {
+    if let Some(v) = extra.get("min_p").filter(|v| !v.is_null()) {
+        let min_p = v
+            .as_f64()
+            .filter(|p| (0.0..=1.0).contains(p))
+            .ok_or_else(|| ApiError::invalid(format!("min_p must be in [0, 1], got {v}."), "min_p"))?;
+        sampling.min_p = min_p as f32;
+    }
+    if let Some(v) = extra.get("allowed_token_ids").filter(|v| !v.is_null()) {
+        let ids = v
+            .as_array()
+            .ok_or_else(|| ApiError::invalid("allowed_token_ids must be a list of token ids.", "allowed_token_ids"))?;
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            let ok = id.as_u64().and_then(|i| u32::try_from(i).ok()).filter(|&i| i < vocab_size);
+            out.push(ok.ok_or_else(|| {
+                ApiError::invalid(
+                    format!("allowed_token_ids must be token ids below {vocab_size}, got {id}."),
+                    "allowed_token_ids",
+                )
+            })?);
+        }
+        sampling.allowed_token_ids = out;
+    }
+    Ok(())
 }
 
 /// The most choices one request may ask for: each is an engine request, so `n` is bounded

@@ -232,6 +232,28 @@ fn structured_outputs_parse_and_validate_colocated_and_through_pd() {
             .any(|l| l.starts_with("pdmesh_frontend_structured_output_requests_total{kind=\"json_schema\"} 5")),
         "the colocated node counted its json_schema requests"
     );
+    // logit_bias, allowed_token_ids and min_p reach P's and D's samplers (issue 41): a token
+    // forced either way comes out at every step, through the router as on the colocated node
+    let forced = |port: u16, extra: Value| {
+        let mut body = json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
+                              "ignore_eos": true});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let a = post_all(&mesh.url_on(port, "/v1/completions"), vec![body]).remove(0);
+        assert_eq!(a["choices"][0]["finish_reason"], "length", "{a}");
+        a["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let biased = forced(router, json!({"logit_bias": {"300": 100}}));
+    assert!(
+        !biased.is_empty() && biased.len() % 4 == 0 && biased == biased[..biased.len() / 4].repeat(4),
+        "{biased:?}"
+    );
+    for (port, extra) in [
+        (router, json!({"allowed_token_ids": [300]})),
+        (router + 3, json!({"logit_bias": {"300": 100}})),
+        (router + 3, json!({"allowed_token_ids": [300], "min_p": 0.5, "temperature": 1.0, "seed": 1})),
+    ] {
+        assert_eq!(forced(port, extra.clone()), biased, "{extra}");
+    }
     mesh.wait_kv_on(router + 1, "P holds nothing once D has read", |kv| {
         kv["held_blocks"] == 0 && kv["used_blocks"] == 0
     });

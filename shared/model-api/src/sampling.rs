@@ -3,11 +3,14 @@
 //! Model-agnostic and pure Rust, so every [`crate::Executor`] samples the same way and the
 //! synthetic executor can reuse it. The rules:
 //!
+//! - First `allowed_token_ids` (when not empty: every other id to `-inf`) and `logit_bias` (added
+//!   to its ids' logits) change the logits, greedy or not; the sampled id is always allowed.
 //! - `temperature` at or below [`GREEDY_TEMPERATURE`] is greedy: the argmax, ties broken towards
 //!   the lowest token id (so greedy output never depends on iteration order or threads).
-//! - Otherwise logits are divided by the temperature, truncated to the `top_k` most likely
+//! - Otherwise logits are divided by the temperature; tokens less likely than `min_p` times the
+//!   most likely one are dropped (`0` = off), the rest truncated to the `top_k` most likely
 //!   tokens (`0` = off), then to the smallest most-likely set whose probability reaches `top_p`
-//!   (`1.0` = off), and one token is drawn from what is left.
+//!   (`1.0` = off), and one token is drawn from what is left (vLLM's order).
 //! - With `seed: Some(s)` the draw uses a `StdRng` seeded from `mix(s, output_index)`, so a
 //!   request samples identically wherever (and in whatever batch) each of its steps runs;
 //!   without a seed the thread RNG is used.
@@ -48,20 +51,55 @@ pub fn sample(logits: &[f32], params: &SamplingParams, output_index: u32) -> Res
     if logits.is_empty() {
         return Err(SamplingError::EmptyLogits);
     }
-    let token_id = if is_greedy(params) {
-        argmax(logits)
+    let processed;
+    let view = if params.logit_bias.is_empty() && params.allowed_token_ids.is_empty() {
+        logits
+    } else {
+        processed = biased(logits, params);
+        &processed[..]
+    };
+    let mut token_id = if is_greedy(params) {
+        argmax(view)
     } else {
         match params.seed {
             Some(seed) => {
                 let mut rng =
                     StdRng::seed_from_u64(mix_seed(seed, output_index.saturating_add(params.output_index_offset)));
-                sample_random(logits, params, &mut rng)
+                sample_random(view, params, &mut rng)
             }
-            None => sample_random(logits, params, &mut rand::thread_rng()),
+            None => sample_random(view, params, &mut rand::thread_rng()),
         }
     };
+    if let Some(&first) = params.allowed_token_ids.first() {
+        // every allowed logit was -inf or NaN: the first allowed id, never a disallowed one
+        if !params.allowed_token_ids.contains(&token_id) {
+            token_id = first;
+        }
+    }
     let logprobs = params.logprobs.map(|n| token_logprobs(logits, token_id, n as usize));
     Ok(Sampled { token_id, logprobs })
+}
+
+/// The logits with `logit_bias` added and, with `allowed_token_ids`, every other id at `-inf`
+/// (ids beyond the vocabulary are ignored: the frontend refuses them).
+fn biased(logits: &[f32], params: &SamplingParams) -> Vec<f32> {
+    let mut out = if params.allowed_token_ids.is_empty() {
+        logits.to_vec()
+    } else {
+        let mut masked = vec![f32::NEG_INFINITY; logits.len()];
+        for &id in &params.allowed_token_ids {
+            if let Some(&v) = logits.get(id as usize) {
+                masked[id as usize] = v;
+            }
+        }
+        masked
+    };
+    for &(id, bias) in &params.logit_bias {
+        if let Some(v) = out.get_mut(id as usize) {
+            *v += bias;
+        }
+    }
+    out
 }
 
 /// Whether `params` asks for greedy decoding.
@@ -123,8 +161,13 @@ fn sample_random<R: Rng + ?Sized>(logits: &[f32], params: &SamplingParams, rng: 
         if max == f32::NEG_INFINITY {
             return argmax(logits);
         }
-        let weights: Vec<f64> =
-            logits.iter().map(|&v| ((f64::from(clean(v)) - f64::from(max)) * inv_t).exp()).collect();
+        let min_p = f64::from(params.min_p);
+        // a weight is the token's probability over the most likely one's: min_p compares it
+        let weights: Vec<f64> = logits
+            .iter()
+            .map(|&v| ((f64::from(clean(v)) - f64::from(max)) * inv_t).exp())
+            .map(|w| if w < min_p { 0.0 } else { w })
+            .collect();
         return draw(&weights, rng).map_or_else(|| argmax(logits), |i| i as u32);
     }
 
@@ -140,6 +183,12 @@ fn sample_random<R: Rng + ?Sized>(logits: &[f32], params: &SamplingParams, rng: 
         return argmax(logits);
     }
     let mut weights: Vec<f64> = cands.iter().map(|c| ((f64::from(c.1) - f64::from(max)) * inv_t).exp()).collect();
+    if params.min_p > 0.0 {
+        // most likely first: drop the tail below min_p × the first's probability
+        let keep = weights.iter().take_while(|&&w| w >= f64::from(params.min_p)).count().max(1);
+        weights.truncate(keep);
+        cands.truncate(keep);
+    }
     if use_top_p {
         let total: f64 = weights.iter().sum();
         let target = f64::from(params.top_p.max(0.0)) * total;
@@ -219,6 +268,40 @@ mod tests {
     fn logits() -> Vec<f32> {
         // a peaked but not degenerate distribution over 64 ids; max at 17
         (0..64).map(|i| -((i as f32 - 17.0).abs()) * 0.3).collect()
+    }
+
+    #[test]
+    fn logit_bias_allowed_ids_and_min_p_change_what_can_be_drawn() {
+        let l = logits(); // max at 17
+                          // a bias moves the argmax; logprobs stay those of the raw logits
+        let p = SamplingParams { logit_bias: vec![(40, 100.0)], logprobs: Some(1), ..params(0.0, 0, 1.0, None) };
+        let s = sample(&l, &p, 0).unwrap();
+        assert_eq!(s.token_id, 40);
+        let raw = token_logprobs(&l, 40, 1);
+        assert_eq!(s.logprobs, Some(raw));
+        // -100 forbids in effect
+        let p = SamplingParams { logit_bias: vec![(17, -100.0)], ..params(0.0, 0, 1.0, None) };
+        assert_ne!(sample(&l, &p, 0).unwrap().token_id, 17);
+        // only allowed ids, greedy and random, even when all their logits are -inf
+        let allowed = vec![3, 60];
+        let p = SamplingParams { allowed_token_ids: allowed.clone(), ..params(1.0, 0, 1.0, Some(7)) };
+        for i in 0..200 {
+            assert!(allowed.contains(&sample(&l, &p, i).unwrap().token_id));
+        }
+        let p = SamplingParams { allowed_token_ids: allowed.clone(), ..params(0.0, 0, 1.0, None) };
+        assert_eq!(sample(&l, &p, 0).unwrap().token_id, 3, "3 is closer to the peak than 60");
+        let mut dead = l.clone();
+        dead[3] = f32::NEG_INFINITY;
+        dead[60] = f32::NAN;
+        assert_eq!(sample(&dead, &p, 0).unwrap().token_id, 3);
+        // min_p: at temperature 1, ids with exp(l - max) < min_p never come out; with top_k too
+        for (top_k, top_p) in [(0, 1.0), (20, 0.99)] {
+            let p = SamplingParams { min_p: 0.5, ..params(1.0, top_k, top_p, Some(3)) };
+            for i in 0..300 {
+                let t = sample(&l, &p, i).unwrap().token_id as usize;
+                assert!((l[t] - l[17]).exp() >= 0.5, "{t} drawn under min_p (top_k {top_k})");
+            }
+        }
     }
 
     #[test]

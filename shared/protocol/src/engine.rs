@@ -36,6 +36,21 @@ pub struct SamplingParams {
     /// Validated by the frontend; enforced by the worker's sampler.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub guided: Option<GuidedSpec>,
+    /// OpenAI `logit_bias`: `(token id, bias)` added to that token's logit before sampling
+    /// (greedy included); logprobs stay those of the raw logits.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM `min_p` (0 = off): tokens whose probability (after temperature) is below `min_p`
+    /// times the most likely token's are dropped before top-k/top-p.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub min_p: f32,
+    /// vLLM `allowed_token_ids`: when not empty, only these ids can be sampled.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allowed_token_ids: Vec<u32>,
+}
+
+fn is_zero(v: &f32) -> bool {
+    *v == 0.0
 }
 
 /// A grammar the output must follow (OpenAI `response_format`, vLLM `structured_outputs` /
@@ -69,6 +84,9 @@ impl Default for SamplingParams {
             logprobs: None,
             output_index_offset: 0,
             guided: None,
+            logit_bias: Vec::new(),
+            min_p: 0.0,
+            allowed_token_ids: Vec::new(),
         }
     }
 }

@@ -78,6 +78,7 @@ pub fn validate_request(body: &ChatCompletionRequest, limits: &ModelLimits<'_>) 
         kv_transfer_params: body.kv_transfer_params.as_ref(),
     };
     let mut params = validate_params(&input, vocab)?;
+    crate::validation::sampling_extras(&body.extra, vocab, &mut params.sampling)?;
     params.sampling.guided = crate::structured::guided_spec(&body.extra)?.map(|(spec, _)| spec);
     // A template that renders `tools` itself (Qwen's, Llama 3's) gets the tools and the
     // history's calls as data; another gets them as text (D54, D88).

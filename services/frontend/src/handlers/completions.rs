@@ -80,6 +80,7 @@ pub fn validate_request(body: &CompletionRequest, limits: &ModelLimits<'_>) -> R
         kv_transfer_params: body.kv_transfer_params.as_ref(),
     };
     let mut params = validate_params(&input, vocab)?;
+    crate::validation::sampling_extras(&body.extra, vocab, &mut params.sampling)?;
     params.sampling.guided = crate::structured::guided_spec(&body.extra)?.map(|(spec, _)| spec);
     let prompt = completion_prompt(body.prompt.as_ref(), limits.codec, vocab)?;
     let max_tokens = resolve_max_tokens(
