@@ -30,16 +30,27 @@ impl Up {
         std::fs::create_dir_all(&bin_dir).unwrap();
         let bin = bin_dir.join("pdmesh");
         std::fs::copy(pdmesh_bin(), &bin).unwrap();
-        let up = Command::new(&bin)
-            .arg("up")
-            .arg("--topology")
-            .arg(&topology)
-            .env("PDMESH_RUN_DIR", &run_dir)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(run_dir.join("up.err")).unwrap())
-            .spawn()
-            .unwrap();
+        // A binary just written can be "busy" for a moment: another test thread's fork may hold
+        // the copy's write descriptor until its exec (ETXTBSY); try again briefly.
+        let mut tries = 0;
+        let up = loop {
+            let spawned = Command::new(&bin)
+                .arg("up")
+                .arg("--topology")
+                .arg(&topology)
+                .env("PDMESH_RUN_DIR", &run_dir)
+                .env("RUST_LOG", "info")
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(run_dir.join("up.err")).unwrap())
+                .spawn();
+            match spawned {
+                Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 100 => {
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                other => break other.unwrap(),
+            }
+        };
         let mut me = Up { up, run_dir, bin, http };
         me.wait_healthy("the mesh starts");
         me
