@@ -635,12 +635,9 @@ pub(crate) mod avx2 {
         let Tile { g, nr, t0, rows, out, .. } = *tile;
         let chunk = l.chunk();
         let nq = l.quads();
-        let half = nq / 2;
         // quads summed in i16 before widening: n·2·max(v)·128 must stay below 2^15
         let run = 8 >> l.hbits;
-        let m4 = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
-        let hmask = _mm256_set1_epi8(if l.hbits == 1 { 0x10 } else { 0x30 });
         let q8k = l.block == QK_K;
         // SAFETY: group g has nb chunks of `chunk` bytes (packed groups are complete); the
         // activation rows t0..t0+T < m hold k values (qs or qk), k/32 scales and sums (d, isum)
@@ -658,45 +655,8 @@ pub(crate) mod avx2 {
                     _mm256_setzero_ps()
                 };
                 for s in 0..l.subs() {
-                    let sp = p.add(s * l.sub_bytes());
-                    let mut wq = [_mm256_setzero_si256(); 8];
-                    for q in 0..half {
-                        let raw = _mm256_loadu_si256(sp.add(32 * q) as *const __m256i);
-                        wq[q] = _mm256_and_si256(raw, m4);
-                        wq[q + half] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
-                    }
-                    if l.hbits > 0 {
-                        let h = _mm256_loadu_si256(sp.add(l.sub * 4) as *const __m256i);
-                        for (q, wv) in wq.iter_mut().enumerate().take(nq) {
-                            // bits q·hbits.. of each byte to bit 4 (16-bit shifts: bits that
-                            // cross a byte land outside the mask)
-                            let hb = match 4 - (q * l.hbits) as i32 {
-                                4 => _mm256_slli_epi16::<4>(h),
-                                3 => _mm256_slli_epi16::<3>(h),
-                                2 => _mm256_slli_epi16::<2>(h),
-                                1 => _mm256_slli_epi16::<1>(h),
-                                0 => h,
-                                -1 => _mm256_srli_epi16::<1>(h),
-                                -2 => _mm256_srli_epi16::<2>(h),
-                                _ => _mm256_srli_epi16::<3>(h),
-                            };
-                            *wv = _mm256_or_si256(*wv, _mm256_and_si256(hb, hmask));
-                        }
-                    }
-                    let (scv, mnv) = if l.scales {
-                        let sc8 = _mm_loadl_epi64(p.add(l.sc_off() + s * LANES) as *const __m128i);
-                        let sc = if kind == Kind::Q6K { _mm256_cvtepi8_epi32(sc8) } else { _mm256_cvtepu8_epi32(sc8) };
-                        let scv = _mm256_mul_ps(_mm256_cvtepi32_ps(sc), dv);
-                        let mnv = if l.mins {
-                            let mn8 = _mm_loadl_epi64(p.add(l.mn_off() + s * LANES) as *const __m128i);
-                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn8)), dminv)
-                        } else {
-                            _mm256_setzero_ps()
-                        };
-                        (scv, mnv)
-                    } else {
-                        (_mm256_setzero_ps(), _mm256_setzero_ps())
-                    };
+                    let wq = decode_sub(l, p, s);
+                    let (scv, mnv) = sub_scales(l, p, s, dv, dminv);
                     for (t, acc_t) in acc.iter_mut().enumerate() {
                         let tok = t0 + t;
                         let at = tok * k + b * l.block + s * l.sub;
@@ -711,25 +671,7 @@ pub(crate) mod avx2 {
                                 s16 = _mm256_setzero_si256();
                             }
                         }
-                        match kind {
-                            Kind::Q4_0 | Kind::Q5_0 => {
-                                let i = tok * (k / 32) + b;
-                                let sumi =
-                                    _mm256_sub_epi32(isum, _mm256_set1_epi32(l.offset() * *a.isum.as_ptr().add(i)));
-                                let term = _mm256_mul_ps(
-                                    _mm256_mul_ps(_mm256_cvtepi32_ps(sumi), dv),
-                                    _mm256_set1_ps(*a.d.as_ptr().add(i)),
-                                );
-                                *acc_t = _mm256_add_ps(*acc_t, term);
-                            }
-                            Kind::Q4K | Kind::Q5K => {
-                                let da = _mm256_broadcast_ss(&*a.dk.as_ptr().add(tok * nb + b));
-                                let mins = _mm256_broadcast_ss(&*a.mins32.as_ptr().add(tok * (k / 32) + b * 8 + s));
-                                *acc_t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scv, da), *acc_t);
-                                *acc_t = _mm256_fnmadd_ps(mnv, mins, *acc_t);
-                            }
-                            Kind::Q6K => {} // q6k_tile
-                        }
+                        accumulate(l, a, tok, b, s, isum, (dv, scv, mnv), acc_t);
                     }
                 }
             }
@@ -744,6 +686,114 @@ pub(crate) mod avx2 {
                         *dst.add(r) = v;
                     }
                 }
+            }
+        }
+    }
+
+    /// Sub-block `s` of the (group, block) chunk at `p`, 8 rows decoded to one byte per value:
+    /// vector `q` holds quad `q` of every row (nibble, plus the high bits of Q5/Q6 layouts).
+    ///
+    /// # Safety
+    /// AVX2; `p` points to a complete chunk of layout `l`.
+    // inlined into its callers, which enable the features (`inline(always)` cannot be put on a
+    // `target_feature` function, and without it the call was not inlined into the AVX-512 tile)
+    #[inline(always)]
+    pub(super) unsafe fn decode_sub(l: Layout, p: *const u8, s: usize) -> [__m256i; 8] {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let hmask = _mm256_set1_epi8(if l.hbits == 1 { 0x10 } else { 0x30 });
+        let (nq, half) = (l.quads(), l.quads() / 2);
+        let mut wq = [_mm256_setzero_si256(); 8];
+        // SAFETY: the sub-block's bytes lie inside the chunk (caller).
+        unsafe {
+            let sp = p.add(s * l.sub_bytes());
+            for q in 0..half {
+                let raw = _mm256_loadu_si256(sp.add(32 * q) as *const __m256i);
+                wq[q] = _mm256_and_si256(raw, m4);
+                wq[q + half] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
+            }
+            if l.hbits > 0 {
+                let h = _mm256_loadu_si256(sp.add(l.sub * 4) as *const __m256i);
+                for (q, wv) in wq.iter_mut().enumerate().take(nq) {
+                    // bits q·hbits.. of each byte to bit 4 (16-bit shifts: bits that cross a
+                    // byte land outside the mask)
+                    let hb = match 4 - (q * l.hbits) as i32 {
+                        4 => _mm256_slli_epi16::<4>(h),
+                        3 => _mm256_slli_epi16::<3>(h),
+                        2 => _mm256_slli_epi16::<2>(h),
+                        1 => _mm256_slli_epi16::<1>(h),
+                        0 => h,
+                        -1 => _mm256_srli_epi16::<1>(h),
+                        -2 => _mm256_srli_epi16::<2>(h),
+                        _ => _mm256_srli_epi16::<3>(h),
+                    };
+                    *wv = _mm256_or_si256(*wv, _mm256_and_si256(hb, hmask));
+                }
+            }
+        }
+        wq
+    }
+
+    /// The 8 rows' `d·sc_s` and `dmin·m_s` of sub-block `s` (zero where the layout has none).
+    ///
+    /// # Safety
+    /// AVX2; `p` points to a complete chunk of layout `l` (not Q6_K).
+    // inlined into its callers, which enable the features (`inline(always)` cannot be put on a
+    // `target_feature` function, and without it the call was not inlined into the AVX-512 tile)
+    #[inline(always)]
+    pub(super) unsafe fn sub_scales(l: Layout, p: *const u8, s: usize, dv: __m256, dminv: __m256) -> (__m256, __m256) {
+        if !l.scales {
+            return (_mm256_setzero_ps(), _mm256_setzero_ps());
+        }
+        // SAFETY: scales and mins lie inside the chunk (caller).
+        unsafe {
+            let sc8 = _mm_loadl_epi64(p.add(l.sc_off() + s * LANES) as *const __m128i);
+            let scv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8)), dv);
+            let mnv = if l.mins {
+                let mn8 = _mm_loadl_epi64(p.add(l.mn_off() + s * LANES) as *const __m128i);
+                _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn8)), dminv)
+            } else {
+                _mm256_setzero_ps()
+            };
+            (scv, mnv)
+        }
+    }
+
+    /// Add sub-block `s` of block `b` to token `tok`'s accumulator, given the rows' exact
+    /// integer sums `isum`, in candle's float order (module doc). `(dv, scv, mnv)`: the rows'
+    /// `d` and [`sub_scales`].
+    ///
+    /// # Safety
+    /// AVX2; the activations hold the form layout `l` needs for token `tok` (not Q6_K).
+    // inlined into its callers, which enable the features (`inline(always)` cannot be put on a
+    // `target_feature` function, and without it the call was not inlined into the AVX-512 tile)
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn accumulate(
+        l: Layout,
+        a: &QActs,
+        tok: usize,
+        b: usize,
+        s: usize,
+        isum: __m256i,
+        (dv, scv, mnv): (__m256, __m256, __m256),
+        acc: &mut __m256,
+    ) {
+        let k = a.k;
+        // SAFETY: the activation offsets lie inside the token's forms (caller).
+        unsafe {
+            if l.block != QK_K {
+                // Q4_0, Q5_0
+                let i = tok * (k / 32) + b;
+                let sumi = _mm256_sub_epi32(isum, _mm256_set1_epi32(l.offset() * *a.isum.as_ptr().add(i)));
+                let term =
+                    _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sumi), dv), _mm256_set1_ps(*a.d.as_ptr().add(i)));
+                *acc = _mm256_add_ps(*acc, term);
+            } else {
+                // Q4_K, Q5_K
+                let da = _mm256_broadcast_ss(&*a.dk.as_ptr().add(tok * (k / QK_K) + b));
+                let mins = _mm256_broadcast_ss(&*a.mins32.as_ptr().add(tok * (k / 32) + b * 8 + s));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scv, da), *acc);
+                *acc = _mm256_fnmadd_ps(mnv, mins, *acc);
             }
         }
     }
@@ -942,6 +992,7 @@ pub(crate) mod avx2 {
 pub(crate) mod avx512 {
     use std::arch::x86_64::*;
 
+    use super::avx2::{accumulate, decode_sub, sub_scales};
     use super::{Kind, Layout, PackedLanes, Tile, LANES, QK_K};
     use crate::kernels::QActs;
 
@@ -1011,9 +1062,6 @@ pub(crate) mod avx512 {
         let Tile { g, nr, t0, rows, out, .. } = *tile;
         let chunk = l.chunk();
         let nq = l.quads();
-        let half = nq / 2;
-        let m4 = _mm256_set1_epi8(0x0F);
-        let hmask = _mm256_set1_epi8(if l.hbits == 1 { 0x10 } else { 0x30 });
         let q8k = l.block == QK_K;
         // SAFETY: as in `avx2::lanes_tile` (the same packing and activation forms).
         unsafe {
@@ -1028,43 +1076,8 @@ pub(crate) mod avx512 {
                     _mm256_setzero_ps()
                 };
                 for s in 0..l.subs() {
-                    let sp = p.add(s * l.sub_bytes());
-                    let mut wq = [_mm256_setzero_si256(); 8];
-                    for q in 0..half {
-                        let raw = _mm256_loadu_si256(sp.add(32 * q) as *const __m256i);
-                        wq[q] = _mm256_and_si256(raw, m4);
-                        wq[q + half] = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), m4);
-                    }
-                    if l.hbits > 0 {
-                        let h = _mm256_loadu_si256(sp.add(l.sub * 4) as *const __m256i);
-                        for (q, wv) in wq.iter_mut().enumerate().take(nq) {
-                            // bit q of each high byte to bit 4 (Q5: one high bit per value)
-                            let hb = match 4 - q as i32 {
-                                4 => _mm256_slli_epi16::<4>(h),
-                                3 => _mm256_slli_epi16::<3>(h),
-                                2 => _mm256_slli_epi16::<2>(h),
-                                1 => _mm256_slli_epi16::<1>(h),
-                                0 => h,
-                                -1 => _mm256_srli_epi16::<1>(h),
-                                -2 => _mm256_srli_epi16::<2>(h),
-                                _ => _mm256_srli_epi16::<3>(h),
-                            };
-                            *wv = _mm256_or_si256(*wv, _mm256_and_si256(hb, hmask));
-                        }
-                    }
-                    let (scv, mnv) = if l.scales {
-                        let sc8 = _mm_loadl_epi64(p.add(l.sc_off() + s * LANES) as *const __m128i);
-                        let scv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8)), dv);
-                        let mnv = if l.mins {
-                            let mn8 = _mm_loadl_epi64(p.add(l.mn_off() + s * LANES) as *const __m128i);
-                            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn8)), dminv)
-                        } else {
-                            _mm256_setzero_ps()
-                        };
-                        (scv, mnv)
-                    } else {
-                        (_mm256_setzero_ps(), _mm256_setzero_ps())
-                    };
+                    let wq = decode_sub(l, p, s);
+                    let (scv, mnv) = sub_scales(l, p, s, dv, dminv);
                     for (t, acc_t) in acc.iter_mut().enumerate() {
                         let tok = t0 + t;
                         let at = tok * k + b * l.block + s * l.sub;
@@ -1077,25 +1090,7 @@ pub(crate) mod avx512 {
                             s1 = _mm256_dpbusd_epi32(s1, wq[q + 1], _mm256_set1_epi32(ap.add(q + 1).read_unaligned()));
                         }
                         let isum = _mm256_add_epi32(s0, s1);
-                        match kind {
-                            Kind::Q4_0 | Kind::Q5_0 => {
-                                let i = tok * (k / 32) + b;
-                                let sumi =
-                                    _mm256_sub_epi32(isum, _mm256_set1_epi32(l.offset() * *a.isum.as_ptr().add(i)));
-                                let term = _mm256_mul_ps(
-                                    _mm256_mul_ps(_mm256_cvtepi32_ps(sumi), dv),
-                                    _mm256_set1_ps(*a.d.as_ptr().add(i)),
-                                );
-                                *acc_t = _mm256_add_ps(*acc_t, term);
-                            }
-                            Kind::Q4K | Kind::Q5K => {
-                                let da = _mm256_broadcast_ss(&*a.dk.as_ptr().add(tok * nb + b));
-                                let mins = _mm256_broadcast_ss(&*a.mins32.as_ptr().add(tok * (k / 32) + b * 8 + s));
-                                *acc_t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(scv, da), *acc_t);
-                                *acc_t = _mm256_fnmadd_ps(mnv, mins, *acc_t);
-                            }
-                            Kind::Q6K => {} // q6k_tile
-                        }
+                        accumulate(l, a, tok, b, s, isum, (dv, scv, mnv), acc_t);
                     }
                 }
             }
