@@ -53,6 +53,7 @@ impl Harness {
                     sampling: SamplingParams { guided: Some(spec), ..SamplingParams::default() },
                     output_index: 0,
                     guided_output: Vec::new(),
+                    history: None,
                 };
                 match self.guide.mask(&chunk) {
                     Some(Mask::Allowed(allowed)) => assert_eq!(allowed.len(), 257),

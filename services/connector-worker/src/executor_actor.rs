@@ -364,8 +364,17 @@ impl ExecutorActor {
 /// result does not depend on blocks past its position.
 fn computes_the_same(ran: &ScheduledChunk, asked: &ScheduledChunk, block_size: u32) -> bool {
     // Destructured whole, so a field added to the chunk has to be placed here.
-    let ScheduledChunk { request_id, token_ids, start_pos, block_ids, sample, sampling, output_index, guided_output } =
-        asked;
+    let ScheduledChunk {
+        request_id,
+        token_ids,
+        start_pos,
+        block_ids,
+        sample,
+        sampling,
+        output_index,
+        guided_output,
+        history,
+    } = asked;
     let touched = (u64::from(*start_pos) + token_ids.len() as u64).div_ceil(u64::from(block_size.max(1)));
     let touched = usize::try_from(touched).unwrap_or(usize::MAX);
     ran.request_id == *request_id
@@ -375,6 +384,7 @@ fn computes_the_same(ran: &ScheduledChunk, asked: &ScheduledChunk, block_size: u
         && ran.sampling == *sampling
         && ran.output_index == *output_index
         && ran.guided_output == *guided_output
+        && ran.history == *history
         && ran.block_ids.get(..touched).is_some_and(|b| Some(b) == block_ids.get(..touched))
 }
 
@@ -420,6 +430,11 @@ fn next_decode_step(chunks: &[ScheduledChunk], sampled: &[SampledToken], block_s
             sampling: c.sampling.clone(),
             output_index: generated,
             guided_output: Vec::new(),
+            // the engine's next chunk carries the history with this token appended
+            history: c.history.clone().map(|mut h| {
+                h.output_token_ids.push(token);
+                h
+            }),
         });
     }
     next
@@ -481,6 +496,7 @@ mod tests {
             sampling: pdmesh_protocol::SamplingParams { max_tokens: 10, ..Default::default() },
             output_index,
             guided_output: Vec::new(),
+            history: None,
         }
     }
 
@@ -518,6 +534,16 @@ mod tests {
             ScheduledChunk { token_ids: vec![101], start_pos: 6, output_index: 3, ..chunks[1].clone() }
         );
 
+        // A request with penalties runs ahead too: its history gains the token it sampled,
+        // as the engine's next chunk's does.
+        let mut penalised = chunk("penalised", &[42], 5, &[2, 3], 2);
+        penalised.sampling.frequency_penalty = 0.5;
+        penalised.history =
+            Some(pdmesh_protocol::SamplingHistory { output_token_ids: vec![7, 42], ..Default::default() });
+        let next = next_decode_step(std::slice::from_ref(&penalised), &[token("penalised", 9)], 4);
+        assert_eq!(next.len(), 1);
+        assert_eq!(next[0].history.as_ref().map(|h| h.output_token_ids.clone()), Some(vec![7, 42, 9]));
+
         // One request that goes on in a way the worker cannot plan, and nothing is run ahead:
         // the engine's step would need a second pass for it anyway.
         let mut guided = chunk("guided", &[5], 3, &[7], 1);
@@ -552,6 +578,7 @@ mod tests {
             ScheduledChunk { sample: false, ..ran.clone() },
             ScheduledChunk { request_id: "other".into(), ..ran.clone() },
             ScheduledChunk { guided_output: vec![1], ..ran.clone() },
+            ScheduledChunk { history: Some(Default::default()), ..ran.clone() },
             ScheduledChunk {
                 sampling: pdmesh_protocol::SamplingParams { max_tokens: 11, ..ran.sampling.clone() },
                 ..ran.clone()

@@ -53,9 +53,26 @@ pub struct ResponseSettings {
     /// Tokens generated elsewhere before the request moved here (D56): the client has seen
     /// them; the output processor consumes them first without showing them.
     pub resume_token_ids: Vec<u32>,
+    /// vLLM's `min_tokens`: stop strings count only after it ([`OutputProcessor::with_min_tokens`]).
+    pub min_tokens: u32,
+    /// Completions `echo`: the prompt's text, shown before the completion's (streamed: in a
+    /// first chunk of each choice, unless the request resumes where the client saw it).
+    pub echo: Option<String>,
 }
 
 impl ResponseSettings {
+    /// The output processor of one choice of this response.
+    pub fn processor<'a>(&self, codec: &'a dyn TextCodec) -> OutputProcessor<'a> {
+        OutputProcessor::new(
+            codec,
+            self.stop.clone(),
+            self.include_stop_str_in_output,
+            self.eos_token_ids.clone(),
+            self.logprobs,
+        )
+        .with_min_tokens(self.min_tokens)
+    }
+
     /// The `id` of the response body: `cmpl-<request id>` / `chatcmpl-<request id>` (vLLM).
     pub fn response_id(&self) -> String {
         match self.api {
@@ -118,6 +135,8 @@ pub fn prepare(
         tools: params.tools,
         stream_token_ids: false,
         resume_token_ids: Vec::new(),
+        min_tokens: sampling.min_tokens,
+        echo: params.echo,
     };
     let request = EngineRequest {
         request_id: meta.engine_request_id,
@@ -340,13 +359,7 @@ pub async fn collect_text(
     mut outputs: OutputReceiver,
     mut guard: RequestGuard,
 ) -> Result<Collected, ApiError> {
-    let mut processor = OutputProcessor::new(
-        codec,
-        settings.stop.clone(),
-        settings.include_stop_str_in_output,
-        settings.eos_token_ids.clone(),
-        settings.logprobs,
-    );
+    let mut processor = settings.processor(codec);
     let mut text = String::new();
     let mut logprobs: Vec<TokenLogprob> = Vec::new();
     let mut token_ids: Vec<u32> = Vec::new();
@@ -477,7 +490,11 @@ fn completion_body(
         model: settings.model.clone(),
         choices: vec![CompletionChoice {
             index: 0,
-            text,
+            // `echo`: the prompt's text, then the completion's (vLLM)
+            text: match &settings.echo {
+                Some(prompt) => format!("{prompt}{text}"),
+                None => text,
+            },
             logprobs: settings.logprobs.map(|_| completion_logprobs(logprobs)),
             finish_reason: Some(finish.as_str()),
             stop_reason: finish.stop_reason(),

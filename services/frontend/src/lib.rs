@@ -57,6 +57,8 @@ pub mod tools;
 pub mod validation;
 
 #[cfg(test)]
+mod coverage_doc;
+#[cfg(test)]
 mod tests;
 
 use std::sync::Arc;

@@ -151,6 +151,9 @@ pub struct OutputProcessor<'a> {
     /// Characters decoded so far (shown or pending), for `text_offset`.
     decoded_chars: u32,
     completion_tokens: u32,
+    /// vLLM's `min_tokens`: stop strings are looked for only in text decoded after this many
+    /// tokens (the engine's sampler holds back stop ids until then).
+    min_tokens: u32,
     /// Prompt tokens the engine took from its prefix cache (reported on its outputs).
     cached_tokens: u32,
     finished: bool,
@@ -174,9 +177,16 @@ impl<'a> OutputProcessor<'a> {
             pending: String::new(),
             decoded_chars: 0,
             completion_tokens: 0,
+            min_tokens: 0,
             cached_tokens: 0,
             finished: false,
         }
+    }
+
+    /// Look for stop strings only once more than `min_tokens` tokens were generated (vLLM).
+    pub fn with_min_tokens(mut self, min_tokens: u32) -> Self {
+        self.min_tokens = min_tokens;
+        self
     }
 
     /// Tokens generated so far (usage `completion_tokens`).
@@ -235,6 +245,12 @@ impl<'a> OutputProcessor<'a> {
             }
             self.decoded_chars = self.decoded_chars.saturating_add(piece.chars().count() as u32);
             self.pending.push_str(&piece);
+            if self.completion_tokens <= self.min_tokens {
+                // text before `min_tokens` can never end the request: show it as it comes
+                delta.text.push_str(&self.pending);
+                self.pending.clear();
+                continue;
+            }
             if let Some((start, index)) = self.stops.find(&self.pending) {
                 let stop = self.stops.stop(index).unwrap_or_default().to_string();
                 let end = if self.include_stop_str_in_output { start + stop.len() } else { start };
@@ -429,6 +445,17 @@ mod tests {
         assert_eq!(d.text, "END");
         assert_eq!(d.finish, Some(Finish::Length));
         assert!(d.engine_finished);
+    }
+
+    #[test]
+    fn stop_strings_match_only_after_min_tokens() {
+        // one byte a token: "b" at token 2 is before min_tokens 3, "b" at token 5 is after
+        let mut p = processor(&["b"]).with_min_tokens(3);
+        let d = p.process(&out("abcab")).unwrap();
+        assert_eq!(d.text, "abca");
+        assert_eq!(d.finish, Some(Finish::Stop(Some(StopReason::String("b".into())))));
+        // without min_tokens the first "b" ends it
+        assert_eq!(processor(&["b"]).process(&out("abcab")).unwrap().text, "a");
     }
 
     #[test]

@@ -20,7 +20,7 @@ use crate::engine_client::{AbortReason, OutputReceiver};
 use crate::error::ApiError;
 use crate::generate::{collect_text, set_request_id, Accepted, Collected, RequestGuard, ResponseSettings};
 use crate::openai::KvParamsField;
-use crate::output::{Finish, OutputProcessor};
+use crate::output::Finish;
 
 /// Most responses kept by the store; the oldest is evicted first.
 pub const STORE_CAPACITY: usize = 10_000;
@@ -343,13 +343,7 @@ async fn run(
     tx: mpsc::Sender<Bytes>,
 ) {
     let mut events = Events { sequence_number: 0 };
-    let mut processor = OutputProcessor::new(
-        &*codec,
-        settings.stop.clone(),
-        settings.include_stop_str_in_output,
-        settings.eos_token_ids.clone(),
-        settings.logprobs,
-    );
+    let mut processor = settings.processor(&*codec);
     let item_id = ctx.message_id.clone();
     let start = ctx.in_progress();
     let mut head = Vec::new();

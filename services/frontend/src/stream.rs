@@ -425,13 +425,7 @@ async fn run_choice(
     mut guard: RequestGuard,
     tx: &mpsc::Sender<Bytes>,
 ) -> Option<(u32, u32)> {
-    let mut processor = OutputProcessor::new(
-        codec,
-        settings.stop.clone(),
-        settings.include_stop_str_in_output,
-        settings.eos_token_ids.clone(),
-        settings.logprobs,
-    );
+    let mut processor = settings.processor(codec);
     if !settings.resume_token_ids.is_empty() {
         // Tokens the client saw from the node this request started on (D56): they pass through
         // the processor so detokenisation, stop strings and usage go on exactly from there.
@@ -453,6 +447,12 @@ async fn run_choice(
     }
     if settings.api == Api::Chat && tx.send(fmt.role_chunk()).await.is_err() {
         return None;
+    }
+    // `echo`: the prompt's text first, once (a resumed stream's client has it already)
+    if let Some(prompt) = settings.echo.clone().filter(|_| settings.resume_token_ids.is_empty()) {
+        if tx.send(fmt.delta_chunk(prompt, &[], None)).await.is_err() {
+            return None;
+        }
     }
     // With tools the text is held to the end: whether it is a call is known only then (D54).
     let hold_for_tools = settings.api == Api::Chat && settings.tools.is_some();
@@ -536,6 +536,8 @@ pub(crate) mod tests {
             tools: None,
             stream_token_ids: false,
             resume_token_ids: Vec::new(),
+            min_tokens: 0,
+            echo: None,
         }
     }
 

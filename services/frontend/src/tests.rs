@@ -498,7 +498,7 @@ async fn validation_errors_have_the_openai_shape() {
     check(s, &b, 400, "invalid_request_error");
     let (s, _, b) = call(&h, "/v1/chat/completions", json!({"messages": []}), &[]).await;
     check(s, &b, 400, "invalid_request_error");
-    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x", "echo": true}), &[]).await;
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "x", "echo": true, "logprobs": 1}), &[]).await;
     check(s, &b, 400, "invalid_request_error");
 
     // malformed JSON and oversized bodies go through JsonConfig's error handler
@@ -1585,7 +1585,14 @@ async fn unhonoured_fields_are_400_naming_the_field() {
         ("/v1/chat/completions", chat(json!({"logit_bias": {"5": 1000}})), "logit_bias"),
         ("/v1/completions", completion(json!({"logit_bias": {"257": 1}})), "logit_bias"),
         ("/v1/chat/completions", chat(json!({"n": 65})), "n"),
-        ("/v1/completions", completion(json!({"echo": true})), "echo"),
+        ("/v1/completions", completion(json!({"echo": true, "logprobs": 0})), "echo"),
+        ("/v1/chat/completions", chat(json!({"echo": true})), "echo"),
+        ("/v1/chat/completions", chat(json!({"presence_penalty": 2.5})), "presence_penalty"),
+        ("/v1/completions", completion(json!({"repetition_penalty": 0})), "repetition_penalty"),
+        ("/v1/completions", completion(json!({"min_tokens": 9, "max_tokens": 2})), "min_tokens"),
+        ("/v1/completions", completion(json!({"bad_words": "x"})), "bad_words"),
+        ("/v1/completions", completion(json!({"truncate_prompt_tokens": 0})), "truncate_prompt_tokens"),
+        ("/v1/responses", responses(json!({"bad_words": ["x"]})), "bad_words"),
         ("/v1/completions", completion(json!({"suffix": "tail"})), "suffix"),
         ("/v1/completions", completion(json!({"best_of": 3})), "best_of"),
         ("/v1/responses", responses(json!({"text": {"format": {"type": "json_object"}}})), "text"),
@@ -1919,4 +1926,27 @@ async fn requests_end_at_their_deadline_and_are_aborted() {
     assert!(wait_for_abort(&h, "late").await && wait_for_abort(&h, "late-stream").await);
     assert_eq!(h.state.client.send(crate::engine_client::InFlightCount).await.unwrap(), 0);
     assert_eq!(h.state.in_flight.current(), 0);
+}
+
+/// Completions `echo`: the prompt's text before the completion's, whole and streamed (a first
+/// chunk); a prompt given as token ids is decoded.
+#[actix_web::test]
+async fn echo_puts_the_prompt_before_the_completion() {
+    let h = harness(generates("ok", Some(FinishReason::Stop))).await;
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": "say", "max_tokens": 4, "echo": true}), &[]).await;
+    assert_eq!(s, 200);
+    assert_eq!(json_of(&b)["choices"][0]["text"], "sayok");
+    let ids: Vec<u32> = "hi".bytes().map(u32::from).collect();
+    let (s, _, b) = call(&h, "/v1/completions", json!({"prompt": ids, "max_tokens": 4, "echo": true}), &[]).await;
+    assert_eq!(s, 200);
+    assert_eq!(json_of(&b)["choices"][0]["text"], "hiok");
+    let body = json!({"prompt": "say", "max_tokens": 4, "echo": true, "stream": true});
+    let (s, _, b) = call(&h, "/v1/completions", body, &[]).await;
+    assert_eq!(s, 200);
+    let texts: Vec<String> = sse_events(&b)
+        .iter()
+        .filter_map(|e| e["choices"].get(0).and_then(|c| c["text"].as_str()).map(str::to_string))
+        .collect();
+    assert_eq!(texts.first().map(String::as_str), Some("say"), "{texts:?}");
+    assert_eq!(texts.concat(), "sayok");
 }

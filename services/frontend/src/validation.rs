@@ -113,6 +113,8 @@ pub struct ValidatedParams {
     pub n: u32,
     /// How to read tool calls out of a chat answer (D54); `None` without tools.
     pub tools: Option<crate::tools::ToolMode>,
+    /// Completions `echo`: the prompt's text to show before the completion.
+    pub echo: Option<String>,
 }
 
 impl ValidatedParams {
@@ -159,10 +161,6 @@ pub fn chat_logprobs(logprobs: Option<bool>, top_logprobs: Option<i64>) -> Resul
     Ok(if logprobs == Some(true) { Some(top_logprobs.unwrap_or(0) as u32) } else { None })
 }
 
-fn unsupported(field: &str) -> ApiError {
-    ApiError::invalid(format!("`{field}` is not supported by this server."), field)
-}
-
 /// Which API a body was sent to, for [`check_unhonoured`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
@@ -201,6 +199,7 @@ fn unhonoured_value(endpoint: Endpoint, field: &str, value: &Value) -> Option<bo
         "min_p" | "allowed_token_ids" if endpoint != Endpoint::Responses => None,
         "min_p" => Some(!zero),
         "length_penalty" => Some(!(null || value.as_f64() == Some(1.0))),
+        "bad_words" | "truncate_prompt_tokens" if endpoint != Endpoint::Responses => None,
         "allowed_token_ids" | "bad_words" | "logits_processors" => Some(!empty),
         "prompt_logprobs" | "truncate_prompt_tokens" => Some(!null),
         "skip_special_tokens" | "spaces_between_special_tokens" => Some(!(null || *value == Value::Bool(true))),
@@ -226,6 +225,8 @@ fn unhonoured_value(endpoint: Endpoint, field: &str, value: &Value) -> Option<bo
                 (Endpoint::Chat, "chat_template_kwargs" | "mm_processor_kwargs") => Some(!empty),
                 (Endpoint::Chat, "add_generation_prompt") => Some(!(null || *value == Value::Bool(true))),
                 (Endpoint::Chat, "continue_final_message") => Some(!falsy),
+                // vLLM's chat `echo` (prepend the last message); completions honour theirs
+                (Endpoint::Chat, "echo") => Some(!falsy),
                 _ => None,
             },
         },
@@ -299,21 +300,43 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
             return Err(ApiError::invalid(format!("{p} must be at least 1, got {m}."), p));
         }
     };
-    if input.presence_penalty.is_some_and(|p| p != 0.0) {
-        return Err(unsupported("presence_penalty"));
+    // vLLM's bounds: OpenAI's [-2, 2] for presence and frequency, any positive repetition
+    let presence_penalty = input.presence_penalty.unwrap_or(0.0);
+    if !(-2.0..=2.0).contains(&presence_penalty) {
+        return Err(ApiError::invalid(
+            format!("presence_penalty must be in [-2, 2], got {presence_penalty}."),
+            "presence_penalty",
+        ));
     }
-    if input.frequency_penalty.is_some_and(|p| p != 0.0) {
-        return Err(unsupported("frequency_penalty"));
+    let frequency_penalty = input.frequency_penalty.unwrap_or(0.0);
+    if !(-2.0..=2.0).contains(&frequency_penalty) {
+        return Err(ApiError::invalid(
+            format!("frequency_penalty must be in [-2, 2], got {frequency_penalty}."),
+            "frequency_penalty",
+        ));
     }
-    if input.repetition_penalty.is_some_and(|p| p != 1.0) {
-        return Err(unsupported("repetition_penalty"));
+    let repetition_penalty = input.repetition_penalty.unwrap_or(1.0);
+    if !(repetition_penalty > 0.0 && repetition_penalty.is_finite()) {
+        return Err(ApiError::invalid(
+            format!("repetition_penalty must be a finite number greater than zero, got {repetition_penalty}."),
+            "repetition_penalty",
+        ));
     }
     let logit_bias = match input.logit_bias {
         None => Vec::new(),
         Some(map) => logit_bias(map, vocab_size)?,
     };
-    if input.min_tokens.is_some_and(|m| m > 0) {
-        return Err(unsupported("min_tokens"));
+    let min_tokens = match input.min_tokens.unwrap_or(0) {
+        m if m < 0 => {
+            return Err(ApiError::invalid(format!("min_tokens must be at least 0, got {m}."), "min_tokens"));
+        }
+        m => u32::try_from(m).unwrap_or(u32::MAX),
+    };
+    if let Some(max) = requested_max_tokens.filter(|&max| min_tokens > max) {
+        return Err(ApiError::invalid(
+            format!("min_tokens must be less than or equal to {} ({max}), got {min_tokens}.", input.max_tokens_param),
+            "min_tokens",
+        ));
     }
     let stream = input.stream.unwrap_or(false);
     if input.stream_options.is_some() && !stream {
@@ -350,6 +373,12 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
             // set by the handler from the request's vLLM extras ([`sampling_extras`])
             min_p: 0.0,
             allowed_token_ids: Vec::new(),
+            presence_penalty: presence_penalty as f32,
+            frequency_penalty: frequency_penalty as f32,
+            repetition_penalty: repetition_penalty as f32,
+            min_tokens,
+            // set by the handler from `bad_words` ([`sampling_extras`])
+            bad_words_token_ids: Vec::new(),
         },
         requested_max_tokens,
         stop,
@@ -359,6 +388,7 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
         n,
         kv_transfer_params,
         tools: None,
+        echo: None,
     })
     .and_then(one_choice_per_prefill)
 }
@@ -387,12 +417,25 @@ fn logit_bias(map: &serde_json::Map<String, Value>, vocab_size: u32) -> Result<V
 }
 
 /// vLLM's sampling extras chat and completions honour, from the request's other fields:
-/// `min_p` in [0, 1] and `allowed_token_ids` (ids below the vocabulary size; empty = off).
+/// `min_p` in [0, 1], `allowed_token_ids` (ids below the vocabulary size; empty = off) and
+/// `bad_words` (strings, tokenised with `codec` as vLLM does: [`bad_words_token_ids`]).
 pub fn sampling_extras(
     extra: &serde_json::Map<String, Value>,
     vocab_size: u32,
+    codec: &dyn TextCodec,
     sampling: &mut SamplingParams,
 ) -> Result<(), ApiError> {
+    if let Some(v) = extra.get("bad_words").filter(|v| !v.is_null()) {
+        let words: Vec<String> = serde_json::from_value(v.clone())
+            .map_err(|_| ApiError::invalid("bad_words must be a list of strings.", "bad_words"))?;
+        if words.len() > MAX_BAD_WORDS {
+            return Err(ApiError::invalid(
+                format!("bad_words may hold at most {MAX_BAD_WORDS} words, got {}.", words.len()),
+                "bad_words",
+            ));
+        }
+        sampling.bad_words_token_ids = bad_words_token_ids(&words, codec)?;
+    }
     if let Some(v) = extra.get("min_p").filter(|v| !v.is_null()) {
         let min_p = v
             .as_f64()
@@ -415,6 +458,59 @@ pub fn sampling_extras(
             })?);
         }
         sampling.allowed_token_ids = out;
+    }
+    Ok(())
+}
+
+/// Words one request's `bad_words` may hold (each costs the sampler a suffix check per step).
+pub const MAX_BAD_WORDS: usize = 1024;
+
+/// vLLM's tokenisation of `bad_words`: each word (leading whitespace stripped) as it is, and
+/// with one leading space when that gives a different first token and as many tokens (the
+/// word in the middle of a sentence). Longer than the context, a word could never appear.
+pub fn bad_words_token_ids(words: &[String], codec: &dyn TextCodec) -> Result<Vec<Vec<u32>>, ApiError> {
+    let encode = |text: &str| {
+        codec
+            .encode(text)
+            .map_err(|e| ApiError::invalid(format!("bad_words: cannot tokenise {text:?}: {e}"), "bad_words"))
+    };
+    let mut out: Vec<Vec<u32>> = Vec::with_capacity(words.len() * 2);
+    for word in words {
+        let bare = encode(word.trim_start())?;
+        let Some(&first) = bare.first() else { continue };
+        let spaced = encode(&format!(" {}", word.trim_start()))?;
+        let len = bare.len();
+        out.push(bare);
+        if spaced.first() != Some(&first) && spaced.len() == len {
+            out.push(spaced);
+        }
+    }
+    Ok(out)
+}
+
+/// vLLM's `truncate_prompt_tokens`: keep only the prompt's last `k` tokens (`-1`: the last
+/// `max_model_len`); applied before the context check, after chat rendering.
+pub fn truncate_prompt(
+    extra: &serde_json::Map<String, Value>,
+    prompt: &mut Vec<u32>,
+    max_model_len: u32,
+) -> Result<(), ApiError> {
+    let Some(v) = extra.get("truncate_prompt_tokens").filter(|v| !v.is_null()) else { return Ok(()) };
+    let bad = || {
+        ApiError::invalid(
+            format!(
+                "truncate_prompt_tokens must be -1 or an integer from 1 to max_model_len ({max_model_len}), got {v}."
+            ),
+            "truncate_prompt_tokens",
+        )
+    };
+    let keep = match v.as_i64().ok_or_else(bad)? {
+        -1 => max_model_len,
+        k if k >= 1 && k <= i64::from(max_model_len) => k as u32,
+        _ => return Err(bad()),
+    } as usize;
+    if prompt.len() > keep {
+        prompt.drain(..prompt.len() - keep);
     }
     Ok(())
 }
@@ -775,8 +871,44 @@ mod tests {
         assert_400(check_best_of(Some(4), Some(3)), "best_of");
         assert_400(check_best_of(Some(2), Some(3)), "best_of");
         assert_400(
-            validate_params(&SamplingInput { presence_penalty: Some(0.5), ..base() }, VOCAB),
+            validate_params(&SamplingInput { presence_penalty: Some(2.5), ..base() }, VOCAB),
             "presence_penalty",
+        );
+        assert_400(
+            validate_params(&SamplingInput { frequency_penalty: Some(-2.5), ..base() }, VOCAB),
+            "frequency_penalty",
+        );
+        for bad in [0.0, -1.0, f64::INFINITY, f64::NAN] {
+            assert_400(
+                validate_params(&SamplingInput { repetition_penalty: Some(bad), ..base() }, VOCAB),
+                "repetition_penalty",
+            );
+        }
+        assert_400(validate_params(&SamplingInput { min_tokens: Some(-1), ..base() }, VOCAB), "min_tokens");
+        assert_400(
+            validate_params(&SamplingInput { min_tokens: Some(6), max_tokens: Some(5), ..base() }, VOCAB),
+            "min_tokens",
+        );
+        let p = validate_params(
+            &SamplingInput {
+                presence_penalty: Some(0.5),
+                frequency_penalty: Some(-0.5),
+                repetition_penalty: Some(1.5),
+                min_tokens: Some(5),
+                max_tokens: Some(5),
+                ..base()
+            },
+            VOCAB,
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                p.sampling.presence_penalty,
+                p.sampling.frequency_penalty,
+                p.sampling.repetition_penalty,
+                p.sampling.min_tokens
+            ),
+            (0.5, -0.5, 1.5, 5)
         );
         let sids = [5i64, 300];
         assert_400(validate_params(&SamplingInput { stop_token_ids: Some(&sids), ..base() }, VOCAB), "stop_token_ids");
@@ -792,6 +924,35 @@ mod tests {
             validate_params(&SamplingInput { kv_transfer_params: Some(&kv), ..base() }, VOCAB),
             "kv_transfer_params",
         );
+    }
+
+    #[test]
+    fn bad_words_are_tokenised_as_vllm_does_and_truncation_keeps_the_tail() {
+        let codec = SyntheticTextCodec;
+        // the synthetic codec is one byte a token: " ab" has another first token but one
+        // token more than "ab", so only the bare words are kept (leading space stripped)
+        let ids = bad_words_token_ids(&["ab".into(), "  c".into(), "".into()], &codec).unwrap();
+        assert_eq!(ids, vec![vec![97, 98], vec![99]]);
+        let mut extra = serde_json::Map::new();
+        extra.insert("bad_words".into(), json!("x"));
+        let mut sampling = SamplingParams::default();
+        assert_400(sampling_extras(&extra, VOCAB, &codec, &mut sampling), "bad_words");
+        extra.insert("bad_words".into(), json!(vec!["w"; MAX_BAD_WORDS + 1]));
+        assert_400(sampling_extras(&extra, VOCAB, &codec, &mut sampling), "bad_words");
+
+        let mut prompt: Vec<u32> = (0..10).collect();
+        let mut extra = serde_json::Map::new();
+        extra.insert("truncate_prompt_tokens".into(), json!(4));
+        truncate_prompt(&extra, &mut prompt, 64).unwrap();
+        assert_eq!(prompt, vec![6, 7, 8, 9]);
+        extra.insert("truncate_prompt_tokens".into(), json!(-1));
+        let mut long: Vec<u32> = (0..100).collect();
+        truncate_prompt(&extra, &mut long, 64).unwrap();
+        assert_eq!((long.len(), long[0]), (64, 36));
+        for bad in [json!(0), json!(-2), json!(65), json!("4")] {
+            extra.insert("truncate_prompt_tokens".into(), bad);
+            assert_400(truncate_prompt(&extra, &mut prompt, 64), "truncate_prompt_tokens");
+        }
     }
 
     #[test]

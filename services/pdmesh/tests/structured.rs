@@ -180,31 +180,6 @@ fn regex_lite(_rx: &str) -> impl Fn(&str) -> bool {
     }
 }
 
-/// A Python with the `openai` SDK: `PDMESH_OPENAI_PYTHON` if set, else a venv made under the
-/// target directory (kept between runs) with `pip install openai`. No SDK is a failure, never a
-/// skip: the round trip is the point of the test.
-fn openai_python() -> std::path::PathBuf {
-    if let Ok(p) = std::env::var("PDMESH_OPENAI_PYTHON") {
-        return p.into();
-    }
-    let venv = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
-    let python = venv.join("bin/python");
-    let has_sdk = |py: &std::path::Path| {
-        std::process::Command::new(py).args(["-c", "import openai"]).status().is_ok_and(|s| s.success())
-    };
-    if has_sdk(&python) {
-        return python;
-    }
-    let made = std::process::Command::new("python3").arg("-m").arg("venv").arg(&venv).status();
-    assert!(made.is_ok_and(|s| s.success()), "python3 -m venv failed: the tool-calling test needs python3 with venv");
-    let pip = std::process::Command::new(venv.join("bin/pip")).args(["install", "--quiet", "openai"]).status();
-    assert!(
-        pip.is_ok_and(|s| s.success()) && has_sdk(&python),
-        "pip install openai failed: the tool-calling test needs the official openai SDK (or PDMESH_OPENAI_PYTHON)"
-    );
-    python
-}
-
 #[test]
 fn structured_outputs_parse_and_validate_colocated_and_through_pd() {
     let Some(path) = common::model_path() else { return };
@@ -219,7 +194,7 @@ fn structured_outputs_parse_and_validate_colocated_and_through_pd() {
     check_node(&mesh, router + 3);
     check_node(&mesh, router);
     // tool calling with the official SDK, through the P/D router
-    let python = openai_python();
+    let python = common::openai_python();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/tool_round_trip.py");
     let out = std::process::Command::new(&python).arg(script).arg(mesh.url_on(router, "")).output().unwrap();
     let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));

@@ -11,6 +11,7 @@ fn chunk(id: &str, spec: GuidedSpec, output: &[u32]) -> ScheduledChunk {
         sampling: SamplingParams { guided: Some(spec), ..SamplingParams::default() },
         output_index: output.len() as u32,
         guided_output: output.to_vec(),
+        history: None,
     }
 }
 

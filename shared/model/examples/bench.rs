@@ -31,6 +31,7 @@ fn chunk(id: usize, tokens: Vec<u32>, start: usize, blocks: Vec<u32>) -> Schedul
         sampling: SamplingParams { temperature: 0.0, ..SamplingParams::default() },
         output_index: 0,
         guided_output: Vec::new(),
+        history: None,
     }
 }
 

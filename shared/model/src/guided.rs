@@ -32,7 +32,7 @@ pub(crate) fn sample_masked(
     eos: u32,
 ) -> Result<Sampled, SamplingError> {
     let allowed = match mask {
-        None => return sampling::sample(row, &c.sampling, c.output_index),
+        None => return sampling::sample(row, &c.sampling, c.output_index, c.history.as_ref()),
         Some(Mask::Fail(_)) => {
             let logprobs = c.sampling.logprobs.map(|n| sampling::token_logprobs(row, eos, n as usize));
             return Ok(Sampled { token_id: eos, logprobs });
@@ -41,7 +41,7 @@ pub(crate) fn sample_masked(
     };
     let mut masked = row.to_vec();
     apply_mask(allowed, &mut masked);
-    let mut s = sampling::sample(&masked, &c.sampling, c.output_index)?;
+    let mut s = sampling::sample(&masked, &c.sampling, c.output_index, c.history.as_ref())?;
     if !allowed.get(s.token_id as usize).copied().unwrap_or(false) {
         // every allowed logit was -inf (or NaN): take the lowest allowed id
         s.token_id = allowed.iter().position(|&a| a).map_or(eos, |i| i as u32);

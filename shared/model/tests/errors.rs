@@ -74,6 +74,7 @@ fn bad_steps_are_errors() {
         sampling: common::greedy(),
         output_index: 0,
         guided_output: Vec::new(),
+        history: None,
     };
     let e = exec.execute(&mut kv, &[chunk(vec![1, 2, 3], 0, vec![9])]).unwrap_err();
     assert!(matches!(e, ExecutorError::BlockOutOfRange { block: 9, .. }), "{e:?}");

@@ -47,10 +47,74 @@ pub struct SamplingParams {
     /// vLLM `allowed_token_ids`: when not empty, only these ids can be sampled.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allowed_token_ids: Vec<u32>,
+    /// OpenAI/vLLM `presence_penalty` (0 = off): subtracted once from the logit of every token
+    /// the request has generated.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub presence_penalty: f32,
+    /// OpenAI/vLLM `frequency_penalty` (0 = off): subtracted from a token's logit once per time
+    /// the request has generated it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub frequency_penalty: f32,
+    /// vLLM `repetition_penalty` (1 = off): the logit of every token in the prompt or the output
+    /// is divided by it when positive, multiplied by it otherwise.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub repetition_penalty: f32,
+    /// vLLM `min_tokens`: EOS and `stop_token_ids` cannot be sampled (nor stop strings match)
+    /// before the request has generated this many tokens.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub min_tokens: u32,
+    /// vLLM `bad_words`, tokenised by the frontend (each word with and without a leading
+    /// space, as vLLM does): a word's last token cannot be sampled right after the rest of it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bad_words_token_ids: Vec<Vec<u32>>,
+}
+
+impl SamplingParams {
+    /// Whether the sampler needs the request's token history ([`crate::SamplingHistory`]):
+    /// penalties, `min_tokens` and `bad_words` read it.
+    pub fn needs_history(&self) -> bool {
+        self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || self.min_tokens > 0
+            || !self.bad_words_token_ids.is_empty()
+    }
+}
+
+/// What a request has seen so far, as the sampler's penalties, `min_tokens` and `bad_words`
+/// need it. Built by the engine for each sampling chunk of a request that asks for any of
+/// them ([`SamplingParams::needs_history`]); the worker keeps no per-request state, so the
+/// step carries it (a few bytes per token, paid only by those requests).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SamplingHistory {
+    /// The distinct ids of the prompt, ascending; empty unless `repetition_penalty` is on.
+    /// Tokens a moved request generated elsewhere (`output_index_offset`) are output, not
+    /// prompt, so P, D and a colocated node penalise the same history.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prompt_token_ids: Vec<u32>,
+    /// Every token generated so far, in order, including those generated before a move.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub output_token_ids: Vec<u32>,
+    /// The ids `min_tokens` holds back until it is reached: the model's EOS ids (unless
+    /// `ignore_eos`) and the request's `stop_token_ids`; empty without `min_tokens`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stop_token_ids: Vec<u32>,
 }
 
 fn is_zero(v: &f32) -> bool {
     *v == 0.0
+}
+
+fn is_zero_u32(v: &u32) -> bool {
+    *v == 0
+}
+
+fn one() -> f32 {
+    1.0
+}
+
+fn is_one(v: &f32) -> bool {
+    *v == 1.0
 }
 
 /// A grammar the output must follow (OpenAI `response_format`, vLLM `structured_outputs` /
@@ -87,6 +151,11 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             min_p: 0.0,
             allowed_token_ids: Vec::new(),
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            min_tokens: 0,
+            bad_words_token_ids: Vec::new(),
         }
     }
 }

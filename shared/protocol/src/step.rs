@@ -8,7 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::connector::{KvConnectorMetadata, KvConnectorOutput};
-use crate::engine::{SamplingParams, TokenLogprobs};
+use crate::engine::{SamplingHistory, SamplingParams, TokenLogprobs};
 
 /// The tokens of one request to run in this step.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -33,6 +33,10 @@ pub struct ScheduledChunk {
     /// first token, a recompute after preemption all rebuild the matcher from them; D53).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub guided_output: Vec<u32>,
+    /// The request's token history for penalties, `min_tokens` and `bad_words`: sent only on
+    /// a sampling chunk of a request that uses them ([`SamplingParams::needs_history`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub history: Option<SamplingHistory>,
 }
 
 /// What engine-core asks connector-worker to do in one step.

@@ -23,7 +23,16 @@ fn params() -> KvTransferParams {
 /// One (or more) of every message: the round-trip test below and the fuzz seeds (`fuzz/`, which
 /// includes this file) both use it, so a new message is fuzzed from a real frame once it is here.
 pub fn every_message() -> Vec<Message> {
-    let sampling = SamplingParams { seed: Some(3), logprobs: Some(2), stop_token_ids: vec![5], ..Default::default() };
+    let sampling = SamplingParams {
+        seed: Some(3),
+        logprobs: Some(2),
+        stop_token_ids: vec![5],
+        repetition_penalty: 1.2,
+        frequency_penalty: -0.5,
+        min_tokens: 4,
+        bad_words_token_ids: vec![vec![7, 8]],
+        ..Default::default()
+    };
     let logprobs = TokenLogprobs { logprob: -0.5, top: vec![(1, -0.5), (2, -1.5)] };
     let kv_out = KvConnectorOutput {
         finished_sending: vec!["a".into()],
@@ -160,6 +169,11 @@ pub fn every_message() -> Vec<Message> {
                 sampling,
                 output_index: 0,
                 guided_output: Vec::new(),
+                history: Some(SamplingHistory {
+                    prompt_token_ids: vec![1, 2],
+                    output_token_ids: vec![3],
+                    stop_token_ids: vec![0, 5],
+                }),
             }],
             finished_request_ids: vec!["f".into()],
             kv_connector_metadata: meta.clone(),

@@ -269,6 +269,7 @@ mod tests {
             sampling: SamplingParams::default(),
             output_index: 0,
             guided_output: Vec::new(),
+            history: None,
         }
     }
 

@@ -78,7 +78,7 @@ pub fn validate_request(body: &ChatCompletionRequest, limits: &ModelLimits<'_>) 
         kv_transfer_params: body.kv_transfer_params.as_ref(),
     };
     let mut params = validate_params(&input, vocab)?;
-    crate::validation::sampling_extras(&body.extra, vocab, &mut params.sampling)?;
+    crate::validation::sampling_extras(&body.extra, vocab, limits.codec, &mut params.sampling)?;
     params.sampling.guided = crate::structured::guided_spec(&body.extra)?.map(|(spec, _)| spec);
     // A template that renders `tools` itself (Qwen's, Llama 3's) gets the tools and the
     // history's calls as data; another gets them as text (D54, D88).
@@ -108,10 +108,11 @@ pub fn validate_request(body: &ChatCompletionRequest, limits: &ModelLimits<'_>) 
         }
         params.tools = Some(setup.mode);
     }
-    let prompt = match crate::resume::prompt_token_ids(&body.extra, vocab)? {
+    let mut prompt = match crate::resume::prompt_token_ids(&body.extra, vocab)? {
         Some(ids) => ids,
         None => render_chat(limits.codec, &messages, template_tool_defs, vocab)?,
     };
+    crate::validation::truncate_prompt(&body.extra, &mut prompt, limits.options.max_model_len)?;
     let max_tokens = resolve_max_tokens(
         u32::try_from(prompt.len()).unwrap_or(u32::MAX),
         params.requested_max_tokens,

@@ -48,8 +48,12 @@ fn validate(
 pub fn validate_request(body: &CompletionRequest, limits: &ModelLimits<'_>) -> Result<ValidatedRequest, ApiError> {
     check_model(body.model.as_deref(), &limits.options.served_model_name)?;
     crate::validation::check_unhonoured(crate::validation::Endpoint::Completions, &body.extra)?;
-    if body.echo == Some(true) {
-        return Err(ApiError::invalid("`echo` is not supported by this server.", "echo"));
+    if body.echo == Some(true) && body.logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "`echo` with `logprobs` asks for the prompt's logprobs, which this server does not compute; \
+             send `echo` or `logprobs`.",
+            "echo",
+        ));
     }
     if body.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid("`suffix` is not supported by this server.", "suffix"));
@@ -80,9 +84,21 @@ pub fn validate_request(body: &CompletionRequest, limits: &ModelLimits<'_>) -> R
         kv_transfer_params: body.kv_transfer_params.as_ref(),
     };
     let mut params = validate_params(&input, vocab)?;
-    crate::validation::sampling_extras(&body.extra, vocab, &mut params.sampling)?;
+    crate::validation::sampling_extras(&body.extra, vocab, limits.codec, &mut params.sampling)?;
     params.sampling.guided = crate::structured::guided_spec(&body.extra)?.map(|(spec, _)| spec);
-    let prompt = completion_prompt(body.prompt.as_ref(), limits.codec, vocab)?;
+    let mut prompt = completion_prompt(body.prompt.as_ref(), limits.codec, vocab)?;
+    let full_len = prompt.len();
+    crate::validation::truncate_prompt(&body.extra, &mut prompt, limits.options.max_model_len)?;
+    if body.echo == Some(true) {
+        // the prompt as the client wrote it; token ids (or a truncated prompt) decoded
+        params.echo = Some(match body.prompt.as_ref().and_then(|p| p.as_str()) {
+            Some(text) if prompt.len() == full_len => text.to_string(),
+            _ => limits
+                .codec
+                .decode(&prompt)
+                .map_err(|e| ApiError::invalid(format!("cannot decode the prompt: {e}"), "prompt"))?,
+        });
+    }
     let max_tokens = resolve_max_tokens(
         u32::try_from(prompt.len()).unwrap_or(u32::MAX),
         params.requested_max_tokens,

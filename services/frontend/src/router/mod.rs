@@ -397,6 +397,11 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
             if p_body.get("max_completion_tokens").is_some() {
                 p_body["max_completion_tokens"] = json!(1);
             }
+            // P's one token obeys `min_tokens` as a colocated node's first would (no EOS while
+            // any is asked for); more cannot be asked of a one-token answer
+            if p_body.get("min_tokens").and_then(Value::as_i64).is_some_and(|m| m > 1) {
+                p_body["min_tokens"] = json!(1);
+            }
         }
         p_body["stream"] = json!(false);
         if let Some(o) = p_body.as_object_mut() {

@@ -569,3 +569,28 @@ pub fn named_model_path(name: &str, file: &str) -> Option<PathBuf> {
 pub fn qwen_model_path() -> Option<PathBuf> {
     named_model_path("qwen2.5-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
 }
+
+/// A Python with the `openai` SDK: `PDMESH_OPENAI_PYTHON` if set, else a venv made under the
+/// target directory (kept between runs) with `pip install openai`. No SDK is a failure, never a
+/// skip: the round trip is the point of the test.
+pub fn openai_python() -> std::path::PathBuf {
+    if let Ok(p) = std::env::var("PDMESH_OPENAI_PYTHON") {
+        return p.into();
+    }
+    let venv = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("openai-venv");
+    let python = venv.join("bin/python");
+    let has_sdk = |py: &std::path::Path| {
+        std::process::Command::new(py).args(["-c", "import openai"]).status().is_ok_and(|s| s.success())
+    };
+    if has_sdk(&python) {
+        return python;
+    }
+    let made = std::process::Command::new("python3").arg("-m").arg("venv").arg(&venv).status();
+    assert!(made.is_ok_and(|s| s.success()), "python3 -m venv failed: the SDK tests need python3 with venv");
+    let pip = std::process::Command::new(venv.join("bin/pip")).args(["install", "--quiet", "openai"]).status();
+    assert!(
+        pip.is_ok_and(|s| s.success()) && has_sdk(&python),
+        "pip install openai failed: the SDK tests need the official openai SDK (or PDMESH_OPENAI_PYTHON)"
+    );
+    python
+}

@@ -107,6 +107,7 @@ pub fn run_with<E: Executor>(
                 sampling: greedy(),
                 output_index: r.generated.len() as u32,
                 guided_output: Vec::new(),
+                history: None,
             });
         }
         if chunks.is_empty() {
