@@ -15,6 +15,13 @@ if [[ "${PDMESH_SKIP_MODEL_TESTS:-0}" != "1" ]]; then
   export PDMESH_QWEN25_PATH="${PDMESH_QWEN25_PATH:-$(scripts/fetch-model.sh qwen2.5-0.5b)}"
   export PDMESH_VOCAB_DIR="${PDMESH_VOCAB_DIR:-$(scripts/fetch-vocab-vectors.sh)}"
 fi
+# Formatting and lints hold by this check, not by discipline: rustfmt as configured, clippy with
+# every warning an error (the workspace's deny lints included), every target.
+cargo fmt --all --check
+cargo clippy --workspace --all-targets -- -D warnings
+# Every crate is on ARCHITECTURE.md's code map and README's layout (--selftest: a crate missing
+# from either must be reported).
+python3 scripts/check-code-map.py --selftest
 cargo build --release --workspace --all-targets
 # The GPU feature must build on every machine (CUDA is loaded at run time): the binary with
 # the GPU executor and the cuda transfer backend, and the GPU tests, which run the model and the

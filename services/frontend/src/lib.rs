@@ -32,8 +32,12 @@
 //! - [`overload`]: the bounds on requests in flight, per server (503 + `Retry-After` beyond it)
 //!   and per client API key (429 + `Retry-After`).
 //!
-//! Not done here (refused with a 400 naming the field, docs/CONFIG.md): `echo`, beam search,
-//! presence/frequency/repetition penalties and `min_tokens`.
+//! - [`router`]: the P/D router (`role = "router"`): picks P and D, relays, migrates streams.
+//! - [`resume`], [`parked`], [`tools`], [`structured`]: a moved stream's resume field, decode
+//!   legs parked until P's params arrive, tool calling, structured outputs.
+//!
+//! What each OpenAI/vLLM field gets (honoured, accepted, or refused with a 400 naming it) is
+//! docs/CONFIG.md's coverage table, checked against this crate's validation by `coverage_doc`.
 
 pub mod auth;
 pub mod body_timeout;
