@@ -83,6 +83,13 @@ fn sampling_parameters_are_equal_through_pd_and_colocated() {
             assert_eq!(got, want, "{extra}, stream {stream}: through P/D as on a colocated node");
         }
     }
+    // composed with a structured output: the grammar mask first, then the penalties
+    let choice = greedy(json!({"guided_choice": ["yes", "no", "maybe"], "presence_penalty": 2.0,
+                               "frequency_penalty": 2.0, "repetition_penalty": 1.5}));
+    let (want, finish) = complete(&colocated, &choice);
+    assert!(["yes", "no", "maybe"].contains(&want.as_str()) && finish == "stop", "{want:?} {finish}");
+    assert_eq!(complete(&via_router, &choice).0, want);
+
     // n > 1: every choice carries its own history, each equal to the one-choice answer
     let penalised = greedy(json!({"frequency_penalty": 0.5, "presence_penalty": 0.3, "n": 3}));
     let (want, _) = complete(&colocated, &greedy(json!({"frequency_penalty": 0.5, "presence_penalty": 0.3})));
