@@ -30,7 +30,7 @@ pub fn once(executor: Box<dyn Executor>) -> ExecutorFactory {
 /// The product's fault injection for the executor (`model.fault_injection`,
 /// `PDMESH_EXECUTOR_FAULT`): drills the worker's handling of failed forward passes on any
 /// model, the CPU ones included, without a broken GPU.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ExecutorFaults {
     /// Every N-th forward pass fails with a model error (the step's requests fail; the worker
     /// serves on).
@@ -40,14 +40,30 @@ pub struct ExecutorFaults {
     /// Every forward pass takes N more milliseconds (a slow or throttled device): drills
     /// load-aware routing around a slow node (D55).
     pub step_delay_ms: Option<u64>,
+    /// `step_delay_ms` applies only while this file exists (checked before every forward
+    /// pass): a node that turns slow, and fast again, at a moment a test chooses (a stream
+    /// started on a fast node that then slows mid-stream, D104), which no step count can pick
+    /// when probes and other requests share the node's passes.
+    pub step_delay_while: Option<std::path::PathBuf>,
 }
 
 impl ExecutorFaults {
-    /// Parse a comma list such as `"step_error_every=5"`; empty means none.
+    /// Parse a comma list such as `"step_error_every=5"`; empty means none. A bad item is an
+    /// error naming it (the node refuses to start), never a fault silently left out.
     pub fn parse(s: &str) -> Result<Self, String> {
+        const KNOWN: &str =
+            "known: step_error_every=N, device_lost_at_step=N, step_delay_ms=N, step_delay_while=/absolute/path";
         let mut f = Self::default();
         for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-            let (name, value) = item.split_once('=').unwrap_or((item, ""));
+            let (name, value) = item.split_once('=').map_or((item, ""), |(n, v)| (n.trim(), v.trim()));
+            if name == "step_delay_while" {
+                let path = std::path::Path::new(value);
+                if !path.is_absolute() {
+                    return Err(format!("{item:?}: expected step_delay_while=PATH with PATH absolute"));
+                }
+                f.step_delay_while = Some(path.to_path_buf());
+                continue;
+            }
             let n = value
                 .parse::<u64>()
                 .ok()
@@ -57,14 +73,23 @@ impl ExecutorFaults {
                 "step_error_every" => f.step_error_every = Some(n),
                 "device_lost_at_step" => f.device_lost_at_step = Some(n),
                 "step_delay_ms" => f.step_delay_ms = Some(n),
-                other => {
-                    return Err(format!(
-                        "unknown executor fault {other:?} (known: step_error_every=N, device_lost_at_step=N, step_delay_ms=N)"
-                    ))
-                }
+                other => return Err(format!("unknown executor fault {other:?} ({KNOWN})")),
             }
         }
+        if f.step_delay_while.is_some() && f.step_delay_ms.is_none() {
+            return Err("step_delay_while needs step_delay_ms=N (the delay it switches on)".into());
+        }
         Ok(f)
+    }
+
+    /// The delay to add to the next forward pass, if any: `step_delay_ms`, while
+    /// `step_delay_while`'s file exists when it names one.
+    fn delay(&self) -> Option<std::time::Duration> {
+        let ms = self.step_delay_ms?;
+        if self.step_delay_while.as_ref().is_some_and(|p| !p.exists()) {
+            return None;
+        }
+        Some(std::time::Duration::from_millis(ms))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -240,8 +265,8 @@ impl ExecutorActor {
             }
             self.forward_passes += 1;
             m::FORWARD_PASSES.inc();
-            if let Some(ms) = self.faults.step_delay_ms {
-                std::thread::sleep(std::time::Duration::from_millis(ms));
+            if let Some(delay) = self.faults.delay() {
+                std::thread::sleep(delay);
             }
             let result = match self.faults.failure(self.forward_passes) {
                 Some(injected) => Err(injected),
@@ -469,7 +494,7 @@ pub fn start(
             executor,
             kv,
             load_error,
-            faults,
+            faults: faults.clone(),
             forward_passes: 0,
             lost: None,
             offload,
@@ -596,12 +621,43 @@ mod tests {
     fn faults_parse_and_fire_on_their_steps() {
         assert!(ExecutorFaults::parse("").unwrap().is_empty());
         let f = ExecutorFaults::parse("step_error_every=3, device_lost_at_step=7").unwrap();
-        assert_eq!(f, ExecutorFaults { step_error_every: Some(3), device_lost_at_step: Some(7), step_delay_ms: None });
+        assert_eq!(
+            f,
+            ExecutorFaults { step_error_every: Some(3), device_lost_at_step: Some(7), ..ExecutorFaults::default() }
+        );
         assert_eq!(ExecutorFaults::parse("step_delay_ms=20").unwrap().step_delay_ms, Some(20));
         let fired: Vec<(u64, bool)> = (1..=8).filter_map(|n| f.failure(n).map(|e| (n, e.is_device_lost()))).collect();
         assert_eq!(fired, vec![(3, false), (6, false), (7, true), (8, true)]);
-        for bad in ["step_error_every=0", "step_error_every", "device_lost_at_step=x", "melt=1"] {
+        for bad in [
+            "step_error_every=0",
+            "step_error_every",
+            "device_lost_at_step=x",
+            "melt=1",
+            "step_delay_while=/tmp/x",
+            "step_delay_ms=5,step_delay_while=relative/path",
+            "step_delay_ms=5,step_delay_while=",
+            "step_delay_ms=5,step_delay_while",
+        ] {
             assert!(ExecutorFaults::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_switched_delay_applies_only_while_its_file_exists() {
+        let dir = std::env::temp_dir().join(format!("pdmesh-fault-switch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let flag = dir.join("slow");
+        let _ = std::fs::remove_file(&flag);
+        let f = ExecutorFaults::parse(&format!("step_delay_ms=25, step_delay_while={}", flag.display())).unwrap();
+        assert_eq!(f.step_delay_while.as_deref(), Some(flag.as_path()));
+        assert_eq!(f.delay(), None, "no file: full speed");
+        std::fs::write(&flag, b"").unwrap();
+        assert_eq!(f.delay(), Some(std::time::Duration::from_millis(25)), "file there: slowed");
+        std::fs::remove_file(&flag).unwrap();
+        assert_eq!(f.delay(), None, "file gone: full speed again");
+        let always = ExecutorFaults::parse("step_delay_ms=7").unwrap();
+        assert_eq!(always.delay(), Some(std::time::Duration::from_millis(7)));
+        assert_eq!(ExecutorFaults::default().delay(), None);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
