@@ -849,6 +849,30 @@ pub struct RouterConfig {
     /// Needs the router to tokenise prompts (it loads the nodes' tokenizer from `model`).
     #[serde(default)]
     pub local_prefill_max_tokens: u32,
+    /// `least_loaded` and `cache_aware`: a node whose smoothed latency (per token on D, per
+    /// prefill leg on P) is above this many times the fastest other node's is left out of the
+    /// rotation while another can serve (D55, D104); 0: never (the cost rule alone). At least
+    /// 1.5: a lower ratio would leave out nodes that are only as slow as their load makes them.
+    #[serde(default = "default_slow_ratio")]
+    pub slow_ratio: f64,
+    /// Milliseconds between two probes of a decode node that is left out as slow or not
+    /// measured yet: a short greedy stream the router sends itself, whose per-token gap
+    /// decides whether the node is back in rotation (D104), so no user's request is spent
+    /// finding out. 0: no probes, a left-out node's estimate decays (10 s half-life) until it is
+    /// tried again with a live request (D55). Prefill nodes are never probed (a probe would
+    /// hold blocks on P).
+    #[serde(default = "default_slow_probe_ms")]
+    pub slow_probe_ms: u64,
+    /// `least_loaded` and `cache_aware`: a stream whose inter-token gaps are above this many
+    /// times the median of the other decode nodes' for `slow_migrate_tokens` tokens in a row
+    /// moves to another decode node (D104), like one whose node died (D56: one stream for
+    /// the client, counted within `max_migrations`). 0: never.
+    #[serde(default = "default_slow_migrate_ratio")]
+    pub slow_migrate_ratio: f64,
+    /// Tokens in a row above `slow_migrate_ratio` before the stream moves (1 or more): a
+    /// single late token (a busy host) moves nothing.
+    #[serde(default = "default_slow_migrate_tokens")]
+    pub slow_migrate_tokens: u32,
 }
 
 impl RouterConfig {
@@ -866,6 +890,17 @@ impl RouterConfig {
         }
         if (self.prefill_dns.is_some() || self.decode_dns.is_some()) && self.dns_refresh_ms < 100 {
             return Err(format!("router.dns_refresh_ms = {} must be at least 100", self.dns_refresh_ms));
+        }
+        for (key, ratio) in [("slow_ratio", self.slow_ratio), ("slow_migrate_ratio", self.slow_migrate_ratio)] {
+            if !(ratio == 0.0 || (ratio.is_finite() && ratio >= 1.5)) {
+                return Err(format!("router.{key} = {ratio} must be 0 (off) or at least 1.5"));
+            }
+        }
+        if self.slow_probe_ms != 0 && self.slow_probe_ms < 100 {
+            return Err(format!("router.slow_probe_ms = {} must be 0 (off) or at least 100", self.slow_probe_ms));
+        }
+        if self.slow_migrate_tokens == 0 {
+            return Err("router.slow_migrate_tokens must be at least 1".into());
         }
         Ok(())
     }
@@ -929,6 +964,18 @@ fn default_prefill_attempts() -> u32 {
 fn default_max_migrations() -> u32 {
     2
 }
+fn default_slow_ratio() -> f64 {
+    3.0
+}
+fn default_slow_probe_ms() -> u64 {
+    1000
+}
+fn default_slow_migrate_ratio() -> f64 {
+    3.0
+}
+fn default_slow_migrate_tokens() -> u32 {
+    8
+}
 
 impl Default for RouterConfig {
     fn default() -> Self {
@@ -949,6 +996,10 @@ impl Default for RouterConfig {
             first_token_from_prefill: true,
             parallel_dispatch: true,
             local_prefill_max_tokens: 0,
+            slow_ratio: default_slow_ratio(),
+            slow_probe_ms: default_slow_probe_ms(),
+            slow_migrate_ratio: default_slow_migrate_ratio(),
+            slow_migrate_tokens: default_slow_migrate_tokens(),
         }
     }
 }
@@ -1697,6 +1748,31 @@ mod tests {
         ] {
             let err = Topology::from_toml(&node(bad)).unwrap_err().to_string();
             assert!(err.contains(why), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn a_routers_slow_node_settings_default_and_refuse_what_cannot_work() {
+        let router = |extra: &str| {
+            Topology::from_toml(&format!(
+                "[[nodes]]\nname = \"r\"\nrole = \"router\"\nrouter = {{ prefill = [\"http://p\"], decode = [\"http://d\"]{extra} }}\n"
+            ))
+        };
+        let r = router("").unwrap().nodes[0].router.clone();
+        assert_eq!((r.slow_ratio, r.slow_probe_ms, r.slow_migrate_ratio, r.slow_migrate_tokens), (3.0, 1000, 3.0, 8));
+        let off =
+            router(", slow_ratio = 0, slow_probe_ms = 0, slow_migrate_ratio = 0").unwrap().nodes[0].router.clone();
+        assert_eq!((off.slow_ratio, off.slow_probe_ms, off.slow_migrate_ratio), (0.0, 0, 0.0));
+        for (bad, key) in [
+            (", slow_ratio = 1.2", "router.slow_ratio"),
+            (", slow_ratio = -3.0", "router.slow_ratio"),
+            (", slow_ratio = inf", "router.slow_ratio"),
+            (", slow_migrate_ratio = 1.0", "router.slow_migrate_ratio"),
+            (", slow_probe_ms = 20", "router.slow_probe_ms"),
+            (", slow_migrate_tokens = 0", "router.slow_migrate_tokens"),
+        ] {
+            let err = router(bad).unwrap_err().to_string();
+            assert!(err.contains(key), "{bad}: {err}");
         }
     }
 
