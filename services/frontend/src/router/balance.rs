@@ -21,8 +21,16 @@
 //! while another can serve: under the cost rule alone it would still get a share of requests,
 //! and every token it streams is a slow one, which is what the tail (p99 inter-token latency)
 //! is made of. Its latency is a peak EWMA (a slower sample counts at once, a faster one by
-//! `EWMA_ALPHA`), and while it gets no work its excess over the best decays with a half-life of
-//! `SLOW_PROBE_HALF_LIFE`, so a node that recovered is tried again within a few half-lives.
+//! `EWMA_ALPHA`). How a left-out node comes back depends on the pool:
+//! - decode nodes with `router.slow_probe_ms` set (D104): the decision to leave a node out
+//!   reads a smoothed latency (`SPEED_ALPHA` both ways, so one late token does not count),
+//!   the node stays out, whatever time passes, until a probe the router sends it itself
+//!   ([`super::probe`]) measures it within `router.slow_ratio` of the fastest node in
+//!   rotation. Before, its estimate decayed until a live request was spent on it, and every
+//!   such request was one user's whole stream at the slow node's pace (the p99 of issue 44);
+//! - prefill nodes (a probe would hold P's blocks) and decode nodes without probes: its excess
+//!   over the best decays with a half-life of `SLOW_PROBE_HALF_LIFE`, so a node that recovered
+//!   is tried again within a few half-lives (D55).
 //! `round_robin` rotates over the ready non-ejected set, whatever the latencies. When no node
 //! is eligible, every node not excluded is (better a try than a refusal).
 //!
@@ -87,6 +95,22 @@ static PREFIX_OVERLAP_HIST: LazyLock<HistogramVec> = LazyLock::new(|| {
 static CACHE_AWARE_PICKS_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(CACHE_AWARE_PICKS, "Cache-aware picks by what decided them", &["role", "reason"]));
 
+/// 1 while an upstream is left out of the rotation as slow (D104), by `role` and `upstream`.
+pub const SLOW: &str = "pdmesh_router_upstream_slow";
+/// Times an upstream was left out as slow (D104), by `role` and `upstream`.
+pub const LEFT_OUT: &str = "pdmesh_router_slow_left_out_total";
+/// Probes the router sent a decode node itself (D104), by `role`, and `outcome`: `fast` (the
+/// node is, or is back, in rotation), `slow` (it stays left out), `failed` (no usable answer).
+pub const PROBES: &str = "pdmesh_router_probes_total";
+static SLOW_GAUGE: LazyLock<IntGaugeVec> =
+    LazyLock::new(|| gauge_vec(SLOW, "1 while an upstream is left out of the rotation as slow", &["role", "upstream"]));
+static LEFT_OUT_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(LEFT_OUT, "Times an upstream was left out of the rotation as slow", &["role", "upstream"])
+});
+pub(super) static PROBES_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
+    counter_vec(PROBES, "Probe streams the router sent a left-out or unmeasured node, by outcome", &["role", "outcome"])
+});
+
 /// Polls of the upstreams' `GET /load`, by `role` and `outcome` (`answered`, `failed`).
 pub const LOAD_POLLS: &str = "pdmesh_router_load_polls_total";
 static LOAD_POLLS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
@@ -107,7 +131,15 @@ static FAILURES_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
 
 /// Weight of a new, faster latency sample in the EWMA (slower ones count at once).
 const EWMA_ALPHA: f64 = 0.1;
-/// A node whose latency is above this many times the best node's is left out (least_loaded).
+/// Weight of a new sample, either way, in the smoothed latency that decides whether a node is
+/// slow (D104): about the last 20 samples, so one late token (a busy host) cannot leave a
+/// healthy node out, while a node that really slowed is judged within a few of its tokens.
+const SPEED_ALPHA: f64 = 0.05;
+/// Samples of a node's own streams before its smoothed latency may leave it out (a probe's
+/// median counts as enough).
+const MIN_SPEED_SAMPLES: u32 = 4;
+/// A node whose latency is above this many times the best node's is left out (least_loaded),
+/// unless `router.slow_ratio` says otherwise.
 const SLOW_RATIO: f64 = 3.0;
 /// Half-life of a left-out node's latency excess over the best, while it gets no samples.
 const SLOW_PROBE_HALF_LIFE: Duration = Duration::from_secs(10);
@@ -154,6 +186,14 @@ struct State {
     /// When `latency` last got a sample.
     latency_at: Option<Instant>,
     failures_in_row: u32,
+    /// Smoothed latency (`SPEED_ALPHA` both ways) and its samples since the last probe: what
+    /// decides whether the node is slow (probing pools, D104).
+    speed: Option<f64>,
+    speed_samples: u32,
+    /// Left out of the rotation as slow until a probe finds it fast again (probing pools).
+    left_out: bool,
+    /// A probe of the node is running.
+    probing: bool,
     /// Ejections in a row (0: the breaker is closed).
     ejections: u32,
     ejected_until: Option<Instant>,
@@ -212,6 +252,10 @@ pub struct Pool {
     next: AtomicUsize,
     policy: RoutingPolicy,
     breaker: Breaker,
+    /// `router.slow_ratio` (0: no node is left out for its latency).
+    slow_ratio: f64,
+    /// Left-out nodes come back through probes, not through decay (D104; decode only).
+    probed: bool,
 }
 
 /// The node a pick chose and, for a `cache_aware` pick with a prompt, how many of its blocks
@@ -238,6 +282,13 @@ impl Drop for InFlight {
     }
 }
 
+/// What a node's latency is compared with ([`Pool::reference`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reference {
+    Fastest,
+    Median,
+}
+
 /// What one DNS refresh changed in a pool.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Diff {
@@ -255,11 +306,32 @@ impl Pool {
             next: AtomicUsize::new(0),
             policy,
             breaker,
+            slow_ratio: SLOW_RATIO,
+            probed: false,
         };
         let nodes: Vec<Arc<Upstream>> =
             urls.iter().map(|u| pool.make_node(u.trim_end_matches('/'), Source::Static)).collect();
         pool.replace_nodes(nodes);
         pool
+    }
+
+    /// Leave out nodes above `ratio` × the fastest one's latency (0: never), and, with
+    /// `probed`, bring them back only through [`Pool::probe_result`] (D104) instead of letting
+    /// their estimate decay until a live request is spent on them.
+    pub fn with_slow(mut self, ratio: f64, probed: bool) -> Self {
+        self.slow_ratio = ratio;
+        self.probed = probed && ratio > 0.0 && self.latency_aware();
+        self
+    }
+
+    /// Whether picks weigh latency (every policy but `round_robin`).
+    fn latency_aware(&self) -> bool {
+        self.policy != RoutingPolicy::RoundRobin
+    }
+
+    /// Whether left-out nodes are probed back into the rotation (see [`Pool::with_slow`]).
+    pub fn probed(&self) -> bool {
+        self.probed
     }
 
     /// A new upstream for `url`, with the id `url` had before or a fresh one.
@@ -286,6 +358,10 @@ impl Pool {
         FAILURES_TOTAL.with_label_values(&[role, url]);
         EJECTED_GAUGE.with_label_values(&[role, url]).set(0);
         IN_FLIGHT_GAUGE.with_label_values(&[role, url]);
+        if self.probed {
+            SLOW_GAUGE.with_label_values(&[role, url]).set(0);
+            LEFT_OUT_TOTAL.with_label_values(&[role, url]);
+        }
         Arc::new(Upstream { id, url: url.to_string(), source, in_flight: AtomicU32::new(0), state: Mutex::default() })
     }
 
@@ -341,6 +417,7 @@ impl Pool {
             for url in &diff.removed {
                 // Not ejected any more, just gone; the counters keep their history.
                 let _ = EJECTED_GAUGE.remove_label_values(&[self.role, url]);
+                let _ = SLOW_GAUGE.remove_label_values(&[self.role, url]);
             }
         }
         diff
@@ -381,7 +458,7 @@ impl Pool {
         let s = u.lock();
         let ejected = s.ejected_until.is_some_and(|t| now < t);
         let ready = !s.unreachable && s.load.as_ref().is_none_or(|l| l.ready);
-        !ejected && ready
+        !ejected && ready && !s.left_out
     }
 
     /// Node `u`'s latency as the picker sees it: measured, with its excess over `best` decayed
@@ -440,7 +517,7 @@ impl Pool {
                 u
             }
             (RoutingPolicy::LeastLoaded | RoutingPolicy::CacheAware, _) => {
-                let candidates = Self::latencies(&candidates, now);
+                let candidates = self.latencies(&candidates, now);
                 let (a, la) = &candidates[turn % candidates.len()];
                 let (b, lb) = if candidates.len() > 2 {
                     // Power of two choices: a second candidate other than `a`, spread by `turn`.
@@ -461,18 +538,25 @@ impl Pool {
     }
 
     /// The candidates' latencies as `least_loaded` weighs them: the best measured one for a
-    /// node not measured yet, and the nodes above `SLOW_RATIO` × the best left out (unless
-    /// that leaves none).
-    fn latencies(candidates: &[Arc<Upstream>], now: Instant) -> Vec<(Arc<Upstream>, f64)> {
+    /// node not measured yet, and, in a pool that is not probed, the nodes above
+    /// `slow_ratio` × the best left out (unless that leaves none; their excess decays). A
+    /// probed pool left its slow nodes out of the candidates already (`State::left_out`).
+    fn latencies(&self, candidates: &[Arc<Upstream>], now: Instant) -> Vec<(Arc<Upstream>, f64)> {
         let best = candidates
             .iter()
             .filter_map(|u| u.lock().latency)
             .fold(None, |m: Option<f64>, l| Some(m.map_or(l, |m| m.min(l))))
             .unwrap_or(1.0);
+        if self.probed {
+            return candidates.iter().map(|u| (u.clone(), u.lock().latency.unwrap_or(best))).collect();
+        }
         let latency: Vec<(Arc<Upstream>, f64)> =
             candidates.iter().map(|u| (u.clone(), Self::latency(u, best, now))).collect();
+        if self.slow_ratio <= 0.0 {
+            return latency;
+        }
         let fast: Vec<(Arc<Upstream>, f64)> =
-            latency.iter().filter(|(_, l)| *l <= SLOW_RATIO * best).cloned().collect();
+            latency.iter().filter(|(_, l)| *l <= self.slow_ratio * best).cloned().collect();
         if fast.is_empty() {
             latency
         } else {
@@ -510,7 +594,7 @@ impl Pool {
         tokens: &[u32],
         now: Instant,
     ) -> (Arc<Upstream>, usize) {
-        let latency = Self::latencies(candidates, now);
+        let latency = self.latencies(candidates, now);
         let nodes: Vec<Arc<Upstream>> = latency.iter().map(|(u, _)| u.clone()).collect();
         let held = Self::overlaps(&nodes, tokens);
         let cost: Vec<f64> = latency.iter().map(|(u, l)| Self::cost(u, *l)).collect();
@@ -636,7 +720,168 @@ impl Pool {
                 _ => seconds,
             });
             s.latency_at = Some(Instant::now());
+            s.speed = Some(s.speed.map_or(seconds, |v| v + SPEED_ALPHA * (seconds - v)));
+            s.speed_samples = s.speed_samples.saturating_add(1);
         });
+        if self.probed {
+            self.reassess();
+        }
+    }
+
+    /// What a probe of node `i` measured: the median gap between its tokens (seconds), or
+    /// `None` when the probe got no usable answer. The measurement replaces what the router
+    /// knew of the node's speed (it is the node as it is now); a left-out node whose probe is
+    /// within `slow_ratio` of the fastest other node is back in rotation. Returns whether the
+    /// node is in rotation now.
+    pub fn probe_result(&self, i: usize, gap: Option<f64>) -> bool {
+        let Some(u) = self.node(i) else { return false };
+        let Some(gap) = gap.filter(|g| g.is_finite() && *g >= 0.0) else {
+            u.lock().probing = false;
+            PROBES_TOTAL.with_label_values(&[self.role, "failed"]).inc();
+            return !u.lock().left_out;
+        };
+        let reference = self.reference(i, Reference::Fastest);
+        let back = {
+            let mut s = u.lock();
+            s.probing = false;
+            s.latency = Some(gap);
+            s.latency_at = Some(Instant::now());
+            s.speed = Some(gap);
+            s.speed_samples = MIN_SPEED_SAMPLES;
+            let fast = reference.is_none_or(|r| gap <= self.slow_ratio * r);
+            let back = s.left_out && fast;
+            if back {
+                s.left_out = false;
+            }
+            back
+        };
+        if back {
+            SLOW_GAUGE.with_label_values(&[self.role, &u.url]).set(0);
+            tracing::info!(role = self.role, upstream = %u.url, probe_gap_ms = gap * 1e3,
+                fastest_ms = reference.map(|r| r * 1e3), "probe: the slow upstream is fast again; back in rotation");
+        }
+        self.reassess();
+        let in_rotation = !u.lock().left_out;
+        PROBES_TOTAL.with_label_values(&[self.role, if in_rotation { "fast" } else { "slow" }]).inc();
+        in_rotation
+    }
+
+    /// Leave node `i` out of the rotation as slow (a stream on it was found slow, D104) while
+    /// another node is in rotation; only a probe brings it back. Returns whether it is out.
+    pub fn leave_out(&self, i: usize, why: &str) -> bool {
+        if !self.probed {
+            return false;
+        }
+        let others = self.nodes().iter().any(|u| u.id != i && !u.lock().left_out);
+        if !others {
+            return false;
+        }
+        let Some(u) = self.node(i) else { return false };
+        self.mark_left_out(&u, why);
+        true
+    }
+
+    fn mark_left_out(&self, u: &Upstream, why: &str) {
+        let newly = {
+            let mut s = u.lock();
+            let newly = !s.left_out;
+            s.left_out = true;
+            newly
+        };
+        if newly {
+            SLOW_GAUGE.with_label_values(&[self.role, &u.url]).set(1);
+            LEFT_OUT_TOTAL.with_label_values(&[self.role, &u.url]).inc();
+            tracing::warn!(role = self.role, upstream = %u.url, reason = why,
+                "upstream left out of the rotation as slow; probes decide when it is back");
+        }
+    }
+
+    /// Leave out every node whose smoothed latency is above `slow_ratio` × the fastest other
+    /// node in rotation, the slowest first (so two slow nodes are not each other's reference),
+    /// never the last node in rotation.
+    fn reassess(&self) {
+        if !self.probed {
+            return;
+        }
+        let nodes = self.nodes();
+        let mut judged: Vec<(Arc<Upstream>, f64)> = nodes
+            .iter()
+            .filter_map(|u| {
+                let s = u.lock();
+                let speed = s.speed.filter(|_| !s.left_out && s.speed_samples >= MIN_SPEED_SAMPLES)?;
+                Some((u.clone(), speed))
+            })
+            .collect();
+        judged.sort_by(|a, b| b.1.total_cmp(&a.1));
+        for (k, (u, speed)) in judged.iter().enumerate() {
+            // The fastest of the nodes still in rotation after this one (sorted slowest first).
+            let Some(fastest) = judged[k + 1..].iter().map(|(_, v)| *v).reduce(f64::min) else { break };
+            if *speed > self.slow_ratio * fastest {
+                self.mark_left_out(u, "slower than the other nodes");
+            }
+        }
+    }
+
+    /// What node `i`'s latency is compared with: the other nodes in rotation that have a
+    /// smoothed latency, `Fastest` (leave-out and probes) or their `Median` (a slow stream,
+    /// D104). `None` when no other node is measured.
+    pub fn reference(&self, i: usize, how: Reference) -> Option<f64> {
+        let mut others: Vec<f64> = self
+            .nodes()
+            .iter()
+            .filter(|u| u.id != i)
+            .filter_map(|u| {
+                let s = u.lock();
+                s.speed.filter(|_| !s.left_out)
+            })
+            .collect();
+        if others.is_empty() {
+            return None;
+        }
+        others.sort_by(f64::total_cmp);
+        Some(match how {
+            Reference::Fastest => others[0],
+            Reference::Median => {
+                let n = others.len();
+                if n % 2 == 1 {
+                    others[n / 2]
+                } else {
+                    (others[n / 2 - 1] + others[n / 2]) / 2.0
+                }
+            }
+        })
+    }
+
+    /// Whether a node other than `i` could take a request now (in rotation, not ejected,
+    /// ready): a slow stream on `i` only moves if one can.
+    pub fn has_alternative(&self, i: usize) -> bool {
+        let now = Instant::now();
+        self.nodes().iter().any(|u| u.id != i && Self::eligible(u, now))
+    }
+
+    /// The nodes a probe is owed now (D104): left out as slow, or never measured; not already
+    /// being probed, and answering their `/load` polls (an ejected or unreachable node is the
+    /// breaker's). Each returned node is marked as being probed until its
+    /// [`Pool::probe_result`].
+    pub fn probes_due(&self) -> Vec<(usize, String)> {
+        if !self.probed {
+            return Vec::new();
+        }
+        let now = Instant::now();
+        self.nodes()
+            .iter()
+            .filter_map(|u| {
+                let mut s = u.lock();
+                let ejected = s.ejected_until.is_some_and(|t| now < t);
+                let ready = !s.unreachable && s.load.as_ref().is_none_or(|l| l.ready);
+                let owed = s.left_out || s.speed.is_none();
+                if !owed || s.probing || ejected || !ready {
+                    return None;
+                }
+                s.probing = true;
+                Some((u.id, u.url.clone()))
+            })
+            .collect()
     }
 
     /// The outcome of one poll of node `i`: its load, or `None` when it did not answer.
@@ -759,6 +1004,9 @@ pub(crate) fn init() {
     LazyLock::force(&DISCOVERY_ERRORS_TOTAL);
     LazyLock::force(&PREFIX_OVERLAP_HIST);
     LazyLock::force(&CACHE_AWARE_PICKS_TOTAL);
+    LazyLock::force(&SLOW_GAUGE);
+    LazyLock::force(&LEFT_OUT_TOTAL);
+    LazyLock::force(&PROBES_TOTAL);
 }
 
 #[cfg(test)]
@@ -802,6 +1050,105 @@ mod tests {
         assert!((1..=4).contains(&on_b), "the 2.5× slower node got {on_b} of 10");
         drop(held);
         assert!(p.snapshot().iter().all(|(_, n, _, _)| *n == 0));
+    }
+
+    fn probed(policy: RoutingPolicy) -> Pool {
+        pool(policy).with_slow(3.0, true)
+    }
+
+    fn left_out(p: &Pool) -> Vec<bool> {
+        p.nodes().iter().map(|u| u.lock().left_out).collect()
+    }
+
+    #[test]
+    fn a_slow_node_gets_no_request_until_a_probe_finds_it_fast() {
+        let p = probed(RoutingPolicy::LeastLoaded);
+        assert_eq!(p.probes_due().len(), 2, "unmeasured nodes are owed a probe");
+        assert!(p.probes_due().is_empty(), "not while their probes run");
+        assert!(p.probe_result(0, Some(0.010)));
+        assert!(!p.probe_result(1, Some(0.040)), "4x the other node: out from its first measurement");
+        assert_eq!(left_out(&p), [false, true]);
+        let busy: Vec<_> = (0..6).map(|_| p.start(0)).collect();
+        for _ in 0..6 {
+            assert_eq!(p.pick(&[]), Some(0), "however busy the fast node, the slow one is not tried");
+        }
+        assert_eq!(p.pick(&[0]), Some(1), "but it is when it is the only one left");
+        assert_eq!(p.probes_due(), [(1, "http://b".to_string())], "only the left-out node is probed");
+        assert!(!p.probe_result(1, Some(0.035)), "still slow: still out");
+        assert_eq!(p.probes_due().len(), 1);
+        assert!(!p.probe_result(1, None), "a failed probe changes nothing");
+        assert_eq!(left_out(&p), [false, true]);
+        assert_eq!(p.probes_due().len(), 1);
+        assert!(p.probe_result(1, Some(0.012)), "fast again: back in rotation");
+        assert_eq!(left_out(&p), [false, false]);
+        assert_eq!(p.pick(&[]), Some(1), "and picked again: the fast node is busy");
+        assert!(p.probes_due().is_empty(), "a measured node in rotation is not probed");
+        drop(busy);
+    }
+
+    #[test]
+    fn live_samples_leave_out_a_node_that_turned_slow_but_not_one_late_token() {
+        let p = probed(RoutingPolicy::CacheAware);
+        for _ in 0..20 {
+            p.observe_latency(0, 0.010);
+            p.observe_latency(1, 0.010);
+        }
+        p.observe_latency(1, 0.100);
+        assert_eq!(left_out(&p), [false, false], "one late token leaves nothing out");
+        for _ in 0..40 {
+            p.observe_latency(1, 0.060);
+        }
+        assert_eq!(left_out(&p), [false, true], "a node that stays 6x slower is out");
+        for _ in 0..200 {
+            p.observe_latency(0, 0.500);
+        }
+        assert_eq!(left_out(&p), [false, true], "the last node in rotation is never left out");
+        assert!(!p.leave_out(0, "test"), "not even by a slow stream");
+        assert!(!p.has_alternative(0), "so a slow stream on it has nowhere to go");
+        assert!(p.has_alternative(1));
+    }
+
+    #[test]
+    fn a_stream_is_compared_with_the_median_of_the_other_nodes_in_rotation() {
+        let urls: Vec<String> = ["a", "b", "c", "d"].iter().map(|u| format!("http://{u}")).collect();
+        let p = Pool::new(
+            "decode",
+            &urls,
+            RoutingPolicy::LeastLoaded,
+            Breaker { after_failures: 2, base: Duration::from_millis(50), max: Duration::from_secs(1) },
+        )
+        .with_slow(3.0, true);
+        assert_eq!(p.reference(0, Reference::Median), None, "nothing measured: nothing to compare with");
+        p.probe_result(1, Some(0.010));
+        p.probe_result(2, Some(0.020));
+        p.probe_result(3, Some(0.012));
+        assert_eq!(p.reference(0, Reference::Median), Some(0.012));
+        assert_eq!(p.reference(0, Reference::Fastest), Some(0.010));
+        assert_eq!(p.reference(3, Reference::Median), Some(0.015), "its own gap is not in it");
+        assert!(p.leave_out(2, "slow stream"));
+        assert_eq!(p.reference(0, Reference::Median), Some(0.011), "a left-out node is not either");
+        assert_eq!(p.probes_due(), [(0, "http://a".to_string()), (2, "http://c".to_string())]);
+    }
+
+    #[test]
+    fn round_robin_and_a_zero_ratio_leave_nothing_out() {
+        for p in [probed(RoutingPolicy::RoundRobin), pool(RoutingPolicy::LeastLoaded).with_slow(0.0, true)] {
+            assert!(!p.probed());
+            p.observe_latency(0, 0.010);
+            for _ in 0..10 {
+                p.observe_latency(1, 1.0);
+            }
+            assert_eq!(left_out(&p), [false, false]);
+            assert!(p.probes_due().is_empty());
+        }
+        let p = pool(RoutingPolicy::LeastLoaded).with_slow(0.0, false);
+        p.observe_latency(0, 0.010);
+        p.observe_latency(1, 1.0);
+        let picks: Vec<usize> = (0..4).map(|_| p.pick(&[]).unwrap()).collect();
+        assert!(picks.iter().all(|&i| i == 0), "the cost rule alone still prefers the fast node: {picks:?}");
+        let held: Vec<_> = (0..200).map(|_| p.start(0)).collect();
+        assert_eq!(p.pick(&[]), Some(1), "but the slow one gets work once the fast one is 100x as busy");
+        drop(held);
     }
 
     #[test]

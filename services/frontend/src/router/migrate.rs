@@ -14,6 +14,13 @@
 //! moves per request; each counts in `pdmesh_router_migrations_total` and is an event on the
 //! request's span. Tokens the first node had generated but not yet sent are generated again:
 //! never shown twice, never missing.
+//!
+//! A stream on a node that turned slow moves the same way (D104, reason `slow_stream`): when
+//! `router.slow_migrate_tokens` tokens in a row came more than `router.slow_migrate_ratio`
+//! times the median gap of the other decode nodes in rotation apart, and another node could
+//! take it. The slow node is then left out of the rotation until a probe finds it fast
+//! ([`super::probe`]). Unlike a broken stream, the slow one goes on until the other node has
+//! answered: if none takes the request, it finishes where it was.
 
 use std::convert::Infallible;
 use std::sync::LazyLock;
@@ -35,7 +42,7 @@ use crate::stream::{sse_data, sse_done, sse_error, TOKEN_IDS_COMMENT, TOKEN_IDS_
 
 /// Requests moved to another decode node, by `reason` (`stream_broke`: the connection broke or
 /// ended early; `error_event`: D sent a 5xx error event; `no_answer`: D failed before its
-/// answer started).
+/// answer started; `slow_stream`: its tokens came too slowly, D104).
 pub const MIGRATIONS: &str = "pdmesh_router_migrations_total";
 
 pub(super) static MIGRATIONS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
@@ -92,6 +99,37 @@ enum Pumped {
     ClientGone,
     /// D failed mid-stream; `reason` is the metric label.
     Broken { reason: &'static str, detail: String },
+    /// D's tokens come too slowly (D104); the stream is whole and could go on.
+    Slow { detail: String },
+}
+
+/// When a stream is slow enough to move (D104): `router.slow_migrate_ratio` and
+/// `router.slow_migrate_tokens`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct SlowRule {
+    pub ratio: f64,
+    pub tokens: u32,
+}
+
+/// A stream's run of slow tokens ([`SlowRule`]).
+#[derive(Debug, Default)]
+struct SlowRun {
+    tokens: u32,
+}
+
+impl SlowRun {
+    /// Count an event of `ids` tokens that came `gap` seconds per token after the previous one,
+    /// against `reference` (the median gap of the other decode nodes); true once the run is long
+    /// enough to move.
+    fn note(&mut self, rule: SlowRule, gap: f64, ids: usize, reference: Option<f64>) -> bool {
+        match reference {
+            Some(r) if gap > rule.ratio * r => {
+                self.tokens = self.tokens.saturating_add(u32::try_from(ids).unwrap_or(u32::MAX));
+            }
+            _ => self.tokens = 0,
+        }
+        self.tokens >= rule.tokens
+    }
 }
 
 /// What the relay learned from the events so far.
@@ -109,14 +147,38 @@ async fn run(r: Relay, upstream: reqwest::Response, tx: mpsc::Sender<Bytes>) {
     run_from(r, upstream, tx, Seen::default()).await;
 }
 
-/// Relay `upstream` after what the client has `seen`, moving the request when it breaks.
+/// Relay `upstream` after what the client has `seen`, moving the request when it breaks or
+/// turns slow.
 async fn run_from(mut r: Relay, mut upstream: reqwest::Response, tx: mpsc::Sender<Bytes>, mut seen: Seen) {
     let st = r.st.clone();
     let mut in_flight = st.decode.start(r.d);
+    // Bytes of an event not complete yet: kept across a slow stream that could not move.
+    let mut buf = BytesMut::new();
+    let mut slow_rule = st.slow_migrate;
     loop {
-        let (reason, detail) = match pump(&st, r.d, &mut upstream, &tx, &mut seen, &r.span).await {
+        let (reason, detail) = match pump(&st, r.d, &mut upstream, &tx, &mut seen, &r.span, &mut buf, slow_rule).await {
             Pumped::Done | Pumped::ClientGone => return,
             Pumped::Broken { reason, detail } => (reason, detail),
+            Pumped::Slow { detail } => {
+                let from = r.d;
+                st.decode.leave_out(from, "a stream on it was slow");
+                match move_on(&mut r, &seen, "slow_stream", &detail).await {
+                    Some((to, next)) => {
+                        // Dropping the slow stream aborts the request there (its blocks go).
+                        r.d = to;
+                        in_flight = st.decode.start(to);
+                        upstream = next;
+                        buf.clear();
+                        seen.skip_role = true;
+                    }
+                    None => {
+                        tracing::warn!(parent: &r.span, request_id = %r.request_id, detail,
+                            "no other decode node took the slow stream; it goes on where it is");
+                        slow_rule = None;
+                    }
+                }
+                continue;
+            }
         };
         st.decode.failure(r.d, reason);
         drop(in_flight);
@@ -134,6 +196,7 @@ async fn run_from(mut r: Relay, mut upstream: reqwest::Response, tx: mpsc::Sende
         r.d = to;
         in_flight = st.decode.start(to);
         upstream = next;
+        buf.clear();
         seen.skip_role = true;
     }
 }
@@ -215,9 +278,15 @@ async fn move_on(
         r.migrations += 1;
         MIGRATIONS_TOTAL.with_label_values(&[reason]).inc();
         let (from_url, to_url) = (st.decode.url(from).unwrap_or_default(), st.decode.url(to).unwrap_or_default());
-        tracing::warn!(parent: &r.span, request_id = %r.request_id, from = from_url, to = to_url,
-            tokens_seen = seen.ids.len(), migration = r.migrations, reason, detail,
-            "decode stream broke; the request moves to another decode node");
+        if reason == "slow_stream" {
+            tracing::warn!(parent: &r.span, request_id = %r.request_id, from = from_url, to = to_url,
+                tokens_seen = seen.ids.len(), migration = r.migrations, reason, detail,
+                "decode stream slow; the request moves to another decode node");
+        } else {
+            tracing::warn!(parent: &r.span, request_id = %r.request_id, from = from_url, to = to_url,
+                tokens_seen = seen.ids.len(), migration = r.migrations, reason, detail,
+                "decode stream broke; the request moves to another decode node");
+        }
         let body = continuation_body(&r.original, &seen.ids);
         let (res, d_span) = call_decode(r, to, &to_url, &body, seen.ids.len()).await;
         match res {
@@ -270,7 +339,10 @@ async fn call_decode(
     (res, d_span)
 }
 
-/// Relay one upstream stream's events to the client until it ends.
+/// Relay one upstream stream's events to the client until it ends, or, with `slow`, until its
+/// tokens come too slowly and the request could move (events are relayed whole; `buf` keeps
+/// the bytes of the next one).
+#[allow(clippy::too_many_arguments)]
 async fn pump(
     st: &RouterState,
     d: usize,
@@ -278,11 +350,59 @@ async fn pump(
     tx: &mpsc::Sender<Bytes>,
     seen: &mut Seen,
     span: &tracing::Span,
+    buf: &mut BytesMut,
+    slow: Option<SlowRule>,
 ) -> Pumped {
-    let mut buf = BytesMut::new();
     let mut answered = false;
     let mut last_tokens: Option<Instant> = None;
+    let mut slow_run = SlowRun::default();
     loop {
+        // Complete events first: a stream resumed after a slow one that could not move may
+        // hold some already (its `[DONE]` among them).
+        while let Some(end) = first_event_end(buf) {
+            let event = buf.split_to(end).freeze();
+            let (out, ids) = match relay_event(event, seen) {
+                Relayed::Send(out, ids) => (out, ids),
+                Relayed::Skip => continue,
+                Relayed::Done => {
+                    let _ = tx.send(sse_done()).await;
+                    return Pumped::Done;
+                }
+                Relayed::Failed(detail) => return Pumped::Broken { reason: "error_event", detail },
+            };
+            let first_relayed = ids > 0 && seen.ids.len() == ids;
+            let mut slowed = None;
+            if ids > 0 {
+                let now = Instant::now();
+                if let Some(t) = last_tokens {
+                    let gap = now.duration_since(t).as_secs_f64() / ids as f64;
+                    st.decode.observe_latency(d, gap);
+                    if let Some(rule) = slow {
+                        let reference = st.decode.reference(d, super::balance::Reference::Median);
+                        if slow_run.note(rule, gap, ids, reference) && !seen.finished && st.decode.has_alternative(d) {
+                            slowed = Some(format!(
+                                "{} tokens in a row above {:.1}x the other decode nodes' median gap ({:.1} ms; the last {:.1} ms)",
+                                slow_run.tokens,
+                                rule.ratio,
+                                reference.unwrap_or(0.0) * 1e3,
+                                gap * 1e3
+                            ));
+                        }
+                    }
+                }
+                last_tokens = Some(now);
+            }
+            if tx.send(out).await.is_err() {
+                return Pumped::ClientGone;
+            }
+            if first_relayed {
+                // The router's share of the first token's path ends here (ttft-breakdown.sh).
+                tracing::info!(parent: span, "first token relayed");
+            }
+            if let Some(detail) = slowed {
+                return Pumped::Slow { detail };
+            }
+        }
         let chunk = tokio::select! {
             biased;
             _ = tx.closed() => return Pumped::ClientGone,
@@ -300,33 +420,6 @@ async fn pump(
             st.decode.success(d);
         }
         buf.extend_from_slice(&bytes);
-        while let Some(end) = first_event_end(&buf) {
-            let event = buf.split_to(end).freeze();
-            let (out, ids) = match relay_event(event, seen) {
-                Relayed::Send(out, ids) => (out, ids),
-                Relayed::Skip => continue,
-                Relayed::Done => {
-                    let _ = tx.send(sse_done()).await;
-                    return Pumped::Done;
-                }
-                Relayed::Failed(detail) => return Pumped::Broken { reason: "error_event", detail },
-            };
-            let first_relayed = ids > 0 && seen.ids.len() == ids;
-            if ids > 0 {
-                let now = Instant::now();
-                if let Some(t) = last_tokens {
-                    st.decode.observe_latency(d, now.duration_since(t).as_secs_f64() / ids as f64);
-                }
-                last_tokens = Some(now);
-            }
-            if tx.send(out).await.is_err() {
-                return Pumped::ClientGone;
-            }
-            if first_relayed {
-                // The router's share of the first token's path ends here (ttft-breakdown.sh).
-                tracing::info!(parent: span, "first token relayed");
-            }
-        }
     }
 }
 
@@ -436,7 +529,7 @@ fn relay_event(event: Bytes, seen: &mut Seen) -> Relayed {
 }
 
 /// End of the first complete SSE event in `buf` (after its blank line), if any.
-fn first_event_end(buf: &[u8]) -> Option<usize> {
+pub(super) fn first_event_end(buf: &[u8]) -> Option<usize> {
     let lf = buf.windows(2).position(|w| w == b"\n\n").map(|p| p + 2);
     let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|p| p + 4);
     match (lf, crlf) {
@@ -541,6 +634,22 @@ mod tests {
         assert_eq!(relay_event(odd.clone(), &mut seen), Relayed::Send(odd, 0));
         assert_eq!(relay_event(Bytes::from_static(b": keep-alive\n\n"), &mut seen), Relayed::Skip);
         assert!(seen.ids.is_empty());
+    }
+
+    #[test]
+    fn a_stream_moves_after_enough_slow_tokens_in_a_row_and_only_against_a_reference() {
+        let rule = SlowRule { ratio: 3.0, tokens: 4 };
+        let mut run = SlowRun::default();
+        let median = Some(0.010);
+        assert!(!run.note(rule, 0.100, 1, None), "nothing to compare with: never slow");
+        assert!(!run.note(rule, 0.031, 1, median));
+        assert!(!run.note(rule, 0.050, 2, median), "3 slow tokens");
+        assert!(!run.note(rule, 0.029, 1, median), "a token within the ratio starts the run over");
+        assert_eq!(run.tokens, 0);
+        for _ in 0..3 {
+            assert!(!run.note(rule, 0.400, 1, median));
+        }
+        assert!(run.note(rule, 0.400, 1, median), "the 4th slow token in a row");
     }
 
     #[test]

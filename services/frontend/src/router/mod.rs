@@ -19,6 +19,7 @@ mod balance;
 mod first_token;
 mod migrate;
 mod parallel;
+mod probe;
 pub mod prompt;
 
 use std::sync::{Arc, LazyLock};
@@ -73,6 +74,9 @@ pub struct RouterState {
     tokenizer: Option<prompt::PromptTokenizer>,
     /// `limits.body_timeout_s` (D93).
     body_timeout: std::time::Duration,
+    /// `router.slow_migrate_ratio` / `slow_migrate_tokens`: when a slow stream moves (D104);
+    /// `None`: never (off, or `round_robin`, which weighs no latency).
+    slow_migrate: Option<migrate::SlowRule>,
 }
 
 impl RouterState {
@@ -90,9 +94,12 @@ impl RouterState {
             base: std::time::Duration::from_millis(cfg.eject_base_ms),
             max: std::time::Duration::from_millis(cfg.eject_max_ms.max(cfg.eject_base_ms)),
         };
+        let latency_aware = cfg.policy != pdmesh_config::RoutingPolicy::RoundRobin;
         Self {
-            prefill: Arc::new(Pool::new("prefill", &cfg.prefill, cfg.policy, breaker)),
-            decode: Arc::new(Pool::new("decode", &cfg.decode, cfg.policy, breaker)),
+            prefill: Arc::new(Pool::new("prefill", &cfg.prefill, cfg.policy, breaker).with_slow(cfg.slow_ratio, false)),
+            decode: Arc::new(
+                Pool::new("decode", &cfg.decode, cfg.policy, breaker).with_slow(cfg.slow_ratio, cfg.slow_probe_ms > 0),
+            ),
             client,
             give_up_notices: cfg.give_up_notices,
             internal_authorization,
@@ -106,6 +113,8 @@ impl RouterState {
             local_prefill_max_tokens: cfg.local_prefill_max_tokens,
             tokenizer: None,
             body_timeout: crate::body_timeout::DEFAULT,
+            slow_migrate: (latency_aware && cfg.slow_migrate_ratio > 0.0 && cfg.max_migrations > 0)
+                .then_some(migrate::SlowRule { ratio: cfg.slow_migrate_ratio, tokens: cfg.slow_migrate_tokens.max(1) }),
         }
     }
 
@@ -1106,6 +1115,15 @@ pub async fn run_router(
             std::time::Duration::from_millis(node.router.load_poll_ms),
         ))
     });
+    // Slow and unmeasured decode nodes, probed without users' requests (D104).
+    let prober = (node.router.slow_probe_ms > 0 && state.decode.probed()).then(|| {
+        actix_web::rt::spawn(probe::run(
+            state.decode.clone(),
+            state.client.clone(),
+            state.internal_authorization.clone(),
+            std::time::Duration::from_millis(node.router.slow_probe_ms),
+        ))
+    });
     // Upstreams named by DNS (a headless Service per role), re-resolved while the router runs.
     let refresh = std::time::Duration::from_millis(node.router.dns_refresh_ms.max(1));
     let discovery: Vec<_> = [(&state.prefill, &node.router.prefill_dns), (&state.decode, &node.router.decode_dns)]
@@ -1136,6 +1154,9 @@ pub async fn run_router(
         give_up_notices = node.router.give_up_notices, policy = ?node.router.policy, "router listening");
     let served = crate::serve_until_shutdown(&ctx, server.run(), shutdown).await;
     if let Some(p) = poller {
+        p.abort();
+    }
+    if let Some(p) = prober {
         p.abort();
     }
     for task in discovery {
