@@ -141,6 +141,10 @@ const MIN_SPEED_SAMPLES: u32 = 4;
 /// A node whose latency is above this many times the best node's is left out (least_loaded),
 /// unless `router.slow_ratio` says otherwise.
 const SLOW_RATIO: f64 = 3.0;
+/// A left-out node is back when its probe is within `slow_ratio` / this of the fastest node in
+/// rotation (D104): without the margin, a node just above the ratio flaps in and out as the
+/// fast node's estimate moves with its load, and each time in costs a user's stream.
+const RECOVERY_MARGIN: f64 = 1.5;
 /// Half-life of a left-out node's latency excess over the best, while it gets no samples.
 const SLOW_PROBE_HALF_LIFE: Duration = Duration::from_secs(10);
 /// `cache_aware`: how much a fully held prompt lowers a node's cost (0.9: to a tenth).
@@ -732,7 +736,7 @@ impl Pool {
     /// `None` when the probe got no usable answer. The measurement replaces what the router
     /// knew of the node's speed (it is the node as it is now); a left-out node whose probe is
     /// within `slow_ratio` of the fastest other node is back in rotation. Returns whether the
-    /// node is in rotation now.
+    /// node is in rotation now (within `slow_ratio` / `RECOVERY_MARGIN` for a left-out node).
     pub fn probe_result(&self, i: usize, gap: Option<f64>) -> bool {
         let Some(u) = self.node(i) else { return false };
         let Some(gap) = gap.filter(|g| g.is_finite() && *g >= 0.0) else {
@@ -748,7 +752,8 @@ impl Pool {
             s.latency_at = Some(Instant::now());
             s.speed = Some(gap);
             s.speed_samples = MIN_SPEED_SAMPLES;
-            let fast = reference.is_none_or(|r| gap <= self.slow_ratio * r);
+            let recovered = (self.slow_ratio / RECOVERY_MARGIN).max(1.0);
+            let fast = reference.is_none_or(|r| gap <= recovered * r);
             let back = s.left_out && fast;
             if back {
                 s.left_out = false;
@@ -1075,6 +1080,8 @@ mod tests {
         assert_eq!(p.pick(&[0]), Some(1), "but it is when it is the only one left");
         assert_eq!(p.probes_due(), [(1, "http://b".to_string())], "only the left-out node is probed");
         assert!(!p.probe_result(1, Some(0.035)), "still slow: still out");
+        assert_eq!(p.probes_due().len(), 1);
+        assert!(!p.probe_result(1, Some(0.025)), "within 3x but not within 2x: still out (no flapping)");
         assert_eq!(p.probes_due().len(), 1);
         assert!(!p.probe_result(1, None), "a failed probe changes nothing");
         assert_eq!(left_out(&p), [false, true]);

@@ -5,8 +5,8 @@
 //! a greedy stream of [`PROBE_TOKENS`] tokens of a two-word prompt, asking for the tokens' ids
 //! like a movable stream (`pdmesh_internal.stream_token_ids`) — and measures the gaps between
 //! its tokens as it measures a live stream's. The median gap is the node's speed now
-//! ([`Pool::probe_result`]): within `router.slow_ratio` of the fastest node in rotation, the
-//! node is back; above, it stays out and is probed again. A node not measured yet (at start,
+//! ([`Pool::probe_result`]): within `router.slow_ratio` / 1.5 of the fastest node in rotation,
+//! the node is back; above, it stays out and is probed again. A node not measured yet (at start,
 //! or one that joined by DNS) is probed once the same way, so a node that is slow from the
 //! start is known before a user's stream runs there. A probe is one short request on a node
 //! that has nothing else to do; on P it would hold blocks for a decode leg that never comes, so
