@@ -31,6 +31,7 @@
 //! - prefill nodes (a probe would hold P's blocks) and decode nodes without probes: its excess
 //!   over the best decays with a half-life of `SLOW_PROBE_HALF_LIFE`, so a node that recovered
 //!   is tried again within a few half-lives (D55).
+//!
 //! `round_robin` rotates over the ready non-ejected set, whatever the latencies. When no node
 //! is eligible, every node not excluded is (better a try than a refusal).
 //!
