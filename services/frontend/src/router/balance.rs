@@ -48,7 +48,7 @@
 //! (the router could not tokenise it) or with nothing held anywhere, it is `least_loaded`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -259,8 +259,9 @@ pub struct Pool {
     breaker: Breaker,
     /// `router.slow_ratio` (0: no node is left out for its latency).
     slow_ratio: f64,
-    /// Left-out nodes come back through probes, not through decay (D104; decode only).
-    probed: bool,
+    /// Left-out nodes come back through probes, not through decay (D104; decode only). Turned
+    /// off for good when the nodes refuse the probes ([`Pool::probes_refused`]).
+    probed: AtomicBool,
 }
 
 /// The node a pick chose and, for a `cache_aware` pick with a prompt, how many of its blocks
@@ -312,7 +313,7 @@ impl Pool {
             policy,
             breaker,
             slow_ratio: SLOW_RATIO,
-            probed: false,
+            probed: AtomicBool::new(false),
         };
         let nodes: Vec<Arc<Upstream>> =
             urls.iter().map(|u| pool.make_node(u.trim_end_matches('/'), Source::Static)).collect();
@@ -325,7 +326,7 @@ impl Pool {
     /// their estimate decay until a live request is spent on them.
     pub fn with_slow(mut self, ratio: f64, probed: bool) -> Self {
         self.slow_ratio = ratio;
-        self.probed = probed && ratio > 0.0 && self.latency_aware();
+        self.probed = AtomicBool::new(probed && ratio > 0.0 && self.latency_aware());
         self
     }
 
@@ -336,7 +337,23 @@ impl Pool {
 
     /// Whether left-out nodes are probed back into the rotation (see [`Pool::with_slow`]).
     pub fn probed(&self) -> bool {
-        self.probed
+        self.probed.load(Ordering::Relaxed)
+    }
+
+    /// The nodes refused a probe for want of a credential (401/403: the nodes take API keys and
+    /// the router has no internal key, so it can only pass clients' keys on): no probe can ever
+    /// bring a left-out node back, so the pool goes back to D55's decay — every node is back
+    /// in rotation, and a slow one is left out while its estimate is above the ratio.
+    pub fn probes_refused(&self, status: u16) {
+        if !self.probed.swap(false, Ordering::Relaxed) {
+            return;
+        }
+        for u in self.nodes() {
+            u.lock().left_out = false;
+            SLOW_GAUGE.with_label_values(&[self.role, &u.url]).set(0);
+        }
+        tracing::warn!(role = self.role, status,
+            "upstreams refuse the router's probes (set PDMESH_INTERNAL_API_KEY); slow nodes are left out by their decaying estimate instead (D55)");
     }
 
     /// A new upstream for `url`, with the id `url` had before or a fresh one.
@@ -363,7 +380,7 @@ impl Pool {
         FAILURES_TOTAL.with_label_values(&[role, url]);
         EJECTED_GAUGE.with_label_values(&[role, url]).set(0);
         IN_FLIGHT_GAUGE.with_label_values(&[role, url]);
-        if self.probed {
+        if self.probed() {
             SLOW_GAUGE.with_label_values(&[role, url]).set(0);
             LEFT_OUT_TOTAL.with_label_values(&[role, url]);
         }
@@ -552,7 +569,7 @@ impl Pool {
             .filter_map(|u| u.lock().latency)
             .fold(None, |m: Option<f64>, l| Some(m.map_or(l, |m| m.min(l))))
             .unwrap_or(1.0);
-        if self.probed {
+        if self.probed() {
             return candidates.iter().map(|u| (u.clone(), u.lock().latency.unwrap_or(best))).collect();
         }
         let latency: Vec<(Arc<Upstream>, f64)> =
@@ -728,7 +745,7 @@ impl Pool {
             s.speed = Some(s.speed.map_or(seconds, |v| v + SPEED_ALPHA * (seconds - v)));
             s.speed_samples = s.speed_samples.saturating_add(1);
         });
-        if self.probed {
+        if self.probed() {
             self.reassess();
         }
     }
@@ -775,7 +792,7 @@ impl Pool {
     /// Leave node `i` out of the rotation as slow (a stream on it was found slow, D104) while
     /// another node is in rotation; only a probe brings it back. Returns whether it is out.
     pub fn leave_out(&self, i: usize, why: &str) -> bool {
-        if !self.probed {
+        if !self.probed() {
             return false;
         }
         let others = self.nodes().iter().any(|u| u.id != i && !u.lock().left_out);
@@ -806,7 +823,7 @@ impl Pool {
     /// node in rotation, the slowest first (so two slow nodes are not each other's reference),
     /// never the last node in rotation.
     fn reassess(&self) {
-        if !self.probed {
+        if !self.probed() {
             return;
         }
         let nodes = self.nodes();
@@ -870,7 +887,7 @@ impl Pool {
     /// breaker's). Each returned node is marked as being probed until its
     /// [`Pool::probe_result`].
     pub fn probes_due(&self) -> Vec<(usize, String)> {
-        if !self.probed {
+        if !self.probed() {
             return Vec::new();
         }
         let now = Instant::now();
@@ -1136,6 +1153,21 @@ mod tests {
         assert!(p.leave_out(2, "slow stream"));
         assert_eq!(p.reference(0, Reference::Median), Some(0.011), "a left-out node is not either");
         assert_eq!(p.probes_due(), [(0, "http://a".to_string()), (2, "http://c".to_string())]);
+    }
+
+    #[test]
+    fn refused_probes_bring_every_node_back_and_fall_back_to_decay() {
+        let p = probed(RoutingPolicy::LeastLoaded);
+        p.probe_result(0, Some(0.010));
+        p.probe_result(1, Some(0.040));
+        assert_eq!(left_out(&p), [false, true]);
+        p.probes_refused(401);
+        assert!(!p.probed());
+        assert_eq!(left_out(&p), [false, false], "no probe could bring it back: nothing stays out for good");
+        assert!(p.probes_due().is_empty());
+        for _ in 0..4 {
+            assert_eq!(p.pick(&[]), Some(0), "the slow node is left out by its (decaying) estimate");
+        }
     }
 
     #[test]

@@ -41,12 +41,19 @@ pub async fn run(pool: Arc<Pool>, client: reqwest::Client, authorization: Option
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        if !pool.probed() {
+            return; // the nodes refused the probes: nothing more to do
+        }
         for (id, url) in pool.probes_due() {
             let (pool, client, authorization) = (pool.clone(), client.clone(), authorization.clone());
             let request_id = format!("probe-{}", NEXT.fetch_add(1, Ordering::Relaxed));
             actix_web::rt::spawn(async move {
                 let gap = match probe(&client, &url, &request_id, authorization.as_deref()).await {
                     Ok(gap) => Some(gap),
+                    Err(Failed::Refused(status)) => {
+                        pool.probes_refused(status);
+                        None
+                    }
                     Err(e) => {
                         tracing::debug!(upstream = %url, %request_id, error = %e, "probe got no usable answer");
                         None
@@ -59,6 +66,23 @@ pub async fn run(pool: Arc<Pool>, client: reqwest::Client, authorization: Option
     }
 }
 
+/// Why a probe measured nothing.
+#[derive(Debug)]
+enum Failed {
+    /// 401 or 403: the node wants a credential the router does not have.
+    Refused(u16),
+    Other(String),
+}
+
+impl std::fmt::Display for Failed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failed::Refused(status) => write!(f, "refused with {status}"),
+            Failed::Other(why) => f.write_str(why),
+        }
+    }
+}
+
 /// Send one probe to the node at `url` and return the median gap between its tokens, per
 /// token, in seconds.
 async fn probe(
@@ -66,7 +90,8 @@ async fn probe(
     url: &str,
     request_id: &str,
     authorization: Option<&str>,
-) -> Result<f64, String> {
+) -> Result<f64, Failed> {
+    let other = |e: String| Failed::Other(e);
     let mut body = json!({
         "prompt": "pdmesh probe",
         "max_tokens": PROBE_TOKENS,
@@ -79,22 +104,26 @@ async fn probe(
     if let Some(v) = authorization {
         rb = rb.header(reqwest::header::AUTHORIZATION, v);
     }
-    let mut res = rb.json(&body).send().await.map_err(|e| e.to_string())?;
+    let mut res = rb.json(&body).send().await.map_err(|e| other(e.to_string()))?;
+    let status = res.status().as_u16();
+    if status == 401 || status == 403 {
+        return Err(Failed::Refused(status));
+    }
     if !res.status().is_success() {
-        return Err(format!("answered {}", res.status().as_u16()));
+        return Err(other(format!("answered {status}")));
     }
     let mut gaps = Gaps::default();
     let mut buf = BytesMut::new();
-    while let Some(bytes) = res.chunk().await.map_err(|e| e.to_string())? {
+    while let Some(bytes) = res.chunk().await.map_err(|e| other(e.to_string()))? {
         buf.extend_from_slice(&bytes);
         while let Some(end) = super::migrate::first_event_end(&buf) {
             let event = buf.split_to(end);
             if gaps.event(&event, Instant::now()) {
-                return gaps.median().ok_or_else(|| "too few tokens to measure".to_string());
+                return gaps.median().ok_or_else(|| other("too few tokens to measure".into()));
             }
         }
     }
-    gaps.median().ok_or_else(|| "the stream ended before enough tokens".to_string())
+    gaps.median().ok_or_else(|| other("the stream ended before enough tokens".into()))
 }
 
 /// The per-token gaps of one probe stream.
