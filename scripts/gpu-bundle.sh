@@ -8,7 +8,7 @@
 # `model_mesh` and `faults`: the real model through whole meshes on the GPU, cuda backend),
 # and splits them and the model into two folders, each of which fits one transfer of
 # LIMIT_MIB (64) together with the repository:
-#   .gpu/a   the binaries (bin.tar.gz, stripped; bin/MANIFEST names each test binary and the
+#   .gpu/a   the binaries (bin.tar.xz, stripped; bin/MANIFEST names each test binary and the
 #            package folder it runs from), the model's sha256, and as much of the model as fits
 #   .gpu/b   the rest of the model
 # On the GPU machine, with the repository copied there:
@@ -61,7 +61,8 @@ if len(manifest) != 4:
 open(f"{out}/stage/bin/MANIFEST", "w").write("\n".join(sorted(manifest)) + "\n")
 EOF
 strip "$OUT"/stage/bin/* 2>/dev/null || true
-tar -C "$OUT/stage" -czf "$OUT/a/bin.tar.gz" bin
+# xz: the stripped binaries take 9 MB instead of gzip's 24, room the model's parts need
+tar -C "$OUT/stage" -cf - bin | xz -9 -T2 >"$OUT/a/bin.tar.xz"
 sha256sum "$MODEL" | cut -d' ' -f1 >"$OUT/a/model.sha256"
 pwd >"$OUT/a/repo_path"
 rm -rf "$OUT/stage" "$OUT/build.json" "$OUT/tests.json"

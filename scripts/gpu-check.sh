@@ -30,10 +30,16 @@ die() {
 }
 
 stage() {
-  [[ -f .gpu/a/bin.tar.gz && -f .gpu/a/model.part1 ]] || die ".gpu/a is not here (scripts/gpu-bundle.sh makes it)"
+  [[ -f .gpu/a/bin.tar.xz && -f .gpu/a/model.part1 ]] || die ".gpu/a is not here (scripts/gpu-bundle.sh makes it)"
   mkdir -p "$GPU_CHECK_DIR"
   rm -rf "$GPU_CHECK_DIR/bin"
-  tar -C "$GPU_CHECK_DIR" -xzf .gpu/a/bin.tar.gz || die "cannot unpack the binaries"
+  # tar's xz filter, or Python's lzma where the machine has no xz
+  if command -v xz >/dev/null; then
+    tar -C "$GPU_CHECK_DIR" -xJf .gpu/a/bin.tar.xz || die "cannot unpack the binaries"
+  else
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' .gpu/a/bin.tar.xz "$GPU_CHECK_DIR" ||
+      die "cannot unpack the binaries (no xz, and python3 could not either)"
+  fi
   cp .gpu/a/model.part1 .gpu/a/model.sha256 .gpu/a/repo_path "$GPU_CHECK_DIR/" || die "cannot stage"
   echo "staged in $GPU_CHECK_DIR: $(wc -l <"$GPU_CHECK_DIR/bin/MANIFEST") test binaries, model part 1"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
