@@ -2,7 +2,9 @@
 
 use std::time::Instant;
 
-use pdmesh_protocol::{EngineRequest, FinishReason, FinishedStatus, KvTransferParams, SamplingParams, TokenLogprobs};
+use pdmesh_protocol::{
+    EngineRequest, FinishReason, FinishedStatus, KvTransferParams, SamplingHistory, SamplingParams, TokenLogprobs,
+};
 
 /// vLLM's `RequestStatus`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,10 +106,19 @@ pub struct Request {
     /// Prompt tokens the prefix cache supplied when the request was first scheduled
     /// (OpenAI's `usage.prompt_tokens_details.cached_tokens`); `None` before that.
     pub num_cached_tokens: Option<u32>,
+    /// The step's [`SamplingHistory`] without the output, fixed at arrival: the prompt's
+    /// distinct ids (repetition penalty only) and the ids `min_tokens` holds back. Built once
+    /// here so a sampling step only appends the output (empty unless the request needs it).
+    history_base: SamplingHistory,
 }
 
 impl Request {
     pub fn new(req: EngineRequest) -> Self {
+        let history_base = if req.sampling.needs_history() {
+            history_base(&req.prompt_token_ids, &req.sampling, &req.eos_token_ids)
+        } else {
+            SamplingHistory::default()
+        };
         Self {
             id: req.request_id,
             prompt: req.prompt_token_ids,
@@ -130,6 +141,19 @@ impl Request {
             block_hashes: Vec::new(),
             num_cached_blocks: 0,
             num_cached_tokens: None,
+            history_base,
+        }
+    }
+
+    /// What the sampler's penalties, `min_tokens` and `bad_words` read for this request now.
+    /// A request moved here (`output_index_offset`) carries the tokens it generated elsewhere
+    /// at the end of its prompt: they count as output, so every node penalises the same history.
+    pub fn sampling_history(&self) -> SamplingHistory {
+        let moved = (self.sampling.output_index_offset as usize).min(self.prompt.len());
+        let earlier = &self.prompt[self.prompt.len() - moved..];
+        SamplingHistory {
+            output_token_ids: earlier.iter().chain(&self.output).copied().collect(),
+            ..self.history_base.clone()
         }
     }
 
@@ -147,5 +171,68 @@ impl Request {
 
     pub fn tokens(&self, from: u32, to: u32) -> Vec<u32> {
         (from as usize..to as usize).filter_map(|p| self.token_at(p)).collect()
+    }
+}
+
+/// [`Request::sampling_history`]'s fixed part: the distinct ids of the prompt proper (without
+/// the tokens a moved request generated elsewhere) when a repetition penalty reads them, and
+/// with `min_tokens` the ids it holds back (EOS unless `ignore_eos`, and `stop_token_ids`).
+fn history_base(prompt: &[u32], sampling: &SamplingParams, eos_token_ids: &[u32]) -> SamplingHistory {
+    let distinct = |ids: &mut Vec<u32>| {
+        ids.sort_unstable();
+        ids.dedup();
+    };
+    let mut prompt_token_ids = Vec::new();
+    if sampling.repetition_penalty != 1.0 {
+        let moved = (sampling.output_index_offset as usize).min(prompt.len());
+        prompt_token_ids = prompt[..prompt.len() - moved].to_vec();
+        distinct(&mut prompt_token_ids);
+    }
+    let mut stop_token_ids = Vec::new();
+    if sampling.min_tokens > 0 {
+        let eos = eos_token_ids.iter().filter(|_| !sampling.ignore_eos);
+        stop_token_ids = eos.chain(&sampling.stop_token_ids).copied().collect();
+        distinct(&mut stop_token_ids);
+    }
+    SamplingHistory { prompt_token_ids, output_token_ids: Vec::new(), stop_token_ids }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(prompt: Vec<u32>, sampling: SamplingParams) -> Request {
+        Request::new(EngineRequest {
+            request_id: "r".into(),
+            client_request_id: None,
+            prompt_token_ids: prompt,
+            sampling,
+            eos_token_ids: vec![0],
+            arrival_unix_ms: 0,
+            kv_transfer_params: None,
+            data_parallel_rank: None,
+        })
+    }
+
+    #[test]
+    fn a_moved_requests_earlier_tokens_are_output_not_prompt() {
+        // prompt 5 3 5, then 9 7 generated on another node (offset 2), then 4 here
+        let sampling = SamplingParams {
+            repetition_penalty: 1.2,
+            min_tokens: 4,
+            stop_token_ids: vec![8, 0],
+            output_index_offset: 2,
+            ..SamplingParams::default()
+        };
+        let mut req = request(vec![5, 3, 5, 9, 7], sampling);
+        req.output.push(4);
+        let h = req.sampling_history();
+        assert_eq!(h.prompt_token_ids, vec![3, 5]);
+        assert_eq!(h.output_token_ids, vec![9, 7, 4]);
+        assert_eq!(h.stop_token_ids, vec![0, 8]);
+        // without a repetition penalty or min_tokens, nothing but the output travels
+        let mut plain = request(vec![5, 3], SamplingParams { frequency_penalty: 0.5, ..SamplingParams::default() });
+        plain.output.push(6);
+        assert_eq!(plain.sampling_history(), SamplingHistory { output_token_ids: vec![6], ..Default::default() });
     }
 }

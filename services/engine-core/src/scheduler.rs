@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use pdmesh_protocol::{
     ConnectorCall, EngineOutput, EngineRequest, EngineStats, HeldRequest, KvConnectorOutput, KvTransferParams, KvUsage,
-    ModelRunnerOutput, SamplingHistory, ScheduledChunk,
+    ModelRunnerOutput, ScheduledChunk,
 };
 
 use crate::block_pool::{block_hash, extend_hashes, root_hash, BlockHash, BlockPool};
@@ -807,38 +807,7 @@ impl Scheduler {
             output_index: req.output.len() as u32,
             // the grammar matcher's input (D53): only where it will mask a sample
             guided_output: if sample && req.sampling.guided.is_some() { req.output.clone() } else { Vec::new() },
-            history: (sample && req.sampling.needs_history()).then(|| Self::sampling_history(req)),
-        }
-    }
-
-    /// What the sampler's penalties, `min_tokens` and `bad_words` read for `req`. A request
-    /// moved here (`output_index_offset`) carries the tokens it generated elsewhere at the end
-    /// of its prompt: they count as output, so every node penalises the same history.
-    fn sampling_history(req: &Request) -> SamplingHistory {
-        let sampling = &req.sampling;
-        let moved = (sampling.output_index_offset as usize).min(req.prompt.len());
-        let (prompt, earlier) = req.prompt.split_at(req.prompt.len() - moved);
-        let prompt_token_ids = if sampling.repetition_penalty != 1.0 {
-            let mut ids = prompt.to_vec();
-            ids.sort_unstable();
-            ids.dedup();
-            ids
-        } else {
-            Vec::new()
-        };
-        let stop_token_ids = if sampling.min_tokens > 0 {
-            let eos = req.eos_token_ids.iter().filter(|_| !sampling.ignore_eos);
-            let mut ids: Vec<u32> = eos.chain(&sampling.stop_token_ids).copied().collect();
-            ids.sort_unstable();
-            ids.dedup();
-            ids
-        } else {
-            Vec::new()
-        };
-        SamplingHistory {
-            prompt_token_ids,
-            output_token_ids: earlier.iter().chain(&req.output).copied().collect(),
-            stop_token_ids,
+            history: (sample && req.sampling.needs_history()).then(|| req.sampling_history()),
         }
     }
 

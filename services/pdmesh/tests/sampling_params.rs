@@ -151,12 +151,7 @@ fn sampling_parameters_are_equal_through_pd_and_colocated() {
     }
 
     // the official SDK, through the router
-    let python = common::openai_python();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/penalties_sdk.py");
-    let out = std::process::Command::new(&python).arg(script).arg(mesh.url_on(router, "")).output().unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && stdout.contains("OK"), "penalties with the SDK failed:\n{stdout}\n{stderr}");
-    eprintln!("{stdout}");
+    eprintln!("{}", common::run_sdk_script("penalties_sdk.py", &mesh.url_on(router, "")));
 
     mesh.wait_kv_on(router + 1, "P holds nothing once D has read", |kv| {
         kv["held_blocks"] == 0 && kv["used_blocks"] == 0

@@ -25,15 +25,14 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use common::failover::{busy_node, load_of};
+use common::failover::{busy_node, load_of, stream_greedy, Streamed};
 use common::{metric, reserve_ports, scaleout_topology};
-use serde_json::{json, Value};
+use serde_json::json;
 
 /// Tokens of the stream: long enough that it is still running when the test slows its node
 /// (a forward pass of this model is a few ms to a few tens of ms here; the test slows the node
@@ -42,50 +41,9 @@ const TOKENS: u64 = 256;
 /// Added to every forward pass of a slowed D: dozens of times a pass of this model.
 const SLOW_MS: u64 = 300;
 
-/// What the stream gave the client.
-#[derive(Debug, PartialEq)]
-struct Streamed {
-    text: String,
-    finish_reason: Option<String>,
-    completion_tokens: Option<u64>,
-    errors: Vec<String>,
-}
-
 /// One greedy stream of `TOKENS` tokens; `started` becomes 1 once it has text.
 fn stream(url: &str, started: &AtomicUsize) -> Streamed {
-    let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(600)).build().unwrap();
-    let body = json!({"prompt": "A slow node must not show: once upon a time", "max_tokens": TOKENS,
-                      "temperature": 0, "ignore_eos": true, "stream": true,
-                      "stream_options": {"include_usage": true}});
-    let r = client.post(url).json(&body).send().unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    let mut out = Streamed { text: String::new(), finish_reason: None, completion_tokens: None, errors: vec![] };
-    for line in BufReader::new(r).lines() {
-        let line = line.unwrap();
-        let Some(data) = line.strip_prefix("data: ") else { continue };
-        if data == "[DONE]" {
-            break;
-        }
-        let v: Value = serde_json::from_str(data).unwrap();
-        assert!(v.get("pdmesh_token_ids").is_none(), "the router's internal field reached the client: {v}");
-        if let Some(m) = v["error"]["message"].as_str() {
-            out.errors.push(m.to_string());
-            continue;
-        }
-        if let Some(t) = v["choices"][0]["text"].as_str() {
-            out.text.push_str(t);
-            if !t.is_empty() {
-                started.store(1, Ordering::SeqCst);
-            }
-        }
-        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
-            out.finish_reason = Some(f.to_string());
-        }
-        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
-            out.completion_tokens = Some(n);
-        }
-    }
-    out
+    stream_greedy(url, "A slow node must not show: once upon a time", TOKENS, started)
 }
 
 /// A short request (8 tokens) through the router, answered 200.

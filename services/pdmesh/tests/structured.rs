@@ -194,12 +194,7 @@ fn structured_outputs_parse_and_validate_colocated_and_through_pd() {
     check_node(&mesh, router + 3);
     check_node(&mesh, router);
     // tool calling with the official SDK, through the P/D router
-    let python = common::openai_python();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/py/tool_round_trip.py");
-    let out = std::process::Command::new(&python).arg(script).arg(mesh.url_on(router, "")).output().unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success() && stdout.contains("OK"), "tool round trip failed:\n{stdout}\n{stderr}");
-    eprintln!("{stdout}");
+    eprintln!("{}", common::run_sdk_script("tool_round_trip.py", &mesh.url_on(router, "")));
     let metrics = client().get(mesh.url_on(router + 3, "/metrics")).send().unwrap().text().unwrap();
     assert!(
         metrics

@@ -61,12 +61,19 @@ pub fn fresh_run_dir(prefix: &str, port: u16) -> std::path::PathBuf {
 
 /// One greedy stream of `TOKENS` tokens; `started` counts streams that received text.
 pub fn stream_one(url: &str, i: usize, started: &AtomicUsize) -> Streamed {
-    let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap();
-    let body = json!({"prompt": format!("fail-over stream {i}: once upon a time"), "max_tokens": TOKENS,
+    stream_greedy(url, &format!("fail-over stream {i}: once upon a time"), TOKENS as u64, started)
+}
+
+/// One greedy, `ignore_eos` stream of `max_tokens` tokens of `prompt` with usage, read as the
+/// client sees it (the router's internal field must never reach it); `started` is incremented
+/// once, when the stream first has text.
+pub fn stream_greedy(url: &str, prompt: &str, max_tokens: u64, started: &AtomicUsize) -> Streamed {
+    let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(600)).build().unwrap();
+    let body = json!({"prompt": prompt, "max_tokens": max_tokens,
                       "temperature": 0, "ignore_eos": true, "stream": true,
                       "stream_options": {"include_usage": true}});
     let r = client.post(url).json(&body).send().unwrap();
-    assert_eq!(r.status().as_u16(), 200, "stream {i}");
+    assert_eq!(r.status().as_u16(), 200, "stream of {prompt:?}");
     let mut out = Streamed { text: String::new(), finish_reason: None, completion_tokens: None, errors: vec![] };
     let mut counted = false;
     for line in BufReader::new(r).lines() {

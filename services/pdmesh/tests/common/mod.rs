@@ -594,3 +594,14 @@ pub fn openai_python() -> std::path::PathBuf {
     );
     python
 }
+
+/// Run `tests/py/<script>` with the openai SDK's Python ([`openai_python`]) against `base_url`;
+/// it must exit 0 and print `OK`. Returns its stdout (the figures it prints).
+pub fn run_sdk_script(script: &str, base_url: &str) -> String {
+    let python = openai_python();
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/py").join(script);
+    let out = std::process::Command::new(&python).arg(&path).arg(base_url).output().unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && stdout.contains("OK"), "{script} failed:\n{stdout}\n{stderr}");
+    stdout.into_owned()
+}
