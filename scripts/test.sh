@@ -22,6 +22,9 @@ cargo clippy --workspace --all-targets -- -D warnings
 # Every crate is on ARCHITECTURE.md's code map and README's layout (--selftest: a crate missing
 # from either must be reported).
 python3 scripts/check-code-map.py --selftest
+# No import loop of more than two modules inside a service crate (issue 42); --selftest: a
+# planted three-module loop must be reported.
+python3 scripts/check-import-loops.py --selftest
 cargo build --release --workspace --all-targets
 # The GPU feature must build on every machine (CUDA is loaded at run time): the binary with
 # the GPU executor and the cuda transfer backend, and the GPU tests, which run the model and the

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Load-aware routing around a slowed decode node (D55, D104), side by side with round robin.
 #
-# One mesh: 2 prefill and 2 decode nodes behind two routers over the same four nodes, one
-# `policy = "least_loaded"` (router :HTTP) and one `policy = "round_robin"` (router :HTTP+5).
+# One mesh: 2 prefill and 2 decode nodes behind three routers over the same four nodes:
+# `policy = "least_loaded"` (router :HTTP), `"round_robin"` (:HTTP+5) and `"power_of_two"`
+# (:HTTP+6, D108).
 # The synthetic executor with a mostly per-step cost (per_step_cost_us = STEP_US, per token
 # 100 us: a decode step costs about the same for 4 or 8 sequences, as on an accelerator).
 # Two phases, each with its own `pdmesh up`: `healthy` (both D as configured) and `slowed`
 # (decode-b's executor under `model.fault_injection = "step_delay_ms=DELAY_MS"`). In each
-# phase both routers get the same closed-loop load in turn: CONCURRENCY streams of 64 tokens,
+# phase the routers get the same closed-loop load in turn: CONCURRENCY streams of 64 tokens,
 # REQUESTS requests; then every P and D must hold and use no KV block.
 #
 # RUNS times over (each run waits up to QUIET_WAIT_S for a 1-minute load average under 1 and
 # reports the one it started at), then the verdict against issue 44's numbers, for
 # least_loaded: ITL p99 slowed ÷ healthy ≤ 1.2 in the median run and ≤ 1.35 in every run, ITL
-# p50 within 5 % and output throughput within 10 % of healthy in every run. Round robin's
-# figures are printed beside them (no verdict: it weighs no latency). Exits non-zero when a
+# p50 within 5 % and output throughput within 10 % of healthy in every run. Round robin's and
+# power of two's figures are printed beside them (no verdict). Exits non-zero when a
 # number is missed (or a request failed, or a block stayed held).
 #
 #   STEP_US (8000), DELAY_MS (30), CONCURRENCY (8), REQUESTS (96), RUNS (1), QUIET_WAIT_S (300)
@@ -57,6 +58,8 @@ N
       "$HTTP" "$base" "$p" "$d"
     printf '[[nodes]]\nname = "router-rr"\nrole = "router"\nhttp_port = %s\nbase_port = %s\nrouter = { prefill = %s, decode = %s, policy = "round_robin" }\n\n' \
       "$((HTTP + 5))" "$((base + 20))" "$p" "$d"
+    printf '[[nodes]]\nname = "router-p2"\nrole = "router"\nhttp_port = %s\nbase_port = %s\nrouter = { prefill = %s, decode = %s, policy = "power_of_two" }\n\n' \
+      "$((HTTP + 6))" "$((base + 40))" "$p" "$d"
     node prefill-a prefill $((HTTP + 1)) $((base + 200)) kv_producer $((HTTP + 5000)) ""
     node prefill-b prefill $((HTTP + 2)) $((base + 400)) kv_producer $((HTTP + 5010)) ""
     node decode-a decode $((HTTP + 3)) $((base + 600)) kv_consumer $((HTTP + 5020)) ""
@@ -101,9 +104,10 @@ for ((run = 1; run <= RUNS; run++)); do
     for port in $((HTTP + 1)) $((HTTP + 2)) $((HTTP + 3)) $((HTTP + 4)); do
       wait_engines "http://127.0.0.1:$port" 90 || { log "node :$port did not come up"; tail -20 "$dir/up.log" >&2; kill "$up"; exit 1; }
     done
-    for policy in ll rr; do
+    for policy in ll rr p2; do
       port=$HTTP
       [[ $policy == rr ]] && port=$((HTTP + 5))
+      [[ $policy == p2 ]] && port=$((HTTP + 6))
       log "run $run, $phase, $policy: $CONCURRENCY streams, $REQUESTS requests"
       "$LOAD" run --url "http://127.0.0.1:$port" --endpoint completions --concurrency "$CONCURRENCY" \
         --requests "$REQUESTS" --warmup "$CONCURRENCY" --output-len 64 --out-dir "$OUT/run$run/$phase-$policy" \
@@ -127,12 +131,12 @@ problems = []
 for i in range(1, runs + 1):
     d = f"{out}/run{i}"
     r = {k: json.load(open(f"{d}/{k}/report.json"))["summary"] for k in
-         ["healthy-ll", "healthy-rr", "slowed-ll", "slowed-rr"]}
+         ["healthy-ll", "healthy-rr", "healthy-p2", "slowed-ll", "slowed-rr", "slowed-p2"]}
     for k, s in r.items():
         if s["failed"]:
             problems.append(f"run {i} {k}: {s['failed']} failed requests")
     load = open(f"{d}/loadavg").read().strip()
-    for pol in ["ll", "rr"]:
+    for pol in ["ll", "p2", "rr"]:
         h, s = r[f"healthy-{pol}"], r[f"slowed-{pol}"]
         f = dict(run=i, load=load, pol=pol, h50=h["itl_ms"]["p50_ms"], h99=h["itl_ms"]["p99_ms"],
                  s50=s["itl_ms"]["p50_ms"], s99=s["itl_ms"]["p99_ms"],
@@ -155,7 +159,7 @@ if median > P99_MEDIAN:
 print("| run | load avg | policy | healthy ITL p50 / p99 (ms) | slowed ITL p50 / p99 (ms) | p50 ratio | p99 ratio | tok/s healthy / slowed | throughput ratio |")
 print("|---|---|---|---|---|---|---|---|---|")
 for f in rows:
-    name = "least_loaded" if f["pol"] == "ll" else "round_robin"
+    name = {"ll": "least_loaded", "p2": "power_of_two", "rr": "round_robin"}[f["pol"]]
     print(f"| {f['run']} | {f['load']} | {name} | {f['h50']:.1f} / {f['h99']:.1f} | {f['s50']:.1f} / {f['s99']:.1f} | "
           f"{f['p50']:.3f} | {f['p99']:.2f} | {f['ht']:.0f} / {f['st']:.0f} | {f['tput']:.3f} |")
 print()

@@ -74,6 +74,8 @@ pub struct DpLb {
     stats: HashMap<u64, StatsGather>,
     /// What each rank's prefix cache holds, from its last stats answer (D59).
     prefix: Vec<policy::RankPrefix>,
+    /// How a rank is chosen for a request no client pinned.
+    policy: Box<dyn policy::RankPolicy>,
     next_corr: u64,
     health: pdmesh_telemetry::ops::Health,
     /// Rejection notices that arrived while no rank was connected (rule R1).
@@ -90,6 +92,9 @@ pub struct Limits {
     pub max_in_flight: u32,
     /// Waiting requests per rank (the engine's `max_waiting`; 0: no bound).
     pub max_waiting: u32,
+    /// The ranks cache prefixes (`engine.enable_prefix_caching`): choose ranks by what they
+    /// hold too ([`policy::for_ranks`]).
+    pub prefix_caching: bool,
 }
 
 /// One line a second about refusals, whatever their rate.
@@ -208,6 +213,7 @@ impl DpLb {
             outputs: None,
             stats: HashMap::new(),
             prefix: vec![policy::RankPrefix::default(); dp_size as usize],
+            policy: policy::for_ranks(limits.prefix_caching),
             next_corr: 1,
             health,
             limits,
@@ -245,7 +251,7 @@ impl DpLb {
                 }
                 r
             }
-            None => match policy::choose_with_overlap(&self.ranks, self.limits.max_waiting, &self.overlaps(&req)) {
+            None => match self.policy.choose(&self.ranks, self.limits.max_waiting, &self.overlaps(&req)) {
                 Ok(r) => r,
                 Err(policy::NoRank::Unavailable) => {
                     m::ROUTED.with_label_values(&["unavailable"]).inc();
@@ -560,7 +566,11 @@ pub async fn run(mut ctx: ServiceContext, shutdown: Shutdown) -> Result<(), DpLb
 /// Start the dp-lb of `ctx`'s node inside the current actix System.
 pub async fn start(ctx: &ServiceContext) -> Result<Addr<DpLb>, DpLbError> {
     let (node, eps) = (&ctx.node, &ctx.endpoints);
-    let limits = Limits { max_in_flight: node.limits.dp_lb_max_in_flight, max_waiting: node.engine.max_waiting };
+    let limits = Limits {
+        max_in_flight: node.limits.dp_lb_max_in_flight,
+        max_waiting: node.engine.max_waiting,
+        prefix_caching: node.engine.enable_prefix_caching,
+    };
     let actor = DpLb::new(node.dp_size, ctx.health.clone(), limits).start();
     let fe_tag = Tag(actor.clone(), FromFrontend).start();
     let en_tag = Tag(actor.clone(), FromEngines).start();
@@ -619,7 +629,7 @@ mod tests {
 
     #[test]
     fn the_in_flight_table_is_bounded_and_frees_places_on_finish() {
-        let mut lb = dp_lb(2, Limits { max_in_flight: 3, max_waiting: 0 });
+        let mut lb = dp_lb(2, Limits { max_in_flight: 3, max_waiting: 0, prefix_caching: true });
         for id in ["a", "b", "c"] {
             assert_eq!(class(&add(&mut lb, id, None)), None);
         }
@@ -634,7 +644,7 @@ mod tests {
 
     #[test]
     fn full_waiting_queues_are_refused_from_the_load_reports() {
-        let mut lb = dp_lb(2, Limits { max_in_flight: 0, max_waiting: 2 });
+        let mut lb = dp_lb(2, Limits { max_in_flight: 0, max_waiting: 2, prefix_caching: true });
         // two per rank fit (pending counts what was sent since the last report)
         for id in ["a", "b", "c", "d"] {
             assert_eq!(class(&add(&mut lb, id, None)), None, "{id}");
@@ -648,7 +658,7 @@ mod tests {
         assert_eq!(class(&add(&mut lb, "g", None)), None);
         assert_eq!(lb.in_flight.get("g").map(|f| f.rank), Some(1));
         // no rank connected stays `unavailable`, not `overloaded`
-        let mut down = dp_lb(1, Limits { max_in_flight: 1, max_waiting: 1 });
+        let mut down = dp_lb(1, Limits { max_in_flight: 1, max_waiting: 1, prefix_caching: true });
         down.ranks[0].connected = false;
         assert_eq!(class(&add(&mut down, "x", None)), Some(ErrorClass::Unavailable));
     }
@@ -659,7 +669,7 @@ mod tests {
     /// nothing from P, get none.
     #[test]
     fn requests_lost_with_their_rank_tell_p_to_free() {
-        let mut lb = dp_lb(1, Limits { max_in_flight: 0, max_waiting: 0 });
+        let mut lb = dp_lb(1, Limits { max_in_flight: 0, max_waiting: 0, prefix_caching: true });
         assert_eq!(class(&add(&mut lb, "remote", Some(0))), None);
         assert_eq!(class(&add(&mut lb, "finished", Some(0))), None);
         finish(&mut lb, "finished");

@@ -219,6 +219,14 @@ pub struct Scheduler {
     reserve_next_block: bool,
 }
 
+/// What [`Scheduler::admit`] did with one waiting request.
+enum Admit {
+    /// Go on with the next waiting request.
+    Next,
+    /// Blocks are short: the request went back to the head of the queue; admit nothing more.
+    Stop,
+}
+
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Self {
         Self {
@@ -546,18 +554,35 @@ impl Scheduler {
         let mut out =
             Schedule { finished_request_ids: std::mem::take(&mut self.finished_since_last_step), ..Default::default() };
         let mut budget = self.cfg.max_num_batched_tokens;
-        let bs = self.cfg.block_size;
-        let mut preempted_any = false;
+        let preempted_any = self.schedule_running(&mut out, &mut budget);
+        // Waiting requests only in a step that did not have to preempt.
+        if !preempted_any {
+            self.schedule_waiting(&mut out, &mut budget);
+        }
+        // Last, so that no running request is preempted and no waiting one left out for a
+        // block given early.
+        if self.reserve_next_block {
+            self.reserve_next_blocks(&mut out);
+        }
+        if !out.chunks.is_empty() {
+            self.counters.steps += 1;
+        }
+        out
+    }
 
-        // ---- running requests first
+    /// Running requests first, in order, within `budget` tokens: each gets the blocks for its
+    /// next chunk, preempting the lowest-priority running request (the last) while blocks are
+    /// short. Returns whether any request was preempted.
+    fn schedule_running(&mut self, out: &mut Schedule, budget: &mut u32) -> bool {
+        let mut preempted_any = false;
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && *budget > 0 {
             let id = self.running[i].clone();
             let Some(req) = self.requests.get(&id) else {
                 self.running.remove(i);
                 continue;
             };
-            let num_new = (req.num_tokens() - req.num_computed_tokens).min(budget);
+            let num_new = (req.num_tokens() - req.num_computed_tokens).min(*budget);
             if num_new == 0 {
                 i += 1;
                 continue;
@@ -584,162 +609,186 @@ impl Scheduler {
             let Some(req) = self.requests.get_mut(&id) else { break };
             req.block_ids.extend(new_blocks);
             let chunk = Self::chunk_for(req, num_new);
-            budget -= num_new;
+            *budget -= num_new;
             out.num_scheduled_tokens += num_new;
             out.chunks.push(chunk);
             i += 1;
         }
+        preempted_any
+    }
 
-        // ---- then waiting requests (not in a step that had to preempt)
-        if !preempted_any {
-            self.hoist_loaded_requests();
-            let mut skipped: VecDeque<String> = VecDeque::new();
-            while let Some(id) = self.waiting.pop_front() {
-                if self.running.len() as u32 >= self.cfg.max_num_seqs || budget == 0 {
-                    self.waiting.push_front(id);
-                    break;
-                }
-                let Some(req) = self.requests.get_mut(&id) else { continue };
-                if req.status == RequestStatus::WaitingForRemoteKvs {
-                    if !self.finished_recving.remove(&id) {
-                        skipped.push_back(id);
-                        continue;
-                    }
-                    // KV arrived: count the loaded tokens as computed, except the last prompt
-                    // token, which is recomputed to produce logits.
-                    // (A local prefix hit already counts in `num_computed_tokens`.)
-                    let mut computed = (req.num_computed_tokens + req.num_external_tokens).min(req.num_tokens());
-                    if computed >= req.num_tokens() {
-                        computed = req.num_tokens().saturating_sub(1);
-                    }
-                    req.num_computed_tokens = computed;
-                    req.status =
-                        if req.num_preemptions > 0 { RequestStatus::Preempted } else { RequestStatus::Waiting };
-                }
-                let Some(m) = req.connector_match else {
-                    skipped.push_back(id);
-                    continue;
-                };
-                let first_alloc = req.block_ids.is_empty();
-                // Prefix cache: a request starting from scratch takes the cached blocks of
-                // its longest cached prefix, never its last token (recomputed for logits).
-                let max_hit = (req.num_tokens().saturating_sub(1) / bs) as usize;
-                let hit = if first_alloc && req.num_computed_tokens == 0 && self.pool.caching() {
-                    if req.block_hashes.len() < max_hit {
-                        let tokens = req.tokens(0, max_hit as u32 * bs);
-                        extend_hashes(&self.root, &tokens, bs, &mut req.block_hashes);
-                    }
-                    self.pool.lookup(req.block_hashes.get(..max_hit).unwrap_or(&[]))
-                } else {
-                    Vec::new()
-                };
-                // A full local hit (every block but the one holding the last prompt token)
-                // leaves less than a block to compute: D reads nothing and prefills the rest
-                // itself; the connector's receive without local blocks tells P at once.
-                let full_hit = !hit.is_empty() && hit.len() == max_hit;
-                // The connector counted its tokens from position 0 (the request had computed
-                // nothing when asked); the local hit covers the first of them.
-                let hit_tokens = hit.len() as u32 * bs;
-                let external = if m.load_async { m.external_tokens.saturating_sub(hit_tokens) } else { 0 };
-                if req.num_computed_tokens == 0 && first_alloc && external > 0 && !full_hit {
-                    // Async load: blocks for the prompt past the local hit, then wait for the
-                    // KV; the connector loads only the tail that is not cached here. Only as
-                    // many as the remote holds: a request resumed after the token P sampled
-                    // (D63) is longer than P's prompt, and the reader pairs its blocks with P's
-                    // from the end. What lies past P's blocks is computed here when it runs.
-                    let remote_blocks = req
-                        .kv_transfer_params
-                        .as_ref()
-                        .and_then(|p| p.remote_block_ids.as_ref())
-                        .map_or(u32::MAX, |b| u32::try_from(b.len()).unwrap_or(u32::MAX));
-                    let need =
-                        (req.prompt.len() as u32).div_ceil(bs).min(remote_blocks).saturating_sub(hit.len() as u32);
-                    // Never count as loaded more tokens than those blocks hold.
-                    let external = external.min(need * bs);
-                    self.pool.touch(&hit);
-                    let Some(blocks) = self.pool.allocate(need) else {
-                        self.pool.free(&hit);
-                        self.waiting.push_front(id);
-                        break;
-                    };
-                    let Some(req) = self.requests.get_mut(&id) else { break };
-                    if self.pool.caching() {
-                        self.counters.prefix_cache_queries += u64::from(req.num_tokens());
-                        self.counters.prefix_cache_hits += u64::from(hit_tokens);
-                    }
-                    req.num_cached_tokens.get_or_insert(hit_tokens);
-                    req.num_cached_blocks = hit.len() as u32;
-                    req.num_computed_tokens = hit_tokens;
-                    req.block_ids = hit;
-                    req.block_ids.extend(blocks.iter().copied());
-                    req.num_external_tokens = external;
-                    req.status = RequestStatus::WaitingForRemoteKvs;
-                    out.alloc_calls.push(ConnectorCall::UpdateStateAfterAlloc {
-                        request_id: id.clone(),
-                        block_ids: blocks,
-                        num_external_tokens: external,
-                    });
-                    skipped.push_back(id);
-                    continue;
-                }
-                let computed = req.num_computed_tokens.max(hit_tokens);
-                let num_new = (req.num_tokens() - computed).min(budget);
-                let need = (computed + num_new).div_ceil(bs).saturating_sub((req.block_ids.len() + hit.len()) as u32);
-                // Referenced before allocating, so the allocation cannot evict them.
-                self.pool.touch(&hit);
-                let Some(blocks) = self.pool.allocate(need) else {
-                    self.pool.free(&hit);
-                    self.waiting.push_front(id);
-                    break;
-                };
-                let Some(req) = self.requests.get_mut(&id) else { break };
-                if first_alloc && self.pool.caching() {
-                    self.counters.prefix_cache_queries += u64::from(req.num_tokens());
-                    self.counters.prefix_cache_hits += u64::from(hit_tokens);
-                    req.num_cached_tokens.get_or_insert(hit_tokens.min(req.prompt.len() as u32));
-                    req.num_cached_blocks = hit.len() as u32;
-                }
-                req.num_computed_tokens = computed;
-                req.block_ids.extend(hit);
-                req.block_ids.extend(blocks);
-                if first_alloc {
-                    out.alloc_calls.push(ConnectorCall::UpdateStateAfterAlloc {
-                        request_id: id.clone(),
-                        block_ids: req.block_ids.clone(),
-                        num_external_tokens: 0,
-                    });
-                }
-                req.status = RequestStatus::Running;
-                let chunk = Self::chunk_for(req, num_new);
-                budget -= num_new;
-                out.num_scheduled_tokens += num_new;
-                out.chunks.push(chunk);
-                self.running.push(id);
-            }
-            // Skipped requests keep their place at the head of the queue.
-            while let Some(id) = skipped.pop_back() {
+    /// Then waiting requests, in queue order, while there is room: a request whose remote KV
+    /// is still in flight keeps its place; one whose KV arrived counts it as computed; a new
+    /// one takes its local prefix hit and either starts an async load or runs.
+    fn schedule_waiting(&mut self, out: &mut Schedule, budget: &mut u32) {
+        self.hoist_loaded_requests();
+        let mut skipped: VecDeque<String> = VecDeque::new();
+        while let Some(id) = self.waiting.pop_front() {
+            if self.running.len() as u32 >= self.cfg.max_num_seqs || *budget == 0 {
                 self.waiting.push_front(id);
+                break;
+            }
+            if let Admit::Stop = self.admit(id, out, budget, &mut skipped) {
+                break;
             }
         }
-        // Last, so that no running request is preempted and no waiting one left out for a
-        // block given early; and only while more blocks are free than requests run, so that
-        // one given early is never one another running request needs for its next step.
-        if self.reserve_next_block {
-            for chunk in &mut out.chunks {
-                if self.pool.num_free() <= self.running.len() as u32 {
-                    break;
-                }
-                if let Some(req) = self.requests.get_mut(&chunk.request_id) {
-                    if let Some(block) = Self::reserve_next_block(&mut self.pool, &self.cfg, req, chunk) {
-                        chunk.block_ids.push(block);
-                    }
+        // Skipped requests keep their place at the head of the queue.
+        while let Some(id) = skipped.pop_back() {
+            self.waiting.push_front(id);
+        }
+    }
+
+    /// One waiting request `id` (popped from the queue): admitted (running, or waiting for its
+    /// remote KV), `skipped` (it keeps its place), or put back at the head when blocks are short
+    /// (`Admit::Stop`: nothing behind it is admitted in this step).
+    fn admit(&mut self, id: String, out: &mut Schedule, budget: &mut u32, skipped: &mut VecDeque<String>) -> Admit {
+        let bs = self.cfg.block_size;
+        let Some(req) = self.requests.get_mut(&id) else { return Admit::Next };
+        if req.status == RequestStatus::WaitingForRemoteKvs {
+            if !self.finished_recving.remove(&id) {
+                skipped.push_back(id);
+                return Admit::Next;
+            }
+            // KV arrived: count the loaded tokens as computed, except the last prompt
+            // token, which is recomputed to produce logits.
+            // (A local prefix hit already counts in `num_computed_tokens`.)
+            let mut computed = (req.num_computed_tokens + req.num_external_tokens).min(req.num_tokens());
+            if computed >= req.num_tokens() {
+                computed = req.num_tokens().saturating_sub(1);
+            }
+            req.num_computed_tokens = computed;
+            req.status = if req.num_preemptions > 0 { RequestStatus::Preempted } else { RequestStatus::Waiting };
+        }
+        let Some(m) = req.connector_match else {
+            skipped.push_back(id);
+            return Admit::Next;
+        };
+        let first_alloc = req.block_ids.is_empty();
+        // Prefix cache: a request starting from scratch takes the cached blocks of
+        // its longest cached prefix, never its last token (recomputed for logits).
+        let max_hit = (req.num_tokens().saturating_sub(1) / bs) as usize;
+        let hit = if first_alloc && req.num_computed_tokens == 0 && self.pool.caching() {
+            if req.block_hashes.len() < max_hit {
+                let tokens = req.tokens(0, max_hit as u32 * bs);
+                extend_hashes(&self.root, &tokens, bs, &mut req.block_hashes);
+            }
+            self.pool.lookup(req.block_hashes.get(..max_hit).unwrap_or(&[]))
+        } else {
+            Vec::new()
+        };
+        // A full local hit (every block but the one holding the last prompt token)
+        // leaves less than a block to compute: D reads nothing and prefills the rest
+        // itself; the connector's receive without local blocks tells P at once.
+        let full_hit = !hit.is_empty() && hit.len() == max_hit;
+        // The connector counted its tokens from position 0 (the request had computed
+        // nothing when asked); the local hit covers the first of them.
+        let hit_tokens = hit.len() as u32 * bs;
+        let external = if m.load_async { m.external_tokens.saturating_sub(hit_tokens) } else { 0 };
+        if req.num_computed_tokens == 0 && first_alloc && external > 0 && !full_hit {
+            return self.start_async_load(id, hit, external, out, skipped);
+        }
+        let computed = req.num_computed_tokens.max(hit_tokens);
+        let num_new = (req.num_tokens() - computed).min(*budget);
+        let need = (computed + num_new).div_ceil(bs).saturating_sub((req.block_ids.len() + hit.len()) as u32);
+        // Referenced before allocating, so the allocation cannot evict them.
+        self.pool.touch(&hit);
+        let Some(blocks) = self.pool.allocate(need) else {
+            self.pool.free(&hit);
+            self.waiting.push_front(id);
+            return Admit::Stop;
+        };
+        let Some(req) = self.requests.get_mut(&id) else { return Admit::Stop };
+        if first_alloc && self.pool.caching() {
+            self.counters.prefix_cache_queries += u64::from(req.num_tokens());
+            self.counters.prefix_cache_hits += u64::from(hit_tokens);
+            req.num_cached_tokens.get_or_insert(hit_tokens.min(req.prompt.len() as u32));
+            req.num_cached_blocks = hit.len() as u32;
+        }
+        req.num_computed_tokens = computed;
+        req.block_ids.extend(hit);
+        req.block_ids.extend(blocks);
+        if first_alloc {
+            out.alloc_calls.push(ConnectorCall::UpdateStateAfterAlloc {
+                request_id: id.clone(),
+                block_ids: req.block_ids.clone(),
+                num_external_tokens: 0,
+            });
+        }
+        req.status = RequestStatus::Running;
+        let chunk = Self::chunk_for(req, num_new);
+        *budget -= num_new;
+        out.num_scheduled_tokens += num_new;
+        out.chunks.push(chunk);
+        self.running.push(id);
+        Admit::Next
+    }
+
+    /// Admit waiting request `id` for an async load of its remote KV (`external` tokens past
+    /// its local prefix `hit`): blocks for the prompt past the hit, then it waits for the KV
+    /// (`skipped`: it keeps its place); the connector loads only the tail not cached here. Only
+    /// as many blocks as the remote holds: a request resumed after the token P sampled (D63) is
+    /// longer than P's prompt, and the reader pairs its blocks with P's from the end; what lies
+    /// past P's blocks is computed here when it runs.
+    fn start_async_load(
+        &mut self,
+        id: String,
+        hit: Vec<u32>,
+        external: u32,
+        out: &mut Schedule,
+        skipped: &mut VecDeque<String>,
+    ) -> Admit {
+        let bs = self.cfg.block_size;
+        let hit_tokens = hit.len() as u32 * bs;
+        let Some(req) = self.requests.get(&id) else { return Admit::Next };
+        let remote_blocks = req
+            .kv_transfer_params
+            .as_ref()
+            .and_then(|p| p.remote_block_ids.as_ref())
+            .map_or(u32::MAX, |b| u32::try_from(b.len()).unwrap_or(u32::MAX));
+        let need = (req.prompt.len() as u32).div_ceil(bs).min(remote_blocks).saturating_sub(hit.len() as u32);
+        // Never count as loaded more tokens than those blocks hold.
+        let external = external.min(need * bs);
+        self.pool.touch(&hit);
+        let Some(blocks) = self.pool.allocate(need) else {
+            self.pool.free(&hit);
+            self.waiting.push_front(id);
+            return Admit::Stop;
+        };
+        let Some(req) = self.requests.get_mut(&id) else { return Admit::Stop };
+        if self.pool.caching() {
+            self.counters.prefix_cache_queries += u64::from(req.num_tokens());
+            self.counters.prefix_cache_hits += u64::from(hit_tokens);
+        }
+        req.num_cached_tokens.get_or_insert(hit_tokens);
+        req.num_cached_blocks = hit.len() as u32;
+        req.num_computed_tokens = hit_tokens;
+        req.block_ids = hit;
+        req.block_ids.extend(blocks.iter().copied());
+        req.num_external_tokens = external;
+        req.status = RequestStatus::WaitingForRemoteKvs;
+        out.alloc_calls.push(ConnectorCall::UpdateStateAfterAlloc {
+            request_id: id.clone(),
+            block_ids: blocks,
+            num_external_tokens: external,
+        });
+        skipped.push_back(id);
+        Admit::Next
+    }
+
+    /// Give each scheduled request its next block early where one is free (see
+    /// [`Self::reserve_next_block`]), only while more blocks are free than requests run, so that
+    /// one given early is never one another running request needs for its next step.
+    fn reserve_next_blocks(&mut self, out: &mut Schedule) {
+        for chunk in &mut out.chunks {
+            if self.pool.num_free() <= self.running.len() as u32 {
+                break;
+            }
+            if let Some(req) = self.requests.get_mut(&chunk.request_id) {
+                if let Some(block) = Self::reserve_next_block(&mut self.pool, &self.cfg, req, chunk) {
+                    chunk.block_ids.push(block);
                 }
             }
         }
-        if !out.chunks.is_empty() {
-            self.counters.steps += 1;
-        }
-        out
     }
 
     /// Requests whose remote KV arrived go to the head of the waiting queue, in queue order.

@@ -49,6 +49,11 @@ pub const LINK_IDENTITY: &str = "frontend";
 
 static NEXT_TICKET: AtomicU64 = AtomicU64::new(1);
 
+/// A socket-level failure talking to the dp-lb: the engine is unreachable (503).
+pub fn engine_unavailable(err: &TransportError) -> ApiError {
+    ApiError::Unavailable(format!("engine unavailable: {err}"))
+}
+
 /// A process-unique number for one submission.
 pub fn next_ticket() -> u64 {
     NEXT_TICKET.fetch_add(1, Ordering::Relaxed)
@@ -521,7 +526,7 @@ impl Handler<Submit> for EngineClient {
         }
         if !self.link.is_up() {
             let e = TransportError::Unavailable(self.link.endpoint().to_string());
-            return Box::pin(fut::ready(Err(ApiError::from_transport(&e))));
+            return Box::pin(fut::ready(Err(engine_unavailable(&e))));
         }
         // Register before sending: the first output may overtake the Ack (they travel on
         // different sockets).
@@ -545,9 +550,9 @@ impl Handler<Submit> for EngineClient {
                     if act.remove_if_current(&request_id, ticket) {
                         act.send_abort(vec![request_id.clone()], AbortReason::SubmitTimeout);
                     }
-                    ApiError::from_transport(&e)
+                    engine_unavailable(&e)
                 }
-                Err(e) => ApiError::from_transport(&e),
+                Err(e) => engine_unavailable(&e),
             };
             act.remove_if_current(&request_id, ticket);
             Err(refusal)
@@ -595,7 +600,7 @@ async fn query<T>(
                 ApiError::Internal(format!("the dp-lb answered {what} with an unexpected `{kind}` message"))
             })
         }
-        Err(e) => Err(ApiError::from_transport(&e)),
+        Err(e) => Err(engine_unavailable(&e)),
     }
 }
 
@@ -616,5 +621,17 @@ impl Handler<InFlightCount> for EngineClient {
 
     fn handle(&mut self, _msg: InFlightCount, _ctx: &mut Self::Context) -> usize {
         self.in_flight.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_broken_engine_link_is_a_503_naming_the_engine() {
+        let e = engine_unavailable(&TransportError::PeerGone("ipc://x".into()));
+        assert_eq!(actix_web::ResponseError::status_code(&e).as_u16(), 503);
+        assert!(e.to_string().starts_with("engine unavailable: "), "{e}");
     }
 }

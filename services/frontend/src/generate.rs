@@ -7,22 +7,22 @@
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use actix::Addr;
-use actix_web::http::header::HeaderValue;
 use actix_web::HttpResponse;
 use pdmesh_model_api::TextCodec;
 use pdmesh_protocol::{EngineRequest, KvTransferParams, TraceContext};
 
 use crate::engine_client::{next_ticket, thread_inbox, Abort, AbortReason, EngineClient, OutputReceiver, Submit};
 use crate::error::ApiError;
-use crate::headers::{RequestMeta, REQUEST_ID};
+use crate::headers::RequestMeta;
 use crate::metrics::{E2E, FINISH_REASONS_TOTAL, GENERATION_TOKENS_TOTAL, IN_FLIGHT, ITL, PROMPT_TOKENS_TOTAL, TTFT};
 use crate::openai::{
     ChatChoice, ChatCompletionResponse, ChatMessageOut, CompletionChoice, CompletionResponse, KvParamsField, Usage,
     UsageField,
 };
 use crate::output::{chat_logprobs, completion_logprobs, Finish, OutputProcessor, TokenLogprob};
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::validation::ValidatedParams;
+pub use pdmesh_http_edge::serve::set_request_id;
 
 /// Which OpenAI API a request came through (decides only the response shapes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,10 +98,7 @@ pub struct Prepared {
     pub params_follow: Option<String>,
 }
 
-/// Seconds since the Unix epoch (0 if the clock is before it).
-pub fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
-}
+pub use crate::state::unix_now;
 
 fn unix_now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
@@ -557,12 +554,5 @@ pub fn chat_message(settings: &ResponseSettings, text: String, finish: &Finish) 
             finish_reason,
         ),
         None => (ChatMessageOut { role: "assistant", content: Some(text), tool_calls: None }, finish.as_str()),
-    }
-}
-
-/// Put `X-Request-Id` on a response.
-pub fn set_request_id(response: &mut HttpResponse, request_id: &str) {
-    if let Ok(value) = HeaderValue::from_str(request_id) {
-        response.headers_mut().insert(actix_web::http::header::HeaderName::from_static(REQUEST_ID), value);
     }
 }

@@ -32,29 +32,26 @@
 //! - [`overload`]: the bounds on requests in flight, per server (503 + `Retry-After` beyond it)
 //!   and per client API key (429 + `Retry-After`).
 //!
-//! - [`router`]: the P/D router (`role = "router"`): picks P and D, relays, migrates streams.
+//! The P/D router (`role = "router"`) is its own crate, `pdmesh-router`, which uses this one;
+//! what the two say to each other over HTTP is `pdmesh_protocol::node_http`.
 //! - [`resume`], [`parked`], [`tools`], [`structured`]: a moved stream's resume field, decode
 //!   legs parked until P's params arrive, tool calling, structured outputs.
 //!
 //! What each OpenAI/vLLM field gets (honoured, accepted, or refused with a 400 naming it) is
 //! docs/CONFIG.md's coverage table, checked against this crate's validation by `coverage_doc`.
 
-pub mod auth;
-pub mod body_timeout;
 pub mod engine_client;
-pub mod error;
 pub mod generate;
 pub mod handlers;
-pub mod headers;
 pub mod metrics;
 pub mod openai;
 pub mod output;
-pub mod overload;
 pub mod parked;
+pub mod response_store;
 pub mod responses;
 pub mod resume;
-pub mod router;
 pub mod server;
+pub mod state;
 pub mod stream;
 pub mod structured;
 pub mod tools;
@@ -67,8 +64,13 @@ mod tests;
 
 use std::sync::Arc;
 
+/// The HTTP edge this crate shares with the router (`pdmesh-http-edge`), under the paths the
+/// frontend's modules have always used.
+pub use pdmesh_http_edge::{auth, body_timeout, error, headers, overload};
+
 pub use auth::ApiKeys;
 pub use error::{ApiError, FrontendError};
+use pdmesh_http_edge::serve::serve_until_shutdown;
 use pdmesh_service::{ServiceContext, Shutdown};
 
 /// Facts about the served model that the frontend needs to validate requests. They come from
@@ -119,23 +121,4 @@ pub async fn run(
     serve_until_shutdown(&ctx, started.server, shutdown).await?;
     tracing::info!(node = %ctx.node.name, "frontend stopped");
     Ok(())
-}
-
-/// Serve `server` until `shutdown` begins, then mark the service draining (`/health` 503) and
-/// stop the server gracefully: no new connections, in-flight requests finish.
-async fn serve_until_shutdown(
-    ctx: &ServiceContext,
-    server: actix_web::dev::Server,
-    shutdown: Shutdown,
-) -> Result<(), FrontendError> {
-    let handle = server.handle();
-    let mut server = std::pin::pin!(server);
-    tokio::select! {
-        res = &mut server => return res.map_err(FrontendError::Server),
-        () = shutdown.started() => {}
-    }
-    ctx.begin_drain();
-    let stopping = handle.stop(true);
-    let (res, ()) = tokio::join!(server, stopping);
-    res.map_err(FrontendError::Server)
 }

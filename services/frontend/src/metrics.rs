@@ -7,10 +7,13 @@ use std::sync::LazyLock;
 use pdmesh_telemetry::metrics::{counter, counter_vec, gauge, histogram, latency_buckets};
 use prometheus::{Histogram, IntCounter, IntCounterVec, IntGauge};
 
-/// HTTP requests by route pattern and status code (counted when the response head is sent).
-pub const HTTP_REQUESTS: &str = "pdmesh_frontend_http_requests_total";
-/// Requests refused or failed, by error kind (`ApiError::kind`).
-pub const REQUEST_ERRORS: &str = "pdmesh_frontend_request_errors_total";
+/// The HTTP edge's metrics (requests, errors, keys, overload), shared with the router.
+pub use pdmesh_http_edge::metrics::{
+    AUTHORIZED, AUTHORIZED_TOTAL, HTTP_IN_FLIGHT, HTTP_IN_FLIGHT_REQUESTS, HTTP_REQUESTS, HTTP_REQUESTS_TOTAL,
+    KEY_LIMIT_REFUSALS, KEY_LIMIT_REFUSALS_TOTAL, OVERLOAD_REFUSALS, OVERLOAD_REFUSALS_TOTAL, REQUEST_ERRORS,
+    REQUEST_ERRORS_TOTAL, UNAUTHORIZED, UNAUTHORIZED_TOTAL,
+};
+
 /// Generation requests that ended, by finish reason (`stop`, `length`, `abort`, `error`).
 pub const FINISH_REASONS: &str = "pdmesh_frontend_request_finish_total";
 /// Seconds from the request's arrival to its first generated token.
@@ -35,31 +38,8 @@ pub const ENGINE_LINK_UP: &str = "pdmesh_frontend_engine_link_up";
 /// Requests carrying `kv_transfer_params.do_remote_prefill = true` that the frontend refused
 /// before admission (their P blocks stay held until P's deadline; see the crate docs).
 pub const REMOTE_PREFILL_REJECTIONS: &str = "pdmesh_frontend_remote_prefill_rejections_total";
-/// Requests refused with 401 because no valid API key came with them, by reason (`missing`,
-/// `malformed`, `invalid`); docs/SECURITY.md.
-pub const UNAUTHORIZED: &str = "pdmesh_frontend_unauthorized_total";
-/// Requests let through by a valid API key, by kind of key (`client`, or `internal`: the
-/// router calling this node); counted only where keys are required.
-pub const AUTHORIZED: &str = "pdmesh_frontend_authorized_total";
-/// Generation requests holding a place under `limits.max_in_flight` (from the handler's
-/// start to the end of the answer).
-pub const HTTP_IN_FLIGHT_REQUESTS: &str = "pdmesh_frontend_http_in_flight_requests";
-/// Requests refused because this server's in-flight bound was reached, by `source`
-/// (`frontend`, `router`). Refusals decided further in (dp-lb, engine) are counted in
-/// `pdmesh_frontend_request_errors_total{kind="overloaded"}` with these.
-pub const OVERLOAD_REFUSALS: &str = "pdmesh_frontend_overload_refusals_total";
-/// Requests refused with 429 because their API key had `limits.max_in_flight_per_key`
-/// requests in flight, by `source` (`frontend`, `router`). No key in the labels: keys are
-/// secret and their number is unbounded.
-pub const KEY_LIMIT_REFUSALS: &str = "pdmesh_frontend_key_limit_refusals_total";
 /// Messages from the dp-lb that the frontend does not expect, by message kind.
 pub const UNEXPECTED_MESSAGES: &str = "pdmesh_frontend_unexpected_messages_total";
-
-pub(crate) static HTTP_REQUESTS_TOTAL: LazyLock<IntCounterVec> =
-    LazyLock::new(|| counter_vec(HTTP_REQUESTS, "HTTP requests by route pattern and status", &["endpoint", "status"]));
-
-pub(crate) static REQUEST_ERRORS_TOTAL: LazyLock<IntCounterVec> =
-    LazyLock::new(|| counter_vec(REQUEST_ERRORS, "Requests refused or failed, by error kind", &["kind"]));
 
 pub(crate) static FINISH_REASONS_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(FINISH_REASONS, "Generation requests that ended, by finish reason", &["reason"]));
@@ -102,25 +82,6 @@ pub(crate) static REJECTION_NOTICES_SENT: LazyLock<IntCounter> = LazyLock::new(|
 pub(crate) static REMOTE_PREFILL_REJECTIONS_TOTAL: LazyLock<IntCounter> =
     LazyLock::new(|| counter(REMOTE_PREFILL_REJECTIONS, "Remote-prefill requests refused before admission"));
 
-pub(crate) static UNAUTHORIZED_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    counter_vec(UNAUTHORIZED, "Requests refused with 401 for a missing, malformed or unknown API key", &["reason"])
-});
-
-pub(crate) static AUTHORIZED_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    counter_vec(AUTHORIZED, "Requests let through by a valid API key, by kind of key", &["credential"])
-});
-
-pub(crate) static HTTP_IN_FLIGHT: LazyLock<IntGauge> =
-    LazyLock::new(|| gauge(HTTP_IN_FLIGHT_REQUESTS, "Generation requests holding a place under limits.max_in_flight"));
-
-pub(crate) static OVERLOAD_REFUSALS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    counter_vec(OVERLOAD_REFUSALS, "Requests refused at this server's in-flight bound, by source", &["source"])
-});
-
-pub(crate) static KEY_LIMIT_REFUSALS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    counter_vec(KEY_LIMIT_REFUSALS, "Requests refused with 429 at limits.max_in_flight_per_key, by source", &["source"])
-});
-
 /// Requests accepted with a structured output (D53), by kind of grammar.
 pub(crate) static STRUCTURED_OUTPUTS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
     counter_vec(
@@ -148,8 +109,7 @@ pub(crate) static UNEXPECTED_MESSAGES_TOTAL: LazyLock<IntCounterVec> =
 /// Touch every metric so that `/metrics` lists them (at zero) from the start, which keeps
 /// dashboards and `rate()` queries well-defined before the first request.
 pub(crate) fn init() {
-    LazyLock::force(&HTTP_REQUESTS_TOTAL);
-    LazyLock::force(&REQUEST_ERRORS_TOTAL);
+    pdmesh_http_edge::metrics::init();
     LazyLock::force(&FINISH_REASONS_TOTAL);
     LazyLock::force(&TTFT);
     LazyLock::force(&ITL);
@@ -162,11 +122,6 @@ pub(crate) fn init() {
     LazyLock::force(&LINK_UP);
     LazyLock::force(&REMOTE_PREFILL_REJECTIONS_TOTAL);
     LazyLock::force(&UNEXPECTED_MESSAGES_TOTAL);
-    LazyLock::force(&UNAUTHORIZED_TOTAL);
-    LazyLock::force(&AUTHORIZED_TOTAL);
-    LazyLock::force(&HTTP_IN_FLIGHT);
-    LazyLock::force(&OVERLOAD_REFUSALS_TOTAL);
-    LazyLock::force(&KEY_LIMIT_REFUSALS_TOTAL);
     LazyLock::force(&STRUCTURED_OUTPUTS_TOTAL);
     LazyLock::force(&GUIDED_REFUSALS_TOTAL);
     LazyLock::force(&DEADLINE_EXPIRED_TOTAL);

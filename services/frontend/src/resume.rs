@@ -18,8 +18,8 @@ use serde_json::{Map, Value};
 use crate::error::ApiError;
 use crate::generate::Prepared;
 
-/// The body field.
-pub const FIELD: &str = "pdmesh_internal";
+/// The body field (the router↔node contract, [`pdmesh_protocol::node_http`]).
+pub use pdmesh_protocol::node_http::INTERNAL_FIELD as FIELD;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]

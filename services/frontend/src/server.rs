@@ -4,93 +4,28 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use actix::Addr;
 use actix_web::body::MessageBody;
 use actix_web::dev::{Server, Service, ServiceFactory, ServiceRequest, ServiceResponse};
 use actix_web::http::header::HeaderName;
 use actix_web::middleware::from_fn;
 use actix_web::{web, App, HttpServer, ResponseError};
 use pdmesh_model_api::TextCodec;
+use pdmesh_protocol::node_http;
 use pdmesh_service::ServiceContext;
-use pdmesh_transport::{bind_pull, LinkHandle};
+use pdmesh_transport::bind_pull;
 
 use crate::auth::ApiKeys;
 use crate::engine_client::EngineClient;
 use crate::error::{ApiError, FrontendError};
-use crate::generate::unix_now;
 use crate::handlers;
 use crate::headers::REQUEST_ID;
 use crate::metrics::HTTP_REQUESTS_TOTAL;
 use crate::overload::{InFlightLimit, KeyLimit};
 use crate::FrontendOptions;
 
-/// Largest accepted request body (413 above).
-pub const MAX_BODY_BYTES: usize = 8 * 1024 * 1024;
-/// actix-web's own drain limit, in seconds, for a stop whose deadline is `deadline`: one
-/// second past it, so that the shell's deadline is the one that ends an overrunning drain
-/// (and the stop is reported as a timeout, not cut silently by actix-web).
-pub fn drain_timeout_s(deadline: std::time::Duration) -> u64 {
-    deadline.as_secs().saturating_add(1)
-}
+pub use pdmesh_http_edge::serve::{drain_timeout_s, MAX_BODY_BYTES};
 
-/// What every handler needs; one instance shared by all HTTP workers.
-pub struct AppState {
-    pub client: Addr<EngineClient>,
-    /// The DEALER link, read by `/health`.
-    pub link: LinkHandle,
-    pub codec: Arc<dyn TextCodec>,
-    pub options: FrontendOptions,
-    /// Unix seconds at start (`created` of `/v1/models`).
-    pub started: u64,
-    /// Stored responses of the Responses API (`store: true`).
-    pub responses: Arc<crate::responses::ResponseStore>,
-    /// The API keys clients must present (none: no key required); [`crate::auth`].
-    pub api_keys: ApiKeys,
-    /// The bound on generation requests in flight (`limits.max_in_flight`).
-    pub in_flight: InFlightLimit,
-    /// The bound per client API key (`limits.max_in_flight_per_key`); sized by `api_keys`.
-    pub key_limit: KeyLimit,
-    /// Set draining when the frontend stops: `/health` then answers 503.
-    pub readiness: pdmesh_telemetry::ops::Health,
-    /// Decode legs waiting for their params (D66).
-    pub parked: crate::parked::Parked,
-    /// How long a client may take to send a body (`limits.body_timeout_s`, D93).
-    pub body_timeout: std::time::Duration,
-}
-
-impl AppState {
-    pub fn new(
-        client: Addr<EngineClient>,
-        link: LinkHandle,
-        codec: Arc<dyn TextCodec>,
-        options: FrontendOptions,
-        in_flight: InFlightLimit,
-    ) -> Self {
-        Self {
-            client,
-            link,
-            codec,
-            options,
-            started: unix_now(),
-            responses: Arc::new(crate::responses::ResponseStore::default()),
-            api_keys: ApiKeys::default(),
-            in_flight,
-            key_limit: KeyLimit::disabled("frontend"),
-            readiness: Default::default(),
-            parked: Default::default(),
-            body_timeout: crate::body_timeout::DEFAULT,
-        }
-    }
-
-    /// The vocabulary size used to bound token ids: the configured one, else the codec's.
-    pub fn vocab_size(&self) -> u32 {
-        if self.options.vocab_size > 0 {
-            self.options.vocab_size
-        } else {
-            self.codec.vocab_size()
-        }
-    }
-}
+pub use crate::state::AppState;
 
 /// Body limits and the OpenAI error body for malformed JSON. The content type is not
 /// required: `curl -d` clients send none or a form type, and vLLM accepts them.
@@ -149,14 +84,14 @@ pub fn app(
         .service(handlers::admin::post_only("/v1/chat/completions", handlers::chat::chat_completions))
         .service(handlers::admin::post_only("/v1/responses", handlers::responses::create_response))
         .service(handlers::admin::get_only("/v1/responses/{id}", handlers::responses::get_response))
-        .service(handlers::admin::post_only("/v1/kv/release", handlers::kv_release))
-        .service(handlers::admin::post_only("/v1/kv/params", handlers::kv_params))
+        .service(handlers::admin::post_only(node_http::KV_RELEASE_PATH, handlers::kv_release))
+        .service(handlers::admin::post_only(node_http::KV_PARAMS_PATH, handlers::kv_params))
         .service(handlers::admin::get_only("/v1/models", handlers::admin::models))
         .service(handlers::admin::get_only("/health", handlers::admin::health))
         .service(handlers::admin::get_only("/live", pdmesh_telemetry::ops::live))
         .service(handlers::admin::get_only("/metrics", pdmesh_telemetry::metrics::metrics_handler))
         .service(handlers::admin::get_only("/debug/kv", handlers::admin::debug_kv))
-        .service(handlers::admin::get_only("/load", handlers::admin::load))
+        .service(handlers::admin::get_only(node_http::LOAD_PATH, handlers::admin::load))
         .service(handlers::admin::get_only("/debug/engines", handlers::admin::debug_engines))
         .default_service(web::to(handlers::admin::not_found))
 }
@@ -191,10 +126,10 @@ pub async fn start(
         request_deadline,
     );
     apply_guided_limits(&node.limits);
-    crate::validation::set_max_tools(node.limits.max_tools);
+    crate::tools::set_max_tools(node.limits.max_tools);
     let outputs = bind_pull(&endpoints.frontend_outputs.bind, client.clone().recipient())
         .await
-        .map_err(FrontendError::OutputSocket)?;
+        .map_err(|e| FrontendError::OutputSocket(Box::new(e)))?;
     tracing::info!(dp_lb = %endpoints.dplb_frontend.connect, %outputs, "engine client started");
     let in_flight = InFlightLimit::new(node.limits.max_in_flight, "frontend");
     tracing::info!(

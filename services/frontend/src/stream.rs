@@ -13,7 +13,6 @@ use actix_web::HttpResponse;
 use bytes::Bytes;
 use futures::StreamExt;
 use pdmesh_model_api::TextCodec;
-use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -29,35 +28,7 @@ use crate::output::{chat_logprobs, completion_logprobs, Finish, OutputProcessor,
 /// Chunks buffered between the generation task and a slow client.
 const BODY_BUFFER: usize = 64;
 
-/// One SSE event carrying `value` as JSON: `data: {...}\n\n`.
-pub fn sse_data<T: Serialize>(value: &T) -> Bytes {
-    // Serialised in place after the prefix: one buffer per event, no copy.
-    let mut buf = Vec::with_capacity(256);
-    buf.extend_from_slice(b"data: ");
-    match serde_json::to_writer(&mut buf, value) {
-        Ok(()) => {
-            buf.extend_from_slice(b"\n\n");
-            Bytes::from(buf)
-        }
-        Err(e) => {
-            // Our own types always serialise; if one does not, say so in-band.
-            tracing::error!(error = %e, "cannot serialise an SSE event");
-            sse_data(&ApiError::Internal(format!("cannot serialise a chunk: {e}")).body())
-        }
-    }
-}
-
-/// The terminating event.
-pub fn sse_done() -> Bytes {
-    Bytes::from_static(b"data: [DONE]\n\n")
-}
-
-/// An error event (`data: {"error": {...}}`) followed by `data: [DONE]`.
-pub fn sse_error(error: &ApiError) -> Bytes {
-    let mut buf = sse_data(&error.body()).to_vec();
-    buf.extend_from_slice(&sse_done());
-    Bytes::from(buf)
-}
+pub use pdmesh_http_edge::sse::{sse_data, sse_done, sse_error};
 
 /// Builds the chunks of one streamed response.
 #[derive(Clone)]
@@ -74,14 +45,10 @@ pub struct ChunkFormatter {
     token_ids: bool,
 }
 
-/// The field of a non-streamed answer that lists its tokens' ids, on the router's internal
-/// calls only (D56); the router takes it out before the client sees the answer. Nodes before
-/// D73 also put it in every stream chunk, and the router still takes it out there.
-pub const TOKEN_IDS_FIELD: &str = "pdmesh_token_ids";
-
-/// How a stream event's comment line carrying the ids of its tokens starts (D73): on the
-/// router's internal calls, `: pdmesh_token_ids [1,2]` precedes the event's `data:` line.
-pub const TOKEN_IDS_COMMENT: &str = ": pdmesh_token_ids ";
+/// Where answers carry their tokens' ids on the router's internal calls (D56, D73): a whole
+/// answer's field, a stream event's comment line. The router takes both out before its client
+/// sees the answer.
+pub use pdmesh_protocol::node_http::{TOKEN_IDS_COMMENT, TOKEN_IDS_FIELD};
 
 /// The comment line of an event that carries `ids` ([`TOKEN_IDS_COMMENT`]).
 fn token_ids_line(ids: &[u32]) -> Vec<u8> {
@@ -519,7 +486,7 @@ async fn send_error(tx: &mpsc::Sender<Bytes>, error: ApiError) {
 pub(crate) mod tests {
     use super::*;
 
-    /// A streamed request's settings for formatter tests (the router's tests use them too).
+    /// A streamed request's settings for formatter tests.
     pub(crate) fn settings(api: Api, include_usage: bool, logprobs: Option<u32>) -> ResponseSettings {
         ResponseSettings {
             api,

@@ -1845,7 +1845,7 @@ async fn huge_lists_are_400s_naming_field_and_limit_without_backtraces() {
     assert_eq!(s, 400);
     assert!(json_of(&b)["error"]["message"].as_str().unwrap().contains("bytes"));
     let tool = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}});
-    let tools = vec![tool; crate::validation::max_tools() + 1];
+    let tools = vec![tool; crate::tools::max_tools() + 1];
     let (s, _, b) =
         call(&h, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "n"}], "tools": tools}), &[])
             .await;

@@ -19,6 +19,19 @@ use serde_json::{json, Value};
 
 use crate::error::ApiError;
 
+/// `limits.max_tools` of this process (D91), set once at start.
+static MAX_TOOLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(128);
+
+/// Set `limits.max_tools` (the frontend does, at start).
+pub fn set_max_tools(n: u32) {
+    MAX_TOOLS.store(n, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Entries a request's `tools` may hold.
+pub fn max_tools() -> usize {
+    MAX_TOOLS.load(std::sync::atomic::Ordering::Relaxed) as usize
+}
+
 /// How the answer of a request with tools is read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ToolMode {
@@ -53,7 +66,7 @@ struct Tool {
 
 fn tools_list(tools: &[Value]) -> Result<Vec<Tool>, ApiError> {
     // counted before any is read (D91)
-    let max = crate::validation::max_tools();
+    let max = max_tools();
     if tools.len() > max {
         return Err(ApiError::invalid(
             format!("`tools` may hold at most {max} tools (`limits.max_tools`), got {}.", tools.len()),

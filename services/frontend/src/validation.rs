@@ -10,7 +10,6 @@ use serde_json::Value;
 
 use crate::error::ApiError;
 use crate::openai::{ChatMessageIn, StreamOptions};
-use crate::server::AppState;
 use crate::FrontendOptions;
 
 /// Most stop strings a request may carry (OpenAI's limit).
@@ -21,19 +20,6 @@ pub const MAX_LOGPROBS: i64 = 20;
 pub const DEFAULT_COMPLETION_MAX_TOKENS: u32 = 16;
 /// Longest stop string, in bytes: the frontend holds back that much output per request.
 pub const MAX_STOP_STRING_BYTES: usize = 1024;
-
-/// `limits.max_tools` of this process (D91), set once at start.
-static MAX_TOOLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(128);
-
-/// Set `limits.max_tools` (the frontend does, at start).
-pub fn set_max_tools(n: u32) {
-    MAX_TOOLS.store(n, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Entries a request's `tools` may hold.
-pub fn max_tools() -> usize {
-    MAX_TOOLS.load(std::sync::atomic::Ordering::Relaxed) as usize
-}
 
 /// The fields that completions and chat share, borrowed from either request type.
 #[derive(Debug, Clone, Default)]
@@ -63,26 +49,20 @@ pub struct SamplingInput<'a> {
 }
 
 /// What a generation request is checked against: the served model's options and its codec.
-/// Each endpoint's `validate_request` takes it instead of the whole [`AppState`], so the
+/// Each endpoint's `validate_request` takes it instead of the whole `AppState`, so the
 /// JSON body → engine parameters path is a pure function (unit tests and the `http_body`
 /// fuzz target drive it without a server).
 #[derive(Clone, Copy)]
 pub struct ModelLimits<'a> {
     pub options: &'a FrontendOptions,
     pub codec: &'a dyn TextCodec,
-    /// Token ids at or above it are refused ([`AppState::vocab_size`]).
+    /// Token ids at or above it are refused (`AppState::vocab_size`).
     pub vocab_size: u32,
 }
 
 impl std::fmt::Debug for ModelLimits<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ModelLimits").field("options", self.options).field("vocab_size", &self.vocab_size).finish()
-    }
-}
-
-impl<'a> From<&'a AppState> for ModelLimits<'a> {
-    fn from(state: &'a AppState) -> Self {
-        Self { options: &state.options, codec: &*state.codec, vocab_size: state.vocab_size() }
     }
 }
 

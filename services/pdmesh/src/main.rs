@@ -194,7 +194,7 @@ fn parse_cli() -> Cli {
 /// prefill or decode node does (a router table rarely repeats the model; hashing with another
 /// tokenizer would find no overlap anywhere). Not loaded when neither needs it; a model that
 /// fails to load leaves the router picking by load and every prefill on P (logged once).
-fn router_tokenizer(ctx: &ServiceContext) -> Option<pdmesh_frontend::router::prompt::PromptTokenizer> {
+fn router_tokenizer(ctx: &ServiceContext) -> Option<pdmesh_router::prompt::PromptTokenizer> {
     let node = &ctx.node;
     if node.router.policy != pdmesh_config::RoutingPolicy::CacheAware && node.router.local_prefill_max_tokens == 0 {
         return None;
@@ -215,7 +215,7 @@ fn router_tokenizer(ctx: &ServiceContext) -> Option<pdmesh_frontend::router::pro
         node.model = model;
     }
     match model::load_text(&node) {
-        Ok(loaded) => Some(pdmesh_frontend::router::prompt::PromptTokenizer::new(loaded.codec, loaded.options)),
+        Ok(loaded) => Some(pdmesh_router::prompt::PromptTokenizer::new(loaded.codec, loaded.options)),
         Err(e) => {
             tracing::warn!(error = %format!("{e:#}"), "router cannot load the nodes' tokenizer");
             None
@@ -244,7 +244,7 @@ fn run() -> anyhow::Result<()> {
                 if ctx.node.role == pdmesh_config::NodeRole::Router {
                     let client_keys = pdmesh_frontend::ApiKeys::new(keys.router_keys());
                     let tokenizer = router_tokenizer(&ctx);
-                    pdmesh_frontend::router::run_router(ctx, client_keys, keys.internal, tokenizer, shutdown).await?;
+                    pdmesh_router::run_router(ctx, client_keys, keys.internal, tokenizer, shutdown).await?;
                     return Ok(());
                 }
                 let loaded = model::load_text(&ctx.node).context(Misconfigured("loading the tokenizer".into()))?;

@@ -409,6 +409,9 @@ fn spawn(
         .stdin(std::process::Stdio::null())
         .stdout(log)
         .stderr(log2)
+        // Its own process group: a terminal's Ctrl-C reaches `pdmesh up` alone, which then stops
+        // the children front to back (D108); a child still stops by itself if `pdmesh up` dies.
+        .process_group(0)
         .kill_on_drop(true);
     keys.apply(&mut cmd, spec.service);
     Ok(cmd.spawn()?)
@@ -494,39 +497,262 @@ pub(crate) fn run_launch(launch: Launch) -> anyhow::Result<()> {
 }
 
 async fn supervise_launch(args: Launch) -> anyhow::Result<()> {
-    let mut topo = args.topo.clone();
-    // The children apply the same overrides; a bad one stops the mesh before it starts.
-    topo.apply_env()?;
-    // The children read the same deadline from the same environment.
-    let child_deadline = pdmesh_service::deadline_from_env()?;
-    let kill_after = args.shutdown_timeout_s.map_or(child_deadline.saturating_add(KILL_GRACE), Duration::from_secs);
-    let keys = args.keys.resolve().context(Misconfigured("API keys".into()))?;
-    let key_env = KeyEnv {
-        api_key: args.keys.api_key.clone(),
-        api_key_file: args.keys.key_file().map(Path::to_path_buf),
-        internal: keys.internal.clone().or_else(|| (!keys.client.is_empty()).then(generate_internal_key)),
-    };
-    if !keys.client.is_empty() {
-        tracing::info!(
-            client_keys = keys.client.len(),
-            internal_key_given = keys.internal.is_some(),
-            "API keys required on every frontend"
-        );
+    let (mut mesh, topo, selection) = Supervisor::prepare(&args)?;
+    mesh.start_children(&topo, &selection)?;
+    let stopped_because = mesh.watch().await?;
+
+    // ---- graceful shutdown, front to back (D108): each tier is sent SIGTERM once the tiers
+    // in front of it stopped, so a stream in flight at Ctrl-C drains through a router whose
+    // nodes are still whole; a tier left running past `kill_after` is killed.
+    tracing::info!("stopping the mesh, front to back");
+    let (mut forced, mut overran) = (0, 0);
+    for tier in 0..=StopTier::LAST {
+        let (f, o) = stop_tier(&mut mesh.procs, tier, mesh.kill_after).await;
+        forced += f;
+        overran += o;
     }
-    let selection = Selection::of(&topo, &args.nodes)?;
-    let given_secret = pdmesh_mesh_auth::MeshSecret::resolve(topo.mesh_secret_file.as_deref())?;
-    selection
-        .check_shared_secrets(&topo, given_secret.is_some(), !keys.client.is_empty(), keys.internal.is_some())
-        .map_err(|why| anyhow::Error::msg(why).context(Misconfigured("--node".into())))?;
-    if selection.subset {
-        tracing::info!(nodes = %selection.names.join(","), "starting only these nodes of the topology");
+    let _ = std::fs::remove_file(&mesh.state);
+    match stopped_because {
+        Some(StopCause::Misconfigured(why)) => {
+            return Err(anyhow::Error::msg(why).context(Misconfigured("the mesh stopped".into())));
+        }
+        Some(StopCause::Unrestartable(why)) => return Err(anyhow::Error::msg(why).context("the mesh stopped")),
+        None => {}
     }
-    let _ = MESH_SECRET.set(mesh_secret(given_secret));
-    let exe = OwnBinary::open()?;
-    let run_dir = topo.run_dir.clone();
-    let logs = run_dir.join("logs");
-    // The run dir holds the node's sockets, logs and the topology: this user's alone (D97).
-    for dir in [&run_dir, &logs] {
+    if forced > 0 {
+        anyhow::bail!("{forced} process(es) had to be killed at shutdown");
+    }
+    if overran > 0 {
+        // The mesh stopped, but not cleanly: `pdmesh up` exits as its children did.
+        tracing::warn!(processes = overran, "mesh stopped; some processes stopped past their shutdown deadline");
+        return Err(crate::StopTimedOut(pdmesh_service::DeadlineExceeded(mesh.child_deadline)).into());
+    }
+    tracing::info!("mesh stopped");
+    Ok(())
+}
+
+/// Why the mesh stops on its own (not on a signal).
+enum StopCause {
+    /// A child stopped on a configuration error: the mesh stops with it.
+    Misconfigured(String),
+    /// A child could not be started again: the mesh stops with it (D98).
+    Unrestartable(String),
+}
+
+/// One `pdmesh up` run: its children and what starting them again needs.
+struct Supervisor {
+    procs: Vec<Running>,
+    exe: OwnBinary,
+    topology_path: PathBuf,
+    run_dir: PathBuf,
+    /// `mesh.json`: the live process table.
+    state: PathBuf,
+    key_env: KeyEnv,
+    no_restart: bool,
+    /// The children's shutdown deadline, and how long a tier may take to stop before it is killed.
+    child_deadline: Duration,
+    kill_after: Duration,
+}
+
+impl Supervisor {
+    /// Check what the launch asks for (overrides, keys, selection, secrets), make the run dir
+    /// private and write the effective topology where the children read it.
+    fn prepare(args: &Launch) -> anyhow::Result<(Supervisor, Topology, Selection)> {
+        let mut topo = args.topo.clone();
+        // The children apply the same overrides; a bad one stops the mesh before it starts.
+        topo.apply_env()?;
+        // The children read the same deadline from the same environment.
+        let child_deadline = pdmesh_service::deadline_from_env()?;
+        let kill_after = args.shutdown_timeout_s.map_or(child_deadline.saturating_add(KILL_GRACE), Duration::from_secs);
+        let keys = args.keys.resolve().context(Misconfigured("API keys".into()))?;
+        let key_env = KeyEnv {
+            api_key: args.keys.api_key.clone(),
+            api_key_file: args.keys.key_file().map(Path::to_path_buf),
+            internal: keys.internal.clone().or_else(|| (!keys.client.is_empty()).then(generate_internal_key)),
+        };
+        if !keys.client.is_empty() {
+            tracing::info!(
+                client_keys = keys.client.len(),
+                internal_key_given = keys.internal.is_some(),
+                "API keys required on every frontend"
+            );
+        }
+        let selection = Selection::of(&topo, &args.nodes)?;
+        let given_secret = pdmesh_mesh_auth::MeshSecret::resolve(topo.mesh_secret_file.as_deref())?;
+        selection
+            .check_shared_secrets(&topo, given_secret.is_some(), !keys.client.is_empty(), keys.internal.is_some())
+            .map_err(|why| anyhow::Error::msg(why).context(Misconfigured("--node".into())))?;
+        if selection.subset {
+            tracing::info!(nodes = %selection.names.join(","), "starting only these nodes of the topology");
+        }
+        let _ = MESH_SECRET.set(mesh_secret(given_secret));
+        let exe = OwnBinary::open()?;
+        let run_dir = topo.run_dir.clone();
+        make_private(&[&run_dir, &run_dir.join("logs")])?;
+        let suffix = args.file_suffix.clone().unwrap_or_else(|| selection.file_suffix());
+        let state = run_dir.join(format!("mesh{suffix}.json"));
+        // Children read the same topology; write the effective one where they can find it.
+        let topology_path = run_dir.join(format!("topology{suffix}.toml"));
+        write_private(&topology_path, &args.text).with_context(|| format!("writing {}", topology_path.display()))?;
+        let mesh = Supervisor {
+            procs: Vec::new(),
+            exe,
+            topology_path,
+            run_dir,
+            state,
+            key_env,
+            no_restart: args.no_restart,
+            child_deadline,
+            kill_after,
+        };
+        Ok((mesh, topo, selection))
+    }
+
+    /// Start every child of the selected nodes, back to front, and announce each node once ready.
+    fn start_children(&mut self, topo: &Topology, selection: &Selection) -> anyhow::Result<()> {
+        for spec in children_of(topo, selection, &self.run_dir.join("logs")) {
+            let child = spawn(&self.exe, &spec, &self.topology_path, &self.run_dir, &self.key_env)
+                .with_context(|| format!("starting {}", spec.label()))?;
+            let pid = child.id().unwrap_or(0);
+            tracing::info!(process = %spec.label(), pid, log = %spec.log.display(), "started");
+            let started_at = tokio::time::Instant::now();
+            self.procs.push(Running {
+                spec,
+                child: Some(child),
+                pid,
+                restarts: 0,
+                failures: 0,
+                started_at,
+                next_start: None,
+            });
+        }
+        write_state(&self.state, &self.procs);
+        for node in topo.nodes.iter().filter(|n| selection.contains(&n.name)) {
+            let url = format!("http://{}:{}", node.http_host, node.http_port);
+            tokio::spawn(announce_when_ready(node.name.clone(), url));
+        }
+        Ok(())
+    }
+
+    /// Supervise until Ctrl-C/SIGTERM (`None`) or a cause to stop the mesh.
+    async fn watch(&mut self) -> anyhow::Result<Option<StopCause>> {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            tokio::select! {
+                _ = term.recv() => return Ok(None),
+                _ = int.recv() => return Ok(None),
+                _ = tick.tick() => {}
+            }
+            let (changed, cause) = self.tend();
+            if changed {
+                write_state(&self.state, &self.procs);
+            }
+            if cause.is_some() {
+                return Ok(cause);
+            }
+        }
+    }
+
+    /// One look at every child: note the ones that stopped (and schedule their restart), start
+    /// the ones whose backoff ended. Returns whether the table changed, and a cause to stop.
+    fn tend(&mut self) -> (bool, Option<StopCause>) {
+        let mut changed = false;
+        for i in 0..self.procs.len() {
+            let p = &mut self.procs[i];
+            if let Some(child) = p.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    p.child = None;
+                    changed = true;
+                    if let Some(cause) = self.stopped(i, status) {
+                        return (changed, Some(cause));
+                    }
+                }
+            } else if p.next_start.is_some_and(|t| t <= tokio::time::Instant::now()) {
+                p.next_start = None;
+                match self.restart(i) {
+                    Ok(()) => changed = true,
+                    Err(cause) => return (changed, Some(cause)),
+                }
+            }
+        }
+        (changed, None)
+    }
+
+    /// Child `i` exited with `status`: report it, and stop the mesh (a configuration error) or
+    /// schedule its restart.
+    fn stopped(&mut self, i: usize, status: std::process::ExitStatus) -> Option<StopCause> {
+        let no_restart = self.no_restart;
+        let p = &mut self.procs[i];
+        if is_config_exit(status) {
+            tracing::error!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
+                "child stopped on a configuration error; stopping the mesh");
+            eprintln!(
+                "pdmesh up: {} (pid {}) stopped on a configuration error ({status}); stopping the mesh. \
+                 Its last lines ({}):\n{}",
+                p.spec.label(),
+                p.pid,
+                p.spec.log.display(),
+                log_tail(&p.spec.log, LOG_TAIL_LINES)
+            );
+            return Some(StopCause::Misconfigured(format!(
+                "{} stopped on a configuration error; see {}",
+                p.spec.label(),
+                p.spec.log.display()
+            )));
+        }
+        let how = describe_exit(status);
+        if status.success() {
+            tracing::warn!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
+                "child process stopped");
+        } else {
+            tracing::error!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
+                "child process {how}");
+        }
+        eprintln!("pdmesh up: {} (pid {}) {how}: {status}; see {}", p.spec.label(), p.pid, p.spec.log.display());
+        if p.started_at.elapsed() >= STABLE_AFTER {
+            p.failures = 0;
+        }
+        if !no_restart {
+            let backoff = restart_backoff(p.failures);
+            p.failures = p.failures.saturating_add(1);
+            tracing::info!(process = %p.spec.label(), backoff_ms = backoff.as_millis() as u64,
+                "restarting after a backoff");
+            p.next_start = Some(tokio::time::Instant::now() + backoff);
+        }
+        None
+    }
+
+    /// Start child `i` again; one that cannot be started stops the mesh (D98).
+    fn restart(&mut self, i: usize) -> Result<(), StopCause> {
+        match spawn(&self.exe, &self.procs[i].spec, &self.topology_path, &self.run_dir, &self.key_env) {
+            Ok(child) => {
+                let p = &mut self.procs[i];
+                p.pid = child.id().unwrap_or(0);
+                p.child = Some(child);
+                p.started_at = tokio::time::Instant::now();
+                p.restarts += 1;
+                tracing::warn!(process = %p.spec.label(), pid = p.pid, restarts = p.restarts, "restarted");
+                Ok(())
+            }
+            Err(e) => {
+                // Retrying cannot help (the binary is held open; what failed is the host: its
+                // log, a limit): a node left down without a word is worse than a mesh that stops
+                // and says why (D98).
+                let label = self.procs[i].spec.label();
+                tracing::error!(process = %label, error = %format!("{e:#}"), "cannot restart a child; stopping the mesh");
+                eprintln!("pdmesh up: cannot restart {label}: {e:#}; stopping the mesh");
+                Err(StopCause::Unrestartable(format!("cannot restart {label}: {e:#}")))
+            }
+        }
+    }
+}
+
+/// The run dir holds the node's sockets, logs and the topology: this user's alone (D97).
+fn make_private(dirs: &[&Path]) -> anyhow::Result<()> {
+    for dir in dirs {
         match pdmesh_config::private::private_dir(dir).context(Misconfigured("the run dir".into()))? {
             pdmesh_config::private::PrivateDir::Tightened(mode) => {
                 tracing::warn!(dir = %dir.display(), was = %format!("{mode:o}"), "made a directory of the mesh owner-only (0700)");
@@ -535,167 +761,64 @@ async fn supervise_launch(args: Launch) -> anyhow::Result<()> {
             pdmesh_config::private::PrivateDir::Created | pdmesh_config::private::PrivateDir::Private => {}
         }
     }
-    let suffix = args.file_suffix.clone().unwrap_or_else(|| selection.file_suffix());
-    let state = run_dir.join(format!("mesh{suffix}.json"));
-    // Children read the same topology; write the effective one where they can find it.
-    let topology_path = run_dir.join(format!("topology{suffix}.toml"));
-    write_private(&topology_path, &args.text).with_context(|| format!("writing {}", topology_path.display()))?;
+    Ok(())
+}
 
-    let mut procs: Vec<Running> = Vec::new();
-    for spec in children_of(&topo, &selection, &logs) {
-        let child = spawn(&exe, &spec, &topology_path, &run_dir, &key_env)
-            .with_context(|| format!("starting {}", spec.label()))?;
-        let pid = child.id().unwrap_or(0);
-        tracing::info!(process = %spec.label(), pid, log = %spec.log.display(), "started");
-        let started_at = tokio::time::Instant::now();
-        procs.push(Running { spec, child: Some(child), pid, restarts: 0, failures: 0, started_at, next_start: None });
-    }
-    write_state(&state, &procs);
-    for node in topo.nodes.iter().filter(|n| selection.contains(&n.name)) {
-        let url = format!("http://{}:{}", node.http_host, node.http_port);
-        tokio::spawn(announce_when_ready(node.name.clone(), url));
-    }
+/// The order `pdmesh up` stops its children in (D108): routers first (they drain their streams
+/// while every node still serves), then the nodes' frontends (their own requests in flight),
+/// then each node's dp-lb, engine cores, connector schedulers and, last, the workers that hold
+/// the KV caches (a decode node may still be reading a prefill node's blocks until then).
+struct StopTier;
 
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    // Set when a child stopped on a configuration error: the mesh stops with it.
-    let mut misconfigured: Option<String> = None;
-    // Set when a child could not be started again: the mesh stops with it (D98).
-    let mut unrestartable: Option<String> = None;
-    while misconfigured.is_none() && unrestartable.is_none() {
-        tokio::select! {
-            _ = term.recv() => break,
-            _ = int.recv() => break,
-            _ = tick.tick() => {}
-        }
-        let mut changed = false;
-        for p in procs.iter_mut() {
-            if let Some(child) = p.child.as_mut() {
-                if let Ok(Some(status)) = child.try_wait() {
-                    p.child = None;
-                    changed = true;
-                    if is_config_exit(status) {
-                        tracing::error!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
-                            "child stopped on a configuration error; stopping the mesh");
-                        eprintln!(
-                            "pdmesh up: {} (pid {}) stopped on a configuration error ({status}); stopping the mesh. \
-                             Its last lines ({}):\n{}",
-                            p.spec.label(),
-                            p.pid,
-                            p.spec.log.display(),
-                            log_tail(&p.spec.log, LOG_TAIL_LINES)
-                        );
-                        misconfigured = Some(format!(
-                            "{} stopped on a configuration error; see {}",
-                            p.spec.label(),
-                            p.spec.log.display()
-                        ));
-                        break;
-                    }
-                    let how = describe_exit(status);
-                    if status.success() {
-                        tracing::warn!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
-                            "child process stopped");
-                    } else {
-                        tracing::error!(process = %p.spec.label(), pid = p.pid, %status, log = %p.spec.log.display(),
-                            "child process {how}");
-                    }
-                    eprintln!(
-                        "pdmesh up: {} (pid {}) {how}: {status}; see {}",
-                        p.spec.label(),
-                        p.pid,
-                        p.spec.log.display()
-                    );
-                    if p.started_at.elapsed() >= STABLE_AFTER {
-                        p.failures = 0;
-                    }
-                    if !args.no_restart {
-                        let backoff = restart_backoff(p.failures);
-                        p.failures = p.failures.saturating_add(1);
-                        tracing::info!(process = %p.spec.label(), backoff_ms = backoff.as_millis() as u64,
-                            "restarting after a backoff");
-                        p.next_start = Some(tokio::time::Instant::now() + backoff);
-                    }
-                }
-            } else if p.next_start.is_some_and(|t| t <= tokio::time::Instant::now()) {
-                p.next_start = None;
-                match spawn(&exe, &p.spec, &topology_path, &run_dir, &key_env) {
-                    Ok(child) => {
-                        p.pid = child.id().unwrap_or(0);
-                        p.child = Some(child);
-                        p.started_at = tokio::time::Instant::now();
-                        p.restarts += 1;
-                        tracing::warn!(process = %p.spec.label(), pid = p.pid, restarts = p.restarts, "restarted");
-                        changed = true;
-                    }
-                    Err(e) => {
-                        // Retrying cannot help (the binary is held open; what failed is the
-                        // host: its log, a limit): a node left down without a word is worse
-                        // than a mesh that stops and says why (D98).
-                        tracing::error!(process = %p.spec.label(), error = %format!("{e:#}"),
-                            "cannot restart a child; stopping the mesh");
-                        eprintln!("pdmesh up: cannot restart {}: {e:#}; stopping the mesh", p.spec.label());
-                        unrestartable = Some(format!("cannot restart {}: {e:#}", p.spec.label()));
-                        break;
-                    }
-                }
-            }
-        }
-        if changed {
-            write_state(&state, &procs);
+impl StopTier {
+    const LAST: u8 = 5;
+
+    fn of(spec: &ChildSpec) -> u8 {
+        match spec.service {
+            Service::Frontend if spec.router => 0,
+            Service::Frontend => 1,
+            Service::DpLb => 2,
+            Service::EngineCore => 3,
+            Service::ConnectorScheduler => 4,
+            _ => Self::LAST,
         }
     }
+}
 
-    // ---- graceful shutdown: SIGTERM everyone, wait, then kill what is left
-    tracing::info!("stopping the mesh");
-    for p in procs.iter() {
-        if p.child.is_some() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p.pid as i32), nix::sys::signal::Signal::SIGTERM);
-        }
+/// SIGTERM the running children of `tier`, wait up to `kill_after` for them, kill what is left.
+/// Returns how many had to be killed and how many stopped past their own shutdown deadline.
+async fn stop_tier(procs: &mut [Running], tier: u8, kill_after: Duration) -> (usize, usize) {
+    let mut members: Vec<&mut Running> =
+        procs.iter_mut().filter(|p| p.child.is_some() && StopTier::of(&p.spec) == tier).collect();
+    for p in members.iter() {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p.pid as i32), nix::sys::signal::Signal::SIGTERM);
     }
     let deadline = tokio::time::Instant::now() + kill_after;
     let (mut forced, mut overran) = (0, 0);
-    for p in procs.iter_mut() {
-        if let Some(child) = p.child.as_mut() {
-            match tokio::time::timeout_at(deadline, child.wait()).await {
-                Ok(Ok(status)) if status.success() => {
-                    tracing::info!(process = %p.spec.label(), "stopped cleanly");
+    for p in members.iter_mut() {
+        let label = p.spec.label();
+        let Some(child) = p.child.as_mut() else { continue };
+        match tokio::time::timeout_at(deadline, child.wait()).await {
+            Ok(Ok(status)) if status.success() => {
+                tracing::info!(process = %label, "stopped cleanly");
+            }
+            Ok(Ok(status)) => {
+                if status.code() == Some(i32::from(pdmesh_service::EXIT_SHUTDOWN_TIMEOUT)) {
+                    overran += 1;
                 }
-                Ok(Ok(status)) => {
-                    if status.code() == Some(i32::from(pdmesh_service::EXIT_SHUTDOWN_TIMEOUT)) {
-                        overran += 1;
-                    }
-                    tracing::warn!(process = %p.spec.label(), %status, "{}", describe_exit(status));
-                    eprintln!("pdmesh up: {} {} at shutdown: {status}", p.spec.label(), describe_exit(status));
-                }
-                Ok(Err(e)) => tracing::warn!(process = %p.spec.label(), error = %e, "could not wait for it"),
-                Err(_) => {
-                    forced += 1;
-                    tracing::error!(process = %p.spec.label(), "did not stop in time; killing");
-                    let _ = child.kill().await;
-                }
+                tracing::warn!(process = %label, %status, "{}", describe_exit(status));
+                eprintln!("pdmesh up: {label} {} at shutdown: {status}", describe_exit(status));
+            }
+            Ok(Err(e)) => tracing::warn!(process = %label, error = %e, "could not wait for it"),
+            Err(_) => {
+                forced += 1;
+                tracing::error!(process = %label, "did not stop in time; killing");
+                let _ = child.kill().await;
             }
         }
+        p.child = None;
     }
-    let _ = std::fs::remove_file(&state);
-    if let Some(why) = misconfigured {
-        return Err(anyhow::Error::msg(why).context(Misconfigured("the mesh stopped".into())));
-    }
-    if let Some(why) = unrestartable {
-        return Err(anyhow::Error::msg(why).context("the mesh stopped"));
-    }
-    if forced > 0 {
-        anyhow::bail!("{forced} process(es) had to be killed at shutdown");
-    }
-    if overran > 0 {
-        // The mesh stopped, but not cleanly: `pdmesh up` exits as its children did.
-        tracing::warn!(processes = overran, "mesh stopped; some processes stopped past their shutdown deadline");
-        return Err(crate::StopTimedOut(pdmesh_service::DeadlineExceeded(child_deadline)).into());
-    }
-    tracing::info!("mesh stopped");
-    Ok(())
+    (forced, overran)
 }
 
 async fn announce_when_ready(node: String, url: String) {

@@ -152,3 +152,63 @@ fn a_service_stopped_by_sigterm_exits_cleanly() {
     assert!(text.contains("stopped cleanly"), "{text}");
     let _ = std::fs::remove_dir_all(&run_dir);
 }
+
+/// Issue 42: `pdmesh up` stops front to back (D108). A stream in flight through the router
+/// when `pdmesh up` gets Ctrl-C (SIGINT) finishes whole — every token, its finish reason and
+/// `[DONE]` — because the router drains while P and D still serve, and the workers stop last;
+/// then `pdmesh up` exits 0. Before, every child got the signal at once (a terminal's Ctrl-C
+/// reached the whole process group), D's engine stopped under the stream and it ended in an
+/// error event.
+#[test]
+fn a_stream_in_flight_at_ctrl_c_finishes_whole() {
+    use std::io::Read;
+    // 60 tokens at 40 ms a step: the stream is still running when the signal comes.
+    let settings =
+        "model = { kind = \"synthetic\", per_step_cost_us = 40000 }\nengine = { block_size = 4, num_blocks = 256 }";
+    let mut mesh =
+        Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 1, settings), |h| vec![h + 1, h + 2, h + 3]);
+    let url = mesh.url("/v1/completions");
+    let (first_token, got_first) = std::sync::mpsc::channel::<()>();
+    let reader = std::thread::spawn(move || {
+        let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+        let body = json!({"prompt": "a stream across the stop", "max_tokens": 60, "ignore_eos": true,
+            "stream": true, "stream_options": {"include_usage": true}});
+        let mut r = client.post(url).json(&body).send().unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        let (mut text, mut buf, mut signalled) = (String::new(), [0u8; 4096], false);
+        loop {
+            let n = r.read(&mut buf).unwrap_or(0);
+            if n == 0 {
+                break;
+            }
+            text.push_str(&String::from_utf8_lossy(&buf[..n]));
+            if !signalled && text.contains("\"text\"") {
+                signalled = true;
+                first_token.send(()).unwrap();
+            }
+        }
+        text
+    });
+    got_first.recv_timeout(Duration::from_secs(60)).expect("the stream's first token");
+    let pid = nix::unistd::Pid::from_raw(mesh.up.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let body = reader.join().unwrap();
+    let events = common::sse_events(&body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
+    assert!(!body.contains("\"error\""), "the stream ended in an error: {body}");
+    let usage = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
+        .unwrap_or_else(|| panic!("no usage chunk: {body}"));
+    assert_eq!(usage["completion_tokens"], 60, "{body}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    let status = loop {
+        if let Some(s) = mesh.up.try_wait().unwrap() {
+            break s;
+        }
+        assert!(std::time::Instant::now() < deadline, "pdmesh up did not stop after Ctrl-C");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "pdmesh up exited {status}: {}", mesh.logs());
+}

@@ -939,7 +939,10 @@ pub enum RoutingPolicy {
     /// router cannot tokenise (no model to load the tokenizer from).
     #[default]
     CacheAware,
+    /// The cheapest node (outstanding requests × latency × KV use).
     LeastLoaded,
+    /// The cheaper of two nodes drawn at random (power of two choices).
+    PowerOfTwo,
     RoundRobin,
 }
 

@@ -13,12 +13,14 @@
 //! - [`connector`]: engine-core ⇄ connector-scheduler: the KV connector calls.
 //! - [`kv`]: `kv_transfer_params` and KV accounting shared by the others.
 //! - [`transfer`]: the KV transfer agent's side channel and TCP data-plane framing.
+//! - [`node_http`]: the HTTP contract between the P/D router and the nodes' frontends.
 //! - [`prefix`]: the prefix cache's block hashes and the summary a node publishes of them.
 
 pub mod connector;
 pub mod engine;
 pub mod envelope;
 pub mod kv;
+pub mod node_http;
 pub mod prefix;
 pub mod step;
 pub mod transfer;
@@ -38,6 +40,7 @@ pub use connector::*;
 pub use engine::*;
 pub use envelope::*;
 pub use kv::*;
+pub use node_http::NodeLoad;
 pub use prefix::PrefixSummary;
 pub use step::*;
 pub use transfer::*;

@@ -156,41 +156,13 @@ async fn run_link(
     let mut pending: Pending = HashMap::new();
     let mut next_corr: u64 = 1;
     let mut first = true;
-    let mut backoff = Duration::from_millis(20);
     // One session for the link's life: a reconnect continues its counter.
     let port = endpoint_port(&endpoint);
     let mut sealer = config.seal.sealer(port, Direction::ToBound);
     let mut guard = config.seal.guard(&endpoint, port, Direction::FromBound);
     loop {
         // ---- connect, failing anything queued meanwhile
-        let mut options = SocketOptions::default();
-        if let Some(id) = config.identity.as_ref().filter(|_| !config.seal.is_sealed()) {
-            if let Ok(peer_id) = id.parse() {
-                options.peer_identity(peer_id);
-            }
-        }
-        options.connect_timeout(config.connect_timeout);
-        let mut socket = DealerSocket::with_options(options);
-        let mut monitor = socket.monitor();
-        loop {
-            let connect = socket.connect(&endpoint);
-            tokio::pin!(connect);
-            let connected = loop {
-                tokio::select! {
-                    res = &mut connect => break res.is_ok(),
-                    out = rx.recv() => match out {
-                        None => return,
-                        Some(o) => fail(o, TransportError::Unavailable(endpoint.clone())),
-                    },
-                }
-            };
-            if connected {
-                break;
-            }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_millis(500));
-        }
-        backoff = Duration::from_millis(20);
+        let Some((socket, mut monitor)) = connect_with_backoff(&config, &endpoint, &mut rx).await else { return };
         if !first {
             RECONNECTS.with_label_values(&[&endpoint]).inc();
         }
@@ -243,40 +215,14 @@ async fn run_link(
                     RECEIVED.with_label_values(&[&endpoint]).inc();
                     let Some(frame) = msg.into_vec().pop() else { continue };
                     let Some(payload) = guard.open(&frame, None) else { continue };
-                    match Envelope::decode(payload) {
-                        Ok(env) => {
-                            if env.corr != 0 {
-                                if let Some((tx, _)) = pending.remove(&env.corr) {
-                                    let _ = tx.send(Ok(env));
-                                    continue;
-                                }
-                            }
-                            sink.do_send(LinkEvent::Message { endpoint: endpoint.clone(), envelope: env });
-                        }
-                        Err(e) => {
-                            DECODE_ERRORS.with_label_values(&[&endpoint]).inc();
-                            tracing::warn!(%endpoint, error = %e, "dropping undecodable frame");
-                        }
-                    }
+                    deliver(payload, &endpoint, &mut pending, &sink);
                 }
                 ev = monitor.next() => {
                     if matches!(ev, Some(SocketEvent::Disconnected(_)) | None) {
                         break;
                     }
                 }
-                _ = sweep.tick() => {
-                    let now = Instant::now();
-                    let expired: Vec<u64> = pending
-                        .iter()
-                        .filter(|(_, (tx, deadline))| *deadline <= now || tx.is_closed())
-                        .map(|(corr, _)| *corr)
-                        .collect();
-                    for corr in expired {
-                        if let Some((tx, _)) = pending.remove(&corr) {
-                            let _ = tx.send(Err(TransportError::Timeout(endpoint.clone(), config.send_timeout)));
-                        }
-                    }
-                }
+                _ = sweep.tick() => expire(&mut pending, &endpoint, config.send_timeout),
             }
         }
 
@@ -289,6 +235,81 @@ async fn run_link(
         sink.do_send(LinkEvent::Down { endpoint: endpoint.clone() });
         drop(send_half);
         drop(recv_half);
+    }
+}
+
+/// A connected DEALER socket to the link's endpoint and its monitor, retried with a backoff
+/// (20 ms doubling to 500 ms); anything queued meanwhile is failed as unavailable. `None`: the
+/// link's owner dropped its sender (the link ends).
+async fn connect_with_backoff(
+    config: &LinkConfig,
+    endpoint: &str,
+    rx: &mut mpsc::UnboundedReceiver<Outbound>,
+) -> Option<(DealerSocket, futures::channel::mpsc::Receiver<SocketEvent>)> {
+    let mut backoff = Duration::from_millis(20);
+    let mut options = SocketOptions::default();
+    if let Some(id) = config.identity.as_ref().filter(|_| !config.seal.is_sealed()) {
+        if let Ok(peer_id) = id.parse() {
+            options.peer_identity(peer_id);
+        }
+    }
+    options.connect_timeout(config.connect_timeout);
+    let mut socket = DealerSocket::with_options(options);
+    let monitor = socket.monitor();
+    loop {
+        let connected = {
+            let connect = socket.connect(endpoint);
+            tokio::pin!(connect);
+            loop {
+                tokio::select! {
+                    res = &mut connect => break res.is_ok(),
+                    out = rx.recv() => match out {
+                        None => return None,
+                        Some(o) => fail(o, TransportError::Unavailable(endpoint.to_string())),
+                    },
+                }
+            }
+        };
+        if connected {
+            return Some((socket, monitor));
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
+}
+
+/// An opened frame from the peer: the reply a request waits for (by correlation id), else a
+/// message for the link's owner; an undecodable one is counted and dropped.
+fn deliver(payload: &[u8], endpoint: &str, pending: &mut Pending, sink: &Recipient<LinkEvent>) {
+    match Envelope::decode(payload) {
+        Ok(env) => {
+            if env.corr != 0 {
+                if let Some((tx, _)) = pending.remove(&env.corr) {
+                    let _ = tx.send(Ok(env));
+                    return;
+                }
+            }
+            sink.do_send(LinkEvent::Message { endpoint: endpoint.to_string(), envelope: env });
+        }
+        Err(e) => {
+            DECODE_ERRORS.with_label_values(&[endpoint]).inc();
+            tracing::warn!(%endpoint, error = %e, "dropping undecodable frame");
+        }
+    }
+}
+
+/// Answer the requests past their deadline (or whose waiter left) with a timeout.
+fn expire(pending: &mut Pending, endpoint: &str, send_timeout: Duration) {
+    let now = Instant::now();
+    let expired: Vec<u64> = pending
+        .iter()
+        .filter(|(_, (tx, deadline))| *deadline <= now || tx.is_closed())
+        .map(|(corr, _)| *corr)
+        .collect();
+    for corr in expired {
+        if let Some((tx, _)) = pending.remove(&corr) {
+            let _ = tx.send(Err(TransportError::Timeout(endpoint.to_string(), send_timeout)));
+        }
     }
 }
 

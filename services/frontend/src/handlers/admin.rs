@@ -10,7 +10,7 @@ use crate::error::ApiError;
 use crate::handlers::error_response;
 use crate::headers::new_request_id;
 use crate::openai::{ModelCard, ModelList};
-use crate::server::AppState;
+use crate::state::AppState;
 
 /// `GET /v1/models`: the one served model.
 pub async fn models(state: web::Data<AppState>) -> HttpResponse {
@@ -72,12 +72,7 @@ pub async fn health(state: web::Data<AppState>) -> HttpResponse {
     }
 }
 
-/// `/health` of a frontend that is stopping: 503, so load balancers stop sending it work
-/// while it drains what it has.
-pub fn stopping() -> HttpResponse {
-    let e = ApiError::Unavailable("shutting down: this frontend is draining its requests".into());
-    HttpResponse::ServiceUnavailable().json(e.body())
-}
+pub use pdmesh_http_edge::serve::{get_only, method_not_allowed, not_found, post_only, stopping};
 
 /// A request held by a connector, with the rank that holds it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -156,7 +151,7 @@ pub async fn debug_kv(state: web::Data<AppState>) -> HttpResponse {
 /// `running`) and KV usage, summed over the ranks that answered. Not ready (200 with
 /// `ready: false`) while draining, without a link to the dp-lb, or with no rank answering.
 pub async fn load(state: web::Data<AppState>) -> HttpResponse {
-    let not_ready = || HttpResponse::Ok().json(crate::router::NodeLoad::default());
+    let not_ready = || HttpResponse::Ok().json(pdmesh_protocol::NodeLoad::default());
     if state.readiness.is_draining() || !state.link.is_up() {
         return not_ready();
     }
@@ -164,7 +159,7 @@ pub async fn load(state: web::Data<AppState>) -> HttpResponse {
         Ok(stats) if !stats.engines.is_empty() => {
             let sum = |f: fn(&EngineStats) -> u32| stats.engines.iter().map(f).fold(0u32, u32::saturating_add);
             let sum64 = |f: fn(&EngineStats) -> u32| stats.engines.iter().map(|e| u64::from(f(e))).sum::<u64>();
-            HttpResponse::Ok().json(crate::router::NodeLoad {
+            HttpResponse::Ok().json(pdmesh_protocol::NodeLoad {
                 ready: true,
                 waiting: sum(|e| e.num_waiting),
                 running: sum(|e| e.num_running),
@@ -198,44 +193,6 @@ pub async fn debug_engines(state: web::Data<AppState>) -> HttpResponse {
         Ok(stats) => HttpResponse::Ok().json(stats),
         Err(e) => error_response(e, &new_request_id()),
     }
-}
-
-/// Unknown routes: the OpenAI error body with 404, counted and logged like every refusal
-/// (node frontends and the router alike).
-pub async fn not_found(req: actix_web::HttpRequest) -> HttpResponse {
-    let e = ApiError::NotFound(format!("no route for {} {}", req.method(), req.path()));
-    e.record();
-    actix_web::ResponseError::error_response(&e)
-}
-
-/// The default service of a known path: its methods are `allow` (the `Allow` header), so
-/// any other is a 405 with the OpenAI error body, counted and logged like every refusal.
-pub fn method_not_allowed(allow: &'static str) -> actix_web::Route {
-    web::to(move |req: actix_web::HttpRequest| async move {
-        let e = ApiError::MethodNotAllowed { method: req.method().to_string(), path: req.path().to_string(), allow };
-        e.record();
-        actix_web::ResponseError::error_response(&e)
-    })
-}
-
-/// `web::resource(path)` serving `GET` with `handler` and a 405 for every other method.
-pub fn get_only<F, Args>(path: &str, handler: F) -> actix_web::Resource
-where
-    F: actix_web::Handler<Args>,
-    Args: actix_web::FromRequest + 'static,
-    F::Output: actix_web::Responder + 'static,
-{
-    web::resource(path).route(web::get().to(handler)).default_service(method_not_allowed("GET"))
-}
-
-/// `web::resource(path)` serving `POST` with `handler` and a 405 for every other method.
-pub fn post_only<F, Args>(path: &str, handler: F) -> actix_web::Resource
-where
-    F: actix_web::Handler<Args>,
-    Args: actix_web::FromRequest + 'static,
-    F::Output: actix_web::Responder + 'static,
-{
-    web::resource(path).route(web::post().to(handler)).default_service(method_not_allowed("POST"))
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use crate::generate::{prepare, Api, Prepared};
 use crate::handlers::serve;
 use crate::headers::RequestMeta;
 use crate::openai::ChatCompletionRequest;
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::validation::{
     chat_logprobs, chat_messages, check_model, render_chat, resolve_max_tokens, validate_params, MaxTokensDefault,
     ModelLimits, SamplingInput, ValidatedRequest,

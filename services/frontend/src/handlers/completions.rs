@@ -9,7 +9,7 @@ use crate::generate::{prepare, Api, Prepared};
 use crate::handlers::serve;
 use crate::headers::RequestMeta;
 use crate::openai::CompletionRequest;
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::validation::{
     check_model, completion_logprobs, completion_prompt, resolve_max_tokens, validate_params, MaxTokensDefault,
     ModelLimits, SamplingInput, ValidatedRequest, DEFAULT_COMPLETION_MAX_TOKENS,

@@ -6,26 +6,20 @@ pub mod chat;
 pub mod completions;
 pub mod responses;
 
-use actix_web::{web, HttpMessage, HttpRequest, HttpResponse, ResponseError};
+use actix_web::{web, HttpMessage, HttpRequest, HttpResponse};
 use tracing::Instrument;
 
 use crate::auth::ClientKey;
 use crate::error::ApiError;
 use std::future::Future;
 
-use crate::generate::{respond, set_request_id, submit, Accepted, Api, Prepared};
+use crate::generate::{respond, submit, Accepted, Api, Prepared};
 use crate::headers::{request_meta, RequestMeta};
 use crate::metrics::{REJECTION_NOTICES_SENT, REMOTE_PREFILL_REJECTIONS_TOTAL};
-use crate::server::AppState;
+use crate::state::AppState;
 use pdmesh_protocol::{Envelope, KvTransferParams, Message, RejectionNotice};
 
-/// Render an error as the response to a request (counted and logged once, here).
-pub fn error_response(error: ApiError, request_id: &str) -> HttpResponse {
-    error.record();
-    let mut response = error.error_response();
-    set_request_id(&mut response, request_id);
-    response
-}
+pub use pdmesh_http_edge::serve::error_response;
 
 /// Rule R1: a request that carried `do_remote_prefill = true` was refused before the engine
 /// admitted it, so P holds blocks that no one will read. Send a rejection notice with the raw

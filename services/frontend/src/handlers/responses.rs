@@ -18,7 +18,7 @@ use crate::handlers::{remote_prefill_params, serve_with};
 use crate::headers::RequestMeta;
 use crate::openai::ResponsesRequest;
 use crate::responses::{answer, ResponseContext, ResponseStore};
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::validation::{
     check_model, render_chat, resolve_max_tokens, validate_params, MaxTokensDefault, ModelLimits, SamplingInput,
     ValidatedRequest,
@@ -62,7 +62,7 @@ pub async fn get_response(path: web::Path<String>, state: web::Data<AppState>) -
 /// The header naming the id the response is to be stored under, set by the router so that it
 /// can send a follow-up (`previous_response_id`) back to the decode node that stored it
 /// (docs/DECISIONS.md D49).
-pub const RESPONSE_ID_HEADER: &str = "x-pdmesh-response-id";
+pub use pdmesh_protocol::node_http::RESPONSE_ID_HEADER;
 
 /// The id chosen by the router ([`RESPONSE_ID_HEADER`]) when it is well formed (`resp_`, then
 /// up to 96 ASCII letters, digits, `_` or `-`) and names no stored response; else none, and

@@ -2,7 +2,7 @@
 //! decode node, and the client sees one uninterrupted stream.
 //!
 //! The router asks D for the ids of the tokens of every chunk (`pdmesh_internal.
-//! stream_token_ids`, [`crate::resume`]): D writes them in a comment line of each event, which
+//! stream_token_ids`, [`pdmesh_frontend::resume`]): D writes them in a comment line of each event, which
 //! the router reads and drops, passing the chunk itself on as it came (D73).
 //! When D's stream breaks — the connection resets or ends before `[DONE]`, or D sends an error
 //! event of a 5xx kind (its engine died) — the router sends the client's own request to
@@ -36,9 +36,10 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use super::{forward_headers, Leg, RouterState};
-use crate::error::ApiError;
-use crate::headers::REQUEST_ID;
-use crate::stream::{sse_data, sse_done, sse_error, TOKEN_IDS_COMMENT, TOKEN_IDS_FIELD};
+use pdmesh_http_edge::error::ApiError;
+use pdmesh_http_edge::headers::REQUEST_ID;
+use pdmesh_http_edge::sse::{sse_data, sse_done, sse_error};
+use pdmesh_protocol::node_http::{TOKEN_IDS_COMMENT, TOKEN_IDS_FIELD};
 
 /// Requests moved to another decode node, by `reason` (`stream_broke`: the connection broke or
 /// ended early; `error_event`: D sent a 5xx error event; `no_answer`: D failed before its
@@ -56,8 +57,10 @@ pub(super) fn continuation_body(original: &Value, seen: &[u32]) -> Value {
     if let Some(o) = body.as_object_mut() {
         o.remove("kv_transfer_params");
     }
-    body[crate::resume::FIELD]["stream_token_ids"] = json!(true);
-    body[crate::resume::FIELD]["resume_token_ids"] = json!(seen);
+    body[pdmesh_protocol::node_http::INTERNAL_FIELD][pdmesh_protocol::node_http::internal::STREAM_TOKEN_IDS] =
+        json!(true);
+    body[pdmesh_protocol::node_http::INTERNAL_FIELD][pdmesh_protocol::node_http::internal::RESUME_TOKEN_IDS] =
+        json!(seen);
     body
 }
 
@@ -556,10 +559,25 @@ mod tests {
         assert_eq!(body["max_tokens"], 8, "the node subtracts what was seen");
     }
 
-    fn settings(api: crate::generate::Api) -> crate::generate::ResponseSettings {
-        let mut s = crate::stream::tests::settings(api, false, None);
-        s.stream_token_ids = true;
-        s
+    fn settings(api: pdmesh_frontend::generate::Api) -> pdmesh_frontend::generate::ResponseSettings {
+        pdmesh_frontend::generate::ResponseSettings {
+            api,
+            request_id: "r1".into(),
+            created: 7,
+            model: "m".into(),
+            stop: vec![],
+            include_stop_str_in_output: false,
+            eos_token_ids: vec![],
+            logprobs: None,
+            stream: true,
+            include_usage: false,
+            prompt_tokens: 3,
+            tools: None,
+            stream_token_ids: true,
+            resume_token_ids: Vec::new(),
+            min_tokens: 0,
+            echo: None,
+        }
     }
 
     fn sent(r: Relayed) -> (Value, usize, Bytes) {
@@ -572,8 +590,8 @@ mod tests {
 
     #[test]
     fn a_nodes_chunk_reaches_the_client_byte_for_byte_without_its_ids() {
-        use crate::generate::Api;
-        use crate::stream::ChunkFormatter;
+        use pdmesh_frontend::generate::Api;
+        use pdmesh_frontend::stream::ChunkFormatter;
         let mut without_ids = settings(Api::Chat);
         without_ids.stream_token_ids = false;
         let plain = ChunkFormatter::new(&without_ids).delta_chunk("hi".into(), &[], None);
@@ -588,7 +606,7 @@ mod tests {
         assert_eq!(seen.ids, vec![11, 12]);
         assert_eq!(seen.created, Some(7));
         assert!(!seen.finished);
-        let last = f.delta_chunk_with_ids(String::new(), &[], Some(&crate::output::Finish::Length), &[13]);
+        let last = f.delta_chunk_with_ids(String::new(), &[], Some(&pdmesh_frontend::output::Finish::Length), &[13]);
         let (chunk, ..) = sent(relay_event(last, &mut seen));
         assert_eq!(chunk["choices"][0]["finish_reason"], "length");
         assert!(seen.finished);
@@ -598,8 +616,8 @@ mod tests {
 
     #[test]
     fn a_continuation_drops_its_role_chunk_and_takes_the_first_streams_created() {
-        use crate::generate::Api;
-        use crate::stream::ChunkFormatter;
+        use pdmesh_frontend::generate::Api;
+        use pdmesh_frontend::stream::ChunkFormatter;
         let mut later = settings(Api::Chat);
         later.created = 9;
         let f = ChunkFormatter::new(&later);

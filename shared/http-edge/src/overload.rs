@@ -9,10 +9,10 @@
 //!
 //! The other bounds of a node sit where their queue is: the dp-lb's in-flight table and its
 //! reading of the ranks' load reports (`services/dp-lb`), the engine's waiting queue and P's
-//! held blocks (`Scheduler::add_request`), and the per-request output buffer here in
-//! [`crate::engine_client`]. Whichever refuses, the client sees the same 503 (see
+//! held blocks (`Scheduler::add_request`), and the per-request output buffer in the
+//! frontend's `engine_client`. Whichever refuses, the client sees the same 503 (see
 //! `ApiError::Overloaded`), and a remote-prefill request refused anywhere before admission
-//! sends P its rejection notice (rule R1, `handlers::note_rejection`).
+//! sends P its rejection notice (rule R1, the frontend's `handlers::note_rejection`).
 //!
 //! [`KeyLimit`] is the same bound per client API key (`limits.max_in_flight_per_key`): a key
 //! at its bound is refused with a 429 ([`ApiError::RateLimited`]), the others are not, so one

@@ -25,8 +25,8 @@ use bytes::BytesMut;
 use serde_json::json;
 
 use super::balance::Pool;
-use crate::headers::REQUEST_ID;
-use crate::stream::TOKEN_IDS_COMMENT;
+use pdmesh_http_edge::headers::REQUEST_ID;
+use pdmesh_protocol::node_http::TOKEN_IDS_COMMENT;
 
 /// Tokens of one probe: enough gaps for a median that one late token does not move.
 pub const PROBE_TOKENS: u32 = 8;
@@ -99,7 +99,8 @@ async fn probe(
         "ignore_eos": true,
         "stream": true,
     });
-    body[crate::resume::FIELD] = json!({"stream_token_ids": true});
+    body[pdmesh_protocol::node_http::INTERNAL_FIELD] =
+        json!({(pdmesh_protocol::node_http::internal::STREAM_TOKEN_IDS): true});
     let mut rb = client.post(format!("{url}/v1/completions")).timeout(PROBE_TIMEOUT).header(REQUEST_ID, request_id);
     if let Some(v) = authorization {
         rb = rb.header(reqwest::header::AUTHORIZATION, v);

@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use crate::validation::ModelLimits;
-use crate::FrontendOptions;
+use pdmesh_frontend::validation::ModelLimits;
+use pdmesh_frontend::FrontendOptions;
 
 /// The tokenizer and model facts of the nodes behind the router.
 pub struct PromptTokenizer {
@@ -41,12 +41,13 @@ impl PromptTokenizer {
         let limits = self.limits();
         let validated = match path {
             "/v1/chat/completions" => {
-                let body = serde_json::from_value::<crate::openai::ChatCompletionRequest>(body.clone()).ok()?;
-                crate::handlers::chat::validate_request(&body, &limits)
+                let body =
+                    serde_json::from_value::<pdmesh_frontend::openai::ChatCompletionRequest>(body.clone()).ok()?;
+                pdmesh_frontend::handlers::chat::validate_request(&body, &limits)
             }
             "/v1/completions" => {
-                let body = serde_json::from_value::<crate::openai::CompletionRequest>(body.clone()).ok()?;
-                crate::handlers::completions::validate_request(&body, &limits)
+                let body = serde_json::from_value::<pdmesh_frontend::openai::CompletionRequest>(body.clone()).ok()?;
+                pdmesh_frontend::handlers::completions::validate_request(&body, &limits)
             }
             _ => return None,
         };

@@ -11,8 +11,9 @@
 //!   a row up to `eject_max_ms`; once that passed and its `/load` answers it is tried again
 //!   (half-open: the next failure ejects it again at once, a success closes the breaker).
 //!
-//! `least_loaded` picks, among the ready non-ejected nodes, the lower cost of two candidates
-//! (power of two choices; with two nodes, the cheaper one): cost = (1 + outstanding) ×
+//! Which node a pick takes among the eligible ones is the policy's ([`crate::policy`]: one file
+//! each for `round_robin`, `least_loaded`, `power_of_two` and `cache_aware`); this module
+//! decides which nodes are eligible and what each costs: cost = (1 + outstanding) ×
 //! latency × (1 + KV used fraction), outstanding = max(router in flight, node's running +
 //! waiting) + node's waiting. The latency factor is Finagle's "EWMA × outstanding" cost: a
 //! node twice as slow gets work only once the other has twice its queue, so a slowed node
@@ -32,30 +33,40 @@
 //!   over the best decays with a half-life of `SLOW_PROBE_HALF_LIFE`, so a node that recovered
 //!   is tried again within a few half-lives (D55).
 //!
-//! `round_robin` rotates over the ready non-ejected set, whatever the latencies. When no node
-//! is eligible, every node not excluded is (better a try than a refusal).
+//! A policy that weighs no latency (`round_robin`) sees every ready non-ejected node. When no
+//! node is eligible, every node not excluded is (better a try than a refusal).
 //!
 //! The set of nodes may change while the router runs (D61): [`discover`] re-resolves a role's
 //! DNS name and [`Pool::sync_discovered`] applies the difference. Requests therefore name a
 //! node by its stable id, not its position, and hold the node itself while counted on it.
 //!
-//! `cache_aware` (D59) weighs, besides the cost, how much of the request's prompt each node
-//! already holds in its prefix cache (the blocks from the first one on, as the node's `/load`
-//! publishes them): score = cost × (1 − `OVERLAP_WEIGHT` × held fraction), lowest wins. Only
-//! nodes whose cost is within `LOAD_GUARD` × the cheapest one's, and that hold at least
-//! `MIN_OVERLAP_FRACTION` of the prompt, compete on overlap, so a hot prefix cannot pile every
-//! request on one node (SGLang's balance and cache thresholds). Without a prompt
-//! (the router could not tokenise it) or with nothing held anywhere, it is `least_loaded`.
+//! Each concern has its own module: [`ejection`] (the breaker), [`discovery`] (DNS), [`load`]
+//! (`GET /load` polls), [`slow`] (latency, leaving slow nodes out, probes); this one holds the
+//! nodes, what a node costs, and the pick.
+//!
+//! For a policy that weighs the prefix cache (`cache_aware`, D59), the pool also tells how
+//! many of the prompt's blocks each candidate holds, as the node's `/load` published them.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use pdmesh_config::RoutingPolicy;
+use pdmesh_config::RoutingPolicy as RoutingKind;
+
+use crate::policy::{Candidate, Pick, RoutingPolicy};
+use pdmesh_protocol::node_http::{NodeLoad, LOAD_PATH};
 use pdmesh_protocol::prefix::PrefixIndex;
-use pdmesh_telemetry::metrics::{counter_vec, gauge_vec, histogram_vec};
-use prometheus::{HistogramVec, IntCounterVec, IntGaugeVec};
+use pdmesh_telemetry::metrics::{counter_vec, gauge_vec};
+use prometheus::{IntCounterVec, IntGaugeVec};
+
+mod discovery;
+mod ejection;
+mod load;
+mod slow;
+
+pub use discovery::discover;
+pub use load::poll_loads;
 
 /// Requests the router sent to each upstream, by `role` and `upstream` (URL).
 pub const PICKS: &str = "pdmesh_router_picks_total";
@@ -79,23 +90,6 @@ static UPSTREAMS_GAUGE: LazyLock<IntGaugeVec> =
     LazyLock::new(|| gauge_vec(UPSTREAMS, "Upstreams the router routes to, by role and source", &["role", "source"]));
 static DISCOVERY_ERRORS_TOTAL: LazyLock<IntCounterVec> =
     LazyLock::new(|| counter_vec(DISCOVERY_ERRORS, "DNS refreshes of an upstream name that failed", &["role"]));
-/// Prompt blocks the chosen node already held, per cache-aware pick, by `role`.
-pub const PREFIX_OVERLAP: &str = "pdmesh_router_prefix_overlap_blocks";
-/// Cache-aware picks, by `role` and `reason`: `overlap` (the node holding more of the prompt
-/// won over a cheaper one), `load` (the cheapest node won), `no_prefix` (nothing held).
-pub const CACHE_AWARE_PICKS: &str = "pdmesh_router_cache_aware_picks_total";
-
-static PREFIX_OVERLAP_HIST: LazyLock<HistogramVec> = LazyLock::new(|| {
-    histogram_vec(
-        PREFIX_OVERLAP,
-        "Prompt blocks the chosen upstream already held (cache-aware routing)",
-        &["role"],
-        vec![0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0],
-    )
-});
-static CACHE_AWARE_PICKS_TOTAL: LazyLock<IntCounterVec> =
-    LazyLock::new(|| counter_vec(CACHE_AWARE_PICKS, "Cache-aware picks by what decided them", &["role", "reason"]));
-
 /// 1 while an upstream is left out of the rotation as slow (D104), by `role` and `upstream`.
 pub const SLOW: &str = "pdmesh_router_upstream_slow";
 /// Times an upstream was left out as slow (D104), by `role` and `upstream`.
@@ -148,28 +142,6 @@ const SLOW_RATIO: f64 = 3.0;
 const RECOVERY_MARGIN: f64 = 1.5;
 /// Half-life of a left-out node's latency excess over the best, while it gets no samples.
 const SLOW_PROBE_HALF_LIFE: Duration = Duration::from_secs(10);
-/// `cache_aware`: how much a fully held prompt lowers a node's cost (0.9: to a tenth).
-const OVERLAP_WEIGHT: f64 = 0.9;
-/// `cache_aware`: a node costing more than this many times the cheapest competes on load only.
-const LOAD_GUARD: f64 = 4.0;
-/// `cache_aware`: a node holding less than this share of the prompt competes on load only
-/// (SGLang's cache threshold): a few shared opening blocks must not pin every request to one
-/// node while the others idle; a conversation's follow-up holds most of its prompt.
-const MIN_OVERLAP_FRACTION: f64 = 0.5;
-
-/// What a node says of itself on `GET /load`.
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct NodeLoad {
-    pub ready: bool,
-    pub waiting: u32,
-    pub running: u32,
-    pub kv_used_blocks: u64,
-    pub kv_total_blocks: u64,
-    /// What its prefix caches hold (D59); absent with caching off and from older nodes.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub prefix: Option<pdmesh_protocol::PrefixSummary>,
-}
-
 /// Ejection settings (`router.eject_*`).
 #[derive(Debug, Clone, Copy)]
 pub struct Breaker {
@@ -255,7 +227,7 @@ pub struct Pool {
     ids: Mutex<HashMap<String, usize>>,
     next_id: AtomicUsize,
     next: AtomicUsize,
-    policy: RoutingPolicy,
+    policy: Box<dyn RoutingPolicy>,
     breaker: Breaker,
     /// `router.slow_ratio` (0: no node is left out for its latency).
     slow_ratio: f64,
@@ -303,14 +275,14 @@ pub struct Diff {
 }
 
 impl Pool {
-    pub fn new(role: &'static str, urls: &[String], policy: RoutingPolicy, breaker: Breaker) -> Self {
+    pub fn new(role: &'static str, urls: &[String], policy: RoutingKind, breaker: Breaker) -> Self {
         let pool = Self {
             role,
             nodes: RwLock::new(Vec::new()),
             ids: Mutex::new(HashMap::new()),
             next_id: AtomicUsize::new(0),
             next: AtomicUsize::new(0),
-            policy,
+            policy: crate::policy::for_config(policy),
             breaker,
             slow_ratio: SLOW_RATIO,
             probed: AtomicBool::new(false),
@@ -332,7 +304,7 @@ impl Pool {
 
     /// Whether picks weigh latency (every policy but `round_robin`).
     fn latency_aware(&self) -> bool {
-        self.policy != RoutingPolicy::RoundRobin
+        self.policy.weighs_latency()
     }
 
     /// Whether left-out nodes are probed back into the rotation (see [`Pool::with_slow`]).
@@ -409,40 +381,6 @@ impl Pool {
 
     fn node(&self, id: usize) -> Option<Arc<Upstream>> {
         self.nodes().into_iter().find(|u| u.id == id)
-    }
-
-    /// Make the DNS-discovered part of the pool `urls` (what the name resolves to now); the
-    /// static part stays. A node that is no longer listed gets no new request, and its
-    /// requests in flight finish on it (they hold it); a new node starts unproven, like a
-    /// configured one: no latency, no load until its first `/load` poll.
-    pub fn sync_discovered(&self, urls: &[String]) -> Diff {
-        let current = self.nodes();
-        let wanted: Vec<&str> = urls.iter().map(|u| u.trim_end_matches('/')).collect();
-        let mut diff = Diff::default();
-        let mut next: Vec<Arc<Upstream>> = Vec::with_capacity(current.len() + wanted.len());
-        for u in &current {
-            let keep = u.source == Source::Static || wanted.contains(&u.url.as_str());
-            if keep {
-                next.push(u.clone());
-            } else {
-                diff.removed.push(u.url.clone());
-            }
-        }
-        for url in wanted {
-            if !next.iter().any(|u| u.url == url) {
-                next.push(self.make_node(url, Source::Dns));
-                diff.added.push(url.to_string());
-            }
-        }
-        if diff != Diff::default() {
-            self.replace_nodes(next);
-            for url in &diff.removed {
-                // Not ejected any more, just gone; the counters keep their history.
-                let _ = EJECTED_GAUGE.remove_label_values(&[self.role, url]);
-                let _ = SLOW_GAUGE.remove_label_values(&[self.role, url]);
-            }
-        }
-        diff
     }
 
     pub fn len(&self) -> usize {
@@ -530,33 +468,27 @@ impl Pool {
             return None;
         }
         let turn = self.next.fetch_add(1, Ordering::Relaxed);
-        let mut overlap = None;
-        let chosen = match (self.policy, prompt) {
-            (RoutingPolicy::RoundRobin, _) => candidates[turn % candidates.len()].clone(),
-            (RoutingPolicy::CacheAware, Some(tokens)) => {
-                let (u, held) = self.cache_aware(&candidates, turn, tokens, now);
-                overlap = Some(held);
-                u
-            }
-            (RoutingPolicy::LeastLoaded | RoutingPolicy::CacheAware, _) => {
-                let candidates = self.latencies(&candidates, now);
-                let (a, la) = &candidates[turn % candidates.len()];
-                let (b, lb) = if candidates.len() > 2 {
-                    // Power of two choices: a second candidate other than `a`, spread by `turn`.
-                    let step = 1 + (turn / candidates.len()) % (candidates.len() - 1);
-                    &candidates[(turn + step) % candidates.len()]
-                } else {
-                    &candidates[(turn + 1) % candidates.len()]
-                };
-                if Self::cost(b, *lb) < Self::cost(a, *la) {
-                    b.clone()
-                } else {
-                    a.clone()
-                }
-            }
+        let nodes = if self.policy.weighs_latency() {
+            self.latencies(&candidates, now)
+        } else {
+            candidates.into_iter().map(|u| (u, 1.0)).collect()
         };
+        let upstreams: Vec<Arc<Upstream>> = nodes.iter().map(|(u, _)| u.clone()).collect();
+        let held = prompt.filter(|_| self.policy.weighs_prefix()).map(|tokens| Self::overlaps(&upstreams, tokens));
+        let prompt_blocks =
+            prompt.map_or(1, |tokens| (tokens.len() / Self::block_size_hint(&upstreams).max(1) as usize).max(1));
+        let weighed: Vec<Candidate> = nodes
+            .iter()
+            .enumerate()
+            .map(|(k, (u, latency))| Candidate {
+                cost: Self::cost(u, *latency),
+                held: held.as_ref().and_then(|h| h.get(k).copied()),
+            })
+            .collect();
+        let choice = self.policy.choose(&weighed, Pick { role: self.role, turn, prompt_blocks });
+        let chosen = upstreams.get(choice.index).unwrap_or(&upstreams[turn % upstreams.len()]).clone();
         PICKS_TOTAL.with_label_values(&[self.role, &chosen.url]).inc();
-        Some(Picked { node: chosen.id, overlap })
+        Some(Picked { node: chosen.id, overlap: choice.overlap })
     }
 
     /// The candidates' latencies as `least_loaded` weighs them: the best measured one for a
@@ -607,46 +539,6 @@ impl Pool {
             .collect()
     }
 
-    /// The `cache_aware` choice among `candidates` (see the module docs) and the blocks of the
-    /// prompt the chosen node holds. Ties go round the candidates by `turn`.
-    fn cache_aware(
-        &self,
-        candidates: &[Arc<Upstream>],
-        turn: usize,
-        tokens: &[u32],
-        now: Instant,
-    ) -> (Arc<Upstream>, usize) {
-        let latency = self.latencies(candidates, now);
-        let nodes: Vec<Arc<Upstream>> = latency.iter().map(|(u, _)| u.clone()).collect();
-        let held = Self::overlaps(&nodes, tokens);
-        let cost: Vec<f64> = latency.iter().map(|(u, l)| Self::cost(u, *l)).collect();
-        let blocks = (tokens.len() / Self::block_size_hint(&nodes).max(1) as usize).max(1);
-        let cheapest = cost.iter().copied().fold(f64::INFINITY, f64::min);
-        let n = nodes.len();
-        let score = |k: usize| {
-            let c = cost[k];
-            let fraction = (held[k] as f64 / blocks as f64).min(1.0);
-            if c <= LOAD_GUARD * cheapest && fraction >= MIN_OVERLAP_FRACTION {
-                c * (1.0 - OVERLAP_WEIGHT * fraction)
-            } else {
-                c
-            }
-        };
-        let order = (0..n).map(|k| (k + turn) % n.max(1));
-        let best = order.clone().min_by(|&a, &b| score(a).total_cmp(&score(b))).unwrap_or(0);
-        let by_load = order.min_by(|&a, &b| cost[a].total_cmp(&cost[b])).unwrap_or(0);
-        let reason = match held.get(best) {
-            Some(0) | None => "no_prefix",
-            Some(_) if best != by_load && held.get(best) > held.get(by_load) => "overlap",
-            Some(_) => "load",
-        };
-        let chosen_held = held.get(best).copied().unwrap_or(0);
-        PREFIX_OVERLAP_HIST.with_label_values(&[self.role]).observe(chosen_held as f64);
-        CACHE_AWARE_PICKS_TOTAL.with_label_values(&[self.role, reason]).inc();
-        let chosen = nodes.get(best).cloned().unwrap_or_else(|| candidates[turn % candidates.len()].clone());
-        (chosen, chosen_held)
-    }
-
     /// Tokens of `prompt` that the `picked` node would compute itself: those past the full
     /// blocks its prefix cache holds, as its last `/load` poll published them (all of them when
     /// it published nothing). A `cache_aware` pick already counted those blocks
@@ -682,245 +574,6 @@ impl Pool {
         InFlight { role: self.role, node }
     }
 
-    /// Node `i` served a call: its failures in a row start over and its breaker closes.
-    pub fn success(&self, i: usize) {
-        let closed = self.with_state(i, |s| {
-            s.failures_in_row = 0;
-            let was_open = s.ejections > 0;
-            if was_open && s.ejected_until.is_none_or(|t| Instant::now() >= t) {
-                s.ejections = 0;
-                s.ejected_until = None;
-                return true;
-            }
-            false
-        });
-        if closed == Some(true) {
-            if let Some(url) = self.url(i) {
-                EJECTED_GAUGE.with_label_values(&[self.role, &url]).set(0);
-                tracing::info!(role = self.role, upstream = url, "upstream serves again; back in rotation");
-            }
-        }
-    }
-
-    /// Node `i` failed a call (connect error, reset, a 5xx other than an overload 503).
-    pub fn failure(&self, i: usize, why: &str) {
-        let Some(url) = self.url(i) else { return };
-        FAILURES_TOTAL.with_label_values(&[self.role, &url]).inc();
-        let breaker = self.breaker;
-        if breaker.after_failures == 0 {
-            return;
-        }
-        let ejected_for = self.with_state(i, |s| {
-            s.failures_in_row = s.failures_in_row.saturating_add(1);
-            // Half-open (back after an ejection, not yet proven): one failure is enough.
-            if s.failures_in_row >= breaker.after_failures || s.ejections > 0 {
-                s.ejections = s.ejections.saturating_add(1);
-                s.failures_in_row = 0;
-                let factor = 1u32 << (s.ejections - 1).min(16);
-                let length = breaker.base.saturating_mul(factor).min(breaker.max);
-                s.ejected_until = Some(Instant::now() + length);
-                return Some(length);
-            }
-            None
-        });
-        if let Some(Some(length)) = ejected_for {
-            EJECTIONS_TOTAL.with_label_values(&[self.role, &url]).inc();
-            EJECTED_GAUGE.with_label_values(&[self.role, &url]).set(1);
-            tracing::warn!(role = self.role, upstream = %url, reason = why, ejected_ms = length.as_millis() as u64,
-                "upstream ejected after failures in a row");
-        }
-    }
-
-    /// One latency sample (seconds) of node `i`.
-    pub fn observe_latency(&self, i: usize, seconds: f64) {
-        if !seconds.is_finite() || seconds < 0.0 {
-            return;
-        }
-        self.with_state(i, |s| {
-            s.latency = Some(match s.latency {
-                Some(l) if seconds < l => l + EWMA_ALPHA * (seconds - l),
-                _ => seconds,
-            });
-            s.latency_at = Some(Instant::now());
-            s.speed = Some(s.speed.map_or(seconds, |v| v + SPEED_ALPHA * (seconds - v)));
-            s.speed_samples = s.speed_samples.saturating_add(1);
-        });
-        if self.probed() {
-            self.reassess();
-        }
-    }
-
-    /// What a probe of node `i` measured: the median gap between its tokens (seconds), or
-    /// `None` when the probe got no usable answer. The measurement replaces what the router
-    /// knew of the node's speed (it is the node as it is now); a left-out node whose probe is
-    /// within `slow_ratio` of the fastest other node is back in rotation. Returns whether the
-    /// node is in rotation now (within `slow_ratio` / `RECOVERY_MARGIN` for a left-out node).
-    pub fn probe_result(&self, i: usize, gap: Option<f64>) -> bool {
-        let Some(u) = self.node(i) else { return false };
-        let Some(gap) = gap.filter(|g| g.is_finite() && *g >= 0.0) else {
-            u.lock().probing = false;
-            PROBES_TOTAL.with_label_values(&[self.role, "failed"]).inc();
-            return !u.lock().left_out;
-        };
-        let reference = self.reference(i, Reference::Fastest);
-        let back = {
-            let mut s = u.lock();
-            s.probing = false;
-            s.latency = Some(gap);
-            s.latency_at = Some(Instant::now());
-            s.speed = Some(gap);
-            s.speed_samples = MIN_SPEED_SAMPLES;
-            let recovered = (self.slow_ratio / RECOVERY_MARGIN).max(1.0);
-            let fast = reference.is_none_or(|r| gap <= recovered * r);
-            let back = s.left_out && fast;
-            if back {
-                s.left_out = false;
-            }
-            back
-        };
-        if back {
-            SLOW_GAUGE.with_label_values(&[self.role, &u.url]).set(0);
-            tracing::info!(role = self.role, upstream = %u.url, probe_gap_ms = gap * 1e3,
-                fastest_ms = reference.map(|r| r * 1e3), "probe: the slow upstream is fast again; back in rotation");
-        }
-        self.reassess();
-        let in_rotation = !u.lock().left_out;
-        PROBES_TOTAL.with_label_values(&[self.role, if in_rotation { "fast" } else { "slow" }]).inc();
-        in_rotation
-    }
-
-    /// Leave node `i` out of the rotation as slow (a stream on it was found slow, D104) while
-    /// another node is in rotation; only a probe brings it back. Returns whether it is out.
-    pub fn leave_out(&self, i: usize, why: &str) -> bool {
-        if !self.probed() {
-            return false;
-        }
-        let others = self.nodes().iter().any(|u| u.id != i && !u.lock().left_out);
-        if !others {
-            return false;
-        }
-        let Some(u) = self.node(i) else { return false };
-        self.mark_left_out(&u, why);
-        true
-    }
-
-    fn mark_left_out(&self, u: &Upstream, why: &str) {
-        let newly = {
-            let mut s = u.lock();
-            let newly = !s.left_out;
-            s.left_out = true;
-            newly
-        };
-        if newly {
-            SLOW_GAUGE.with_label_values(&[self.role, &u.url]).set(1);
-            LEFT_OUT_TOTAL.with_label_values(&[self.role, &u.url]).inc();
-            tracing::warn!(role = self.role, upstream = %u.url, reason = why,
-                "upstream left out of the rotation as slow; probes decide when it is back");
-        }
-    }
-
-    /// Leave out every node whose smoothed latency is above `slow_ratio` × the fastest other
-    /// node in rotation, the slowest first (so two slow nodes are not each other's reference),
-    /// never the last node in rotation.
-    fn reassess(&self) {
-        if !self.probed() {
-            return;
-        }
-        let nodes = self.nodes();
-        let mut judged: Vec<(Arc<Upstream>, f64)> = nodes
-            .iter()
-            .filter_map(|u| {
-                let s = u.lock();
-                let speed = s.speed.filter(|_| !s.left_out && s.speed_samples >= MIN_SPEED_SAMPLES)?;
-                Some((u.clone(), speed))
-            })
-            .collect();
-        judged.sort_by(|a, b| b.1.total_cmp(&a.1));
-        for (k, (u, speed)) in judged.iter().enumerate() {
-            // The fastest of the nodes still in rotation after this one (sorted slowest first).
-            let Some(fastest) = judged[k + 1..].iter().map(|(_, v)| *v).reduce(f64::min) else { break };
-            if *speed > self.slow_ratio * fastest {
-                self.mark_left_out(u, "slower than the other nodes");
-            }
-        }
-    }
-
-    /// What node `i`'s latency is compared with: the other nodes in rotation that have a
-    /// smoothed latency, `Fastest` (leave-out and probes) or their `Median` (a slow stream,
-    /// D104). `None` when no other node is measured.
-    pub fn reference(&self, i: usize, how: Reference) -> Option<f64> {
-        let mut others: Vec<f64> = self
-            .nodes()
-            .iter()
-            .filter(|u| u.id != i)
-            .filter_map(|u| {
-                let s = u.lock();
-                s.speed.filter(|_| !s.left_out)
-            })
-            .collect();
-        if others.is_empty() {
-            return None;
-        }
-        others.sort_by(f64::total_cmp);
-        Some(match how {
-            Reference::Fastest => others[0],
-            Reference::Median => {
-                let n = others.len();
-                if n % 2 == 1 {
-                    others[n / 2]
-                } else {
-                    (others[n / 2 - 1] + others[n / 2]) / 2.0
-                }
-            }
-        })
-    }
-
-    /// Whether a node other than `i` could take a request now (in rotation, not ejected,
-    /// ready): a slow stream on `i` only moves if one can.
-    pub fn has_alternative(&self, i: usize) -> bool {
-        let now = Instant::now();
-        self.nodes().iter().any(|u| u.id != i && Self::eligible(u, now))
-    }
-
-    /// The nodes a probe is owed now (D104): left out as slow, or never measured; not already
-    /// being probed, and answering their `/load` polls (an ejected or unreachable node is the
-    /// breaker's). Each returned node is marked as being probed until its
-    /// [`Pool::probe_result`].
-    pub fn probes_due(&self) -> Vec<(usize, String)> {
-        if !self.probed() {
-            return Vec::new();
-        }
-        let now = Instant::now();
-        self.nodes()
-            .iter()
-            .filter_map(|u| {
-                let mut s = u.lock();
-                let ejected = s.ejected_until.is_some_and(|t| now < t);
-                let ready = !s.unreachable && s.load.as_ref().is_none_or(|l| l.ready);
-                let owed = s.left_out || s.speed.is_none();
-                if !owed || s.probing || ejected || !ready {
-                    return None;
-                }
-                s.probing = true;
-                Some((u.id, u.url.clone()))
-            })
-            .collect()
-    }
-
-    /// The outcome of one poll of node `i`: its load, or `None` when it did not answer.
-    pub fn set_load(&self, i: usize, load: Option<NodeLoad>) {
-        let outcome = if load.is_some() { "answered" } else { "failed" };
-        LOAD_POLLS_TOTAL.with_label_values(&[self.role, outcome]).inc();
-        self.with_state(i, |s| match load {
-            Some(mut l) => {
-                s.prefix = l.prefix.take().map(|p| PrefixIndex::from_summary(&p)).unwrap_or_default();
-                s.load = Some(l);
-                s.unreachable = false;
-            }
-            None => s.unreachable = true,
-        });
-    }
-
     /// A view of each node for tests: (url, in flight, ejected, latency).
     #[cfg(test)]
     pub fn snapshot(&self) -> Vec<(String, u32, bool, Option<f64>)> {
@@ -940,82 +593,6 @@ impl Pool {
     }
 }
 
-/// Poll every node of `pools` on `GET /load` every `period` until the task is dropped. A node
-/// that answers 404 (a frontend without the endpoint) counts as ready with no load figures.
-pub async fn poll_loads(
-    pools: Vec<std::sync::Arc<Pool>>,
-    client: reqwest::Client,
-    authorization: Option<String>,
-    period: Duration,
-) {
-    let timeout = period.max(Duration::from_millis(500));
-    let mut tick = tokio::time::interval(period);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        let polls = pools.iter().flat_map(|pool| pool.nodes().into_iter().map(|u| (pool.clone(), u.id, u.url.clone())));
-        let polls = polls.map(|(pool, i, url)| {
-            let mut rb = client.get(format!("{url}/load")).timeout(timeout);
-            if let Some(v) = &authorization {
-                rb = rb.header(reqwest::header::AUTHORIZATION, v.as_str());
-            }
-            async move {
-                let load = match rb.send().await {
-                    Ok(r) if r.status().is_success() => r.json::<NodeLoad>().await.ok(),
-                    Ok(r) if r.status() == reqwest::StatusCode::NOT_FOUND => {
-                        Some(NodeLoad { ready: true, ..Default::default() })
-                    }
-                    Ok(r) if r.status() == reqwest::StatusCode::UNAUTHORIZED => {
-                        Some(NodeLoad { ready: true, ..Default::default() })
-                    }
-                    Ok(_) | Err(_) => None,
-                };
-                pool.set_load(i, load);
-            }
-        });
-        futures::future::join_all(polls).await;
-    }
-}
-
-/// The upstream URLs `name` (`host:port`, e.g. a headless Service's name) resolves to now:
-/// `http://addr:port` per A/AAAA record, sorted, without duplicates.
-pub async fn resolve(name: &str, timeout: Duration) -> Result<Vec<String>, String> {
-    let found = tokio::time::timeout(timeout, tokio::net::lookup_host(name))
-        .await
-        .map_err(|_| format!("no answer within {} ms", timeout.as_millis()))?
-        .map_err(|e| e.to_string())?;
-    let mut addrs: Vec<std::net::SocketAddr> = found.collect();
-    addrs.sort();
-    addrs.dedup();
-    Ok(addrs.into_iter().map(|a| format!("http://{a}")).collect())
-}
-
-/// Keep `pool`'s discovered part equal to what `name` resolves to, re-resolving every
-/// `period` until the task is dropped. A failed lookup keeps the set as it was (a DNS hiccup
-/// must not empty the pool; nodes that are really gone fail their `/load` polls and calls,
-/// which keeps them out of the rotation).
-pub async fn discover(pool: std::sync::Arc<Pool>, name: String, period: Duration) {
-    let mut tick = tokio::time::interval(period);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let timeout = period.max(Duration::from_secs(1));
-    loop {
-        tick.tick().await;
-        match resolve(&name, timeout).await {
-            Ok(urls) => {
-                let diff = pool.sync_discovered(&urls);
-                if !diff.added.is_empty() || !diff.removed.is_empty() {
-                    tracing::info!(role = pool.role, dns = %name, added = ?diff.added, removed = ?diff.removed,
-                        upstreams = pool.len(), "upstream set changed");
-                }
-            }
-            Err(e) => {
-                DISCOVERY_ERRORS_TOTAL.with_label_values(&[pool.role]).inc();
-                tracing::warn!(role = pool.role, dns = %name, error = %e, "upstream name did not resolve; keeping the current set");
-            }
-        }
-    }
-}
-
 /// Touch the router's metrics so `/metrics` lists them from the start.
 pub(crate) fn init() {
     LazyLock::force(&PICKS_TOTAL);
@@ -1025,8 +602,7 @@ pub(crate) fn init() {
     LazyLock::force(&FAILURES_TOTAL);
     LazyLock::force(&UPSTREAMS_GAUGE);
     LazyLock::force(&DISCOVERY_ERRORS_TOTAL);
-    LazyLock::force(&PREFIX_OVERLAP_HIST);
-    LazyLock::force(&CACHE_AWARE_PICKS_TOTAL);
+    crate::policy::init();
     LazyLock::force(&SLOW_GAUGE);
     LazyLock::force(&LEFT_OUT_TOTAL);
     LazyLock::force(&PROBES_TOTAL);
@@ -1034,9 +610,10 @@ pub(crate) fn init() {
 
 #[cfg(test)]
 mod tests {
+    use super::discovery::resolve;
     use super::*;
 
-    fn pool(policy: RoutingPolicy) -> Pool {
+    fn pool(policy: RoutingKind) -> Pool {
         let urls = vec!["http://a".to_string(), "http://b".to_string()];
         Pool::new(
             "decode",
@@ -1048,7 +625,7 @@ mod tests {
 
     #[test]
     fn least_loaded_leaves_a_much_slower_node_out() {
-        let p = pool(RoutingPolicy::LeastLoaded);
+        let p = pool(RoutingKind::LeastLoaded);
         p.observe_latency(0, 0.010);
         p.observe_latency(1, 0.040);
         for _ in 0..6 {
@@ -1059,7 +636,7 @@ mod tests {
 
     #[test]
     fn least_loaded_avoids_the_slower_node_until_the_fast_one_queues() {
-        let p = pool(RoutingPolicy::LeastLoaded);
+        let p = pool(RoutingKind::LeastLoaded);
         p.observe_latency(0, 0.010);
         p.observe_latency(1, 0.025);
         let mut held = Vec::new();
@@ -1075,7 +652,7 @@ mod tests {
         assert!(p.snapshot().iter().all(|(_, n, _, _)| *n == 0));
     }
 
-    fn probed(policy: RoutingPolicy) -> Pool {
+    fn probed(policy: RoutingKind) -> Pool {
         pool(policy).with_slow(3.0, true)
     }
 
@@ -1085,7 +662,7 @@ mod tests {
 
     #[test]
     fn a_slow_node_gets_no_request_until_a_probe_finds_it_fast() {
-        let p = probed(RoutingPolicy::LeastLoaded);
+        let p = probed(RoutingKind::LeastLoaded);
         assert_eq!(p.probes_due().len(), 2, "unmeasured nodes are owed a probe");
         assert!(p.probes_due().is_empty(), "not while their probes run");
         assert!(p.probe_result(0, Some(0.010)));
@@ -1113,7 +690,7 @@ mod tests {
 
     #[test]
     fn live_samples_leave_out_a_node_that_turned_slow_but_not_one_late_token() {
-        let p = probed(RoutingPolicy::CacheAware);
+        let p = probed(RoutingKind::CacheAware);
         for _ in 0..20 {
             p.observe_latency(0, 0.010);
             p.observe_latency(1, 0.010);
@@ -1139,7 +716,7 @@ mod tests {
         let p = Pool::new(
             "decode",
             &urls,
-            RoutingPolicy::LeastLoaded,
+            RoutingKind::LeastLoaded,
             Breaker { after_failures: 2, base: Duration::from_millis(50), max: Duration::from_secs(1) },
         )
         .with_slow(3.0, true);
@@ -1157,7 +734,7 @@ mod tests {
 
     #[test]
     fn refused_probes_bring_every_node_back_and_fall_back_to_decay() {
-        let p = probed(RoutingPolicy::LeastLoaded);
+        let p = probed(RoutingKind::LeastLoaded);
         p.probe_result(0, Some(0.010));
         p.probe_result(1, Some(0.040));
         assert_eq!(left_out(&p), [false, true]);
@@ -1172,7 +749,7 @@ mod tests {
 
     #[test]
     fn round_robin_and_a_zero_ratio_leave_nothing_out() {
-        for p in [probed(RoutingPolicy::RoundRobin), pool(RoutingPolicy::LeastLoaded).with_slow(0.0, true)] {
+        for p in [probed(RoutingKind::RoundRobin), pool(RoutingKind::LeastLoaded).with_slow(0.0, true)] {
             assert!(!p.probed());
             p.observe_latency(0, 0.010);
             for _ in 0..10 {
@@ -1181,7 +758,7 @@ mod tests {
             assert_eq!(left_out(&p), [false, false]);
             assert!(p.probes_due().is_empty());
         }
-        let p = pool(RoutingPolicy::LeastLoaded).with_slow(0.0, false);
+        let p = pool(RoutingKind::LeastLoaded).with_slow(0.0, false);
         p.observe_latency(0, 0.010);
         p.observe_latency(1, 1.0);
         let picks: Vec<usize> = (0..4).map(|_| p.pick(&[]).unwrap()).collect();
@@ -1193,7 +770,7 @@ mod tests {
 
     #[test]
     fn round_robin_alternates_whatever_the_latency() {
-        let p = pool(RoutingPolicy::RoundRobin);
+        let p = pool(RoutingKind::RoundRobin);
         p.observe_latency(1, 10.0);
         let picks: Vec<usize> = (0..4).map(|_| p.pick(&[]).unwrap()).collect();
         assert_eq!(picks.iter().filter(|&&i| i == 1).count(), 2);
@@ -1201,7 +778,7 @@ mod tests {
 
     #[test]
     fn failures_in_a_row_eject_and_a_success_after_the_backoff_brings_back() {
-        let p = pool(RoutingPolicy::RoundRobin);
+        let p = pool(RoutingKind::RoundRobin);
         p.failure(0, "connect");
         assert!(!p.snapshot()[0].2, "one failure is not enough");
         p.success(0);
@@ -1224,7 +801,7 @@ mod tests {
         assert!(!p.snapshot()[0].2, "after a success the breaker is closed: one failure is not enough");
     }
 
-    fn discovered(policy: RoutingPolicy, urls: &[&str]) -> Pool {
+    fn discovered(policy: RoutingKind, urls: &[&str]) -> Pool {
         let p = Pool::new(
             "prefill",
             &[],
@@ -1240,7 +817,7 @@ mod tests {
         let p = Pool::new(
             "decode",
             &["http://static".to_string()],
-            RoutingPolicy::RoundRobin,
+            RoutingKind::RoundRobin,
             Breaker { after_failures: 1, base: Duration::from_secs(60), max: Duration::from_secs(60) },
         );
         let d = p.sync_discovered(&["http://10.0.0.1:8000".into(), "http://10.0.0.2:8000/".into()]);
@@ -1260,14 +837,14 @@ mod tests {
         assert_eq!(d.removed.len(), 2);
         assert_eq!(p.urls(), ["http://static"], "a configured node is never dropped by DNS");
         assert_eq!(p.sync_discovered(&["http://static".into()]), Diff::default(), "nor listed twice");
-        let twice = Pool::new("decode", &["http://x".into(), "http://x".into()], RoutingPolicy::RoundRobin, p.breaker);
+        let twice = Pool::new("decode", &["http://x".into(), "http://x".into()], RoutingKind::RoundRobin, p.breaker);
         let ids: Vec<usize> = twice.nodes().iter().map(|u| u.id).collect();
         assert_eq!(ids, [0, 1], "a URL configured twice is two nodes, numbered in order");
     }
 
     #[test]
     fn a_node_that_left_dns_is_never_picked_but_its_requests_finish_on_it() {
-        let p = discovered(RoutingPolicy::RoundRobin, &["http://a:1", "http://b:1"]);
+        let p = discovered(RoutingKind::RoundRobin, &["http://a:1", "http://b:1"]);
         let ids: Vec<usize> = p.nodes().iter().map(|u| u.id).collect();
         let (a, b) = (ids[0], ids[1]);
         let held = p.start(a);
@@ -1296,7 +873,7 @@ mod tests {
 
     #[test]
     fn picks_racing_a_changing_node_set_always_name_a_node_of_the_set() {
-        let p = std::sync::Arc::new(discovered(RoutingPolicy::LeastLoaded, &["http://a:1", "http://b:1"]));
+        let p = std::sync::Arc::new(discovered(RoutingKind::LeastLoaded, &["http://a:1", "http://b:1"]));
         let churn = {
             let p = p.clone();
             std::thread::spawn(move || {
@@ -1344,7 +921,7 @@ mod tests {
 
     #[test]
     fn a_small_shared_opening_does_not_pin_every_request_to_one_node() {
-        let p = pool(RoutingPolicy::CacheAware);
+        let p = pool(RoutingKind::CacheAware);
         let prompt: Vec<u32> = (0..40).collect();
         p.set_load(0, Some(holding(&prompt, 0)));
         p.set_load(1, Some(holding(&prompt, 2)));
@@ -1355,7 +932,7 @@ mod tests {
 
     #[test]
     fn cache_aware_prefers_the_holder_of_the_prefix_within_the_load_guard() {
-        let p = pool(RoutingPolicy::CacheAware);
+        let p = pool(RoutingKind::CacheAware);
         let prompt: Vec<u32> = (0..40).collect();
         p.set_load(0, Some(holding(&prompt, 0)));
         p.set_load(1, Some(holding(&prompt, 9)));
@@ -1383,7 +960,7 @@ mod tests {
 
     #[test]
     fn uncached_tokens_are_the_prompt_past_the_blocks_a_node_published() {
-        let p = pool(RoutingPolicy::LeastLoaded);
+        let p = pool(RoutingKind::LeastLoaded);
         let prompt: Vec<u32> = (0..41).collect();
         let on = |node: usize| Picked { node, overlap: None };
         // nothing published yet: the whole prompt
@@ -1402,7 +979,7 @@ mod tests {
         p.set_load(0, None);
         assert_eq!(p.uncached_tokens(on(0), &prompt), 1);
         // a cache-aware pick's own count of held blocks is taken as it is
-        let aware = pool(RoutingPolicy::CacheAware);
+        let aware = pool(RoutingKind::CacheAware);
         aware.set_load(0, Some(holding(&prompt, 0)));
         aware.set_load(1, Some(holding(&prompt, 9)));
         let picked = aware.pick_for(&[], Some(&prompt)).unwrap();
@@ -1412,7 +989,7 @@ mod tests {
 
     #[test]
     fn a_node_that_does_not_answer_its_poll_is_not_picked() {
-        let p = pool(RoutingPolicy::LeastLoaded);
+        let p = pool(RoutingKind::LeastLoaded);
         p.set_load(1, None);
         for _ in 0..4 {
             assert_eq!(p.pick(&[]), Some(0));

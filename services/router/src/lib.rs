@@ -11,7 +11,7 @@
 //! node holds all but that many tokens of (by its prefix cache as last polled) skips P: one leg,
 //! and D prefills it itself (conditional disaggregation, D69).
 //!
-//! With API keys, the router checks the client's key ([`crate::auth`]) and presents the mesh's
+//! With API keys, the router checks the client's key ([`pdmesh_http_edge::auth`]) and presents the mesh's
 //! internal key (`PDMESH_INTERNAL_API_KEY`) on every call to P and D — both legs, `/v1/models`
 //! and `/v1/kv/release` — or, without one, passes the client's `Authorization` on.
 
@@ -19,12 +19,12 @@ mod balance;
 mod first_token;
 mod migrate;
 mod parallel;
+pub mod policy;
 mod probe;
 pub mod prompt;
 
 use std::sync::{Arc, LazyLock};
 
-pub use balance::NodeLoad;
 use balance::Pool;
 
 use actix_web::http::header::AUTHORIZATION;
@@ -36,11 +36,11 @@ use pdmesh_service::{ServiceContext, Shutdown};
 use serde_json::{json, Value};
 use tracing::Instrument;
 
-use crate::auth::ApiKeys;
-use crate::error::{ApiError, FrontendError};
-use crate::handlers::admin::{get_only, post_only};
-use crate::headers::REQUEST_ID;
-use crate::metrics::HTTP_REQUESTS_TOTAL;
+use pdmesh_http_edge::auth::ApiKeys;
+use pdmesh_http_edge::error::{ApiError, FrontendError};
+use pdmesh_http_edge::headers::REQUEST_ID;
+use pdmesh_http_edge::metrics::HTTP_REQUESTS_TOTAL;
+use pdmesh_http_edge::serve::{get_only, post_only};
 
 /// Upstreams and the HTTP client shared by the proxy handlers.
 pub struct RouterState {
@@ -54,9 +54,9 @@ pub struct RouterState {
     /// `Bearer <internal key>` for every call to P and D, when the mesh has an internal key.
     internal_authorization: Option<String>,
     /// The router's own bound on requests in flight (`limits.max_in_flight`).
-    in_flight: crate::overload::InFlightLimit,
+    in_flight: pdmesh_http_edge::overload::InFlightLimit,
     /// The router's bound per client key (`limits.max_in_flight_per_key`).
-    key_limit: crate::overload::KeyLimit,
+    key_limit: pdmesh_http_edge::overload::KeyLimit,
     /// Set draining when the router stops: `/health` then answers 503.
     readiness: pdmesh_telemetry::ops::Health,
     /// `router.prefill_attempts`: prefill nodes tried per request.
@@ -85,8 +85,8 @@ impl RouterState {
         cfg: &pdmesh_config::RouterConfig,
         client: reqwest::Client,
         internal_authorization: Option<String>,
-        in_flight: crate::overload::InFlightLimit,
-        key_limit: crate::overload::KeyLimit,
+        in_flight: pdmesh_http_edge::overload::InFlightLimit,
+        key_limit: pdmesh_http_edge::overload::KeyLimit,
         readiness: pdmesh_telemetry::ops::Health,
     ) -> Self {
         let breaker = balance::Breaker {
@@ -94,7 +94,7 @@ impl RouterState {
             base: std::time::Duration::from_millis(cfg.eject_base_ms),
             max: std::time::Duration::from_millis(cfg.eject_max_ms.max(cfg.eject_base_ms)),
         };
-        let latency_aware = cfg.policy != pdmesh_config::RoutingPolicy::RoundRobin;
+        let latency_aware = policy::for_config(cfg.policy).weighs_latency();
         Self {
             prefill: Arc::new(Pool::new("prefill", &cfg.prefill, cfg.policy, breaker).with_slow(cfg.slow_ratio, false)),
             decode: Arc::new(
@@ -112,7 +112,7 @@ impl RouterState {
             parallel_dispatch: cfg.parallel_dispatch,
             local_prefill_max_tokens: cfg.local_prefill_max_tokens,
             tokenizer: None,
-            body_timeout: crate::body_timeout::DEFAULT,
+            body_timeout: pdmesh_http_edge::body_timeout::DEFAULT,
             slow_migrate: (latency_aware && cfg.slow_migrate_ratio > 0.0 && cfg.max_migrations > 0)
                 .then_some(migrate::SlowRule { ratio: cfg.slow_migrate_ratio, tokens: cfg.slow_migrate_tokens.max(1) }),
         }
@@ -160,7 +160,7 @@ fn error(e: ApiError, request_id: &str) -> HttpResponse {
         e.record();
         return actix_web::ResponseError::error_response(&e);
     }
-    crate::handlers::error_response(e, request_id)
+    pdmesh_http_edge::serve::error_response(e, request_id)
 }
 
 /// A node's `Retry-After` (on its 503/429) passed to the client unchanged.
@@ -199,10 +199,10 @@ fn forward_headers(
     let header = |name: &str| req.headers().get(name).and_then(|v| v.to_str().ok());
     let rank = match leg {
         Leg::Prefill => header(PREFILL_DP_RANK),
-        Leg::Decode => header(DECODE_DP_RANK).or_else(|| header(crate::headers::DATA_PARALLEL_RANK)),
+        Leg::Decode => header(DECODE_DP_RANK).or_else(|| header(pdmesh_http_edge::headers::DATA_PARALLEL_RANK)),
     };
     if let Some(rank) = rank {
-        rb = rb.header(crate::headers::DATA_PARALLEL_RANK, rank);
+        rb = rb.header(pdmesh_http_edge::headers::DATA_PARALLEL_RANK, rank);
     }
     if let Some(v) = authorization {
         rb = rb.header(AUTHORIZATION.as_str(), v);
@@ -218,7 +218,7 @@ fn forward_headers(
 
 /// The router's span of one request and the W3C context the client sent.
 fn request_span(req: &HttpRequest, request_id: &str, path: &str) -> (tracing::Span, TraceContext) {
-    let client = crate::headers::client_trace(req.headers());
+    let client = pdmesh_http_edge::headers::client_trace(req.headers());
     let span = tracing::info_span!(
         "router.request",
         otel.kind = "server",
@@ -355,13 +355,68 @@ impl Legs<'_> {
 /// Whether a node's answer says the node itself failed: a failure status, or a 503 marked
 /// "down" (not "busy", D66) — retried elsewhere rather than passed to the client.
 fn node_failed(r: &reqwest::Response) -> bool {
-    is_failure(r.status()) || r.headers().contains_key(crate::error::UNAVAILABLE_HEADER)
+    is_failure(r.status()) || r.headers().contains_key(pdmesh_protocol::node_http::UNAVAILABLE_HEADER)
 }
 
 /// Whether an upstream's status counts as its failure (for ejection and retries): a 5xx that
 /// is not an overload 503 (a 503 says "busy", not "broken", and carries `Retry-After`).
 fn is_failure(status: reqwest::StatusCode) -> bool {
     status.is_server_error() && status != reqwest::StatusCode::SERVICE_UNAVAILABLE
+}
+
+/// The guard on P's blocks from the prefill leg's send until D has the request: the router may
+/// be the last one to know of them there, so if the client goes away (the handler is dropped)
+/// or D cannot be reached, the guard hands them back and P frees at once (R4), not at its
+/// deadline. Before P answers it names P's request by id (P's own abort covers a request still
+/// running; this covers one that just finished and whose answer nobody will read). Disarmed
+/// from the start in the deadline-only baseline (`router.give_up_notices = false`).
+fn prefill_release(legs: &Legs<'_>, p: &str, p_engine_id: &str, p_capability: &str) -> ReleaseOnDrop {
+    let mut release = ReleaseOnDrop::new(
+        &legs.st.client(),
+        p,
+        legs.request_id,
+        &json!({"do_remote_prefill": true, "remote_request_id": p_engine_id, "remote_capability": p_capability}),
+        legs.authorization.map(str::to_string),
+    );
+    if !legs.st.give_up_notices {
+        release.disarm();
+    }
+    release
+}
+
+/// P's body for the prefill leg: the client's request cut to one token, not streamed, one
+/// choice, with the capability token the router chose; with `first_token`, P's answer names
+/// its token's id (the router streams it and D resumes after it).
+fn prefill_body(legs: &Legs<'_>, original: &Value, p_capability: &str) -> Value {
+    let mut p_body = original.clone();
+    p_body["kv_transfer_params"] =
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_capability": p_capability});
+    if legs.path == RESPONSES {
+        // P's answer is only the handle on its blocks: nothing of it is kept on P.
+        p_body["max_output_tokens"] = json!(1);
+        p_body["store"] = json!(false);
+    } else {
+        p_body["max_tokens"] = json!(1);
+        if p_body.get("max_completion_tokens").is_some() {
+            p_body["max_completion_tokens"] = json!(1);
+        }
+        // P's one token obeys `min_tokens` as a colocated node's first would (no EOS while
+        // any is asked for); more cannot be asked of a one-token answer
+        if p_body.get("min_tokens").and_then(Value::as_i64).is_some_and(|m| m > 1) {
+            p_body["min_tokens"] = json!(1);
+        }
+    }
+    p_body["stream"] = json!(false);
+    if let Some(o) = p_body.as_object_mut() {
+        o.remove("stream_options");
+    }
+    if legs.first_token {
+        // P's answer names its token's id: the router streams it and D resumes after it.
+        p_body[pdmesh_protocol::node_http::INTERNAL_FIELD][pdmesh_protocol::node_http::internal::STREAM_TOKEN_IDS] =
+            json!(true);
+    }
+    one_choice_on_prefill(&mut p_body);
+    p_body
 }
 
 /// The prefill leg: ask a P for the blocks, on another P when one fails before answering
@@ -391,55 +446,14 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
         tried.push(pi);
         // The node may have left DNS since the pick: try another one.
         let Some(p) = st.prefill.url(pi) else { continue };
-        let mut p_body = original.clone();
         // The router chooses P's capability token for this request (P adopts a well-formed one),
         // so that it can hand P's blocks back even before P has answered (see below).
         let p_capability = pdmesh_mesh_auth::new_capability();
-        p_body["kv_transfer_params"] =
-            json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_capability": p_capability});
-        if legs.path == RESPONSES {
-            // P's answer is only the handle on its blocks: nothing of it is kept on P.
-            p_body["max_output_tokens"] = json!(1);
-            p_body["store"] = json!(false);
-        } else {
-            p_body["max_tokens"] = json!(1);
-            if p_body.get("max_completion_tokens").is_some() {
-                p_body["max_completion_tokens"] = json!(1);
-            }
-            // P's one token obeys `min_tokens` as a colocated node's first would (no EOS while
-            // any is asked for); more cannot be asked of a one-token answer
-            if p_body.get("min_tokens").and_then(Value::as_i64).is_some_and(|m| m > 1) {
-                p_body["min_tokens"] = json!(1);
-            }
-        }
-        p_body["stream"] = json!(false);
-        if let Some(o) = p_body.as_object_mut() {
-            o.remove("stream_options");
-        }
-        if legs.first_token {
-            // P's answer names its token's id: the router streams it and D resumes after it.
-            p_body[crate::resume::FIELD]["stream_token_ids"] = json!(true);
-        }
-        one_choice_on_prefill(&mut p_body);
-        // From here until D has the request, the router may be the last one to know of P's blocks:
-        // if the client goes away (the handler is dropped) or D cannot be reached, the guard hands
-        // them back so P frees at once (R4), not at its deadline. Before P answers it names P's
-        // request by id (P's own abort covers a request still running; this covers one that just
-        // finished and whose answer nobody will read).
+        let p_body = prefill_body(legs, original, &p_capability);
         // P's engine request id is the client's id plus a suffix the router picks, so the router
         // can name it before P answers; P still makes it unique whatever the client sent.
-        let p_suffix = crate::headers::new_engine_id_suffix();
-        let p_engine_id = format!("{}-{p_suffix}", legs.request_id);
-        let mut p_release = ReleaseOnDrop::new(
-            &st.client(),
-            &p,
-            legs.request_id,
-            &json!({"do_remote_prefill": true, "remote_request_id": p_engine_id, "remote_capability": p_capability}),
-            legs.authorization.map(str::to_string),
-        );
-        if !st.give_up_notices {
-            p_release.disarm(); // deadline-only baseline: P frees at its hold deadline
-        }
+        let p_suffix = pdmesh_http_edge::headers::new_engine_id_suffix();
+        let mut p_release = prefill_release(legs, &p, &format!("{}-{p_suffix}", legs.request_id), &p_capability);
         let p_span = tracing::info_span!(parent: legs.span, "router.prefill", otel.kind = "client", upstream = %p);
         let p_trace = pdmesh_telemetry::trace::outgoing(&p_span, legs.client_trace);
         let started = std::time::Instant::now();
@@ -452,7 +466,7 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
             &p_trace,
             legs.authorization,
         )
-        .header(crate::headers::ENGINE_ID_SUFFIX, p_suffix.as_str())
+        .header(pdmesh_protocol::node_http::ENGINE_ID_SUFFIX_HEADER, p_suffix.as_str())
         .json(&p_body)
         .send()
         .instrument(p_span.clone())
@@ -516,9 +530,9 @@ async fn prefill_leg(legs: &Legs<'_>, original: &Value) -> Result<Prefilled, Htt
 }
 
 async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, path: &'static str) -> HttpResponse {
-    let request_id = match crate::headers::request_id(req.headers()) {
+    let request_id = match pdmesh_http_edge::headers::request_id(req.headers()) {
         Ok(id) => id,
-        Err(e) => return error(e, &crate::headers::new_request_id()),
+        Err(e) => return error(e, &pdmesh_http_edge::headers::new_request_id()),
     };
     let Ok(mut original) = serde_json::from_slice::<Value>(&body) else {
         return error(ApiError::invalid_request("request body is not valid JSON"), &request_id);
@@ -527,10 +541,10 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
         return error(ApiError::invalid_request("request body must be a JSON object"), &request_id);
     };
     // The router's internal field is the router's alone (D56).
-    fields.remove(crate::resume::FIELD);
+    fields.remove(pdmesh_protocol::node_http::INTERNAL_FIELD);
     // Overload control: refused here, before P is asked, nothing is held anywhere yet — the
     // client key's bound (429) first, then the router's (503).
-    let client_key = req.extensions().get::<crate::auth::ClientKey>().copied();
+    let client_key = req.extensions().get::<pdmesh_http_edge::auth::ClientKey>().copied();
     let key_permit = match st.key_limit.try_acquire(client_key) {
         Ok(permit) => permit,
         Err(e) => return error(e, &request_id),
@@ -561,7 +575,8 @@ async fn proxy(req: HttpRequest, body: web::Bytes, st: web::Data<RouterState>, p
     };
     // D72: a chat prompt tokenised here goes to the nodes as ids, so neither renders it again.
     if let Some(ids) = tokens.as_ref().filter(|_| path == first_token::CHAT) {
-        original[crate::resume::FIELD]["prompt_token_ids"] = json!(ids);
+        original[pdmesh_protocol::node_http::INTERNAL_FIELD][pdmesh_protocol::node_http::internal::PROMPT_TOKEN_IDS] =
+            json!(ids);
     }
     let legs = Legs {
         req: &req,
@@ -659,33 +674,7 @@ async fn decode_leg(
             }
             continue;
         };
-        let mut d_body = match params.take() {
-            Some(p) => {
-                let mut b = original.clone();
-                b["kv_transfer_params"] = p;
-                if let Some(first) = &first {
-                    b[crate::resume::FIELD]["stream_token_ids"] = json!(true);
-                    b[crate::resume::FIELD]["resume_token_ids"] = json!([first.id]);
-                }
-                b
-            }
-            None if tried.len() > 1 => {
-                // Nothing reached the client yet: the next D computes the request whole, its
-                // first token included.
-                first = None;
-                migrate::continuation_body(&original, &[])
-            }
-            None => {
-                let mut b = original.clone();
-                if let Some(o) = b.as_object_mut() {
-                    o.remove("kv_transfer_params");
-                }
-                b
-            }
-        };
-        if stream && movable {
-            d_body[crate::resume::FIELD]["stream_token_ids"] = json!(true);
-        }
+        let d_body = decode_body(&original, params.take(), &mut first, tried.len() > 1, stream && movable);
         let d_span =
             tracing::info_span!(parent: legs.span, "router.decode", otel.kind = "client", upstream = %d, stream);
         let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, legs.client_trace);
@@ -698,7 +687,7 @@ async fn decode_leg(
             legs.authorization,
         );
         if path == RESPONSES {
-            d_rb = d_rb.header(crate::handlers::responses::RESPONSE_ID_HEADER, response_id_for(d_index));
+            d_rb = d_rb.header(pdmesh_protocol::node_http::RESPONSE_ID_HEADER, response_id_for(d_index));
         }
         let counted = st.decode.start(d_index);
         let d_res = d_rb.json(&d_body).send().instrument(d_span.clone()).await;
@@ -741,6 +730,73 @@ async fn decode_leg(
         Ok(r) => r,
         Err(_) => return error(ApiError::Unavailable("unavailable: decode leg".into()), legs.request_id),
     };
+    let decoded = Decoded { d_index, d_span, first, migrations, relayable: movable };
+    answer_decoded(legs, original, d_res, decoded, stream, permits).await
+}
+
+/// D's body for one try of the decode leg. With P's `params`: them, and for a stream shown
+/// from P's token (`first`), resume after it. Without, on a `retry` after a D failed: a
+/// continuation that computes the request whole (nothing reached the client yet, so `first`
+/// is dropped). Else the client's body without any `kv_transfer_params`. `ids`: a movable
+/// stream, whose events must carry their token ids.
+fn decode_body(
+    original: &Value,
+    params: Option<Value>,
+    first: &mut Option<first_token::FirstToken>,
+    retry: bool,
+    ids: bool,
+) -> Value {
+    use pdmesh_protocol::node_http::{internal, INTERNAL_FIELD};
+    let mut d_body = match params {
+        Some(p) => {
+            let mut b = original.clone();
+            b["kv_transfer_params"] = p;
+            if let Some(first) = first.as_ref() {
+                b[INTERNAL_FIELD][internal::STREAM_TOKEN_IDS] = json!(true);
+                b[INTERNAL_FIELD][internal::RESUME_TOKEN_IDS] = json!([first.id]);
+            }
+            b
+        }
+        None if retry => {
+            *first = None;
+            migrate::continuation_body(original, &[])
+        }
+        None => {
+            let mut b = original.clone();
+            if let Some(o) = b.as_object_mut() {
+                o.remove("kv_transfer_params");
+            }
+            b
+        }
+    };
+    if ids {
+        d_body[INTERNAL_FIELD][internal::STREAM_TOKEN_IDS] = json!(true);
+    }
+    d_body
+}
+
+/// Where the decode leg ended up: the node that answered, its span, P's token if the client
+/// sees it from P's answer, the moves so far, and whether the stream may move again.
+struct Decoded {
+    d_index: usize,
+    d_span: tracing::Span,
+    first: Option<first_token::FirstToken>,
+    migrations: u32,
+    relayable: bool,
+}
+
+/// Pass D's answer on: a stream that may move (or resumes after P's token) through the relay
+/// that can continue it elsewhere, another stream event by event, a whole answer as it is.
+async fn answer_decoded(
+    legs: &Legs<'_>,
+    original: Value,
+    d_res: reqwest::Response,
+    decoded: Decoded,
+    stream: bool,
+    permits: Box<dyn std::any::Any>,
+) -> HttpResponse {
+    let Decoded { d_index, d_span, first, migrations, relayable: movable } = decoded;
+    let st = legs.st;
     let status = StatusCode::from_u16(d_res.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     tracing::info!(parent: &d_span, status = status.as_u16(), "decode answered");
     if status.is_success() {
@@ -823,7 +879,7 @@ where
                     tracing::warn!(%request_id, error = %e, "decode stream broke; ending it with an error event");
                     let err = ApiError::Unavailable(format!("unavailable: the decode node's stream broke: {e}"));
                     err.record();
-                    crate::stream::sse_error(&err)
+                    pdmesh_http_edge::sse::sse_error(&err)
                 }
             };
             futures::future::ready(Some(out))
@@ -849,8 +905,14 @@ struct ReleaseOnDrop {
 impl ReleaseOnDrop {
     fn new(client: &reqwest::Client, p: &str, request_id: &str, params: &Value, authorization: Option<String>) -> Self {
         let usable = params.get("remote_request_id").is_some_and(Value::is_string);
-        let armed =
-            usable.then(|| (client.clone(), format!("{p}/v1/kv/release"), request_id.to_string(), params.clone()));
+        let armed = usable.then(|| {
+            (
+                client.clone(),
+                format!("{p}{}", pdmesh_protocol::node_http::KV_RELEASE_PATH),
+                request_id.to_string(),
+                params.clone(),
+            )
+        });
         Self { armed, authorization }
     }
 
@@ -987,7 +1049,7 @@ const UPSTREAM_HEALTH_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 /// The body counts the healthy upstreams of each role.
 async fn health(st: web::Data<RouterState>) -> HttpResponse {
     if st.readiness.is_draining() {
-        return crate::handlers::admin::stopping();
+        return pdmesh_http_edge::serve::stopping();
     }
     let client = st.client();
     let (p_up, d_up) = futures::join!(healthy_upstreams(&client, &st.prefill), healthy_upstreams(&client, &st.decode));
@@ -1035,14 +1097,14 @@ fn router_app(
         InitError = (),
     >,
 > {
-    let body_timeout = crate::body_timeout::BodyTimeout(state.body_timeout);
+    let body_timeout = pdmesh_http_edge::body_timeout::BodyTimeout(state.body_timeout);
     App::new()
         .app_data(state)
         .app_data(client_keys)
-        .app_data(web::PayloadConfig::new(crate::server::MAX_BODY_BYTES))
+        .app_data(web::PayloadConfig::new(pdmesh_http_edge::serve::MAX_BODY_BYTES))
         .app_data(body_timeout)
-        .wrap(actix_web::middleware::from_fn(crate::body_timeout::middleware))
-        .wrap(actix_web::middleware::from_fn(crate::auth::require_api_key))
+        .wrap(actix_web::middleware::from_fn(pdmesh_http_edge::body_timeout::middleware))
+        .wrap(actix_web::middleware::from_fn(pdmesh_http_edge::auth::require_api_key))
         .wrap_fn(|req, srv| {
             let fut = actix_web::dev::Service::call(srv, req);
             async move {
@@ -1062,7 +1124,7 @@ fn router_app(
         .service(get_only("/health", health))
         .service(get_only("/live", pdmesh_telemetry::ops::live))
         .service(get_only("/metrics", pdmesh_telemetry::metrics::metrics_handler))
-        .default_service(web::to(crate::handlers::admin::not_found))
+        .default_service(web::to(pdmesh_http_edge::serve::not_found))
 }
 
 /// The settings of every client the router calls P and D with.
@@ -1076,7 +1138,7 @@ fn upstream_client_builder() -> reqwest::ClientBuilder {
 }
 
 /// Run the router frontend of `ctx`'s node until `shutdown` begins, then stop gracefully like
-/// [`crate::run`]. `client_keys`: what clients must present (empty: nothing); `internal_key`:
+/// [`pdmesh_frontend::run`]. `client_keys`: what clients must present (empty: nothing); `internal_key`:
 /// what the router presents to P and D (none: the client's own `Authorization` is passed on).
 pub async fn run_router(
     ctx: ServiceContext,
@@ -1086,15 +1148,15 @@ pub async fn run_router(
     shutdown: Shutdown,
 ) -> Result<(), FrontendError> {
     let node = ctx.node.clone();
-    crate::metrics::init();
+    pdmesh_http_edge::metrics::init();
     let client = upstream_client_builder().build().map_err(|e| FrontendError::Options(format!("http client: {e}")))?;
     let state = web::Data::new(
         RouterState::new(
             &node.router,
             client.clone(),
             internal_key.map(|k| format!("Bearer {k}")),
-            crate::overload::InFlightLimit::new(node.limits.max_in_flight, "router"),
-            crate::overload::KeyLimit::new(node.limits.max_in_flight_per_key, client_keys.len(), "router"),
+            pdmesh_http_edge::overload::InFlightLimit::new(node.limits.max_in_flight, "router"),
+            pdmesh_http_edge::overload::KeyLimit::new(node.limits.max_in_flight_per_key, client_keys.len(), "router"),
             ctx.health.clone(),
         )
         .with_tokenizer(tokenizer)
@@ -1133,7 +1195,7 @@ pub async fn run_router(
             Some(actix_web::rt::spawn(balance::discover(Arc::clone(pool), name, refresh)))
         })
         .collect();
-    crate::error::set_retry_after_s(node.limits.retry_after_s);
+    pdmesh_http_edge::error::set_retry_after_s(node.limits.retry_after_s);
     tracing::info!(
         api_keys = client_keys.enabled(),
         internal_key = state.internal_authorization.is_some(),
@@ -1145,14 +1207,14 @@ pub async fn run_router(
     let addr = format!("{}:{}", node.http_host, node.http_port);
     let server = HttpServer::new(move || router_app(state.clone(), client_keys.clone()))
         .tcp_nodelay(true)
-        .shutdown_timeout(crate::server::drain_timeout_s(shutdown.deadline()))
+        .shutdown_timeout(pdmesh_http_edge::serve::drain_timeout_s(shutdown.deadline()))
         .disable_signals()
         .bind((node.http_host.as_str(), node.http_port))
         .map_err(|source| FrontendError::HttpBind { addr: addr.clone(), source })?;
     tracing::info!(%addr, prefill = ?node.router.prefill, decode = ?node.router.decode,
         prefill_dns = ?node.router.prefill_dns, decode_dns = ?node.router.decode_dns,
         give_up_notices = node.router.give_up_notices, policy = ?node.router.policy, "router listening");
-    let served = crate::serve_until_shutdown(&ctx, server.run(), shutdown).await;
+    let served = pdmesh_http_edge::serve::serve_until_shutdown(&ctx, server.run(), shutdown).await;
     if let Some(p) = poller {
         p.abort();
     }
@@ -1200,8 +1262,8 @@ mod tests {
             &cfg,
             reqwest::Client::new(),
             internal.map(|k| format!("Bearer {k}")),
-            crate::overload::InFlightLimit::new(max_in_flight, "router"),
-            crate::overload::KeyLimit::disabled("router"),
+            pdmesh_http_edge::overload::InFlightLimit::new(max_in_flight, "router"),
+            pdmesh_http_edge::overload::KeyLimit::disabled("router"),
             Default::default(),
         )
     }

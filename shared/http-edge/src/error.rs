@@ -1,10 +1,10 @@
-//! Errors of the frontend.
+//! Errors of the HTTP services (the nodes' frontends and the router).
 //!
 //! [`ApiError`] is every way an API request can fail. Its HTTP status, its OpenAI `type`, its
 //! `param` and its metric label are decided here and nowhere else; handlers only pick the
-//! variant. Errors from other processes arrive as a [`WireError`] class or a
-//! [`TransportError`] and are mapped here too. [`FrontendError`] is why the service could not
-//! start or stopped abnormally.
+//! variant. Errors from other processes arrive as a [`WireError`] class and are mapped here
+//! too (a broken link to the engine is the frontend's `engine_unavailable`). [`FrontendError`]
+//! is why the service could not start or stopped abnormally.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -15,7 +15,6 @@ use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, ResponseError};
 use pdmesh_protocol::{ErrorClass, WireError};
 use pdmesh_telemetry::log_limit::LogLimiter;
-use pdmesh_transport::TransportError;
 use serde::Serialize;
 use thiserror::Error;
 
@@ -274,11 +273,6 @@ impl ApiError {
         }
     }
 
-    /// A socket-level failure talking to the dp-lb: the engine is unreachable (503).
-    pub fn from_transport(err: &TransportError) -> Self {
-        ApiError::Unavailable(format!("engine unavailable: {err}"))
-    }
-
     /// A request the mesh failed after accepting it (`finish_reason = error`): 503 when the
     /// mesh says it was a capacity or liveness problem (message starts with "overloaded" or
     /// "unavailable"), 400 when the engine refused the request itself at admission ("invalid
@@ -332,7 +326,7 @@ impl ApiError {
 }
 
 /// Marks a 503 that says "the engine side is down" (not "busy"): [`ApiError::Unavailable`].
-pub const UNAVAILABLE_HEADER: &str = "x-pdmesh-unavailable";
+pub use pdmesh_protocol::node_http::UNAVAILABLE_HEADER;
 
 /// `Retry-After` of every 503 (and 429) this process sends (`limits.retry_after_s`).
 static RETRY_AFTER_S: AtomicU32 = AtomicU32::new(1);
@@ -390,7 +384,7 @@ pub enum FrontendError {
     #[error("invalid frontend options: {0}")]
     Options(String),
     #[error("cannot bind the engine output socket: {0}")]
-    OutputSocket(#[source] TransportError),
+    OutputSocket(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("cannot bind the HTTP server on {addr}: {source}")]
     HttpBind {
         addr: String,
@@ -457,9 +451,6 @@ mod tests {
         assert_eq!(s(ErrorClass::Internal), 500);
         assert_eq!(s(ErrorClass::Overloaded), 503);
         assert_eq!(ApiError::from_wire(WireError::new(ErrorClass::Overloaded, "m")).kind(), "overloaded");
-        let t = ApiError::from_transport(&TransportError::PeerGone("ipc://x".into()));
-        assert_eq!(t.status().as_u16(), 503);
-        assert!(t.to_string().starts_with("engine unavailable: "));
     }
 
     #[test]

@@ -6,18 +6,12 @@ use pdmesh_protocol::TraceContext;
 
 use crate::error::ApiError;
 
-/// `X-Request-Id`, in requests and responses.
-pub const REQUEST_ID: &str = "x-request-id";
-/// `X-data-parallel-rank` (vLLM's header for pinning a request to one DP rank).
-pub const DATA_PARALLEL_RANK: &str = "x-data-parallel-rank";
+pub use pdmesh_protocol::node_http::{
+    DATA_PARALLEL_RANK_HEADER as DATA_PARALLEL_RANK, ENGINE_ID_SUFFIX_HEADER as ENGINE_ID_SUFFIX,
+    REQUEST_ID_HEADER as REQUEST_ID,
+};
 /// Longest accepted client request id.
 pub const MAX_REQUEST_ID_LEN: usize = 256;
-
-/// Sent by the router on its prefill leg: the suffix P's frontend gives the engine request id,
-/// so that the router can name P's request (to hand its blocks back) before P has answered.
-/// Only a suffix: the frontend still checks the whole id, and the engine refuses any id that
-/// still names blocks, so a client that sets it can collide with nothing but its own requests.
-pub const ENGINE_ID_SUFFIX: &str = "x-pdmesh-engine-id-suffix";
 
 /// What the headers of one generation request say.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,5 +1,14 @@
-//! Rank choice: by load (vLLM's score), and with prefix caching by the prompt blocks a rank
-//! already holds too (D59).
+//! Rank choice for requests no client pinned (`X-data-parallel-rank`): one file per policy
+//! behind [`RankPolicy`] (D108), chosen once in [`for_ranks`]. `least_loaded` is vLLM's
+//! score; `cache_aware` weighs the prompt blocks a rank already holds too (D59). Both only
+//! choose among connected ranks with room in their waiting queue; the dp-lb owns what a rank's
+//! load is ([`RankLoad`]) and answers the refusals ([`NoRank`]).
+
+mod cache_aware;
+mod least_loaded;
+
+pub use cache_aware::{CacheAware, OVERLAP_LOAD_SLACK};
+pub use least_loaded::{choose, least_loaded, LeastLoaded};
 
 pub use pdmesh_protocol::prefix::PrefixIndex as RankPrefix;
 
@@ -38,47 +47,23 @@ pub enum NoRank {
     Full,
 }
 
-/// The connected rank with the lowest score; ties go to the lowest rank.
-pub fn least_loaded(ranks: &[RankLoad]) -> Option<u32> {
-    ranks.iter().enumerate().filter(|(_, l)| l.connected).min_by_key(|(i, l)| (l.score(), *i)).map(|(i, _)| i as u32)
+/// A way of choosing a rank.
+pub trait RankPolicy: Send + std::fmt::Debug {
+    /// Its name, for logs.
+    fn name(&self) -> &'static str;
+    /// A connected rank with room under `max_waiting` (0: no bound) for a request whose prompt
+    /// blocks each rank holds are `overlap[rank]` (empty: unknown, or one rank connected).
+    fn choose(&self, ranks: &[RankLoad], max_waiting: u32, overlap: &[usize]) -> Result<u32, NoRank>;
 }
 
-/// The least-loaded connected rank whose waiting queue has room under `max_waiting`.
-pub fn choose(ranks: &[RankLoad], max_waiting: u32) -> Result<u32, NoRank> {
-    let Some(best) = least_loaded(ranks) else { return Err(NoRank::Unavailable) };
-    if ranks.get(best as usize).is_some_and(|l| l.has_room(max_waiting)) {
-        return Ok(best);
+/// The policy of a dp-lb: `cache_aware` where ranks publish their prefix caches, else
+/// `least_loaded`.
+pub fn for_ranks(prefix_caching: bool) -> Box<dyn RankPolicy> {
+    if prefix_caching {
+        Box::new(CacheAware)
+    } else {
+        Box::new(LeastLoaded)
     }
-    ranks
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| l.connected && l.has_room(max_waiting))
-        .min_by_key(|(i, l)| (l.score(), *i))
-        .map(|(i, _)| i as u32)
-        .ok_or(NoRank::Full)
-}
-
-/// A rank's score may exceed the least-loaded rank's by this much (4 = one waiting request)
-/// and still win on prefix overlap: beyond it the load decides, so a hot prefix cannot pile
-/// every request onto one rank (SGLang's cache-aware balance threshold, in vLLM's units).
-pub const OVERLAP_LOAD_SLACK: u64 = 8;
-
-/// [`choose`], preferring among ranks with room the one holding most of the prompt's prefix
-/// (`overlap[rank]` blocks) while its score stays within [`OVERLAP_LOAD_SLACK`] of the
-/// least-loaded one's; ties and zero overlap go to the load.
-pub fn choose_with_overlap(ranks: &[RankLoad], max_waiting: u32, overlap: &[usize]) -> Result<u32, NoRank> {
-    let by_load = choose(ranks, max_waiting)?;
-    let floor = ranks.get(by_load as usize).map_or(0, RankLoad::score);
-    let best = ranks
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| {
-            l.connected && l.has_room(max_waiting) && l.score() <= floor.saturating_add(OVERLAP_LOAD_SLACK)
-        })
-        .map(|(i, l)| (i, overlap.get(i).copied().unwrap_or(0), l.score()))
-        .filter(|(_, o, _)| *o > 0)
-        .max_by_key(|(i, o, score)| (*o, std::cmp::Reverse(*score), std::cmp::Reverse(*i)));
-    Ok(best.map_or(by_load, |(i, _, _)| i as u32))
 }
 
 #[cfg(test)]
@@ -117,16 +102,16 @@ mod tests {
     fn overlap_wins_within_the_load_slack_only() {
         let up = |w, r| RankLoad { connected: true, waiting: w, running: r, pending: 0 };
         // rank 1 holds the prefix and is a little busier: it wins
-        assert_eq!(choose_with_overlap(&[up(0, 0), up(0, 3)], 0, &[0, 5]), Ok(1));
+        assert_eq!(CacheAware.choose(&[up(0, 0), up(0, 3)], 0, &[0, 5]), Ok(1));
         // much busier (score 4·3 = 12 > 0 + 8): the load decides
-        assert_eq!(choose_with_overlap(&[up(0, 0), up(3, 0)], 0, &[0, 5]), Ok(0));
+        assert_eq!(CacheAware.choose(&[up(0, 0), up(3, 0)], 0, &[0, 5]), Ok(0));
         // the longer overlap wins between two holders
-        assert_eq!(choose_with_overlap(&[up(0, 0), up(0, 1), up(0, 0)], 0, &[2, 5, 1]), Ok(1));
+        assert_eq!(CacheAware.choose(&[up(0, 0), up(0, 1), up(0, 0)], 0, &[2, 5, 1]), Ok(1));
         // no overlap anywhere: plain least-loaded
-        assert_eq!(choose_with_overlap(&[up(0, 2), up(0, 1)], 0, &[0, 0]), Ok(1));
+        assert_eq!(CacheAware.choose(&[up(0, 2), up(0, 1)], 0, &[0, 0]), Ok(1));
         // a full queue is never chosen for its overlap
-        assert_eq!(choose_with_overlap(&[up(0, 0), up(1, 0)], 1, &[0, 9]), Ok(0));
-        assert_eq!(choose_with_overlap(&[RankLoad::default(), up(0, 0)], 0, &[9, 0]), Ok(1), "not connected");
+        assert_eq!(CacheAware.choose(&[up(0, 0), up(1, 0)], 1, &[0, 9]), Ok(0));
+        assert_eq!(CacheAware.choose(&[RankLoad::default(), up(0, 0)], 0, &[9, 0]), Ok(1), "not connected");
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! (validation, template, tokenisation), its dp-lb and engine-core, and D's headers back — so
 //! that a refusal by D could still reach the client with its own status. Here the router sends
 //! D the request (without params, under a one-request token) when it sends P its own: D admits
-//! and parks it while P prefills ([`crate::parked`]), and answers its headers. When P answers,
+//! and parks it while P prefills ([`pdmesh_frontend::parked`]), and answers its headers. When P answers,
 //! the router hands D the params and P's token (`POST /v1/kv/params`) and streams P's token to
 //! the client; D reads P's blocks and continues from the second token.
 //!
@@ -49,8 +49,10 @@ pub(super) async fn dispatch(legs: &Legs<'_>, original: Value, permits: Box<dyn 
     if let Some(o) = d_body.as_object_mut() {
         o.remove("kv_transfer_params");
     }
-    d_body[crate::resume::FIELD]["stream_token_ids"] = json!(true);
-    d_body[crate::resume::FIELD]["params_follow"] = json!(token);
+    d_body[pdmesh_protocol::node_http::INTERNAL_FIELD][pdmesh_protocol::node_http::internal::STREAM_TOKEN_IDS] =
+        json!(true);
+    d_body[pdmesh_protocol::node_http::INTERNAL_FIELD][pdmesh_protocol::node_http::internal::PARAMS_FOLLOW] =
+        json!(token);
     let d_span = tracing::info_span!(parent: legs.span, "router.decode", otel.kind = "client", upstream = %d,
         stream = true, parallel = true);
     let d_trace = pdmesh_telemetry::trace::outgoing(&d_span, legs.client_trace);
@@ -124,7 +126,10 @@ pub(super) async fn dispatch(legs: &Legs<'_>, original: Value, permits: Box<dyn 
         "kv_transfer_params": p.params,
         "resume_token_ids": first.as_ref().map(|f| vec![f.id]).unwrap_or_default(),
     });
-    let mut rb = st.client().post(format!("{d}/v1/kv/params")).header(crate::headers::REQUEST_ID, legs.request_id);
+    let mut rb = st
+        .client()
+        .post(format!("{d}{}", pdmesh_protocol::node_http::KV_PARAMS_PATH))
+        .header(pdmesh_http_edge::headers::REQUEST_ID, legs.request_id);
     if let Some(v) = legs.authorization {
         rb = rb.header(actix_web::http::header::AUTHORIZATION.as_str(), v);
     }

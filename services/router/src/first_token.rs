@@ -20,10 +20,10 @@ use std::sync::LazyLock;
 use prometheus::IntCounter;
 use serde_json::Value;
 
-use crate::openai::{
+use pdmesh_frontend::openai::{
     ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice, CompletionResponse, UsageField,
 };
-use crate::stream::TOKEN_IDS_FIELD;
+use pdmesh_protocol::node_http::TOKEN_IDS_FIELD;
 
 /// Requests whose first token the router streamed from P's answer.
 pub const FIRST_TOKEN_FROM_PREFILL: &str = "pdmesh_router_first_token_from_prefill_total";
@@ -154,7 +154,7 @@ pub(super) fn from_answer(path: &str, client_body: &Value, answer: &Value) -> Op
                 stop_reason: None,
             }],
             usage,
-            kv_transfer_params: crate::openai::KvParamsField::Absent,
+            kv_transfer_params: pdmesh_frontend::openai::KvParamsField::Absent,
         })
         .ok()?]
     };
