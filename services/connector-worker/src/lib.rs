@@ -8,6 +8,7 @@
 //!   with the step's connector output; one that finds the accelerator lost also ends the
 //!   process ([`RunningWorker::device_lost`]), since nothing on that context can run again.
 
+pub mod consumer;
 pub mod executor_actor;
 pub mod metrics;
 pub mod multi;

@@ -10,49 +10,46 @@
 //! sees a request as loaded before its bytes are in place. When the engine-core restarts, the
 //! reads it started are cancelled at once: the new engine may hand their blocks to other
 //! requests (docs/DECISIONS.md, D33).
+//!
+//! D's decisions — what a step's receives do, how each is judged, what a step reports — live
+//! in the sans-IO [`Consumer`] (`crate::consumer`, D107); this module performs the I/O its
+//! actions name: one task per receive over the transfer agent, heartbeats, the shutdown's
+//! give-ups.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdmesh_kv_transfer::{
-    compat_hash, side_channel_endpoint, AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig,
-    HeldBlockMs, HoldTable, HoldTableConfig, KvBlockWriter, Lease, LocalKv, MeshSecret, RemoteAgent, RemoteAgents,
-    SharedPolicy, TransferAgent, TransferClient, TransferError,
+    compat_hash, AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig, HeldBlockMs, HoldTable,
+    HoldTableConfig, KvBlockWriter, Lease, LocalKv, MeshSecret, RemoteAgent, RemoteAgents, SharedPolicy, TransferAgent,
+    TransferClient, TransferError,
 };
 use pdmesh_model_api::KvCacheSpec;
-use pdmesh_protocol::{
-    KvConnectorMetadata, KvConnectorOutput, KvTransferParams, LeaseRefusalReason, RecvRequest, SendRequest,
-    TraceContext,
-};
+use pdmesh_protocol::{KvConnectorMetadata, KvConnectorOutput, RecvRequest, SendRequest, TraceContext};
 use pdmesh_telemetry::trace;
 use tracing::Instrument;
 
+pub use crate::consumer::FailureKind;
+use crate::consumer::{Action, Batch, Consumer, GiveBack, GiveUpWhy, NewReceive, Next, ReadFailure, RecvId};
 use crate::metrics as m;
 
 /// P: the context of each held request's `kv.hold` span, for the `kv.release` span when its
 /// blocks are freed (after D's read, a give-up or expiry), possibly many steps later.
 static HOLD_TRACES: trace::RequestContexts = trace::RequestContexts::new();
 
-/// How a receive with local blocks ended.
-#[derive(Debug)]
-enum Settled {
-    /// Read into its blocks and confirmed by P.
-    Loaded {
-        request_id: String,
-    },
-    Failed {
-        request_id: String,
-        local_block_ids: Vec<u32>,
-        kind: FailureKind,
-        error: String,
-    },
-}
+/// D: the READ tasks in flight, by receive, so that an engine-core restart can cancel them
+/// before the new engine reuses their blocks.
+type ReadTasks = Arc<Mutex<std::collections::HashMap<RecvId, tokio::task::AbortHandle>>>;
 
-/// D: the READ tasks in flight, by D's request id, so that an engine-core restart can cancel
-/// them before the new engine reuses their blocks.
-type ReadTasks = Arc<Mutex<std::collections::HashMap<String, tokio::task::AbortHandle>>>;
+/// D's state machine, shared by the step handler and the receive tasks (all on the worker's
+/// actix thread; never locked across an await).
+type SharedConsumer = Arc<Mutex<Consumer<Arc<Lease>>>>;
+
+fn lock(c: &SharedConsumer) -> MutexGuard<'_, Consumer<Arc<Lease>>> {
+    c.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// P/D state of one connector-worker.
 pub struct PdRuntime {
@@ -60,25 +57,20 @@ pub struct PdRuntime {
     hold: Option<Arc<Mutex<HoldTable>>>,
     agent: Option<TransferAgent>,
     hold_ttl: Duration,
-    /// D: handshaken remote engines, and reads that settled since the last step.
+    /// D: handshaken remote engines.
     agents: Option<Arc<RemoteAgents>>,
     /// D: how long a remote engine's handshake is kept unused.
     agent_idle: Duration,
-    settled: Arc<Mutex<Vec<Settled>>>,
+    /// D: every decision about receives and references to P's blocks (R1, R3, R4).
+    consumer: SharedConsumer,
+    /// D: [`Consumer::pending`], shared with the executor thread ([`ReceiveView::pending`]),
+    /// stored after every call that can change it.
+    pending: Arc<AtomicUsize>,
     /// D: writes reads into the requests' blocks of this worker's own cache region.
     writer: Option<LocalKv>,
     /// D: READs in flight (cancelled when the engine-core restarts).
     reads: ReadTasks,
-    /// D: receives started for the current engine-core; a load that settles for another
-    /// (one that restarted since) is dropped, never copied into blocks the new engine owns.
-    live_recvs: LiveRecvs,
     faults: FaultConfig,
-    /// D: P's blocks this worker references (R4), to give back if it shuts down.
-    refs: Arc<Mutex<RemoteRefs>>,
-    /// D: `kv_transfer.give_up_notices` (R2/R4 notices after a failed load and at shutdown).
-    give_up_notices: bool,
-    /// D: set once a graceful shutdown began: no new lease is taken, every reference is given up.
-    shutting_down: Arc<AtomicBool>,
     /// Held block-milliseconds already exported (the metric follows the table's counts).
     exported_block_ms: std::cell::Cell<HeldBlockMs>,
 }
@@ -90,122 +82,6 @@ pub struct PdRuntime {
 pub struct ReceiveView {
     pub writer: LocalKv,
     pub pending: Arc<AtomicUsize>,
-}
-
-/// D: the receives started for the current engine-core and not yet reported to it, with their
-/// count shared with the executor thread ([`ReceiveView::pending`]), kept equal on every change.
-#[derive(Debug, Default)]
-struct LiveRecvs {
-    ids: std::cell::RefCell<std::collections::HashSet<String>>,
-    count: Arc<AtomicUsize>,
-}
-
-impl LiveRecvs {
-    fn insert(&self, id: String) {
-        let mut ids = self.ids.borrow_mut();
-        ids.insert(id);
-        self.count.store(ids.len(), Ordering::Release);
-    }
-
-    /// Whether `id` was live.
-    fn remove(&self, id: &str) -> bool {
-        let mut ids = self.ids.borrow_mut();
-        let was = ids.remove(id);
-        self.count.store(ids.len(), Ordering::Release);
-        was
-    }
-
-    /// Forget them all (the engine-core restarted); returns how many there were.
-    fn clear(&self) -> usize {
-        let n = std::mem::take(&mut *self.ids.borrow_mut()).len();
-        self.count.store(0, Ordering::Release);
-        n
-    }
-}
-
-/// Identifies P's blocks: (remote engine id, P's request id).
-type RefKey = (String, String);
-
-/// One reference D holds to P's blocks: from the step that took the request in until its
-/// receive ends (read and confirmed, or given up).
-#[derive(Debug, Clone)]
-struct RemoteRef {
-    endpoint: String,
-    /// The request's capability token (`remote_capability`), for the give-up at shutdown.
-    capability: String,
-    /// The read lease, once granted: a give-up that names it frees P at once even mid-READ.
-    lease: Option<Arc<Lease>>,
-    /// Last step that mentioned it (taken in, or heartbeat); stale entries are dropped.
-    seen: Instant,
-}
-
-/// D's references to P's blocks, so that a graceful shutdown can give back each one (R4):
-/// requests queued on D before their receive, receives waiting for a lease, READs in flight.
-#[derive(Debug, Default)]
-pub struct RemoteRefs {
-    refs: std::collections::HashMap<RefKey, RemoteRef>,
-}
-
-impl RemoteRefs {
-    fn key(p: &KvTransferParams) -> Option<(RefKey, String, String)> {
-        let (Some(engine), Some(host), Some(port), Some(id)) =
-            (p.remote_engine_id.as_ref(), p.remote_host.as_deref(), p.remote_port, p.remote_request_id.as_ref())
-        else {
-            return None;
-        };
-        let capability = p.remote_capability.clone().unwrap_or_default();
-        Some(((engine.clone(), id.clone()), side_channel_endpoint(host, port), capability))
-    }
-
-    /// A request D took in; a heartbeat of one refreshes it.
-    fn take(&mut self, p: &KvTransferParams, now: Instant) {
-        if let Some((key, endpoint, capability)) = Self::key(p) {
-            self.refs.entry(key).and_modify(|r| r.seen = now).or_insert(RemoteRef {
-                endpoint,
-                capability,
-                lease: None,
-                seen: now,
-            });
-        }
-    }
-
-    fn refresh(&mut self, p: &KvTransferParams, now: Instant) {
-        if let Some((key, ..)) = Self::key(p) {
-            if let Some(r) = self.refs.get_mut(&key) {
-                r.seen = now;
-            }
-        }
-    }
-
-    fn leased(&mut self, p: &KvTransferParams, lease: &Arc<Lease>) {
-        if let Some((key, ..)) = Self::key(p) {
-            if let Some(r) = self.refs.get_mut(&key) {
-                r.lease = Some(lease.clone());
-            }
-        }
-    }
-
-    fn end(&mut self, p: &KvTransferParams) {
-        if let Some((key, ..)) = Self::key(p) {
-            self.refs.remove(&key);
-        }
-    }
-
-    /// Drop references no step mentioned for `max_age` and not under a lease: a safety net
-    /// for a receive whose step was lost (P frees those at its own deadline anyway).
-    fn prune(&mut self, now: Instant, max_age: Duration) -> usize {
-        let before = self.refs.len();
-        self.refs.retain(|_, r| r.lease.is_some() || now.saturating_duration_since(r.seen) < max_age);
-        before - self.refs.len()
-    }
-
-    pub fn len(&self) -> usize {
-        self.refs.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.refs.is_empty()
-    }
 }
 
 fn wall_to_instant(unix_ms: u64) -> Instant {
@@ -300,21 +176,18 @@ impl PdRuntime {
             hold_ttl: setup.hold,
             agents,
             agent_idle: setup.remote_agent_idle,
-            settled: Arc::new(Mutex::new(Vec::new())),
+            consumer: Arc::new(Mutex::new(Consumer::new(setup.give_up_notices, setup.hold * 2))),
+            pending: Arc::new(AtomicUsize::new(0)),
             writer,
             reads: Default::default(),
-            live_recvs: Default::default(),
             faults: setup.faults,
-            refs: Arc::new(Mutex::new(RemoteRefs::default())),
-            give_up_notices: setup.give_up_notices,
-            shutting_down: Arc::new(AtomicBool::new(false)),
             exported_block_ms: std::cell::Cell::new(HeldBlockMs::default()),
         })
     }
 
     /// D: how many references to P's blocks this worker holds now.
     pub fn remote_refs(&self) -> usize {
-        self.refs.lock().unwrap_or_else(|p| p.into_inner()).len()
+        lock(&self.consumer).remote_refs()
     }
 
     /// Graceful shutdown (R4): give back every reference to P's blocks this worker still holds
@@ -322,18 +195,21 @@ impl PdRuntime {
     /// (naming their lease, so P frees at once) — so P does not keep them until its deadline.
     /// No new lease is taken afterwards. Bounded by `budget`; returns how many P acknowledged.
     pub async fn shutdown(&self, budget: Duration) -> usize {
-        self.shutting_down.store(true, Ordering::Release);
+        let plan = lock(&self.consumer).begin_shutdown();
         let Some(agents) = self.agents.clone() else { return 0 };
-        let refs: Vec<(RefKey, RemoteRef)> = self.refs.lock().unwrap_or_else(|p| p.into_inner()).refs.drain().collect();
-        if refs.is_empty() {
+        if plan.references == 0 {
             return 0;
         }
-        if !self.give_up_notices {
-            tracing::info!(references = refs.len(), "shutting down; give-up notices are off: P frees at its deadline");
+        if plan.give_ups.is_empty() {
+            tracing::info!(
+                references = plan.references,
+                "shutting down; give-up notices are off: P frees at its deadline"
+            );
             return 0;
         }
-        tracing::info!(references = refs.len(), "shutting down: giving P's blocks back");
-        match tokio::time::timeout(budget, give_up_all(agents, refs, "decode worker shutting down")).await {
+        tracing::info!(references = plan.references, "shutting down: giving P's blocks back");
+        let reason = GiveUpWhy::Shutdown.reason();
+        match tokio::time::timeout(budget, give_up_all(agents, plan.give_ups, reason)).await {
             Ok(n) => n,
             Err(_) => {
                 m::NOTIFY_FAILURES.inc();
@@ -372,7 +248,7 @@ impl PdRuntime {
     /// What the executor's step run ahead needs of this node's receives (a node that consumes
     /// KV), D68.
     pub fn receive_view(&self) -> Option<ReceiveView> {
-        self.writer.clone().map(|writer| ReceiveView { writer, pending: self.live_recvs.count.clone() })
+        self.writer.clone().map(|writer| ReceiveView { writer, pending: self.pending.clone() })
     }
 
     /// Apply the step's connector metadata: start holds (P) and reads (D).
@@ -396,44 +272,32 @@ impl PdRuntime {
             }
         }
         if let (Some(agents), Some(writer)) = (&self.agents, &self.writer) {
-            if self.give_up_notices {
-                let now = Instant::now();
-                let mut refs = self.refs.lock().unwrap_or_else(|p| p.into_inner());
-                for p in &meta.reqs_referenced {
-                    refs.take(p, now);
-                }
-                for p in &meta.reqs_to_heartbeat {
-                    refs.refresh(p, now);
-                }
-                let dropped = refs.prune(now, self.hold_ttl * 2);
-                if dropped > 0 {
-                    tracing::debug!(dropped, "references no step mentioned any more dropped");
-                }
+            let started = {
+                let mut c = lock(&self.consumer);
+                let started = c.start_step(meta, Instant::now());
+                self.pending.store(c.pending(), Ordering::Release);
+                started
+            };
+            if !started.heartbeats.is_empty() {
+                actix::spawn(heartbeat(agents.clone(), started.heartbeats));
             }
-            if !meta.reqs_to_heartbeat.is_empty() {
-                actix::spawn(heartbeat(agents.clone(), meta.reqs_to_heartbeat.clone()));
-            }
-            for r in &meta.reqs_to_recv {
+            for NewReceive { index, action } in started.receives {
+                let Some(r) = meta.reqs_to_recv.get(index) else { continue };
                 let span = tracing::info_span!("kv.read", otel.kind = "client", request_id = %r.request_id,
                     blocks = r.local_block_ids.len(), kv.bytes = tracing::field::Empty, kv.blocks = tracing::field::Empty,
                     remote_engine = r.params.remote_engine_id.as_deref().unwrap_or(""));
                 if let Some(trace) = traces.get(&r.request_id) {
                     trace::set_parent(&span, trace);
                 }
-                if !r.local_block_ids.is_empty() {
-                    self.live_recvs.insert(r.request_id.clone());
-                }
                 let ctx = ReceiveCtx {
                     agents: agents.clone(),
                     writer: writer.clone(),
                     reads: self.reads.clone(),
-                    settled: self.settled.clone(),
+                    consumer: self.consumer.clone(),
                     faults: self.faults.clone(),
-                    refs: self.refs.clone(),
-                    give_up_notices: self.give_up_notices,
-                    shutting_down: self.shutting_down.clone(),
+                    agent: None,
                 };
-                actix::spawn(receive(ctx, r.clone()).instrument(span));
+                actix::spawn(drive_receive(ctx, r.clone(), action).instrument(span));
             }
         }
     }
@@ -455,7 +319,8 @@ impl PdRuntime {
         if !cancelled.is_empty() {
             tracing::warn!(reads = cancelled.len(), "cancelled the old engine's reads in flight");
         }
-        let dropped_recvs = self.live_recvs.clear();
+        let dropped_recvs = lock(&self.consumer).engine_restarted();
+        self.pending.store(0, Ordering::Release);
         let released = match &self.hold {
             Some(table) => table.lock().unwrap_or_else(|p| p.into_inner()).release_all(Instant::now()),
             None => 0,
@@ -466,29 +331,15 @@ impl PdRuntime {
     /// Reads that settled since the last step, as the connector output (finished receives,
     /// invalid blocks, finished sends). A loaded receive's bytes are already in its blocks.
     pub fn finish_step(&self) -> KvConnectorOutput {
-        let mut out = KvConnectorOutput::default();
-        let settled = std::mem::take(&mut *self.settled.lock().unwrap_or_else(|p| p.into_inner()));
-        for s in settled {
-            let id = match &s {
-                Settled::Loaded { request_id } | Settled::Failed { request_id, .. } => request_id,
-            };
-            if !self.live_recvs.remove(id) {
-                tracing::info!(request_id = %id, "a load settled for an engine-core that has restarted; dropped");
-                continue;
+        let mut out = {
+            let mut c = lock(&self.consumer);
+            let out = c.finish_step();
+            self.pending.store(c.pending(), Ordering::Release);
+            if self.agents.is_some() {
+                m::REMOTE_REFERENCES.set(c.remote_refs() as i64);
             }
-            match s {
-                Settled::Loaded { request_id } => out.finished_recving.push(request_id),
-                Settled::Failed { request_id, local_block_ids, kind, error } => {
-                    tracing::warn!(%request_id, kind = kind.label(), %error, "KV load failed");
-                    m::TRANSFER_FAILURES.with_label_values(&[kind.label()]).inc();
-                    out.finished_recving.push(request_id);
-                    out.invalid_block_ids.extend(local_block_ids);
-                }
-            }
-        }
-        if self.agents.is_some() {
-            m::REMOTE_REFERENCES.set(self.remote_refs() as i64);
-        }
+            out
+        };
         if let Some(agent) = &self.agent {
             let stats = agent.stats();
             m::HANDSHAKES_SERVED.set(stats.metadata_requests.load(std::sync::atomic::Ordering::Relaxed) as i64);
@@ -583,17 +434,8 @@ pub fn producer_finish_step_with_causes(
 /// extended by D's heartbeats), one message per remote engine. A heartbeat that cannot be
 /// delivered is counted; P then frees at its deadline and D's later lease follows the
 /// load-failure policy.
-async fn heartbeat(agents: Arc<RemoteAgents>, params: Vec<pdmesh_protocol::KvTransferParams>) {
-    let mut by_engine: std::collections::BTreeMap<(String, String), Vec<(String, String)>> = Default::default();
-    for p in params {
-        if let (Some(engine), Some(host), Some(port), Some(id)) =
-            (p.remote_engine_id, p.remote_host, p.remote_port, p.remote_request_id)
-        {
-            let token = p.remote_capability.unwrap_or_default();
-            by_engine.entry((engine, side_channel_endpoint(&host, port))).or_default().push((id, token));
-        }
-    }
-    for ((engine, endpoint), ids) in by_engine {
+async fn heartbeat(agents: Arc<RemoteAgents>, batches: Vec<Batch<(String, String)>>) {
+    for Batch { engine, endpoint, requests: ids } in batches {
         let sent = match agents.get(&engine, &endpoint).await {
             Ok(agent) => agent.heartbeat(&ids).await.map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
@@ -608,64 +450,22 @@ async fn heartbeat(agents: Arc<RemoteAgents>, params: Vec<pdmesh_protocol::KvTra
     }
 }
 
-/// Why a load failed: the `kind` label of `pdmesh_worker_kv_transfer_failures_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailureKind {
-    /// Handshake: unreachable, timed out, incompatible, undecodable, wrong engine.
-    Handshake,
-    /// P refused the lease (freed, stale generation, fault) or it could not be asked.
-    Lease,
-    /// The READ itself failed (setup, midway, timeout).
-    Read,
-    /// P did not confirm `read done`: the bytes may have been overwritten meanwhile.
-    ReadDone,
-    /// The task running the read ended without a result.
-    Exception,
-    /// The worker began a graceful shutdown before the read started.
-    Shutdown,
-    /// The request's local blocks could not be taken for writing (out of range, or another
-    /// receive is writing one of them): a scheduler invariant broke; nothing was written.
-    LocalBlocks,
-}
-
-impl FailureKind {
-    pub fn label(self) -> &'static str {
-        match self {
-            FailureKind::Handshake => "handshake",
-            FailureKind::Lease => "lease",
-            FailureKind::Read => "read",
-            FailureKind::ReadDone => "read_done",
-            FailureKind::Exception => "exception",
-            FailureKind::Shutdown => "shutdown",
-            FailureKind::LocalBlocks => "local_blocks",
-        }
-    }
-}
-
-/// What a receive task shares with its worker.
+/// What a receive task shares with its worker, and the P agent it talks to.
 struct ReceiveCtx {
     agents: Arc<RemoteAgents>,
     writer: LocalKv,
     reads: ReadTasks,
-    settled: Arc<Mutex<Vec<Settled>>>,
+    consumer: SharedConsumer,
     faults: FaultConfig,
-    refs: Arc<Mutex<RemoteRefs>>,
-    give_up_notices: bool,
-    shutting_down: Arc<AtomicBool>,
+    /// P's agent, once handshaken (again, after a stale view).
+    agent: Option<Arc<RemoteAgent>>,
 }
 
-/// Give P back every reference in `refs` (shutdown), per remote engine, naming active leases.
-/// Returns how many P acknowledged; the rest are counted as undelivered notices.
-async fn give_up_all(agents: Arc<RemoteAgents>, refs: Vec<(RefKey, RemoteRef)>, reason: &str) -> usize {
-    /// P's request ids (with their capability and the active lease, if any) per (engine,
-    /// side channel).
-    type ByEngine = BTreeMap<(String, String), Vec<(String, String, Option<Arc<Lease>>)>>;
-    let mut by_engine = ByEngine::new();
-    for ((engine, p_req), r) in refs {
-        by_engine.entry((engine, r.endpoint)).or_default().push((p_req, r.capability, r.lease));
-    }
+/// Give P back every reference of a shutdown, one batch per remote engine, naming active
+/// leases. Returns how many P acknowledged; the rest are counted as undelivered notices.
+async fn give_up_all(agents: Arc<RemoteAgents>, batches: Vec<Batch<GiveBack<Arc<Lease>>>>, reason: &str) -> usize {
     let mut acked = 0;
-    for ((engine, endpoint), reqs) in by_engine {
+    for Batch { engine, endpoint, requests: reqs } in batches {
         let agent = match agents.get(&engine, &endpoint).await {
             Ok(a) => a,
             Err(e) => {
@@ -674,12 +474,12 @@ async fn give_up_all(agents: Arc<RemoteAgents>, refs: Vec<(RefKey, RemoteRef)>, 
                 continue;
             }
         };
-        let sends = reqs.iter().map(|(p_req, token, lease)| agent.give_up(p_req, token, reason, lease.as_deref()));
+        let sends = reqs.iter().map(|g| agent.give_up(&g.p_req, &g.token, reason, g.lease.as_deref()));
         for res in futures::future::join_all(sends).await {
             match res {
                 Ok(()) => {
                     acked += 1;
-                    m::GIVE_UPS.with_label_values(&["shutdown"]).inc();
+                    m::GIVE_UPS.with_label_values(&[GiveUpWhy::Shutdown.label()]).inc();
                 }
                 Err(e) => {
                     m::NOTIFY_FAILURES.inc();
@@ -691,247 +491,131 @@ async fn give_up_all(agents: Arc<RemoteAgents>, refs: Vec<(RefKey, RemoteRef)>, 
     acked
 }
 
-/// One receive: handshake (cached), lease, read, notify. A notify-only receive (no local
-/// blocks) tells P to free and is never reported to the scheduler. Every failure ends in the
-/// one failure handler ([`Settled::Failed`] → `finish_step`), which reports the request as
-/// received together with its invalid blocks, so the scheduler applies the load-failure policy.
-async fn receive(ctx: ReceiveCtx, r: RecvRequest) {
-    let ReceiveCtx { agents, writer, reads, settled, faults, refs, give_up_notices, shutting_down } = ctx;
-    let p = &r.params;
-    let (Some(engine), Some(host), Some(port), Some(p_req)) =
-        (p.remote_engine_id.as_deref(), p.remote_host.as_deref(), p.remote_port, p.remote_request_id.as_deref())
-    else {
-        return;
-    };
-    let endpoint = side_channel_endpoint(host, port);
-    // The capability P handed out with the params: every message about these blocks carries it.
-    let token = p.remote_capability.as_deref().unwrap_or("");
-    let notify_only = r.local_block_ids.is_empty();
-    let hop = |hop: &'static str| trace::notice_hop(hop, p_req, r.rejected_at_unix_us);
-    hop("worker.receive");
-    let fail = |kind: FailureKind, e: &dyn std::fmt::Display| (kind, e.to_string());
-    let result: Result<bool, (FailureKind, String)> = async {
-        let agent = agents.get(engine, &endpoint).await.map_err(|e| fail(FailureKind::Handshake, &e))?;
-        tracing::info!(%endpoint, "handshake done");
-        if notify_only {
-            hop("worker.handshaken");
-            let (reason, label) = match r.rejected_at_unix_us {
-                Some(_) => ("rejected before admission (notify only)", "rejection"),
-                None => ("finished on D before its receive", "abort"),
-            };
-            // A span in the refused request's trace: P's answer (`kv.serve.xfer_give_up`) and
-            // its release of the held blocks then sit in that trace too.
-            let span = trace::child_of(
-                tracing::info_span!("kv.notify", otel.kind = "client", request_id = %p_req, reason = label),
-                &r.trace,
-            );
-            agent
-                .give_up_at(p_req, token, reason, None, r.rejected_at_unix_us)
-                .instrument(span.clone())
-                .await
-                .map_err(|e| fail(FailureKind::Lease, &e))?;
-            hop("worker.p_answered");
-            tracing::info!(parent: &span, "notice delivered to P");
-            m::GIVE_UPS.with_label_values(&[label]).inc();
-            return Ok(false);
-        }
-        if shutting_down.load(Ordering::Acquire) {
-            // Too late to read: give the reference back rather than take a lease.
-            if give_up_notices && agent.give_up(p_req, token, "decode worker shutting down", None).await.is_ok() {
-                m::GIVE_UPS.with_label_values(&["shutdown"]).inc();
+/// One receive: performs the actions D's [`Consumer`] names for it — handshake (cached),
+/// lease, READ and `read done`, give-up — and hands each result back, until the machine says
+/// the receive ended. How it ended reaches the engine through [`PdRuntime::finish_step`].
+async fn drive_receive(mut ctx: ReceiveCtx, r: RecvRequest, first: Action<Arc<Lease>>) {
+    let p_req = r.params.remote_request_id.clone().unwrap_or_default();
+    trace::notice_hop("worker.receive", &p_req, r.rejected_at_unix_us);
+    let mut next = Next::Act(first);
+    while let Next::Act(action) = next {
+        next = match action {
+            Action::Handshake { recv, engine, endpoint, stale } => {
+                let result = handshake(&mut ctx, &engine, &endpoint, stale).await;
+                lock(&ctx.consumer).on_handshake(recv, result)
             }
-            return Err(fail(FailureKind::Shutdown, &"the worker is shutting down"));
-        }
-        let remote = p.remote_block_ids.clone().unwrap_or_default();
-        let n = r.local_block_ids.len().min(remote.len());
-        // A partial local prefix hit reads only the tail of P's blocks.
-        let remote_tail = remote.get(remote.len() - n..).unwrap_or(&[]).to_vec();
-        let gens = p.remote_block_generations.clone().unwrap_or_default();
-        let gens_tail =
-            if gens.len() == remote.len() { gens.get(gens.len() - n..).unwrap_or(&[]).to_vec() } else { gens };
-        let (agent, lease) =
-            lease_blocks(&agents, agent, engine, &endpoint, (p_req, token), &remote_tail, &gens_tail, give_up_notices)
-                .await
-                .map_err(|e| fail(FailureKind::Lease, &e))?;
-        tracing::info!(blocks = remote_tail.len(), "lease granted");
-        let lease = Arc::new(lease);
-        refs.lock().unwrap_or_else(|p| p.into_inner()).leased(p, &lease);
-        // The request's blocks (the tail a partial local prefix hit leaves to read).
-        let local_tail = r.local_block_ids.get(r.local_block_ids.len() - n..).unwrap_or(&[]).to_vec();
-        // The READ and its `read done` run as their own task, so that a task dying without a
-        // result (the `transfer_exception` fault, or a cancel when the engine-core restarts)
-        // still lands in the failure handler below. It writes straight into the request's
-        // blocks, checked out for exactly as long as it runs.
-        let task = actix::spawn(
-            {
-                let (agent, lease, remote_tail, writer) = (agent.clone(), lease.clone(), remote_tail.clone(), writer);
-                async move {
-                    // After the executor's step run ahead, if it writes one of them (D68).
-                    let mut blocks = writer
-                        .checkout_after_step(&local_tail)
-                        .await
-                        .map_err(|e| fail(FailureKind::LocalBlocks, &e))?;
-                    let stats = agent
-                        .read_into(&lease, &remote_tail, &mut blocks)
-                        .await
-                        .map_err(|e| fail(FailureKind::Read, &e))?;
-                    drop(blocks);
-                    agent.read_done(&lease).await.map_err(|e| fail(FailureKind::ReadDone, &e))?;
-                    Ok::<_, (FailureKind, String)>(stats)
-                }
+            Action::Lease { recv, p_req, token, blocks, generations } => {
+                let result = match &ctx.agent {
+                    Some(agent) => agent.lease(&p_req, &token, &blocks, &generations).await.map(Arc::new),
+                    None => Err(TransferError::SideChannel("no handshake before the lease".into())),
+                };
+                lock(&ctx.consumer).on_lease(recv, result)
             }
-            .instrument(tracing::Span::current()),
-        );
-        reads.lock().unwrap_or_else(|p| p.into_inner()).insert(r.request_id.clone(), task.abort_handle());
-        if faults.transfer_exception {
-            tracing::warn!(request_id = %r.request_id, "fault injection: the read task dies");
-            task.abort();
-        }
-        let outcome = task.await.unwrap_or_else(|e| Err(fail(FailureKind::Exception, &e)));
-        reads.lock().unwrap_or_else(|p| p.into_inner()).remove(&r.request_id);
-        match outcome {
-            Ok(stats) => {
-                let span = tracing::Span::current();
-                span.record("kv.bytes", stats.bytes);
-                span.record("kv.blocks", stats.blocks);
-                tracing::info!(
-                    bytes = stats.bytes,
-                    blocks = stats.blocks,
-                    elapsed_us = stats.elapsed.as_micros() as u64,
-                    "read done"
-                );
-                m::TRANSFER_BYTES.inc_by(stats.bytes);
-                m::TRANSFER_SECONDS.observe(stats.elapsed.as_secs_f64());
-                Ok(true)
+            Action::Read { recv, lease, remote, local } => {
+                let result = read(&ctx, recv, &r.request_id, lease, remote, local).await;
+                lock(&ctx.consumer).on_read(recv, result)
             }
-            Err(failure) if !give_up_notices => {
-                tracing::debug!("give-up notices are off: P frees at its lease deadline");
-                Err(failure)
+            Action::GiveUp { recv, p_req, token, lease, why } => {
+                let result = give_up(&ctx, &r, (&p_req, &token), lease, why).await;
+                lock(&ctx.consumer).on_give_up(recv, result)
             }
-            Err(failure) => {
-                // D gives up (R4): P frees at once instead of at its deadline.
-                match agent.give_up(p_req, token, "read failed", Some(lease.as_ref())).await {
-                    Ok(()) => m::GIVE_UPS.with_label_values(&["load_failure"]).inc(),
-                    Err(e) => {
-                        m::NOTIFY_FAILURES.inc();
-                        tracing::debug!(error = %e, "give up after a failed read not delivered");
-                    }
-                }
-                Err(failure)
-            }
-        }
-    }
-    .await;
-    // The receive ended (read and confirmed, given up, or failed): no reference is left.
-    refs.lock().unwrap_or_else(|p| p.into_inner()).end(p);
-    if let Err((kind, error)) = &result {
-        tracing::warn!(kind = kind.label(), %error, notify_only, "receive failed");
-    }
-    let mut s = settled.lock().unwrap_or_else(|p| p.into_inner());
-    match result {
-        Ok(true) => s.push(Settled::Loaded { request_id: r.request_id.clone() }),
-        Ok(false) => {}
-        Err((kind, error)) if !notify_only => s.push(Settled::Failed {
-            request_id: r.request_id.clone(),
-            local_block_ids: r.local_block_ids.clone(),
-            kind,
-            error,
-        }),
-        Err((_, error)) => {
-            m::NOTIFY_FAILURES.inc();
-            tracing::warn!(request_id = %r.request_id, %error, "could not notify P; it frees at its deadline");
-        }
+        };
     }
 }
 
-/// Ask P for a read lease, repairing what D can (R4):
-/// - P restarted after the handshake (its grant names another agent), or the side channel
-///   failed or went silent (P's worker died and may be back by now): D's view of P is stale.
-///   Handshake again and ask once more. A restarted P grants the lease if it prefilled this
-///   request itself (the same lease again to the same reader), and refuses one of its
-///   predecessor's, whose blocks are gone with it.
-/// - P refused by fault injection (`lease_refused`), still holding the blocks: D will never
-///   read them, so it says so at once and P frees them now, not at its deadline. Any other
-///   refusal says P's hold is gone (freed, expired, aborted) or is not this reference (other
-///   blocks or generations under a reused request id, another reader's lease): a give-up,
-///   which names only the request id, could then free someone else's blocks, so D says
-///   nothing. With `give_up_notices` off (the deadline-only baseline) D says nothing either.
-#[allow(clippy::too_many_arguments)] // one receive's coordinates, each used once
-async fn lease_blocks(
-    agents: &RemoteAgents,
-    agent: Arc<RemoteAgent>,
-    engine: &str,
-    endpoint: &str,
-    (p_req, token): (&str, &str),
-    blocks: &[u32],
-    generations: &[u64],
-    give_up_notices: bool,
-) -> Result<(Arc<RemoteAgent>, Lease), TransferError> {
-    let first = agent.lease(p_req, token, blocks, generations).await;
-    let (agent, result) = match first {
-        Err(
-            e @ (TransferError::ProducerRestarted { .. } | TransferError::SideChannel(_) | TransferError::Timeout(_)),
-        ) => {
-            m::LEASE_RETRIES.inc();
-            tracing::info!(engine, error = %e, "lease failed on a stale view of P: handshaking again");
+/// P's agent for `engine` (cached, or handshaken now); `stale`: the cached one failed a lease
+/// (P restarted, or its side channel failed), so it is marked stale and handshaken again.
+async fn handshake(ctx: &mut ReceiveCtx, engine: &str, endpoint: &str, stale: bool) -> Result<(), String> {
+    if stale {
+        if let Some(agent) = &ctx.agent {
             agent.mark_stale();
-            let fresh = agents.get(engine, endpoint).await.map_err(|h| TransferError::SideChannel(h.to_string()))?;
-            let again = fresh.lease(p_req, token, blocks, generations).await;
-            (fresh, again)
         }
-        other => (agent, other),
-    };
-    match result {
-        Ok(lease) => Ok((agent, lease)),
-        Err(e @ TransferError::LeaseRefused { reason: LeaseRefusalReason::FaultInjected, .. }) if give_up_notices => {
-            // P refused although it may hold the blocks (a drill): D will never read them.
-            match agent.give_up(p_req, token, "lease failed", None).await {
-                Ok(()) => m::GIVE_UPS.with_label_values(&["load_failure"]).inc(),
-                Err(notify) => {
-                    m::NOTIFY_FAILURES.inc();
-                    tracing::debug!(error = %notify, "give up after a failed lease not delivered");
-                }
-            }
-            Err(e)
-        }
-        Err(e) => Err(e),
     }
+    let agent = ctx.agents.get(engine, endpoint).await.map_err(|e| e.to_string())?;
+    if !stale {
+        tracing::info!(%endpoint, "handshake done");
+    }
+    ctx.agent = Some(agent);
+    Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn params(id: &str) -> KvTransferParams {
-        KvTransferParams {
-            do_remote_prefill: Some(true),
-            remote_engine_id: Some("p".into()),
-            remote_request_id: Some(id.into()),
-            remote_block_ids: Some(vec![1]),
-            remote_host: Some("127.0.0.1".into()),
-            remote_port: Some(5600),
-            ..Default::default()
+/// The READ and its `read done`, run as their own task, so that a task dying without a result
+/// (the `transfer_exception` fault, or a cancel when the engine-core restarts) still reaches the
+/// consumer as a failure. It writes straight into the request's blocks, checked out for exactly
+/// as long as it runs.
+async fn read(
+    ctx: &ReceiveCtx,
+    recv: RecvId,
+    request_id: &str,
+    lease: Arc<Lease>,
+    remote: Vec<u32>,
+    local: Vec<u32>,
+) -> Result<(), ReadFailure> {
+    let fail = |kind: FailureKind, e: &dyn std::fmt::Display| ReadFailure { kind, error: e.to_string() };
+    let Some(agent) = ctx.agent.clone() else {
+        return Err(fail(FailureKind::Exception, &"no handshake before the read"));
+    };
+    let writer = ctx.writer.clone();
+    let task = actix::spawn(
+        async move {
+            // After the executor's step run ahead, if it writes one of them (D68).
+            let mut blocks =
+                writer.checkout_after_step(&local).await.map_err(|e| fail(FailureKind::LocalBlocks, &e))?;
+            let stats = agent.read_into(&lease, &remote, &mut blocks).await.map_err(|e| fail(FailureKind::Read, &e))?;
+            drop(blocks);
+            agent.read_done(&lease).await.map_err(|e| fail(FailureKind::ReadDone, &e))?;
+            Ok::<_, ReadFailure>(stats)
         }
+        .instrument(tracing::Span::current()),
+    );
+    ctx.reads.lock().unwrap_or_else(|p| p.into_inner()).insert(recv, task.abort_handle());
+    if ctx.faults.transfer_exception {
+        tracing::warn!(%request_id, "fault injection: the read task dies");
+        task.abort();
     }
+    let outcome = task.await.unwrap_or_else(|e| Err(fail(FailureKind::Exception, &e)));
+    ctx.reads.lock().unwrap_or_else(|p| p.into_inner()).remove(&recv);
+    let stats = outcome?;
+    let span = tracing::Span::current();
+    span.record("kv.bytes", stats.bytes);
+    span.record("kv.blocks", stats.blocks);
+    tracing::info!(
+        bytes = stats.bytes,
+        blocks = stats.blocks,
+        elapsed_us = stats.elapsed.as_micros() as u64,
+        "read done"
+    );
+    m::TRANSFER_BYTES.inc_by(stats.bytes);
+    m::TRANSFER_SECONDS.observe(stats.elapsed.as_secs_f64());
+    Ok(())
+}
 
-    #[test]
-    fn references_live_from_intake_to_the_end_of_their_receive() {
-        let mut refs = RemoteRefs::default();
-        let t0 = Instant::now();
-        refs.take(&params("a"), t0);
-        refs.take(&params("a"), t0);
-        refs.take(&params("b"), t0);
-        let mut incomplete = params("c");
-        incomplete.remote_port = None;
-        refs.take(&incomplete, t0);
-        assert_eq!(refs.len(), 2, "one per P request; incomplete params are no reference");
-        refs.end(&params("a"));
-        refs.end(&params("zzz"));
-        assert_eq!(refs.len(), 1);
-        // Stale and unleased: dropped; a heartbeat keeps one alive.
-        refs.take(&params("d"), t0);
-        refs.refresh(&params("d"), t0 + Duration::from_secs(50));
-        assert_eq!(refs.prune(t0 + Duration::from_secs(70), Duration::from_secs(60)), 1);
-        assert!(refs.refs.contains_key(&("p".to_string(), "d".to_string())));
+/// Tell P that D will never read `p_req`. A notice of a notify-only receive (R1, or a request
+/// that finished on D before its receive) is a span in the refused request's trace, so that
+/// P's answer (`kv.serve.xfer_give_up`) and its release of the held blocks sit in that trace too.
+async fn give_up(
+    ctx: &ReceiveCtx,
+    r: &RecvRequest,
+    (p_req, token): (&str, &str),
+    lease: Option<Arc<Lease>>,
+    why: GiveUpWhy,
+) -> Result<(), String> {
+    let Some(agent) = &ctx.agent else { return Err("no handshake before the give-up".into()) };
+    if !why.is_notice() {
+        return agent.give_up(p_req, token, why.reason(), lease.as_deref()).await.map_err(|e| e.to_string());
     }
+    let hop = |hop: &'static str| trace::notice_hop(hop, p_req, r.rejected_at_unix_us);
+    hop("worker.handshaken");
+    let span = trace::child_of(
+        tracing::info_span!("kv.notify", otel.kind = "client", request_id = %p_req, reason = why.label()),
+        &r.trace,
+    );
+    agent
+        .give_up_at(p_req, token, why.reason(), None, r.rejected_at_unix_us)
+        .instrument(span.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    hop("worker.p_answered");
+    tracing::info!(parent: &span, "notice delivered to P");
+    Ok(())
 }

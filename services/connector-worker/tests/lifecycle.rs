@@ -6,7 +6,10 @@
 //! answering its connector calls, and the worker's own offload store (`OffloadStore`, saves and
 //! loads of real bytes in a real `KvCache`) and output merge (`OutputMerge`); on P the
 //! real `HoldTable`, driven through the worker's own step functions (`producer_start_step`,
-//! `producer_finish_step`) and, as P's side channel would, through its `LeasePolicy`. The test
+//! `producer_finish_step`) and, as P's side channel would, through its `LeasePolicy`; on D the
+//! worker's own receive machine (`consumer::Consumer`, D107), which decides what each step's
+//! receives do, how a lease, READ or `read done` is judged, when D gives P its blocks back and
+//! what the next step reports, the test only performing the actions it names. The test
 //! plays the router, D's READs and the side-channel messages between the nodes, and interleaves
 //! everything at random: new requests, reused request ids (refused while they still name
 //! blocks, admitted again after), P and D steps, hand-offs, refusals inside D's engine (its
@@ -71,6 +74,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use pdmesh_connector_scheduler::{
     dispatch, KvConnectorScheduler, MultiConnector, OffloadConnector, PdConnector, ProducerIdentity,
 };
+use pdmesh_connector_worker::consumer::{Action, Consumer, Ended, FailureKind, Next, ReadFailure, RecvId};
 use pdmesh_connector_worker::multi::OutputMerge;
 use pdmesh_connector_worker::offload::OffloadStore;
 use pdmesh_connector_worker::pd::{producer_finish_step, producer_start_step};
@@ -78,7 +82,9 @@ use pdmesh_engine_core::scheduler::{EngineFaults, Scheduler, SchedulerConfig};
 use pdmesh_engine_core::step::{
     notice_calls, notice_receives, EngineState, EngineStep, StepDone, StepIo, WorkerAnswer,
 };
-use pdmesh_kv_transfer::{CapabilityCheck, HoldTable, HoldTableConfig, LeaseDecision, LeasePolicy, NoticeOutcome};
+use pdmesh_kv_transfer::{
+    CapabilityCheck, HoldTable, HoldTableConfig, LeaseDecision, LeasePolicy, LeaseRefusal, NoticeOutcome, TransferError,
+};
 use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{KvCache, KvCacheSpec};
 use pdmesh_protocol::{
@@ -422,21 +428,26 @@ enum Side {
     D,
 }
 
-/// A receive on D's worker, from `reqs_to_recv` until the step that reports it.
+/// A receive on D's worker as the test sees it, from `reqs_to_recv` until the step that
+/// reports it: what D's consumer machine asked for it, and what the test's READ saw. Every
+/// decision about it is the machine's.
 #[derive(Debug, Clone)]
 struct Recv {
+    id: RecvId,
     d_id: String,
-    p_id: String,
+    /// The blocks the READ writes (the machine's tail of the request's blocks).
     local: Vec<u32>,
     /// Generations of D's local blocks when the receive started.
     local_gens: Vec<u64>,
+    /// The lease the machine asks for: P's request id, capability token, blocks, generations.
+    p_id: String,
+    token: String,
     remote: Vec<u32>,
     gens: Vec<u64>,
+    /// The lease the machine reads under (its READ action).
     lease: Option<u64>,
     /// The ticket of a lease request P parked because the hold was not registered yet.
     parked: Option<u64>,
-    /// The capability token from P's params, presented with every message (as D's worker does).
-    token: String,
     /// What each part of the READ saw in P's pool: (block, allocated, generation).
     observed: Vec<(u32, bool, Option<u64>)>,
 }
@@ -464,6 +475,8 @@ struct World {
     p: Node,
     d: Node,
     table: HoldTable,
+    /// D's worker: its own receive machine.
+    consumer: Consumer<u64>,
     now: Instant,
     next_id: u64,
     /// Every request id ever sent (aborts pick from them, finished or not).
@@ -471,8 +484,9 @@ struct World {
     prompts: HashMap<String, (Vec<u32>, u32)>,
     /// P's answers the router holds, not yet sent to D.
     ready: Vec<Handoff>,
+    /// D's receives the machine has not ended.
     inflight: Vec<Recv>,
-    /// Receives settled (loaded or failed) and not yet reported by D's worker.
+    /// Receives the machine ended as loaded (`true`) or failed, not yet reported.
     settled: Vec<(Recv, bool)>,
     outbox: Vec<GiveUp>,
     heartbeat: Vec<String>,
@@ -519,6 +533,7 @@ impl World {
             p,
             d,
             table,
+            consumer: Consumer::new(true, HOLD * 2),
             now: Instant::now(),
             next_id: 0,
             ids: Vec::new(),
@@ -569,7 +584,7 @@ impl World {
                             kv
                         }
                         Side::D => {
-                            self.d_worker_start(&output.kv_connector_metadata);
+                            self.d_worker_start(&output.kv_connector_metadata)?;
                             self.d_worker_finish()?
                         }
                     };
@@ -584,7 +599,7 @@ impl World {
         // The engine sends a notice for every remote-prefill request it refused (R1).
         for notice in done.refused {
             if let Some(meta) = self.node(side).notice(notice)? {
-                self.d_worker_start(&meta);
+                self.d_worker_start(&meta)?;
             }
         }
         if side == Side::P {
@@ -598,47 +613,100 @@ impl World {
         Ok(())
     }
 
-    /// D's worker takes the step's metadata (`PdRuntime::start_step`).
-    fn d_worker_start(&mut self, meta: &KvConnectorMetadata) {
-        if !meta.reqs_to_heartbeat.is_empty() {
-            self.heartbeat = meta.reqs_to_heartbeat.iter().filter_map(|p| p.remote_request_id.clone()).collect();
+    /// D's worker takes the step's metadata (`PdRuntime::start_step`): its consumer machine
+    /// starts the receives, the test performs what it asks. Handshakes succeed at once (P is
+    /// always reachable; a failed one is played by `Ev::TransferFail`).
+    fn d_worker_start(&mut self, meta: &KvConnectorMetadata) -> Result<(), TestCaseError> {
+        let started = self.consumer.start_step(meta, self.now);
+        if !started.heartbeats.is_empty() {
+            self.heartbeat =
+                started.heartbeats.iter().flat_map(|b| b.requests.iter().map(|(id, _)| id.clone())).collect();
         }
-        for r in &meta.reqs_to_recv {
-            let p_id = r.params.remote_request_id.clone().unwrap_or_default();
-            let token = r.params.remote_capability.clone().unwrap_or_default();
-            if r.local_block_ids.is_empty() {
-                // Notify only (rejection, or finished before its receive): give up at once.
-                self.outbox.push(GiveUp { p_id, lease: None, token });
-                continue;
-            }
-            let remote = r.params.remote_block_ids.clone().unwrap_or_default();
-            let gens = r.params.remote_block_generations.clone().unwrap_or_default();
-            let n = r.local_block_ids.len().min(remote.len());
-            if n < remote.len() {
+        for n in started.receives {
+            let Action::Handshake { recv, stale: false, .. } = n.action else {
+                return Err(TestCaseError::fail(format!("a receive starts with {:?}", n.action)));
+            };
+            let r = &meta.reqs_to_recv[n.index];
+            let local = self.consumer.local_blocks(recv).unwrap_or(&[]).to_vec();
+            let remote_len = r.params.remote_block_ids.as_ref().map_or(0, Vec::len);
+            if !local.is_empty() && local.len() < remote_len {
                 self.partial_reads += 1;
             }
-            let local = r.local_block_ids[r.local_block_ids.len() - n..].to_vec();
             let local_gens = local.iter().map(|b| self.d.sched().block_state(*b).1.unwrap_or(u64::MAX)).collect();
             self.inflight.push(Recv {
+                id: recv,
                 d_id: r.request_id.clone(),
-                p_id,
                 local,
                 local_gens,
-                remote: remote[remote.len() - n..].to_vec(),
-                gens: if gens.len() == remote.len() { gens[gens.len() - n..].to_vec() } else { gens },
+                p_id: String::new(),
+                token: String::new(),
+                remote: Vec::new(),
+                gens: Vec::new(),
                 lease: None,
                 parked: None,
-                token,
                 observed: Vec::new(),
             });
+            let next = self.consumer.on_handshake(recv, Ok(()));
+            self.drive(recv, next)?;
+        }
+        Ok(())
+    }
+
+    /// Performs what D's machine asks for receive `recv` until it waits on P (a lease asked,
+    /// a READ running) or ends. Give-ups go to the outbox, where they are delivered, delayed
+    /// or lost; for the machine they were sent. A second handshake (after a stale view of P)
+    /// succeeds.
+    fn drive(&mut self, recv: RecvId, mut next: Next<u64>) -> Result<(), TestCaseError> {
+        loop {
+            let k = self.inflight.iter().position(|r| r.id == recv);
+            next = match next {
+                Next::Act(Action::Handshake { .. }) => self.consumer.on_handshake(recv, Ok(())),
+                Next::Act(Action::GiveUp { p_req, token, lease, .. }) => {
+                    self.outbox.push(GiveUp { p_id: p_req, lease, token });
+                    self.consumer.on_give_up(recv, Ok(()))
+                }
+                Next::Act(Action::Lease { p_req, token, blocks, generations, .. }) => {
+                    let Some(k) = k else { return Err(TestCaseError::fail("a lease for an unknown receive")) };
+                    let r = &mut self.inflight[k];
+                    (r.p_id, r.token, r.remote, r.gens) = (p_req, token, blocks, generations);
+                    return Ok(()); // asked at an `Ev::Lease`
+                }
+                Next::Act(Action::Read { lease, remote, local, .. }) => {
+                    let Some(k) = k else { return Err(TestCaseError::fail("a READ for an unknown receive")) };
+                    let r = &mut self.inflight[k];
+                    prop_assert_eq!((&remote, &local), (&r.remote, &r.local), "the READ moves the leased blocks");
+                    r.lease = Some(lease);
+                    r.parked = None;
+                    return Ok(()); // runs at `Ev::Read`, `Ev::ReadDone`
+                }
+                Next::Ended(ended) => {
+                    if let Some(k) = k {
+                        let r = self.inflight.remove(k);
+                        match ended {
+                            Ended::Loaded => self.settled.push((r, true)),
+                            Ended::Failed(_) => self.settled.push((r, false)),
+                            Ended::Unreported => prop_assert!(r.local.is_empty(), "{} ended unreported", r.d_id),
+                        }
+                    }
+                    return Ok(());
+                }
+            };
         }
     }
 
-    /// D's worker reports the receives that settled (`PdRuntime::finish_step`); loaded bytes
-    /// are copied into the request's blocks now, so those blocks must still be its own.
+    /// D's worker reports the receives that settled (`PdRuntime::finish_step`, the machine's
+    /// own): each receive the machine ended, once; a failed one's blocks invalid, a loaded
+    /// one's not. Loaded bytes are copied into the request's blocks now, so those blocks must
+    /// still be its own.
     fn d_worker_finish(&mut self) -> Result<KvConnectorOutput, TestCaseError> {
-        let mut out = KvConnectorOutput::default();
+        let out = self.consumer.finish_step();
+        let mut reported = out.finished_recving.clone();
+        reported.sort();
+        let mut ended = Vec::new();
         for (r, loaded) in std::mem::take(&mut self.settled) {
+            for b in &r.local {
+                prop_assert_eq!(out.invalid_block_ids.contains(b), !loaded, "{}: block {} invalid", &r.d_id, b);
+            }
             if loaded {
                 for (b, g) in r.local.iter().zip(&r.local_gens) {
                     let (alloc, gen) = self.d.sched().block_state(*b);
@@ -649,20 +717,31 @@ impl World {
                         r.d_id
                     );
                 }
-            } else {
-                out.invalid_block_ids.extend(r.local.iter().copied());
             }
-            out.finished_recving.push(r.d_id);
+            ended.push(r.d_id);
         }
+        ended.sort();
+        prop_assert_eq!(reported, ended, "D reports exactly the receives that ended");
         Ok(out)
     }
 
-    fn settle(&mut self, k: usize, loaded: bool, give_up: bool) {
-        let r = self.inflight.remove(k);
-        if give_up {
-            self.outbox.push(GiveUp { p_id: r.p_id.clone(), lease: r.lease, token: r.token.clone() });
-        }
-        self.settled.push((r, loaded));
+    /// D's machine learns how receive `k`'s lease request went.
+    fn lease_answer(&mut self, k: usize, answer: Result<u64, LeaseRefusal>) -> Result<(), TestCaseError> {
+        let recv = self.inflight[k].id;
+        let answer = answer.map_err(|r| TransferError::LeaseRefused { reason: r.reason, detail: r.detail });
+        let next = self.consumer.on_lease(recv, answer);
+        self.drive(recv, next)
+    }
+
+    /// D's machine learns how receive `k`'s READ and `read done` went.
+    fn read_answer(&mut self, k: usize, failed: Option<FailureKind>) -> Result<(), TestCaseError> {
+        let recv = self.inflight[k].id;
+        let result = match failed {
+            None => Ok(()),
+            Some(kind) => Err(ReadFailure { kind, error: "played by the test".into() }),
+        };
+        let next = self.consumer.on_read(recv, result);
+        self.drive(recv, next)
     }
 
     /// Whether P's side channel lets a message with this token through to the hold table:
@@ -687,13 +766,13 @@ impl World {
         let forged = pdmesh_mesh_auth::new_capability();
         prop_assert_ne!(self.table.capability(&r.p_id, &forged), CapabilityCheck::Match);
         if !self.p_accepts(&r.p_id, &r.token) {
-            self.settle(k, false, false);
-            return Ok(());
+            let refusal = LeaseRefusal::not_held(&r.p_id);
+            return self.lease_answer(k, Err(refusal));
         }
         match self.table.grant_or_park(&r.p_id, &r.remote, &r.gens, "d/0", &r.token, self.now) {
             LeaseDecision::Granted(g) => self.leased(k, g)?,
-            // Refused (gone, stale generation, aborted): a failed load; nothing to give back.
-            LeaseDecision::Refused(_) => self.settle(k, false, false),
+            // Refused (gone, stale generation, aborted): the machine judges it.
+            LeaseDecision::Refused(refusal) => self.lease_answer(k, Err(refusal))?,
             // Not registered yet (P answered first, D65): the answer comes later.
             LeaseDecision::Parked(ticket) => {
                 let blocks = r.remote.iter().copied().zip(r.gens.iter().copied()).collect();
@@ -712,8 +791,8 @@ impl World {
         // A lost answer: asking again gets the same lease.
         let again = self.table.grant(&r.p_id, &r.remote, &r.gens, "d/0", self.now);
         prop_assert_eq!(again.map(|a| a.lease_id).ok(), Some(g.lease_id));
-        self.inflight[k].lease = Some(g.lease_id);
-        self.inflight[k].parked = None;
+        self.lease_answer(k, Ok(g.lease_id))?;
+        prop_assert_eq!(self.inflight.get(k).and_then(|r| r.lease), Some(g.lease_id), "a granted lease is read under");
         Ok(())
     }
 
@@ -728,9 +807,9 @@ impl World {
                         self.early_granted += 1;
                         self.leased(k, g)?;
                     }
-                    Err(_) => {
+                    Err(refusal) => {
                         self.early_refused += 1;
-                        self.settle(k, false, false);
+                        self.lease_answer(k, Err(refusal))?;
                     }
                 },
                 // Its reader went (the READ task died): the lease, if granted, just expires.
@@ -744,15 +823,14 @@ impl World {
         Ok(())
     }
 
-    fn read(&mut self, k: usize, tcp: bool) {
+    fn read(&mut self, k: usize, tcp: bool) -> Result<(), TestCaseError> {
         let r = &self.inflight[k];
-        let Some(lease) = r.lease else { return };
+        let Some(lease) = r.lease else { return Ok(()) };
         if tcp
             && (!self.p_accepts(&r.p_id, &r.token)
                 || self.table.check_read(&r.p_id, lease, &r.remote, self.now).is_err())
         {
-            self.settle(k, false, true);
-            return;
+            return self.read_answer(k, Some(FailureKind::Read));
         }
         let seen: Vec<_> = r
             .remote
@@ -774,17 +852,18 @@ impl World {
             }
         }
         self.inflight[k].observed.extend(seen);
+        Ok(())
     }
 
     fn read_done(&mut self, k: usize) -> Result<(), TestCaseError> {
         let Some(lease) = self.inflight[k].lease else { return Ok(()) };
         if self.inflight[k].observed.is_empty() {
-            self.read(k, false); // the READ ran to its end before D's worker says so
+            self.read(k, false)?; // the READ ran to its end before D's worker says so
         }
         let r = &self.inflight[k];
         if !self.p_accepts(&r.p_id, &r.token) {
-            self.settle(k, false, false);
-            return Ok(());
+            // P's side channel refuses it like a `read done` for a request it does not hold.
+            return self.read_answer(k, Some(FailureKind::ReadDone));
         }
         match self.table.read_done(&r.p_id, lease, "d/0", self.now) {
             NoticeOutcome::Released => {
@@ -800,11 +879,10 @@ impl World {
                 }
                 self.leases.remove(&lease);
                 self.done_leases.push((r.p_id.clone(), lease));
-                self.settle(k, true, false);
+                self.read_answer(k, None)
             }
-            _ => self.settle(k, false, true),
+            _ => self.read_answer(k, Some(FailureKind::ReadDone)),
         }
-        Ok(())
     }
 
     fn deliver(&mut self, i: usize) -> Result<(), TestCaseError> {
@@ -898,7 +976,7 @@ impl World {
                     // the worker did not take it, and it goes with the next step's metadata.
                     if let Some(meta) = self.d.notice(notice)? {
                         if *fast {
-                            self.d_worker_start(&meta);
+                            self.d_worker_start(&meta)?;
                         } else {
                             self.d.state.inbox.undelivered_recvs.extend(meta.reqs_to_recv);
                         }
@@ -936,7 +1014,7 @@ impl World {
             }
             Ev::Read { k, tcp } => {
                 if let Some(k) = pick(*k, self.inflight.len()) {
-                    self.read(k, *tcp);
+                    self.read(k, *tcp)?;
                 }
             }
             Ev::ReadDone { k } => {
@@ -946,9 +1024,21 @@ impl World {
             }
             Ev::TransferFail { k } => {
                 if let Some(k) = pick(*k, self.inflight.len()) {
-                    // After a lease: give it back (R4). Before one (handshake): nothing to say.
-                    let leased = self.inflight[k].lease.is_some();
-                    self.settle(k, false, leased);
+                    if self.inflight[k].lease.is_some() {
+                        // The READ fails under the lease.
+                        self.read_answer(k, Some(FailureKind::Read))?;
+                    } else {
+                        // The lease request goes unanswered (P's side channel went silent), and
+                        // the second handshake that follows fails: P cannot be reached.
+                        let recv = self.inflight[k].id;
+                        let next = match self.consumer.on_lease(recv, Err(TransferError::Timeout(LEASE_TTL))) {
+                            Next::Act(Action::Handshake { stale: true, .. }) => {
+                                self.consumer.on_handshake(recv, Err("P unreachable".into()))
+                            }
+                            other => other,
+                        };
+                        self.drive(recv, next)?;
+                    }
                 }
             }
             Ev::DupReadDone { i } => {
@@ -1071,6 +1161,10 @@ impl World {
         }
         prop_assert!(self.table.is_empty(), "P's hold table is not empty");
         prop_assert_eq!(self.table.leased_blocks(), 0);
+        prop_assert_eq!(self.consumer.receives(), 0, "D's worker still runs receives");
+        prop_assert_eq!(self.consumer.pending(), 0, "D's worker still owes the engine a receive");
+        // The test performed only what the machine asked, in its order.
+        prop_assert_eq!(self.consumer.counters().unexpected_events, 0);
         Ok(())
     }
 }
