@@ -259,7 +259,7 @@ pub fn cleanup_shm() {
 /// Remove `pdmesh-*-<pid>` KV files left by processes that no longer exist (a worker killed
 /// with SIGKILL cannot clean up after itself).
 fn sweep_stale_shm() {
-    let Ok(dir) = std::fs::read_dir(pdmesh_kv_transfer::shm::default_shm_dir()) else { return };
+    let Ok(dir) = std::fs::read_dir(pdmesh_kv_transfer::region::default_shm_dir()) else { return };
     for e in dir.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let Some(rest) = name.strip_prefix("pdmesh-") else { continue };
@@ -425,14 +425,12 @@ pub async fn start(
             let (kv, memory) = pd_memory(&placement, cfg.backend, node, rank, spec)?;
             let engine_id = if cfg.engine_id.is_empty() { node.name.clone() } else { cfg.engine_id.clone() };
             let side_port = cfg.side_channel_port.saturating_add(rank as u16);
-            let backend = match cfg.backend {
-                pdmesh_config::TransferBackendKind::Shm => pdmesh_kv_transfer::BackendConfig::Shm,
-                pdmesh_config::TransferBackendKind::Tcp => pdmesh_kv_transfer::BackendConfig::Tcp {
-                    bind: format!("{}:{}", node.bind_host, cfg.data_port.saturating_add(rank as u16)),
-                    advertise_host: Some(cfg.side_channel_host.clone()),
-                },
-                pdmesh_config::TransferBackendKind::Cuda => pdmesh_kv_transfer::BackendConfig::Cuda,
+            let at = pdmesh_kv_transfer::ProducerAddress {
+                bind_host: node.bind_host.clone(),
+                data_port: cfg.data_port.saturating_add(rank as u16),
+                advertise_host: cfg.side_channel_host.clone(),
             };
+            let backend = pdmesh_kv_transfer::BackendConfig::for_node(cfg.backend, &at);
             // `PDMESH_FAULT` was folded into the config by `Topology::apply_env`.
             let faults = pdmesh_kv_transfer::FaultConfig::parse(&cfg.fault_injection)
                 .map_err(|e| WorkerError::Setting(format!("kv_transfer.fault_injection: {e}")))?;

@@ -1,11 +1,12 @@
 //! P's transfer agent: the side channel (ZeroMQ ROUTER) that answers handshakes, lease
-//! requests and notices, and, for the `tcp` backend, the block server.
+//! requests and notices, and whatever its backend serves of its own (`tcp`: the block server;
+//! `crate::backend`).
 //!
 //! The agent owns no lifecycle state: every lease decision and notice goes to the
 //! [`LeasePolicy`](crate::LeasePolicy) the connector-worker passes in (normally its
 //! [`HoldTable`](crate::HoldTable)), so the worker's step loop and the agent see one truth.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
@@ -14,43 +15,16 @@ use futures::StreamExt;
 use pdmesh_mesh_auth::{Channel, LogLimiter, MeshSecret, ServerChallenge};
 use pdmesh_model_api::KvCacheSpec;
 use pdmesh_protocol::{
-    AgentMetadata, Envelope, ErrorClass, LeaseRefusalReason, Message, TransferBackend, WireError, XferLeaseGranted,
-    XferLeaseRefused, KV_DTYPE_F32, KV_LAYOUT, TRANSFER_VERSION,
+    AgentMetadata, Envelope, ErrorClass, LeaseRefusalReason, Message, WireError, XferLeaseGranted, XferLeaseRefused,
+    KV_DTYPE_F32, KV_LAYOUT, TRANSFER_VERSION,
 };
 use tokio::task::JoinHandle;
 use zeromq::{RouterSocket, Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
+use crate::backend::{self, BackendConfig, ServedMemory};
 use crate::error::AgentError;
 use crate::fault::FaultConfig;
 use crate::hold::{CapabilityCheck, LeaseDecision, LeaseGrant, LeasePolicy, LeaseRefusal, NoticeOutcome, SharedPolicy};
-use crate::layout::region_bytes;
-use crate::shm::{ShmReadOnly, ShmRegion};
-use crate::tcp;
-
-/// Which data plane P offers.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum BackendConfig {
-    /// Consumers on this host map the region file themselves.
-    Shm,
-    /// P serves block reads on `bind` (`host:port`, port 0 picks one); consumers connect to
-    /// `advertise_host` (default: the bound IP, which must then not be unspecified).
-    Tcp { bind: String, advertise_host: Option<String> },
-    /// P's cache is a GPU region exported over CUDA IPC ([`TransferAgent::start_device`]);
-    /// consumers on this host open it and copy device-to-device themselves.
-    Cuda,
-}
-
-/// What P's agent serves: its host region (shm, tcp) or its exported GPU region (cuda).
-enum ServedMemory<'a> {
-    Region(&'a Path),
-    Device { ipc_handle: String },
-}
-
-/// This host's kernel boot id (empty if unknown): names the host for CUDA IPC, which works only
-/// between processes of one host. Containers on one host share it.
-pub fn host_boot_id() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").map(|s| s.trim().to_string()).unwrap_or_default()
-}
 
 /// How to start P's agent.
 #[derive(Debug, Clone)]
@@ -61,6 +35,7 @@ pub struct AgentConfig {
     pub rank: u32,
     /// Side channel endpoint to bind: `tcp://host:port` (port 0 picks one) or `ipc://path`.
     pub side_channel: String,
+    /// What P offers and advertises: one of `crate::backend`'s modules.
     pub backend: BackendConfig,
     /// [`crate::compat_hash`] of this engine's model and cache.
     pub compat_hash: String,
@@ -132,7 +107,7 @@ impl Served {
     }
 }
 
-/// A running producer agent. Dropping it stops the side channel and the block server.
+/// A running producer agent. Dropping it stops the side channel and the backend's server.
 #[derive(Debug)]
 pub struct TransferAgent {
     metadata: AgentMetadata,
@@ -142,9 +117,9 @@ pub struct TransferAgent {
 }
 
 impl TransferAgent {
-    /// Bind the side channel (and the block server for `tcp`) for the KV cache region at
-    /// `region_path` with geometry `spec`. Must run inside a tokio runtime (an actix System
-    /// is one); the agent's tasks are spawned on it.
+    /// Bind the side channel (and whatever the backend serves of its own: the block server for
+    /// `tcp`) for the KV cache region at `region_path` with geometry `spec`. Must run inside a
+    /// tokio runtime (an actix System is one); the agent's tasks are spawned on it.
     pub async fn start(
         config: AgentConfig,
         region_path: &Path,
@@ -177,45 +152,12 @@ impl TransferAgent {
             return Err(AgentError::Config("engine_id is empty".into()));
         }
         let stats = Arc::new(AgentStats::default());
-        let mut block_server = None;
-        let backend = match (&config.backend, memory) {
-            (BackendConfig::Cuda, ServedMemory::Device { ipc_handle }) => {
-                if ipc_handle.len() != 128 || !ipc_handle.bytes().all(|b| b.is_ascii_hexdigit()) {
-                    return Err(AgentError::Config(format!("not a CUDA IPC handle: {ipc_handle:?}")));
-                }
-                TransferBackend::Cuda { ipc_handle, host_boot_id: host_boot_id() }
-            }
-            (BackendConfig::Shm, ServedMemory::Region(path)) => {
-                open_served_region(path, &spec)?;
-                TransferBackend::Shm { path: absolute(path).display().to_string() }
-            }
-            (BackendConfig::Tcp { bind, advertise_host }, ServedMemory::Region(path)) => {
-                let region = open_served_region(path, &spec)?;
-                let bind_err = |e: std::io::Error| AgentError::Bind { endpoint: bind.clone(), reason: e.to_string() };
-                let listener = tokio::net::TcpListener::bind(bind).await.map_err(bind_err)?;
-                let local = listener.local_addr().map_err(bind_err)?;
-                let host = match advertise_host {
-                    Some(h) => h.clone(),
-                    None if local.ip().is_unspecified() => {
-                        return Err(AgentError::Config(format!("tcp bind {bind} is a wildcard; set advertise_host")))
-                    }
-                    None => local.ip().to_string(),
-                };
-                block_server = Some((listener, region));
-                TransferBackend::Tcp { host, port: local.port() }
-            }
-            (BackendConfig::Cuda, ServedMemory::Region(_)) => {
-                return Err(AgentError::Config("the cuda backend serves a GPU region (start_device)".into()))
-            }
-            (BackendConfig::Shm | BackendConfig::Tcp { .. }, ServedMemory::Device { .. }) => {
-                return Err(AgentError::Config("a GPU region is served by the cuda backend only".into()))
-            }
-        };
+        let offer = backend::registered(config.backend.kind()).offer(&config.backend, memory, spec).await?;
         let metadata = AgentMetadata {
             engine_id: config.engine_id.clone(),
             agent_name: format!("{}-{}", uuid::Uuid::new_v4(), std::process::id()),
             rank: config.rank,
-            backend,
+            backend: offer.advertised,
             layout: KV_LAYOUT.to_string(),
             num_layers: spec.num_layers,
             num_blocks: spec.num_blocks,
@@ -248,8 +190,8 @@ impl TransferAgent {
         .map_err(|e| bind_err(e.to_string()))?
         .to_string();
         let mut handles = vec![tokio::spawn(serve_side_channel(socket, events, served.clone()))];
-        if let Some((listener, region)) = block_server {
-            handles.push(tokio::spawn(tcp::serve_blocks(listener, Arc::new(region), spec, served.clone())));
+        if let Some(server) = offer.server {
+            handles.push(tokio::spawn(server(served.clone())));
         }
         tracing::info!(engine_id = %metadata.engine_id, side_channel = %bound, backend = ?metadata.backend, "transfer agent up");
         Ok(Self { metadata, side_channel: bound, stats, tasks: handles })
@@ -276,24 +218,6 @@ impl Drop for TransferAgent {
             t.abort();
         }
     }
-}
-
-/// P's own host region, checked to hold the whole cache.
-fn open_served_region(path: &Path, spec: &KvCacheSpec) -> Result<ShmReadOnly, AgentError> {
-    let region = ShmRegion::open_readonly(path)?;
-    let need = region_bytes(spec);
-    if region.len_bytes() < need {
-        return Err(AgentError::Config(format!(
-            "region {} holds {} bytes, the cache needs {need}",
-            path.display(),
-            region.len_bytes()
-        )));
-    }
-    Ok(region)
-}
-
-fn absolute(path: &Path) -> PathBuf {
-    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
 /// How long a side channel connection may leave P's answers unread (the kernel's

@@ -1,10 +1,11 @@
 //! D's side: handshake with a producer's side channel, then lease, read, and notify.
 //!
 //! [`TransferClient::handshake`] connects to P's side channel, fetches and checks its
-//! [`AgentMetadata`] and sets up the data plane (maps P's region for `shm`, prepares a
-//! connection pool for `tcp`), giving a [`RemoteAgent`]. [`RemoteAgents`] caches one per
-//! remote engine and handshakes again after a failure instead of caching it (vLLM deletes its
-//! handshake future for the same reason).
+//! [`AgentMetadata`] and opens the data plane of the backend P advertised (`crate::backend`:
+//! maps P's region for `shm`, prepares a connection pool for `tcp`, opens P's GPU region for
+//! `cuda`), giving a [`RemoteAgent`]. [`RemoteAgents`] caches one per remote engine and
+//! handshakes again after a failure instead of caching it (vLLM deletes its handshake future
+//! for the same reason).
 //!
 //! The read protocol for one request: [`RemoteAgent::lease`] (P checks the blocks are still
 //! held with the same generations), [`RemoteAgent::read_blocks_into`] (into blocks checked out
@@ -20,27 +21,24 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use pdmesh_mesh_auth::{Channel, ClientHello, MeshSecret};
 use pdmesh_model_api::{KvCache, KvCacheSpec};
-use pdmesh_protocol::{
-    AgentMetadata, Envelope, Message, TransferBackend, XferGiveUp, XferHeartbeat, XferLeaseRequest, XferReadBlocks,
-    XferReadDone,
-};
+use pdmesh_protocol::{AgentMetadata, Envelope, Message, XferGiveUp, XferHeartbeat, XferLeaseRequest, XferReadDone};
 use tokio::sync::{oneshot, Mutex as AsyncMutex};
 use zeromq::{
     DealerRecvHalf, DealerSendHalf, DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend,
     ZmqMessage,
 };
 
+use crate::backend::{advertised_kind, registered, BlockRead, DataPlane, OpenContext};
 use crate::compat::check_geometry;
 use crate::error::{HandshakeError, TransferError};
 use crate::fault::FaultConfig;
-use crate::layout::{region_bytes, run_bytes, run_offset, wire_runs, SIDES};
+use crate::layout::{run_bytes, run_offset, wire_runs};
 #[cfg(feature = "cuda")]
 use crate::local::DeviceCheckout;
 use crate::local::LocalBlocks;
-use crate::shm::{copy_run, floats_as_bytes_mut, BlockCheckout, ShmReadOnly, ShmRegion};
-use crate::tcp::TcpReader;
+use crate::region::{floats_as_bytes_mut, BlockCheckout};
 #[cfg(feature = "cuda")]
-use pdmesh_cuda_kv::{DeviceKvRegion, IpcHandle, RemoteDeviceKv};
+use pdmesh_cuda_kv::DeviceKvRegion;
 
 /// Default limit for a handshake (vLLM: 5000 ms).
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -96,7 +94,7 @@ impl ClientConfig {
     }
 
     /// Whether this node's cache is GPU memory (only a `cuda` producer can be read then).
-    fn local_on_device(&self) -> bool {
+    pub(crate) fn local_on_device(&self) -> bool {
         #[cfg(feature = "cuda")]
         return self.local_device.is_some();
         #[cfg(not(feature = "cuda"))]
@@ -170,83 +168,11 @@ impl TransferClient {
         }
         check_geometry(&meta, &self.config.local_spec).map_err(HandshakeError::Incompatible)?;
         let remote_spec = KvCacheSpec { num_blocks: meta.num_blocks, ..self.config.local_spec };
-        let data = match &meta.backend {
-            TransferBackend::Shm { .. } | TransferBackend::Tcp { .. } if self.config.local_on_device() => {
-                return Err(HandshakeError::Incompatible(format!(
-                    "this node's KV cache is on the GPU (kv_transfer.backend = \"cuda\") and the producer \
-                     serves host memory ({}): both nodes of a P/D pair need the same backend",
-                    backend_name(&meta.backend)
-                )));
-            }
-            TransferBackend::Cuda { ipc_handle, host_boot_id } => {
-                self.cuda_plane(ipc_handle, host_boot_id, remote_spec)?
-            }
-            TransferBackend::Shm { path } => {
-                let region = ShmRegion::open_readonly(path)
-                    .map_err(|e| HandshakeError::Incompatible(format!("cannot map the producer's region: {e}")))?;
-                if region.len_bytes() < region_bytes(&remote_spec) {
-                    return Err(HandshakeError::Incompatible(format!(
-                        "region {path} holds {} bytes, {} advertised",
-                        region.len_bytes(),
-                        region_bytes(&remote_spec)
-                    )));
-                }
-                DataPlane::Shm(region)
-            }
-            TransferBackend::Tcp { host, port } => {
-                DataPlane::Tcp(TcpReader::new(host, *port, self.config.mesh_secret.clone()))
-            }
-        };
+        // The backend P advertised opens its data plane (and refuses what D cannot read).
+        let at = OpenContext { config: &self.config, remote_spec };
+        let data = registered(advertised_kind(&meta.backend)).open(&meta.backend, at)?;
         tracing::info!(endpoint, engine_id = %meta.engine_id, agent = %meta.agent_name, backend = ?meta.backend, "handshake done");
         Ok(RemoteAgent { endpoint: endpoint.to_string(), remote_spec, meta, config: self.config.clone(), link, data })
-    }
-
-    /// Open a `cuda` producer's exported region (same host, D's cache on the GPU).
-    #[cfg(feature = "cuda")]
-    fn cuda_plane(&self, handle: &str, boot_id: &str, remote_spec: KvCacheSpec) -> Result<DataPlane, HandshakeError> {
-        let Some(local) = &self.config.local_device else { return Err(host_cache_for_cuda()) };
-        check_same_host(boot_id)?;
-        let handle = IpcHandle::from_hex(handle)
-            .ok_or_else(|| HandshakeError::Incompatible(format!("undecodable CUDA IPC handle {handle:?}")))?;
-        let remote = RemoteDeviceKv::open(local.context().clone(), &handle, remote_spec)
-            .map_err(|e| HandshakeError::Incompatible(format!("cannot open the producer's GPU region: {e}")))?;
-        Ok(DataPlane::Cuda(remote))
-    }
-
-    #[cfg(not(feature = "cuda"))]
-    fn cuda_plane(&self, _: &str, boot_id: &str, _: KvCacheSpec) -> Result<DataPlane, HandshakeError> {
-        check_same_host(boot_id)?;
-        Err(host_cache_for_cuda())
-    }
-}
-
-/// The refusal when a `cuda` producer meets a consumer whose cache is in host memory.
-fn host_cache_for_cuda() -> HandshakeError {
-    HandshakeError::Incompatible(
-        "the producer serves GPU memory (cuda backend) and this node's KV cache is in host memory: \
-         both nodes of a P/D pair need the same backend (kv_transfer.backend)"
-            .into(),
-    )
-}
-
-/// CUDA IPC works between processes of one host only.
-fn check_same_host(producer_boot_id: &str) -> Result<(), HandshakeError> {
-    let mine = crate::agent::host_boot_id();
-    if !producer_boot_id.is_empty() && !mine.is_empty() && producer_boot_id != mine {
-        return Err(HandshakeError::Incompatible(
-            "the producer's GPU region is on another host and CUDA IPC works within one host: \
-             use the tcp backend across hosts"
-                .into(),
-        ));
-    }
-    Ok(())
-}
-
-fn backend_name(b: &TransferBackend) -> &'static str {
-    match b {
-        TransferBackend::Shm { .. } => "shm",
-        TransferBackend::Tcp { .. } => "tcp",
-        TransferBackend::Cuda { .. } => "cuda",
     }
 }
 
@@ -478,15 +404,6 @@ async fn probe(endpoint: &str) -> Result<(), HandshakeError> {
     }
 }
 
-#[derive(Debug)]
-enum DataPlane {
-    Shm(ShmReadOnly),
-    Tcp(TcpReader),
-    /// P's exported GPU region, opened in D's context.
-    #[cfg(feature = "cuda")]
-    Cuda(RemoteDeviceKv),
-}
-
 /// A producer agent D has handshaken with: its metadata, the side channel link, and the data
 /// plane. Share it (`Arc`) between requests; calls on it may run concurrently.
 #[derive(Debug)]
@@ -496,7 +413,8 @@ pub struct RemoteAgent {
     remote_spec: KvCacheSpec,
     config: Arc<ClientConfig>,
     link: SideLink,
-    data: DataPlane,
+    /// The backend's data plane, opened at handshake; closed when the agent is dropped.
+    data: Box<dyn DataPlane>,
 }
 
 /// Permission from P to read one request's blocks until `expires_at`. Only [`RemoteAgent::lease`]
@@ -651,7 +569,7 @@ impl RemoteAgent {
     }
 
     /// [`Self::read_blocks`] straight into blocks checked out of this process's own cache
-    /// region ([`KvBlockWriter`](crate::shm::KvBlockWriter)): the bytes land where the
+    /// region ([`KvBlockWriter`](crate::region::KvBlockWriter)): the bytes land where the
     /// executor will read them, with no staging buffer and no second copy.
     pub async fn read_blocks_into(
         &self,
@@ -675,36 +593,8 @@ impl RemoteAgent {
         runs: Vec<&mut [u8]>,
         started: Instant,
     ) -> Result<ReadStats, TransferError> {
-        let mut runs = runs;
         self.before_read(lease).await?;
-        let faults = &self.config.faults;
-        let total = remote_block_ids.len() as u64 * self.meta.bytes_per_block;
-        let stop_after = faults.transfer_midway.then_some(total / 2);
-        let read = match &self.data {
-            DataPlane::Shm(region) => {
-                copy_from_region(region, &self.remote_spec, remote_block_ids, &mut runs, stop_after)
-            }
-            DataPlane::Tcp(reader) => {
-                let (block_ids, ordered) = dest_order(remote_block_ids, runs, 2 * self.remote_spec.num_layers as usize);
-                runs = ordered;
-                let req = XferReadBlocks {
-                    p_request_id: lease.p_request_id.clone(),
-                    lease_id: lease.lease_id,
-                    block_ids,
-                    capability: lease.capability.clone(),
-                };
-                let timeout = self.config.read_timeout;
-                match tokio::time::timeout(timeout, reader.read(&req, &mut runs, stop_after)).await {
-                    Ok(r) => r,
-                    Err(_) => Err(TransferError::Timeout(timeout)),
-                }
-            }
-            #[cfg(feature = "cuda")]
-            DataPlane::Cuda(_) => {
-                Err(TransferError::BadRequest("the producer serves GPU memory; this read targets host memory".into()))
-            }
-        };
-        let bytes = read?;
+        let bytes = self.data.read_host(self.block_read(lease, remote_block_ids), runs).await?;
         Ok(ReadStats { bytes, blocks: remote_block_ids.len() as u32, elapsed: started.elapsed() })
     }
 
@@ -738,25 +628,22 @@ impl RemoteAgent {
         self.check_read(lease, remote_block_ids, local.block_ids().len())?;
         self.check_local_geometry(local.spec())?;
         self.before_read(lease).await?;
-        let DataPlane::Cuda(remote) = &self.data else {
-            return Err(TransferError::BadRequest("the producer serves host memory; this read targets the GPU".into()));
-        };
-        let local_ids = local.block_ids();
-        // A driver error may come after some of the copies landed: nothing is known to be done.
-        let failed = |e: pdmesh_cuda_kv::CudaIpcError| TransferError::Midway {
-            bytes_done: 0,
-            detail: format!("cuda read: {e}"),
-        };
-        if self.config.faults.transfer_midway {
-            // Half the blocks land, then the transfer fails: what a copy engine error midway
-            // leaves behind.
-            let half = remote_block_ids.len() / 2;
-            let (r, l) = (remote_block_ids.get(..half).unwrap_or(&[]), local_ids.get(..half).unwrap_or(&[]));
-            let done = remote.read_blocks(r, local.region(), l).map_err(failed)?;
-            return Err(TransferError::Midway { bytes_done: done, detail: "fault injection: transfer_midway".into() });
-        }
-        let bytes = remote.read_blocks(remote_block_ids, local.region(), local_ids).map_err(failed)?;
+        let bytes = self.data.read_device(self.block_read(lease, remote_block_ids), local)?;
         Ok(ReadStats { bytes, blocks: remote_block_ids.len() as u32, elapsed: started.elapsed() })
+    }
+
+    /// What the data plane needs of a read checked here.
+    fn block_read<'a>(&'a self, lease: &'a Lease, remote_block_ids: &'a [u32]) -> BlockRead<'a> {
+        let total = remote_block_ids.len() as u64 * self.meta.bytes_per_block;
+        BlockRead {
+            p_request_id: &lease.p_request_id,
+            lease_id: lease.lease_id,
+            capability: &lease.capability,
+            remote_block_ids,
+            remote_spec: &self.remote_spec,
+            stop_after: self.config.faults.transfer_midway.then_some(total / 2),
+            read_timeout: self.config.read_timeout,
+        }
     }
 
     /// The injected faults that strike before any byte moves: a delay (after which the lease
@@ -931,67 +818,6 @@ fn cache_runs<'a>(local: &'a mut KvCache, local_ids: &[u32]) -> Result<Vec<&'a m
     slots.into_iter().map(|s| s.ok_or_else(|| bad("run missing"))).collect()
 }
 
-/// Reorder a `tcp` read's blocks so that their local runs are filled front to back: whatever
-/// order D's allocator handed the blocks out in, the kernel then receives into ascending
-/// addresses (reversed local ids cost about 15% of the bandwidth otherwise; the `shm` copy
-/// picks its own order). `runs` holds `per_block` runs per block, in wire order; the pairing
-/// of remote and local blocks is unchanged.
-fn dest_order<'a>(remote: &[u32], runs: Vec<&'a mut [u8]>, per_block: usize) -> (Vec<u32>, Vec<&'a mut [u8]>) {
-    if per_block == 0 || runs.len() != remote.len() * per_block {
-        return (remote.to_vec(), runs);
-    }
-    let mut blocks: Vec<(u32, Vec<&'a mut [u8]>)> = Vec::with_capacity(remote.len());
-    let mut it = runs.into_iter();
-    for &r in remote {
-        blocks.push((r, it.by_ref().take(per_block).collect()));
-    }
-    blocks.sort_by_key(|(_, runs)| runs.first().map(|run| run.as_ptr() as usize));
-    let remote = blocks.iter().map(|(r, _)| *r).collect();
-    (remote, blocks.into_iter().flat_map(|(_, runs)| runs).collect())
-}
-
-/// The one-sided `shm` read: copy each leased run out of P's mapping into its local run
-/// (`runs`: every run of the local blocks, in wire order).
-///
-/// Layer-side major (unlike the tcp wire order), P's blocks ascending: consecutive remote
-/// blocks of one layer side are adjacent in P's region, so the source is read as a few long
-/// ascending streams. Each copy moves one block of one layer side with streaming stores
-/// ([`copy_run`]).
-fn copy_from_region(
-    region: &ShmReadOnly,
-    remote_spec: &KvCacheSpec,
-    remote_ids: &[u32],
-    runs: &mut [&mut [u8]],
-    stop_after: Option<u64>,
-) -> Result<u64, TransferError> {
-    let src = region.bytes();
-    let len = run_bytes(remote_spec);
-    let per_block = 2 * remote_spec.num_layers as usize;
-    let mut done = 0u64;
-    // P's blocks in ascending order: the streaming stores do not care in which order the
-    // destination is written, the loads do (a descending source stream measured ~15% slower).
-    let mut order: Vec<usize> = (0..remote_ids.len()).collect();
-    order.sort_by_key(|&i| remote_ids.get(i));
-    for layer in 0..remote_spec.num_layers {
-        for side in SIDES {
-            for &i in &order {
-                let Some(&r) = remote_ids.get(i) else { continue };
-                let midway = |detail: &str| TransferError::Midway { bytes_done: done, detail: detail.into() };
-                if stop_after.is_some_and(|s| done + len as u64 > s) {
-                    return Err(midway("fault injection: transfer_midway"));
-                }
-                let from = run_offset(remote_spec, layer, side, r);
-                let s = src.get(from..from + len).ok_or_else(|| midway("block outside the mapped region"))?;
-                let wire = i * per_block + 2 * layer as usize + side as usize;
-                let d = runs.get_mut(wire).filter(|d| d.len() == len).ok_or_else(|| midway("local run missing"))?;
-                copy_run(d, s);
-                done += len as u64;
-            }
-        }
-    }
-    Ok(done)
-}
-
 /// One [`RemoteAgent`] per remote engine, handshaken on first use. A failed handshake is not
 /// cached (the next call tries again), and an agent whose side channel failed is replaced.
 /// Concurrent first uses of one engine share one handshake.
@@ -1092,19 +918,6 @@ impl RemoteAgents {
 mod tests {
     use super::*;
 
-    #[test]
-    fn cuda_ipc_is_refused_across_hosts() {
-        let mine = crate::agent::host_boot_id();
-        assert!(check_same_host(&mine).is_ok());
-        assert!(check_same_host("").is_ok(), "a producer that cannot tell its host is tried");
-        if !mine.is_empty() {
-            match check_same_host("00000000-0000-4000-8000-000000000000") {
-                Err(HandshakeError::Incompatible(why)) => assert!(why.contains("another host"), "{why}"),
-                other => panic!("{other:?}"),
-            }
-        }
-    }
-
     /// Compile-time check: the handles can be shared across threads and every call's future
     /// can be spawned (`tokio::spawn`) or run inside an actor.
     #[allow(dead_code)]
@@ -1122,8 +935,10 @@ mod tests {
         send(agent.heartbeat(&[]));
     }
 
-    use crate::agent::{AgentConfig, BackendConfig, TransferAgent};
+    use crate::agent::{AgentConfig, TransferAgent};
+    use crate::backend::BackendConfig;
     use crate::hold::{HoldTable, SharedPolicy};
+    use crate::region::ShmRegion;
     use pdmesh_protocol::LeaseRefusalReason;
 
     /// D's own checks are bypassed with a forged lease: P's block server must still refuse

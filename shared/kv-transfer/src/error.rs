@@ -6,7 +6,7 @@ use std::time::Duration;
 use pdmesh_protocol::LeaseRefusalReason;
 use thiserror::Error;
 
-use crate::shm::ShmError;
+use crate::region::ShmError;
 
 /// Why D could not set up a remote agent. Every kind follows the load-failure policy; the
 /// failure is not cached, so the next request handshakes again.

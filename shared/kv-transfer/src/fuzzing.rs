@@ -35,14 +35,14 @@ use pdmesh_protocol::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::agent::{AgentStats, Served, Sessions};
+use crate::backend::tcp::{authenticate_peer, authenticate_to, serve_connection, TcpReader};
 use crate::error::{AgentError, TransferError};
 use crate::fault::FaultConfig;
 use crate::hold::{
     CapabilityCheck, HoldTable, LeaseDecision, LeaseGrant, LeasePolicy, LeaseRefusal, NoticeOutcome, ParkedAnswer,
     SharedPolicy,
 };
-use crate::shm::{ShmReadOnly, ShmRegion};
-use crate::tcp::{authenticate_peer, authenticate_to, serve_connection, TcpReader};
+use crate::region::{ShmReadOnly, ShmRegion};
 
 /// Bytes of one run (one block of one layer side) of `spec`: the unit of a tcp read.
 pub fn run_bytes(spec: &KvCacheSpec) -> usize {

@@ -22,7 +22,7 @@ use tokio::sync::Notify;
 
 use thiserror::Error;
 
-use crate::shm::{BlockCheckout, KvBlockWriter};
+use crate::region::{BlockCheckout, KvBlockWriter};
 
 /// Why blocks could not be checked out.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -345,7 +345,7 @@ mod tests {
         use pdmesh_model_api::KvCacheSpec;
         let spec = KvCacheSpec { num_layers: 1, num_blocks: 4, block_size: 2, num_kv_heads: 1, head_dim: 4 };
         let name = format!("pdmesh-test-local-{}", uuid::Uuid::new_v4());
-        let region = crate::shm::ShmRegion::create_for_spec(&name, &spec).unwrap();
+        let region = crate::region::ShmRegion::create_for_spec(&name, &spec).unwrap();
         let path = region.path().to_path_buf();
         let cache = region.into_kv_cache(spec).unwrap();
         let local = LocalKv::Host(Arc::new(KvBlockWriter::open(&path, spec).unwrap()));

@@ -1,5 +1,5 @@
-//! The `tcp` backend: P streams leased blocks from its region, D reads them straight into its
-//! local KV blocks.
+//! The `tcp` backend (across hosts): P streams leased blocks from its region, D reads them
+//! straight into its local KV blocks.
 //!
 //! Framing, per connection (connections are kept and reused): D sends one length-prefixed
 //! (`u32` big-endian) [`Envelope`] with [`Message::XferReadBlocks`]; P answers one
@@ -14,20 +14,131 @@ use std::io::{IoSlice, IoSliceMut};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use futures::future::BoxFuture;
+use futures::FutureExt as _;
 use pdmesh_mesh_auth::{Channel, ClientHello, LogLimiter, MeshSecret, ServerChallenge};
 use pdmesh_model_api::KvCacheSpec;
 use pdmesh_protocol::{
-    Envelope, ErrorClass, LeaseRefusalReason, Message, WireError, XferLeaseRefused, XferReadBlocks, XferReadReady,
+    Envelope, ErrorClass, LeaseRefusalReason, Message, TransferBackend, WireError, XferLeaseRefused, XferReadBlocks,
+    XferReadReady,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
+use super::{
+    device_cache_refuses, not_mine, served_region, Backend, BackendConfig, BlockRead, DataPlane, Offer, OpenContext,
+    ProducerAddress, ServedMemory,
+};
 use crate::agent::{if_capable, AgentStats, Served};
-use crate::error::TransferError;
+use crate::error::{AgentError, HandshakeError, TransferError};
 use crate::hold::LeaseRefusal;
 use crate::layout::{run_bytes, run_offset, wire_runs};
-use crate::shm::ShmReadOnly;
+use crate::region::ShmReadOnly;
+
+/// The `tcp` backend ([`super::registered`]).
+pub(crate) struct Tcp;
+
+const NAME: &str = "tcp";
+
+impl Backend for Tcp {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    /// The block server binds the node's bind host at this rank's data port, and consumers
+    /// reach it at the side channel's host.
+    fn configure(&self, at: &ProducerAddress) -> BackendConfig {
+        BackendConfig::Tcp {
+            bind: format!("{}:{}", at.bind_host, at.data_port),
+            advertise_host: Some(at.advertise_host.clone()),
+        }
+    }
+
+    fn offer<'a>(
+        &'a self,
+        config: &'a BackendConfig,
+        memory: ServedMemory<'a>,
+        spec: KvCacheSpec,
+    ) -> BoxFuture<'a, Result<Offer, AgentError>> {
+        async move {
+            let BackendConfig::Tcp { bind, advertise_host } = config else {
+                return Err(AgentError::Config(not_mine(NAME, config)));
+            };
+            let region = served_region(memory.region(NAME)?, &spec)?;
+            let bind_err = |e: std::io::Error| AgentError::Bind { endpoint: bind.clone(), reason: e.to_string() };
+            let listener = TcpListener::bind(bind).await.map_err(bind_err)?;
+            let local = listener.local_addr().map_err(bind_err)?;
+            let host = match advertise_host {
+                Some(h) => h.clone(),
+                None if local.ip().is_unspecified() => {
+                    return Err(AgentError::Config(format!("tcp bind {bind} is a wildcard; set advertise_host")))
+                }
+                None => local.ip().to_string(),
+            };
+            let region = Arc::new(region);
+            Ok(Offer {
+                advertised: TransferBackend::Tcp { host, port: local.port() },
+                server: Some(Box::new(move |served| serve_blocks(listener, region, spec, served).boxed())),
+            })
+        }
+        .boxed()
+    }
+
+    fn open(&self, advertised: &TransferBackend, at: OpenContext<'_>) -> Result<Box<dyn DataPlane>, HandshakeError> {
+        let TransferBackend::Tcp { host, port } = advertised else {
+            return Err(HandshakeError::Incompatible(not_mine(NAME, advertised)));
+        };
+        if at.config.local_on_device() {
+            return Err(device_cache_refuses(NAME));
+        }
+        Ok(Box::new(TcpReader::new(host, *port, at.config.mesh_secret.clone())))
+    }
+}
+
+impl DataPlane for TcpReader {
+    fn read_host<'a>(
+        &'a self,
+        read: BlockRead<'a>,
+        runs: Vec<&'a mut [u8]>,
+    ) -> BoxFuture<'a, Result<u64, TransferError>> {
+        async move {
+            let (block_ids, mut runs) =
+                dest_order(read.remote_block_ids, runs, 2 * read.remote_spec.num_layers as usize);
+            let req = XferReadBlocks {
+                p_request_id: read.p_request_id.to_string(),
+                lease_id: read.lease_id,
+                block_ids,
+                capability: read.capability.to_string(),
+            };
+            let timeout = read.read_timeout;
+            match tokio::time::timeout(timeout, self.read(&req, &mut runs, read.stop_after)).await {
+                Ok(r) => r,
+                Err(_) => Err(TransferError::Timeout(timeout)),
+            }
+        }
+        .boxed()
+    }
+}
+
+/// Reorder a read's blocks so that their local runs are filled front to back: whatever order
+/// D's allocator handed the blocks out in, the kernel then receives into ascending addresses
+/// (reversed local ids cost about 15% of the bandwidth otherwise; the `shm` copy picks its own
+/// order). `runs` holds `per_block` runs per block, in wire order; the pairing of remote and
+/// local blocks is unchanged.
+fn dest_order<'a>(remote: &[u32], runs: Vec<&'a mut [u8]>, per_block: usize) -> (Vec<u32>, Vec<&'a mut [u8]>) {
+    if per_block == 0 || runs.len() != remote.len() * per_block {
+        return (remote.to_vec(), runs);
+    }
+    let mut blocks: Vec<(u32, Vec<&'a mut [u8]>)> = Vec::with_capacity(remote.len());
+    let mut it = runs.into_iter();
+    for &r in remote {
+        blocks.push((r, it.by_ref().take(per_block).collect()));
+    }
+    blocks.sort_by_key(|(_, runs)| runs.first().map(|run| run.as_ptr() as usize));
+    let remote = blocks.iter().map(|(r, _)| *r).collect();
+    (remote, blocks.into_iter().flat_map(|(_, runs)| runs).collect())
+}
 
 /// Largest control frame accepted (a read of 100k blocks fits easily).
 const MAX_FRAME: usize = 16 << 20;
@@ -481,8 +592,8 @@ mod tests {
     use super::*;
     use crate::fault::FaultConfig;
     use crate::hold::{HoldTable, LeasePolicy};
-    use crate::shm::ShmRegion;
-    use pdmesh_protocol::{AgentMetadata, TransferBackend};
+    use crate::region::ShmRegion;
+    use pdmesh_protocol::AgentMetadata;
 
     /// Found by the `tcp_server` fuzz target: a lease holder could name one covered block over
     /// and over, and P would build a run list (and a stream) many times its cache. Fails

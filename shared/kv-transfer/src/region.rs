@@ -2,6 +2,8 @@
 //! consumer on the same host can map it read-only and copy blocks itself (one-sided, like an
 //! RDMA READ), and so that the producer's TCP server can stream blocks without copying them.
 //! The consumer's cache lives in one too, so that its reads land in place ([`KvBlockWriter`]).
+//! This module is memory only; the data planes that read a region are the `shm` and `tcp`
+//! backends (`crate::backend`).
 //!
 //! This is the only module of the crate that uses `unsafe`: mapping a file is unsafe in Rust
 //! because another process may change or truncate it under the mapping, and viewing the
