@@ -20,6 +20,20 @@ use pdmesh_mesh_auth::{Channel, ClientHello};
 use pdmesh_protocol::{Envelope, ErrorClass, Message, TraceContext};
 use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
+/// The flood test measures whether a peer with the secret gets through a flood its own process
+/// makes on this machine's cores: it runs alone (`alone`), the other tests of this binary beside
+/// each other (`beside_others`), so that what it measures is the agent, not another test's load
+/// (with `--test-threads=2` on 2 cores it timed out about every other run beside one).
+static ALONE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+async fn alone() -> tokio::sync::RwLockWriteGuard<'static, ()> {
+    ALONE.write().await
+}
+
+async fn beside_others() -> tokio::sync::RwLockReadGuard<'static, ()> {
+    ALONE.read().await
+}
+
 async fn raw_dealer(endpoint: &str) -> DealerSocket {
     let mut s = DealerSocket::new();
     s.connect(endpoint).await.unwrap();
@@ -93,6 +107,7 @@ fn bulky(body: Message, kib: usize) -> Envelope {
 /// fixed-size correlation number D matches answers by — so its size is P's, not the sender's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refusal_carries_nothing_the_stranger_sent() {
+    let _serial = beside_others().await;
     let p = producer(BackendConfig::Shm, "", 8).await;
     let mut s = raw_dealer(&p.endpoint()).await;
     let (answer, size) = ask_env(&mut s, bulky(Message::XferGetMetadata, 200)).await;
@@ -108,6 +123,7 @@ async fn a_refusal_carries_nothing_the_stranger_sent() {
 /// few KiB for it, not 2,000 echoes of 200 KB.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stranger_that_never_reads_is_dropped_not_buffered() {
+    let _serial = beside_others().await;
     let p = producer(BackendConfig::Shm, "", 8).await;
     let stats = p.agent.stats();
     let mut s = raw_dealer(&p.endpoint()).await;
@@ -133,6 +149,7 @@ async fn a_stranger_that_never_reads_is_dropped_not_buffered() {
 /// bound; long request ids are not echoed back to it either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_authenticated_peer_that_stops_reading_is_dropped() {
+    let _serial = beside_others().await;
     let p = producer(BackendConfig::Shm, "", 8).await;
     let stats = p.agent.stats();
     let mut s = raw_dealer(&p.endpoint()).await;
@@ -157,6 +174,7 @@ async fn an_authenticated_peer_that_stops_reading_is_dropped() {
 /// completes every handshake, and P holds at most its bound of pending peers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handshake_flood_from_strangers_never_starves_a_peer_with_the_secret() {
+    let _serial = alone().await;
     let p = producer(BackendConfig::Shm, "", 8).await;
     let endpoint = p.endpoint();
     let hello = || {
@@ -212,6 +230,7 @@ async fn a_handshake_flood_from_strangers_never_starves_a_peer_with_the_secret()
 /// that closes the first connection on its hello stands in for the eviction.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_evicted_during_its_handshake_connects_again() {
+    let _serial = beside_others().await;
     let p = producer(BackendConfig::Shm, "", 8).await;
     let metadata = p.agent.metadata().clone();
     let mut socket = zeromq::RouterSocket::new();
@@ -259,6 +278,7 @@ async fn a_peer_evicted_during_its_handshake_connects_again() {
 /// ROUTER's own) starts from nothing — it gets a refusal, not the peer's session.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stranger_claiming_an_authenticated_identity_gets_no_session() {
+    let _serial = beside_others().await;
     let p = producer(BackendConfig::Shm, "", 8).await;
     let endpoint = p.endpoint();
 
