@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use pdmesh_guided::{validate, GuidedError, GuidedLimits, Guide, Mask};
+use pdmesh_guided::{validate, Guide, GuidedError, GuidedLimits, Mask};
 use pdmesh_protocol::{GuidedSpec, SamplingParams, ScheduledChunk};
 use serde_json::json;
 
@@ -95,8 +95,14 @@ pub fn seeds() -> Vec<Vec<u8>> {
     let deep = json!({"$ref": "#/$defs/a0", "$defs": defs}).to_string();
     let choices: Vec<String> = (0..2000).map(|i| format!("c{i}")).collect();
     vec![
-        with(0, r#"{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name"]}"#),
-        with(0, r##"{"$ref":"#/$defs/n","$defs":{"n":{"type":"object","properties":{"kids":{"type":"array","items":{"$ref":"#/$defs/n"}}}}}}"##),
+        with(
+            0,
+            r#"{"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name"]}"#,
+        ),
+        with(
+            0,
+            r##"{"$ref":"#/$defs/n","$defs":{"n":{"type":"object","properties":{"kids":{"type":"array","items":{"$ref":"#/$defs/n"}}}}}}"##,
+        ),
         with(0, &deep),
         with(1, "[a-z]+@[a-z]+\\.(com|org)"),
         with(2, "yes\0no\0maybe"),

@@ -1,7 +1,7 @@
 //! Target `http_body`: a request body of `/v1/completions`, `/v1/chat/completions` or
 //! `/v1/responses` (the first byte picks which) through what the frontend does with it: the
 //! JSON extractor's `serde_json` decode (a failure rendered as the API's error), then the
-//! endpoint's `validate_request` — sampling fields, prompt shapes, `kv_transfer_params` (with
+//! endpoint's validation (`pdmesh_openai::request`, the Responses handler's) — sampling fields, prompt shapes, `kv_transfer_params` (with
 //! the capability token P hands out), the chat template, the tokenizer, the context length.
 //!
 //! The codec is the served model's (`GgufTextCodec`: its tokenizer and its Jinja chat
@@ -14,12 +14,15 @@
 use std::sync::Arc;
 
 use actix_web::error::JsonPayloadError;
-use pdmesh_frontend::handlers::{chat, completions, responses};
-use pdmesh_frontend::openai::{ChatCompletionRequest, CompletionRequest, ResponsesRequest};
+use pdmesh_frontend::handlers::responses;
+use pdmesh_frontend::openai::ResponsesRequest;
 use pdmesh_frontend::responses::ResponseStore;
-use pdmesh_frontend::validation::{ModelLimits, ValidatedRequest, MAX_STOP_STRINGS};
-use pdmesh_frontend::{ApiError, FrontendOptions};
+use pdmesh_frontend::ApiError;
 use pdmesh_model_api::TextCodec;
+use pdmesh_openai::request::{validate_chat, validate_completion};
+use pdmesh_openai::validation::{ModelLimits, ValidatedRequest, MAX_STOP_STRINGS};
+use pdmesh_openai::wire::{ChatCompletionRequest, CompletionRequest};
+use pdmesh_openai::FrontendOptions;
 use serde_json::json;
 
 /// The served model's name in the options and the seeds.
@@ -60,8 +63,8 @@ impl Harness {
         let Some((&which, body)) = data.split_first() else { return };
         let limits = ModelLimits { options: &self.options, codec: &*self.codec, vocab_size: self.codec.vocab_size() };
         let result = match which % 3 {
-            0 => decode::<CompletionRequest>(body).and_then(|b| completions::validate_request(&b, &limits)),
-            1 => decode::<ChatCompletionRequest>(body).and_then(|b| chat::validate_request(&b, &limits)),
+            0 => decode::<CompletionRequest>(body).and_then(|b| validate_completion(&b, &limits)),
+            1 => decode::<ChatCompletionRequest>(body).and_then(|b| validate_chat(&b, &limits)),
             _ => decode::<ResponsesRequest>(body)
                 .and_then(|b| responses::validate_request(&b, &limits, &self.store))
                 .map(|(v, _)| v),

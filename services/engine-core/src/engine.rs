@@ -546,13 +546,37 @@ impl Handler<Unfinished> for EngineCore {
     }
 }
 
+/// The pool's block counts now (asked once the drain has ended, for the stop's log line).
+#[derive(Message)]
+#[rtype(result = "pdmesh_protocol::KvUsage")]
+struct KvUsageNow;
+
+impl Handler<KvUsageNow> for EngineCore {
+    type Result = MessageResult<KvUsageNow>;
+    fn handle(&mut self, _: KvUsageNow, _: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.state.borrow().sched.kv_usage())
+    }
+}
+
 /// Run the engine-core of `ctx`'s rank inside the current actix System until `shutdown`
 /// begins, then stop gracefully: readiness goes 503 and the requests it has admitted run to
 /// their end (or fail with their peers) before the ops server stops. Blocks it holds for D
-/// are freed with the process. The shell holds the whole stop to the shutdown deadline.
+/// are freed with the process; how many it still used, held for D or leased to D when the
+/// drain ended is logged ("KV blocks at stop"), so an operator (and tests/shutdown.rs) can
+/// see that a graceful stop left nothing behind. The shell holds the whole stop to the
+/// shutdown deadline.
 pub async fn run(mut ctx: ServiceContext, shutdown: Shutdown) -> Result<(), EngineError> {
     let actor = start(&ctx)?;
     ctx.drain_actor_on_shutdown(&shutdown, "admitted requests", &actor).await;
+    if let Ok(kv) = actor.send(KvUsageNow).await {
+        tracing::info!(
+            rank = ctx.rank,
+            used_blocks = kv.used_blocks,
+            held_blocks = kv.held_blocks,
+            leased_blocks = kv.leased_blocks,
+            "KV blocks at stop"
+        );
+    }
     Ok(())
 }
 

@@ -1,6 +1,6 @@
 //! docs/CONFIG.md's "OpenAI API coverage" table against the validator: every field a row
 //! names is sent to every API the row names, with a value that changes the answer, through
-//! that endpoint's own `validate_request`; it must be refused (a 400 naming it) exactly where
+//! that endpoint's own validation (`pdmesh_openai::request`, the Responses handler's `validate_request`); it must be refused (a 400 naming it) exactly where
 //! the row says "refused". A field the validator starts or stops honouring without the table
 //! following fails here, as does a row naming a field no probe below knows.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // test code: fail loudly
@@ -147,11 +147,11 @@ fn validate(api: Api, extra: &Value) -> Result<(), ApiError> {
     match api {
         Api::Completions => {
             let body = serde_json::from_value(body).map_err(parse_error)?;
-            crate::handlers::completions::validate_request(&body, &limits).map(drop)
+            pdmesh_openai::request::validate_completion(&body, &limits).map(drop)
         }
         Api::Chat => {
             let body = serde_json::from_value(body).map_err(parse_error)?;
-            crate::handlers::chat::validate_request(&body, &limits).map(drop)
+            pdmesh_openai::request::validate_chat(&body, &limits).map(drop)
         }
         Api::Responses => {
             let body = serde_json::from_value(body).map_err(parse_error)?;

@@ -32,10 +32,15 @@
 //! - [`overload`]: the bounds on requests in flight, per server (503 + `Retry-After` beyond it)
 //!   and per client API key (429 + `Retry-After`).
 //!
-//! The P/D router (`role = "router"`) is its own crate, `pdmesh-router`, which uses this one;
-//! what the two say to each other over HTTP is `pdmesh_protocol::node_http`.
-//! - [`resume`], [`parked`], [`tools`], [`structured`]: a moved stream's resume field, decode
-//!   legs parked until P's params arrive, tool calling, structured outputs.
+//! - [`resume`], [`parked`]: a moved stream's resume field, decode legs parked until P's params
+//!   arrive.
+//! - [`validation`], [`openai`], [`tools`], [`structured`] are `pdmesh-openai`'s (re-exported):
+//!   the request semantics the router shares.
+//!
+//! The P/D router (`role = "router"`) is its own crate, `pdmesh-router`; it shares this crate's
+//! request semantics through `pdmesh-openai` and its HTTP edge through `pdmesh-http-edge`, and
+//! imports nothing of this one. What the two say to each other over HTTP is
+//! `pdmesh_protocol::node_http`.
 //!
 //! What each OpenAI/vLLM field gets (honoured, accepted, or refused with a 400 naming it) is
 //! docs/CONFIG.md's coverage table, checked against this crate's validation by `coverage_doc`.
@@ -44,7 +49,6 @@ pub mod engine_client;
 pub mod generate;
 pub mod handlers;
 pub mod metrics;
-pub mod openai;
 pub mod output;
 pub mod parked;
 pub mod response_store;
@@ -53,9 +57,6 @@ pub mod resume;
 pub mod server;
 pub mod state;
 pub mod stream;
-pub mod structured;
-pub mod tools;
-pub mod validation;
 
 #[cfg(test)]
 mod coverage_doc;
@@ -67,43 +68,14 @@ use std::sync::Arc;
 /// The HTTP edge this crate shares with the router (`pdmesh-http-edge`), under the paths the
 /// frontend's modules have always used.
 pub use pdmesh_http_edge::{auth, body_timeout, error, headers, overload};
+/// The request semantics this crate shares with the router (`pdmesh-openai`, D109), under the
+/// paths the frontend's modules have always used.
+pub use pdmesh_openai::{structured, tools, validation, wire as openai, FrontendOptions};
 
 pub use auth::ApiKeys;
 pub use error::{ApiError, FrontendError};
 use pdmesh_http_edge::serve::serve_until_shutdown;
 use pdmesh_service::{ServiceContext, Shutdown};
-
-/// Facts about the served model that the frontend needs to validate requests. They come from
-/// the model (the caller loads or asks for them) rather than from the topology, so that the
-/// frontend refuses exactly what the engine could not serve.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FrontendOptions {
-    /// The `model` name clients must use (`/v1/models` lists it); requests naming another
-    /// model get a 404.
-    pub served_model_name: String,
-    /// Longest prompt + completion, in tokens; longer requests get a 400.
-    pub max_model_len: u32,
-    /// Token ids at or above it are refused (0: use the codec's vocabulary size).
-    pub vocab_size: u32,
-    /// End-of-sequence ids, put on every engine request (honoured unless `ignore_eos`).
-    pub eos_token_ids: Vec<u32>,
-    /// Rule R1: tell P when a remote-prefill request is refused before admission (off only to
-    /// measure the deadline-only baseline).
-    pub rejection_notices: bool,
-}
-
-impl FrontendOptions {
-    /// Refuse options that would make every request fail in a confusing way.
-    pub fn validate(&self) -> Result<(), FrontendError> {
-        if self.served_model_name.is_empty() {
-            return Err(FrontendError::Options("served_model_name must not be empty".into()));
-        }
-        if self.max_model_len == 0 {
-            return Err(FrontendError::Options("max_model_len must be at least 1".into()));
-        }
-        Ok(())
-    }
-}
 
 /// Run the frontend of `ctx`'s node inside the current actix System (`actix_rt::System` /
 /// `#[actix_web::main]`) until `shutdown` begins, then stop gracefully: `/health` goes 503, the

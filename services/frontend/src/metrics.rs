@@ -91,14 +91,6 @@ pub(crate) static STRUCTURED_OUTPUTS_TOTAL: LazyLock<IntCounterVec> = LazyLock::
     )
 });
 
-pub(crate) static GUIDED_REFUSALS_TOTAL: LazyLock<IntCounterVec> = LazyLock::new(|| {
-    counter_vec(
-        "pdmesh_frontend_guided_refusals_total",
-        "Structured-output specs refused before any engine work, by reason (invalid, limit, busy, compiler)",
-        &["reason"],
-    )
-});
-
 /// Requests ended by `limits.request_deadline_s` (D92).
 pub(crate) static DEADLINE_EXPIRED_TOTAL: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_frontend_request_deadline_expired_total", "Requests ended at their deadline"));
@@ -123,7 +115,7 @@ pub(crate) fn init() {
     LazyLock::force(&REMOTE_PREFILL_REJECTIONS_TOTAL);
     LazyLock::force(&UNEXPECTED_MESSAGES_TOTAL);
     LazyLock::force(&STRUCTURED_OUTPUTS_TOTAL);
-    LazyLock::force(&GUIDED_REFUSALS_TOTAL);
+    pdmesh_openai::metrics::init();
     LazyLock::force(&DEADLINE_EXPIRED_TOTAL);
 }
 

@@ -34,25 +34,10 @@ struct Internal {
     params_follow: Option<String>,
     /// A chat request's prompt as the router already rendered and tokenised it (with the
     /// nodes' own code and tokenizer, D72): the node takes these ids instead of rendering the
-    /// messages again. Read (and checked) by [`prompt_token_ids`] during validation, before
-    /// the rest of the field: accepted here only so the field is not an unknown key.
+    /// messages again. Read (and checked) during validation, before
+    /// the rest of the field (`pdmesh_openai::request::prompt_token_ids`): accepted here only so the field is not an unknown key.
     #[serde(default, rename = "prompt_token_ids")]
     _prompt_token_ids: serde::de::IgnoredAny,
-}
-
-/// The chat prompt's token ids the router sent (D72), checked by the completions endpoint's
-/// own check of a token prompt ([`crate::validation::token_ids`]: every id in the vocabulary).
-/// `None` when the body has none (a client's own request): the node renders the messages
-/// itself. A client that sends them directly gets what the same ids as a completions prompt
-/// would give.
-pub fn prompt_token_ids(extra: &Map<String, Value>, vocab_size: u32) -> Result<Option<Vec<u32>>, ApiError> {
-    let Some(ids) = extra.get(FIELD).and_then(|v| v.get("prompt_token_ids")) else { return Ok(None) };
-    let ids: Vec<i64> = serde_json::from_value(ids.clone())
-        .map_err(|e| ApiError::invalid(format!("{FIELD}.prompt_token_ids: {e}"), FIELD))?;
-    if ids.is_empty() {
-        return Err(ApiError::invalid(format!("{FIELD}.prompt_token_ids is empty"), FIELD));
-    }
-    crate::validation::token_ids(&ids, vocab_size, FIELD).map(Some)
 }
 
 /// Apply the body's `pdmesh_internal` (if any) to a prepared request.

@@ -153,55 +153,67 @@ fn a_service_stopped_by_sigterm_exits_cleanly() {
     let _ = std::fs::remove_dir_all(&run_dir);
 }
 
-/// Issue 42: `pdmesh up` stops front to back (D108). A stream in flight through the router
-/// when `pdmesh up` gets Ctrl-C (SIGINT) finishes whole — every token, its finish reason and
-/// `[DONE]` — because the router drains while P and D still serve, and the workers stop last;
-/// then `pdmesh up` exits 0. Before, every child got the signal at once (a terminal's Ctrl-C
-/// reached the whole process group), D's engine stopped under the stream and it ended in an
-/// error event.
+/// Issue 42: `pdmesh up` stops front to back (D108). Eight streams in flight through the
+/// router when `pdmesh up` gets Ctrl-C (SIGINT) all finish whole — every token, the usage chunk
+/// and `[DONE]` — because the router drains while P and D still serve, and the workers stop
+/// last; then `pdmesh up` exits 0, every child it started is gone, and every engine logs
+/// that it stopped using, holding and leasing no KV block. Before, every child got the signal
+/// at once (a terminal's Ctrl-C reached the whole process group), D's engine stopped under
+/// the streams and they ended in error events.
 #[test]
-fn a_stream_in_flight_at_ctrl_c_finishes_whole() {
+fn eight_streams_in_flight_at_ctrl_c_finish_whole() {
     use std::io::Read;
-    // 60 tokens at 40 ms a step: the stream is still running when the signal comes.
+    const STREAMS: usize = 8;
+    // 60 tokens at 40 ms a step: the streams are still running when the signal comes.
     let settings =
         "model = { kind = \"synthetic\", per_step_cost_us = 40000 }\nengine = { block_size = 4, num_blocks = 256 }";
     let mut mesh =
         Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 1, settings), |h| vec![h + 1, h + 2, h + 3]);
-    let url = mesh.url("/v1/completions");
+    let children: Vec<i32> = mesh.processes().iter().filter_map(|p| p["pid"].as_i64()).map(|p| p as i32).collect();
+    assert!(children.len() >= 10, "router, P, D and the reference node's processes: {children:?}");
     let (first_token, got_first) = std::sync::mpsc::channel::<()>();
-    let reader = std::thread::spawn(move || {
-        let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-        let body = json!({"prompt": "a stream across the stop", "max_tokens": 60, "ignore_eos": true,
-            "stream": true, "stream_options": {"include_usage": true}});
-        let mut r = client.post(url).json(&body).send().unwrap();
-        assert_eq!(r.status().as_u16(), 200);
-        let (mut text, mut buf, mut signalled) = (String::new(), [0u8; 4096], false);
-        loop {
-            let n = r.read(&mut buf).unwrap_or(0);
-            if n == 0 {
-                break;
-            }
-            text.push_str(&String::from_utf8_lossy(&buf[..n]));
-            if !signalled && text.contains("\"text\"") {
-                signalled = true;
-                first_token.send(()).unwrap();
-            }
-        }
-        text
-    });
-    got_first.recv_timeout(Duration::from_secs(60)).expect("the stream's first token");
+    let readers: Vec<_> = (0..STREAMS)
+        .map(|i| {
+            let (url, first_token) = (mesh.url("/v1/completions"), first_token.clone());
+            std::thread::spawn(move || {
+                let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+                let body = json!({"prompt": format!("stream {i} across the stop"), "max_tokens": 60,
+                    "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}});
+                let mut r = client.post(url).json(&body).send().unwrap();
+                assert_eq!(r.status().as_u16(), 200);
+                let (mut text, mut buf, mut signalled) = (String::new(), [0u8; 4096], false);
+                loop {
+                    let n = r.read(&mut buf).unwrap_or(0);
+                    if n == 0 {
+                        break;
+                    }
+                    text.push_str(&String::from_utf8_lossy(&buf[..n]));
+                    if !signalled && text.contains("\"text\"") {
+                        signalled = true;
+                        first_token.send(()).unwrap();
+                    }
+                }
+                text
+            })
+        })
+        .collect();
+    for _ in 0..STREAMS {
+        got_first.recv_timeout(Duration::from_secs(60)).expect("every stream's first token");
+    }
     let pid = nix::unistd::Pid::from_raw(mesh.up.id() as i32);
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
-    let body = reader.join().unwrap();
-    let events = common::sse_events(&body);
-    assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "{body}");
-    assert!(!body.contains("\"error\""), "the stream ended in an error: {body}");
-    let usage = events
-        .iter()
-        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
-        .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
-        .unwrap_or_else(|| panic!("no usage chunk: {body}"));
-    assert_eq!(usage["completion_tokens"], 60, "{body}");
+    for (i, reader) in readers.into_iter().enumerate() {
+        let body = reader.join().unwrap();
+        let events = common::sse_events(&body);
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"), "stream {i}: {body}");
+        assert!(!body.contains("\"error\""), "stream {i} ended in an error: {body}");
+        let usage = events
+            .iter()
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
+            .unwrap_or_else(|| panic!("stream {i}: no usage chunk: {body}"));
+        assert_eq!(usage["completion_tokens"], 60, "stream {i}: {body}");
+    }
     let deadline = std::time::Instant::now() + Duration::from_secs(40);
     let status = loop {
         if let Some(s) = mesh.up.try_wait().unwrap() {
@@ -210,5 +222,18 @@ fn a_stream_in_flight_at_ctrl_c_finishes_whole() {
         assert!(std::time::Instant::now() < deadline, "pdmesh up did not stop after Ctrl-C");
         std::thread::sleep(Duration::from_millis(50));
     };
-    assert!(status.success(), "pdmesh up exited {status}: {}", mesh.logs());
+    let logs = mesh.logs();
+    assert!(status.success(), "pdmesh up exited {status}: {logs}");
+    for child in &children {
+        let alive = nix::sys::signal::kill(nix::unistd::Pid::from_raw(*child), None).is_ok();
+        assert!(!alive, "child {child} outlived pdmesh up");
+    }
+    // P, D and the reference node: each engine's last word on its pool
+    let at_stop: Vec<&str> = logs.lines().filter(|l| l.contains("KV blocks at stop")).collect();
+    assert_eq!(at_stop.len(), 3, "one line per engine rank: {at_stop:?}");
+    for line in at_stop {
+        for field in ["used_blocks=0", "held_blocks=0", "leased_blocks=0"] {
+            assert!(line.contains(field), "{line}");
+        }
+    }
 }

@@ -20,7 +20,7 @@ use std::sync::LazyLock;
 use prometheus::IntCounter;
 use serde_json::Value;
 
-use pdmesh_frontend::openai::{
+use pdmesh_openai::wire::{
     ChatChunkChoice, ChatCompletionChunk, ChatDelta, CompletionChoice, CompletionResponse, UsageField,
 };
 use pdmesh_protocol::node_http::TOKEN_IDS_FIELD;
@@ -154,7 +154,7 @@ pub(super) fn from_answer(path: &str, client_body: &Value, answer: &Value) -> Op
                 stop_reason: None,
             }],
             usage,
-            kv_transfer_params: pdmesh_frontend::openai::KvParamsField::Absent,
+            kv_transfer_params: pdmesh_openai::wire::KvParamsField::Absent,
         })
         .ok()?]
     };

@@ -1138,7 +1138,7 @@ fn upstream_client_builder() -> reqwest::ClientBuilder {
 }
 
 /// Run the router frontend of `ctx`'s node until `shutdown` begins, then stop gracefully like
-/// [`pdmesh_frontend::run`]. `client_keys`: what clients must present (empty: nothing); `internal_key`:
+/// a node frontend (`pdmesh_frontend::run`). `client_keys`: what clients must present (empty: nothing); `internal_key`:
 /// what the router presents to P and D (none: the client's own `Authorization` is passed on).
 pub async fn run_router(
     ctx: ServiceContext,

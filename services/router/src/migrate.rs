@@ -2,7 +2,7 @@
 //! decode node, and the client sees one uninterrupted stream.
 //!
 //! The router asks D for the ids of the tokens of every chunk (`pdmesh_internal.
-//! stream_token_ids`, [`pdmesh_frontend::resume`]): D writes them in a comment line of each event, which
+//! stream_token_ids`, [`pdmesh_protocol::node_http`]): D writes them in a comment line of each event, which
 //! the router reads and drops, passing the chunk itself on as it came (D73).
 //! When D's stream breaks — the connection resets or ends before `[DONE]`, or D sends an error
 //! event of a 5xx kind (its engine died) — the router sends the client's own request to
@@ -559,25 +559,35 @@ mod tests {
         assert_eq!(body["max_tokens"], 8, "the node subtracts what was seen");
     }
 
-    fn settings(api: pdmesh_frontend::generate::Api) -> pdmesh_frontend::generate::ResponseSettings {
-        pdmesh_frontend::generate::ResponseSettings {
-            api,
-            request_id: "r1".into(),
-            created: 7,
+    /// A chat chunk as a node writes it (`pdmesh_openai::wire`'s shape, SSE-framed).
+    fn chat_chunk(created: u64, role: bool, content: &str, finish: Option<&'static str>) -> Bytes {
+        use pdmesh_openai::wire::{ChatChunkChoice, ChatCompletionChunk, ChatDelta, UsageField};
+        sse_data(&ChatCompletionChunk {
+            id: "chatcmpl-r1".into(),
+            object: "chat.completion.chunk",
+            created,
             model: "m".into(),
-            stop: vec![],
-            include_stop_str_in_output: false,
-            eos_token_ids: vec![],
-            logprobs: None,
-            stream: true,
-            include_usage: false,
-            prompt_tokens: 3,
-            tools: None,
-            stream_token_ids: true,
-            resume_token_ids: Vec::new(),
-            min_tokens: 0,
-            echo: None,
-        }
+            choices: vec![ChatChunkChoice {
+                index: 0,
+                delta: ChatDelta {
+                    role: role.then_some("assistant"),
+                    content: (role || !content.is_empty()).then(|| content.to_string()),
+                    tool_calls: None,
+                },
+                logprobs: None,
+                finish_reason: finish,
+                stop_reason: None,
+            }],
+            usage: UsageField::Absent,
+        })
+    }
+
+    /// `chunk` with the ids of its tokens in the comment line a node writes before it
+    /// (`stream_token_ids`, D73).
+    fn with_ids(ids: &[u32], chunk: &Bytes) -> Bytes {
+        let mut event = format!("{TOKEN_IDS_COMMENT}{}\n", serde_json::to_string(ids).unwrap()).into_bytes();
+        event.extend_from_slice(chunk);
+        Bytes::from(event)
     }
 
     fn sent(r: Relayed) -> (Value, usize, Bytes) {
@@ -590,15 +600,11 @@ mod tests {
 
     #[test]
     fn a_nodes_chunk_reaches_the_client_byte_for_byte_without_its_ids() {
-        use pdmesh_frontend::generate::Api;
-        use pdmesh_frontend::stream::ChunkFormatter;
-        let mut without_ids = settings(Api::Chat);
-        without_ids.stream_token_ids = false;
-        let plain = ChunkFormatter::new(&without_ids).delta_chunk("hi".into(), &[], None);
-        let f = ChunkFormatter::new(&settings(Api::Chat));
+        let plain = chat_chunk(7, false, "hi", None);
+        let role = chat_chunk(7, true, "", None);
         let mut seen = Seen::default();
-        assert_eq!(relay_event(f.role_chunk(), &mut seen), Relayed::Send(f.role_chunk(), 0));
-        let event = f.delta_chunk_with_ids("hi".into(), &[], None, &[11, 12]);
+        assert_eq!(relay_event(role.clone(), &mut seen), Relayed::Send(role, 0));
+        let event = with_ids(&[11, 12], &plain);
         assert!(event.starts_with(b": pdmesh_token_ids [11,12]\n"), "{event:?}");
         let (chunk, ids, bytes) = sent(relay_event(event, &mut seen));
         assert_eq!(bytes, plain, "the chunk a client sees is the one a node sends it directly");
@@ -606,7 +612,7 @@ mod tests {
         assert_eq!(seen.ids, vec![11, 12]);
         assert_eq!(seen.created, Some(7));
         assert!(!seen.finished);
-        let last = f.delta_chunk_with_ids(String::new(), &[], Some(&pdmesh_frontend::output::Finish::Length), &[13]);
+        let last = with_ids(&[13], &chat_chunk(7, false, "", Some("length")));
         let (chunk, ..) = sent(relay_event(last, &mut seen));
         assert_eq!(chunk["choices"][0]["finish_reason"], "length");
         assert!(seen.finished);
@@ -616,14 +622,10 @@ mod tests {
 
     #[test]
     fn a_continuation_drops_its_role_chunk_and_takes_the_first_streams_created() {
-        use pdmesh_frontend::generate::Api;
-        use pdmesh_frontend::stream::ChunkFormatter;
-        let mut later = settings(Api::Chat);
-        later.created = 9;
-        let f = ChunkFormatter::new(&later);
+        // the second node's stream began later: its chunks carry another `created`
         let mut seen = Seen { ids: vec![5], created: Some(7), finished: false, skip_role: true };
-        assert_eq!(relay_event(f.role_chunk(), &mut seen), Relayed::Skip);
-        let (chunk, ids, _) = sent(relay_event(f.delta_chunk_with_ids("x".into(), &[], None, &[6]), &mut seen));
+        assert_eq!(relay_event(chat_chunk(9, true, "", None), &mut seen), Relayed::Skip);
+        let (chunk, ids, _) = sent(relay_event(with_ids(&[6], &chat_chunk(9, false, "x", None)), &mut seen));
         assert_eq!((chunk["created"].as_u64(), ids), (Some(7), 1));
         assert!(chunk.get(TOKEN_IDS_FIELD).is_none());
         assert_eq!(seen.ids, vec![5, 6]);

@@ -5,7 +5,7 @@
 //! (validation, template, tokenisation), its dp-lb and engine-core, and D's headers back — so
 //! that a refusal by D could still reach the client with its own status. Here the router sends
 //! D the request (without params, under a one-request token) when it sends P its own: D admits
-//! and parks it while P prefills ([`pdmesh_frontend::parked`]), and answers its headers. When P answers,
+//! and parks it while P prefills (the frontend's `parked` module), and answers its headers. When P answers,
 //! the router hands D the params and P's token (`POST /v1/kv/params`) and streams P's token to
 //! the client; D reads P's blocks and continues from the second token.
 //!

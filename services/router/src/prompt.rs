@@ -1,8 +1,8 @@
 //! The router's view of a request's prompt as token ids, for `cache_aware` routing (D59).
 //!
 //! The ids must be the ones the node's engine will hash, so they come from the node
-//! frontends' own request → tokens code (`validate_request` of the chat and completions
-//! handlers, which render the chat template and tokenise) over the same model's tokenizer;
+//! frontends' own request → tokens code (`pdmesh_openai::request`, which renders the chat
+//! template and tokenises, shared with the frontends) over the same model's tokenizer;
 //! nothing here re-implements rendering. A request the node would refuse yields no ids: it is
 //! routed on load alone, and the node gives the client its error.
 
@@ -10,8 +10,10 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use pdmesh_frontend::validation::ModelLimits;
-use pdmesh_frontend::FrontendOptions;
+use pdmesh_openai::request::{validate_chat, validate_completion};
+use pdmesh_openai::validation::ModelLimits;
+use pdmesh_openai::wire::{ChatCompletionRequest, CompletionRequest};
+use pdmesh_openai::FrontendOptions;
 
 /// The tokenizer and model facts of the nodes behind the router.
 pub struct PromptTokenizer {
@@ -41,13 +43,10 @@ impl PromptTokenizer {
         let limits = self.limits();
         let validated = match path {
             "/v1/chat/completions" => {
-                let body =
-                    serde_json::from_value::<pdmesh_frontend::openai::ChatCompletionRequest>(body.clone()).ok()?;
-                pdmesh_frontend::handlers::chat::validate_request(&body, &limits)
+                validate_chat(&serde_json::from_value::<ChatCompletionRequest>(body.clone()).ok()?, &limits)
             }
             "/v1/completions" => {
-                let body = serde_json::from_value::<pdmesh_frontend::openai::CompletionRequest>(body.clone()).ok()?;
-                pdmesh_frontend::handlers::completions::validate_request(&body, &limits)
+                validate_completion(&serde_json::from_value::<CompletionRequest>(body.clone()).ok()?, &limits)
             }
             _ => return None,
         };

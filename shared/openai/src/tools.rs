@@ -17,7 +17,7 @@
 use pdmesh_protocol::GuidedSpec;
 use serde_json::{json, Value};
 
-use crate::error::ApiError;
+use pdmesh_http_edge::error::ApiError;
 
 /// `limits.max_tools` of this process (D91), set once at start.
 static MAX_TOOLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(128);

@@ -8,7 +8,7 @@
 use pdmesh_protocol::GuidedSpec;
 use serde_json::{Map, Value};
 
-use crate::error::ApiError;
+use pdmesh_http_edge::error::ApiError;
 
 /// Reads one legacy `guided_*` field's value into a grammar.
 type SpecReader = fn(&Value) -> Result<GuidedSpec, ApiError>;

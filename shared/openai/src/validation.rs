@@ -8,8 +8,9 @@ use pdmesh_model_api::{ChatMessage, TextCodec, TextError};
 use pdmesh_protocol::{KvTransferParams, SamplingParams};
 use serde_json::Value;
 
-use crate::error::ApiError;
-use crate::openai::{ChatMessageIn, StreamOptions};
+use pdmesh_http_edge::error::ApiError;
+
+use crate::wire::{ChatMessageIn, StreamOptions};
 use crate::FrontendOptions;
 
 /// Most stop strings a request may carry (OpenAI's limit).
@@ -49,14 +50,14 @@ pub struct SamplingInput<'a> {
 }
 
 /// What a generation request is checked against: the served model's options and its codec.
-/// Each endpoint's `validate_request` takes it instead of the whole `AppState`, so the
-/// JSON body → engine parameters path is a pure function (unit tests and the `http_body`
-/// fuzz target drive it without a server).
+/// [`crate::request`]'s checks take it instead of a server's state, so the JSON body → engine
+/// parameters path is a pure function (unit tests, the `http_body` fuzz target and the router
+/// drive it without a server).
 #[derive(Clone, Copy)]
 pub struct ModelLimits<'a> {
     pub options: &'a FrontendOptions,
     pub codec: &'a dyn TextCodec,
-    /// Token ids at or above it are refused (`AppState::vocab_size`).
+    /// Token ids at or above it are refused (the frontend's `AppState::vocab_size`).
     pub vocab_size: u32,
 }
 
@@ -89,7 +90,7 @@ pub struct ValidatedParams {
     pub include_usage: bool,
     pub kv_transfer_params: Option<KvTransferParams>,
     /// Choices to generate (`n`): that many engine requests, fanned out by the frontend
-    /// ([`crate::generate::submit`], D58).
+    /// (the frontend's `generate::submit`, D58).
     pub n: u32,
     /// How to read tool calls out of a chat answer (D54); `None` without tools.
     pub tools: Option<crate::tools::ToolMode>,
