@@ -690,13 +690,7 @@ impl Scheduler {
         let computed = req.num_computed_tokens.max(hit_tokens);
         let num_new = (req.num_tokens() - computed).min(*budget);
         let need = (computed + num_new).div_ceil(bs).saturating_sub((req.block_ids.len() + hit.len()) as u32);
-        // Referenced before allocating, so the allocation cannot evict them.
-        self.pool.touch(&hit);
-        let Some(blocks) = self.pool.allocate(need) else {
-            self.pool.free(&hit);
-            self.waiting.push_front(id);
-            return Admit::Stop;
-        };
+        let Some(blocks) = self.allocate_past_hit(&id, &hit, need) else { return Admit::Stop };
         let Some(req) = self.requests.get_mut(&id) else { return Admit::Stop };
         if first_alloc && self.pool.caching() {
             self.counters.prefix_cache_queries += u64::from(req.num_tokens());
@@ -721,6 +715,20 @@ impl Scheduler {
         out.chunks.push(chunk);
         self.running.push(id);
         Admit::Next
+    }
+
+    /// `need` new blocks for waiting request `id` past its local prefix `hit`, which is
+    /// referenced first so that the allocation cannot evict it. `None` when the pool is short:
+    /// the hit is let go and `id` goes back to the front of the queue (admission stops for
+    /// this step), for a plain admission and an async load alike.
+    fn allocate_past_hit(&mut self, id: &str, hit: &[u32], need: u32) -> Option<Vec<u32>> {
+        self.pool.touch(hit);
+        let blocks = self.pool.allocate(need);
+        if blocks.is_none() {
+            self.pool.free(hit);
+            self.waiting.push_front(id.to_string());
+        }
+        blocks
     }
 
     /// Admit waiting request `id` for an async load of its remote KV (`external` tokens past
@@ -748,12 +756,7 @@ impl Scheduler {
         let need = (req.prompt.len() as u32).div_ceil(bs).min(remote_blocks).saturating_sub(hit.len() as u32);
         // Never count as loaded more tokens than those blocks hold.
         let external = external.min(need * bs);
-        self.pool.touch(&hit);
-        let Some(blocks) = self.pool.allocate(need) else {
-            self.pool.free(&hit);
-            self.waiting.push_front(id);
-            return Admit::Stop;
-        };
+        let Some(blocks) = self.allocate_past_hit(&id, &hit, need) else { return Admit::Stop };
         let Some(req) = self.requests.get_mut(&id) else { return Admit::Stop };
         if self.pool.caching() {
             self.counters.prefix_cache_queries += u64::from(req.num_tokens());

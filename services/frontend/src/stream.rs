@@ -110,56 +110,66 @@ impl ChunkFormatter {
         }
     }
 
-    /// The first chat chunk: `delta: {"role": "assistant", "content": ""}`.
-    pub fn role_chunk(&self) -> Bytes {
+    /// A chat chunk of this stream with `choices` and `usage`, SSE-framed.
+    fn chat_chunk(&self, choices: Vec<ChatChunkChoice>, usage: UsageField) -> Bytes {
         sse_data(&ChatCompletionChunk {
             id: self.id.clone(),
             object: "chat.completion.chunk",
             created: self.created,
             model: self.model.clone(),
-            choices: vec![ChatChunkChoice {
-                index: self.index,
-                delta: ChatDelta { role: Some("assistant"), content: Some(String::new()), tool_calls: None },
-                logprobs: None,
-                finish_reason: None,
-                stop_reason: None,
-            }],
-            usage: self.usage_placeholder(),
+            choices,
+            usage,
         })
+    }
+
+    /// A completion chunk of this stream with `choices` and `usage`, SSE-framed.
+    fn completion_chunk(&self, choices: Vec<CompletionChoice>, usage: UsageField) -> Bytes {
+        sse_data(&CompletionResponse {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+            kv_transfer_params: KvParamsField::Absent,
+        })
+    }
+
+    /// The first chat chunk: `delta: {"role": "assistant", "content": ""}`.
+    pub fn role_chunk(&self) -> Bytes {
+        let choice = ChatChunkChoice {
+            index: self.index,
+            delta: ChatDelta { role: Some("assistant"), content: Some(String::new()), tool_calls: None },
+            logprobs: None,
+            finish_reason: None,
+            stop_reason: None,
+        };
+        self.chat_chunk(vec![choice], self.usage_placeholder())
     }
 
     /// A chunk with new text (possibly empty) and, on the last one, the finish reason.
     pub fn delta_chunk(&self, text: String, logprobs: &[TokenLogprob], finish: Option<&Finish>) -> Bytes {
         match self.api {
-            Api::Completion => sse_data(&CompletionResponse {
-                id: self.id.clone(),
-                object: "text_completion",
-                created: self.created,
-                model: self.model.clone(),
-                choices: vec![CompletionChoice {
+            Api::Completion => {
+                let choice = CompletionChoice {
                     index: self.index,
                     text,
                     logprobs: self.logprobs.then(|| completion_logprobs(logprobs)),
                     finish_reason: finish.map(Finish::as_str),
                     stop_reason: finish.and_then(Finish::stop_reason),
-                }],
-                usage: self.usage_placeholder(),
-                kv_transfer_params: KvParamsField::Absent,
-            }),
-            Api::Chat => sse_data(&ChatCompletionChunk {
-                id: self.id.clone(),
-                object: "chat.completion.chunk",
-                created: self.created,
-                model: self.model.clone(),
-                choices: vec![ChatChunkChoice {
+                };
+                self.completion_chunk(vec![choice], self.usage_placeholder())
+            }
+            Api::Chat => {
+                let choice = ChatChunkChoice {
                     index: self.index,
                     delta: ChatDelta { role: None, content: (!text.is_empty()).then_some(text), tool_calls: None },
                     logprobs: self.logprobs.then(|| chat_logprobs(logprobs)),
                     finish_reason: finish.map(Finish::as_str),
                     stop_reason: finish.and_then(Finish::stop_reason),
-                }],
-                usage: self.usage_placeholder(),
-            }),
+                };
+                self.chat_chunk(vec![choice], self.usage_placeholder())
+            }
         }
     }
 
@@ -175,42 +185,21 @@ impl ChunkFormatter {
             }
             calls
         });
-        sse_data(&ChatCompletionChunk {
-            id: self.id.clone(),
-            object: "chat.completion.chunk",
-            created: self.created,
-            model: self.model.clone(),
-            choices: vec![ChatChunkChoice {
-                index: self.index,
-                delta: ChatDelta { role: None, content: message.content.filter(|c| !c.is_empty()), tool_calls },
-                logprobs: None,
-                finish_reason: Some(finish_reason),
-                stop_reason: finish.stop_reason(),
-            }],
-            usage: self.usage_placeholder(),
-        })
+        let choice = ChatChunkChoice {
+            index: self.index,
+            delta: ChatDelta { role: None, content: message.content.filter(|c| !c.is_empty()), tool_calls },
+            logprobs: None,
+            finish_reason: Some(finish_reason),
+            stop_reason: finish.stop_reason(),
+        };
+        self.chat_chunk(vec![choice], self.usage_placeholder())
     }
 
     /// The usage chunk sent after the last one with `stream_options.include_usage`.
     pub fn usage_chunk(&self, usage: Usage) -> Bytes {
         match self.api {
-            Api::Completion => sse_data(&CompletionResponse {
-                id: self.id.clone(),
-                object: "text_completion",
-                created: self.created,
-                model: self.model.clone(),
-                choices: vec![],
-                usage: UsageField::Set(usage),
-                kv_transfer_params: KvParamsField::Absent,
-            }),
-            Api::Chat => sse_data(&ChatCompletionChunk {
-                id: self.id.clone(),
-                object: "chat.completion.chunk",
-                created: self.created,
-                model: self.model.clone(),
-                choices: vec![],
-                usage: UsageField::Set(usage),
-            }),
+            Api::Completion => self.completion_chunk(vec![], UsageField::Set(usage)),
+            Api::Chat => self.chat_chunk(vec![], UsageField::Set(usage)),
         }
     }
 }

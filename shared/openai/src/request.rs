@@ -29,31 +29,10 @@ pub fn validate_completion(body: &CompletionRequest, limits: &ModelLimits<'_>) -
     if body.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid("`suffix` is not supported by this server.", "suffix"));
     }
-    crate::validation::check_beam_search(body.use_beam_search, body.stream)?;
-    crate::validation::check_best_of(body.best_of, body.n)?;
+    crate::validation::check_beam_search(body.sampling.use_beam_search, body.sampling.stream)?;
+    crate::validation::check_best_of(body.best_of, body.sampling.n)?;
     let vocab = limits.vocab_size;
-    let input = SamplingInput {
-        max_tokens: body.max_tokens,
-        max_tokens_param: "max_tokens",
-        temperature: body.temperature,
-        top_p: body.top_p,
-        top_k: body.top_k,
-        seed: body.seed,
-        stop: body.stop.as_ref(),
-        stop_token_ids: body.stop_token_ids.as_deref(),
-        ignore_eos: body.ignore_eos,
-        include_stop_str_in_output: body.include_stop_str_in_output,
-        logprobs: completion_logprobs(body.logprobs)?,
-        n: body.n,
-        stream: body.stream,
-        stream_options: body.stream_options.as_ref(),
-        presence_penalty: body.presence_penalty,
-        frequency_penalty: body.frequency_penalty,
-        repetition_penalty: body.repetition_penalty,
-        logit_bias: body.logit_bias.as_ref(),
-        min_tokens: body.min_tokens,
-        kv_transfer_params: body.kv_transfer_params.as_ref(),
-    };
+    let input = SamplingInput::from_fields(&body.sampling, completion_logprobs(body.logprobs)?);
     let mut params = validate_params(&input, vocab)?;
     crate::validation::sampling_extras(&body.extra, vocab, limits.codec, &mut params.sampling)?;
     params.sampling.guided = crate::structured::guided_spec(&body.extra)?.map(|(spec, _)| spec);
@@ -85,34 +64,17 @@ pub fn validate_completion(body: &CompletionRequest, limits: &ModelLimits<'_>) -
 pub fn validate_chat(body: &ChatCompletionRequest, limits: &ModelLimits<'_>) -> Result<ValidatedRequest, ApiError> {
     check_model(body.model.as_deref(), &limits.options.served_model_name)?;
     crate::validation::check_unhonoured(crate::validation::Endpoint::Chat, &body.extra)?;
-    crate::validation::check_beam_search(body.use_beam_search, body.stream)?;
+    crate::validation::check_beam_search(body.sampling.use_beam_search, body.sampling.stream)?;
     let vocab = limits.vocab_size;
     // `max_completion_tokens` supersedes the deprecated `max_tokens` (vLLM's precedence).
     let (max_tokens, max_tokens_param) = match body.max_completion_tokens {
         Some(m) => (Some(m), "max_completion_tokens"),
-        None => (body.max_tokens, "max_tokens"),
+        None => (body.sampling.max_tokens, "max_tokens"),
     };
     let input = SamplingInput {
         max_tokens,
         max_tokens_param,
-        temperature: body.temperature,
-        top_p: body.top_p,
-        top_k: body.top_k,
-        seed: body.seed,
-        stop: body.stop.as_ref(),
-        stop_token_ids: body.stop_token_ids.as_deref(),
-        ignore_eos: body.ignore_eos,
-        include_stop_str_in_output: body.include_stop_str_in_output,
-        logprobs: chat_logprobs(body.logprobs, body.top_logprobs)?,
-        n: body.n,
-        stream: body.stream,
-        stream_options: body.stream_options.as_ref(),
-        presence_penalty: body.presence_penalty,
-        frequency_penalty: body.frequency_penalty,
-        repetition_penalty: body.repetition_penalty,
-        logit_bias: body.logit_bias.as_ref(),
-        min_tokens: body.min_tokens,
-        kv_transfer_params: body.kv_transfer_params.as_ref(),
+        ..SamplingInput::from_fields(&body.sampling, chat_logprobs(body.logprobs, body.top_logprobs)?)
     };
     let mut params = validate_params(&input, vocab)?;
     crate::validation::sampling_extras(&body.extra, vocab, limits.codec, &mut params.sampling)?;

@@ -49,6 +49,35 @@ pub struct SamplingInput<'a> {
     pub kv_transfer_params: Option<&'a Value>,
 }
 
+impl<'a> SamplingInput<'a> {
+    /// The shared fields of a completions or chat body; `logprobs` already validated by the
+    /// endpoint's own rule ([`completion_logprobs`] or [`chat_logprobs`]).
+    pub fn from_fields(f: &'a crate::wire::SamplingFields, logprobs: Option<u32>) -> Self {
+        Self {
+            max_tokens: f.max_tokens,
+            max_tokens_param: "max_tokens",
+            temperature: f.temperature,
+            top_p: f.top_p,
+            top_k: f.top_k,
+            seed: f.seed,
+            stop: f.stop.as_ref(),
+            stop_token_ids: f.stop_token_ids.as_deref(),
+            ignore_eos: f.ignore_eos,
+            include_stop_str_in_output: f.include_stop_str_in_output,
+            logprobs,
+            n: f.n,
+            stream: f.stream,
+            stream_options: f.stream_options.as_ref(),
+            presence_penalty: f.presence_penalty,
+            frequency_penalty: f.frequency_penalty,
+            repetition_penalty: f.repetition_penalty,
+            logit_bias: f.logit_bias.as_ref(),
+            min_tokens: f.min_tokens,
+            kv_transfer_params: f.kv_transfer_params.as_ref(),
+        }
+    }
+}
+
 /// What a generation request is checked against: the served model's options and its codec.
 /// [`crate::request`]'s checks take it instead of a server's state, so the JSON body → engine
 /// parameters path is a pure function (unit tests, the `http_body` fuzz target and the router

@@ -22,15 +22,11 @@ pub struct StreamOptions {
     pub continuous_usage_stats: Option<bool>,
 }
 
-/// `POST /v1/completions`.
+/// The sampling, stopping and P/D fields that completions and chat share (OpenAI's and vLLM's
+/// names), flattened into both request types so that one [`crate::validation::SamplingInput`]
+/// constructor reads them for either.
 #[derive(Debug, Clone, Default, Deserialize)]
-pub struct CompletionRequest {
-    #[serde(default)]
-    pub model: Option<String>,
-    /// A string, an array of one string, an array of token ids, or an array of one array of
-    /// token ids.
-    #[serde(default)]
-    pub prompt: Option<Value>,
+pub struct SamplingFields {
     #[serde(default)]
     pub max_tokens: Option<i64>,
     #[serde(default)]
@@ -50,24 +46,15 @@ pub struct CompletionRequest {
     pub ignore_eos: Option<bool>,
     #[serde(default)]
     pub include_stop_str_in_output: Option<bool>,
-    /// Number of top alternatives per token (0..=20).
-    #[serde(default)]
-    pub logprobs: Option<i64>,
     #[serde(default)]
     pub stream: Option<bool>,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
     #[serde(default)]
-    pub echo: Option<bool>,
-    #[serde(default)]
     pub n: Option<i64>,
-    #[serde(default)]
-    pub best_of: Option<i64>,
     /// vLLM's extra parameter; beam search is not served (refused with a 400).
     #[serde(default)]
     pub use_beam_search: Option<bool>,
-    #[serde(default)]
-    pub suffix: Option<String>,
     #[serde(default)]
     pub presence_penalty: Option<f64>,
     #[serde(default)]
@@ -83,6 +70,30 @@ pub struct CompletionRequest {
     /// vLLM's P/D parameters, passed through to the engine.
     #[serde(default)]
     pub kv_transfer_params: Option<Value>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CompletionRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    /// A string, an array of one string, an array of token ids, or an array of one array of
+    /// token ids.
+    #[serde(default)]
+    pub prompt: Option<Value>,
+    /// Number of top alternatives per token (0..=20).
+    #[serde(default)]
+    pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub echo: Option<bool>,
+    #[serde(default)]
+    pub best_of: Option<i64>,
+    #[serde(default)]
+    pub suffix: Option<String>,
+    /// The fields completions and chat share (before `extra`: serde hands a flattened map
+    /// only what the flattened struct left).
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
     /// Every field this struct does not name: [`crate::validation::check_unhonoured`] refuses
     /// the real OpenAI/vLLM fields among them that would change the answer.
     #[serde(flatten)]
@@ -112,61 +123,24 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     pub model: Option<String>,
     pub messages: Vec<ChatMessageIn>,
-    #[serde(default)]
-    pub max_tokens: Option<i64>,
     /// Takes precedence over `max_tokens`, as in vLLM.
     #[serde(default)]
     pub max_completion_tokens: Option<i64>,
-    #[serde(default)]
-    pub temperature: Option<f64>,
-    #[serde(default)]
-    pub top_p: Option<f64>,
-    #[serde(default)]
-    pub top_k: Option<i64>,
-    #[serde(default)]
-    pub seed: Option<i64>,
-    #[serde(default)]
-    pub stop: Option<Value>,
-    #[serde(default)]
-    pub stop_token_ids: Option<Vec<i64>>,
-    #[serde(default)]
-    pub ignore_eos: Option<bool>,
-    #[serde(default)]
-    pub include_stop_str_in_output: Option<bool>,
     #[serde(default)]
     pub logprobs: Option<bool>,
     /// 0..=20; needs `logprobs: true`.
     #[serde(default)]
     pub top_logprobs: Option<i64>,
-    #[serde(default)]
-    pub stream: Option<bool>,
-    #[serde(default)]
-    pub stream_options: Option<StreamOptions>,
-    #[serde(default)]
-    pub n: Option<i64>,
-    /// vLLM's extra parameter; beam search is not served (refused with a 400).
-    #[serde(default)]
-    pub use_beam_search: Option<bool>,
-    #[serde(default)]
-    pub presence_penalty: Option<f64>,
-    #[serde(default)]
-    pub frequency_penalty: Option<f64>,
-    #[serde(default)]
-    pub repetition_penalty: Option<f64>,
-    #[serde(default)]
-    pub logit_bias: Option<serde_json::Map<String, Value>>,
-    #[serde(default)]
-    pub min_tokens: Option<i64>,
-    #[serde(default)]
-    pub user: Option<String>,
-    #[serde(default)]
-    pub kv_transfer_params: Option<Value>,
     /// Function tools the model may call ([`crate::tools`], D54).
     #[serde(default)]
     pub tools: Option<Vec<Value>>,
     /// `none`, `auto`, `required` or `{"type": "function", "function": {"name": ...}}`.
     #[serde(default)]
     pub tool_choice: Option<Value>,
+    /// The fields completions and chat share (before `extra`: serde hands a flattened map
+    /// only what the flattened struct left).
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
     /// Every field this struct does not name: [`crate::validation::check_unhonoured`] refuses
     /// the real OpenAI/vLLM fields among them that would change the answer.
     #[serde(flatten)]
@@ -411,7 +385,10 @@ mod tests {
         let r: CompletionRequest =
             serde_json::from_str(r#"{"prompt": [1, 2], "stop": ["a"], "stream": null, "unknown": 1}"#).unwrap();
         assert!(r.prompt.unwrap().is_array());
-        assert!(r.stream.is_none());
+        assert!(r.sampling.stream.is_none());
+        assert!(r.sampling.stop.as_ref().is_some_and(Value::is_array));
+        // the shared fields are taken before `extra` sees the body: only the unknown key is left
+        assert_eq!(r.extra.keys().collect::<Vec<_>>(), ["unknown"]);
         let c: ChatCompletionRequest = serde_json::from_str(
             r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": null}]}"#,
         )

@@ -20,7 +20,7 @@ pub async fn chat_completions(
 ) -> HttpResponse {
     let arrival = Instant::now();
     let body = body.into_inner();
-    let remote_prefill = crate::handlers::remote_prefill_params(body.kv_transfer_params.as_ref());
+    let remote_prefill = crate::handlers::remote_prefill_params(body.sampling.kv_transfer_params.as_ref());
     serve(&req, &state, Api::Chat, remote_prefill, move |meta, state| validate(body, meta, state, arrival)).await
 }
 
