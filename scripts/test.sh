@@ -25,6 +25,9 @@ python3 scripts/check-code-map.py --selftest
 # No import loop of more than two modules inside a service crate (issue 42); --selftest: a
 # planted three-module loop must be reported.
 python3 scripts/check-import-loops.py --selftest
+# No non-test function over 100 lines outside the script's allowlist, each entry with its reason
+# (issue 42); --selftest: a planted 101-line function must be reported, a 100-line one not.
+python3 scripts/check-long-functions.py --selftest
 cargo build --release --workspace --all-targets
 # The GPU feature must build on every machine (CUDA is loaded at run time): the binary with
 # the GPU executor and the cuda transfer backend, and the GPU tests, which run the model and the

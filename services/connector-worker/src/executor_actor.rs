@@ -215,10 +215,7 @@ impl ExecutorActor {
         let speculation = self.speculation.take();
         self.planned = None;
         let Some(executor) = self.executor.as_mut() else {
-            return Err(ExecutorError::Model(format!(
-                "model not loaded: {}",
-                self.load_error.clone().unwrap_or_default()
-            )));
+            return Err(self.not_loaded());
         };
         if !step.finished_request_ids.is_empty() {
             executor.release(&step.finished_request_ids);
@@ -226,83 +223,19 @@ impl ExecutorActor {
         if let (false, Some(why)) = (step.chunks.is_empty(), &self.lost) {
             return Err(ExecutorError::DeviceLost(why.clone()));
         }
-        // Rows the speculation computed exactly as this step asks for them (same request,
-        // token, position, blocks and sampling): their results stand as they are, since a
-        // row's result does not depend on the batch it ran in.
-        let block_size = self.kv.spec().block_size;
-        let mut ready: Vec<Option<SampledToken>> = vec![None; step.chunks.len()];
-        let mut ahead = std::time::Duration::ZERO;
-        if let Some(spec) = speculation {
-            let mut results: HashMap<String, SampledToken> =
-                spec.sampled.into_iter().map(|t| (t.request_id.clone(), t)).collect();
-            let ran: HashMap<&str, &ScheduledChunk> = spec.chunks.iter().map(|c| (c.request_id.as_str(), c)).collect();
-            for (slot, chunk) in ready.iter_mut().zip(&step.chunks) {
-                if ran.get(chunk.request_id.as_str()).is_some_and(|r| computes_the_same(r, chunk, block_size)) {
-                    *slot = results.remove(&chunk.request_id);
-                }
-            }
-            let used = ready.iter().flatten().count();
-            m::SPECULATIVE_ROWS.with_label_values(&["used"]).inc_by(used as u64);
-            m::SPECULATIVE_ROWS.with_label_values(&["discarded"]).inc_by((spec.chunks.len() - used) as u64);
-            if used > 0 {
-                if let Some(gap) = spec.gap {
-                    m::STEP_GAP_SECONDS.observe(gap.as_secs_f64());
-                }
-                ahead = spec.elapsed;
-            } else {
-                // Wasted: the idle time before the next pass counts from the pass before it.
-                self.last_pass = spec.before;
-            }
-        }
+        let (ready, ahead) = match speculation {
+            Some(spec) => self.rows_from_speculation(spec, &step.chunks),
+            None => (vec![None; step.chunks.len()], std::time::Duration::ZERO),
+        };
         let rest: Vec<ScheduledChunk> =
             step.chunks.iter().zip(&ready).filter(|(_, r)| r.is_none()).map(|(c, _)| c.clone()).collect();
         let started = Instant::now();
-        let mut computed = if rest.is_empty() {
-            Vec::new()
-        } else {
-            if let Some(gap) = gap_before(&self.last_pass, &rest, started) {
-                m::STEP_GAP_SECONDS.observe(gap.as_secs_f64());
-            }
-            self.forward_passes += 1;
-            m::FORWARD_PASSES.inc();
-            if let Some(delay) = self.faults.delay() {
-                std::thread::sleep(delay);
-            }
-            let result = match self.faults.failure(self.forward_passes) {
-                Some(injected) => Err(injected),
-                None => executor.execute(&mut self.kv, &rest),
-            };
-            result.map_err(|e| {
-                m::EXECUTE_ERRORS.inc();
-                tracing::error!(error = %e, step_id = step.step_id, "step failed");
-                if let ExecutorError::DeviceLost(why) = &e {
-                    self.lost = Some(why.clone());
-                }
-                e
-            })?
-        };
+        let computed = if rest.is_empty() { Vec::new() } else { self.forward(&rest, step.step_id, started)? };
         let elapsed = started.elapsed() + ahead;
         m::EXECUTE_SECONDS.observe(elapsed.as_secs_f64());
-        let sampled: Vec<SampledToken> = if ready.iter().all(Option::is_none) {
-            computed
-        } else {
-            let mut by_id: HashMap<String, SampledToken> =
-                computed.drain(..).map(|t| (t.request_id.clone(), t)).collect();
-            step.chunks.iter().zip(ready).filter_map(|(c, r)| r.or_else(|| by_id.remove(&c.request_id))).collect()
-        };
+        let sampled = merge_rows(&step.chunks, ready, computed);
         if !step.chunks.is_empty() {
-            let ended = match (&self.last_pass, rest.is_empty()) {
-                (Some(p), true) => p.ended,
-                _ => Instant::now(),
-            };
-            self.last_pass = Some(LastPass { ended, ids: step.chunks.iter().map(|c| c.request_id.clone()).collect() });
-            if self.speculate {
-                let next = next_decode_step(&step.chunks, &sampled, self.kv.spec().block_size);
-                if !next.is_empty() {
-                    // Run once this answer is out, ahead of any step the engine sends later.
-                    self.planned = Some(next);
-                }
-            }
+            self.pass_done(&step.chunks, &sampled, rest.is_empty());
         }
         m::TOKENS_COMPUTED.inc_by(step.chunks.iter().map(|c| c.token_ids.len() as u64).sum());
         Ok(ModelRunnerOutput {
@@ -313,6 +246,106 @@ impl ExecutorActor {
             failure: None,
         })
     }
+
+    /// What a step gets when the model did not load.
+    fn not_loaded(&self) -> ExecutorError {
+        ExecutorError::Model(format!("model not loaded: {}", self.load_error.clone().unwrap_or_default()))
+    }
+
+    /// The rows the speculation `spec` computed exactly as `chunks` asks for them (same
+    /// request, token, position, blocks and sampling), one slot per chunk: their results stand
+    /// as they are, since a row's result does not depend on the batch it ran in. Also the
+    /// time the speculation ran, when any row of it is used (it counts into the step's).
+    fn rows_from_speculation(
+        &mut self,
+        spec: Speculation,
+        chunks: &[ScheduledChunk],
+    ) -> (Vec<Option<SampledToken>>, std::time::Duration) {
+        let block_size = self.kv.spec().block_size;
+        let mut ready: Vec<Option<SampledToken>> = vec![None; chunks.len()];
+        let mut results: HashMap<String, SampledToken> =
+            spec.sampled.into_iter().map(|t| (t.request_id.clone(), t)).collect();
+        let ran: HashMap<&str, &ScheduledChunk> = spec.chunks.iter().map(|c| (c.request_id.as_str(), c)).collect();
+        for (slot, chunk) in ready.iter_mut().zip(chunks) {
+            if ran.get(chunk.request_id.as_str()).is_some_and(|r| computes_the_same(r, chunk, block_size)) {
+                *slot = results.remove(&chunk.request_id);
+            }
+        }
+        let used = ready.iter().flatten().count();
+        m::SPECULATIVE_ROWS.with_label_values(&["used"]).inc_by(used as u64);
+        m::SPECULATIVE_ROWS.with_label_values(&["discarded"]).inc_by((spec.chunks.len() - used) as u64);
+        if used == 0 {
+            // Wasted: the idle time before the next pass counts from the pass before it.
+            self.last_pass = spec.before;
+            return (ready, std::time::Duration::ZERO);
+        }
+        if let Some(gap) = spec.gap {
+            m::STEP_GAP_SECONDS.observe(gap.as_secs_f64());
+        }
+        (ready, spec.elapsed)
+    }
+
+    /// One forward pass over `rest`, started at `started`, under the configured faults; a
+    /// lost accelerator is remembered, so later steps fail at once.
+    fn forward(
+        &mut self,
+        rest: &[ScheduledChunk],
+        step_id: u64,
+        started: Instant,
+    ) -> Result<Vec<SampledToken>, ExecutorError> {
+        if let Some(gap) = gap_before(&self.last_pass, rest, started) {
+            m::STEP_GAP_SECONDS.observe(gap.as_secs_f64());
+        }
+        self.forward_passes += 1;
+        m::FORWARD_PASSES.inc();
+        if let Some(delay) = self.faults.delay() {
+            std::thread::sleep(delay);
+        }
+        let result = match (self.faults.failure(self.forward_passes), self.executor.as_mut()) {
+            (Some(injected), _) => Err(injected),
+            (None, Some(executor)) => executor.execute(&mut self.kv, rest),
+            (None, None) => Err(self.not_loaded()),
+        };
+        result.map_err(|e| {
+            m::EXECUTE_ERRORS.inc();
+            tracing::error!(error = %e, step_id, "step failed");
+            if let ExecutorError::DeviceLost(why) = &e {
+                self.lost = Some(why.clone());
+            }
+            e
+        })
+    }
+
+    /// After a step with rows: remember its pass (when it ran one, `reused_only` false, it
+    /// ended now) and, when steps run ahead, plan the next decode step of its requests.
+    fn pass_done(&mut self, chunks: &[ScheduledChunk], sampled: &[SampledToken], reused_only: bool) {
+        let ended = match (&self.last_pass, reused_only) {
+            (Some(p), true) => p.ended,
+            _ => Instant::now(),
+        };
+        self.last_pass = Some(LastPass { ended, ids: chunks.iter().map(|c| c.request_id.clone()).collect() });
+        if self.speculate {
+            let next = next_decode_step(chunks, sampled, self.kv.spec().block_size);
+            if !next.is_empty() {
+                // Run once this answer is out, ahead of any step the engine sends later.
+                self.planned = Some(next);
+            }
+        }
+    }
+}
+
+/// The step's tokens in chunk order: each chunk's row from the speculation (`ready`) or, where
+/// it has none, from this step's pass (`computed`).
+fn merge_rows(
+    chunks: &[ScheduledChunk],
+    ready: Vec<Option<SampledToken>>,
+    mut computed: Vec<SampledToken>,
+) -> Vec<SampledToken> {
+    if ready.iter().all(Option::is_none) {
+        return computed;
+    }
+    let mut by_id: HashMap<String, SampledToken> = computed.drain(..).map(|t| (t.request_id.clone(), t)).collect();
+    chunks.iter().zip(ready).filter_map(|(c, r)| r.or_else(|| by_id.remove(&c.request_id))).collect()
 }
 
 /// The executor's idle time before a pass starting at `at`, when the pass continues a request

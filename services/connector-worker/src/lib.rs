@@ -17,12 +17,17 @@ pub mod pd;
 
 pub use executor_actor::{once, ExecutorActor, ExecutorFactory, ExecutorFaults, RunStep};
 
+use std::collections::BTreeMap;
+
 use actix::prelude::*;
 use pdmesh_config::TransferBackendKind;
-use pdmesh_model_api::{KvCache, KvCacheSpec, ModelFacts};
-use pdmesh_protocol::{ErrorClass, Message, ModelRunnerOutput, ServiceKind, WireError, WorkerInfo};
+use pdmesh_model_api::{ExecutorError, KvCache, KvCacheSpec, ModelFacts};
+use pdmesh_protocol::{
+    Envelope, ErrorClass, Hello, KvConnectorOutput, Message, ModelRunnerOutput, SchedulerOutput, ServiceKind,
+    TraceContext, WireError, WorkerInfo,
+};
 use pdmesh_service::{ServiceContext, Shutdown};
-use pdmesh_transport::{bind_router, RouterEvent, RouterHandle};
+use pdmesh_transport::{bind_router, PeerId, RouterEvent, RouterHandle};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -112,99 +117,127 @@ impl Handler<RouterEvent> for WorkerActor {
                 }
                 let _ = router.send(&peer, envelope.reply(Message::Ack));
             }
-            Message::ExecuteStep(step) => {
-                // One span per scheduled request, in its own trace; they end with the step.
-                let spans: Vec<tracing::Span> = step
-                    .chunks
-                    .iter()
-                    .filter_map(|c| {
-                        let trace = envelope.traces.get(&c.request_id)?;
-                        let phase =
-                            if c.sample && c.token_ids.len() == 1 && c.start_pos > 0 { "decode" } else { "prefill" };
-                        Some(pdmesh_telemetry::trace::child_of(
-                            tracing::info_span!("worker.execute", otel.kind = "server",
-                                otel.name = %format_args!("worker.{phase}"), request_id = %c.request_id,
-                                step_id = step.step_id, phase, tokens = c.token_ids.len(), start_pos = c.start_pos,
-                                blocks = c.block_ids.len(), batch = step.chunks.len()),
-                            trace,
-                        ))
-                    })
-                    .collect();
-                let pd_out = match &self.pd {
-                    Some(pd) => {
-                        pd.start_step(&step.kv_connector_metadata, &envelope.traces);
-                        pd.finish_step()
-                    }
-                    None => Default::default(),
-                };
-                self.merge.expect(&step.kv_connector_metadata.extra_async_saves);
-                // Queued before the step, so the executor thread copies before the forward pass.
-                let offload_meta = &step.kv_connector_metadata.offload;
-                let offload_fut = (!offload_meta.is_empty())
-                    .then(|| self.executor.send(executor_actor::ApplyOffload(offload_meta.clone())));
-                let (reply, answer) = tokio::sync::oneshot::channel();
-                let step_req = self.executor.send(RunStep { step: step.clone(), reply });
-                let fut = async move {
-                    let offload_out = match offload_fut {
-                        Some(f) => f.await.unwrap_or_else(|e| {
-                            tracing::error!(error = %e, "executor thread gone before the offload copies");
-                            Default::default()
-                        }),
-                        None => Default::default(),
-                    };
-                    // The answer comes before the executor's handler returns (it may go on with
-                    // the next decode step, D67); the request is driven too, so that a message
-                    // the mailbox could not take at once is still delivered.
-                    tokio::pin!(step_req, answer);
-                    let res = tokio::select! {
-                        biased;
-                        r = &mut answer => r.map_err(|e| e.to_string()),
-                        r = &mut step_req => match r {
-                            Ok(()) => answer.await.map_err(|e| e.to_string()),
-                            Err(e) => Err(e.to_string()),
-                        },
-                    };
-                    (offload_out, res)
-                };
-                let step_id = step.step_id;
-                ctx.spawn(fut.into_actor(self).map(move |(offload_out, res), act, _| {
-                    let result = match res {
-                        Ok(Ok(out)) => Ok(out),
-                        Ok(Err(e)) if e.is_device_lost() => {
-                            act.device_lost(&e.to_string());
-                            Err(WireError::new(ErrorClass::Unavailable, e.to_string()))
-                        }
-                        Ok(Err(e)) => Err(WireError::new(ErrorClass::Internal, e.to_string())),
-                        Err(e) => Err(WireError::new(ErrorClass::Unavailable, format!("executor thread: {e}"))),
-                    };
-                    let mut out = result.unwrap_or_else(|error| ModelRunnerOutput {
-                        step_id,
-                        failure: Some(error),
-                        ..Default::default()
-                    });
-                    // Failed or not, the step carries its connector output (ModelRunnerOutput::failure).
-                    out.kv_connector_output = act.merge.merge([pd_out, offload_out]);
-                    let _ = router.send(&peer, envelope.reply(Message::StepResult(out)));
-                    drop(spans);
-                }));
-            }
-            Message::Hello(h) => {
-                tracing::info!(service = ?h.service, rank = h.rank, pid = h.pid, "peer connected");
-                // Another engine-core process than before: the old one's KV state is gone.
-                if h.service == ServiceKind::EngineCore {
-                    let restarted = self.engine_pid.is_some_and(|old| old != h.pid);
-                    self.engine_pid = Some(h.pid);
-                    if let (true, Some(pd)) = (restarted, &self.pd) {
-                        pd.engine_restarted();
-                    }
-                    if restarted {
-                        self.merge.clear();
-                    }
-                }
-            }
+            Message::ExecuteStep(_) => self.execute_step(peer, envelope, router, ctx),
+            Message::Hello(h) => self.peer_connected(h),
             other => tracing::warn!(kind = other.kind(), "unexpected message"),
         }
     }
+}
+
+/// What the executor thread answered for one step: the offload child's connector output, and
+/// the step's outcome (`Err`: the thread did not answer).
+type Executed = (KvConnectorOutput, Result<Result<ModelRunnerOutput, ExecutorError>, String>);
+
+impl WorkerActor {
+    /// Run the step `envelope` carries on the executor thread (its offload copies first) and
+    /// answer `peer` with its result and connector output, failed or not.
+    fn execute_step(&mut self, peer: PeerId, envelope: Envelope, router: RouterHandle, ctx: &mut Context<Self>) {
+        let Message::ExecuteStep(step) = &envelope.body else { return };
+        let spans = step_spans(step, &envelope.traces);
+        let pd_out = match &self.pd {
+            Some(pd) => {
+                pd.start_step(&step.kv_connector_metadata, &envelope.traces);
+                pd.finish_step()
+            }
+            None => Default::default(),
+        };
+        self.merge.expect(&step.kv_connector_metadata.extra_async_saves);
+        let executed = self.send_to_executor(step);
+        let step_id = step.step_id;
+        ctx.spawn(executed.into_actor(self).map(move |(offload_out, res), act, _| {
+            let mut out = act.step_output(step_id, res);
+            // Failed or not, the step carries its connector output (ModelRunnerOutput::failure).
+            out.kv_connector_output = act.merge.merge([pd_out, offload_out]);
+            let _ = router.send(&peer, envelope.reply(Message::StepResult(out)));
+            drop(spans);
+        }));
+    }
+
+    /// Queue the step's offload copies (when it has any) and the step itself on the executor
+    /// thread; resolves with both answers.
+    fn send_to_executor(&self, step: &SchedulerOutput) -> impl std::future::Future<Output = Executed> + 'static {
+        // Queued before the step, so the executor thread copies before the forward pass.
+        let offload_meta = &step.kv_connector_metadata.offload;
+        let offload_fut =
+            (!offload_meta.is_empty()).then(|| self.executor.send(executor_actor::ApplyOffload(offload_meta.clone())));
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        let step_req = self.executor.send(RunStep { step: step.clone(), reply });
+        async move {
+            let offload_out = match offload_fut {
+                Some(f) => f.await.unwrap_or_else(|e| {
+                    tracing::error!(error = %e, "executor thread gone before the offload copies");
+                    Default::default()
+                }),
+                None => Default::default(),
+            };
+            // The answer comes before the executor's handler returns (it may go on with
+            // the next decode step, D67); the request is driven too, so that a message
+            // the mailbox could not take at once is still delivered.
+            tokio::pin!(step_req, answer);
+            let res = tokio::select! {
+                biased;
+                r = &mut answer => r.map_err(|e| e.to_string()),
+                r = &mut step_req => match r {
+                    Ok(()) => answer.await.map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                },
+            };
+            (offload_out, res)
+        }
+    }
+
+    /// The step's output, or one carrying its failure; a lost accelerator also stops the
+    /// worker ([`WorkerActor::device_lost`]).
+    fn step_output(
+        &mut self,
+        step_id: u64,
+        res: Result<Result<ModelRunnerOutput, ExecutorError>, String>,
+    ) -> ModelRunnerOutput {
+        let result = match res {
+            Ok(Ok(out)) => Ok(out),
+            Ok(Err(e)) if e.is_device_lost() => {
+                self.device_lost(&e.to_string());
+                Err(WireError::new(ErrorClass::Unavailable, e.to_string()))
+            }
+            Ok(Err(e)) => Err(WireError::new(ErrorClass::Internal, e.to_string())),
+            Err(e) => Err(WireError::new(ErrorClass::Unavailable, format!("executor thread: {e}"))),
+        };
+        result.unwrap_or_else(|error| ModelRunnerOutput { step_id, failure: Some(error), ..Default::default() })
+    }
+
+    /// A peer said hello: another engine-core process than before means the old one's KV
+    /// state is gone.
+    fn peer_connected(&mut self, h: &Hello) {
+        tracing::info!(service = ?h.service, rank = h.rank, pid = h.pid, "peer connected");
+        if h.service == ServiceKind::EngineCore {
+            let restarted = self.engine_pid.is_some_and(|old| old != h.pid);
+            self.engine_pid = Some(h.pid);
+            if let (true, Some(pd)) = (restarted, &self.pd) {
+                pd.engine_restarted();
+            }
+            if restarted {
+                self.merge.clear();
+            }
+        }
+    }
+}
+
+/// One span per scheduled request of `step`, in its own trace; they end with the step.
+fn step_spans(step: &SchedulerOutput, traces: &BTreeMap<String, TraceContext>) -> Vec<tracing::Span> {
+    step.chunks
+        .iter()
+        .filter_map(|c| {
+            let trace = traces.get(&c.request_id)?;
+            let phase = if c.sample && c.token_ids.len() == 1 && c.start_pos > 0 { "decode" } else { "prefill" };
+            Some(pdmesh_telemetry::trace::child_of(
+                tracing::info_span!("worker.execute", otel.kind = "server",
+                    otel.name = %format_args!("worker.{phase}"), request_id = %c.request_id,
+                    step_id = step.step_id, phase, tokens = c.token_ids.len(), start_pos = c.start_pos,
+                    blocks = c.block_ids.len(), batch = step.chunks.len()),
+                trace,
+            ))
+        })
+        .collect()
 }
 
 /// Graceful shutdown of the P/D part (R4): D gives back every reference to P's blocks it still
@@ -398,75 +431,15 @@ pub async fn start(
     facts: ModelFacts,
     placement: KvPlacement,
 ) -> Result<RunningWorker, WorkerError> {
-    let (node, rank, ep, topology) = (&ctx.node, ctx.rank, &ctx.connector_worker, &ctx.topology);
+    let (node, rank, ep) = (&ctx.node, ctx.rank, &ctx.connector_worker);
     let spec = kv_spec(node, &facts);
-    let max_model_len = if node.engine.max_model_len == 0 {
-        facts.max_model_len
-    } else {
-        node.engine.max_model_len.min(facts.max_model_len)
-    };
-    let info = WorkerInfo {
-        model_name: facts.name.clone(),
-        num_blocks: spec.num_blocks,
-        block_size: spec.block_size,
-        num_layers: spec.num_layers,
-        num_kv_heads: spec.num_kv_heads,
-        head_dim: spec.head_dim,
-        max_model_len,
-        vocab_size: facts.vocab_size,
-        eos_token_ids: facts.eos_token_ids.clone(),
-        bytes_per_block: spec.bytes_per_block(),
-        incarnation: format!("{}-{}", std::process::id(), uuid::Uuid::new_v4()),
-    };
+    let info = worker_info(node, &facts, spec);
     metrics::KV_CACHE_BYTES.set((spec.bytes_per_block() * u64::from(spec.num_blocks)) as i64);
     let (kv, pd) = match node.kv_transfer.as_ref().filter(|k| k.uses_pd()) {
         None => (place_host_only(&placement, spec)?, None),
         Some(cfg) => {
             let (kv, memory) = pd_memory(&placement, cfg.backend, node, rank, spec)?;
-            let engine_id = if cfg.engine_id.is_empty() { node.name.clone() } else { cfg.engine_id.clone() };
-            let side_port = cfg.side_channel_port.saturating_add(rank as u16);
-            let at = pdmesh_kv_transfer::ProducerAddress {
-                bind_host: node.bind_host.clone(),
-                data_port: cfg.data_port.saturating_add(rank as u16),
-                advertise_host: cfg.side_channel_host.clone(),
-            };
-            let backend = pdmesh_kv_transfer::BackendConfig::for_node(cfg.backend, &at);
-            // `PDMESH_FAULT` was folded into the config by `Topology::apply_env`.
-            let faults = pdmesh_kv_transfer::FaultConfig::parse(&cfg.fault_injection)
-                .map_err(|e| WorkerError::Setting(format!("kv_transfer.fault_injection: {e}")))?;
-            if !faults.is_empty() {
-                tracing::warn!(%faults, "fault injection is on");
-            }
-            // P serves its side channel and block server only to peers that know the mesh
-            // secret, and D presents it: without one, no P/D (docs/SECURITY.md).
-            let mesh_secret = pdmesh_mesh_auth::MeshSecret::resolve(topology.mesh_secret_file.as_deref())
-                .map_err(|e| WorkerError::Setting(format!("mesh secret: {e}")))?
-                .ok_or_else(|| {
-                    WorkerError::Setting(format!(
-                        "no mesh secret: set {} (e.g. `openssl rand -hex 32`) or the topology's mesh_secret_file \
-                         (pdmesh up generates one per run)",
-                        pdmesh_mesh_auth::MESH_SECRET_ENV
-                    ))
-                })?;
-            let setup = pd::PdSetup {
-                mesh_secret,
-                engine_id,
-                rank,
-                produces: cfg.kv_role.produces(),
-                consumes: cfg.kv_role.consumes(),
-                side_channel_bind: format!("tcp://{}:{side_port}", node.bind_host),
-                backend,
-                weights_id: facts.weights_id.clone(),
-                hold: cfg.hold_duration(),
-                hold_table: pdmesh_kv_transfer::HoldTableConfig {
-                    lease_ttl: cfg.read_lease(),
-                    heartbeat_extension: cfg.heartbeat_extension(),
-                    early_wait: cfg.early_lease_wait(),
-                },
-                remote_agent_idle: std::time::Duration::from_secs(cfg.remote_agent_idle_s.max(1)),
-                faults,
-                give_up_notices: cfg.give_up_notices,
-            };
+            let setup = pd_setup(cfg, node, rank, &ctx.topology, &facts)?;
             let rt = pd::PdRuntime::start(setup, spec, memory).await.map_err(WorkerError::Model)?;
             (kv, Some(std::rc::Rc::new(rt)))
         }
@@ -476,22 +449,7 @@ pub async fn start(
     if !faults.is_empty() {
         tracing::warn!(?faults, "executor fault injection is on");
     }
-    let offload = match node.kv_transfer.as_ref().filter(|k| k.uses_offload()) {
-        None => None,
-        Some(cfg) => {
-            if !matches!(placement, KvPlacement::Host) {
-                return Err(WorkerError::Placement(
-                    "the OffloadConnector copies a host KV cache; this worker's cache is on the GPU".into(),
-                ));
-            }
-            tracing::info!(
-                cpu_blocks = cfg.offload.cpu_blocks,
-                max_bytes = u64::from(cfg.offload.cpu_blocks) * spec.bytes_per_block(),
-                "host-memory KV offload store (allocated as it fills)"
-            );
-            Some(offload::OffloadStore::new(spec, cfg.offload.cpu_blocks))
-        }
-    };
+    let offload = offload_store(node, &placement, spec)?;
     // Overlapping steps (D67) on a P/D node (D68): P's readers only read blocks of finished
     // requests, which no step run ahead writes; D's receives write blocks the step run ahead
     // may write (freed and given out again since it was planned), so they share one book of
@@ -520,6 +478,106 @@ pub async fn start(
     ctx.health.set_ready(true);
     tracing::info!(endpoint = %ep.bind, rank, kv_bytes = spec.bytes_per_block() * u64::from(spec.num_blocks), "connector-worker ready");
     Ok(RunningWorker { actor, device_lost: lost_rx })
+}
+
+/// What the worker tells engine-core of itself: the cache's geometry and the model's limits
+/// (`max_model_len` capped by the node's setting), under a fresh incarnation.
+fn worker_info(node: &pdmesh_config::NodeConfig, facts: &ModelFacts, spec: KvCacheSpec) -> WorkerInfo {
+    let max_model_len = if node.engine.max_model_len == 0 {
+        facts.max_model_len
+    } else {
+        node.engine.max_model_len.min(facts.max_model_len)
+    };
+    WorkerInfo {
+        model_name: facts.name.clone(),
+        num_blocks: spec.num_blocks,
+        block_size: spec.block_size,
+        num_layers: spec.num_layers,
+        num_kv_heads: spec.num_kv_heads,
+        head_dim: spec.head_dim,
+        max_model_len,
+        vocab_size: facts.vocab_size,
+        eos_token_ids: facts.eos_token_ids.clone(),
+        bytes_per_block: spec.bytes_per_block(),
+        incarnation: format!("{}-{}", std::process::id(), uuid::Uuid::new_v4()),
+    }
+}
+
+/// How this rank's P/D runtime starts: its engine id, side channel and backend addresses
+/// (the node's ports offset by the rank), faults, hold rules and the mesh secret, which P/D
+/// cannot go without.
+fn pd_setup(
+    cfg: &pdmesh_config::KvTransferConfig,
+    node: &pdmesh_config::NodeConfig,
+    rank: u32,
+    topology: &pdmesh_config::Topology,
+    facts: &ModelFacts,
+) -> Result<pd::PdSetup, WorkerError> {
+    let engine_id = if cfg.engine_id.is_empty() { node.name.clone() } else { cfg.engine_id.clone() };
+    let side_port = cfg.side_channel_port.saturating_add(rank as u16);
+    let at = pdmesh_kv_transfer::ProducerAddress {
+        bind_host: node.bind_host.clone(),
+        data_port: cfg.data_port.saturating_add(rank as u16),
+        advertise_host: cfg.side_channel_host.clone(),
+    };
+    let backend = pdmesh_kv_transfer::BackendConfig::for_node(cfg.backend, &at);
+    // `PDMESH_FAULT` was folded into the config by `Topology::apply_env`.
+    let faults = pdmesh_kv_transfer::FaultConfig::parse(&cfg.fault_injection)
+        .map_err(|e| WorkerError::Setting(format!("kv_transfer.fault_injection: {e}")))?;
+    if !faults.is_empty() {
+        tracing::warn!(%faults, "fault injection is on");
+    }
+    // P serves its side channel and block server only to peers that know the mesh
+    // secret, and D presents it: without one, no P/D (docs/SECURITY.md).
+    let mesh_secret = pdmesh_mesh_auth::MeshSecret::resolve(topology.mesh_secret_file.as_deref())
+        .map_err(|e| WorkerError::Setting(format!("mesh secret: {e}")))?
+        .ok_or_else(|| {
+            WorkerError::Setting(format!(
+                "no mesh secret: set {} (e.g. `openssl rand -hex 32`) or the topology's mesh_secret_file \
+                 (pdmesh up generates one per run)",
+                pdmesh_mesh_auth::MESH_SECRET_ENV
+            ))
+        })?;
+    Ok(pd::PdSetup {
+        mesh_secret,
+        engine_id,
+        rank,
+        produces: cfg.kv_role.produces(),
+        consumes: cfg.kv_role.consumes(),
+        side_channel_bind: format!("tcp://{}:{side_port}", node.bind_host),
+        backend,
+        weights_id: facts.weights_id.clone(),
+        hold: cfg.hold_duration(),
+        hold_table: pdmesh_kv_transfer::HoldTableConfig {
+            lease_ttl: cfg.read_lease(),
+            heartbeat_extension: cfg.heartbeat_extension(),
+            early_wait: cfg.early_lease_wait(),
+        },
+        remote_agent_idle: std::time::Duration::from_secs(cfg.remote_agent_idle_s.max(1)),
+        faults,
+        give_up_notices: cfg.give_up_notices,
+    })
+}
+
+/// The host-memory offload store, when the node offloads KV: only a host cache can be
+/// offloaded.
+fn offload_store(
+    node: &pdmesh_config::NodeConfig,
+    placement: &KvPlacement,
+    spec: KvCacheSpec,
+) -> Result<Option<offload::OffloadStore>, WorkerError> {
+    let Some(cfg) = node.kv_transfer.as_ref().filter(|k| k.uses_offload()) else { return Ok(None) };
+    if !matches!(placement, KvPlacement::Host) {
+        return Err(WorkerError::Placement(
+            "the OffloadConnector copies a host KV cache; this worker's cache is on the GPU".into(),
+        ));
+    }
+    tracing::info!(
+        cpu_blocks = cfg.offload.cpu_blocks,
+        max_bytes = u64::from(cfg.offload.cpu_blocks) * spec.bytes_per_block(),
+        "host-memory KV offload store (allocated as it fills)"
+    );
+    Ok(Some(offload::OffloadStore::new(spec, cfg.offload.cpu_blocks)))
 }
 
 #[cfg(test)]

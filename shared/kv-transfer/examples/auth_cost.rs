@@ -52,14 +52,15 @@ async fn frame_call(s: &mut TcpStream, body: Message) -> Result<Message, Box<dyn
     Ok(Envelope::decode(&buf)?.body)
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() -> Result<(), Box<dyn Error>> {
-    let n: usize = arg("--n").and_then(|s| s.parse().ok()).unwrap_or(300);
-    let spec = KvCacheSpec { num_layers: 30, num_blocks: 64, block_size: 16, num_kv_heads: 3, head_dim: 64 };
+/// A `tcp` agent on loopback serving a shared-memory cache of `spec`, with block 1 held for
+/// request "r" under capability "cap"; its cache (kept alive by the caller) and compat hash.
+async fn start_agent(
+    spec: KvCacheSpec,
+    secret: &MeshSecret,
+) -> Result<(TransferAgent, KvCache, String), Box<dyn Error>> {
     let region = ShmRegion::create_for_spec(&format!("pdmesh-auth-cost-{}", std::process::id()), &spec)?;
     let path = region.path().to_path_buf();
-    let _p_kv = region.into_kv_cache(spec)?;
-    let secret = MeshSecret::generate();
+    let p_kv = region.into_kv_cache(spec)?;
     let table = Arc::new(Mutex::new(HoldTable::new(HoldTableConfig {
         lease_ttl: Duration::from_secs(3600),
         ..Default::default()
@@ -83,55 +84,86 @@ async fn main() -> Result<(), Box<dyn Error>> {
         policy,
     )
     .await?;
-    let endpoint = agent.side_channel_endpoint().to_string();
-    let side_addr = endpoint.trim_start_matches("tcp://").to_string();
-    let TransferBackend::Tcp { host, port } = &agent.metadata().backend else { return Err("not tcp".into()) };
-    let data_addr = format!("{host}:{port}");
-    let client = TransferClient::new(ClientConfig::new("bench-d", spec, hash, secret.clone()));
+    Ok((agent, p_kv, hash))
+}
 
-    // warm-up
-    for _ in 0..20 {
-        client.handshake(&endpoint, "p").await?;
-    }
-    let (mut side_before, mut side_after, mut data_before, mut data_after) = (vec![], vec![], vec![], vec![]);
-    for _ in 0..n {
-        // side channel, before D40: probe, connect, one request answered
-        let t = Instant::now();
-        drop(TcpStream::connect(&side_addr).await?);
-        let mut s = DealerSocket::new();
-        s.connect(&endpoint).await?;
-        s.send(ZmqMessage::from(Envelope::new(Message::XferGetMetadata).encode()?)).await?;
-        s.recv().await?;
-        side_before.push(t.elapsed());
-        drop(s);
-        // side channel now: the whole handshake, authentication included
-        let t = Instant::now();
-        let remote = client.handshake(&endpoint, "p").await?;
-        side_after.push(t.elapsed());
-        drop(remote);
-        // data plane, before: connect and one frame answered
-        let t = Instant::now();
-        let mut s = TcpStream::connect(&data_addr).await?;
-        s.set_nodelay(true)?;
-        frame_call(&mut s, Message::Ping).await?;
-        data_before.push(t.elapsed());
-        drop(s);
-        // data plane now: connect, authenticate, one frame answered
-        let t = Instant::now();
-        let mut s = TcpStream::connect(&data_addr).await?;
-        s.set_nodelay(true)?;
+/// Where the agent answers: its side channel endpoint (`tcp://…`), that endpoint's address,
+/// and its block server's address.
+struct Addresses {
+    endpoint: String,
+    side: String,
+    data: String,
+}
+
+/// The time of each new connection of each kind, one per round.
+#[derive(Default)]
+struct ConnectionTimes {
+    side_before: Vec<Duration>,
+    side_after: Vec<Duration>,
+    data_before: Vec<Duration>,
+    data_after: Vec<Duration>,
+}
+
+/// A side channel connection as every handshake was before D40: probe, connect, one request
+/// answered.
+async fn side_channel_before_d40(at: &Addresses) -> Result<Duration, Box<dyn Error>> {
+    let t = Instant::now();
+    drop(TcpStream::connect(&at.side).await?);
+    let mut s = DealerSocket::new();
+    s.connect(&at.endpoint).await?;
+    s.send(ZmqMessage::from(Envelope::new(Message::XferGetMetadata).encode()?)).await?;
+    s.recv().await?;
+    Ok(t.elapsed())
+}
+
+/// A data plane connection as before D40 (`secret` None: connect, one frame answered) or now
+/// (connect, authenticate, one frame answered).
+async fn data_plane_connection(at: &Addresses, secret: Option<&MeshSecret>) -> Result<Duration, Box<dyn Error>> {
+    let t = Instant::now();
+    let mut s = TcpStream::connect(&at.data).await?;
+    s.set_nodelay(true)?;
+    if let Some(secret) = secret {
         let (c, hello) = ClientHello::new(Channel::TcpData);
         let Message::AuthChallenge(ch) = frame_call(&mut s, Message::AuthHello(hello)).await? else {
             return Err("no challenge".into());
         };
-        let proof = c.answer(&secret, &ch)?;
+        let proof = c.answer(secret, &ch)?;
         frame_call(&mut s, Message::AuthProof(proof)).await?;
-        frame_call(&mut s, Message::Ping).await?;
-        data_after.push(t.elapsed());
     }
+    frame_call(&mut s, Message::Ping).await?;
+    Ok(t.elapsed())
+}
 
-    // A read on an established connection: lease once, read one block n times.
-    let remote = client.handshake(&endpoint, "p").await?;
+/// `n` rounds of the four kinds of new connection, alternating so that both variants of each
+/// pair see the same machine noise.
+async fn time_connections(
+    n: usize,
+    client: &TransferClient,
+    at: &Addresses,
+    secret: &MeshSecret,
+) -> Result<ConnectionTimes, Box<dyn Error>> {
+    let mut times = ConnectionTimes::default();
+    for _ in 0..n {
+        times.side_before.push(side_channel_before_d40(at).await?);
+        // side channel now: the whole handshake, authentication included
+        let t = Instant::now();
+        let remote = client.handshake(&at.endpoint, "p").await?;
+        times.side_after.push(t.elapsed());
+        drop(remote);
+        times.data_before.push(data_plane_connection(at, None).await?);
+        times.data_after.push(data_plane_connection(at, Some(secret)).await?);
+    }
+    Ok(times)
+}
+
+/// A read on an established connection: lease once, read one block `n` times.
+async fn time_pooled_reads(
+    n: usize,
+    client: &TransferClient,
+    endpoint: &str,
+    spec: KvCacheSpec,
+) -> Result<Vec<Duration>, Box<dyn Error>> {
+    let remote = client.handshake(endpoint, "p").await?;
     let lease = remote.lease("r", "cap", &[1], &[1]).await?;
     let mut local = KvCache::new_heap(spec);
     remote.read_blocks(&lease, &[1], &mut local, &[0]).await?;
@@ -141,22 +173,28 @@ async fn main() -> Result<(), Box<dyn Error>> {
         remote.read_blocks(&lease, &[1], &mut local, &[0]).await?;
         reads.push(t.elapsed());
     }
+    Ok(reads)
+}
 
-    // The cryptography of one handshake, both sides.
+/// The cryptography of one handshake, both sides, in microseconds.
+fn handshake_crypto_us(secret: &MeshSecret) -> Result<f64, Box<dyn Error>> {
     let rounds = 20_000;
     let t = Instant::now();
     for _ in 0..rounds {
         let (c, hello) = ClientHello::new(Channel::SideChannel);
-        let (server, ch) = ServerChallenge::answer(&secret, Channel::SideChannel, &hello)?;
-        let proof = c.answer(&secret, &ch)?;
-        server.verify(&secret, &proof)?;
+        let (server, ch) = ServerChallenge::answer(secret, Channel::SideChannel, &hello)?;
+        let proof = c.answer(secret, &ch)?;
+        server.verify(secret, &proof)?;
     }
-    let crypto_us = t.elapsed().as_secs_f64() * 1e6 / rounds as f64;
+    Ok(t.elapsed().as_secs_f64() * 1e6 / rounds as f64)
+}
 
-    let (sb, sb90) = stats(side_before);
-    let (sa, sa90) = stats(side_after);
-    let (db, db90) = stats(data_before);
-    let (da, da90) = stats(data_after);
+/// The results as a markdown table.
+fn print_table(n: usize, spec: KvCacheSpec, times: ConnectionTimes, reads: Vec<Duration>, crypto_us: f64) {
+    let (sb, sb90) = stats(times.side_before);
+    let (sa, sa90) = stats(times.side_after);
+    let (db, db90) = stats(times.data_before);
+    let (da, da90) = stats(times.data_after);
     let (rd, rd90) = stats(reads);
     println!(
         "| what (n = {n}, loopback) | before D40: p50 / p90 µs | with the mesh handshake: p50 / p90 µs | ratio (p50) |"
@@ -172,6 +210,28 @@ async fn main() -> Result<(), Box<dyn Error>> {
     );
     println!("| data plane: 1-block read ({} KiB) on a pooled connection | — | {rd:.0} / {rd90:.0} | unchanged (no handshake) |", spec.bytes_per_block() / 1024);
     println!("| CPU: one handshake's nonces and 4 HMAC-SHA256, both sides | — | {crypto_us:.1} | — |");
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<(), Box<dyn Error>> {
+    let n: usize = arg("--n").and_then(|s| s.parse().ok()).unwrap_or(300);
+    let spec = KvCacheSpec { num_layers: 30, num_blocks: 64, block_size: 16, num_kv_heads: 3, head_dim: 64 };
+    let secret = MeshSecret::generate();
+    let (agent, _p_kv, hash) = start_agent(spec, &secret).await?;
+    let endpoint = agent.side_channel_endpoint().to_string();
+    let side = endpoint.trim_start_matches("tcp://").to_string();
+    let TransferBackend::Tcp { host, port } = &agent.metadata().backend else { return Err("not tcp".into()) };
+    let at = Addresses { data: format!("{host}:{port}"), endpoint, side };
+    let client = TransferClient::new(ClientConfig::new("bench-d", spec, hash, secret.clone()));
+
+    // warm-up
+    for _ in 0..20 {
+        client.handshake(&at.endpoint, "p").await?;
+    }
+    let times = time_connections(n, &client, &at, &secret).await?;
+    let reads = time_pooled_reads(n, &client, &at.endpoint, spec).await?;
+    let crypto_us = handshake_crypto_us(&secret)?;
+    print_table(n, spec, times, reads, crypto_us);
     drop(agent);
     Ok(())
 }

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use pdmesh_kv_transfer::{
     AgentConfig, BackendConfig, ClientConfig, CompatInputs, FaultConfig, HoldTable, HoldTableConfig, KvBlockWriter,
-    MeshSecret, SharedPolicy, ShmRegion, TransferAgent, TransferClient,
+    Lease, MeshSecret, RemoteAgent, SharedPolicy, ShmRegion, TransferAgent, TransferClient,
 };
 use pdmesh_model_api::kv_cache::KvSide;
 use pdmesh_model_api::{KvCache, KvCacheSpec};
@@ -81,8 +81,15 @@ async fn raw_read(s: &mut TcpStream, buf: &mut [u8]) -> Res<()> {
     Ok(())
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-async fn main() -> Res<()> {
+/// The command line: `--reps`, `--blocks`, `--scatter`, `--dir`.
+struct Args {
+    reps: usize,
+    sizes: Vec<u32>,
+    scatter: bool,
+    dir: Option<String>,
+}
+
+fn parse_args() -> Res<Args> {
     let args: Vec<String> = std::env::args().collect();
     let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
     let reps: usize = arg("--reps").map(|s| s.parse()).transpose()?.unwrap_or(15);
@@ -92,14 +99,25 @@ async fn main() -> Res<()> {
         .map(|s| s.trim().parse())
         .collect::<Result<_, _>>()?;
     let scatter = args.iter().any(|a| a == "--scatter");
-    let max = sizes.iter().copied().max().unwrap_or(1);
-    let spec = KvCacheSpec { num_layers: 30, num_blocks: max, block_size: 16, num_kv_heads: 3, head_dim: 64 };
-    let bpb = spec.bytes_per_block() as usize;
+    Ok(Args { reps, sizes, scatter, dir: arg("--dir") })
+}
 
-    // ---- P: cache on a shm region, every block held, one agent per backend
-    // `--dir D` puts the region in another tmpfs (e.g. one mounted with `huge=always`).
+/// P: its cache on a shm region, every block held for request "bench", one agent per backend.
+struct Producer {
+    p_kv: KvCache,
+    path: std::path::PathBuf,
+    shm_agent: TransferAgent,
+    tcp_agent: TransferAgent,
+    hash: String,
+    secret: MeshSecret,
+    /// Every block of the cache, all held.
+    all: Vec<u32>,
+}
+
+/// Start P; `dir` puts the region in another tmpfs (e.g. one mounted with `huge=always`).
+async fn start_producer(spec: KvCacheSpec, dir: Option<String>) -> Res<Producer> {
     let name = format!("pdmesh-bench-{}", std::process::id());
-    let region = match arg("--dir") {
+    let region = match dir {
         Some(dir) => ShmRegion::create_at(&std::path::Path::new(&dir).join(name), spec.total_floats() * 4)?,
         None => ShmRegion::create_for_spec(&name, &spec)?,
     };
@@ -112,7 +130,7 @@ async fn main() -> Res<()> {
         lease_ttl: Duration::from_secs(3600),
         ..Default::default()
     })));
-    let all: Vec<u32> = (0..max).collect();
+    let all: Vec<u32> = (0..spec.num_blocks).collect();
     table.lock().map_err(|e| e.to_string())?.hold_with_capability(
         "bench",
         all.clone(),
@@ -137,113 +155,200 @@ async fn main() -> Res<()> {
     };
     let shm_agent = start(BackendConfig::Shm).await?;
     let tcp_agent = start(BackendConfig::Tcp { bind: "127.0.0.1:0".into(), advertise_host: None }).await?;
+    Ok(Producer { p_kv, path, shm_agent, tcp_agent, hash, secret, all })
+}
 
-    // ---- D
-    let client = TransferClient::new(ClientConfig::new("bench-d", spec, hash.clone(), secret.clone()));
-    let shm = client.handshake(shm_agent.side_channel_endpoint(), "p").await?;
-    let tcp = client.handshake(tcp_agent.side_channel_endpoint(), "p").await?;
-    let gens = vec![1; all.len()];
+/// D: connected to both of P's agents, leased every block on each, its cache on its own
+/// region (the executor's view) with the writer reads land through.
+struct Consumer {
+    shm: RemoteAgent,
+    tcp: RemoteAgent,
+    shm_lease: Lease,
+    tcp_lease: Lease,
+    writer: Arc<KvBlockWriter>,
+    d_kv: KvCache,
+}
+
+async fn start_consumer(p: &Producer, spec: KvCacheSpec) -> Res<Consumer> {
+    let client = TransferClient::new(ClientConfig::new("bench-d", spec, p.hash.clone(), p.secret.clone()));
+    let shm = client.handshake(p.shm_agent.side_channel_endpoint(), "p").await?;
+    let tcp = client.handshake(p.tcp_agent.side_channel_endpoint(), "p").await?;
+    let gens = vec![1; p.all.len()];
     // One lease, granted to our consumer: both agents share the table, so ask once.
-    let shm_lease = shm.lease("bench", "bench-capability", &all, &gens).await?;
-    let tcp_lease = tcp.lease("bench", "bench-capability", &all, &gens).await?;
-    // D's cache on its own region (the executor's view), and the writer reads land through.
+    let shm_lease = shm.lease("bench", "bench-capability", &p.all, &gens).await?;
+    let tcp_lease = tcp.lease("bench", "bench-capability", &p.all, &gens).await?;
     let d_region = ShmRegion::create_for_spec(&format!("pdmesh-bench-d-{}", std::process::id()), &spec)?;
     let writer = Arc::new(KvBlockWriter::open(d_region.path(), spec)?);
-    let mut d_kv = d_region.into_kv_cache(spec).map_err(|e| e.to_string())?;
+    let d_kv = d_region.into_kv_cache(spec).map_err(|e| e.to_string())?;
+    Ok(Consumer { shm, tcp, shm_lease, tcp_lease, writer, d_kv })
+}
 
-    // ---- baselines
-    // Page-aligned baselines, like the regions: a 16-byte offset between source and
-    // destination halves memcpy's speed on some CPUs (AMD's `rep movsb`), which would flatter
-    // every ratio against it.
-    let mut src_buf = vec![1u8; max as usize * bpb + 4096];
-    let src = page_aligned(&mut src_buf, max as usize * bpb);
-    let mut dst_buf = vec![0u8; max as usize * bpb + 4096];
-    let dst = page_aligned(&mut dst_buf, max as usize * bpb);
+/// What the transfers are measured against: heap buffers for memcpy, a raw TCP server and a
+/// kept-alive connection to it, and the scratch that evicts the caches. Page-aligned, like the
+/// regions: a 16-byte offset between source and destination halves memcpy's speed on some
+/// CPUs (AMD's `rep movsb`), which would flatter every ratio against it.
+struct Baselines {
+    /// The largest transfer's byte count; each buffer has a page to spare beyond it.
+    len: usize,
+    src_buf: Vec<u8>,
+    dst_buf: Vec<u8>,
+    raw_vec: Vec<u8>,
+    raw: TcpStream,
+    scratch: Vec<u8>,
+}
+
+async fn start_baselines(len: usize) -> Res<Baselines> {
+    let mut src_buf = vec![1u8; len + 4096];
+    let src = page_aligned(&mut src_buf, len);
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let raw_addr = listener.local_addr()?;
     tokio::spawn(raw_server(listener, Arc::new(src.to_vec())));
-    let mut raw = TcpStream::connect(raw_addr).await?;
+    let raw = TcpStream::connect(raw_addr).await?;
     raw.set_nodelay(true)?;
-    let mut raw_vec = vec![0u8; max as usize * bpb + 4096];
-    let raw_buf = page_aligned(&mut raw_vec, max as usize * bpb);
-    let mut scratch = vec![0u8; 256 << 20];
+    Ok(Baselines {
+        len,
+        src_buf,
+        dst_buf: vec![0u8; len + 4096],
+        raw_vec: vec![0u8; len + 4096],
+        raw,
+        scratch: vec![0u8; 256 << 20],
+    })
+}
+
+/// The time of each method for one repetition of an `n`-block transfer.
+struct RepTimes {
+    mem: Duration,
+    shm: Duration,
+    staged: Duration,
+    raw: Duration,
+    tcp: Duration,
+}
+
+/// The path the worker used before reads landed in place: a fresh heap cache of the request's
+/// blocks, the `shm` read into it, then a copy into D's blocks `local_ids`.
+async fn staged_read(d: &mut Consumer, spec: KvCacheSpec, remote: &[u32], local_ids: &[u32]) -> Res<Duration> {
+    let n = remote.len() as u32;
+    let t = Instant::now();
+    let mut staged = KvCache::new_heap(KvCacheSpec { num_blocks: n, ..spec });
+    let staged_ids: Vec<u32> = (0..n).collect();
+    d.shm.read_blocks(&d.shm_lease, remote, &mut staged, &staged_ids).await?;
+    for (i, &dst) in local_ids.iter().enumerate() {
+        for layer in 0..spec.num_layers as usize {
+            for side in [KvSide::Key, KvSide::Value] {
+                d.d_kv.block_mut(layer, side, dst)?.copy_from_slice(staged.block(layer, side, i as u32)?);
+            }
+        }
+    }
+    let elapsed = t.elapsed();
+    drop(staged);
+    Ok(elapsed)
+}
+
+/// One repetition of every method on `remote` (P's blocks) into `local_ids` (D's), each from
+/// cold caches.
+async fn one_rep(
+    d: &mut Consumer,
+    b: &mut Baselines,
+    spec: KvCacheSpec,
+    remote: &[u32],
+    local_ids: &[u32],
+) -> Res<RepTimes> {
+    let bytes = remote.len() * spec.bytes_per_block() as usize;
+    let len = b.len;
+    evict(&mut b.scratch);
+    let (src, dst) = (page_aligned(&mut b.src_buf, len), page_aligned(&mut b.dst_buf, len));
+    let t = Instant::now();
+    dst[..bytes].copy_from_slice(&src[..bytes]);
+    black_box(&mut *dst);
+    let mem = t.elapsed();
+
+    evict(&mut b.scratch);
+    let mut blocks = d.writer.checkout(local_ids)?;
+    let shm = d.shm.read_blocks_into(&d.shm_lease, remote, &mut blocks).await?.elapsed;
+    drop(blocks);
+
+    evict(&mut b.scratch);
+    let staged = staged_read(d, spec, remote, local_ids).await?;
+
+    evict(&mut b.scratch);
+    let raw_buf = page_aligned(&mut b.raw_vec, len);
+    let t = Instant::now();
+    raw_read(&mut b.raw, &mut raw_buf[..bytes]).await?;
+    black_box(&mut *raw_buf);
+    let raw = t.elapsed();
+
+    evict(&mut b.scratch);
+    let mut blocks = d.writer.checkout(local_ids)?;
+    let tcp = d.tcp.read_blocks_into(&d.tcp_lease, remote, &mut blocks).await?.elapsed;
+    drop(blocks);
+    Ok(RepTimes { mem, shm, staged, raw, tcp })
+}
+
+/// The table row of an `n`-block transfer: the median bandwidth of each method over `reps`
+/// repetitions (after two warm-up ones) and the ratios against the baselines.
+async fn measure_row(
+    d: &mut Consumer,
+    b: &mut Baselines,
+    spec: KvCacheSpec,
+    n: u32,
+    reps: usize,
+    scatter: bool,
+) -> Res<()> {
+    let bytes = n as usize * spec.bytes_per_block() as usize;
+    let remote: Vec<u32> = (0..n).collect();
+    // Fresh D caches hand out ascending blocks (spans coalesce); `--scatter` reverses them,
+    // the worst case for the shm copy (one 12 KiB memcpy per run).
+    let local_ids: Vec<u32> = if scatter { (0..n).rev().collect() } else { (0..n).collect() };
+    let (mut t_mem, mut t_shm, mut t_raw, mut t_tcp, mut t_stage) = (vec![], vec![], vec![], vec![], vec![]);
+    for rep in 0..reps + 2 {
+        let t = one_rep(d, b, spec, &remote, &local_ids).await?;
+        if rep >= 2 {
+            t_mem.push(t.mem);
+            t_shm.push(t.shm);
+            t_stage.push(t.staged);
+            t_raw.push(t.raw);
+            t_tcp.push(t.tcp);
+        }
+    }
+    let bw = |d: &[Duration]| bytes as f64 / median(d.to_vec()).as_secs_f64().max(1e-12) / GB;
+    // Ratios are taken per repetition (the two measurements ran back to back, under the
+    // same load), then the median: robust on a shared machine.
+    let ratio = |ours: &[Duration], base: &[Duration]| {
+        let mut r: Vec<f64> =
+            ours.iter().zip(base).map(|(o, b)| b.as_secs_f64() / o.as_secs_f64().max(1e-12)).collect();
+        r.sort_by(f64::total_cmp);
+        r.get(r.len() / 2).copied().unwrap_or_default()
+    };
+    let (mem, s, st, r, c) = (bw(&t_mem), bw(&t_shm), bw(&t_stage), bw(&t_raw), bw(&t_tcp));
+    let (rs, rst, rt) = (ratio(&t_shm, &t_mem), ratio(&t_stage, &t_mem), ratio(&t_tcp, &t_raw));
+    println!("| {n} | {bytes} | {mem:.2} | {s:.2} | {rs:.2} | {st:.2} | {rst:.2} | {r:.2} | {c:.2} | {rt:.2} |");
+    Ok(())
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Res<()> {
+    let Args { reps, sizes, scatter, dir } = parse_args()?;
+    let max = sizes.iter().copied().max().unwrap_or(1);
+    let spec = KvCacheSpec { num_layers: 30, num_blocks: max, block_size: 16, num_kv_heads: 3, head_dim: 64 };
+    let bpb = spec.bytes_per_block() as usize;
+    let p = start_producer(spec, dir).await?;
+    let mut d = start_consumer(&p, spec).await?;
+    let mut b = start_baselines(max as usize * bpb).await?;
 
     println!(
         "geometry: 30 layers x 3 kv heads x 64 dims x 16 slots = {bpb} bytes/block; reps {reps} (median); local ids {}; region {}",
         if scatter { "reversed (--scatter)" } else { "ascending" },
-        path.display()
+        p.path.display()
     );
     println!(
         "| blocks | bytes | memcpy GB/s | shm GB/s | shm/memcpy | staged GB/s | staged/memcpy | raw TCP GB/s | tcp GB/s | tcp/raw |\n\
          |---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for &n in &sizes {
-        let bytes = n as usize * bpb;
-        let remote: Vec<u32> = (0..n).collect();
-        // Fresh D caches hand out ascending blocks (spans coalesce); `--scatter` reverses them,
-        // the worst case for the shm copy (one 12 KiB memcpy per run).
-        let local_ids: Vec<u32> = if scatter { (0..n).rev().collect() } else { (0..n).collect() };
-        let (mut t_mem, mut t_shm, mut t_raw, mut t_tcp, mut t_stage) = (vec![], vec![], vec![], vec![], vec![]);
-        for rep in 0..reps + 2 {
-            evict(&mut scratch);
-            let t = Instant::now();
-            dst[..bytes].copy_from_slice(&src[..bytes]);
-            black_box(&mut *dst);
-            let mem = t.elapsed();
-
-            evict(&mut scratch);
-            let mut blocks = writer.checkout(&local_ids)?;
-            let s = shm.read_blocks_into(&shm_lease, &remote, &mut blocks).await?.elapsed;
-            drop(blocks);
-
-            evict(&mut scratch);
-            let t = Instant::now();
-            let mut staged = KvCache::new_heap(KvCacheSpec { num_blocks: n, ..spec });
-            let staged_ids: Vec<u32> = (0..n).collect();
-            shm.read_blocks(&shm_lease, &remote, &mut staged, &staged_ids).await?;
-            for (i, &dst) in local_ids.iter().enumerate() {
-                for layer in 0..spec.num_layers as usize {
-                    for side in [KvSide::Key, KvSide::Value] {
-                        d_kv.block_mut(layer, side, dst)?.copy_from_slice(staged.block(layer, side, i as u32)?);
-                    }
-                }
-            }
-            let st = t.elapsed();
-            drop(staged);
-
-            evict(&mut scratch);
-            let t = Instant::now();
-            raw_read(&mut raw, &mut raw_buf[..bytes]).await?;
-            black_box(&mut *raw_buf);
-            let r = t.elapsed();
-
-            evict(&mut scratch);
-            let mut blocks = writer.checkout(&local_ids)?;
-            let c = tcp.read_blocks_into(&tcp_lease, &remote, &mut blocks).await?.elapsed;
-            drop(blocks);
-            if rep >= 2 {
-                t_mem.push(mem);
-                t_shm.push(s);
-                t_stage.push(st);
-                t_raw.push(r);
-                t_tcp.push(c);
-            }
-        }
-        let bw = |d: &[Duration]| bytes as f64 / median(d.to_vec()).as_secs_f64().max(1e-12) / GB;
-        // Ratios are taken per repetition (the two measurements ran back to back, under the
-        // same load), then the median: robust on a shared machine.
-        let ratio = |ours: &[Duration], base: &[Duration]| {
-            let mut r: Vec<f64> =
-                ours.iter().zip(base).map(|(o, b)| b.as_secs_f64() / o.as_secs_f64().max(1e-12)).collect();
-            r.sort_by(f64::total_cmp);
-            r.get(r.len() / 2).copied().unwrap_or_default()
-        };
-        let (mem, s, st, r, c) = (bw(&t_mem), bw(&t_shm), bw(&t_stage), bw(&t_raw), bw(&t_tcp));
-        let (rs, rst, rt) = (ratio(&t_shm, &t_mem), ratio(&t_stage, &t_mem), ratio(&t_tcp, &t_raw));
-        println!("| {n} | {bytes} | {mem:.2} | {s:.2} | {rs:.2} | {st:.2} | {rst:.2} | {r:.2} | {c:.2} | {rt:.2} |");
+        measure_row(&mut d, &mut b, spec, n, reps, scatter).await?;
     }
-    shm.read_done(&shm_lease).await.ok();
-    drop(p_kv);
-    drop(d_kv);
+    d.shm.read_done(&d.shm_lease).await.ok();
+    drop(p.p_kv);
+    drop(d.d_kv);
     Ok(())
 }

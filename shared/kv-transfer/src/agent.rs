@@ -857,129 +857,14 @@ pub(crate) fn if_capable<T>(
 /// request the policy parked sets `parked` to its ticket and is answered later).
 fn answer(served: &Served, env: &Envelope, parked: &mut Option<u64>) -> Option<Vec<u8>> {
     let now = Instant::now();
-    let faults = &served.faults;
     let stats = &served.stats;
     let body = match &env.body {
-        Message::XferGetMetadata => {
-            AgentStats::inc(&stats.metadata_requests);
-            if faults.handshake_timeout {
-                tracing::warn!("fault injection: not answering a handshake");
-                return None;
-            }
-            let mut meta = served.metadata.clone();
-            if faults.compat_mismatch {
-                meta.compat_hash = format!("fault-injected-{}", meta.compat_hash);
-            }
-            if faults.engine_id_mismatch {
-                meta.engine_id = format!("{}-fault-injected", meta.engine_id);
-            }
-            let reply = member_reply(env, Message::XferMetadata(meta)).encode().ok()?;
-            if faults.undecodable_metadata {
-                // A frame cut in half: what a reader of another version or a corrupt link sees.
-                return Some(reply[..reply.len() / 2].to_vec());
-            }
-            return Some(reply);
-        }
-        Message::XferLease(req) => {
-            let decision = if faults.lease_refused {
-                LeaseDecision::Refused(LeaseRefusal::new(
-                    LeaseRefusalReason::FaultInjected,
-                    "fault injection: lease_refused",
-                ))
-            } else {
-                let id = &req.p_request_id;
-                let as_unknown = || LeaseDecision::Refused(LeaseRefusal::not_held(id));
-                if_capable(served, id, &req.capability, "lease", as_unknown, |policy| {
-                    policy.grant_or_park(
-                        id,
-                        &req.block_ids,
-                        &req.block_generations,
-                        &req.consumer,
-                        &req.capability,
-                        now,
-                    )
-                })
-            };
-            match decision {
-                LeaseDecision::Granted(grant) => lease_answer(served, req, Ok(grant)),
-                LeaseDecision::Refused(refusal) => lease_answer(served, req, Err(refusal)),
-                LeaseDecision::Parked(ticket) => {
-                    // Early: P answered before its worker registered the hold (D65). The
-                    // answer goes out later, in a second `kv.serve.xfer_lease` span; this event
-                    // says why this one ends without it.
-                    tracing::info!(p_request_id = %req.p_request_id, ticket, "lease parked");
-                    *parked = Some(ticket);
-                    return None;
-                }
-            }
-        }
-        Message::XferReadDone(n) => {
-            let outcome = if_capable(
-                served,
-                &n.p_request_id,
-                &n.capability,
-                "read_done",
-                || NoticeOutcome::Unknown,
-                |p| p.read_done(&n.p_request_id, n.lease_id, &n.consumer, now),
-            );
-            tracing::Span::current().record("request_id", n.p_request_id.as_str());
-            tracing::info!(lease_id = n.lease_id, consumer = %n.consumer, ?outcome, "read done");
-            if outcome == NoticeOutcome::Released {
-                AgentStats::inc(&stats.read_done);
-                Message::Ack
-            } else {
-                // The lease did not hold until now: the reader must not trust its bytes.
-                AgentStats::inc(&stats.read_done_rejected);
-                Message::Error(WireError::new(
-                    ErrorClass::NotFound,
-                    format!("lease {} of {} is not active ({outcome:?})", n.lease_id, shown(&n.p_request_id)),
-                ))
-            }
-        }
-        Message::XferHeartbeat(h) => {
-            AgentStats::inc(&stats.heartbeats);
-            let mut policy = served.policy();
-            // Only the requests whose token matches are extended; the rest are left alone.
-            let ids: Vec<String> = h
-                .p_request_ids
-                .iter()
-                .enumerate()
-                .filter(|(i, id)| {
-                    let token = h.capabilities.get(*i).map_or("", String::as_str);
-                    match policy.capability(id, token) {
-                        CapabilityCheck::Mismatch => {
-                            capability_refused(served, id, "heartbeat");
-                            false
-                        }
-                        _ => true,
-                    }
-                })
-                .map(|(_, id)| id.clone())
-                .collect();
-            policy.heartbeat(&ids, now);
-            Message::Ack
-        }
-        Message::XferGiveUp(g) => {
-            AgentStats::inc(&stats.give_ups);
-            let outcome = if_capable(
-                served,
-                &g.p_request_id,
-                &g.capability,
-                "give_up",
-                || NoticeOutcome::Unknown,
-                |p| p.give_up_with_capability(&g.p_request_id, g.lease_id, &g.consumer, &g.capability, now),
-            );
-            if let (Some(at), crate::hold::NoticeOutcome::Released) = (g.rejected_at_unix_us, outcome) {
-                let us = pdmesh_protocol::micros_since(at);
-                pdmesh_telemetry::trace::notice_hop("p.released", &g.p_request_id, Some(at));
-                let mut v = stats.rejection_to_release_us.lock().unwrap_or_else(|p| p.into_inner());
-                if v.len() < 65_536 {
-                    v.push(us);
-                }
-            }
-            tracing::info!(p_request_id = %g.p_request_id, reason = %g.reason, ?outcome, "consumer gave up");
-            Message::Ack
-        }
+        // The handshake answers alone: a fault may cut its encoded frame or withhold it.
+        Message::XferGetMetadata => return answer_metadata(served, env),
+        Message::XferLease(req) => answer_lease(served, req, now, parked)?,
+        Message::XferReadDone(n) => answer_read_done(served, n, now),
+        Message::XferHeartbeat(h) => answer_heartbeat(served, h, now),
+        Message::XferGiveUp(g) => answer_give_up(served, g, now),
         Message::Ping => Message::Pong,
         other => {
             AgentStats::inc(&stats.unexpected_messages);
@@ -988,6 +873,138 @@ fn answer(served: &Served, env: &Envelope, parked: &mut Option<u64>) -> Option<V
         }
     };
     member_reply(env, body).encode().ok()
+}
+
+/// The encoded answer to a handshake: this agent's metadata, as the configured faults
+/// (withheld, wrong compat hash or engine id, half a frame) would have it.
+fn answer_metadata(served: &Served, env: &Envelope) -> Option<Vec<u8>> {
+    let faults = &served.faults;
+    AgentStats::inc(&served.stats.metadata_requests);
+    if faults.handshake_timeout {
+        tracing::warn!("fault injection: not answering a handshake");
+        return None;
+    }
+    let mut meta = served.metadata.clone();
+    if faults.compat_mismatch {
+        meta.compat_hash = format!("fault-injected-{}", meta.compat_hash);
+    }
+    if faults.engine_id_mismatch {
+        meta.engine_id = format!("{}-fault-injected", meta.engine_id);
+    }
+    let reply = member_reply(env, Message::XferMetadata(meta)).encode().ok()?;
+    if faults.undecodable_metadata {
+        // A frame cut in half: what a reader of another version or a corrupt link sees.
+        return Some(reply[..reply.len() / 2].to_vec());
+    }
+    Some(reply)
+}
+
+/// The answer to a lease request, or `None` when the policy parked it: `parked` then holds
+/// the ticket it is answered under later.
+fn answer_lease(
+    served: &Served,
+    req: &pdmesh_protocol::XferLeaseRequest,
+    now: Instant,
+    parked: &mut Option<u64>,
+) -> Option<Message> {
+    let decision = if served.faults.lease_refused {
+        LeaseDecision::Refused(LeaseRefusal::new(LeaseRefusalReason::FaultInjected, "fault injection: lease_refused"))
+    } else {
+        let id = &req.p_request_id;
+        let as_unknown = || LeaseDecision::Refused(LeaseRefusal::not_held(id));
+        if_capable(served, id, &req.capability, "lease", as_unknown, |policy| {
+            policy.grant_or_park(id, &req.block_ids, &req.block_generations, &req.consumer, &req.capability, now)
+        })
+    };
+    match decision {
+        LeaseDecision::Granted(grant) => Some(lease_answer(served, req, Ok(grant))),
+        LeaseDecision::Refused(refusal) => Some(lease_answer(served, req, Err(refusal))),
+        LeaseDecision::Parked(ticket) => {
+            // Early: P answered before its worker registered the hold (D65). The
+            // answer goes out later, in a second `kv.serve.xfer_lease` span; this event
+            // says why this one ends without it.
+            tracing::info!(p_request_id = %req.p_request_id, ticket, "lease parked");
+            *parked = Some(ticket);
+            None
+        }
+    }
+}
+
+/// The answer to a read-done notice: `Ack` when it released an active lease, an error
+/// otherwise.
+fn answer_read_done(served: &Served, n: &pdmesh_protocol::XferReadDone, now: Instant) -> Message {
+    let stats = &served.stats;
+    let outcome = if_capable(
+        served,
+        &n.p_request_id,
+        &n.capability,
+        "read_done",
+        || NoticeOutcome::Unknown,
+        |p| p.read_done(&n.p_request_id, n.lease_id, &n.consumer, now),
+    );
+    tracing::Span::current().record("request_id", n.p_request_id.as_str());
+    tracing::info!(lease_id = n.lease_id, consumer = %n.consumer, ?outcome, "read done");
+    if outcome == NoticeOutcome::Released {
+        AgentStats::inc(&stats.read_done);
+        Message::Ack
+    } else {
+        // The lease did not hold until now: the reader must not trust its bytes.
+        AgentStats::inc(&stats.read_done_rejected);
+        Message::Error(WireError::new(
+            ErrorClass::NotFound,
+            format!("lease {} of {} is not active ({outcome:?})", n.lease_id, shown(&n.p_request_id)),
+        ))
+    }
+}
+
+/// Extends the holds a heartbeat names, those whose token matches; always `Ack`.
+fn answer_heartbeat(served: &Served, h: &pdmesh_protocol::XferHeartbeat, now: Instant) -> Message {
+    AgentStats::inc(&served.stats.heartbeats);
+    let mut policy = served.policy();
+    // Only the requests whose token matches are extended; the rest are left alone.
+    let ids: Vec<String> = h
+        .p_request_ids
+        .iter()
+        .enumerate()
+        .filter(|(i, id)| {
+            let token = h.capabilities.get(*i).map_or("", String::as_str);
+            match policy.capability(id, token) {
+                CapabilityCheck::Mismatch => {
+                    capability_refused(served, id, "heartbeat");
+                    false
+                }
+                _ => true,
+            }
+        })
+        .map(|(_, id)| id.clone())
+        .collect();
+    policy.heartbeat(&ids, now);
+    Message::Ack
+}
+
+/// Releases what a consumer gave up on and records the rejection-to-release time; always
+/// `Ack`.
+fn answer_give_up(served: &Served, g: &pdmesh_protocol::XferGiveUp, now: Instant) -> Message {
+    let stats = &served.stats;
+    AgentStats::inc(&stats.give_ups);
+    let outcome = if_capable(
+        served,
+        &g.p_request_id,
+        &g.capability,
+        "give_up",
+        || NoticeOutcome::Unknown,
+        |p| p.give_up_with_capability(&g.p_request_id, g.lease_id, &g.consumer, &g.capability, now),
+    );
+    if let (Some(at), crate::hold::NoticeOutcome::Released) = (g.rejected_at_unix_us, outcome) {
+        let us = pdmesh_protocol::micros_since(at);
+        pdmesh_telemetry::trace::notice_hop("p.released", &g.p_request_id, Some(at));
+        let mut v = stats.rejection_to_release_us.lock().unwrap_or_else(|p| p.into_inner());
+        if v.len() < 65_536 {
+            v.push(us);
+        }
+    }
+    tracing::info!(p_request_id = %g.p_request_id, reason = %g.reason, ?outcome, "consumer gave up");
+    Message::Ack
 }
 
 #[cfg(test)]

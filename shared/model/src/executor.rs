@@ -163,6 +163,95 @@ pub(crate) fn effective_max_len(context_length: u32, options: &ModelOptions) -> 
     }
 }
 
+/// The index in `ropes` of the RoPE table for `base`, made on its first use (one table per
+/// distinct base: Gemma 3's local and global layers share two).
+fn rope_table_for(ropes: &mut Vec<RopeTable>, head_dim: usize, base: f32, max_len: usize) -> usize {
+    match ropes.iter().position(|r| r.base == base) {
+        Some(r) => r,
+        None => {
+            let (cos, sin) = rope_tables(head_dim, base, max_len);
+            ropes.push(RopeTable { base, cos, sin });
+            ropes.len() - 1
+        }
+    }
+}
+
+/// The weights of layer `i` (`blk.{i}.*`), with the pieces its recipe asks for.
+fn load_layer(
+    g: &mut GgufFile,
+    cfg: &ModelConfig,
+    i: usize,
+    rope: usize,
+    window: Option<usize>,
+) -> Result<Layer, ModelError> {
+    let (hd, h, f) = (cfg.head_dim, cfg.hidden, cfg.ffn_dim);
+    let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
+    let recipe = &cfg.recipe;
+    let p = format!("blk.{i}");
+    Ok(Layer {
+        attn_norm: norm_weights(g, &format!("{p}.attn_norm.weight"), h)?,
+        qkv: LinearSet::new(vec![
+            linear(g, &format!("{p}.attn_q.weight"), q_dim, h)?,
+            linear(g, &format!("{p}.attn_k.weight"), kv_dim, h)?,
+            linear(g, &format!("{p}.attn_v.weight"), kv_dim, h)?,
+        ]),
+        qkv_bias: if recipe.qkv_bias {
+            Some([
+                norm_weights(g, &format!("{p}.attn_q.bias"), q_dim)?,
+                norm_weights(g, &format!("{p}.attn_k.bias"), kv_dim)?,
+                norm_weights(g, &format!("{p}.attn_v.bias"), kv_dim)?,
+            ])
+        } else {
+            None
+        },
+        qk_norm: if recipe.qk_norm {
+            Some([
+                norm_weights(g, &format!("{p}.attn_q_norm.weight"), hd)?,
+                norm_weights(g, &format!("{p}.attn_k_norm.weight"), hd)?,
+            ])
+        } else {
+            None
+        },
+        wo: LinearSet::single(linear(g, &format!("{p}.attn_output.weight"), h, q_dim)?),
+        post_attn_norm: if recipe.post_norms {
+            Some(norm_weights(g, &format!("{p}.post_attention_norm.weight"), h)?)
+        } else {
+            None
+        },
+        ffn_norm: norm_weights(g, &format!("{p}.ffn_norm.weight"), h)?,
+        post_ffn_norm: if recipe.post_norms {
+            Some(norm_weights(g, &format!("{p}.post_ffw_norm.weight"), h)?)
+        } else {
+            None
+        },
+        rope,
+        window,
+        gate_up: LinearSet::new(vec![
+            linear(g, &format!("{p}.ffn_gate.weight"), f, h)?,
+            linear(g, &format!("{p}.ffn_up.weight"), f, h)?,
+        ]),
+        down: LinearSet::single(linear(g, &format!("{p}.ffn_down.weight"), h, f)?),
+    })
+}
+
+/// The weights a step streams, on huge pages (crate::hugemem) where they are wanted; on
+/// failure they stay where they are, with a warning.
+fn gather_on_huge_pages(output: &mut LinearSet, layers: &mut [Layer]) {
+    if !crate::hugemem::huge_pages_wanted() {
+        return;
+    }
+    let mut packed = output.packed_mut();
+    for l in layers {
+        packed.extend(l.qkv.packed_mut());
+        packed.extend(l.wo.packed_mut());
+        packed.extend(l.gate_up.packed_mut());
+        packed.extend(l.down.packed_mut());
+    }
+    if let Err(e) = crate::kernels::gather_weights(&mut packed) {
+        tracing::warn!(error = %e, "could not map the weights for huge pages; they stay on ordinary pages");
+    }
+}
+
 impl GgufExecutor {
     /// Load the weights of the GGUF file at `path` (and hash the file for
     /// [`ModelFacts::weights_id`]).
@@ -183,8 +272,7 @@ impl GgufExecutor {
         eos_token_ids: Vec<u32>,
     ) -> Result<Self, ModelError> {
         let cfg = crate::arch::model_config(g)?;
-        let (hd, h, f) = (cfg.head_dim, cfg.hidden, cfg.ffn_dim);
-        let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
+        let (hd, h) = (cfg.head_dim, cfg.hidden);
         let recipe = &cfg.recipe;
 
         let embd_q = g.tensor_with_dims("token_embd.weight", &[cfg.vocab_size, h])?;
@@ -201,74 +289,10 @@ impl GgufExecutor {
         let max_model_len = effective_max_len(cfg.context_length, options);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for (i, attn) in recipe.layers.iter().enumerate() {
-            let p = format!("blk.{i}");
-            let rope = match ropes.iter().position(|r| r.base == attn.rope_base) {
-                Some(r) => r,
-                None => {
-                    let (cos, sin) = rope_tables(hd, attn.rope_base, max_model_len as usize);
-                    ropes.push(RopeTable { base: attn.rope_base, cos, sin });
-                    ropes.len() - 1
-                }
-            };
-            layers.push(Layer {
-                attn_norm: norm_weights(g, &format!("{p}.attn_norm.weight"), h)?,
-                qkv: LinearSet::new(vec![
-                    linear(g, &format!("{p}.attn_q.weight"), q_dim, h)?,
-                    linear(g, &format!("{p}.attn_k.weight"), kv_dim, h)?,
-                    linear(g, &format!("{p}.attn_v.weight"), kv_dim, h)?,
-                ]),
-                qkv_bias: if recipe.qkv_bias {
-                    Some([
-                        norm_weights(g, &format!("{p}.attn_q.bias"), q_dim)?,
-                        norm_weights(g, &format!("{p}.attn_k.bias"), kv_dim)?,
-                        norm_weights(g, &format!("{p}.attn_v.bias"), kv_dim)?,
-                    ])
-                } else {
-                    None
-                },
-                qk_norm: if recipe.qk_norm {
-                    Some([
-                        norm_weights(g, &format!("{p}.attn_q_norm.weight"), hd)?,
-                        norm_weights(g, &format!("{p}.attn_k_norm.weight"), hd)?,
-                    ])
-                } else {
-                    None
-                },
-                wo: LinearSet::single(linear(g, &format!("{p}.attn_output.weight"), h, q_dim)?),
-                post_attn_norm: if recipe.post_norms {
-                    Some(norm_weights(g, &format!("{p}.post_attention_norm.weight"), h)?)
-                } else {
-                    None
-                },
-                ffn_norm: norm_weights(g, &format!("{p}.ffn_norm.weight"), h)?,
-                post_ffn_norm: if recipe.post_norms {
-                    Some(norm_weights(g, &format!("{p}.post_ffw_norm.weight"), h)?)
-                } else {
-                    None
-                },
-                rope,
-                window: attn.sliding_window,
-                gate_up: LinearSet::new(vec![
-                    linear(g, &format!("{p}.ffn_gate.weight"), f, h)?,
-                    linear(g, &format!("{p}.ffn_up.weight"), f, h)?,
-                ]),
-                down: LinearSet::single(linear(g, &format!("{p}.ffn_down.weight"), h, f)?),
-            });
+            let rope = rope_table_for(&mut ropes, hd, attn.rope_base, max_model_len as usize);
+            layers.push(load_layer(g, &cfg, i, rope, attn.sliding_window)?);
         }
-
-        // The weights a step streams, on huge pages (crate::hugemem).
-        if crate::hugemem::huge_pages_wanted() {
-            let mut packed = output.packed_mut();
-            for l in &mut layers {
-                packed.extend(l.qkv.packed_mut());
-                packed.extend(l.wo.packed_mut());
-                packed.extend(l.gate_up.packed_mut());
-                packed.extend(l.down.packed_mut());
-            }
-            if let Err(e) = crate::kernels::gather_weights(&mut packed) {
-                tracing::warn!(error = %e, "could not map the weights for huge pages; they stay on ordinary pages");
-            }
-        }
+        gather_on_huge_pages(&mut output, &mut layers);
 
         let facts = model_facts(&cfg, &g.path, max_model_len, eos_token_ids, weights_id);
         tracing::info!(name = %facts.name, arch = %cfg.arch, layers = cfg.n_layers, hidden = h, heads = cfg.n_heads,
@@ -305,181 +329,286 @@ impl GgufExecutor {
         plan: &[TokenPlan],
     ) -> Result<Vec<SampledToken>, ExecutorError> {
         let Self { cfg, embedding, layers, out_norm, output, mm, ropes, scratch: s, guide, facts } = self;
-        let n = plan.len();
-        let (h, hd) = (cfg.hidden, cfg.head_dim);
-        let (nh, nkv) = (cfg.n_heads, cfg.n_kv_heads);
-        let group = nh / nkv;
-        let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
         let bs = kv.spec().block_size as usize;
-        let recipe = &cfg.recipe;
-        let scale = recipe.attention_scale;
-        let rope_fn: fn(&mut [f32], &[f32], &[f32]) = match recipe.rope {
-            RopeLayout::Interleaved => rope_interleaved,
-            RopeLayout::Neox => rope_neox,
+        let slots = chunk_slots(chunks, bs);
+        let step = Step {
+            cfg,
+            chunks,
+            plan,
+            slots: &slots,
+            block_size: bs,
+            rope_fn: match cfg.recipe.rope {
+                RopeLayout::Interleaved => rope_interleaved,
+                RopeLayout::Neox => rope_neox,
+            },
         };
-
-        // Each chunk's cache slot per position (`block * bs + offset`), once per step: the
-        // attention of every layer and head reads keys through it (a division per key there
-        // cost more than the key's dot product).
-        let slots: Vec<Vec<usize>> = chunks
-            .iter()
-            .map(|c| {
-                let end = c.start_pos as usize + c.token_ids.len();
-                (0..end).map(|j| c.block_ids.get(j / bs).map_or(0, |&b| b as usize * bs + j % bs)).collect()
-            })
-            .collect();
-
-        // Embeddings of all tokens of the step, in chunk order.
-        s.x.clear();
-        s.x.resize(n * h, 0.0);
-        let ids = chunks.iter().flat_map(|c| c.token_ids.iter().copied());
-        for (row, id) in s.x.chunks_exact_mut(h).zip(ids) {
-            embedding.row_into(id as usize, row);
-        }
-        if let Some(k) = recipe.embedding_scale {
-            s.x.iter_mut().for_each(|v| *v *= k);
-        }
-
+        step.embed(embedding, &mut s.x);
         for (li, layer) in layers.iter().enumerate() {
-            // ---- attention
-            rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, &mut s.h);
-            layer.qkv.forward(&s.h, n, mm, &mut [&mut s.q, &mut s.k, &mut s.v])?;
-            if let Some([bq, bk, bv]) = &layer.qkv_bias {
-                for (x, b) in [(&mut s.q, bq), (&mut s.k, bk), (&mut s.v, bv)] {
-                    for row in x.chunks_exact_mut(b.len()) {
-                        add_in_place(row, b);
-                    }
-                }
-            }
-            if let Some([wq, wk]) = &layer.qk_norm {
-                rms_norm_in_place(&mut s.q, wq, cfg.rms_eps, &mut s.h);
-                rms_norm_in_place(&mut s.k, wk, cfg.rms_eps, &mut s.h);
-            }
-            let rope =
-                ropes.get(layer.rope).ok_or_else(|| ExecutorError::Model("layer without a RoPE table".into()))?;
-            for (t, tp) in plan.iter().enumerate() {
-                let cos = rope.cos.get(tp.pos * hd / 2..(tp.pos + 1) * hd / 2).unwrap_or(&[]);
-                let sin = rope.sin.get(tp.pos * hd / 2..(tp.pos + 1) * hd / 2).unwrap_or(&[]);
-                for head in s.q[t * q_dim..(t + 1) * q_dim].chunks_exact_mut(hd) {
-                    rope_fn(head, cos, sin);
-                }
-                for head in s.k[t * kv_dim..(t + 1) * kv_dim].chunks_exact_mut(hd) {
-                    rope_fn(head, cos, sin);
-                }
-            }
-
-            let (kc, vc) = kv.layer_kv_mut(li);
-            // Write K/V of every token into its slot (the plan checked block ids and tables).
-            for (t, tp) in plan.iter().enumerate() {
-                let c = &chunks[tp.chunk];
-                let block = c.block_ids[tp.pos / bs] as usize;
-                let off = (block * bs + tp.pos % bs) * kv_dim;
-                kc[off..off + kv_dim].copy_from_slice(&s.k[t * kv_dim..(t + 1) * kv_dim]);
-                vc[off..off + kv_dim].copy_from_slice(&s.v[t * kv_dim..(t + 1) * kv_dim]);
-            }
-            let (kc, vc) = (&*kc, &*vc);
-            // Causal attention of each token over its own request's positions `first..=pos`
-            // (`first` is 0 unless the layer slides a window), one (token, head) per work item
-            // (claimed dynamically: later tokens attend further).
-            s.attn.clear();
-            s.attn.resize(n * q_dim, 0.0);
-            let q = &s.q;
-            let window = layer.window;
-            let ok = mm.pool.par_chunks_mut(&mut s.attn, hd, |item, out| {
-                let (t, head) = (item / nh, item % nh);
-                let tp = &plan[t];
-                let slot = &slots[tp.chunk][..];
-                let g = head / group;
-                let first = window.map_or(0, |w| (tp.pos + 1).saturating_sub(w));
-                let key_off = |j: usize| (slot[j + first] * nkv + g) * hd;
-                attention::with_scores(tp.pos + 1 - first, |scores| {
-                    attention::attend_head(&q[item * hd..(item + 1) * hd], kc, vc, key_off, scale, scores, out);
-                });
-            });
-            if !ok {
-                return Err(ExecutorError::Model("attention worker panicked".into()));
-            }
-            layer.wo.forward(&s.attn, n, mm, &mut [&mut s.proj])?;
-            if let Some(w) = &layer.post_attn_norm {
-                rms_norm_in_place(&mut s.proj, w, cfg.rms_eps, &mut s.h);
-            }
-            add_in_place(&mut s.x, &s.proj);
-
-            // ---- MLP
-            rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, &mut s.h);
-            layer.gate_up.forward(&s.h, n, mm, &mut [&mut s.gate, &mut s.up])?;
-            // element-wise, so any split gives the same bits; one row per work item
-            let (up, ff) = (&s.up, cfg.ffn_dim);
-            let act: fn(&mut [f32], &[f32]) = match recipe.activation {
-                Activation::Silu => crate::simd::silu_mul,
-                Activation::GeluTanh => gelu_tanh_mul,
-            };
-            let ok = mm.pool.par_chunks_mut(&mut s.gate, ff, |c, g| act(g, &up[c * ff..][..g.len()]));
-            if !ok {
-                return Err(ExecutorError::Model("activation worker panicked".into()));
-            }
-            layer.down.forward(&s.gate, n, mm, &mut [&mut s.proj])?;
-            if let Some(w) = &layer.post_ffn_norm {
-                rms_norm_in_place(&mut s.proj, w, cfg.rms_eps, &mut s.h);
-            }
-            add_in_place(&mut s.x, &s.proj);
+            step.attention_block(layer, ropes, kv, li, mm, s)?;
+            step.mlp_block(layer, mm, s)?;
         }
 
         // ---- logits for the last token of every sampling chunk
-        let mut sampling_chunks = Vec::new();
-        s.last.clear();
-        let mut row_start = 0usize;
-        for c in chunks {
-            let len = c.token_ids.len();
-            if c.sample && len > 0 {
-                let last = row_start + len - 1;
-                s.last.extend_from_slice(&s.x[last * h..(last + 1) * h]);
-                sampling_chunks.push(c);
-            }
-            row_start += len;
-        }
+        let sampling_chunks = last_rows_of_sampling_chunks(chunks, cfg.hidden, &s.x, &mut s.last);
         if sampling_chunks.is_empty() {
             s.logits.clear();
             return Ok(Vec::new());
         }
-        let m = sampling_chunks.len();
         rms_norm(&s.last, out_norm, cfg.rms_eps, &mut s.h);
-        output.forward(&s.h, m, mm, &mut [&mut s.logits])?;
-        // Requests sample independently (a seeded draw depends only on the request's seed and
-        // output index), so they run on the pool: random sampling over a 49k vocabulary costs
-        // about as much as a decode token's attention.
-        let vocab = cfg.vocab_size;
-        let masks = crate::guided::masks(guide, &sampling_chunks);
+        output.forward(&s.h, sampling_chunks.len(), mm, &mut [&mut s.logits])?;
         let eos = facts.eos_token_ids.first().copied().unwrap_or(0);
-        let mut drawn: Vec<Option<Result<sampling::Sampled, sampling::SamplingError>>> = (0..m).map(|_| None).collect();
-        let (logits, chunks_ref, masks_ref) = (&s.logits, &sampling_chunks, &masks);
-        let ok = mm.pool.par_chunks_mut(&mut drawn, 1, |i, slot| {
-            if let (Some(row), Some(c), Some(slot)) =
-                (logits.get(i * vocab..(i + 1) * vocab), chunks_ref.get(i), slot.first_mut())
-            {
-                let mask = masks_ref.get(i).and_then(Option::as_ref);
-                *slot = Some(crate::guided::sample_masked(row, c, mask, eos));
+        sample_chunks(mm, guide, &s.logits, cfg.vocab_size, &sampling_chunks, eos)
+    }
+}
+
+/// What every layer of one step's forward pass shares: the step's chunks and token plan and
+/// the model's constants, borrowed (built once per step, so a layer allocates nothing).
+struct Step<'a> {
+    cfg: &'a ModelConfig,
+    chunks: &'a [ScheduledChunk],
+    plan: &'a [TokenPlan],
+    /// Each chunk's cache slot per position ([`chunk_slots`]).
+    slots: &'a [Vec<usize>],
+    block_size: usize,
+    /// The RoPE of the model's layout, chosen once per step.
+    rope_fn: fn(&mut [f32], &[f32], &[f32]),
+}
+
+/// Each chunk's cache slot per position (`block * bs + offset`), once per step: the attention
+/// of every layer and head reads keys through it (a division per key there cost more than the
+/// key's dot product).
+fn chunk_slots(chunks: &[ScheduledChunk], bs: usize) -> Vec<Vec<usize>> {
+    chunks
+        .iter()
+        .map(|c| {
+            let end = c.start_pos as usize + c.token_ids.len();
+            (0..end).map(|j| c.block_ids.get(j / bs).map_or(0, |&b| b as usize * bs + j % bs)).collect()
+        })
+        .collect()
+}
+
+impl Step<'_> {
+    /// Embeddings of all tokens of the step into `x`, in chunk order (scaled where the recipe
+    /// says so).
+    fn embed(&self, embedding: &Embedding, x: &mut Vec<f32>) {
+        let h = self.cfg.hidden;
+        x.clear();
+        x.resize(self.plan.len() * h, 0.0);
+        let ids = self.chunks.iter().flat_map(|c| c.token_ids.iter().copied());
+        for (row, id) in x.chunks_exact_mut(h).zip(ids) {
+            embedding.row_into(id as usize, row);
+        }
+        if let Some(k) = self.cfg.recipe.embedding_scale {
+            x.iter_mut().for_each(|v| *v *= k);
+        }
+    }
+
+    /// One layer's attention: Q/K/V of every token, its K/V into the cache, causal attention,
+    /// the output projection [→ RMSNorm], added to the residual `s.x`.
+    #[inline]
+    fn attention_block(
+        &self,
+        layer: &Layer,
+        ropes: &[RopeTable],
+        kv: &mut KvCache,
+        li: usize,
+        mm: &mut MatmulCtx,
+        s: &mut Scratch,
+    ) -> Result<(), ExecutorError> {
+        self.project_qkv(layer, ropes, mm, s)?;
+        let (kc, vc) = kv.layer_kv_mut(li);
+        self.write_kv(kc, vc, s);
+        self.attend(layer.window, kc, vc, mm, s)?;
+        layer.wo.forward(&s.attn, self.plan.len(), mm, &mut [&mut s.proj])?;
+        if let Some(w) = &layer.post_attn_norm {
+            rms_norm_in_place(&mut s.proj, w, self.cfg.rms_eps, &mut s.h);
+        }
+        add_in_place(&mut s.x, &s.proj);
+        Ok(())
+    }
+
+    /// RMSNorm → Q/K/V [+ biases] [→ per-head Q/K RMSNorm] → RoPE, into `s.q`, `s.k`, `s.v`.
+    #[inline]
+    fn project_qkv(
+        &self,
+        layer: &Layer,
+        ropes: &[RopeTable],
+        mm: &mut MatmulCtx,
+        s: &mut Scratch,
+    ) -> Result<(), ExecutorError> {
+        let cfg = self.cfg;
+        let (hd, q_dim, kv_dim) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
+        rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, &mut s.h);
+        layer.qkv.forward(&s.h, self.plan.len(), mm, &mut [&mut s.q, &mut s.k, &mut s.v])?;
+        if let Some([bq, bk, bv]) = &layer.qkv_bias {
+            for (x, b) in [(&mut s.q, bq), (&mut s.k, bk), (&mut s.v, bv)] {
+                for row in x.chunks_exact_mut(b.len()) {
+                    add_in_place(row, b);
+                }
             }
+        }
+        if let Some([wq, wk]) = &layer.qk_norm {
+            rms_norm_in_place(&mut s.q, wq, cfg.rms_eps, &mut s.h);
+            rms_norm_in_place(&mut s.k, wk, cfg.rms_eps, &mut s.h);
+        }
+        let rope = ropes.get(layer.rope).ok_or_else(|| ExecutorError::Model("layer without a RoPE table".into()))?;
+        let rope_fn = self.rope_fn;
+        for (t, tp) in self.plan.iter().enumerate() {
+            let cos = rope.cos.get(tp.pos * hd / 2..(tp.pos + 1) * hd / 2).unwrap_or(&[]);
+            let sin = rope.sin.get(tp.pos * hd / 2..(tp.pos + 1) * hd / 2).unwrap_or(&[]);
+            for head in s.q[t * q_dim..(t + 1) * q_dim].chunks_exact_mut(hd) {
+                rope_fn(head, cos, sin);
+            }
+            for head in s.k[t * kv_dim..(t + 1) * kv_dim].chunks_exact_mut(hd) {
+                rope_fn(head, cos, sin);
+            }
+        }
+        Ok(())
+    }
+
+    /// Write K/V of every token into its slot of the layer's cache (the plan checked block
+    /// ids and tables).
+    #[inline]
+    fn write_kv(&self, kc: &mut [f32], vc: &mut [f32], s: &Scratch) {
+        let (bs, kv_dim) = (self.block_size, self.cfg.kv_dim());
+        for (t, tp) in self.plan.iter().enumerate() {
+            let c = &self.chunks[tp.chunk];
+            let block = c.block_ids[tp.pos / bs] as usize;
+            let off = (block * bs + tp.pos % bs) * kv_dim;
+            kc[off..off + kv_dim].copy_from_slice(&s.k[t * kv_dim..(t + 1) * kv_dim]);
+            vc[off..off + kv_dim].copy_from_slice(&s.v[t * kv_dim..(t + 1) * kv_dim]);
+        }
+    }
+
+    /// Causal attention of each token over its own request's positions `first..=pos` (`first`
+    /// is 0 unless the layer slides a `window`), one (token, head) per work item (claimed
+    /// dynamically: later tokens attend further), into `s.attn`.
+    #[inline]
+    fn attend(
+        &self,
+        window: Option<usize>,
+        kc: &[f32],
+        vc: &[f32],
+        mm: &MatmulCtx,
+        s: &mut Scratch,
+    ) -> Result<(), ExecutorError> {
+        let cfg = self.cfg;
+        let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
+        let group = nh / nkv;
+        let scale = cfg.recipe.attention_scale;
+        let (plan, slots) = (self.plan, self.slots);
+        s.attn.clear();
+        s.attn.resize(plan.len() * cfg.q_dim(), 0.0);
+        let q = &s.q;
+        let ok = mm.pool.par_chunks_mut(&mut s.attn, hd, |item, out| {
+            let (t, head) = (item / nh, item % nh);
+            let tp = &plan[t];
+            let slot = &slots[tp.chunk][..];
+            let g = head / group;
+            let first = window.map_or(0, |w| (tp.pos + 1).saturating_sub(w));
+            let key_off = |j: usize| (slot[j + first] * nkv + g) * hd;
+            attention::with_scores(tp.pos + 1 - first, |scores| {
+                attention::attend_head(&q[item * hd..(item + 1) * hd], kc, vc, key_off, scale, scores, out);
+            });
         });
         if !ok {
-            return Err(ExecutorError::Model("sampling worker panicked".into()));
+            return Err(ExecutorError::Model("attention worker panicked".into()));
         }
-        let mut out = Vec::with_capacity(m);
-        for (c, sampled) in sampling_chunks.iter().zip(drawn) {
-            let sampled = sampled
-                .ok_or_else(|| ExecutorError::Model("a sampling row was not computed".into()))?
-                .map_err(|e| ExecutorError::Model(e.to_string()))?;
-            if c.sampling.guided.is_some() {
-                guide.commit(&c.request_id, sampled.token_id);
-            }
-            out.push(SampledToken {
-                request_id: c.request_id.clone(),
-                token_id: sampled.token_id,
-                logprobs: sampled.logprobs,
-            });
-        }
-        Ok(out)
+        Ok(())
     }
+
+    /// One layer's MLP: RMSNorm → SiLU- or GELU-gated gate/up → down [→ RMSNorm], added to the
+    /// residual `s.x`.
+    #[inline]
+    fn mlp_block(&self, layer: &Layer, mm: &mut MatmulCtx, s: &mut Scratch) -> Result<(), ExecutorError> {
+        let (cfg, n) = (self.cfg, self.plan.len());
+        rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, &mut s.h);
+        layer.gate_up.forward(&s.h, n, mm, &mut [&mut s.gate, &mut s.up])?;
+        // element-wise, so any split gives the same bits; one row per work item
+        let (up, ff) = (&s.up, cfg.ffn_dim);
+        let act: fn(&mut [f32], &[f32]) = match cfg.recipe.activation {
+            Activation::Silu => crate::simd::silu_mul,
+            Activation::GeluTanh => gelu_tanh_mul,
+        };
+        let ok = mm.pool.par_chunks_mut(&mut s.gate, ff, |c, g| act(g, &up[c * ff..][..g.len()]));
+        if !ok {
+            return Err(ExecutorError::Model("activation worker panicked".into()));
+        }
+        layer.down.forward(&s.gate, n, mm, &mut [&mut s.proj])?;
+        if let Some(w) = &layer.post_ffn_norm {
+            rms_norm_in_place(&mut s.proj, w, cfg.rms_eps, &mut s.h);
+        }
+        add_in_place(&mut s.x, &s.proj);
+        Ok(())
+    }
+}
+
+/// The chunks that sample (in order), with the hidden state of each one's last token copied
+/// from `x` into `last` (`[n_sampled, h]`).
+fn last_rows_of_sampling_chunks<'c>(
+    chunks: &'c [ScheduledChunk],
+    h: usize,
+    x: &[f32],
+    last: &mut Vec<f32>,
+) -> Vec<&'c ScheduledChunk> {
+    let mut sampling_chunks = Vec::new();
+    last.clear();
+    let mut row_start = 0usize;
+    for c in chunks {
+        let len = c.token_ids.len();
+        if c.sample && len > 0 {
+            let row = row_start + len - 1;
+            last.extend_from_slice(&x[row * h..(row + 1) * h]);
+            sampling_chunks.push(c);
+        }
+        row_start += len;
+    }
+    sampling_chunks
+}
+
+/// The token each sampling chunk draws from its row of `logits` (`[n_sampled, vocab]`),
+/// under its grammar's mask where it has one; the grammars advance by the drawn tokens.
+/// Requests sample independently (a seeded draw depends only on the request's seed and output
+/// index), so they run on the pool: random sampling over a 49k vocabulary costs about as much
+/// as a decode token's attention.
+fn sample_chunks(
+    mm: &MatmulCtx,
+    guide: &mut pdmesh_guided::Guide,
+    logits: &[f32],
+    vocab: usize,
+    sampling_chunks: &[&ScheduledChunk],
+    eos: u32,
+) -> Result<Vec<SampledToken>, ExecutorError> {
+    let m = sampling_chunks.len();
+    let masks = crate::guided::masks(guide, sampling_chunks);
+    let mut drawn: Vec<Option<Result<sampling::Sampled, sampling::SamplingError>>> = (0..m).map(|_| None).collect();
+    let masks_ref = &masks;
+    let ok = mm.pool.par_chunks_mut(&mut drawn, 1, |i, slot| {
+        if let (Some(row), Some(c), Some(slot)) =
+            (logits.get(i * vocab..(i + 1) * vocab), sampling_chunks.get(i), slot.first_mut())
+        {
+            let mask = masks_ref.get(i).and_then(Option::as_ref);
+            *slot = Some(crate::guided::sample_masked(row, c, mask, eos));
+        }
+    });
+    if !ok {
+        return Err(ExecutorError::Model("sampling worker panicked".into()));
+    }
+    let mut out = Vec::with_capacity(m);
+    for (c, sampled) in sampling_chunks.iter().zip(drawn) {
+        let sampled = sampled
+            .ok_or_else(|| ExecutorError::Model("a sampling row was not computed".into()))?
+            .map_err(|e| ExecutorError::Model(e.to_string()))?;
+        if c.sampling.guided.is_some() {
+            guide.commit(&c.request_id, sampled.token_id);
+        }
+        out.push(SampledToken {
+            request_id: c.request_id.clone(),
+            token_id: sampled.token_id,
+            logprobs: sampled.logprobs,
+        });
+    }
+    Ok(out)
 }
 
 impl Executor for GgufExecutor {

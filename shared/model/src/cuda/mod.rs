@@ -592,20 +592,57 @@ impl CudaLlamaExecutor {
         chunks: &[ScheduledChunk],
         plan: &[crate::executor::TokenPlan],
     ) -> Result<Vec<SampledToken>, ExecutorError> {
-        let n = plan.len();
         let spec = *host.spec();
         let dev = self.kv.as_ref().ok_or_else(|| ExecutorError::Model("cuda: no KV cache".into()))?;
         let (kv_ptrs, resident) = (dev.layer_ptrs()?, dev.resident);
-        let cfg = self.cfg.clone();
-        let (h, hd, nh, nkv) = (cfg.hidden, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
-        let kv_dim = nkv * hd;
         let bs = spec.block_size as usize;
-        let scale = (1.0 / (hd as f64).sqrt()) as f32;
+        let n_layers = self.cfg.n_layers;
 
-        // Host-side step description: embeddings, positions, slots, block tables.
-        let mut x_host = vec![0f32; n * h];
+        let layout = self.host_layout(chunks, plan, bs)?;
+        let (mut x, mut step) = self.upload_step(&layout, plan.len(), bs)?;
+        // K/V of this step's tokens per layer, copied to the host cache at the end.
+        let mut new_k = Vec::with_capacity(n_layers);
+        let mut new_v = Vec::with_capacity(n_layers);
+        for li in 0..n_layers {
+            // The layer's K and V in the cache region: raw device addresses, passed to the
+            // kernels exactly as a `CudaSlice`'s own address is (every launch is on the one
+            // default stream, so no event tracking is lost).
+            let kv_ptr =
+                kv_ptrs.get(li).copied().ok_or_else(|| ExecutorError::Model(format!("cuda: no layer {li}")))?;
+            let (k, v) = self.run_layer(li, &mut x, &mut step, kv_ptr)?;
+            if !resident {
+                new_k.push(k);
+                new_v.push(v);
+            }
+        }
+        let result = self.sample_last_tokens(chunks, &x)?;
+
+        if resident {
+            // The step's K/V is in the region only when its kernels have run: wait for them
+            // before reporting the step done, as the mirrored mode's copies back to the host
+            // do. The scheduler starts a P hold, and D reads, only after a step is reported
+            // done; without this only a step that samples (its logits copy waits) would
+            // guarantee that, and a kernel fault would surface in a later step.
+            self.stream.synchronize().map_err(exec_err)?;
+            return Ok(result);
+        }
+        self.mirror_kv_to_host(host, &new_k, &new_v, &layout.slot)?;
+        self.record_writers(chunks, plan, bs);
+        Ok(result)
+    }
+
+    /// The step's layout on the host: every token's embedding, position and cache slot, each
+    /// chunk's block table (concatenated) and where it starts, and the longest sequence.
+    fn host_layout(
+        &self,
+        chunks: &[ScheduledChunk],
+        plan: &[crate::executor::TokenPlan],
+        bs: usize,
+    ) -> Result<HostLayout, ExecutorError> {
+        let (n, h) = (plan.len(), self.cfg.hidden);
+        let mut x = vec![0f32; n * h];
         let ids = chunks.iter().flat_map(|c| c.token_ids.iter().copied());
-        for (row, id) in x_host.chunks_exact_mut(h).zip(ids) {
+        for (row, id) in x.chunks_exact_mut(h).zip(ids) {
             self.embedding.row_into(id as usize, row);
         }
         let mut tables: Vec<i32> = Vec::new();
@@ -625,48 +662,85 @@ impl CudaLlamaExecutor {
             bt_off.push(chunk_table_off[tp.chunk]);
             max_len = max_len.max(tp.pos + 1);
         }
+        Ok(HostLayout { x, tables, pos, slot, bt_off, max_len })
+    }
+
+    /// The step's activations (the embeddings) and layout on the device, with the attention's
+    /// score buffer and the kernels' size arguments.
+    fn upload_step(
+        &self,
+        layout: &HostLayout,
+        n: usize,
+        bs: usize,
+    ) -> Result<(CudaSlice<f32>, DeviceStep), ExecutorError> {
+        let cfg = &self.cfg;
+        let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
         let st = &self.stream;
-        let mut x = st.clone_htod(&x_host).map_err(exec_err)?;
-        let pos_d = st.clone_htod(&pos).map_err(exec_err)?;
-        let slot_d = st.clone_htod(&slot).map_err(exec_err)?;
-        let bt_off_d = st.clone_htod(&bt_off).map_err(exec_err)?;
-        let tables_d = st.clone_htod(&tables).map_err(exec_err)?;
-        let mut scores = self.alloc::<f32>(n * nh * max_len)?;
-        // K/V of this step's tokens per layer, copied to the host cache at the end.
-        let mut new_k = Vec::with_capacity(cfg.n_layers);
-        let mut new_v = Vec::with_capacity(cfg.n_layers);
+        let x = st.clone_htod(&layout.x).map_err(exec_err)?;
+        let pos = st.clone_htod(&layout.pos).map_err(exec_err)?;
+        let slot = st.clone_htod(&layout.slot).map_err(exec_err)?;
+        let bt_off = st.clone_htod(&layout.bt_off).map_err(exec_err)?;
+        let tables = st.clone_htod(&layout.tables).map_err(exec_err)?;
+        let scores = self.alloc::<f32>(n * nh * layout.max_len)?;
+        let step = DeviceStep {
+            tokens: n,
+            pos,
+            slot,
+            bt_off,
+            tables,
+            scores,
+            n: to_i32(n)?,
+            nh: to_i32(nh)?,
+            nkv: to_i32(nkv)?,
+            hd: to_i32(hd)?,
+            bs: to_i32(bs)?,
+            kv_dim: to_i32(nkv * hd)?,
+            stride: to_i32(layout.max_len)?,
+            scale: (1.0 / (hd as f64).sqrt()) as f32,
+        };
+        Ok((x, step))
+    }
 
-        let (ni, nhi, nkvi, hdi, bsi, kvdi, stride) =
-            (to_i32(n)?, to_i32(nh)?, to_i32(nkv)?, to_i32(hd)?, to_i32(bs)?, to_i32(kv_dim)?, to_i32(max_len)?);
-        for li in 0..cfg.n_layers {
-            let layer = &self.layers[li];
-            let hn = self.rms_norm(&x, &layer.attn_norm, n)?;
-            let [mut q, mut k, v] = self.matmuls([&layer.wq, &layer.wk, &layer.wv], &hn, n, h)?;
-            launch!(self, self.kernels.rope, grid(n * nh * hd / 2); &mut q, &ni, &nhi, &hdi, &pos_d, &self.rope_cos, &self.rope_sin)?;
-            launch!(self, self.kernels.rope, grid(n * nkv * hd / 2); &mut k, &ni, &nkvi, &hdi, &pos_d, &self.rope_cos, &self.rope_sin)?;
-            // The layer's K and V in the cache region: raw device addresses, passed to the
-            // kernels exactly as a `CudaSlice`'s own address is (every launch is on the one
-            // default stream, so no event tracking is lost).
-            let (kc, vc) =
-                kv_ptrs.get(li).copied().ok_or_else(|| ExecutorError::Model(format!("cuda: no layer {li}")))?;
-            launch!(self, self.kernels.kv_write, grid(n * kv_dim); &k, &v, &ni, &kvdi, &slot_d, &kc, &vc)?;
-            let mut attn = self.alloc::<f32>(n * nh * hd)?;
-            launch!(self, self.kernels.attention, grid(n * nh); &q, &kc, &vc, &ni, &nhi, &nkvi, &hdi, &bsi, &pos_d, &bt_off_d, &tables_d, &scale, &mut scores, &stride, &mut attn)?;
-            if !resident {
-                new_k.push(k);
-                new_v.push(v);
-            }
-            let [proj] = self.matmuls([&layer.wo], &attn, n, nh * hd)?;
-            self.add(&mut x, &proj, n * h)?;
-            let hn = self.rms_norm(&x, &layer.ffn_norm, n)?;
-            let [mut gate, upv] = self.matmuls([&layer.gate, &layer.up], &hn, n, h)?;
-            let nf = to_i32(n * cfg.ffn_dim)?;
-            launch!(self, self.kernels.silu_mul, grid(n * cfg.ffn_dim); &mut gate, &upv, &nf)?;
-            let [proj] = self.matmuls([&layer.down], &gate, n, cfg.ffn_dim)?;
-            self.add(&mut x, &proj, n * h)?;
-        }
+    /// Layer `li` over the step's activations `x`: attention (its K/V written into the cache
+    /// at `kv_ptr`, the layer's K and V addresses) and MLP, each added to `x`. Returns the
+    /// layer's K and V of the step's tokens, for the host mirror.
+    fn run_layer(
+        &self,
+        li: usize,
+        x: &mut CudaSlice<f32>,
+        d: &mut DeviceStep,
+        (kc, vc): (u64, u64),
+    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>), ExecutorError> {
+        let cfg = &self.cfg;
+        let (n, h, hd, nh, nkv) = (d.tokens, cfg.hidden, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
+        let kv_dim = nkv * hd;
+        let layer = &self.layers[li];
+        let hn = self.rms_norm(x, &layer.attn_norm, n)?;
+        let [mut q, mut k, v] = self.matmuls([&layer.wq, &layer.wk, &layer.wv], &hn, n, h)?;
+        launch!(self, self.kernels.rope, grid(n * nh * hd / 2); &mut q, &d.n, &d.nh, &d.hd, &d.pos, &self.rope_cos, &self.rope_sin)?;
+        launch!(self, self.kernels.rope, grid(n * nkv * hd / 2); &mut k, &d.n, &d.nkv, &d.hd, &d.pos, &self.rope_cos, &self.rope_sin)?;
+        launch!(self, self.kernels.kv_write, grid(n * kv_dim); &k, &v, &d.n, &d.kv_dim, &d.slot, &kc, &vc)?;
+        let mut attn = self.alloc::<f32>(n * nh * hd)?;
+        launch!(self, self.kernels.attention, grid(n * nh); &q, &kc, &vc, &d.n, &d.nh, &d.nkv, &d.hd, &d.bs, &d.pos, &d.bt_off, &d.tables, &d.scale, &mut d.scores, &d.stride, &mut attn)?;
+        let [proj] = self.matmuls([&layer.wo], &attn, n, nh * hd)?;
+        self.add(x, &proj, n * h)?;
+        let hn = self.rms_norm(x, &layer.ffn_norm, n)?;
+        let [mut gate, upv] = self.matmuls([&layer.gate, &layer.up], &hn, n, h)?;
+        let nf = to_i32(n * cfg.ffn_dim)?;
+        launch!(self, self.kernels.silu_mul, grid(n * cfg.ffn_dim); &mut gate, &upv, &nf)?;
+        let [proj] = self.matmuls([&layer.down], &gate, n, cfg.ffn_dim)?;
+        self.add(x, &proj, n * h)?;
+        Ok((k, v))
+    }
 
-        // Logits of the last token of every sampling chunk.
+    /// Logits of the last token of every sampling chunk (kept in `self.logits`, empty when no
+    /// chunk samples) and the tokens drawn from them, under each grammar's mask.
+    fn sample_last_tokens(
+        &mut self,
+        chunks: &[ScheduledChunk],
+        x: &CudaSlice<f32>,
+    ) -> Result<Vec<SampledToken>, ExecutorError> {
+        let (h, vocab) = (self.cfg.hidden, self.cfg.vocab_size);
         let mut last_rows = Vec::new();
         let mut sampling_chunks = Vec::new();
         let mut row_start = 0usize;
@@ -678,45 +752,43 @@ impl CudaLlamaExecutor {
             }
             row_start += len;
         }
-        let result = if sampling_chunks.is_empty() {
+        if sampling_chunks.is_empty() {
             self.logits.clear();
-            Vec::new()
-        } else {
-            let m = last_rows.len();
-            let idx = self.stream.clone_htod(&last_rows).map_err(exec_err)?;
-            let mut last = self.alloc::<f32>(m * h)?;
-            let (mi, hi) = (to_i32(m)?, to_i32(h)?);
-            launch!(self, self.kernels.gather_rows, grid(m * h); &x, &idx, &mi, &hi, &mut last)?;
-            let hn = self.rms_norm(&last, &self.out_norm, m)?;
-            let [logits] = self.matmuls([&self.output], &hn, m, h)?;
-            self.logits = self.stream.clone_dtoh(&logits).map_err(exec_err)?;
-            let vocab = cfg.vocab_size;
-            let masks = crate::guided::masks(&mut self.guide, &sampling_chunks);
-            let eos = self.facts.eos_token_ids.first().copied().unwrap_or(0);
-            let mut out = Vec::with_capacity(m);
-            for ((c, row), mask) in sampling_chunks.iter().zip(self.logits.chunks_exact(vocab)).zip(&masks) {
-                let s = crate::guided::sample_masked(row, c, mask.as_ref(), eos)
-                    .map_err(|e| ExecutorError::Model(e.to_string()))?;
-                if c.sampling.guided.is_some() {
-                    self.guide.commit(&c.request_id, s.token_id);
-                }
-                out.push(SampledToken { request_id: c.request_id.clone(), token_id: s.token_id, logprobs: s.logprobs });
-            }
-            out
-        };
-
-        if resident {
-            // The step's K/V is in the region only when its kernels have run: wait for them
-            // before reporting the step done, as the mirrored mode's copies back to the host
-            // do. The scheduler starts a P hold, and D reads, only after a step is reported
-            // done; without this only a step that samples (its logits copy waits) would
-            // guarantee that, and a kernel fault would surface in a later step.
-            self.stream.synchronize().map_err(exec_err)?;
-            return Ok(result);
+            return Ok(Vec::new());
         }
-        // Mirror this step's K/V into the host cache (what transfer backends read), and record
-        // which request wrote each block.
-        for (li, (k, v)) in new_k.iter().zip(&new_v).enumerate() {
+        let m = last_rows.len();
+        let idx = self.stream.clone_htod(&last_rows).map_err(exec_err)?;
+        let mut last = self.alloc::<f32>(m * h)?;
+        let (mi, hi) = (to_i32(m)?, to_i32(h)?);
+        launch!(self, self.kernels.gather_rows, grid(m * h); x, &idx, &mi, &hi, &mut last)?;
+        let hn = self.rms_norm(&last, &self.out_norm, m)?;
+        let [logits] = self.matmuls([&self.output], &hn, m, h)?;
+        self.logits = self.stream.clone_dtoh(&logits).map_err(exec_err)?;
+        let masks = crate::guided::masks(&mut self.guide, &sampling_chunks);
+        let eos = self.facts.eos_token_ids.first().copied().unwrap_or(0);
+        let mut out = Vec::with_capacity(m);
+        for ((c, row), mask) in sampling_chunks.iter().zip(self.logits.chunks_exact(vocab)).zip(&masks) {
+            let s = crate::guided::sample_masked(row, c, mask.as_ref(), eos)
+                .map_err(|e| ExecutorError::Model(e.to_string()))?;
+            if c.sampling.guided.is_some() {
+                self.guide.commit(&c.request_id, s.token_id);
+            }
+            out.push(SampledToken { request_id: c.request_id.clone(), token_id: s.token_id, logprobs: s.logprobs });
+        }
+        Ok(out)
+    }
+
+    /// Mirrored mode: copy this step's K/V (`new_k`, `new_v`, one per layer) into the host
+    /// cache, what transfer backends read, at each token's `slot`.
+    fn mirror_kv_to_host(
+        &self,
+        host: &mut KvCache,
+        new_k: &[CudaSlice<f32>],
+        new_v: &[CudaSlice<f32>],
+        slot: &[i32],
+    ) -> Result<(), ExecutorError> {
+        let kv_dim = self.cfg.n_kv_heads * self.cfg.head_dim;
+        for (li, (k, v)) in new_k.iter().zip(new_v).enumerate() {
             let k_host = self.stream.clone_dtoh(k).map_err(exec_err)?;
             let v_host = self.stream.clone_dtoh(v).map_err(exec_err)?;
             let (kc, vc) = host.layer_kv_mut(li);
@@ -726,7 +798,13 @@ impl CudaLlamaExecutor {
                 vc[off..off + kv_dim].copy_from_slice(&v_host[t * kv_dim..(t + 1) * kv_dim]);
             }
         }
-        let Some(dev) = self.kv.as_mut() else { return Ok(result) };
+        Ok(())
+    }
+
+    /// Mirrored mode: record which request wrote each block this step wrote, so a later read
+    /// by another request uploads it from the host cache first.
+    fn record_writers(&mut self, chunks: &[ScheduledChunk], plan: &[crate::executor::TokenPlan], bs: usize) {
+        let Some(dev) = self.kv.as_mut() else { return };
         for tp in plan {
             let c = &chunks[tp.chunk];
             if let Some(w) = dev.writer.get_mut(c.block_ids[tp.pos / bs] as usize) {
@@ -735,8 +813,45 @@ impl CudaLlamaExecutor {
                 }
             }
         }
-        Ok(result)
     }
+}
+
+/// A step's layout on the host ([`CudaLlamaExecutor::host_layout`]): what its device copies
+/// are made from.
+struct HostLayout {
+    /// Every token's embedding, `[n, hidden]`.
+    x: Vec<f32>,
+    /// Every chunk's block table, concatenated.
+    tables: Vec<i32>,
+    /// Every token's position.
+    pos: Vec<i32>,
+    /// Every token's cache slot (`block * block_size + offset`).
+    slot: Vec<i32>,
+    /// Where each token's chunk's table starts in `tables`.
+    bt_off: Vec<i32>,
+    /// The longest sequence of the step (the attention scores' row stride).
+    max_len: usize,
+}
+
+/// A step's layout on the device and the size arguments every layer's kernels take
+/// ([`CudaLlamaExecutor::upload_step`]).
+struct DeviceStep {
+    /// The step's token count (`n` as a `usize`).
+    tokens: usize,
+    pos: CudaSlice<i32>,
+    slot: CudaSlice<i32>,
+    bt_off: CudaSlice<i32>,
+    tables: CudaSlice<i32>,
+    /// The attention's scratch, `[n, n_heads, stride]`, reused by every layer.
+    scores: CudaSlice<f32>,
+    n: i32,
+    nh: i32,
+    nkv: i32,
+    hd: i32,
+    bs: i32,
+    kv_dim: i32,
+    stride: i32,
+    scale: f32,
 }
 
 impl Executor for CudaLlamaExecutor {
