@@ -284,81 +284,19 @@ pub fn check_unhonoured(endpoint: Endpoint, extra: &serde_json::Map<String, Valu
     Ok(())
 }
 
-/// Validate the shared sampling fields. `vocab_size` bounds stop token ids.
+/// Validate the shared sampling fields. `vocab_size` bounds stop token ids. Each field is
+/// checked in vLLM's order (the first refusal names its field), a group of them a function.
 pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<ValidatedParams, ApiError> {
     let n = choices(input.n)?;
-    let temperature = input.temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::invalid(format!("temperature must be in [0, 2], got {temperature}."), "temperature"));
-    }
-    let top_p = input.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::invalid(format!("top_p must be in (0, 1], got {top_p}."), "top_p"));
-    }
-    let top_k = match input.top_k.unwrap_or(0) {
-        -1 | 0 => 0,
-        k if k >= 1 => u32::try_from(k).unwrap_or(u32::MAX),
-        k => {
-            return Err(ApiError::invalid(format!("top_k must be -1 or 0 (disable), or at least 1, got {k}."), "top_k"))
-        }
-    };
-    let requested_max_tokens = match input.max_tokens {
-        None => None,
-        Some(m) if m >= 1 => Some(u32::try_from(m).unwrap_or(u32::MAX)),
-        Some(m) => {
-            let p = input.max_tokens_param;
-            return Err(ApiError::invalid(format!("{p} must be at least 1, got {m}."), p));
-        }
-    };
-    // vLLM's bounds: OpenAI's [-2, 2] for presence and frequency, any positive repetition
-    let presence_penalty = input.presence_penalty.unwrap_or(0.0);
-    if !(-2.0..=2.0).contains(&presence_penalty) {
-        return Err(ApiError::invalid(
-            format!("presence_penalty must be in [-2, 2], got {presence_penalty}."),
-            "presence_penalty",
-        ));
-    }
-    let frequency_penalty = input.frequency_penalty.unwrap_or(0.0);
-    if !(-2.0..=2.0).contains(&frequency_penalty) {
-        return Err(ApiError::invalid(
-            format!("frequency_penalty must be in [-2, 2], got {frequency_penalty}."),
-            "frequency_penalty",
-        ));
-    }
-    let repetition_penalty = input.repetition_penalty.unwrap_or(1.0);
-    if !(repetition_penalty > 0.0 && repetition_penalty.is_finite()) {
-        return Err(ApiError::invalid(
-            format!("repetition_penalty must be a finite number greater than zero, got {repetition_penalty}."),
-            "repetition_penalty",
-        ));
-    }
+    let (temperature, top_p, top_k) = sampling_knobs(input)?;
+    let requested_max_tokens = requested_max_tokens(input)?;
+    let (presence_penalty, frequency_penalty, repetition_penalty) = penalties(input)?;
     let logit_bias = match input.logit_bias {
         None => Vec::new(),
         Some(map) => logit_bias(map, vocab_size)?,
     };
-    let min_tokens = match input.min_tokens.unwrap_or(0) {
-        m if m < 0 => {
-            return Err(ApiError::invalid(format!("min_tokens must be at least 0, got {m}."), "min_tokens"));
-        }
-        m => u32::try_from(m).unwrap_or(u32::MAX),
-    };
-    if let Some(max) = requested_max_tokens.filter(|&max| min_tokens > max) {
-        return Err(ApiError::invalid(
-            format!("min_tokens must be less than or equal to {} ({max}), got {min_tokens}.", input.max_tokens_param),
-            "min_tokens",
-        ));
-    }
-    let stream = input.stream.unwrap_or(false);
-    if input.stream_options.is_some() && !stream {
-        return Err(ApiError::invalid("Stream options can only be defined when `stream=True`.", "stream_options"));
-    }
-    if input.stream_options.and_then(|o| o.continuous_usage_stats) == Some(true) {
-        return Err(ApiError::invalid(
-            "`stream_options.continuous_usage_stats` is not supported by this server; use `include_usage`.",
-            "stream_options.continuous_usage_stats",
-        ));
-    }
-    let include_usage = input.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+    let min_tokens = min_tokens(input, requested_max_tokens)?;
+    let (stream, include_usage) = stream_settings(input)?;
     let stop = stop_strings(input.stop)?;
     let stop_token_ids = match input.stop_token_ids {
         None => Vec::new(),
@@ -401,6 +339,98 @@ pub fn validate_params(input: &SamplingInput<'_>, vocab_size: u32) -> Result<Val
         echo: None,
     })
     .and_then(one_choice_per_prefill)
+}
+
+/// `temperature` in [0, 2], `top_p` in (0, 1], `top_k` -1/0 (off) or at least 1.
+fn sampling_knobs(input: &SamplingInput<'_>) -> Result<(f64, f64, u32), ApiError> {
+    let temperature = input.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ApiError::invalid(format!("temperature must be in [0, 2], got {temperature}."), "temperature"));
+    }
+    let top_p = input.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid(format!("top_p must be in (0, 1], got {top_p}."), "top_p"));
+    }
+    let top_k = match input.top_k.unwrap_or(0) {
+        -1 | 0 => 0,
+        k if k >= 1 => u32::try_from(k).unwrap_or(u32::MAX),
+        k => {
+            return Err(ApiError::invalid(format!("top_k must be -1 or 0 (disable), or at least 1, got {k}."), "top_k"))
+        }
+    };
+    Ok((temperature, top_p, top_k))
+}
+
+/// The `max_tokens` the client asked for (named by the field it came from), at least 1.
+fn requested_max_tokens(input: &SamplingInput<'_>) -> Result<Option<u32>, ApiError> {
+    match input.max_tokens {
+        None => Ok(None),
+        Some(m) if m >= 1 => Ok(Some(u32::try_from(m).unwrap_or(u32::MAX))),
+        Some(m) => {
+            let p = input.max_tokens_param;
+            Err(ApiError::invalid(format!("{p} must be at least 1, got {m}."), p))
+        }
+    }
+}
+
+/// Presence, frequency and repetition penalties within vLLM's bounds: OpenAI's [-2, 2] for the
+/// first two, any finite positive repetition penalty.
+fn penalties(input: &SamplingInput<'_>) -> Result<(f64, f64, f64), ApiError> {
+    let presence_penalty = input.presence_penalty.unwrap_or(0.0);
+    if !(-2.0..=2.0).contains(&presence_penalty) {
+        return Err(ApiError::invalid(
+            format!("presence_penalty must be in [-2, 2], got {presence_penalty}."),
+            "presence_penalty",
+        ));
+    }
+    let frequency_penalty = input.frequency_penalty.unwrap_or(0.0);
+    if !(-2.0..=2.0).contains(&frequency_penalty) {
+        return Err(ApiError::invalid(
+            format!("frequency_penalty must be in [-2, 2], got {frequency_penalty}."),
+            "frequency_penalty",
+        ));
+    }
+    let repetition_penalty = input.repetition_penalty.unwrap_or(1.0);
+    if !(repetition_penalty > 0.0 && repetition_penalty.is_finite()) {
+        return Err(ApiError::invalid(
+            format!("repetition_penalty must be a finite number greater than zero, got {repetition_penalty}."),
+            "repetition_penalty",
+        ));
+    }
+    Ok((presence_penalty, frequency_penalty, repetition_penalty))
+}
+
+/// `min_tokens`, at least 0 and at most the requested `max_tokens`.
+fn min_tokens(input: &SamplingInput<'_>, requested_max_tokens: Option<u32>) -> Result<u32, ApiError> {
+    let min_tokens = match input.min_tokens.unwrap_or(0) {
+        m if m < 0 => {
+            return Err(ApiError::invalid(format!("min_tokens must be at least 0, got {m}."), "min_tokens"));
+        }
+        m => u32::try_from(m).unwrap_or(u32::MAX),
+    };
+    if let Some(max) = requested_max_tokens.filter(|&max| min_tokens > max) {
+        return Err(ApiError::invalid(
+            format!("min_tokens must be less than or equal to {} ({max}), got {min_tokens}.", input.max_tokens_param),
+            "min_tokens",
+        ));
+    }
+    Ok(min_tokens)
+}
+
+/// `stream` and `stream_options.include_usage` (options only with a stream; continuous usage
+/// is not served).
+fn stream_settings(input: &SamplingInput<'_>) -> Result<(bool, bool), ApiError> {
+    let stream = input.stream.unwrap_or(false);
+    if input.stream_options.is_some() && !stream {
+        return Err(ApiError::invalid("Stream options can only be defined when `stream=True`.", "stream_options"));
+    }
+    if input.stream_options.and_then(|o| o.continuous_usage_stats) == Some(true) {
+        return Err(ApiError::invalid(
+            "`stream_options.continuous_usage_stats` is not supported by this server; use `include_usage`.",
+            "stream_options.continuous_usage_stats",
+        ));
+    }
+    Ok((stream, input.stream_options.and_then(|o| o.include_usage).unwrap_or(false)))
 }
 
 /// OpenAI `logit_bias`: token id (a decimal string) → bias in [-100, 100], ids below the
