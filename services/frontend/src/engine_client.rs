@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use pdmesh_protocol::{
-    AbortRequests, EngineOutput, EngineRequest, Envelope, FinishReason, Hello, MeshStats, Message as WireMessage,
-    NodeReadiness, ServiceKind, TraceContext,
+    AbortRequests, EngineOutput, EngineRequest, Envelope, Hello, MeshStats, Message as WireMessage, NodeReadiness,
+    ServiceKind, TraceContext,
 };
 use pdmesh_transport::{connect_dealer, LinkConfig, LinkEvent, LinkHandle, PullEvent, TransportError};
 use tokio::sync::mpsc;
@@ -431,17 +431,7 @@ impl EngineClient {
     fn fail(&mut self, entries: Vec<(String, InFlight)>, message: &str) {
         let mut outgoing = Outgoing::default();
         for (request_id, entry) in entries {
-            let output = EngineOutput {
-                request_id,
-                new_token_ids: Vec::new(),
-                new_logprobs: None,
-                finish_reason: Some(FinishReason::Error),
-                stop_token_id: None,
-                kv_transfer_params: None,
-                num_external_tokens: 0,
-                num_cached_tokens: 0,
-                error: Some(message.to_string()),
-            };
+            let output = EngineOutput::failed(request_id, message);
             match &entry.inbox {
                 Some(inbox) => outgoing.push(inbox, Delivery { tx: entry.tx, ticket: entry.ticket, output }),
                 // A full buffer gets no error output, but the dropped sender ends the stream.

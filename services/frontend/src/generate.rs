@@ -451,25 +451,32 @@ async fn collect_choices(
     let mut response = match settings.api {
         Api::Completion => {
             let mut body = completion_body(&settings, first.text, &first.logprobs, &first.finish, usage, None);
-            for (index, c) in (1u32..).zip(bodies) {
-                let mut choice = completion_body(&settings, c.text, &c.logprobs, &c.finish, usage, None).choices;
-                choice.iter_mut().for_each(|ch| ch.index = index);
-                body.choices.extend(choice);
-            }
+            let more = bodies.map(|c| completion_body(&settings, c.text, &c.logprobs, &c.finish, usage, None).choices);
+            body.choices.extend(numbered_from_one(more, |choice, index| choice.index = index));
             HttpResponse::Ok().json(body)
         }
         Api::Chat => {
             let mut body = chat_body(&settings, first.text, &first.logprobs, &first.finish, usage, None);
-            for (index, c) in (1u32..).zip(bodies) {
-                let mut choice = chat_body(&settings, c.text, &c.logprobs, &c.finish, usage, None).choices;
-                choice.iter_mut().for_each(|ch| ch.index = index);
-                body.choices.extend(choice);
-            }
+            let more = bodies.map(|c| chat_body(&settings, c.text, &c.logprobs, &c.finish, usage, None).choices);
+            body.choices.extend(numbered_from_one(more, |choice, index| choice.index = index));
             HttpResponse::Ok().json(body)
         }
     };
     set_request_id(&mut response, &settings.request_id);
     Ok(response)
+}
+
+/// Choices 1.. of an `n > 1` answer (each body built as if alone, so with index 0), given the
+/// index of their place in the answer.
+fn numbered_from_one<C>(bodies: impl Iterator<Item = Vec<C>>, set_index: impl Fn(&mut C, u32)) -> Vec<C> {
+    let mut out = Vec::new();
+    for (index, choices) in (1u32..).zip(bodies) {
+        for mut choice in choices {
+            set_index(&mut choice, index);
+            out.push(choice);
+        }
+    }
+    out
 }
 
 fn completion_body(
