@@ -17,10 +17,14 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{complete, metric, pdmesh_bin, reserve_ports, scaleout_topology, Mesh};
+use common::{complete, metric, pdmesh_bin, reserve_ports, topo, Mesh, TopologyExt};
 
-const SETTINGS: &str =
-    "model = { kind = \"synthetic\", per_token_cost_us = 200 }\nengine = { block_size = 4, num_blocks = 512 }";
+/// Every node: the synthetic model at 200 µs a token, 512 blocks of 4 tokens.
+fn settings(n: &mut topo::NodeConfig) {
+    n.model.per_token_cost_us = 200;
+    n.engine.block_size = 4;
+    n.engine.num_blocks = 512;
+}
 const SECRET: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 const EXIT_CONFIG: i32 = 78;
 
@@ -69,10 +73,10 @@ fn refused(topology: &Path, run_dir: &Path, args: &[&str], secret: Option<&str>)
 #[test]
 fn three_up_processes_serve_one_scaleout_mesh() {
     let (r1, r2) = (reserve_ports(), reserve_ports());
-    let run_dir = std::env::temp_dir().join(format!("pdmesh-scaleout-{}-{}", std::process::id(), r1.0));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let (text, ports) = scaleout_topology(&run_dir, r1, r2, SETTINGS, "");
+    let run_dir = common::fresh_run_dir("pdmesh-scaleout", r1.0);
+    let (mut t, ports) = topo::scaleout(r1, r2);
+    t.run_dir = run_dir.clone();
+    let text = t.all_nodes(settings).text();
     // connector-worker `/metrics` of each P (rank 0)
     let p_worker_metrics = [r1.1 + 20 + 112, r2.1 + 20 + 112];
     let topo = run_dir.join("scaleout.toml");
@@ -107,7 +111,7 @@ fn three_up_processes_serve_one_scaleout_mesh() {
         reqwest::blocking::get(format!("http://127.0.0.1:{}/health", ports.router))
             .is_ok_and(|r| r.status().is_success())
     });
-    let colocated = Mesh::start(SETTINGS, "", &[]);
+    let colocated = Mesh::start_one(settings);
 
     // Each process keeps its own table, listing its own nodes only.
     for (file, nodes) in [
