@@ -138,25 +138,6 @@ impl std::fmt::Display for LaunchError {
 
 impl std::error::Error for LaunchError {}
 
-/// What a mesh can be started from: a [`Topology`] (built with [`crate::topology`]), or TOML
-/// text, read through `pdmesh-config` (so it is checked against the schema all the same), for
-/// a test that has not moved to the builders yet.
-pub trait IntoTopology {
-    fn into_topology(self) -> Topology;
-}
-
-impl IntoTopology for Topology {
-    fn into_topology(self) -> Topology {
-        self
-    }
-}
-
-impl IntoTopology for String {
-    fn into_topology(self) -> Topology {
-        Topology::from_toml(&self).unwrap_or_else(|e| panic!("{e}\n{self}"))
-    }
-}
-
 /// A running mesh; stopped (SIGTERM, then kill) on drop.
 #[derive(Debug)]
 pub struct Mesh {
@@ -217,7 +198,7 @@ impl Mesh {
     /// port it uses must derive from those two (http_port + 0..8, base_port + 0..240).
     /// `engine_ports(http_port)` are the HTTP ports of the nodes that have engines (checked for
     /// readiness); `http_port` of the returned mesh is the first node's.
-    pub fn start_nodes<T: IntoTopology>(nodes: impl Fn(u16, u16) -> T, engine_ports: impl Fn(u16) -> Vec<u16>) -> Mesh {
+    pub fn start_nodes(nodes: impl Fn(u16, u16) -> Topology, engine_ports: impl Fn(u16) -> Vec<u16>) -> Mesh {
         Self::start_nodes_with(nodes, engine_ports, &UpOptions::default())
     }
 
@@ -226,8 +207,8 @@ impl Mesh {
     /// Our listening ports lie inside Linux's ephemeral range, so a client socket of anything
     /// on the machine may hold one for a moment. A mesh whose process could not bind is
     /// stopped and started again on the next ports (up to 4 tries).
-    pub fn start_nodes_with<T: IntoTopology>(
-        nodes: impl Fn(u16, u16) -> T,
+    pub fn start_nodes_with(
+        nodes: impl Fn(u16, u16) -> Topology,
         engine_ports: impl Fn(u16) -> Vec<u16>,
         options: &UpOptions,
     ) -> Mesh {
@@ -241,7 +222,7 @@ impl Mesh {
                 ready: engine_ports(http_port).into_iter().map(Ready::Node).collect(),
                 options: options.clone(),
             };
-            match Self::launch(nodes(http_port, base_port).into_topology(), launch) {
+            match Self::launch(nodes(http_port, base_port), launch) {
                 Ok(mesh) => return mesh,
                 Err(e) if attempt < 3 && e.port_clash() => {
                     eprintln!("mesh on ports {http_port}/{base_port}: a port was taken; retrying on others");
@@ -266,7 +247,7 @@ impl Mesh {
     /// node on `engine_ports` is ready; `http_port` is the first node's. Panics when it does
     /// not come up.
     pub fn start_in(
-        topology: impl IntoTopology,
+        topology: Topology,
         run_dir: &Path,
         file: &str,
         (http_port, base_port): (u16, u16),
@@ -281,7 +262,7 @@ impl Mesh {
             ready: engine_ports.iter().copied().map(Ready::Node).collect(),
             options: options.clone(),
         };
-        Self::launch(topology.into_topology(), launch).unwrap_or_else(|e| panic!("mesh not ready: {e}"))
+        Self::launch(topology, launch).unwrap_or_else(|e| panic!("mesh not ready: {e}"))
     }
 
     /// Whether some process of the mesh failed to bind its port.
