@@ -84,6 +84,8 @@ pub struct UpOptions {
     pub ready_within: Option<Duration>,
     /// The binary (default [`pdmesh_bin`]).
     pub bin: Option<PathBuf>,
+    /// The file in the run dir that gets `pdmesh up`'s stderr (default `up.log`).
+    pub log: Option<String>,
 }
 
 impl UpOptions {
@@ -161,11 +163,20 @@ impl Mesh {
         Topology::from_toml(&text).map_err(|e| err(format!("{e}\n{text}")))?;
         let path = launch.run_dir.join(&launch.file);
         std::fs::write(&path, text).map_err(|e| err(format!("writing {}: {e}", path.display())))?;
+        Self::launch_file(&path, launch)
+    }
+
+    /// Start `pdmesh up` on the topology file at `path` as it is (several `pdmesh up --node`
+    /// processes sharing one file and run dir) and wait until every node of `launch.ready` is
+    /// ready (none: return at once); `launch.file` is not used.
+    pub fn launch_file(path: &Path, launch: Launch) -> Result<Mesh, LaunchError> {
+        let err = |message: String| LaunchError { mesh: None, message };
         let o = &launch.options;
         let bin = o.bin.clone().unwrap_or_else(pdmesh_bin);
-        let log = std::fs::File::create(launch.run_dir.join("up.log")).map_err(|e| err(format!("up.log: {e}")))?;
+        let log_name = o.log.as_deref().unwrap_or("up.log");
+        let log = std::fs::File::create(launch.run_dir.join(log_name)).map_err(|e| err(format!("{log_name}: {e}")))?;
         let mut cmd = Command::new(&bin);
-        cmd.arg("up").arg("--topology").arg(&path).args(&o.args);
+        cmd.arg("up").arg("--topology").arg(path).args(&o.args);
         for k in &o.env_remove {
             cmd.env_remove(k);
         }
