@@ -70,54 +70,26 @@ mesh_ports() {
 # P_FAULT / D_FAULT (fault_injection per node), P_THREADS / D_THREADS (model.threads, real model),
 # CPU_NICE (model.cpu_nice of every real-model node, the colocated ones too; default: the
 # config's, D71), LIMITS (keys of every node's `limits` table, e.g. `request_deadline_s = 60`).
-# model_line: the `model = {...}` line of a node for MODEL (and COST_US).
-model_line() { # [THREADS]: the real model's forward-pass threads (default: every core)
+# The topology is printed by `pdmesh-load topology pd`, from the typed builders the tests use
+# (pdmesh-test-support), so it cannot drift from the config schema.
+# model_args: the `pdmesh-load topology` flags of MODEL (and COST_US, CPU_NICE).
+model_args() {
   if [[ "${MODEL:-synthetic}" == gguf ]]; then
-    echo "model = { kind = \"gguf\", path = \"\"${1:+, threads = $1}${CPU_NICE:+, cpu_nice = $CPU_NICE} }"
+    echo "--model gguf${CPU_NICE:+ --cpu-nice $CPU_NICE}"
   else
-    echo "model = { kind = \"synthetic\", name = \"pdmesh-synthetic\", per_token_cost_us = ${COST_US:-20} }"
+    echo "--model synthetic --model-name pdmesh-synthetic --cost-us ${COST_US:-20}"
   fi
 }
 
 write_topology() {
-  local p_model d_model blocks=4096 limits=""
-  [[ -n "${LIMITS:-}" ]] && limits="limits = { $LIMITS }"
-  p_model=$(model_line "${P_THREADS:-}")
-  d_model=$(model_line "${D_THREADS:-}")
-  # 720 KiB per block for SmolLM2-135M: 512 blocks (8192 tokens) is 360 MiB per rank.
-  [[ "${MODEL:-synthetic}" == gguf ]] && blocks=512
-  cat >"$1" <<EOF
-run_dir = "$RUN_DIR"
-
-[[nodes]]
-name = "router"
-role = "router"
-http_port = $HTTP_PORT
-base_port = $BASE_PORT
-router = { prefill = ["$P_URL"], decode = ["$D_URL"]${ROUTER_EXTRA:+, $ROUTER_EXTRA} }
-$limits
-
-[[nodes]]
-name = "p"
-role = "prefill"
-http_port = $((HTTP_PORT + 1))
-base_port = $((BASE_PORT + 200))
-$p_model
-engine = { block_size = 16, num_blocks = ${P_BLOCKS:-$blocks}, max_model_len = ${P_MAX_LEN:-8192}, max_num_seqs = 128 }
-kv_transfer = { kv_role = "kv_producer", side_channel_port = $SIDE_PORT, data_port = $((SIDE_PORT + 2)), hold_mode = "${HOLD_MODE:-lease}", kv_lease_duration_s = ${LEASE_S:-5}, abort_request_timeout_s = ${HOLD_S:-480}, fault_injection = "${P_FAULT:-}" }
-$limits
-
-[[nodes]]
-name = "d"
-role = "decode"
-http_port = $((HTTP_PORT + 2))
-base_port = $((BASE_PORT + 400))
-dp_size = ${D_RANKS:-1}
-$d_model
-engine = { block_size = 16, num_blocks = ${D_BLOCKS:-$blocks}, max_model_len = ${D_MAX_LEN:-2048}, max_num_seqs = 128 }
-kv_transfer = { kv_role = "kv_consumer", side_channel_port = $((SIDE_PORT + 5)), data_port = $((SIDE_PORT + 7)), kv_load_failure_policy = "${POLICY:-fail}", rejection_notices = ${NOTICES:-true}, fault_injection = "${D_FAULT:-}" }
-$limits
-EOF
+  # shellcheck disable=SC2046 # model_args is a word list
+  "$LOAD" topology pd --run-dir "$RUN_DIR" --http-port "$HTTP_PORT" --base-port "$BASE_PORT" \
+    --side-port "$SIDE_PORT" $(model_args) ${P_THREADS:+--p-threads "$P_THREADS"} \
+    ${D_THREADS:+--d-threads "$D_THREADS"} ${P_BLOCKS:+--p-blocks "$P_BLOCKS"} ${D_BLOCKS:+--d-blocks "$D_BLOCKS"} \
+    --p-max-len "${P_MAX_LEN:-8192}" --d-max-len "${D_MAX_LEN:-2048}" --d-ranks "${D_RANKS:-1}" \
+    --hold-mode "${HOLD_MODE:-lease}" --lease-s "${LEASE_S:-5}" --hold-s "${HOLD_S:-480}" \
+    --notices "${NOTICES:-true}" --policy "${POLICY:-fail}" --p-fault "${P_FAULT:-}" --d-fault "${D_FAULT:-}" \
+    --router-extra "${ROUTER_EXTRA:-}" --limits "${LIMITS:-}" >"$1"
 }
 
 wait_engines() { # URL SECONDS: until /debug/engines lists an engine

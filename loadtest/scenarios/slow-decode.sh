@@ -33,38 +33,9 @@ OUT="$RESULTS_DIR/$SCENARIO"
 rm -rf "$OUT"
 mkdir -p "$OUT"
 
-topology() { # DIR FAULT
-  local dir=$1 fault=$2 base=$((20000 + (HTTP - 13000) * 10))
-  local model="model = { kind = \"synthetic\", per_step_cost_us = $STEP_US, per_token_cost_us = 100 }"
-  local engine="engine = { block_size = 16, num_blocks = 1024, max_num_seqs = 64 }"
-  local p="[\"http://127.0.0.1:$((HTTP + 1))\", \"http://127.0.0.1:$((HTTP + 2))\"]"
-  local d="[\"http://127.0.0.1:$((HTTP + 3))\", \"http://127.0.0.1:$((HTTP + 4))\"]"
-  node() { # NAME ROLE HTTP BASE KV_ROLE SIDE EXTRA
-    cat <<N
-[[nodes]]
-name = "$1"
-role = "$2"
-http_port = $3
-base_port = $4
-${model%\}*}$7 }
-$engine
-kv_transfer = { kv_role = "$5", engine_id = "$1", backend = "tcp", side_channel_port = $6, data_port = $(($6 + 2)) }
-
-N
-  }
-  {
-    echo "run_dir = \"$dir\""
-    printf '[[nodes]]\nname = "router-ll"\nrole = "router"\nhttp_port = %s\nbase_port = %s\nrouter = { prefill = %s, decode = %s, policy = "least_loaded" }\n\n' \
-      "$HTTP" "$base" "$p" "$d"
-    printf '[[nodes]]\nname = "router-rr"\nrole = "router"\nhttp_port = %s\nbase_port = %s\nrouter = { prefill = %s, decode = %s, policy = "round_robin" }\n\n' \
-      "$((HTTP + 5))" "$((base + 20))" "$p" "$d"
-    printf '[[nodes]]\nname = "router-p2"\nrole = "router"\nhttp_port = %s\nbase_port = %s\nrouter = { prefill = %s, decode = %s, policy = "power_of_two" }\n\n' \
-      "$((HTTP + 6))" "$((base + 40))" "$p" "$d"
-    node prefill-a prefill $((HTTP + 1)) $((base + 200)) kv_producer $((HTTP + 5000)) ""
-    node prefill-b prefill $((HTTP + 2)) $((base + 400)) kv_producer $((HTTP + 5010)) ""
-    node decode-a decode $((HTTP + 3)) $((base + 600)) kv_consumer $((HTTP + 5020)) ""
-    node decode-b decode $((HTTP + 4)) $((base + 800)) kv_consumer $((HTTP + 5030)) "$fault"
-  } >"$dir/topology.toml"
+topology() { # DIR DELAY_MS: the mesh, decode-b's steps delayed by DELAY_MS (0: not at all)
+  "$LOAD" topology slow-decode --run-dir "$1" --http-port "$HTTP" --base-port $((20000 + (HTTP - 13000) * 10)) \
+    --step-us "$STEP_US" --delay-ms "$2" >"$1/topology.toml"
 }
 
 # idle_nodes: every P and D holds and uses no KV block (by /debug/kv) within 30 s.
@@ -96,9 +67,9 @@ for ((run = 1; run <= RUNS; run++)); do
   log "run $run of $RUNS: load average $(loadavg) (1 min)"
   for phase in healthy slowed; do
     dir="$(mktemp -d "${TMPDIR:-/tmp}/pdmesh-slow-decode.XXXXXX")"
-    fault=""
-    [[ $phase == slowed ]] && fault=", fault_injection = \"step_delay_ms=$DELAY_MS\""
-    topology "$dir" "$fault"
+    delay=0
+    [[ $phase == slowed ]] && delay=$DELAY_MS
+    topology "$dir" "$delay"
     RUST_LOG="${RUST_LOG:-warn}" PDMESH_RUN_DIR="$dir" "$PDMESH" up --topology "$dir/topology.toml" >"$dir/up.out" 2>"$dir/up.log" &
     up=$!
     for port in $((HTTP + 1)) $((HTTP + 2)) $((HTTP + 3)) $((HTTP + 4)); do

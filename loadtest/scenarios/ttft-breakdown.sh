@@ -25,17 +25,9 @@ start_mesh pd
 
 COLO_URL="http://127.0.0.1:$((HTTP_PORT + 3))"
 COLO_DIR="$(mktemp -d "${TMPDIR:-/tmp}/pdmesh-scenario-colocated.XXXXXX")"
-cat >"$COLO_DIR/topology.toml" <<TOML
-run_dir = "$COLO_DIR"
-
-[[nodes]]
-name = "colocated"
-role = "colocated"
-http_port = $((HTTP_PORT + 3))
-base_port = $((BASE_PORT + 600))
-$(model_line)
-engine = { block_size = 16, num_blocks = 512, max_model_len = 8192, max_num_seqs = 128 }
-TOML
+# shellcheck disable=SC2046 # model_args is a word list
+"$LOAD" topology colocated --run-dir "$COLO_DIR" --http-port $((HTTP_PORT + 3)) --base-port $((BASE_PORT + 600)) \
+  $(model_args) >"$COLO_DIR/topology.toml"
 PDMESH_RUN_DIR="$COLO_DIR" "$PDMESH" up --topology "$COLO_DIR/topology.toml" \
   >"$COLO_DIR/up.out" 2>"$COLO_DIR/up.log" &
 COLO_PID=$!

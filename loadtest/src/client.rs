@@ -6,6 +6,9 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use tokio::sync::Mutex;
 
+use pdmesh_test_support::topology::Topology;
+use pdmesh_test_support::{Launch, Mesh, Ready, UpOptions};
+
 use crate::stats::{summarize, RunResult};
 
 /// The pdmesh binary: `given`, else the one next to this program.
@@ -16,59 +19,42 @@ pub fn pdmesh_binary(given: Option<&std::path::Path>) -> anyhow::Result<std::pat
     })
 }
 
-/// Start `pdmesh up` on `topology` with its run dir and log filter; killed when dropped.
-pub fn spawn_mesh(
+/// Start `topology` with pdmesh-test-support's launcher (the tests' own), on a blocking
+/// thread: written as `file` into `run_dir`, `pdmesh up` with `RUST_LOG=rust_log`, waiting up
+/// to `limit` for each of `ready` in turn (a node: healthy with its engines connected; a
+/// router: every upstream healthy). Stopped (SIGTERM, then kill) when dropped; see
+/// [`stop_mesh`].
+pub async fn start_mesh(
     pdmesh: &std::path::Path,
-    topology: &std::path::Path,
+    topology: Topology,
     run_dir: &std::path::Path,
+    file: &str,
     rust_log: &str,
-) -> anyhow::Result<tokio::process::Child> {
-    use anyhow::Context as _;
-    tokio::process::Command::new(pdmesh)
-        .arg("up")
-        .arg("--topology")
-        .arg(topology)
-        .env("PDMESH_RUN_DIR", run_dir)
-        .env("RUST_LOG", rust_log)
-        .env("NO_COLOR", "1")
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {}", pdmesh.display()))
+    ready: Vec<Ready>,
+    limit: Duration,
+) -> anyhow::Result<Mesh> {
+    let (http_port, base_port) = topology.nodes.first().map(|n| (n.http_port, n.base_port)).unwrap_or_default();
+    let launch = Launch {
+        run_dir: run_dir.to_path_buf(),
+        file: file.to_string(),
+        http_port,
+        base_port,
+        ready,
+        options: UpOptions {
+            env: vec![("NO_COLOR".into(), "1".into())],
+            rust_log: Some(rust_log.to_string()),
+            ready_within: Some(limit),
+            bin: Some(pdmesh.to_path_buf()),
+            ..Default::default()
+        },
+    };
+    tokio::task::spawn_blocking(move || Mesh::launch(topology, launch).map_err(|e| anyhow::anyhow!("mesh: {e}")))
+        .await?
 }
 
-pub async fn wait_ready(url: &str, limit: Duration) -> anyhow::Result<()> {
-    let client = reqwest::Client::new();
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if let Ok(r) = client.get(format!("{url}/debug/engines")).send().await {
-            if let Ok(v) = r.json::<serde_json::Value>().await {
-                if v["engines"].as_array().is_some_and(|a| !a.is_empty()) {
-                    return Ok(());
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    anyhow::bail!("{url} not ready within {limit:?}")
-}
-
-/// Wait until the router at `url` says every upstream is healthy (`/health` status `ready`,
-/// not `degraded`); a router has no `/debug/engines` of its own for [`wait_ready`].
-pub async fn wait_router_ready(url: &str, limit: Duration) -> anyhow::Result<()> {
-    let client = reqwest::Client::new();
-    let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
-        if let Ok(r) = client.get(format!("{url}/health")).send().await {
-            if let Ok(v) = r.json::<serde_json::Value>().await {
-                if v["status"] == "ready" {
-                    return Ok(());
-                }
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    anyhow::bail!("router {url} not ready within {limit:?}")
+/// SIGTERM the mesh's `pdmesh up` and wait up to `limit` for it to exit (then kill it).
+pub async fn stop_mesh(mut mesh: Mesh, limit: Duration) {
+    let _ = tokio::task::spawn_blocking(move || mesh.terminate(limit)).await;
 }
 
 /// `(sum, count)` of `pdmesh_engine_step_seconds` from a Prometheus text page.

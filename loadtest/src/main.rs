@@ -12,11 +12,14 @@ mod offload;
 mod rejections;
 mod report;
 mod stats;
+mod topology_cmd;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+use pdmesh_test_support::topology::{self, NodeExt as _};
+use pdmesh_test_support::Ready;
 
 #[derive(Parser)]
 #[command(name = "pdmesh-load", version, about = "Load generator and benchmarks for pdmesh")]
@@ -49,6 +52,12 @@ enum Cmd {
     /// side-channel peers that send bulky frames and never read, and a handshake flood of
     /// ZeroMQ connections; a JSON report of what each attacker sent and got.
     Hostile(hostile::HostileArgs),
+    /// Print a topology of the load-test scenarios, from the typed builders the tests use
+    /// (pdmesh-test-support); `normalize FILE` prints a file as pdmesh reads it.
+    Topology {
+        #[command(subcommand)]
+        shape: topology_cmd::TopologyCmd,
+    },
 }
 
 #[derive(Args, Clone)]
@@ -85,6 +94,9 @@ struct OverheadArgs {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Cmd::Topology { shape } = cli.command {
+        return topology_cmd::run(shape);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     match cli.command {
         Cmd::Run(a) => rt.block_on(load::run(*a)),
@@ -93,6 +105,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Offload(a) => rt.block_on(offload::run(a)),
         Cmd::Multiturn(a) => rt.block_on(multiturn::run(a)),
         Cmd::Hostile(a) => rt.block_on(hostile::run(a)),
+        Cmd::Topology { .. } => Ok(()),
     }
 }
 
@@ -105,15 +118,23 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&run_dir)?;
     let port = 18900 + (std::process::id() % 500) as u16;
     let base = 26000 + (std::process::id() % 500) as u16 * 10;
-    let topo = format!(
-        "run_dir = {:?}\n[[nodes]]\nname = \"main\"\nhttp_port = {port}\nbase_port = {base}\n[nodes.model]\nkind = \"synthetic\"\n[nodes.engine]\nnum_blocks = 16384\nmax_num_seqs = 512\nmax_num_batched_tokens = 8192\nmax_model_len = 4096\n",
-        run_dir.display().to_string()
-    );
-    let topo_path = run_dir.join("overhead.toml");
-    std::fs::write(&topo_path, topo)?;
-    let mut up = client::spawn_mesh(&pdmesh, &topo_path, &run_dir, "warn")?;
+    let topo = topology::topology([topology::colocated("main", port, base).synthetic(0).engine(|e| {
+        e.num_blocks = 16384;
+        e.max_num_seqs = 512;
+        e.max_num_batched_tokens = 8192;
+        e.max_model_len = 4096;
+    })]);
     let url = format!("http://127.0.0.1:{port}");
-    client::wait_ready(&url, Duration::from_secs(60)).await?;
+    let mesh = client::start_mesh(
+        &pdmesh,
+        topo,
+        &run_dir,
+        "overhead.toml",
+        "warn",
+        vec![Ready::Node(port)],
+        Duration::from_secs(60),
+    )
+    .await?;
     let engine_metrics = format!("http://127.0.0.1:{}/metrics", base + 110);
 
     let mut rows = Vec::new();
@@ -149,11 +170,7 @@ async fn overhead(a: OverheadArgs) -> anyhow::Result<()> {
     if let Some(out) = &a.out {
         std::fs::write(out, serde_json::to_string_pretty(&report)?)?;
     }
-    let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(up.id().unwrap_or(0) as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    );
-    let _ = tokio::time::timeout(Duration::from_secs(20), up.wait()).await;
+    client::stop_mesh(mesh, Duration::from_secs(20)).await;
     let _ = std::fs::remove_dir_all(&run_dir);
     Ok(())
 }

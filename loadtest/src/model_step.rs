@@ -13,6 +13,8 @@
 //! per streamed token at `--frontend-streams`, set against the real step time per token at
 //! that load. The other services' CPU per token is reported beside it.
 
+use pdmesh_test_support::topology::{self, NodeExt as _};
+use pdmesh_test_support::Ready;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -163,19 +165,24 @@ pub async fn run(a: OverheadArgs) -> anyhow::Result<()> {
     let streams = a.concurrency.iter().copied().chain([a.frontend_streams]).max().unwrap_or(1);
     let max_model_len = ((a.prompt_tokens as u32 + a.max_tokens + 64).div_ceil(BLOCK_SIZE) * BLOCK_SIZE).max(128);
     let num_blocks = (max_model_len / BLOCK_SIZE) * streams as u32 + 64;
-    let topo = format!(
-        "run_dir = {rd:?}\n[[nodes]]\nname = \"main\"\nhttp_port = {port}\nbase_port = {base}\n\
-         model = {{ kind = \"gguf\", path = {model:?} }}\n\
-         engine = {{ block_size = {BLOCK_SIZE}, num_blocks = {num_blocks}, max_num_seqs = {seqs}, max_num_batched_tokens = 2048, max_model_len = {max_model_len} }}\n",
-        rd = run_dir.display().to_string(),
-        model = model.display().to_string(),
-        seqs = streams.max(8),
-    );
-    let topo_path = run_dir.join("model-step.toml");
-    std::fs::write(&topo_path, &topo)?;
-    let mut up = client::spawn_mesh(&pdmesh, &topo_path, &run_dir, "warn")?;
+    let topo = topology::topology([topology::colocated("main", port, base).gguf(&model).engine(|e| {
+        e.block_size = BLOCK_SIZE;
+        e.num_blocks = num_blocks;
+        e.max_num_seqs = streams.max(8) as u32;
+        e.max_num_batched_tokens = 2048;
+        e.max_model_len = max_model_len;
+    })]);
+    let mesh = client::start_mesh(
+        &pdmesh,
+        topo,
+        &run_dir,
+        "model-step.toml",
+        "warn",
+        vec![Ready::Node(port)],
+        Duration::from_secs(180),
+    )
+    .await?;
     let url = format!("http://127.0.0.1:{port}");
-    client::wait_ready(&url, Duration::from_secs(180)).await?;
     let engine = format!("http://127.0.0.1:{}/metrics", base + 110);
     let worker = format!("http://127.0.0.1:{}/metrics", base + 112);
     // Warm-up: the model's first passes and the connections.
@@ -264,11 +271,7 @@ pub async fn run(a: OverheadArgs) -> anyhow::Result<()> {
     if let Some(out) = &a.out {
         std::fs::write(out, &text)?;
     }
-    let _ = nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(up.id().unwrap_or(0) as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    );
-    let _ = tokio::time::timeout(Duration::from_secs(20), up.wait()).await;
+    client::stop_mesh(mesh, Duration::from_secs(20)).await;
     let _ = std::fs::remove_dir_all(&run_dir);
     Ok(())
 }

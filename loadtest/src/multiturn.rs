@@ -25,6 +25,10 @@
 //! `usage.prompt_tokens_details.cached_tokens` summed, and how many answers differ from the
 //! `off` mesh (greedy: none should).
 
+use pdmesh_test_support::topology::{
+    self, KvLoadFailurePolicy, KvRole, NodeConfig, NodeExt as _, NodeRole, RoutingPolicy, Topology,
+};
+use pdmesh_test_support::Ready;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -107,57 +111,62 @@ struct Mesh {
 /// Ops ports start at `base_port + 100`; rank 0's worker is at `+112` (as `offload` uses).
 const WORKER_OPS_OFFSET: u16 = 112;
 
-fn topology(a: &MultiturnArgs, run_dir: &std::path::Path, http: u16, base: u16, side: u16) -> (String, Vec<Mesh>) {
-    let model = match &a.model {
-        Some(p) => format!("model = {{ kind = \"gguf\", path = {:?} }}", p.display().to_string()),
-        None => format!("model = {{ kind = \"synthetic\", per_token_cost_us = {} }}", a.per_token_cost_us),
+fn topology(a: &MultiturnArgs, http: u16, base: u16, side: u16) -> (Topology, Vec<Mesh>) {
+    let with_model = |n: NodeConfig| match &a.model {
+        Some(p) => n.gguf(p),
+        None => n.synthetic(a.per_token_cost_us),
     };
-    let mut topo = format!("run_dir = {:?}\n", run_dir.display().to_string());
+    let mut nodes = Vec::new();
     let mut meshes = Vec::new();
     for (v, variant) in a.variants.iter().enumerate() {
         let caching = variant != "off";
         let policy = match variant.as_str() {
-            "rr" => "round_robin",
-            "aware" => "cache_aware",
-            _ => "least_loaded",
+            "rr" => RoutingPolicy::RoundRobin,
+            "aware" => RoutingPolicy::CacheAware,
+            _ => RoutingPolicy::LeastLoaded,
         };
-        // A cache-aware router tokenises prompts with the nodes' own model.
-        let router_model = if policy == "cache_aware" { format!("{model}\n") } else { String::new() };
-        let engine = format!(
-            "engine = {{ block_size = {BLOCK_SIZE}, num_blocks = {}, max_num_seqs = 32, max_num_batched_tokens = 1024, max_model_len = 4096, enable_prefix_caching = {caching} }}",
-            a.num_blocks
-        );
         let h = http + (v as u16) * 10;
         let b = base + (v as u16) * 1000;
         let s = side + (v as u16) * 10;
-        let p_urls = [format!("http://127.0.0.1:{}", h + 1), format!("http://127.0.0.1:{}", h + 2)];
-        let d_urls = [format!("http://127.0.0.1:{}", h + 3), format!("http://127.0.0.1:{}", h + 4)];
-        topo.push_str(&format!(
-            "\n[[nodes]]\nname = \"router-{variant}\"\nrole = \"router\"\nhttp_port = {h}\nbase_port = {b}\n{router_model}router = {{ prefill = {p_urls:?}, decode = {d_urls:?}, policy = \"{policy}\" }}\n"
-        ));
+        let p_urls = [topology::url(h + 1), topology::url(h + 2)];
+        let d_urls = [topology::url(h + 3), topology::url(h + 4)];
+        let router = topology::router(&format!("router-{variant}"), h, b, &p_urls, &d_urls).policy(policy);
+        // A cache-aware router tokenises prompts with the nodes' own model.
+        nodes.push(if policy == RoutingPolicy::CacheAware { with_model(router) } else { router });
         let mut workers = Vec::new();
         let mut decode_workers = Vec::new();
         for (i, (role, suffix)) in
-            [("prefill", "pa"), ("prefill", "pb"), ("decode", "da"), ("decode", "db")].iter().enumerate()
+            [(NodeRole::Prefill, "pa"), (NodeRole::Prefill, "pb"), (NodeRole::Decode, "da"), (NodeRole::Decode, "db")]
+                .into_iter()
+                .enumerate()
         {
+            let name = format!("{variant}-{suffix}");
             let node_base = b + 200 * (i as u16 + 1);
-            let kv_role = if *role == "prefill" { "kv_producer" } else { "kv_consumer" };
-            let policy = if *role == "decode" { ", kv_load_failure_policy = \"recompute\"" } else { "" };
-            topo.push_str(&format!(
-                "\n[[nodes]]\nname = \"{variant}-{suffix}\"\nrole = \"{role}\"\nhttp_port = {}\nbase_port = {node_base}\n{model}\n{engine}\n\
-                 kv_transfer = {{ kv_role = \"{kv_role}\", engine_id = \"{variant}-{suffix}\", backend = \"shm\", side_channel_port = {}{policy} }}\n",
-                h + 1 + i as u16,
-                s + i as u16,
-            ));
+            let decode = role == NodeRole::Decode;
+            let mut kv = topology::kv_defaults(if decode { KvRole::KvConsumer } else { KvRole::KvProducer });
+            kv.engine_id = name.clone();
+            kv.side_channel_port = s + i as u16;
+            if decode {
+                kv.kv_load_failure_policy = KvLoadFailurePolicy::Recompute;
+            }
+            let node = with_model(topology::node(&name, role, h + 1 + i as u16, node_base)).kv(kv).engine(|e| {
+                e.block_size = BLOCK_SIZE;
+                e.num_blocks = a.num_blocks;
+                e.max_num_seqs = 32;
+                e.max_num_batched_tokens = 1024;
+                e.max_model_len = 4096;
+                e.enable_prefix_caching = caching;
+            });
+            nodes.push(node);
             let metrics = format!("http://127.0.0.1:{}/metrics", node_base + WORKER_OPS_OFFSET);
-            if *role == "decode" {
+            if decode {
                 decode_workers.push(metrics.clone());
             }
             workers.push(metrics);
         }
         meshes.push(Mesh { name: variant.clone(), url: format!("http://127.0.0.1:{h}"), workers, decode_workers });
     }
-    (topo, meshes)
+    (topology::topology(nodes), meshes)
 }
 
 async fn scrape_all(urls: &[String], name: &str) -> f64 {
@@ -250,13 +259,12 @@ pub async fn run(a: MultiturnArgs) -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(&run_dir);
     std::fs::create_dir_all(&run_dir)?;
     let slot = (std::process::id() % 8) as u16;
-    let (topo, meshes) = topology(&a, &run_dir, 19600 + slot * 40, 30000 + slot * 3000 % 24000, 5800 + slot * 40);
-    let topo_path = run_dir.join("multiturn.toml");
-    std::fs::write(&topo_path, &topo)?;
-    let _up = crate::client::spawn_mesh(&pdmesh, &topo_path, &run_dir, "warn")?;
-    for m in &meshes {
-        crate::client::wait_router_ready(&m.url, Duration::from_secs(300)).await?;
-    }
+    let (http, base, side) = (19600 + slot * 40, 30000 + slot * 3000 % 24000, 5800 + slot * 40);
+    let (topo, meshes) = topology(&a, http, base, side);
+    let routers = (0..meshes.len() as u16).map(|v| Ready::Router(http + v * 10)).collect();
+    let _up =
+        crate::client::start_mesh(&pdmesh, topo, &run_dir, "multiturn.toml", "warn", routers, Duration::from_secs(300))
+            .await?;
     let client = reqwest::Client::builder().timeout(Duration::from_secs(600)).build()?;
     let system = system_prompt(a.system_words);
     // histories[mesh][conversation]: the messages so far, with this mesh's own answers.

@@ -9,6 +9,8 @@
 //! load. Reported: TTFT per phase and node, prefilled tokens per phase and node (the workers'
 //! `pdmesh_worker_tokens_computed_total`), store hits, and whether the greedy outputs agree.
 
+use pdmesh_test_support::topology::{self, NodeExt as _};
+use pdmesh_test_support::Ready;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -106,10 +108,6 @@ pub async fn run(a: OffloadArgs) -> anyhow::Result<()> {
     let slot = (std::process::id() % 8) as u16;
     let http = 19400 + slot * 4;
     let base = 27000 + slot * 100;
-    let model = match &a.model {
-        Some(p) => format!("model = {{ kind = \"gguf\", path = {:?} }}", p.display().to_string()),
-        None => format!("model = {{ kind = \"synthetic\", per_token_cost_us = {} }}", a.per_token_cost_us),
-    };
     let prompts: Vec<String> = (0..a.prompts).map(|i| prompt(i, a.prompt_words)).collect();
     // The pool holds one request of the longest prompt's bytes (an upper bound on its tokens;
     // a few of the real model's prompts, one synthetic prompt): well short of all prompts, so
@@ -117,30 +115,38 @@ pub async fn run(a: OffloadArgs) -> anyhow::Result<()> {
     let longest = prompts.iter().map(String::len).max().unwrap_or(0) as u32 + a.max_tokens;
     let max_model_len = longest.div_ceil(BLOCK_SIZE) * BLOCK_SIZE;
     let num_blocks = max_model_len / BLOCK_SIZE;
-    let engine = format!(
-        "engine = {{ block_size = {BLOCK_SIZE}, num_blocks = {num_blocks}, max_model_len = {max_model_len}, max_num_seqs = 4 }}"
-    );
-    let offload = format!(
-        "kv_transfer = {{ kv_connector = \"OffloadConnector\", kv_role = \"kv_both\", offload = {{ cpu_blocks = {} }} }}",
-        num_blocks * a.prompts as u32
-    );
-    let topo = format!(
-        "run_dir = {rd:?}\n[[nodes]]\nname = \"off\"\nhttp_port = {http}\nbase_port = {base}\n{model}\n{engine}\n\n\
-         [[nodes]]\nname = \"on\"\nhttp_port = {on}\nbase_port = {on_base}\n{model}\n{engine}\n{offload}\n",
-        rd = run_dir.display().to_string(),
-        on = http + 1,
-        on_base = base + 40,
-    );
-    let topo_path = run_dir.join("offload.toml");
-    std::fs::write(&topo_path, &topo)?;
-    let _up = crate::client::spawn_mesh(&pdmesh, &topo_path, &run_dir, "warn")?;
+    // Both nodes: the model and the pool; `on` adds the offload connector's CPU store.
+    let node = |name: &str, http: u16, base: u16| {
+        let n = topology::colocated(name, http, base);
+        match &a.model {
+            Some(p) => n.gguf(p),
+            None => n.synthetic(a.per_token_cost_us),
+        }
+        .engine(|e| {
+            e.block_size = BLOCK_SIZE;
+            e.num_blocks = num_blocks;
+            e.max_model_len = max_model_len;
+            e.max_num_seqs = 4;
+        })
+    };
+    let mut offload = topology::kv_defaults(topology::KvRole::KvBoth);
+    offload.kv_connector = "OffloadConnector".into();
+    offload.offload.cpu_blocks = num_blocks * a.prompts as u32;
+    let topo = topology::topology([node("off", http, base), node("on", http + 1, base + 40).kv(offload)]);
+    let _up = crate::client::start_mesh(
+        &pdmesh,
+        topo,
+        &run_dir,
+        "offload.toml",
+        "warn",
+        vec![Ready::Node(http), Ready::Node(http + 1)],
+        Duration::from_secs(180),
+    )
+    .await?;
     let urls = [format!("http://127.0.0.1:{http}"), format!("http://127.0.0.1:{}", http + 1)];
     let workers =
         [format!("http://127.0.0.1:{}/metrics", base + 112), format!("http://127.0.0.1:{}/metrics", base + 152)];
     let on_scheduler = format!("http://127.0.0.1:{}/metrics", base + 151);
-    for u in &urls {
-        crate::client::wait_ready(u, Duration::from_secs(180)).await?;
-    }
     let client = reqwest::Client::builder().timeout(Duration::from_secs(600)).build()?;
     let computed = "pdmesh_worker_tokens_computed_total";
     let mut phases = [Phase::default(), Phase::default()];

@@ -16,6 +16,8 @@
 //! read (`given_up` + `expired` in `pdmesh_worker_kv_held_block_seconds_total`) and the
 //! rejection → release latency on P (`pdmesh_worker_kv_rejection_to_release_seconds`).
 
+use pdmesh_test_support::topology::{self, EngineConfig, HoldMode, KvRole, NodeExt as _, Topology};
+use pdmesh_test_support::Ready;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -94,80 +96,60 @@ impl Variant {
 
 struct MeshProc {
     variant: Variant,
-    child: tokio::process::Child,
+    mesh: pdmesh_test_support::Mesh,
     router_url: String,
     p_url: String,
     p_worker_metrics: String,
     run_dir: PathBuf,
 }
 
-fn topology(i: u16, a: &RejectionArgs, variant: Variant, run_dir: &std::path::Path) -> (String, u16, u16, u16) {
+fn topology(i: u16, a: &RejectionArgs, variant: Variant) -> (Topology, u16, u16, u16) {
     // Every port below Linux's ephemeral range (32768+), apart per process and per mesh.
     let slot = (std::process::id() % 8) as u16 * 3 + i;
     let http = 19000 + slot * 4;
     let base = 24000 + slot * 200;
     let side = 30000 + slot * 8;
-    let notices = variant != Variant::NoticesOff;
-    let model = format!("model = {{ kind = \"synthetic\", per_token_cost_us = {} }}", a.per_token_cost_us);
-    let topo = format!(
-        r#"run_dir = {run_dir:?}
-[[nodes]]
-name = "router"
-role = "router"
-http_port = {http}
-base_port = {base}
-router = {{ prefill = ["http://127.0.0.1:{p}"], decode = ["http://127.0.0.1:{d}"] }}
-
-[[nodes]]
-name = "p"
-role = "prefill"
-http_port = {p}
-base_port = {pb}
-{model}
-engine = {{ block_size = 16, num_blocks = {p_blocks}, max_model_len = 1024, max_num_seqs = 64 }}
-kv_transfer = {{ kv_role = "kv_producer", side_channel_port = {side}, data_port = {sd}, hold_mode = "lease", kv_lease_duration_s = {lease} }}
-
-[[nodes]]
-name = "d"
-role = "decode"
-http_port = {d}
-base_port = {db}
-{model}
-engine = {{ block_size = 16, num_blocks = 2048, max_model_len = {d_len}, max_num_seqs = 64 }}
-kv_transfer = {{ kv_role = "kv_consumer", side_channel_port = {dside}, data_port = {dsd}, rejection_notices = {notices} }}
-"#,
-        run_dir = run_dir.display().to_string(),
-        p = http + 1,
-        d = http + 2,
-        pb = base + 20,
-        db = base + 60,
-        p_blocks = a.p_blocks,
-        sd = side + 1,
-        dside = side + 4,
-        dsd = side + 5,
-        lease = a.lease_s,
-        d_len = variant.d_max_model_len(),
-    );
-    (topo, http, http + 1, base + 20)
+    let (p, d) = (http + 1, http + 2);
+    let mut p_kv = topology::kv_defaults(KvRole::KvProducer);
+    (p_kv.side_channel_port, p_kv.data_port) = (side, side + 1);
+    p_kv.hold_mode = HoldMode::Lease;
+    p_kv.kv_lease_duration_s = a.lease_s;
+    let mut d_kv = topology::kv_defaults(KvRole::KvConsumer);
+    (d_kv.side_channel_port, d_kv.data_port) = (side + 4, side + 5);
+    d_kv.rejection_notices = variant != Variant::NoticesOff;
+    let engine = |num_blocks: u32, max_model_len: u32| {
+        move |e: &mut EngineConfig| {
+            e.block_size = 16;
+            e.num_blocks = num_blocks;
+            e.max_model_len = max_model_len;
+            e.max_num_seqs = 64;
+        }
+    };
+    let topo = topology::topology([
+        topology::router("router", http, base, &[topology::url(p)], &[topology::url(d)]),
+        topology::prefill("p", p, base + 20).synthetic(a.per_token_cost_us).engine(engine(a.p_blocks, 1024)).kv(p_kv),
+        topology::decode("d", d, base + 60)
+            .synthetic(a.per_token_cost_us)
+            .engine(engine(2048, variant.d_max_model_len()))
+            .kv(d_kv),
+    ]);
+    (topo, http, p, base + 20)
 }
 
 async fn start_mesh(i: u16, a: &RejectionArgs, variant: Variant, pdmesh: &std::path::Path) -> anyhow::Result<MeshProc> {
     let run_dir = std::env::temp_dir().join(format!("pdmesh-r1-{}-{}", std::process::id(), variant.name()));
     let _ = std::fs::remove_dir_all(&run_dir);
     std::fs::create_dir_all(&run_dir)?;
-    let (topo, http, p_http, p_base) = topology(i, a, variant, &run_dir);
-    let topo_path = run_dir.join("topology.toml");
-    std::fs::write(&topo_path, topo)?;
+    let (topo, http, p_http, p_base) = topology(i, a, variant);
     let log = if a.hops && variant == Variant::NoticesOn { "warn,pdmesh_notice=debug" } else { "warn" };
-    let child = crate::client::spawn_mesh(pdmesh, &topo_path, &run_dir, log)?;
-    let p_url = format!("http://127.0.0.1:{p_http}");
-    crate::client::wait_ready(&p_url, Duration::from_secs(60)).await?;
-    crate::client::wait_ready(&format!("http://127.0.0.1:{}", p_http + 1), Duration::from_secs(60)).await?;
+    let ready = vec![Ready::Node(p_http), Ready::Node(p_http + 1)];
+    let mesh =
+        crate::client::start_mesh(pdmesh, topo, &run_dir, "topology.toml", log, ready, Duration::from_secs(60)).await?;
     Ok(MeshProc {
         variant,
-        child,
+        mesh,
         router_url: format!("http://127.0.0.1:{http}"),
-        p_url,
+        p_url: format!("http://127.0.0.1:{p_http}"),
         p_worker_metrics: format!("http://127.0.0.1:{}/metrics", p_base + 112),
         run_dir,
     })
@@ -468,11 +450,8 @@ pub async fn run(a: RejectionArgs) -> anyhow::Result<()> {
     if let Some(out) = &a.out {
         std::fs::write(out, serde_json::to_string_pretty(&report)?)?;
     }
-    for mut m in meshes {
-        if let Some(pid) = m.child.id() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), nix::sys::signal::Signal::SIGTERM);
-        }
-        let _ = tokio::time::timeout(Duration::from_secs(20), m.child.wait()).await;
+    for m in meshes {
+        crate::client::stop_mesh(m.mesh, Duration::from_secs(20)).await;
         let _ = std::fs::remove_dir_all(&m.run_dir);
     }
     Ok(())

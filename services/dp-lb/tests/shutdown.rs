@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use pdmesh_config::{Service, Topology};
+use pdmesh_config::Service;
 use pdmesh_protocol::{EngineLoadReport, EngineRequest, Envelope, Hello, Message, ServiceKind};
 use pdmesh_service::{shutdown_channel, ServiceContext};
 use pdmesh_transport::{connect_dealer, LinkConfig, LinkEvent};
@@ -62,12 +62,10 @@ async fn a_dp_lb_goes_unready_drains_its_request_then_frees_its_port() {
             break p;
         }
     };
-    let topo = Topology::from_toml(&format!(
-        "run_dir = {:?}\n[[nodes]]\nname = \"main\"\ntransport = \"ipc\"\nbase_port = {}\n",
-        run_dir.display().to_string(),
-        ops_port - 100
-    ))
-    .unwrap();
+    // The one-node shape on ipc links, the HTTP port the schema's default (the frontend does
+    // not run here), the ops server on `ops_port`.
+    let mut topo = pdmesh_test_support::topology::one_node(8000, ops_port - 100);
+    topo.run_dir = run_dir.clone();
     let ctx = ServiceContext::start(topo, "main", Service::DpLb, 0).unwrap();
     let eps = ctx.endpoints.clone();
     // The deadline is the shell's business (tested in pdmesh-service); here it only must not

@@ -11,7 +11,8 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read};
 
-use common::{pd_topology, sse_events, Mesh, UpOptions};
+use common::topo::{NodeConfig, TransferBackendKind::Shm};
+use common::{pd_engines, pd_topology, sse_events, Mesh, TopologyExt, UpOptions};
 use serde_json::{json, Value};
 
 const CLIENT_KEY: &str = "sk-client-2";
@@ -67,8 +68,13 @@ fn every_frontend_needs_a_key_and_the_router_serves_p_d_with_one() {
         ..Default::default()
     };
     let mesh = Mesh::start_nodes_with(
-        |h, b| pd_topology(h, b, "shm", 1, "engine = { block_size = 4, num_blocks = 512 }"),
-        |h| vec![h + 1, h + 2, h + 3],
+        |h, b| {
+            pd_topology(h, b, Shm, 1, |n| {
+                n.engine.block_size = 4;
+                n.engine.num_blocks = 512;
+            })
+        },
+        pd_engines,
         &options,
     );
     let (router, p, d, c) = (mesh.http_port, mesh.http_port + 1, mesh.http_port + 2, mesh.http_port + 3);
@@ -150,7 +156,7 @@ fn up_hands_keys_to_frontends_through_the_environment_only() {
         api_key: Some("sk-from-flag".into()),
         ..Default::default()
     };
-    let mesh = Mesh::start_with("", "", &options);
+    let mesh = Mesh::start_one_with(|_| {}, &options);
     assert_unauthorized(&mesh.url("/v1/completions"), None);
     let (status, text) =
         post(&mesh.url("/v1/completions"), Some("sk-from-flag"), &json!({"prompt": "hi", "max_tokens": 2}));
@@ -180,9 +186,14 @@ fn up_hands_keys_to_frontends_through_the_environment_only() {
 /// about eight seconds after its first event (the executor sleeps, so a loaded machine does not
 /// shorten it), far longer than the few requests the test makes meanwhile, the first of them
 /// right after the first event.
-const SLOW_NODES: &str = r#"model = { kind = "synthetic", per_token_cost_us = 40, per_step_cost_us = 80000 }
-engine = { block_size = 16, num_blocks = 512, max_model_len = 4096 }
-limits = { max_in_flight_per_key = 1 }"#;
+fn slow_nodes(n: &mut NodeConfig) {
+    n.model.per_token_cost_us = 40;
+    n.model.per_step_cost_us = 80000;
+    n.engine.block_size = 16;
+    n.engine.num_blocks = 512;
+    n.engine.max_model_len = 4096;
+    n.limits.max_in_flight_per_key = 1;
+}
 
 /// A stream opened and read up to its first event (so the server has admitted it and holds
 /// its place), the rest left unread for now.
@@ -235,13 +246,12 @@ fn a_key_over_its_share_gets_429_while_other_keys_and_the_router_are_served() {
     };
     let mesh = Mesh::start_nodes_with(
         |h, b| {
-            pd_topology(h, b, "shm", 1, SLOW_NODES).replacen(
-                "role = \"router\"\n",
-                "role = \"router\"\nlimits = { max_in_flight_per_key = 2, retry_after_s = 3 }\n",
-                1,
-            )
+            pd_topology(h, b, Shm, 1, slow_nodes).with_node("router", |r| {
+                r.limits.max_in_flight_per_key = 2;
+                r.limits.retry_after_s = 3;
+            })
         },
-        |h| vec![h + 1, h + 2, h + 3],
+        pd_engines,
         &options,
     );
     let (router, p, d, c) = (mesh.http_port, mesh.http_port + 1, mesh.http_port + 2, mesh.http_port + 3);

@@ -14,11 +14,16 @@ mod common;
 
 use std::time::Duration;
 
-use common::{metric, reserve_ports, scaleout_topology, start_scaleout};
+use common::topo::{NodeConfig, RoutingPolicy};
+use common::{metric, reserve_ports, start_scaleout, topo, TopologyExt};
 
 const BLOCK: u64 = 4;
-const SETTINGS: &str =
-    "model = { kind = \"synthetic\", per_token_cost_us = 200 }\nengine = { block_size = 4, num_blocks = 1024 }";
+/// Every node: the synthetic model at 200 µs a token, blocks of 4 tokens.
+fn settings(n: &mut NodeConfig) {
+    n.model.per_token_cost_us = 200;
+    n.engine.block_size = 4;
+    n.engine.num_blocks = 1024;
+}
 const CONVERSATIONS: usize = 3;
 const TURNS: usize = 4;
 
@@ -38,13 +43,16 @@ struct Outcome {
     hits: (f64, f64),
 }
 
-fn run(policy: &str) -> Outcome {
+fn run(policy: RoutingPolicy) -> Outcome {
     let (r1, r2) = (reserve_ports(), reserve_ports());
     let run_dir = common::failover::fresh_run_dir("pdmesh-cacheroute", r1.0);
-    let router = format!("policy = \"{policy}\", load_poll_ms = 50");
-    let (text, ports) = scaleout_topology(&run_dir, r1, r2, SETTINGS, &router);
+    let (t, ports) = topo::scaleout(r1, r2);
+    let t = t.all_nodes(settings).with_node("router", |n| {
+        n.router.policy = policy;
+        n.router.load_poll_ms = 50;
+    });
     let ready: Vec<u16> = ports.p.iter().chain(&ports.d).copied().collect();
-    let mesh = start_scaleout(&run_dir, &text, ports.router, r1.1, &ready);
+    let mesh = start_scaleout(&run_dir, t, ports.router, r1.1, &ready);
     let (p_bases, d_bases) = ([r1.1 + 20, r2.1 + 20], [r1.1 + 160, r2.1 + 160]);
     let url = format!("http://127.0.0.1:{}/v1/completions", ports.router);
     let mut prompts: Vec<String> =
@@ -61,7 +69,7 @@ fn run(policy: &str) -> Outcome {
                 // the previous turn's prompt, its full blocks but the last (one token a byte)
                 let held = (previous[c] / BLOCK).saturating_sub(1) * BLOCK;
                 let (p_hit, d_hit) = (after.0 - before.0, after.1 - before.1);
-                eprintln!("{policy}: conversation {c} turn {turn}: {held} held, P hit {p_hit}, D hit {d_hit}");
+                eprintln!("{policy:?}: conversation {c} turn {turn}: {held} held, P hit {p_hit}, D hit {d_hit}");
                 outcome.followups_on_holders += usize::from(p_hit >= held as f64 && d_hit >= held as f64);
             }
             previous[c] = prompt.len() as u64;
@@ -74,7 +82,7 @@ fn run(policy: &str) -> Outcome {
     outcome.hits = hits(p_bases, d_bases);
     let picks = metric(ports.router, "pdmesh_router_cache_aware_picks_total", "reason=\"overlap\"");
     eprintln!(
-        "{policy}: {} of {} follow-ups on the holders, hits P {} D {}, overlap picks {picks}",
+        "{policy:?}: {} of {} follow-ups on the holders, hits P {} D {}, overlap picks {picks}",
         outcome.followups_on_holders,
         CONVERSATIONS * (TURNS - 1),
         outcome.hits.0,
@@ -88,8 +96,8 @@ fn run(policy: &str) -> Outcome {
 
 #[test]
 fn cache_aware_sends_each_follow_up_to_the_nodes_holding_its_prefix() {
-    let aware = run("cache_aware");
-    let rr = run("round_robin");
+    let aware = run(RoutingPolicy::CacheAware);
+    let rr = run(RoutingPolicy::RoundRobin);
     assert_eq!(aware.answers, rr.answers, "greedy answers do not depend on the route");
     assert_eq!(aware.followups_on_holders, CONVERSATIONS * (TURNS - 1), "every follow-up hit its prefix on P and D");
     assert!(rr.followups_on_holders < CONVERSATIONS * (TURNS - 1), "round-robin moves conversations");
@@ -110,10 +118,14 @@ fn engines(bases: [u16; 2], name: &str) -> f64 {
 fn a_prompt_the_decode_node_holds_skips_the_prefill_node() {
     let (r1, r2) = (reserve_ports(), reserve_ports());
     let run_dir = common::failover::fresh_run_dir("pdmesh-localprefill", r1.0);
-    let router = "policy = \"cache_aware\", load_poll_ms = 50, local_prefill_max_tokens = 8";
-    let (text, ports) = scaleout_topology(&run_dir, r1, r2, SETTINGS, router);
+    let (t, ports) = topo::scaleout(r1, r2);
+    let t = t.all_nodes(settings).with_node("router", |n| {
+        n.router.policy = RoutingPolicy::CacheAware;
+        n.router.load_poll_ms = 50;
+        n.router.local_prefill_max_tokens = 8;
+    });
     let ready: Vec<u16> = ports.p.iter().chain(&ports.d).copied().collect();
-    let mesh = start_scaleout(&run_dir, &text, ports.router, r1.1, &ready);
+    let mesh = start_scaleout(&run_dir, t, ports.router, r1.1, &ready);
     let (p_bases, d_bases) = ([r1.1 + 20, r2.1 + 20], [r1.1 + 160, r2.1 + 160]);
     let url = format!("http://127.0.0.1:{}/v1/completions", ports.router);
     let placed = |placement: &str| {

@@ -13,52 +13,48 @@ mod common;
 use std::io::{BufRead, BufReader};
 use std::time::{Duration, Instant};
 
-use common::Mesh;
+use common::topo::{self, HoldMode, KvLoadFailurePolicy, KvRole, NodeConfig, Topology, TransferBackendKind::Shm};
+use common::{pd_engines, KvExt, Mesh, NodeExt, TopologyExt};
 use serde_json::json;
 
-const SETTINGS: &str =
-    "model = { kind = \"synthetic\", per_token_cost_us = 300 }\nengine = { block_size = 4, num_blocks = 2048 }";
+/// Every node: the synthetic model at 300 µs a token, 2048 blocks of 4 tokens.
+fn settings(n: &mut NodeConfig) {
+    n.model.per_token_cost_us = 300;
+    n.engine.block_size = 4;
+    n.engine.num_blocks = 2048;
+}
 
 /// Router, P, D (2 ranks) and a flaky second decode node `d2` whose every READ fails half way
 /// (`transfer_midway`, D's own fault injection) and is recomputed (`recompute`): the router
 /// alternates between the two, so half the requests need D's give-up after a failed load.
 /// Without it no request of this workload would ever need a notice: actix-web runs the
 /// router's handler to its first write even after the client left, so every KV gets read.
-fn topology(http: u16, base: u16) -> String {
-    let t = common::pd_topology(http, base, "shm", 2, SETTINGS);
-    let reference = t.find("[[nodes]]\nname = \"c\"").expect("the reference node");
+fn topology(http: u16, base: u16) -> Topology {
     let side = common::side_ports(http);
-    let (d, d2) = (http + 2, http + 3);
-    format!(
-        r#"{}
-[[nodes]]
-name = "d2"
-role = "decode"
-http_port = {d2}
-base_port = {}
-{SETTINGS}
-kv_transfer = {{ kv_role = "kv_consumer", side_channel_port = {}, data_port = {}, backend = "shm", kv_load_failure_policy = "recompute", hold_mode = "fixed", fault_injection = "transfer_midway" }}
-"#,
-        t[..reference].replace(
-            &format!("decode = [\"http://127.0.0.1:{d}\"]"),
-            &format!("decode = [\"http://127.0.0.1:{d}\", \"http://127.0.0.1:{d2}\"]")
-        ),
-        base + 60,
-        side + 1,
-        side + 3,
-    )
+    let d2 = http + 3;
+    let flaky = topo::kv(KvRole::KvConsumer, Shm, side + 1)
+        .data_port(side + 3)
+        .failure_policy(KvLoadFailurePolicy::Recompute)
+        .hold_mode(HoldMode::Fixed)
+        .fault("transfer_midway");
+    common::pd_topology(http, base, Shm, 2, settings)
+        .without("c")
+        .with_node("router", |r| r.router.decode.push(topo::url(d2)))
+        .push(topo::decode("d2", d2, base + 60).with(settings).kv(flaky))
 }
 
 /// [`topology`] with P's hold deadline at `hold_s` and the R2/R4 notices of D and the router
 /// switched `on` or off (R1's rejection notices stay on: no request here is rejected).
-fn topology_with(hold_s: u64, on: bool) -> impl Fn(u16, u16) -> String {
+fn topology_with(hold_s: u64, on: bool) -> impl Fn(u16, u16) -> Topology {
     move |http, base| {
         topology(http, base)
-            .replace(
-                "hold_mode = \"fixed\"",
-                &format!("hold_mode = \"fixed\", abort_request_timeout_s = {hold_s}, give_up_notices = {on}"),
-            )
-            .replace("router = { prefill", &format!("router = {{ give_up_notices = {on}, prefill"))
+            .all_nodes(|n| {
+                if let Some(kv) = n.kv_transfer.as_mut() {
+                    kv.abort_request_timeout_s = hold_s;
+                    kv.give_up_notices = on;
+                }
+            })
+            .with_node("router", |r| r.router.give_up_notices = on)
     }
 }
 
@@ -169,7 +165,7 @@ fn worker_ports(mesh: &Mesh) -> (u16, [u16; 3]) {
 
 #[test]
 fn five_hundred_requests_with_random_disconnects_leave_nothing_held() {
-    let mesh = Mesh::start_nodes(topology, |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(topology, pd_engines);
     let url = mesh.url("/v1/completions");
     let total = run_clients(&url);
     eprintln!("chaos outcomes: {total:?}");
@@ -213,7 +209,7 @@ struct Variant {
 }
 
 fn run_variant(name: &'static str, hold_s: u64, on: bool) -> Variant {
-    let mesh = Mesh::start_nodes(topology_with(hold_s, on), |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(topology_with(hold_s, on), pd_engines);
     let outcomes = run_clients(&mesh.url("/v1/completions"));
     let ended = Instant::now();
     let nodes = [mesh.http_port + 1, mesh.http_port + 2, mesh.http_port + 3];

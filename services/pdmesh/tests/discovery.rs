@@ -18,29 +18,31 @@ mod common;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{complete, pd_topology, wait_for, Mesh};
+use common::{complete, pd_topology, topo, wait_for, Mesh, NodeExt, TopologyExt};
 
-const SETTINGS: &str =
-    "model = { kind = \"synthetic\", per_token_cost_us = 200 }\nengine = { block_size = 4, num_blocks = 256 }";
+/// P, D (and the reference, left out): the synthetic model at 200 µs a token, 256 blocks of 4.
+fn settings(n: &mut topo::NodeConfig) {
+    n.model.per_token_cost_us = 200;
+    n.engine.block_size = 4;
+    n.engine.num_blocks = 256;
+}
+
+/// Upstreams by DNS name, `localhost:<p>` and `localhost:<d>`, re-resolved every `refresh_ms`,
+/// in place of URLs.
+fn by_name(r: &mut topo::RouterConfig, p: u16, d: u16, refresh_ms: u64) {
+    r.prefill.clear();
+    r.decode.clear();
+    r.prefill_dns = Some(format!("localhost:{p}"));
+    r.decode_dns = Some(format!("localhost:{d}"));
+    r.dns_refresh_ms = refresh_ms;
+}
 
 /// The P/D mesh of the other tests, without its colocated reference node, whose router finds P
 /// and D by name, re-resolving every 200 ms.
-fn topology(http: u16, base: u16) -> String {
-    let text = pd_topology(http, base, "shm", 1, SETTINGS);
-    let by_url = format!(
-        "router = {{ prefill = [\"http://127.0.0.1:{}\"], decode = [\"http://127.0.0.1:{}\"] }}",
-        http + 1,
-        http + 2
-    );
-    let by_name = format!(
-        "router = {{ prefill_dns = \"localhost:{}\", decode_dns = \"localhost:{}\", dns_refresh_ms = 200 }}",
-        http + 1,
-        http + 2
-    );
-    assert!(text.contains(&by_url), "the router line of pd_topology changed: {text}");
-    let text = text.replace(&by_url, &by_name);
-    let reference = text.find("[[nodes]]\nname = \"c\"").expect("pd_topology has a reference node");
-    text[..reference].to_string()
+fn topology(http: u16, base: u16) -> topo::Topology {
+    pd_topology(http, base, topo::TransferBackendKind::Shm, 1, settings)
+        .without("c")
+        .with_node("router", |n| by_name(&mut n.router, http + 1, http + 2, 200))
 }
 
 /// The samples of `name` on a Prometheus page whose labels contain every one of `labels`.
@@ -162,19 +164,11 @@ fn pods_of_the_scaled_manifest_serve_p_d_at_their_advertised_addresses() {
     let (http, base) = common::reserve_ports();
     let side = common::side_ports(http);
     let (router, p, d) = (http, http + 1, http + 2);
-    let run_dir = std::env::temp_dir().join(format!("pdmesh-discovery-{}-{http}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    std::fs::create_dir_all(&run_dir).unwrap();
+    let run_dir = common::fresh_run_dir("pdmesh-discovery", http);
     let topology = run_dir.join("router.toml");
-    std::fs::write(
-        &topology,
-        format!(
-            "[[nodes]]\nname = \"router\"\nrole = \"router\"\nhttp_host = \"0.0.0.0\"\nhttp_port = {router}\n\
-             base_port = {base}\nrouter = {{ prefill_dns = \"localhost:{p}\", decode_dns = \"localhost:{d}\", \
-             dns_refresh_ms = 500 }}\n"
-        ),
-    )
-    .unwrap();
+    let router_node =
+        topo::router("router", router, base, &[], &[]).http_host("0.0.0.0").router_with(|r| by_name(r, p, d, 500));
+    std::fs::write(&topology, topo::topology([router_node]).text()).unwrap();
     // P advertises 127.0.0.2 (its "pod IP"); D and the router reach it on 127.0.0.1.
     let p_env = [("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.2".to_string())];
     let p_args = serve_args(&model, p, base + 20, "kv_producer", "pdmesh-prefill-5d8c7-x2k4q", side);

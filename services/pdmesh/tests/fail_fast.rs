@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
 use std::time::{Duration, Instant};
 
-use common::{pdmesh_bin, reserve_ports, Mesh};
+use common::{pdmesh_bin, reserve_ports, topo, Mesh};
 
 /// The configuration-error exit status (`pdmesh_config::EXIT_CONFIG`).
 const EXIT_CONFIG: i32 = 78;
@@ -24,7 +24,7 @@ struct Outcome {
 
 /// Run `pdmesh up` on a one-node topology (`node_extra` appended to the node) with `env`, and
 /// wait for it to exit: a restart loop never exits, so a bounded wait tells the two apart.
-fn up_until_exit(node_extra: &str, env: &[(&str, &str)]) -> Outcome {
+fn up_until_exit(node_extra: impl FnOnce(&mut topo::NodeConfig), env: &[(&str, &str)]) -> Outcome {
     let (http, base) = reserve_ports();
     let (run_dir, topology) = common::one_node_run_dir("pdmesh-failfast", http, base, node_extra);
     let (out, err) = (run_dir.join("up.out"), run_dir.join("up.err"));
@@ -89,7 +89,11 @@ fn assert_stopped_on_config_error(o: &Outcome, service: &str, error: &str) {
 #[test]
 fn an_unknown_transfer_fault_stops_the_mesh_with_the_childs_error() {
     let o = up_until_exit(
-        "kv_transfer = { kv_role = \"kv_both\", side_channel_port = 0 }",
+        |n| {
+            let mut kv = topo::kv_defaults(topo::KvRole::KvBoth);
+            kv.side_channel_port = 0;
+            n.kv_transfer = Some(kv);
+        },
         &[("PDMESH_FAULT", "no_such_fault")],
     );
     assert_stopped_on_config_error(&o, "connector-worker.0", "unknown fault \"no_such_fault\"");
@@ -97,7 +101,13 @@ fn an_unknown_transfer_fault_stops_the_mesh_with_the_childs_error() {
 
 #[test]
 fn a_missing_model_file_stops_the_mesh_with_the_childs_error() {
-    let o = up_until_exit("model = { kind = \"gguf\", path = \"/nonexistent/pdmesh-test.gguf\" }", &[]);
+    let o = up_until_exit(
+        |n| {
+            n.model.kind = topo::ModelKind::Gguf;
+            n.model.path = "/nonexistent/pdmesh-test.gguf".into();
+        },
+        &[],
+    );
     assert_eq!(o.status.code(), Some(EXIT_CONFIG), "stderr:\n{}", o.stderr);
     assert!(o.stderr.contains("/nonexistent/pdmesh-test.gguf") && o.stderr.contains("not found"), "{}", o.stderr);
     // Either the frontend (tokenizer) or the worker (weights) reports it first.
@@ -107,7 +117,7 @@ fn a_missing_model_file_stops_the_mesh_with_the_childs_error() {
 
 #[test]
 fn a_bad_key_file_stops_up_before_any_child_starts() {
-    let o = up_until_exit("", &[("PDMESH_API_KEY_FILE", "/nonexistent/pdmesh-keys")]);
+    let o = up_until_exit(|_| {}, &[("PDMESH_API_KEY_FILE", "/nonexistent/pdmesh-keys")]);
     assert_eq!(o.status.code(), Some(EXIT_CONFIG), "stderr:\n{}", o.stderr);
     assert!(o.stderr.contains("/nonexistent/pdmesh-keys"), "{}", o.stderr);
     assert!(!o.run_dir.join("logs").exists() || processes_of(&o.run_dir).is_empty());
@@ -116,7 +126,7 @@ fn a_bad_key_file_stops_up_before_any_child_starts() {
 
 #[test]
 fn log_files_carry_no_colour_codes() {
-    let mesh = Mesh::start("", "", &[]);
+    let mesh = Mesh::start_one(|_| {});
     let r = reqwest::blocking::Client::new()
         .post(mesh.url("/v1/completions"))
         .json(&serde_json::json!({"prompt": "hi", "max_tokens": 2}))
@@ -133,7 +143,7 @@ fn log_files_carry_no_colour_codes() {
 /// (exit 78, as docs/SECURITY.md promises), not a failure (exit 1), and nothing starts.
 #[test]
 fn a_short_mesh_secret_stops_up_with_the_configuration_status() {
-    let o = up_until_exit("", &[("PDMESH_MESH_SECRET", "short")]);
+    let o = up_until_exit(|_| {}, &[("PDMESH_MESH_SECRET", "short")]);
     assert_eq!(o.status.code(), Some(EXIT_CONFIG), "stderr:\n{}", o.stderr);
     assert!(o.stderr.contains("configuration error"), "{}", o.stderr);
     assert!(processes_of(&o.run_dir).is_empty(), "no child of the mesh runs");
@@ -146,12 +156,11 @@ fn a_short_mesh_secret_stops_up_with_the_configuration_status() {
 #[test]
 fn a_topology_whose_ports_collide_is_refused_naming_both_uses() {
     let (http, base) = reserve_ports();
-    let (run_dir, topology) = common::one_node_run_dir(
-        "pdmesh-portclash",
-        http,
-        base,
-        &format!("kv_transfer = {{ kv_role = \"kv_both\", side_channel_port = {} }}", base + 100),
-    );
+    let (run_dir, topology) = common::one_node_run_dir("pdmesh-portclash", http, base, |n| {
+        let mut kv = topo::kv_defaults(topo::KvRole::KvBoth);
+        kv.side_channel_port = base + 100;
+        n.kv_transfer = Some(kv);
+    });
     let o = Command::new(pdmesh_bin())
         .arg("up")
         .arg("--topology")

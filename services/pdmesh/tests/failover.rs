@@ -24,19 +24,23 @@ use std::sync::atomic::AtomicUsize;
 use common::failover::{
     burst, burst_when, busy_node, check_all, check_reference, kill_node, load_of, stream_one, STREAMS, TOKENS,
 };
-use common::{metric, reserve_ports, scaleout_topology};
+use common::{metric, reserve_ports, topo, TopologyExt};
 
 /// A per-token cost so that 8 streams of 64 tokens on one D last a few seconds.
-const SETTINGS: &str =
-    "model = { kind = \"synthetic\", per_token_cost_us = 3000 }\nengine = { block_size = 4, num_blocks = 1024 }";
+fn settings(n: &mut topo::NodeConfig) {
+    n.model.per_token_cost_us = 3000;
+    n.engine.block_size = 4;
+    n.engine.num_blocks = 1024;
+}
 
 #[test]
 fn killing_a_decode_node_then_a_prefill_node_loses_no_stream() {
     let (r1, r2) = (reserve_ports(), reserve_ports());
     let run_dir = common::failover::fresh_run_dir("pdmesh-failover", r1.0);
-    let (text, ports) = scaleout_topology(&run_dir, r1, r2, SETTINGS, "load_poll_ms = 0");
+    let (t, ports) = topo::scaleout(r1, r2);
+    let t = t.all_nodes(settings).with_node("router", |n| n.router.load_poll_ms = 0);
     let ready: Vec<u16> = ports.p.iter().chain(&ports.d).copied().collect();
-    let mesh = common::start_scaleout(&run_dir, &text, ports.router, r1.1, &ready);
+    let mesh = common::start_scaleout(&run_dir, t, ports.router, r1.1, &ready);
     let url = format!("http://127.0.0.1:{}/v1/completions", ports.router);
 
     // 1. The undisturbed run.

@@ -36,8 +36,8 @@ use std::path::Path;
 use std::time::Instant;
 
 use common::failover::{burst_when, busy_node, check_all, check_reference, kill_node, load_of, STREAMS};
-use common::{metric, reserve_ports, side_ports};
-use toml::{Table, Value};
+use common::topo::{self, NodeRole};
+use common::{metric, reserve_ports, side_ports, Mesh, UpOptions};
 
 /// The shipped topology this test runs.
 const SCALEOUT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/topology/scaleout.toml");
@@ -59,58 +59,49 @@ struct Nodes {
 /// `scaleout.toml` with this test's ports (`reserve_ports` ranges: 5 HTTP ports, a base range
 /// of 40 per node, the side-channel ranges of the two reservations), run dir, model path and
 /// executor faults; everything else as shipped.
-fn topology(run_dir: &Path, model: &Path, (h1, b1): (u16, u16), (h2, b2): (u16, u16)) -> (String, Nodes) {
-    let mut doc: Table = toml::from_str(&std::fs::read_to_string(SCALEOUT).unwrap()).unwrap();
-    doc.insert("run_dir".into(), Value::String(run_dir.display().to_string()));
-    let nodes = doc.get_mut("nodes").and_then(Value::as_array_mut).unwrap();
-    assert_eq!(nodes.len(), 5, "scaleout.toml: a router, 2 P and 2 D nodes expected");
+fn topology(model: &Path, (h1, b1): (u16, u16), (h2, b2): (u16, u16)) -> (topo::Topology, Nodes) {
+    let mut t = topo::Topology::load(Path::new(SCALEOUT)).unwrap();
+    assert_eq!(t.nodes.len(), 5, "scaleout.toml: a router, 2 P and 2 D nodes expected");
     let http = [h1, h1 + 1, h1 + 2, h2, h2 + 1];
     let base = [b1, b1 + 40, b1 + 80, b2, b2 + 40];
     let (s1, s2) = (side_ports(h1), side_ports(h2));
     let mut side = [s1, s1 + 4, s2, s2 + 4].into_iter();
     let mut moved = HashMap::new();
     let mut out = Nodes::default();
-    for (i, node) in nodes.iter_mut().enumerate() {
-        let t = node.as_table_mut().unwrap();
-        let old = t["http_port"].as_integer().unwrap();
-        moved.insert(old, http[i]);
-        t.insert("http_port".into(), Value::Integer(http[i].into()));
-        t.insert("base_port".into(), Value::Integer(base[i].into()));
-        let name = t["name"].as_str().unwrap().to_string();
-        let role = t["role"].as_str().unwrap().to_string();
-        let delay = match role.as_str() {
-            "prefill" => P_STEP_DELAY_MS,
-            "decode" => D_STEP_DELAY_MS,
+    for (i, n) in t.nodes.iter_mut().enumerate() {
+        moved.insert(n.http_port, http[i]);
+        n.http_port = http[i];
+        n.base_port = base[i];
+        let delay = match n.role {
+            NodeRole::Prefill => P_STEP_DELAY_MS,
+            NodeRole::Decode => D_STEP_DELAY_MS,
             _ => 0,
         };
-        if let Some(m) = t.get_mut("model").and_then(Value::as_table_mut) {
-            m.insert("path".into(), Value::String(model.display().to_string()));
-            m.insert("fault_injection".into(), Value::String(format!("step_delay_ms={delay}")));
+        if n.role != NodeRole::Router {
+            n.model.path = model.display().to_string();
+            n.model.fault_injection = format!("step_delay_ms={delay}");
         }
-        if let Some(kv) = t.get_mut("kv_transfer").and_then(Value::as_table_mut) {
+        if let Some(kv) = n.kv_transfer.as_mut() {
             let port = side.next().unwrap();
-            kv.insert("side_channel_port".into(), Value::Integer(port.into()));
-            kv.insert("data_port".into(), Value::Integer((port + 2).into()));
+            kv.side_channel_port = port;
+            kv.data_port = port + 2;
         }
-        match role.as_str() {
-            "router" => out.router = http[i],
-            "prefill" => out.prefill.push((name, http[i])),
-            "decode" => out.decode.push((name, http[i])),
-            other => panic!("scaleout.toml: unexpected role {other}"),
+        match n.role {
+            NodeRole::Router => out.router = http[i],
+            NodeRole::Prefill => out.prefill.push((n.name.clone(), http[i])),
+            NodeRole::Decode => out.decode.push((n.name.clone(), http[i])),
+            other => panic!("scaleout.toml: unexpected role {other:?}"),
         }
     }
-    for node in nodes.iter_mut() {
-        let Some(router) = node.get_mut("router").and_then(Value::as_table_mut) else { continue };
-        for list in ["prefill", "decode"] {
-            for url in router.get_mut(list).and_then(Value::as_array_mut).unwrap() {
-                let (host, port) = url.as_str().unwrap().rsplit_once(':').unwrap();
-                let new = moved[&port.parse::<i64>().unwrap()];
-                *url = Value::String(format!("{host}:{new}"));
-            }
+    for n in t.nodes.iter_mut() {
+        for url in n.router.prefill.iter_mut().chain(n.router.decode.iter_mut()) {
+            let (host, port) = url.rsplit_once(':').unwrap();
+            let new = moved[&port.parse::<u16>().unwrap()];
+            *url = format!("{host}:{new}");
         }
     }
     assert_eq!((out.prefill.len(), out.decode.len()), (2, 2), "scaleout.toml: 2 P and 2 D nodes expected");
-    (toml::to_string(&doc).unwrap(), out)
+    (t, out)
 }
 
 /// Requests in the engine of the node on `port`, by its `/load`.
@@ -124,12 +115,10 @@ fn scaleout_loses_no_stream_when_a_decode_node_then_a_prefill_node_mid_prefill_d
     let Some(model) = common::model_path() else { return };
     let (r1, r2) = (reserve_ports(), reserve_ports());
     let run_dir = common::failover::fresh_run_dir("pdmesh-failover-model", r1.0);
-    let (text, nodes) = topology(&run_dir, &model, r1, r2);
-    let topo = run_dir.join("scaleout.toml");
-    std::fs::write(&topo, text).unwrap();
+    let (t, nodes) = topology(&model, r1, r2);
     let engines: Vec<u16> = nodes.prefill.iter().chain(&nodes.decode).map(|(_, port)| *port).collect();
     let started = Instant::now();
-    let mesh = common::failover::up(&topo, &run_dir, nodes.router, r1.1, &engines);
+    let mesh = Mesh::start_in(t, &run_dir, "scaleout.toml", (nodes.router, r1.1), &engines, &UpOptions::no_restart());
     eprintln!("mesh ready in {:.1} s", started.elapsed().as_secs_f64());
     let url = format!("http://127.0.0.1:{}/v1/completions", nodes.router);
     // 1. The undisturbed run.

@@ -13,47 +13,49 @@ mod common;
 
 use std::time::Duration;
 
-use common::Mesh;
+use std::path::Path;
+
+use common::topo::{
+    self, HoldMode, KvLoadFailurePolicy::*, KvRole, ModelKind, NodeConfig, Topology, TransferBackendKind::Shm,
+};
+use common::{pd_engines, KvExt, Mesh, NodeExt};
 use serde_json::{json, Value};
 
 fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
 }
 
-fn model_settings() -> Option<String> {
-    settings_for(common::model_path()?)
-}
-
-fn settings_for(p: std::path::PathBuf) -> Option<String> {
-    Some(format!(
-        "model = {{ kind = \"gguf\", path = {:?} }}\nengine = {{ num_blocks = 64, max_model_len = 512 }}",
-        p.display().to_string()
-    ))
+/// The GGUF model at `path`: 64 blocks, prompts up to 512 tokens.
+fn settings_for(path: &Path) -> impl Fn(&mut NodeConfig) + Copy + '_ {
+    move |n| {
+        n.model.kind = ModelKind::Gguf;
+        n.model.path = path.display().to_string();
+        n.engine.num_blocks = 64;
+        n.engine.max_model_len = 512;
+    }
 }
 
 /// P on `http+1`, D-recompute on `http+2`, D-fail on `http+3`. P holds under a 3 s lease so
 /// that faults which keep D from notifying P end in an expiry the test can wait for.
-fn topology(http: u16, base: u16, settings: &str, p_faults: &str, d_faults: &str) -> String {
+fn topology(http: u16, base: u16, model: &Path, p_faults: &str, d_faults: &str) -> Topology {
     let side = common::side_ports(http);
-    let kv = |role: &str, port: u16, policy: &str, faults: &str| {
-        format!(
-            "kv_transfer = {{ kv_role = \"{role}\", side_channel_port = {port}, data_port = {}, \
-             kv_load_failure_policy = \"{policy}\", hold_mode = \"lease\", kv_lease_duration_s = 3, \
-             fault_injection = \"{faults}\" }}",
-            port + 1
-        )
+    let kv = |role, port: u16, policy, faults: &str| {
+        let mut kv = topo::kv(role, Shm, port).data_port(port + 1).failure_policy(policy).fault(faults);
+        kv.hold_mode = HoldMode::Lease;
+        kv.kv_lease_duration_s = 3;
+        kv
     };
-    let node = |name: &str, role: &str, port: u16, b: u16, kv: String| {
-        format!(
-            "[[nodes]]\nname = \"{name}\"\nrole = \"{role}\"\nhttp_port = {port}\nbase_port = {b}\n{settings}\n{kv}\n"
-        )
-    };
-    [
-        node("p", "prefill", http + 1, base + 20, kv("kv_producer", side, "fail", p_faults)),
-        node("drec", "decode", http + 2, base + 40, kv("kv_consumer", side + 2, "recompute", d_faults)),
-        node("dfail", "decode", http + 3, base + 60, kv("kv_consumer", side + 4, "fail", d_faults)),
-    ]
-    .join("\n")
+    let settings = settings_for(model);
+    topo::topology([
+        topo::prefill("p", http + 1, base + 20).with(settings).kv(kv(KvRole::KvProducer, side, Fail, p_faults)),
+        topo::decode("drec", http + 2, base + 40).with(settings).kv(kv(
+            KvRole::KvConsumer,
+            side + 2,
+            Recompute,
+            d_faults,
+        )),
+        topo::decode("dfail", http + 3, base + 60).with(settings).kv(kv(KvRole::KvConsumer, side + 4, Fail, d_faults)),
+    ])
 }
 
 fn post(url: &str, request_id: &str, body: &Value) -> (u16, Value) {
@@ -83,13 +85,13 @@ enum Side {
 /// Run one fault. `fails`: the load fails (policy applies); otherwise the request succeeds
 /// under either policy. `kind`: the failure kind D's worker counts.
 fn scenario(fault: &str, side: Side, fails: bool, kind: &str) {
-    let Some(settings) = model_settings() else { return };
-    scenario_on(&settings, fault, side, fails, kind);
+    let Some(model) = common::model_path() else { return };
+    scenario_on(&model, fault, side, fails, kind);
 }
 
-fn scenario_on(settings: &str, fault: &str, side: Side, fails: bool, kind: &str) {
+fn scenario_on(model: &Path, fault: &str, side: Side, fails: bool, kind: &str) {
     let (p_faults, d_faults) = if side == Side::P { (fault, "") } else { ("", fault) };
-    let mesh = Mesh::start_nodes(|h, b| topology(h, b, settings, p_faults, d_faults), |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(|h, b| topology(h, b, model, p_faults, d_faults), pd_engines);
     let p = mesh.http_port + 1;
     let url = |port: u16| mesh.url_on(port, "/v1/completions");
     let plain = json!({"prompt": PROMPT, "max_tokens": 12, "temperature": 0});
@@ -193,8 +195,8 @@ fn transfer_fails_midway() {
 /// that fails midway recomputes to the same text, or fails that request alone.
 #[test]
 fn qwen2_transfer_fails_midway() {
-    let Some(settings) = common::qwen_model_path().and_then(settings_for) else { return };
-    scenario_on(&settings, "transfer_midway", Side::D, true, "read");
+    let Some(model) = common::qwen_model_path() else { return };
+    scenario_on(&model, "transfer_midway", Side::D, true, "read");
 }
 
 #[test]

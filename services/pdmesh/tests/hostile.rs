@@ -42,7 +42,7 @@ fn post(url: &str, body: &Value) -> (u16, Value) {
 /// same one after them, and it serves on.
 #[test]
 fn hostile_specs_neither_kill_nor_stall_the_frontend() {
-    let mesh = Mesh::start("", "", &[]);
+    let mesh = Mesh::start_one(|_| {});
     let frontend = mesh.pid_of("frontend", 0);
     let chat = mesh.url("/v1/chat/completions");
     let rf = json!({"type": "json_schema", "json_schema": {"name": "deep", "schema": ref_chain(300)}});
@@ -76,7 +76,7 @@ fn hostile_specs_neither_kill_nor_stall_the_frontend() {
 /// `pdmesh-frontend`'s `requests_end_at_their_deadline_and_are_aborted`.
 #[test]
 fn a_restarted_frontend_gets_its_outputs_at_once() {
-    let mesh = Mesh::start("", "[nodes.model]\nper_token_cost_us = 20000\n", &[]);
+    let mesh = Mesh::start_one(|n| n.model.per_token_cost_us = 20000);
     // requests in flight when the frontend dies: their clients go with it
     let orphans: Vec<_> = (0..4)
         .map(|i| {

@@ -64,7 +64,7 @@ fn outputs(id: &str) -> Envelope {
 #[test]
 fn foreign_frames_on_a_tcp_node_are_refused_counted_and_the_mesh_still_serves() {
     let options = UpOptions { env: vec![("PDMESH_MESH_SECRET".into(), SECRET.into())], ..Default::default() };
-    let mesh = Mesh::start_with("transport = \"tcp\"", "", &options);
+    let mesh = Mesh::start_one_with(|n| n.transport = common::topo::SocketTransport::Tcp, &options);
     let base = mesh.base_port;
     let dplb_metrics = format!("http://127.0.0.1:{}/metrics", base + 100);
     let engine_metrics = format!("http://127.0.0.1:{}/metrics", base + 110);
@@ -137,17 +137,8 @@ fn foreign_frames_on_a_tcp_node_are_refused_counted_and_the_mesh_still_serves() 
 #[test]
 fn a_tcp_node_service_without_a_mesh_secret_does_not_start() {
     let (http, base) = common::reserve_ports();
-    let dir = std::env::temp_dir().join(format!("pdmesh-links-{}-{http}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let topology = dir.join("topology.toml");
-    std::fs::write(
-        &topology,
-        format!(
-            "run_dir = {:?}\n[[nodes]]\nname = \"main\"\nhttp_port = {http}\nbase_port = {base}\ntransport = \"tcp\"\n",
-            dir.display().to_string()
-        ),
-    )
-    .unwrap();
+    let (dir, topology) =
+        common::one_node_run_dir("pdmesh-links", http, base, |n| n.transport = common::topo::SocketTransport::Tcp);
     for service in ["dp-lb", "engine-core"] {
         let out = std::process::Command::new(common::pdmesh_bin())
             .args([service, "--node", "main", "--topology"])

@@ -11,16 +11,22 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use common::Mesh;
+use common::topo::{HoldMode, Topology, TransferBackendKind::Shm};
+use common::{pd_engines, Mesh, TopologyExt};
 use serde_json::{json, Value};
 
 /// Synthetic model with a per-token cost, so that 20 streams of 40 tokens last seconds; P
 /// holds under a 3 s lease, so blocks D will never read free at that deadline.
-fn topology(http: u16, base: u16) -> String {
-    let settings =
-        "model = { kind = \"synthetic\", per_token_cost_us = 2000 }\nengine = { block_size = 4, num_blocks = 1024 }";
-    common::pd_topology(http, base, "shm", 2, settings)
-        .replace("hold_mode = \"fixed\"", "hold_mode = \"lease\", kv_lease_duration_s = 3")
+fn topology(http: u16, base: u16) -> Topology {
+    common::pd_topology(http, base, Shm, 2, |n| {
+        n.model.per_token_cost_us = 2000;
+        n.engine.block_size = 4;
+        n.engine.num_blocks = 1024;
+        if let Some(kv) = n.kv_transfer.as_mut() {
+            kv.hold_mode = HoldMode::Lease;
+            kv.kv_lease_duration_s = 3;
+        }
+    })
 }
 
 #[derive(Debug)]
@@ -142,7 +148,7 @@ fn ends_clean(mesh: &Mesh) {
 
 #[test]
 fn kill_p_connector_worker_mid_stream() {
-    let mesh = Mesh::start_nodes(topology, |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(topology, pd_engines);
     let old = mesh.pid_on("p", "connector-worker", 0);
     let outcomes = burst_with_kill(&mesh, Duration::from_millis(100), || {
         mesh.kill9_on("p", "connector-worker", 0);
@@ -162,7 +168,7 @@ fn kill_p_connector_worker_mid_stream() {
 
 #[test]
 fn kill_d_engine_core_mid_stream() {
-    let mesh = Mesh::start_nodes(topology, |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(topology, pd_engines);
     let outcomes = burst_with_kill(&mesh, Duration::ZERO, || {
         mesh.kill9_on("d", "engine-core", 0);
     });
@@ -174,16 +180,8 @@ fn kill_d_engine_core_mid_stream() {
 }
 
 /// [`topology`] with executor fault injection on D's workers only.
-fn topology_with_d_executor_fault(fault: &'static str) -> impl Fn(u16, u16) -> String {
-    move |http, base| {
-        let plain = "dp_size = 2\nmodel = { kind = \"synthetic\", per_token_cost_us = 2000 }";
-        let faulty = format!(
-            "dp_size = 2\nmodel = {{ kind = \"synthetic\", per_token_cost_us = 2000, fault_injection = \"{fault}\" }}"
-        );
-        let t = topology(http, base);
-        assert_eq!(t.matches(plain).count(), 1, "D's node section changed shape");
-        t.replace(plain, &faulty)
-    }
+fn topology_with_d_executor_fault(fault: &'static str) -> impl Fn(u16, u16) -> Topology {
+    move |http, base| topology(http, base).with_node("d", |d| d.model.fault_injection = fault.into())
 }
 
 /// Forward passes that fail on D (every 25th, through the executor's fault injection) while 20
@@ -193,7 +191,7 @@ fn topology_with_d_executor_fault(fault: &'static str) -> impl Fn(u16, u16) -> S
 /// the race is reached every run; here the engine's idle polls usually carry it.)
 #[test]
 fn failed_forward_passes_strand_no_blocks() {
-    let mesh = Mesh::start_nodes(topology_with_d_executor_fault("step_error_every=25"), |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(topology_with_d_executor_fault("step_error_every=25"), pd_engines);
     let outcomes = burst_with_kill(&mesh, Duration::from_millis(20), || {});
     let (complete, errors) = check_outcomes(&outcomes);
     eprintln!("every 25th forward pass on D failing: {complete} complete, {errors} clear errors");
@@ -210,8 +208,7 @@ fn failed_forward_passes_strand_no_blocks() {
 /// the mesh serves again with nothing stranded.
 #[test]
 fn a_lost_accelerator_restarts_the_worker() {
-    let mesh =
-        Mesh::start_nodes(topology_with_d_executor_fault("device_lost_at_step=30"), |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(topology_with_d_executor_fault("device_lost_at_step=30"), pd_engines);
     let old = [mesh.pid_on("d", "connector-worker", 0), mesh.pid_on("d", "connector-worker", 1)];
     let outcomes = burst_with_kill(&mesh, Duration::from_millis(20), || {});
     let (complete, errors) = check_outcomes(&outcomes);

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{sse_events, Mesh};
+use common::{sse_events, Mesh, UpOptions};
 use serde_json::{json, Value};
 
 fn client() -> reqwest::blocking::Client {
@@ -43,7 +43,7 @@ fn stream_text(mesh: &Mesh, path: &str, body: Value) -> (String, Vec<String>) {
 
 #[test]
 fn serves_completions_chat_and_streams_across_five_processes() {
-    let mesh = Mesh::start("", "", &[]);
+    let mesh = Mesh::start_one(|_| {});
 
     // five separate, live processes, one per service
     let procs = mesh.processes();
@@ -110,7 +110,7 @@ fn serves_completions_chat_and_streams_across_five_processes() {
 
 #[test]
 fn bad_input_gets_openai_errors_and_loses_nothing() {
-    let mesh = Mesh::start("", "[nodes.engine]\nmax_model_len = 64\n", &[]);
+    let mesh = Mesh::start_one(|n| n.engine.max_model_len = 64);
     let cases: Vec<(Value, u16, &str)> = vec![
         (json!({"prompt": "hi", "temperature": -1}), 400, "temperature"),
         (json!({"prompt": "hi", "top_p": 0}), 400, "top_p"),
@@ -165,7 +165,7 @@ fn bad_input_gets_openai_errors_and_loses_nothing() {
 
 #[test]
 fn sixty_four_concurrent_streams_complete() {
-    let mesh = Mesh::start("", "[nodes.model]\nper_token_cost_us = 50\n", &[]);
+    let mesh = Mesh::start_one(|n| n.model.per_token_cost_us = 50);
     let url = mesh.url("/v1/completions");
     let handles: Vec<_> = (0..64)
         .map(|i| {
@@ -195,7 +195,7 @@ fn sixty_four_concurrent_streams_complete() {
 #[test]
 fn client_disconnect_mid_stream_aborts_and_frees_blocks() {
     // slow tokens so the stream is still running when the client goes away
-    let mesh = Mesh::start("", "[nodes.model]\nper_token_cost_us = 2000\n", &[]);
+    let mesh = Mesh::start_one(|n| n.model.per_token_cost_us = 2000);
     let mut r = client()
         .post(mesh.url("/v1/completions"))
         .json(&json!({"prompt": "a long story", "max_tokens": 2000, "stream": true}))
@@ -213,7 +213,10 @@ fn client_disconnect_mid_stream_aborts_and_frees_blocks() {
 
 #[test]
 fn killed_engine_core_gives_503_instead_of_hanging() {
-    let mesh = Mesh::start("", "[nodes.model]\nper_token_cost_us = 2000\n", &["--no-restart"]);
+    let mesh = Mesh::start_one_with(
+        |n| n.model.per_token_cost_us = 2000,
+        &UpOptions { args: vec!["--no-restart".into()], ..Default::default() },
+    );
     // a stream in flight when the engine dies ends with an error, not a hang
     let url = mesh.url("/v1/completions");
     let inflight = std::thread::spawn(move || {
@@ -240,7 +243,7 @@ fn killed_engine_core_gives_503_instead_of_hanging() {
 
 #[test]
 fn a_restarted_worker_serves_again() {
-    let mesh = Mesh::start("", "", &[]);
+    let mesh = Mesh::start_one(|_| {});
     let (status, _) = post(&mesh, "/v1/completions", json!({"prompt": "before", "max_tokens": 4}));
     assert_eq!(status, 200);
     let old = mesh.pid_of("connector-worker", 0);
@@ -262,7 +265,7 @@ fn a_restarted_worker_serves_again() {
 
 #[test]
 fn data_parallel_ranks_pinned_by_header_and_balanced_without() {
-    let mesh = Mesh::start("dp_size = 2", "", &[]);
+    let mesh = Mesh::start_one(|n| n.dp_size = 2);
     let procs = mesh.processes();
     assert_eq!(procs.len(), 8, "frontend + dp-lb + 2 × (engine-core, connector-scheduler, connector-worker)");
     for _ in 0..4 {

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
-use common::{sse_events, Mesh};
+use common::topo::TransferBackendKind::Shm;
+use common::{pd_engines, sse_events, Mesh};
 use pdmesh_model_api::{ChatMessage, TextCodec};
 use serde_json::{json, Value};
 
@@ -87,14 +88,12 @@ fn streamed_on(mesh: &Mesh, port: u16, path: &str, body: &Value) -> (String, u64
 fn real_model_through_the_mesh_matches_the_reference() {
     let Some(path) = common::model_path() else { return };
     let codec = pdmesh_model::GgufTextCodec::load(&path, &pdmesh_model::ModelOptions::default()).unwrap();
-    let mesh = Mesh::start(
-        "",
-        &format!(
-            "[nodes.model]\nkind = \"gguf\"\npath = {:?}\n[nodes.engine]\nnum_blocks = 256\nmax_model_len = 2048\n",
-            path.display().to_string()
-        ),
-        &[],
-    );
+    let mesh = Mesh::start_one(|n| {
+        n.model.kind = common::topo::ModelKind::Gguf;
+        n.model.path = path.display().to_string();
+        n.engine.num_blocks = 256;
+        n.engine.max_model_len = 2048;
+    });
 
     // completion: the model knows its geography
     let body = json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0});
@@ -128,13 +127,13 @@ fn real_model_through_the_mesh_matches_the_reference() {
 #[test]
 fn real_model_disaggregated_equals_colocated() {
     let Some(path) = common::model_path() else { return };
-    let model = format!("model = {{ kind = \"gguf\", path = {:?} }}", path.display().to_string());
-    let engine = "engine = { num_blocks = 128, max_model_len = 1024 }";
-    let settings = format!("{model}\n{engine}");
-    let mesh = Mesh::start_nodes(
-        |http, base| common::pd_topology(http, base, "shm", 1, &settings),
-        |h| vec![h + 1, h + 2, h + 3],
-    );
+    let settings = |n: &mut common::topo::NodeConfig| {
+        n.model.kind = common::topo::ModelKind::Gguf;
+        n.model.path = path.display().to_string();
+        n.engine.num_blocks = 128;
+        n.engine.max_model_len = 1024;
+    };
+    let mesh = Mesh::start_nodes(|http, base| common::pd_topology(http, base, Shm, 1, settings), pd_engines);
     let router = mesh.http_port;
     let colocated = mesh.http_port + 3;
     for prompt in ["The capital of France is", "Once upon a time, in a small village by the sea,", "1, 2, 3, 4,"] {
@@ -227,18 +226,22 @@ fn answers_of_concurrent_requests(mesh: &Mesh) -> Vec<Value> {
 fn real_model_async_scheduling_answers_as_steps_in_turn() {
     let Some(path) = common::model_path() else { return };
     let sections = |on: bool| {
-        format!(
-            "[nodes.model]\nkind = \"gguf\"\npath = {:?}\n[nodes.engine]\nnum_blocks = 256\nmax_model_len = 1024\nasync_scheduling = {on}\n",
-            path.display().to_string()
-        )
+        let path = path.clone();
+        move |n: &mut common::topo::NodeConfig| {
+            n.model.kind = common::topo::ModelKind::Gguf;
+            n.model.path = path.display().to_string();
+            n.engine.num_blocks = 256;
+            n.engine.max_model_len = 1024;
+            n.engine.async_scheduling = on;
+        }
     };
-    let in_turn = Mesh::start("", &sections(false), &[]);
+    let in_turn = Mesh::start_one(sections(false));
     let want = answers_of_concurrent_requests(&in_turn);
     let used_in_turn = common::metric(in_turn.base_port + 112, "pdmesh_worker_speculative_rows_total", "");
     assert_eq!(used_in_turn, 0.0, "nothing runs ahead when the key is off");
     drop(in_turn);
 
-    let ahead = Mesh::start("", &sections(true), &[]);
+    let ahead = Mesh::start_one(sections(true));
     // A stream the client drops while its next row runs ahead: the engine aborts it and frees
     // its blocks (the row is discarded, R2); the requests after it take those blocks, and the
     // row written ahead into one of them must not change their answers.

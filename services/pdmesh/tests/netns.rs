@@ -16,11 +16,16 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{complete, Mesh};
+use common::topo::{self, HoldMode, KvRole, NodeConfig, TransferBackendKind::Tcp};
+use common::{complete, KvExt, Mesh, NodeExt, TopologyExt};
 use serde_json::Value;
 
-const SETTINGS: &str =
-    "model = { kind = \"synthetic\", per_token_cost_us = 200 }\nengine = { block_size = 4, num_blocks = 512 }";
+/// P, D and the reference: the synthetic model at 200 µs a token, 512 blocks of 4 tokens.
+fn settings(n: &mut NodeConfig) {
+    n.model.per_token_cost_us = 200;
+    n.engine.block_size = 4;
+    n.engine.num_blocks = 512;
+}
 const P_ADDR: &str = "10.77.0.1";
 const D_ADDR: &str = "10.77.0.2";
 /// Ports inside the namespaces: nothing else lives there.
@@ -252,29 +257,29 @@ fn tcp_transfer_between_two_network_namespaces() {
         }
     };
     // The colocated reference, in the test's namespace.
-    let reference = Mesh::start("", SETTINGS, &[]);
+    let reference = Mesh::start_one(settings);
 
-    let kv = |role: &str, host: &str| {
-        format!(
-            "kv_transfer = {{ kv_role = \"{role}\", backend = \"tcp\", side_channel_host = \"{host}\", side_channel_port = 5600, data_port = 5700, hold_mode = \"fixed\" }}"
-        )
-    };
+    let kv = |role, host: &str| topo::kv(role, Tcp, 5600).side_host(host).data_port(5700).hold_mode(HoldMode::Fixed);
     // One topology for both hosts. P: everything binds every address; peers are told
     // 10.77.0.1 (the P–D link). D (two ranks) and the router, which reaches P over the P–D link,
     // are on the D host. `run_dir` comes from each host's PDMESH_RUN_DIR.
     let topology = std::env::temp_dir().join(format!("pdmesh-netns-{}-topology.toml", std::process::id()));
-    std::fs::write(
-        &topology,
-        format!(
-            "[[nodes]]\nname = \"p\"\nrole = \"prefill\"\nhttp_host = \"0.0.0.0\"\nhttp_port = {P_PORT}\nbind_host = \"0.0.0.0\"\nbase_port = 7100\n{SETTINGS}\n{}\n\n\
-             [[nodes]]\nname = \"router\"\nrole = \"router\"\nhttp_host = \"0.0.0.0\"\nhttp_port = {ROUTER_PORT}\nbase_port = 7500\n\
-             router = {{ prefill = [\"http://{P_ADDR}:{P_PORT}\"], decode = [\"http://127.0.0.1:{D_PORT}\"] }}\n\n\
-             [[nodes]]\nname = \"d\"\nrole = \"decode\"\nhttp_host = \"0.0.0.0\"\nhttp_port = {D_PORT}\nbind_host = \"0.0.0.0\"\nbase_port = 7300\ndp_size = 2\n{SETTINGS}\n{}\n",
-            kv("kv_producer", P_ADDR),
-            kv("kv_consumer", D_ADDR)
-        ),
-    )
-    .unwrap();
+    let nodes = topo::topology([
+        topo::prefill("p", P_PORT, 7100)
+            .http_host("0.0.0.0")
+            .bind_host("0.0.0.0")
+            .with(settings)
+            .kv(kv(KvRole::KvProducer, P_ADDR)),
+        topo::router("router", ROUTER_PORT, 7500, &[format!("http://{P_ADDR}:{P_PORT}")], &[topo::url(D_PORT)])
+            .http_host("0.0.0.0"),
+        topo::decode("d", D_PORT, 7300)
+            .http_host("0.0.0.0")
+            .bind_host("0.0.0.0")
+            .dp_size(2)
+            .with(settings)
+            .kv(kv(KvRole::KvConsumer, D_ADDR)),
+    ]);
+    std::fs::write(&topology, nodes.text()).unwrap();
     let p_mesh = HostMesh::start(&hosts.p_ns, "p", &topology, "p");
     let d_mesh = HostMesh::start(&hosts.d_ns, "d", &topology, "router,d");
     let (p_url, d_url, router) = (

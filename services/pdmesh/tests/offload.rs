@@ -7,7 +7,8 @@
 
 mod common;
 
-use common::{complete, Mesh};
+use common::topo::{self, KvRole, NodeConfig, TransferBackendKind::Shm};
+use common::{complete, pd_engines, Mesh, TopologyExt};
 
 /// Block size 4; a 40-token prompt has 9 loadable full blocks (36 tokens: the last prompt
 /// token is always computed locally).
@@ -33,12 +34,16 @@ fn metric(port: u16, name: &str) -> f64 {
 #[test]
 fn a_revisited_prompt_loads_from_the_offload_store_with_identical_output() {
     assert_eq!(PROMPT.len(), 40);
-    let mesh = Mesh::start(
-        "kv_transfer = { kv_connector = \"OffloadConnector\", kv_role = \"kv_both\", offload = { cpu_blocks = 64 } }\n\
-         engine = { block_size = 4, num_blocks = 24, max_model_len = 64, max_num_seqs = 2 }",
-        "",
-        &[],
-    );
+    let mesh = Mesh::start_one(|n| {
+        let mut kv = topo::kv_defaults(KvRole::KvBoth);
+        kv.kv_connector = "OffloadConnector".into();
+        kv.offload.cpu_blocks = 64;
+        n.kv_transfer = Some(kv);
+        n.engine.block_size = 4;
+        n.engine.num_blocks = 24;
+        n.engine.max_model_len = 64;
+        n.engine.max_num_seqs = 2;
+    });
     let url = mesh.url("/v1/completions");
     let (scheduler, worker) = (mesh.base_port + 111, mesh.base_port + 112);
 
@@ -76,9 +81,7 @@ fn a_revisited_prompt_loads_from_the_offload_store_with_identical_output() {
 /// reads the result from P as usual; the output equals the colocated reference.
 #[test]
 fn p_with_multi_connector_frees_after_both_children_and_revisits_load_from_the_store() {
-    let loaded = check_multi_pd(
-        "engine = { block_size = 4, num_blocks = 48, max_model_len = 64, enable_prefix_caching = false }",
-    );
+    let loaded = check_multi_pd(None);
     assert_eq!(loaded, LOADABLE_TOKENS / 4.0, "one byte per token: 9 full blocks before the last token");
 }
 
@@ -92,22 +95,31 @@ fn real_model_p_with_multi_connector_loads_revisits_from_the_store() {
     }
     let path = pdmesh_model::default_model_path();
     assert!(path.is_file(), "model {} missing: run scripts/fetch-model.sh", path.display());
-    let settings = format!(
-        "model = {{ kind = \"gguf\", path = {:?} }}\nengine = {{ block_size = 4, num_blocks = 48, max_model_len = 64, enable_prefix_caching = false }}",
-        path.display().to_string()
-    );
-    assert!(check_multi_pd(&settings) >= 1.0, "at least one full block loaded");
+    assert!(check_multi_pd(Some(&path)) >= 1.0, "at least one full block loaded");
 }
 
-/// Returns the blocks P loaded from its store for the revisit.
-fn check_multi_pd(node_settings: &str) -> f64 {
-    let multi = "kv_connector = \"MultiConnector\", kv_connector_children = [\"PdConnector\", \"OffloadConnector\"], \
-                 offload = { cpu_blocks = 64 }, kv_role = \"kv_producer\"";
-    let node_settings = node_settings.to_string();
-    let topology = move |http: u16, base: u16| {
-        common::pd_topology(http, base, "shm", 1, &node_settings).replace("kv_role = \"kv_producer\"", multi)
+/// Returns the blocks P loaded from its store for the revisit. P, D and the reference: the
+/// synthetic model, or the real one at `model`; 48 blocks of 4 tokens, no prefix cache.
+fn check_multi_pd(model: Option<&std::path::Path>) -> f64 {
+    let settings = |n: &mut NodeConfig| {
+        if let Some(path) = model {
+            n.model.kind = topo::ModelKind::Gguf;
+            n.model.path = path.display().to_string();
+        }
+        n.engine.block_size = 4;
+        n.engine.num_blocks = 48;
+        n.engine.max_model_len = 64;
+        n.engine.enable_prefix_caching = false;
     };
-    let mesh = Mesh::start_nodes(topology, |h| vec![h + 1, h + 2, h + 3]);
+    let topology = move |http: u16, base: u16| {
+        common::pd_topology(http, base, Shm, 1, settings).with_node("p", |p| {
+            let kv = p.kv_transfer.as_mut().unwrap();
+            kv.kv_connector = "MultiConnector".into();
+            kv.kv_connector_children = vec!["PdConnector".into(), "OffloadConnector".into()];
+            kv.offload.cpu_blocks = 64;
+        })
+    };
+    let mesh = Mesh::start_nodes(topology, pd_engines);
     let router = mesh.url("/v1/completions");
     let colocated = mesh.url_on(mesh.http_port + 3, "/v1/completions");
     let p_base = mesh.base_port + 20;

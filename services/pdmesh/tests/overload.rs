@@ -14,7 +14,8 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{pd_topology, Mesh};
+use common::topo::{ModelKind, NodeConfig, TransferBackendKind::Shm};
+use common::{pd_engines, pd_topology, Mesh, TopologyExt};
 use serde_json::{json, Value};
 
 /// Concurrent requests of one storm.
@@ -23,49 +24,58 @@ const STORM: usize = 2000;
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// P, D and the reference node: the default mesh's engine sizes, synthetic tokens that cost
-/// compute time.
-const NODE_SETTINGS: &str = r#"model = { kind = "synthetic", per_token_cost_us = 40, per_step_cost_us = 1500 }
-engine = { block_size = 16, num_blocks = 512, max_num_seqs = 64, max_num_batched_tokens = 1024, max_model_len = 4096 }"#;
-
-/// The real model in place of the synthetic executor (`PDMESH_MODEL_PATH`), for the storm
-/// against the default mesh itself: the same engine sizes as `deploy/topology/default.toml`.
-fn real_model_settings() -> Option<String> {
-    let path = std::env::var("PDMESH_MODEL_PATH").ok().filter(|p| std::path::Path::new(p).is_file())?;
-    Some(NODE_SETTINGS.replacen(
-        r#"model = { kind = "synthetic", per_token_cost_us = 40, per_step_cost_us = 1500 }"#,
-        &format!("model = {{ kind = \"gguf\", path = {path:?} }}"),
-        1,
-    ))
-}
-
-/// Limits that bound nothing, for the side-by-side run of the benchmark.
-const UNBOUNDED: &str = r#"limits = { max_in_flight = 0, dp_lb_max_in_flight = 0 }"#;
-
-/// The default mesh's shape with `limits` on every node (empty: the defaults) and, for the
-/// unbounded run, engines without a waiting or held-block bound.
-fn start_mesh(limits: &str, unbounded_engines: bool) -> Mesh {
-    start_mesh_with(NODE_SETTINGS, limits, unbounded_engines)
-}
-
-/// [`start_mesh`] with other node settings (the real model).
-fn start_mesh_with(node_settings: &str, limits: &str, unbounded_engines: bool) -> Mesh {
-    let mut settings = node_settings.to_string();
-    if unbounded_engines {
-        settings = settings
-            .replace("max_model_len = 4096 }", "max_model_len = 4096, max_waiting = 0, max_held_fraction = 1.0 }");
+/// compute time, or (`model`: its path) the real model in place of the synthetic executor.
+fn node_settings(n: &mut NodeConfig, model: Option<&str>) {
+    match model {
+        None => {
+            n.model.per_token_cost_us = 40;
+            n.model.per_step_cost_us = 1500;
+        }
+        Some(path) => {
+            n.model.kind = ModelKind::Gguf;
+            n.model.path = path.to_string();
+        }
     }
-    settings.push('\n');
-    settings.push_str(limits);
-    let limits = limits.to_string();
+    n.engine.block_size = 16;
+    n.engine.num_blocks = 512;
+    n.engine.max_num_seqs = 64;
+    n.engine.max_num_batched_tokens = 1024;
+    n.engine.max_model_len = 4096;
+}
+
+/// The real model (`PDMESH_MODEL_PATH`), for the storm against the default mesh itself: the
+/// same engine sizes as `deploy/topology/default.toml`.
+fn real_model_path() -> Option<String> {
+    std::env::var("PDMESH_MODEL_PATH").ok().filter(|p| std::path::Path::new(p).is_file())
+}
+
+/// The default mesh's shape with the default limits, or (`unbounded`) limits that bound
+/// nothing on every node and engines without a waiting or held-block bound, for the
+/// side-by-side run of the benchmark.
+fn start_mesh(unbounded: bool) -> Mesh {
+    start_mesh_with(None, unbounded)
+}
+
+/// [`start_mesh`] on the real model at `model`.
+fn start_mesh_with(model: Option<&str>, unbounded: bool) -> Mesh {
+    let unbound = |n: &mut NodeConfig| {
+        if unbounded {
+            n.limits.max_in_flight = 0;
+            n.limits.dp_lb_max_in_flight = 0;
+        }
+    };
     Mesh::start_nodes(
         move |h, b| {
-            pd_topology(h, b, "shm", 2, &settings).replacen(
-                "role = \"router\"\n",
-                &format!("role = \"router\"\n{limits}\n"),
-                1,
-            )
+            pd_topology(h, b, Shm, 2, |n| {
+                node_settings(n, model);
+                if unbounded {
+                    n.engine.max_waiting = 0;
+                    n.engine.max_held_fraction = 1.0;
+                }
+            })
+            .all_nodes(unbound)
         },
-        |h| vec![h + 1, h + 2, h + 3],
+        pd_engines,
     )
 }
 
@@ -292,7 +302,7 @@ fn raise_open_files_limit() {
 #[test]
 fn a_storm_of_2000_requests_ends_in_answers_or_503s_and_leaves_nothing_held() {
     raise_open_files_limit();
-    let mesh = start_mesh("", false);
+    let mesh = start_mesh(false);
     let (storm, memory) = storm_and_settle(&mesh);
     report("default limits", &storm, &memory);
     check_storm(&mesh, &storm, &memory);
@@ -325,7 +335,7 @@ fn check_storm(mesh: &Mesh, storm: &Storm, memory: &[(String, f64)]) {
 #[test]
 #[ignore = "benchmark: run by hand"]
 fn bench_storm_with_and_without_limits() {
-    bench_storm(NODE_SETTINGS, "synthetic");
+    bench_storm(None, "synthetic");
 }
 
 /// The same benchmark against the default mesh itself: SmolLM2-135M-Instruct on every worker
@@ -335,27 +345,26 @@ fn bench_storm_with_and_without_limits() {
 #[test]
 #[ignore = "benchmark: the real model, run by hand"]
 fn bench_storm_on_the_real_model_with_and_without_limits() {
-    let Some(settings) = real_model_settings() else {
+    let Some(path) = real_model_path() else {
         panic!("PDMESH_MODEL_PATH must name the GGUF model (scripts/fetch-model.sh)");
     };
-    assert!(settings.contains("kind = \"gguf\""), "the real model replaces the synthetic executor");
-    bench_storm(&settings, "real model");
+    bench_storm(Some(&path), "real model");
 }
 
 /// One storm against a mesh with the default limits (checked as in the ordinary test), then
 /// one against a mesh whose limits bound nothing, reported side by side.
-fn bench_storm(settings: &str, executor: &str) {
+fn bench_storm(model: Option<&str>, executor: &str) {
     raise_open_files_limit();
     eprintln!("| limits ({executor}) | 200 | 503 | 429 | hung | other | ms to answer p50 / p99 | ms to refusal p50 / p99 | peak RSS (MiB) |");
     eprintln!("|---|---|---|---|---|---|---|---|---|");
-    let bounded = start_mesh_with(settings, "", false);
+    let bounded = start_mesh_with(model, false);
     let started = Instant::now();
     let (storm, memory) = storm_and_settle(&bounded);
     eprintln!("storm and settle: {:.1} s", started.elapsed().as_secs_f64());
     report("default", &storm, &memory);
     check_storm(&bounded, &storm, &memory);
     bounded.stop();
-    let unbounded = start_mesh_with(settings, UNBOUNDED, true);
+    let unbounded = start_mesh_with(model, true);
     let started = Instant::now();
     let storm = run_storm(&unbounded.url("/v1/completions"));
     eprintln!("storm: {:.1} s", started.elapsed().as_secs_f64());

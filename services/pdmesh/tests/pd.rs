@@ -8,34 +8,43 @@ mod common;
 
 use std::time::Duration;
 
-use common::{complete, Mesh};
+use common::topo::{self, KvLoadFailurePolicy, NodeConfig, Topology, TransferBackendKind::*};
+use common::{complete, pd_engines, Mesh, TopologyExt};
 use serde_json::{json, Value};
 
 fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap()
 }
 
-const ENGINE: &str = "engine = { block_size = 4, num_blocks = 512 }";
-const ENGINE_NO_PREFIX_CACHE: &str = "engine = { block_size = 4, num_blocks = 512, enable_prefix_caching = false }";
-
-fn pd_topology(http: u16, base: u16) -> String {
-    common::pd_topology(http, base, "shm", 2, ENGINE)
+/// P, D and the reference: 512 blocks of 4 tokens.
+fn engine(n: &mut NodeConfig) {
+    n.engine.block_size = 4;
+    n.engine.num_blocks = 512;
 }
 
-fn pd_topology_tcp(http: u16, base: u16) -> String {
-    common::pd_topology(http, base, "tcp", 2, ENGINE)
+fn pd_topology(http: u16, base: u16) -> Topology {
+    common::pd_topology(http, base, Shm, 2, engine)
+}
+
+fn pd_topology_tcp(http: u16, base: u16) -> Topology {
+    common::pd_topology(http, base, Tcp, 2, engine)
+}
+
+/// The P/D shape with one D rank and [`engine`].
+fn pd_one_rank(http: u16, base: u16) -> Topology {
+    common::pd_topology(http, base, Shm, 1, engine)
 }
 
 #[test]
 fn disaggregated_output_equals_colocated_and_every_block_is_freed() {
-    check_pd_equals_colocated(Mesh::start_nodes(pd_topology, |h| vec![h + 1, h + 2, h + 3]), "127.0.0.1");
+    check_pd_equals_colocated(Mesh::start_nodes(pd_topology, pd_engines), "127.0.0.1");
 }
 
 /// The tcp backend: P serves block reads over a socket, listening on 127.0.0.2 while D is on
 /// 127.0.0.1 (two addresses, as two hosts would be).
 #[test]
 fn tcp_backend_moves_the_same_bytes() {
-    check_pd_equals_colocated(Mesh::start_nodes(pd_topology_tcp, |h| vec![h + 1, h + 2, h + 3]), "127.0.0.2");
+    check_pd_equals_colocated(Mesh::start_nodes(pd_topology_tcp, pd_engines), "127.0.0.2");
 }
 
 fn check_pd_equals_colocated(mesh: Mesh, p_host: &str) {
@@ -88,12 +97,17 @@ fn post(url: &str, request_id: &str, body: &Value) -> (u16, Value) {
 /// A block reference whose blocks were freed and reused is refused by P's lease check, never
 /// read: D follows its load-failure policy (`fail`: an error for that request only;
 /// `recompute`: the same output as a colocated run).
-fn stale_reference_is_refused(policy: &str) {
+fn stale_reference_is_refused(policy: KvLoadFailurePolicy) {
     let mesh = Mesh::start_nodes(
         // Prefix caching off: with it, D's second decode of a prompt it already decoded is a
         // full local hit that reads nothing from P, and the stale reference is never tried.
-        |h, b| common::pd_topology_with_policy(h, b, "shm", 1, ENGINE_NO_PREFIX_CACHE, policy),
-        |h| vec![h + 1, h + 2, h + 3],
+        |h, b| {
+            topo::pd_with_policy(h, b, Shm, 1, policy).engine_nodes(|n| {
+                engine(n);
+                n.engine.enable_prefix_caching = false;
+            })
+        },
+        pd_engines,
     );
     let (p, d, c) = (mesh.http_port + 1, mesh.http_port + 2, mesh.http_port + 3);
     let url = |port: u16| mesh.url_on(port, "/v1/completions");
@@ -120,7 +134,7 @@ fn stale_reference_is_refused(policy: &str) {
     let params_b = prefill(b);
     let (status, v) = decode(a, &params_a);
     let colocated_a = post(&url(c), "ref-a", &json!({"prompt": a, "max_tokens": 8, "temperature": 0})).1;
-    if policy == "recompute" {
+    if policy == KvLoadFailurePolicy::Recompute {
         assert_eq!(status, 200, "{v}");
         assert_eq!(v["choices"][0]["text"], colocated_a["choices"][0]["text"], "recomputed locally, same output");
     } else {
@@ -138,12 +152,12 @@ fn stale_reference_is_refused(policy: &str) {
 
 #[test]
 fn stale_block_reference_fails_cleanly_under_fail_policy() {
-    stale_reference_is_refused("fail");
+    stale_reference_is_refused(KvLoadFailurePolicy::Fail);
 }
 
 #[test]
 fn stale_block_reference_is_recomputed_under_recompute_policy() {
-    stale_reference_is_refused("recompute");
+    stale_reference_is_refused(KvLoadFailurePolicy::Recompute);
 }
 
 fn metric(url: &str, name: &str) -> f64 {
@@ -158,7 +172,7 @@ fn metric(url: &str, name: &str) -> f64 {
 /// as a duplicate); with one, only that rank.
 #[test]
 fn rejection_before_admission_frees_p_at_once() {
-    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 2, ENGINE), |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(pd_topology, pd_engines);
     let (p, d) = (mesh.http_port + 1, mesh.http_port + 2);
     let dplb_metrics = format!("http://127.0.0.1:{}/metrics", mesh.base_port + 40 + 100);
     let cases: Vec<(&str, Value, u16, Option<&str>)> = vec![
@@ -203,7 +217,7 @@ fn rejection_before_admission_frees_p_at_once() {
 /// name nothing.
 #[test]
 fn router_hands_p_blocks_back_when_the_decode_leg_never_starts() {
-    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 1, ENGINE), |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(pd_one_rank, pd_engines);
     let p = mesh.http_port + 1;
 
     // The endpoint on P: a held request is released at once; junk is a 400.
@@ -286,12 +300,11 @@ fn router_hands_p_blocks_back_when_the_decode_leg_never_starts() {
 fn p_reports_leased_blocks_while_a_read_is_in_flight() {
     let mesh = Mesh::start_nodes(
         |h, b| {
-            common::pd_topology(h, b, "shm", 1, ENGINE).replace(
-                "kv_role = \"kv_consumer\"",
-                "kv_role = \"kv_consumer\", fault_injection = \"delay_transfer_ms=1500\"",
-            )
+            pd_one_rank(h, b).with_node("d", |d| {
+                d.kv_transfer.as_mut().unwrap().fault_injection = "delay_transfer_ms=1500".into();
+            })
         },
-        |h| vec![h + 1, h + 2, h + 3],
+        pd_engines,
     );
     let p = mesh.http_port + 1;
     let url = mesh.url("/v1/completions");
@@ -316,15 +329,17 @@ fn p_reports_leased_blocks_while_a_read_is_in_flight() {
 /// lapsed hold would have failed it), and P ends holding nothing.
 #[test]
 fn heartbeats_keep_p_holding_while_the_request_waits_on_d() {
-    let settings = "model = { kind = \"synthetic\", per_token_cost_us = 10000 }\n\
-                    engine = { block_size = 4, num_blocks = 256, max_num_seqs = 1 }";
-    let mesh = Mesh::start_nodes(
-        |h, b| {
-            common::pd_topology(h, b, "shm", 1, settings)
-                .replace("hold_mode = \"fixed\"", "hold_mode = \"lease\", kv_lease_duration_s = 1")
-        },
-        |h| vec![h + 1, h + 2, h + 3],
-    );
+    let settings = |n: &mut NodeConfig| {
+        n.model.per_token_cost_us = 10000;
+        n.engine.block_size = 4;
+        n.engine.num_blocks = 256;
+        n.engine.max_num_seqs = 1;
+        if let Some(kv) = n.kv_transfer.as_mut() {
+            kv.hold_mode = topo::HoldMode::Lease;
+            kv.kv_lease_duration_s = 1;
+        }
+    };
+    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, Shm, 1, settings), pd_engines);
     let (p, d) = (mesh.http_port + 1, mesh.http_port + 2);
     let url = mesh.url("/v1/completions");
     let first = {
@@ -353,7 +368,7 @@ fn heartbeats_keep_p_holding_while_the_request_waits_on_d() {
 /// under a short load through the router.
 #[test]
 fn every_service_metrics_move_under_a_short_load() {
-    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 1, ENGINE), |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(pd_one_rank, pd_engines);
     let http = |port: u16| format!("http://127.0.0.1:{port}/metrics");
     let ops = |node_base: u16, offset: u16| http(node_base + offset);
     let (pb, db) = (mesh.base_port + 20, mesh.base_port + 40);
@@ -391,13 +406,8 @@ fn every_service_metrics_move_under_a_short_load() {
 #[test]
 fn the_decode_leg_parks_until_p_answers_and_a_refusal_keeps_its_status() {
     // D takes prompts of at most 48 tokens; P and the colocated node take longer ones.
-    let topology = |h, b| {
-        let t = common::pd_topology(h, b, "shm", 1, ENGINE);
-        let (head, tail) = t.split_once("name = \"d\"").unwrap();
-        let tail = tail.replacen(ENGINE, "engine = { block_size = 4, num_blocks = 512, max_model_len = 48 }", 1);
-        format!("{head}name = \"d\"{tail}")
-    };
-    let mesh = Mesh::start_nodes(topology, |h| vec![h + 1, h + 2, h + 3]);
+    let topology = |h, b| pd_one_rank(h, b).with_node("d", |d| d.engine.max_model_len = 48);
+    let mesh = Mesh::start_nodes(topology, pd_engines);
     let (p, d, c) = (mesh.http_port + 1, mesh.http_port + 2, mesh.http_port + 3);
     let parallel = || common::metric(mesh.http_port, "pdmesh_router_parallel_decode_legs_total", "");
     let parked = || common::metric(d, "pdmesh_frontend_parked_requests_total", "outcome=\"parked\"");

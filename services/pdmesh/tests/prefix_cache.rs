@@ -9,11 +9,11 @@ mod common;
 
 use std::time::Duration;
 
+use common::topo::TransferBackendKind::Shm;
 use common::Mesh;
 use serde_json::{json, Value};
 
 /// One D rank, so that D's cache is one cache; blocks of 4 tokens.
-const ENGINE: &str = "engine = { block_size = 4, num_blocks = 512 }";
 const BS: u64 = 4;
 
 fn post(url: &str, body: &Value) -> Value {
@@ -101,7 +101,7 @@ fn check_cases(mesh: &Mesh, pd: impl Fn(&str) -> Value) {
 
 #[test]
 fn pd_edge_cases_through_the_router() {
-    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 1, ENGINE), |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, Shm, 1, common::blocks(4, 512)), common::pd_engines);
     let router = mesh.url("/v1/completions");
     check_cases(&mesh, |prompt| post(&router, &greedy(prompt)));
     // P skipped its own cached prefix too: the same prompts hit P's cache.
@@ -121,7 +121,7 @@ fn pd_edge_cases_through_the_router() {
 
 #[test]
 fn pd_edge_cases_through_a_client_that_calls_p_then_d() {
-    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 1, ENGINE), |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, Shm, 1, common::blocks(4, 512)), common::pd_engines);
     let (p, d) =
         (mesh.url_on(mesh.http_port + 1, "/v1/completions"), mesh.url_on(mesh.http_port + 2, "/v1/completions"));
     check_cases(&mesh, |prompt| {

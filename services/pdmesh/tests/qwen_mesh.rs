@@ -15,18 +15,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::{sse_events, Mesh};
+use common::topo::TransferBackendKind::Shm;
+use common::{sse_events, Mesh, TopologyExt};
 use serde_json::{json, Value};
 
 fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap()
 }
-
-fn settings(path: &std::path::Path, engine: &str) -> String {
-    format!("model = {{ kind = \"gguf\", path = {:?} }}\n{engine}", path.display().to_string())
-}
-
-const ENGINE: &str = "engine = { num_blocks = 128, max_model_len = 1024 }";
 
 /// An answer's text and completion tokens, streamed (SSE deltas joined) or not.
 fn answer(port: u16, path: &str, body: &Value, stream: bool) -> (String, u64) {
@@ -64,10 +59,9 @@ fn answer(port: u16, path: &str, body: &Value, stream: bool) -> (String, u64) {
 #[test]
 fn qwen2_disaggregated_equals_colocated() {
     let Some(path) = common::qwen_model_path() else { return };
-    let node_settings = settings(&path, ENGINE);
     let mesh = Mesh::start_nodes(
-        |http, base| common::pd_topology(http, base, "shm", 1, &node_settings),
-        |h| vec![h + 1, h + 2, h + 3],
+        |http, base| common::pd_topology(http, base, Shm, 1, common::gguf(&path, 128, 1024)),
+        common::pd_engines,
     );
     let (router, colocated) = (mesh.http_port, mesh.http_port + 3);
     let models: Value = client().get(mesh.url("/v1/models")).send().unwrap().json().unwrap();
@@ -125,20 +119,12 @@ fn qwen2_disaggregated_equals_colocated() {
 #[test]
 fn qwen2_refusal_on_d_frees_p_at_once() {
     let Some(path) = common::qwen_model_path() else { return };
-    let shared = settings(&path, ENGINE);
-    let refusing = settings(
-        &path,
-        "engine = { num_blocks = 128, max_model_len = 1024, fault_injection = \"refuse_admission_every=1\" }",
-    );
     let mesh = Mesh::start_nodes(
         |h, b| {
-            let t = common::pd_topology(h, b, "shm", 1, &shared);
-            // D's section is the only one named "d": its settings are the first after that.
-            let at = t.find("name = \"d\"").unwrap();
-            let (head, tail) = t.split_at(at);
-            format!("{head}{}", tail.replacen(&shared, &refusing, 1))
+            common::pd_topology(h, b, Shm, 1, common::gguf(&path, 128, 1024))
+                .with_node("d", |d| d.engine.fault_injection = "refuse_admission_every=1".into())
         },
-        |h| vec![h + 1, h + 2, h + 3],
+        common::pd_engines,
     );
     let p = mesh.http_port + 1;
     let body = json!({"prompt": "def quicksort(arr):\n", "max_tokens": 8, "temperature": 0});

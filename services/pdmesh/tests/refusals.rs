@@ -9,10 +9,9 @@ mod common;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::Mesh;
+use common::topo::TransferBackendKind::Shm;
+use common::{Mesh, TopologyExt};
 use serde_json::{json, Value};
-
-const ENGINE: &str = "engine = { block_size = 4, num_blocks = 512 }";
 
 fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap()
@@ -28,19 +27,15 @@ fn post(url: &str, headers: &[(&str, &str)], body: &Value) -> (u16, Value) {
     (status, r.json().unwrap_or(Value::Null))
 }
 
-/// The P/D test mesh (router, P, D with `d_ranks` ranks, colocated reference) with `d_engine`
-/// as D's engine settings instead of the shared ones.
-fn mesh(d_ranks: u32, d_engine: &str, up_args: &'static [&'static str]) -> Mesh {
-    let d_engine = d_engine.to_string();
+/// The P/D test mesh (router, P, D with `d_ranks` ranks, colocated reference; 512 blocks of 4
+/// tokens) with `d_fault` as the fault injection of D's engine.
+fn mesh(d_ranks: u32, d_fault: &'static str, up_args: &'static [&'static str]) -> Mesh {
     let topology = move |h, b| {
-        let t = common::pd_topology_with_policy(h, b, "shm", d_ranks, ENGINE, "fail");
-        // D's section is the only one named "d": its engine line is the first after that.
-        let at = t.find("name = \"d\"").unwrap();
-        let (head, tail) = t.split_at(at);
-        format!("{head}{}", tail.replacen(ENGINE, &d_engine, 1))
+        common::pd_topology(h, b, Shm, d_ranks, common::blocks(4, 512))
+            .with_node("d", |d| d.engine.fault_injection = d_fault.into())
     };
     let options = common::UpOptions { args: up_args.iter().map(|a| a.to_string()).collect(), ..Default::default() };
-    Mesh::start_nodes_with(topology, |h| vec![h + 1, h + 2, h + 3], &options)
+    Mesh::start_nodes_with(topology, common::pd_engines, &options)
 }
 
 /// Prefill `prompt` on P for a remote decode; P's params.
@@ -67,7 +62,7 @@ fn p_holds(mesh: &Mesh) -> u64 {
 /// stayed used forever.
 #[test]
 fn a_reused_request_id_never_aliases_or_leaks_ps_blocks() {
-    let mesh = mesh(1, ENGINE, &[]);
+    let mesh = mesh(1, "", &[]);
     let (p, d, c) = (mesh.http_port + 1, mesh.http_port + 2, mesh.http_port + 3);
     let prompts = ["the first prompt under a reused id", "a second, different and longer prompt, same id"];
     let params: Vec<Value> = prompts.iter().map(|prompt| prefill(&mesh, "reused", prompt)).collect();
@@ -97,8 +92,7 @@ fn a_reused_request_id_never_aliases_or_leaks_ps_blocks() {
 /// told P.
 #[test]
 fn a_refusal_inside_ds_engine_frees_p_at_once() {
-    let mesh =
-        mesh(1, "engine = { block_size = 4, num_blocks = 512, fault_injection = \"refuse_admission_every=1\" }", &[]);
+    let mesh = mesh(1, "refuse_admission_every=1", &[]);
     let params = prefill(&mesh, "refused-in-engine", "a prompt whose decode D's engine refuses");
     assert!(p_holds(&mesh) > 0);
     let (status, v) = post(
@@ -116,7 +110,7 @@ fn a_refusal_inside_ds_engine_frees_p_at_once() {
 /// frees P — instead of dropping it and leaving P to its deadline.
 #[test]
 fn an_engine_unavailable_refusal_frees_p_once_a_rank_connects() {
-    let mesh = mesh(1, ENGINE, &["--no-restart"]);
+    let mesh = mesh(1, "", &["--no-restart"]);
     let (p, d) = (mesh.http_port + 1, mesh.http_port + 2);
     let prompt = "a prompt for a decode node without engines";
     let params = prefill(&mesh, "no-engine", prompt);
@@ -155,7 +149,7 @@ fn an_engine_unavailable_refusal_frees_p_once_a_rank_connects() {
 /// refused for it still frees P at once.
 #[test]
 fn data_parallel_ranks_are_per_leg_and_a_rank_out_of_range_is_refused() {
-    let mesh = mesh(2, ENGINE, &[]);
+    let mesh = mesh(2, "", &[]);
     let (router, p, d) = (mesh.url("/v1/completions"), mesh.http_port + 1, mesh.http_port + 2);
     let body = json!({"prompt": "pinned", "max_tokens": 4, "temperature": 0});
     // P has one rank, D two: rank 1 is D's (before, both legs got it and P refused).

@@ -10,10 +10,9 @@ mod common;
 
 use std::time::Duration;
 
+use common::topo::TransferBackendKind::Shm;
 use common::Mesh;
 use serde_json::{json, Value};
-
-const ENGINE: &str = "engine = { block_size = 4, num_blocks = 512 }";
 
 fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder().timeout(Duration::from_secs(60)).build().unwrap()
@@ -48,7 +47,7 @@ fn completed_of_stream(url: &str, body: &Value) -> Value {
 /// node's answer to the explicit conversation); or if P or D still hold blocks at the end.
 #[test]
 fn responses_through_the_router_keep_the_conversation_on_the_decode_node() {
-    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 2, ENGINE), |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, Shm, 2, common::blocks(4, 512)), common::pd_engines);
     let router = mesh.url("/v1/responses");
     let colocated = mesh.url_on(mesh.http_port + 3, "/v1/responses");
     let first = json!({"input": "hello there", "max_output_tokens": 8, "temperature": 0});

@@ -10,9 +10,8 @@ mod common;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
+use common::topo::TransferBackendKind::Shm;
 use common::Mesh;
-
-const ENGINE: &str = "engine = { block_size = 4, num_blocks = 64 }";
 
 fn mode(path: &Path) -> u32 {
     std::fs::symlink_metadata(path).unwrap().permissions().mode() & 0o777
@@ -32,7 +31,8 @@ fn walk(dir: &Path, out: &mut Vec<(std::path::PathBuf, u32, bool)>) {
 
 #[test]
 fn kv_region_run_dir_logs_and_sockets_are_owner_only() {
-    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 1, ENGINE), |h| vec![h + 1, h + 2]);
+    let mesh =
+        Mesh::start_nodes(|h, b| common::pd_topology(h, b, Shm, 1, common::blocks(4, 64)), |h| vec![h + 1, h + 2]);
     // The launcher made the run dir with the test's mask (0755): `pdmesh up` narrowed it.
     assert_eq!(mode(&mesh.run_dir), 0o700, "run dir {}", mesh.run_dir.display());
     let up_log = std::fs::read_to_string(mesh.run_dir.join("up.log")).unwrap_or_default();

@@ -9,6 +9,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::topo::TransferBackendKind::Shm;
 use common::{sse_events, Mesh};
 use serde_json::{json, Value};
 
@@ -46,11 +47,9 @@ fn complete(url: &str, body: &Value) -> (String, String) {
 #[test]
 fn sampling_parameters_are_equal_through_pd_and_colocated() {
     let Some(path) = common::model_path() else { return };
-    let model = format!("model = {{ kind = \"gguf\", path = {:?} }}", path.display().to_string());
-    let settings = format!("{model}\nengine = {{ num_blocks = 256, max_model_len = 1024 }}");
     let mesh = Mesh::start_nodes(
-        |http, base| common::pd_topology(http, base, "shm", 1, &settings),
-        |h| vec![h + 1, h + 2, h + 3],
+        |http, base| common::pd_topology(http, base, Shm, 1, common::gguf(&path, 256, 1024)),
+        common::pd_engines,
     );
     let router = mesh.http_port;
     let (via_router, colocated) = (mesh.url_on(router, "/v1/completions"), mesh.url_on(router + 3, "/v1/completions"));

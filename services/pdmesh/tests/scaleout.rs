@@ -14,13 +14,17 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{complete, metric, pdmesh_bin, reserve_ports, scaleout_topology, Mesh};
+use common::{complete, metric, reserve_ports, topo, Mesh, TopologyExt, UpOptions};
+use pdmesh_test_support::Launch;
 
-const SETTINGS: &str =
-    "model = { kind = \"synthetic\", per_token_cost_us = 200 }\nengine = { block_size = 4, num_blocks = 512 }";
+/// Every node: the synthetic model at 200 µs a token, 512 blocks of 4 tokens.
+fn settings(n: &mut topo::NodeConfig) {
+    n.model.per_token_cost_us = 200;
+    n.engine.block_size = 4;
+    n.engine.num_blocks = 512;
+}
 const SECRET: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 const EXIT_CONFIG: i32 = 78;
 
@@ -28,37 +32,37 @@ const EXIT_CONFIG: i32 = 78;
 const GROUPS: [&[&str]; 3] = [&["--node", "router"], &["--node", "p-a,d-a"], &["--node", "p-b", "--node", "d-b"]];
 
 /// `pdmesh up --topology <topology> <args>` with `PDMESH_MESH_SECRET` set to `secret` (or
-/// unset), its stderr in `<run_dir>/<log>`.
-fn up(topology: &Path, run_dir: &Path, args: &[&str], secret: Option<&str>, log: &str) -> std::process::Child {
-    let mut cmd = Command::new(pdmesh_bin());
-    cmd.arg("up")
-        .arg("--topology")
-        .arg(topology)
-        .args(args)
-        .env_remove("PDMESH_MESH_SECRET")
-        .env_remove("PDMESH_API_KEY")
-        .env_remove("PDMESH_API_KEY_FILE")
-        .env("PDMESH_RUN_DIR", run_dir)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(run_dir.join(log)).unwrap());
-    if let Some(s) = secret {
-        cmd.env("PDMESH_MESH_SECRET", s);
-    }
-    cmd.spawn().unwrap()
+/// unset), its stderr in `<run_dir>/<log>`; the mesh's helpers look at the router on `ports`.
+fn up(topology: &Path, run_dir: &Path, ports: (u16, u16), args: &[&str], secret: Option<&str>, log: &str) -> Mesh {
+    let options = UpOptions {
+        args: args.iter().map(|a| a.to_string()).collect(),
+        env: secret.map(|s| ("PDMESH_MESH_SECRET".to_string(), s.to_string())).into_iter().collect(),
+        env_remove: ["PDMESH_MESH_SECRET", "PDMESH_API_KEY", "PDMESH_API_KEY_FILE"].map(String::from).to_vec(),
+        log: Some(log.into()),
+        ..Default::default()
+    };
+    let launch = Launch {
+        run_dir: run_dir.to_path_buf(),
+        file: String::new(),
+        http_port: ports.0,
+        base_port: ports.1,
+        ready: vec![],
+        options,
+    };
+    Mesh::launch_file(topology, launch).unwrap()
 }
 
 /// Run a `pdmesh up` that must refuse to start: its exit status and stderr.
 fn refused(topology: &Path, run_dir: &Path, args: &[&str], secret: Option<&str>) -> (Option<i32>, String) {
-    let mut child = up(topology, run_dir, args, secret, "refused.log");
+    let mut mesh = up(topology, run_dir, (0, 0), args, secret, "refused.log");
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
+        if let Some(s) = mesh.up.try_wait().unwrap() {
             break s;
         }
         if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
+            let _ = mesh.up.kill();
+            let _ = mesh.up.wait();
             panic!("pdmesh up {args:?} was still running after 30 s; it should have refused to start");
         }
         std::thread::sleep(Duration::from_millis(50));
@@ -69,10 +73,10 @@ fn refused(topology: &Path, run_dir: &Path, args: &[&str], secret: Option<&str>)
 #[test]
 fn three_up_processes_serve_one_scaleout_mesh() {
     let (r1, r2) = (reserve_ports(), reserve_ports());
-    let run_dir = std::env::temp_dir().join(format!("pdmesh-scaleout-{}-{}", std::process::id(), r1.0));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    std::fs::create_dir_all(&run_dir).unwrap();
-    let (text, ports) = scaleout_topology(&run_dir, r1, r2, SETTINGS, "");
+    let run_dir = common::fresh_run_dir("pdmesh-scaleout", r1.0);
+    let (mut t, ports) = topo::scaleout(r1, r2);
+    t.run_dir = run_dir.clone();
+    let text = t.all_nodes(settings).text();
     // connector-worker `/metrics` of each P (rank 0)
     let p_worker_metrics = [r1.1 + 20 + 112, r2.1 + 20 + 112];
     let topo = run_dir.join("scaleout.toml");
@@ -92,13 +96,7 @@ fn three_up_processes_serve_one_scaleout_mesh() {
     let mut meshes: Vec<Mesh> = GROUPS
         .iter()
         .enumerate()
-        .map(|(i, args)| Mesh {
-            up: up(&topo, &run_dir, args, Some(SECRET), &format!("up-{i}.log")),
-            run_dir: run_dir.clone(),
-            http_port: ports.router,
-            base_port: r1.1,
-            api_key: None,
-        })
+        .map(|(i, args)| up(&topo, &run_dir, (ports.router, r1.1), args, Some(SECRET), &format!("up-{i}.log")))
         .collect();
     for port in ports.p.iter().chain(&ports.d) {
         assert!(meshes[0].wait_ready_on(*port), "node on :{port} not ready; logs in {}", run_dir.display());
@@ -107,7 +105,7 @@ fn three_up_processes_serve_one_scaleout_mesh() {
         reqwest::blocking::get(format!("http://127.0.0.1:{}/health", ports.router))
             .is_ok_and(|r| r.status().is_success())
     });
-    let colocated = Mesh::start(SETTINGS, "", &[]);
+    let colocated = Mesh::start_one(settings);
 
     // Each process keeps its own table, listing its own nodes only.
     for (file, nodes) in [

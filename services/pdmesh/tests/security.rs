@@ -10,7 +10,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{complete, Mesh};
+use common::topo::{
+    NodeConfig,
+    TransferBackendKind::{Shm, Tcp},
+};
+use common::{complete, pd_engines, Mesh, TopologyExt};
 use pdmesh_kv_transfer::{ClientConfig, HandshakeError, MeshSecret, TransferClient};
 use pdmesh_model_api::KvCacheSpec;
 use pdmesh_protocol::{
@@ -20,7 +24,11 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
-const ENGINE: &str = "engine = { block_size = 4, num_blocks = 512 }";
+/// P, D and the reference: 512 blocks of 4 tokens.
+fn engine(n: &mut NodeConfig) {
+    n.engine.block_size = 4;
+    n.engine.num_blocks = 512;
+}
 
 /// The secret the test's mesh runs with (given to `pdmesh up` in its environment, as an
 /// operator would); every test of this file uses the same one.
@@ -67,7 +75,7 @@ async fn tcp_call(s: &mut tokio::net::TcpStream, body: Message) -> Option<Messag
 fn foreign_peers_get_nothing_from_p_and_the_real_request_completes() {
     // `pdmesh up` (and so every process of the mesh) gets the secret from its environment.
     std::env::set_var("PDMESH_MESH_SECRET", SECRET);
-    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "tcp", 1, ENGINE), |h| vec![h + 1, h + 2, h + 3]);
+    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, Tcp, 1, engine), pd_engines);
     let (p, d, c) = (mesh.http_port + 1, mesh.http_port + 2, mesh.http_port + 3);
     let side = common::side_ports(mesh.http_port);
     let side_channel = format!("tcp://127.0.0.2:{side}");
@@ -265,8 +273,9 @@ fn a_pd_worker_without_a_mesh_secret_refuses_to_start() {
     let dir = std::env::temp_dir().join(format!("pdmesh-nosecret-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let topo = dir.join("topology.toml");
-    let text =
-        format!("run_dir = {:?}\n{}", dir.display().to_string(), common::pd_topology(18990, 31000, "shm", 1, ENGINE));
+    let mut t = common::pd_topology(18990, 31000, Shm, 1, engine);
+    t.run_dir = dir.clone();
+    let text = t.text();
     std::fs::write(&topo, text).unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_pdmesh"))
         .args(["connector-worker", "--topology"])

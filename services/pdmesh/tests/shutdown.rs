@@ -9,43 +9,32 @@ mod common;
 
 use std::time::Duration;
 
-use common::Mesh;
+use common::topo::{self, HoldMode, KvRole, NodeConfig, Topology, TransferBackendKind::Shm};
+use common::{pd_engines, KvExt, Mesh, NodeExt};
 use serde_json::{json, Value};
 
 /// P and D only (this test plays the router). D's READs stall (`delay_transfer_ms`, D's own
 /// fault injection), and D has room for two prompts' KV: the first two requests wait under a
 /// lease, the next four wait for space. Prefix caching is off on both: the six requests share
 /// their prompt's opening, and the counts below are of blocks each request holds alone.
-fn topology(http: u16, base: u16) -> String {
+fn topology(http: u16, base: u16) -> Topology {
     let side = common::side_ports(http);
-    let model = "model = { kind = \"synthetic\" }";
-    format!(
-        r#"
-[[nodes]]
-name = "p"
-role = "prefill"
-http_port = {http}
-base_port = {p_base}
-{model}
-engine = {{ block_size = 4, num_blocks = 256, enable_prefix_caching = false }}
-kv_transfer = {{ kv_role = "kv_producer", side_channel_port = {side}, data_port = {p_data}, hold_mode = "fixed" }}
-
-[[nodes]]
-name = "d"
-role = "decode"
-http_port = {d_http}
-base_port = {d_base}
-{model}
-engine = {{ block_size = 4, num_blocks = 24, enable_prefix_caching = false }}
-kv_transfer = {{ kv_role = "kv_consumer", side_channel_port = {d_side}, data_port = {d_data}, hold_mode = "fixed", fault_injection = "delay_transfer_ms=600000" }}
-"#,
-        p_base = base + 20,
-        p_data = side + 2,
-        d_http = http + 1,
-        d_base = base + 40,
-        d_side = side + 4,
-        d_data = side + 6,
-    )
+    let no_prefix_cache = |n: &mut NodeConfig| n.engine.enable_prefix_caching = false;
+    topo::topology([
+        topo::prefill("p", http, base + 20).blocks(4, 256).with(no_prefix_cache).kv(topo::kv(
+            KvRole::KvProducer,
+            Shm,
+            side,
+        )
+        .hold_mode(HoldMode::Fixed)),
+        topo::decode("d", http + 1, base + 40).blocks(4, 24).with(no_prefix_cache).kv(topo::kv(
+            KvRole::KvConsumer,
+            Shm,
+            side + 4,
+        )
+        .hold_mode(HoldMode::Fixed)
+        .fault("delay_transfer_ms=600000")),
+    ])
 }
 
 fn metric(url: &str, name: &str) -> f64 {
@@ -128,7 +117,7 @@ fn a_decode_node_stopping_gracefully_gives_p_its_blocks_back() {
 #[test]
 fn a_service_stopped_by_sigterm_exits_cleanly() {
     let (http, base) = common::reserve_ports();
-    let (run_dir, topology) = common::one_node_run_dir("pdmesh-clean-stop", http, base, "");
+    let (run_dir, topology) = common::one_node_run_dir("pdmesh-clean-stop", http, base, |_| {});
     let log = run_dir.join("dp-lb.log");
     let mut child = std::process::Command::new(common::pdmesh_bin())
         .args(["dp-lb", "--node", "main", "--topology"])
@@ -165,10 +154,12 @@ fn eight_streams_in_flight_at_ctrl_c_finish_whole() {
     use std::io::Read;
     const STREAMS: usize = 8;
     // 60 tokens at 40 ms a step: the streams are still running when the signal comes.
-    let settings =
-        "model = { kind = \"synthetic\", per_step_cost_us = 40000 }\nengine = { block_size = 4, num_blocks = 256 }";
-    let mut mesh =
-        Mesh::start_nodes(|h, b| common::pd_topology(h, b, "shm", 1, settings), |h| vec![h + 1, h + 2, h + 3]);
+    let settings = |n: &mut NodeConfig| {
+        n.model.per_step_cost_us = 40000;
+        n.engine.block_size = 4;
+        n.engine.num_blocks = 256;
+    };
+    let mut mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, Shm, 1, settings), pd_engines);
     let children: Vec<i32> = mesh.processes().iter().filter_map(|p| p["pid"].as_i64()).map(|p| p as i32).collect();
     assert!(children.len() >= 10, "router, P, D and the reference node's processes: {children:?}");
     let (first_token, got_first) = std::sync::mpsc::channel::<()>();

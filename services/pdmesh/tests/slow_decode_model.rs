@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use common::failover::{busy_node, load_of, stream_greedy, Streamed};
-use common::{metric, reserve_ports, scaleout_topology};
+use common::{metric, reserve_ports, topo, TopologyExt};
 use serde_json::json;
 
 /// Tokens of the stream: long enough that it is still running when the test slows its node
@@ -54,38 +54,25 @@ fn short(url: &str, i: usize) {
 }
 
 /// The node settings: the model (real or synthetic) with the switchable delay, whose file is
-/// `<flags>/slow-@NODE@` (the node's name put in per node).
-fn settings(model: Option<&Path>, flags: &Path) -> String {
-    let fault = format!("step_delay_ms={SLOW_MS},step_delay_while={}/slow-@NODE@", flags.display());
-    match model {
-        Some(path) => format!(
-            "model = {{ kind = \"gguf\", path = {:?}, fault_injection = \"{fault}\" }}\n\
-             engine = {{ num_blocks = 256, max_model_len = 2048 }}",
-            path.display().to_string()
-        ),
-        None => format!(
-            "model = {{ kind = \"synthetic\", per_token_cost_us = 3000, fault_injection = \"{fault}\" }}\n\
-             engine = {{ block_size = 4, num_blocks = 1024 }}"
-        ),
-    }
-}
-
-/// Put each node's name where `@NODE@` stands in its own table.
-fn per_node(text: &str) -> String {
-    text.split("[[nodes]]")
-        .enumerate()
-        .map(|(i, section)| {
-            if i == 0 {
-                return section.to_string();
+/// `<flags>/slow-<node>` (each node's own name).
+fn settings<'a>(model: Option<&'a Path>, flags: &'a Path) -> impl FnMut(&mut topo::NodeConfig) + 'a {
+    move |n| {
+        match model {
+            Some(path) => {
+                n.model.kind = topo::ModelKind::Gguf;
+                n.model.path = path.display().to_string();
+                n.engine.num_blocks = 256;
+                n.engine.max_model_len = 2048;
             }
-            let name = section
-                .lines()
-                .find_map(|l| l.strip_prefix("name = \"").and_then(|r| r.strip_suffix('"')))
-                .unwrap()
-                .to_string();
-            format!("[[nodes]]{}", section.replace("@NODE@", &name))
-        })
-        .collect()
+            None => {
+                n.model.per_token_cost_us = 3000;
+                n.engine.block_size = 4;
+                n.engine.num_blocks = 1024;
+            }
+        }
+        n.model.fault_injection =
+            format!("step_delay_ms={SLOW_MS},step_delay_while={}/slow-{}", flags.display(), n.name);
+    }
 }
 
 #[test]
@@ -98,13 +85,15 @@ fn a_stream_on_a_decode_node_that_turns_slow_finishes_on_the_other_with_the_same
     };
     let (r1, r2) = (reserve_ports(), reserve_ports());
     let run_dir = common::failover::fresh_run_dir("pdmesh-slow-decode", r1.0);
-    let router = "policy = \"least_loaded\", slow_probe_ms = 300, slow_migrate_tokens = 4";
-    let (text, ports) = scaleout_topology(&run_dir, r1, r2, &settings(model.as_deref(), &run_dir), router);
-    let text = per_node(&text);
-    assert!(!text.contains("@NODE@"));
+    let (t, ports) = topo::scaleout(r1, r2);
+    let t = t.all_nodes(settings(model.as_deref(), &run_dir)).with_node("router", |n| {
+        n.router.policy = topo::RoutingPolicy::LeastLoaded;
+        n.router.slow_probe_ms = 300;
+        n.router.slow_migrate_tokens = 4;
+    });
     let ready: Vec<u16> = ports.p.iter().chain(&ports.d).copied().collect();
     let started = Instant::now();
-    let mesh = common::start_scaleout(&run_dir, &text, ports.router, r1.1, &ready);
+    let mesh = common::start_scaleout(&run_dir, t, ports.router, r1.1, &ready);
     eprintln!("mesh ready in {:.1} s", started.elapsed().as_secs_f64());
     let url = format!("http://127.0.0.1:{}/v1/completions", ports.router);
     let decode = [("d-a".to_string(), ports.d[0]), ("d-b".to_string(), ports.d[1])];

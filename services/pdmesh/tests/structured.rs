@@ -8,6 +8,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::topo::TransferBackendKind::Shm;
 use common::{sse_events, Mesh};
 use serde_json::{json, Value};
 
@@ -183,12 +184,9 @@ fn regex_lite(_rx: &str) -> impl Fn(&str) -> bool {
 #[test]
 fn structured_outputs_parse_and_validate_colocated_and_through_pd() {
     let Some(path) = common::model_path() else { return };
-    let model = format!("model = {{ kind = \"gguf\", path = {:?} }}", path.display().to_string());
-    let engine = "engine = { num_blocks = 256, max_model_len = 1024 }";
-    let settings = format!("{model}\n{engine}");
     let mesh = Mesh::start_nodes(
-        |http, base| common::pd_topology(http, base, "shm", 1, &settings),
-        |h| vec![h + 1, h + 2, h + 3],
+        |http, base| common::pd_topology(http, base, Shm, 1, common::gguf(&path, 256, 1024)),
+        common::pd_engines,
     );
     let router = mesh.http_port;
     check_node(&mesh, router + 3);

@@ -24,7 +24,7 @@ struct Up {
 impl Up {
     fn start(prefix: &str) -> Up {
         let (http, base) = reserve_ports();
-        let (run_dir, topology) = common::one_node_run_dir(prefix, http, base, "");
+        let (run_dir, topology) = common::one_node_run_dir(prefix, http, base, |_| {});
         let bin_dir = run_dir.with_extension("bin");
         let _ = std::fs::remove_dir_all(&bin_dir);
         std::fs::create_dir_all(&bin_dir).unwrap();

@@ -9,11 +9,11 @@ mod common;
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
+use common::topo::TransferBackendKind::{Shm, Tcp};
 use common::Mesh;
 use pdmesh_otlp_sink::{serve_http, SpanRecord, SpanStore};
 use serde_json::json;
 
-const ENGINE: &str = "engine = { block_size = 4, num_blocks = 512 }";
 const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
 const CLIENT_SPAN: &str = "00f067aa0ba902b7";
 
@@ -76,8 +76,12 @@ fn one_request_through_the_router_is_one_trace_across_both_nodes() {
     // P holds for at most 2 s, so the expiry below comes quickly (D reads within milliseconds).
     let mesh = Mesh::start_nodes(
         |h, b| {
-            common::pd_topology(h, b, "shm", 2, ENGINE)
-                .replace("hold_mode = \"fixed\"", "hold_mode = \"fixed\", abort_request_timeout_s = 2")
+            common::pd_topology(h, b, Shm, 2, |n| {
+                common::blocks(4, 512)(n);
+                if let Some(kv) = n.kv_transfer.as_mut() {
+                    kv.abort_request_timeout_s = 2;
+                }
+            })
         },
         |h| vec![h + 1, h + 2],
     );
@@ -192,7 +196,8 @@ fn one_request_through_the_router_is_one_trace_across_both_nodes() {
 /// a child of D's `kv.read`, in the request's trace.
 fn tcp_block_reads_are_spans_of_the_reader(store: &SpanStore) {
     const TRACE: &str = "7bf92f3577b34da6a3ce929d0e0e4739";
-    let mesh = Mesh::start_nodes(|h, b| common::pd_topology(h, b, "tcp", 1, ENGINE), |h| vec![h + 1, h + 2]);
+    let mesh =
+        Mesh::start_nodes(|h, b| common::pd_topology(h, b, Tcp, 1, common::blocks(4, 512)), |h| vec![h + 1, h + 2]);
     let tp = format!("00-{TRACE}-{CLIENT_SPAN}-01");
     let body = json!({"prompt": "the quick brown fox jumps over", "max_tokens": 2, "temperature": 0});
     assert_eq!(post_traced(&mesh, mesh.http_port, &tp, "traced-tcp", &body).status().as_u16(), 200);

@@ -3,8 +3,6 @@
 //! every process of one node, and the router's counters.
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,37 +25,7 @@ pub struct Streamed {
     pub errors: Vec<String>,
 }
 
-/// Start `pdmesh up --no-restart` on `topology` (so nothing comes back behind the test's back)
-/// and wait until every node on `engine_ports` is ready; `http_port` is the router's.
-pub fn up(topology: &Path, run_dir: &Path, http_port: u16, base_port: u16, engine_ports: &[u16]) -> Mesh {
-    let up = Command::new(super::pdmesh_bin())
-        .arg("up")
-        .arg("--topology")
-        .arg(topology)
-        .arg("--no-restart")
-        .env_remove("PDMESH_API_KEY")
-        .env_remove("PDMESH_API_KEY_FILE")
-        .env_remove("PDMESH_EXECUTOR_FAULT")
-        .env("PDMESH_RUN_DIR", run_dir)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(run_dir.join("up.log")).unwrap())
-        .spawn()
-        .unwrap();
-    let mut mesh = Mesh { up, run_dir: run_dir.to_path_buf(), http_port, base_port, api_key: None };
-    for &port in engine_ports {
-        assert!(mesh.wait_ready_on(port), "node on :{port} not ready; logs in {}", run_dir.display());
-    }
-    mesh
-}
-
-/// A fresh run dir `<tmp>/<prefix>-<pid>-<port>`.
-pub fn fresh_run_dir(prefix: &str, port: u16) -> std::path::PathBuf {
-    let run_dir = std::env::temp_dir().join(format!("{prefix}-{}-{port}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    std::fs::create_dir_all(&run_dir).unwrap();
-    run_dir
-}
+pub use super::fresh_run_dir;
 
 /// One greedy stream of `TOKENS` tokens; `started` counts streams that received text.
 pub fn stream_one(url: &str, i: usize, started: &AtomicUsize) -> Streamed {
