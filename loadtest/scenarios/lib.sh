@@ -140,6 +140,26 @@ stop_mesh() {
   fi
 }
 
+# start_colocated: a colocated node next to the P/D mesh's ports (HTTP+3, base ports above the
+# mesh's), started in the background: sets COLO_URL, COLO_DIR and COLO_PID. The caller waits for
+# it (wait_engines "$COLO_URL") and stops it with stop_colocated.
+start_colocated() {
+  COLO_URL="http://127.0.0.1:$((HTTP_PORT + 3))"
+  COLO_DIR="$(mktemp -d "${TMPDIR:-/tmp}/pdmesh-scenario-colocated.XXXXXX")"
+  # shellcheck disable=SC2046 # model_args is a word list
+  "$LOAD" topology colocated --run-dir "$COLO_DIR" --http-port $((HTTP_PORT + 3)) --base-port $((BASE_PORT + 600)) \
+    $(model_args) >"$COLO_DIR/topology.toml"
+  RUST_LOG="${RUST_LOG:-warn}" PDMESH_RUN_DIR="$COLO_DIR" "$PDMESH" up --topology "$COLO_DIR/topology.toml" \
+    >"$COLO_DIR/up.out" 2>"$COLO_DIR/up.log" &
+  COLO_PID=$!
+}
+
+stop_colocated() {
+  kill -TERM "$COLO_PID" 2>/dev/null || true
+  wait "$COLO_PID" 2>/dev/null || true
+  rm -rf "$COLO_DIR"
+}
+
 # load NAME ARGS...: pdmesh-load run against the router, scraping P's and D's frontends and
 # engines; the report goes to $RESULTS_DIR/$SCENARIO/NAME/.
 load() {

@@ -31,20 +31,7 @@ source "$(dirname "$0")/lib.sh"
 mesh_ports "${PDMESH_SCENARIO_PORT:-13080}"
 start_mesh pd
 
-# The colocated node: next to the P/D mesh's ports (HTTP+3, base ports above the mesh's).
-COLO_URL="http://127.0.0.1:$((HTTP_PORT + 3))"
-COLO_DIR="$(mktemp -d "${TMPDIR:-/tmp}/pdmesh-scenario-colocated.XXXXXX")"
-# shellcheck disable=SC2046 # model_args is a word list
-"$LOAD" topology colocated --run-dir "$COLO_DIR" --http-port $((HTTP_PORT + 3)) --base-port $((BASE_PORT + 600)) \
-  $(model_args) >"$COLO_DIR/topology.toml"
-RUST_LOG="${RUST_LOG:-warn}" PDMESH_RUN_DIR="$COLO_DIR" "$PDMESH" up --topology "$COLO_DIR/topology.toml" \
-  >"$COLO_DIR/up.out" 2>"$COLO_DIR/up.log" &
-COLO_PID=$!
-stop_colocated() {
-  kill -TERM "$COLO_PID" 2>/dev/null || true
-  wait "$COLO_PID" 2>/dev/null || true
-  rm -rf "$COLO_DIR"
-}
+start_colocated
 trap 'stop_colocated; stop_mesh' EXIT
 wait_engines "$COLO_URL" 60 || { log "colocated node did not come up"; tail -20 "$COLO_DIR/up.log" >&2; exit 1; }
 

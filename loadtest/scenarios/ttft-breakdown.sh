@@ -23,18 +23,9 @@ export OTEL_EXPORTER_OTLP_ENDPOINT="http://$SINK_HTTP" OTEL_BSP_SCHEDULE_DELAY=2
 export RUST_LOG="${RUST_LOG:-info}"
 start_mesh pd
 
-COLO_URL="http://127.0.0.1:$((HTTP_PORT + 3))"
-COLO_DIR="$(mktemp -d "${TMPDIR:-/tmp}/pdmesh-scenario-colocated.XXXXXX")"
-# shellcheck disable=SC2046 # model_args is a word list
-"$LOAD" topology colocated --run-dir "$COLO_DIR" --http-port $((HTTP_PORT + 3)) --base-port $((BASE_PORT + 600)) \
-  $(model_args) >"$COLO_DIR/topology.toml"
-PDMESH_RUN_DIR="$COLO_DIR" "$PDMESH" up --topology "$COLO_DIR/topology.toml" \
-  >"$COLO_DIR/up.out" 2>"$COLO_DIR/up.log" &
-COLO_PID=$!
+start_colocated
 stop_all() {
-  kill -TERM "$COLO_PID" 2>/dev/null || true
-  wait "$COLO_PID" 2>/dev/null || true
-  rm -rf "$COLO_DIR"
+  stop_colocated
   stop_mesh
   kill -TERM "$SINK_PID" 2>/dev/null || true
   wait "$SINK_PID" 2>/dev/null || true
