@@ -19,16 +19,7 @@ SKIP_DIRS = {"tests", "benches", "fuzz", "target", ".git", "node_modules"}
 
 # (path relative to the repository root, function name) -> why it may stay long. Keep it empty
 # where possible: an entry is a debt with a reason, not an exemption.
-LOADTEST = "loadtest/ is another agent's (shared/test-support) until that lands; split then"
-ALLOWED = {
-    ("loadtest/src/load.rs", "one_request"): LOADTEST,
-    ("loadtest/src/load.rs", "summarize_records"): LOADTEST,
-    ("loadtest/src/load.rs", "run"): LOADTEST,
-    ("loadtest/src/model_step.rs", "run"): LOADTEST,
-    ("loadtest/src/multiturn.rs", "run"): LOADTEST,
-    ("loadtest/src/offload.rs", "run"): LOADTEST,
-    ("loadtest/src/rejections.rs", "run"): LOADTEST,
-}
+ALLOWED: dict = {}
 
 
 def blank(text):

@@ -168,34 +168,61 @@ async fn one_stream(
     }
     let mut stream = r.bytes_stream();
     let mut buf = String::new();
-    let mut ttft = None;
-    let mut last = start;
-    let mut itl = Vec::new();
-    let mut n = 0u64;
+    let mut timing = ChunkTiming::new(start);
     while let Some(chunk) = stream.next().await {
         buf.push_str(&String::from_utf8_lossy(&chunk?));
         while let Some(pos) = buf.find("\n\n") {
             let event: String = buf.drain(..pos + 2).collect();
             let Some(data) = event.trim().strip_prefix("data: ") else { continue };
             if data == "[DONE]" {
-                return Ok((ttft, itl, n));
+                return Ok(timing.into_parts());
             }
             let v: serde_json::Value = serde_json::from_str(data)?;
             if v.get("error").is_some() {
                 anyhow::bail!("error event: {data}");
             }
             if v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
-                let now = Instant::now();
-                match ttft {
-                    None => ttft = Some(now.duration_since(start).as_secs_f64() * 1000.0),
-                    Some(_) => itl.push(now.duration_since(last).as_secs_f64() * 1000.0),
-                }
-                last = now;
-                n += 1;
+                timing.chunk(Instant::now());
             }
         }
     }
-    Ok((ttft, itl, n))
+    Ok(timing.into_parts())
+}
+
+/// The client-side latencies of one stream, kept as its chunks with text arrive: time to the
+/// first one (TTFT) and the gaps between the later ones (ITL), in ms.
+#[derive(Debug)]
+pub struct ChunkTiming {
+    start: Instant,
+    last: Instant,
+    /// From the request's start to the first chunk with text; `None` until one came.
+    pub ttft_ms: Option<f64>,
+    /// Between each chunk with text and the one before it.
+    pub itl_ms: Vec<f64>,
+    /// Chunks with text so far.
+    pub chunks: u64,
+}
+
+impl ChunkTiming {
+    /// Timing for a request sent at `start`.
+    pub fn new(start: Instant) -> Self {
+        ChunkTiming { start, last: start, ttft_ms: None, itl_ms: Vec::new(), chunks: 0 }
+    }
+
+    /// A chunk with text arrived at `now`: the first sets TTFT, each later one adds a gap.
+    pub fn chunk(&mut self, now: Instant) {
+        match self.ttft_ms {
+            None => self.ttft_ms = Some(now.duration_since(self.start).as_secs_f64() * 1000.0),
+            Some(_) => self.itl_ms.push(now.duration_since(self.last).as_secs_f64() * 1000.0),
+        }
+        self.last = now;
+        self.chunks += 1;
+    }
+
+    /// `(TTFT ms, inter-token gaps ms, chunks with text)`.
+    pub fn into_parts(self) -> (Option<f64>, Vec<f64>, u64) {
+        (self.ttft_ms, self.itl_ms, self.chunks)
+    }
 }
 
 /// The sum of every series of the metric `name` on the Prometheus page at `url` (all label

@@ -18,6 +18,7 @@ use clap::{Args, ValueEnum};
 use futures::StreamExt;
 use serde::Serialize;
 
+use crate::client::ChunkTiming;
 use crate::report;
 use crate::stats::{summarize, Summary};
 
@@ -406,129 +407,191 @@ fn chunk_text(v: &serde_json::Value) -> Option<&str> {
     c["text"].as_str().or_else(|| c["delta"]["content"].as_str())
 }
 
+/// Output chunks per second of the run, as `(second since the phase started, chunks)`, kept
+/// for the report's timeline.
+struct PerSecond {
+    t0: Instant,
+    counts: Vec<(usize, u32)>,
+}
+
+impl PerSecond {
+    fn new(t0: Instant) -> Self {
+        PerSecond { t0, counts: Vec::new() }
+    }
+
+    /// Count one chunk that arrived at `now`.
+    fn count(&mut self, now: Instant) {
+        let sec = now.duration_since(self.t0).as_secs() as usize;
+        match self.counts.last_mut() {
+            Some((k, n)) if *k == sec => *n += 1,
+            _ => self.counts.push((sec, 1)),
+        }
+    }
+}
+
 /// One request and how it ended; with it, the `Retry-After` of a refusal that carried one.
 async fn one_request(s: &Shared, p: &Plan) -> (Record, Option<Duration>) {
     let start = Instant::now();
-    let mut retry_after: Option<u64> = None;
-    let mut per_sec: Vec<(usize, u32)> = Vec::new();
-    let mut bump = |now: Instant| {
-        let sec = now.duration_since(s.t0).as_secs() as usize;
-        match per_sec.last_mut() {
-            Some((k, n)) if *k == sec => *n += 1,
-            _ => per_sec.push((sec, 1)),
-        }
-    };
-    let outcome = async {
-        let r = match s.client.post(&s.endpoint_url).json(&body(s, p)).send().await {
-            Ok(r) => r,
-            Err(e) => return Outcome::Error(classify(&e)),
-        };
-        if !r.status().is_success() {
-            let status = r.status().as_u16();
-            retry_after = retry_after_s(r.headers());
-            let told = retry_after.is_some();
-            return match r.bytes().await {
-                Err(e) if e.is_timeout() => Outcome::Error("timeout".into()),
-                Ok(b) => Outcome::Error(refusal_kind(status, told, &b)),
-                Err(_) => Outcome::Error(refusal_kind(status, told, &[])),
-            };
-        }
-        if s.args.no_stream {
-            let v: serde_json::Value = match r.json().await {
-                Ok(v) => v,
-                Err(e) if e.is_timeout() => return Outcome::Error("timeout".into()),
-                Err(_) => return Outcome::Error("bad_body".into()),
-            };
-            if v.get("error").is_some() {
-                return Outcome::Error("error_event".into());
-            }
-            let e2e = start.elapsed().as_secs_f64() * 1000.0;
-            let out = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
-            bump(Instant::now());
-            return Outcome::Ok {
-                ttft_ms: e2e,
-                itl_ms: Vec::new(),
-                e2e_ms: e2e,
-                output_tokens: out,
-                prompt_tokens: v["usage"]["prompt_tokens"].as_u64(),
-            };
-        }
-        let mut stream = r.bytes_stream();
-        let mut buf: Vec<u8> = Vec::new();
-        let (mut ttft, mut last, mut itl, mut n) = (None, start, Vec::new(), 0u64);
-        let mut usage: Option<(Option<u64>, Option<u64>)> = None;
-        while let Some(chunk) = stream.next().await {
-            let chunk = match chunk {
-                Ok(c) => c,
-                Err(e) => return Outcome::Error(classify(&e)),
-            };
-            buf.extend_from_slice(&chunk);
-            // SSE events end with a blank line; `\r\n\r\n` is allowed too.
-            while let Some((pos, sep)) = find_event_end(&buf) {
-                let event: Vec<u8> = buf.drain(..pos + sep).collect();
-                let event = String::from_utf8_lossy(&event);
-                for line in event.lines() {
-                    let Some(data) = line.strip_prefix("data:").map(str::trim) else { continue };
-                    if data == "[DONE]" {
-                        let Some(ttft_ms) = ttft else {
-                            // A stream that finished with no content (e.g. max_tokens reached by
-                            // an empty string): count it as answered with zero tokens.
-                            let e2e = start.elapsed().as_secs_f64() * 1000.0;
-                            return Outcome::Ok {
-                                ttft_ms: e2e,
-                                itl_ms: itl,
-                                e2e_ms: e2e,
-                                output_tokens: 0,
-                                prompt_tokens: None,
-                            };
-                        };
-                        let (pt, ct) = usage.unwrap_or((None, None));
-                        return Outcome::Ok {
-                            ttft_ms,
-                            itl_ms: itl,
-                            e2e_ms: start.elapsed().as_secs_f64() * 1000.0,
-                            output_tokens: ct.unwrap_or(n),
-                            prompt_tokens: pt,
-                        };
-                    }
-                    let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
-                        return Outcome::Error("bad_body".into());
-                    };
-                    if v.get("error").is_some() {
-                        return Outcome::Error("error_event".into());
-                    }
-                    if v["usage"].is_object() {
-                        usage = Some((v["usage"]["prompt_tokens"].as_u64(), v["usage"]["completion_tokens"].as_u64()));
-                    }
-                    if chunk_text(&v).is_some_and(|t| !t.is_empty()) {
-                        let now = Instant::now();
-                        match ttft {
-                            None => ttft = Some(now.duration_since(start).as_secs_f64() * 1000.0),
-                            Some(_) => itl.push(now.duration_since(last).as_secs_f64() * 1000.0),
-                        }
-                        last = now;
-                        n += 1;
-                        bump(now);
-                        s.tokens.fetch_add(1, Ordering::Relaxed);
-                        if p.disconnect && n >= u64::from(s.args.disconnect_after) {
-                            // Dropping the stream closes the connection: the server sees a
-                            // client disconnect mid-stream.
-                            return Outcome::Disconnected;
-                        }
-                    }
-                }
-            }
-        }
-        Outcome::Error("incomplete_stream".into())
-    }
-    .await;
+    let mut per_sec = PerSecond::new(s.t0);
+    let (outcome, retry_after) = request_outcome(s, p, start, &mut per_sec).await;
     let record = Record {
         outcome,
         prompt_words: p.prompt_words,
-        tokens_per_second: per_sec,
+        tokens_per_second: per_sec.counts,
         end_s: s.t0.elapsed().as_secs_f64(),
     };
     (record, retry_after.map(Duration::from_secs))
+}
+
+/// Send the request sent at `start` and read its answer: how it ended, and a refusal's
+/// `Retry-After` in seconds.
+async fn request_outcome(s: &Shared, p: &Plan, start: Instant, per_sec: &mut PerSecond) -> (Outcome, Option<u64>) {
+    let r = match s.client.post(&s.endpoint_url).json(&body(s, p)).send().await {
+        Ok(r) => r,
+        Err(e) => return (Outcome::Error(classify(&e)), None),
+    };
+    if !r.status().is_success() {
+        return refusal(r).await;
+    }
+    let outcome = if s.args.no_stream {
+        whole_answer(r, start, per_sec).await
+    } else {
+        streamed_answer(s, p, r, start, per_sec).await
+    };
+    (outcome, None)
+}
+
+/// A failure status: its error kind (see [`refusal_kind`]) and its `Retry-After`, if any.
+async fn refusal(r: reqwest::Response) -> (Outcome, Option<u64>) {
+    let status = r.status().as_u16();
+    let retry_after = retry_after_s(r.headers());
+    let told = retry_after.is_some();
+    let outcome = match r.bytes().await {
+        Err(e) if e.is_timeout() => Outcome::Error("timeout".into()),
+        Ok(b) => Outcome::Error(refusal_kind(status, told, &b)),
+        Err(_) => Outcome::Error(refusal_kind(status, told, &[])),
+    };
+    (outcome, retry_after)
+}
+
+/// A non-streamed answer: one body, so its TTFT is its E2E and it has no inter-token gaps.
+async fn whole_answer(r: reqwest::Response, start: Instant, per_sec: &mut PerSecond) -> Outcome {
+    let v: serde_json::Value = match r.json().await {
+        Ok(v) => v,
+        Err(e) if e.is_timeout() => return Outcome::Error("timeout".into()),
+        Err(_) => return Outcome::Error("bad_body".into()),
+    };
+    if v.get("error").is_some() {
+        return Outcome::Error("error_event".into());
+    }
+    let e2e = start.elapsed().as_secs_f64() * 1000.0;
+    let out = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+    per_sec.count(Instant::now());
+    Outcome::Ok {
+        ttft_ms: e2e,
+        itl_ms: Vec::new(),
+        e2e_ms: e2e,
+        output_tokens: out,
+        prompt_tokens: v["usage"]["prompt_tokens"].as_u64(),
+    }
+}
+
+/// A streamed answer: SSE events until `[DONE]`, each `data:` line handled by
+/// [`StreamProgress::event`].
+async fn streamed_answer(
+    s: &Shared,
+    p: &Plan,
+    r: reqwest::Response,
+    start: Instant,
+    per_sec: &mut PerSecond,
+) -> Outcome {
+    let mut stream = r.bytes_stream();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut progress = StreamProgress { start, timing: ChunkTiming::new(start), usage: None };
+    while let Some(chunk) = stream.next().await {
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => return Outcome::Error(classify(&e)),
+        };
+        buf.extend_from_slice(&chunk);
+        // SSE events end with a blank line; `\r\n\r\n` is allowed too.
+        while let Some((pos, sep)) = find_event_end(&buf) {
+            let event: Vec<u8> = buf.drain(..pos + sep).collect();
+            let event = String::from_utf8_lossy(&event);
+            for line in event.lines() {
+                let Some(data) = line.strip_prefix("data:").map(str::trim) else { continue };
+                if data == "[DONE]" {
+                    return progress.done();
+                }
+                // Returning drops the stream: a planned disconnect closes the connection here.
+                if let Some(end) = progress.event(s, p, data, per_sec) {
+                    return end;
+                }
+            }
+        }
+    }
+    Outcome::Error("incomplete_stream".into())
+}
+
+/// What a streamed answer has given so far.
+struct StreamProgress {
+    start: Instant,
+    timing: ChunkTiming,
+    /// `(prompt_tokens, completion_tokens)` of the last chunk that carried `usage`.
+    usage: Option<(Option<u64>, Option<u64>)>,
+}
+
+impl StreamProgress {
+    /// One `data:` payload other than `[DONE]`; `Some` when it ends the request: a body that
+    /// is not JSON, an error event, or this request's planned disconnect.
+    fn event(&mut self, s: &Shared, p: &Plan, data: &str, per_sec: &mut PerSecond) -> Option<Outcome> {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
+            return Some(Outcome::Error("bad_body".into()));
+        };
+        if v.get("error").is_some() {
+            return Some(Outcome::Error("error_event".into()));
+        }
+        if v["usage"].is_object() {
+            self.usage = Some((v["usage"]["prompt_tokens"].as_u64(), v["usage"]["completion_tokens"].as_u64()));
+        }
+        if chunk_text(&v).is_some_and(|t| !t.is_empty()) {
+            let now = Instant::now();
+            self.timing.chunk(now);
+            per_sec.count(now);
+            s.tokens.fetch_add(1, Ordering::Relaxed);
+            if p.disconnect && self.timing.chunks >= u64::from(s.args.disconnect_after) {
+                // Dropping the stream closes the connection: the server sees a client
+                // disconnect mid-stream.
+                return Some(Outcome::Disconnected);
+            }
+        }
+        None
+    }
+
+    /// The outcome at `[DONE]`: output tokens from `usage` when the server sent it, else the
+    /// chunks with text.
+    fn done(self) -> Outcome {
+        let e2e_ms = self.start.elapsed().as_secs_f64() * 1000.0;
+        let Some(ttft_ms) = self.timing.ttft_ms else {
+            // A stream that finished with no content (e.g. max_tokens reached by an empty
+            // string): count it as answered with zero tokens.
+            return Outcome::Ok {
+                ttft_ms: e2e_ms,
+                itl_ms: self.timing.itl_ms,
+                e2e_ms,
+                output_tokens: 0,
+                prompt_tokens: None,
+            };
+        };
+        let (pt, ct) = self.usage.unwrap_or((None, None));
+        Outcome::Ok {
+            ttft_ms,
+            itl_ms: self.timing.itl_ms,
+            e2e_ms,
+            output_tokens: ct.unwrap_or(self.timing.chunks),
+            prompt_tokens: pt,
+        }
+    }
 }
 
 fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
@@ -783,105 +846,165 @@ fn cdf(samples: &[f64], points: usize) -> Vec<[f64; 2]> {
     out
 }
 
+impl Timeline {
+    /// One-second bins covering `duration_s` (at least one).
+    fn empty(duration_s: f64) -> Self {
+        let secs = duration_s.ceil().max(1.0) as usize;
+        Timeline {
+            interval_s: 1.0,
+            t_s: (0..secs).map(|s| s as f64).collect(),
+            output_tokens: vec![0; secs],
+            requests_finished: vec![0; secs],
+            requests_failed: vec![0; secs],
+        }
+    }
+
+    /// A record's output tokens in the seconds they arrived, and its end (a success or a
+    /// failure; a disconnect is neither) in the second it ended, the last bin if later.
+    fn add(&mut self, r: &Record) {
+        for &(sec, n) in &r.tokens_per_second {
+            if let Some(x) = self.output_tokens.get_mut(sec) {
+                *x += u64::from(n);
+            }
+        }
+        let sec = (r.end_s as usize).min(self.t_s.len().saturating_sub(1));
+        let bins = match r.outcome {
+            Outcome::Ok { .. } => &mut self.requests_finished,
+            Outcome::Error(_) => &mut self.requests_failed,
+            Outcome::Disconnected => return,
+        };
+        if let Some(x) = bins.get_mut(sec) {
+            *x += 1;
+        }
+    }
+}
+
+/// What a run's records add up to, before it becomes a [`RunSummary`].
+#[derive(Default)]
+struct Tally {
+    ttft: Vec<f64>,
+    tpot: Vec<f64>,
+    itl: Vec<f64>,
+    e2e: Vec<f64>,
+    errors: BTreeMap<String, usize>,
+    succeeded: usize,
+    disconnected: usize,
+    output_tokens: u64,
+    /// Prompt tokens by the server's `usage`; valid only if no success came without one.
+    usage_prompt_tokens: u64,
+    usage_missing: bool,
+    prompt_words: u64,
+    /// Successes within the goodput SLO.
+    good: usize,
+}
+
+impl Tally {
+    fn add(&mut self, a: &LoadArgs, r: &Record) {
+        match &r.outcome {
+            Outcome::Ok { ttft_ms, itl_ms, e2e_ms, output_tokens, prompt_tokens } => {
+                self.succeeded += 1;
+                self.ttft.push(*ttft_ms);
+                self.e2e.push(*e2e_ms);
+                self.itl.extend_from_slice(itl_ms);
+                self.output_tokens += output_tokens;
+                self.prompt_words += r.prompt_words as u64;
+                match prompt_tokens {
+                    Some(p) => self.usage_prompt_tokens += p,
+                    None => self.usage_missing = true,
+                }
+                let per_token = time_per_output_token(a, *ttft_ms, *e2e_ms, *output_tokens);
+                self.tpot.extend(per_token);
+                if meets_slo(a, *ttft_ms, per_token) {
+                    self.good += 1;
+                }
+            }
+            Outcome::Disconnected => self.disconnected += 1,
+            Outcome::Error(kind) => *self.errors.entry(kind.clone()).or_default() += 1,
+        }
+    }
+
+    /// The prompt tokens to report and where they come from: `usage` when every success
+    /// carried it, else the prompts' words.
+    fn prompt_tokens(&self) -> (u64, &'static str) {
+        if !self.usage_missing && self.succeeded > 0 {
+            (self.usage_prompt_tokens, "usage")
+        } else {
+            (self.prompt_words, "words")
+        }
+    }
+
+    fn cdfs(&self) -> BTreeMap<&'static str, Vec<[f64; 2]>> {
+        let mut cdfs = BTreeMap::new();
+        cdfs.insert("ttft_ms", cdf(&self.ttft, 200));
+        cdfs.insert("tpot_ms", cdf(&self.tpot, 200));
+        cdfs.insert("itl_ms", cdf(&self.itl, 200));
+        cdfs.insert("e2e_ms", cdf(&self.e2e, 200));
+        cdfs
+    }
+}
+
+/// Time per output token after the first, ms. Without streaming the first token is not seen
+/// apart from the last: no TPOT.
+fn time_per_output_token(a: &LoadArgs, ttft_ms: f64, e2e_ms: f64, output_tokens: u64) -> Option<f64> {
+    (output_tokens > 1 && !a.no_stream).then(|| (e2e_ms - ttft_ms) / (output_tokens - 1) as f64)
+}
+
+/// Whether a success met the goodput SLO (a bound not given always holds; so does the TPOT
+/// bound for an answer without a TPOT).
+fn meets_slo(a: &LoadArgs, ttft_ms: f64, per_token: Option<f64>) -> bool {
+    a.slo_ttft_ms.is_none_or(|s| ttft_ms <= s) && a.slo_tpot_ms.is_none_or(|s| per_token.is_none_or(|t| t <= s))
+}
+
+/// Goodput when an SLO was given: `good` of `sent` requests met it in `duration_s`.
+fn goodput(a: &LoadArgs, good: usize, sent: usize, duration_s: f64) -> Option<Goodput> {
+    (a.slo_ttft_ms.is_some() || a.slo_tpot_ms.is_some()).then(|| Goodput {
+        slo_ttft_ms: a.slo_ttft_ms,
+        slo_tpot_ms: a.slo_tpot_ms,
+        requests_meeting_slo: good,
+        fraction_of_sent: if sent > 0 { good as f64 / sent as f64 } else { 0.0 },
+        goodput_rps: good as f64 / duration_s,
+    })
+}
+
 fn summarize_records(
     a: &LoadArgs,
     records: &[Record],
     duration_s: f64,
     sent: usize,
 ) -> (RunSummary, Timeline, BTreeMap<&'static str, Vec<[f64; 2]>>) {
-    let (mut ttft, mut tpot, mut itl, mut e2e) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut errors: BTreeMap<String, usize> = BTreeMap::new();
-    let (mut ok, mut disconnected, mut out_tokens, mut prompt_tokens, mut all_usage, mut good) =
-        (0usize, 0usize, 0u64, 0u64, true, 0usize);
-    let secs = duration_s.ceil().max(1.0) as usize;
-    let mut tl = Timeline {
-        interval_s: 1.0,
-        t_s: (0..secs).map(|s| s as f64).collect(),
-        output_tokens: vec![0; secs],
-        requests_finished: vec![0; secs],
-        requests_failed: vec![0; secs],
-    };
-    let mut prompt_words = 0u64;
+    let mut tl = Timeline::empty(duration_s);
+    let mut t = Tally::default();
     for r in records {
-        for &(sec, n) in &r.tokens_per_second {
-            if let Some(x) = tl.output_tokens.get_mut(sec) {
-                *x += u64::from(n);
-            }
-        }
-        let sec = (r.end_s as usize).min(secs - 1);
-        match &r.outcome {
-            Outcome::Ok { ttft_ms, itl_ms, e2e_ms, output_tokens, prompt_tokens: pt } => {
-                ok += 1;
-                tl.requests_finished[sec] += 1;
-                ttft.push(*ttft_ms);
-                e2e.push(*e2e_ms);
-                itl.extend_from_slice(itl_ms);
-                out_tokens += output_tokens;
-                prompt_words += r.prompt_words as u64;
-                match pt {
-                    Some(p) => prompt_tokens += p,
-                    None => all_usage = false,
-                }
-                // Without streaming the first token is not seen apart from the last: no TPOT.
-                let per_token = if *output_tokens > 1 && !a.no_stream {
-                    Some((e2e_ms - ttft_ms) / (*output_tokens - 1) as f64)
-                } else {
-                    None
-                };
-                if let Some(t) = per_token {
-                    tpot.push(t);
-                }
-                let meets = a.slo_ttft_ms.is_none_or(|s| *ttft_ms <= s)
-                    && a.slo_tpot_ms.is_none_or(|s| per_token.is_none_or(|t| t <= s));
-                if meets {
-                    good += 1;
-                }
-            }
-            Outcome::Disconnected => disconnected += 1,
-            Outcome::Error(kind) => {
-                tl.requests_failed[sec] += 1;
-                *errors.entry(kind.clone()).or_default() += 1;
-            }
-        }
+        tl.add(r);
+        t.add(a, r);
     }
-    let failed = errors.values().sum();
-    let (overloaded_503, rate_limited_429) = refusals(&errors);
-    let (prompt_total, source) = if all_usage && ok > 0 { (prompt_tokens, "usage") } else { (prompt_words, "words") };
+    let failed = t.errors.values().sum();
+    let (overloaded_503, rate_limited_429) = refusals(&t.errors);
+    let (prompt_total, source) = t.prompt_tokens();
     let d = duration_s.max(1e-9);
-    let goodput = (a.slo_ttft_ms.is_some() || a.slo_tpot_ms.is_some()).then(|| Goodput {
-        slo_ttft_ms: a.slo_ttft_ms,
-        slo_tpot_ms: a.slo_tpot_ms,
-        requests_meeting_slo: good,
-        fraction_of_sent: if sent > 0 { good as f64 / sent as f64 } else { 0.0 },
-        goodput_rps: good as f64 / d,
-    });
-    let mut cdfs = BTreeMap::new();
-    cdfs.insert("ttft_ms", cdf(&ttft, 200));
-    cdfs.insert("tpot_ms", cdf(&tpot, 200));
-    cdfs.insert("itl_ms", cdf(&itl, 200));
-    cdfs.insert("e2e_ms", cdf(&e2e, 200));
+    let cdfs = t.cdfs();
     let summary = RunSummary {
         duration_s,
         requests_sent: sent,
-        succeeded: ok,
-        disconnected,
+        succeeded: t.succeeded,
+        disconnected: t.disconnected,
         failed,
         overloaded_503,
         rate_limited_429,
-        errors_by_kind: errors,
+        errors_by_kind: t.errors,
         warmup_requests: 0,
         warmup_failed: 0,
-        request_throughput_rps: ok as f64 / d,
-        output_tokens: out_tokens,
+        request_throughput_rps: t.succeeded as f64 / d,
+        output_tokens: t.output_tokens,
         prompt_tokens: prompt_total,
         prompt_tokens_source: source,
-        output_token_throughput_tps: out_tokens as f64 / d,
-        total_token_throughput_tps: (out_tokens + prompt_total) as f64 / d,
-        ttft_ms: summarize(&ttft),
-        tpot_ms: summarize(&tpot),
-        itl_ms: summarize(&itl),
-        e2e_ms: summarize(&e2e),
-        goodput,
+        output_token_throughput_tps: t.output_tokens as f64 / d,
+        total_token_throughput_tps: (t.output_tokens + prompt_total) as f64 / d,
+        ttft_ms: summarize(&t.ttft),
+        tpot_ms: summarize(&t.tpot),
+        itl_ms: summarize(&t.itl),
+        e2e_ms: summarize(&t.e2e),
+        goodput: goodput(a, t.good, sent, d),
     };
     (summary, tl, cdfs)
 }
@@ -919,19 +1042,98 @@ fn progress(s: Arc<Shared>, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<()
     })
 }
 
-pub async fn run(a: LoadArgs) -> anyhow::Result<()> {
+/// Refuse flag combinations that cannot run.
+fn check_args(a: &LoadArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.rate.is_none_or(|r| r > 0.0), "--rate must be positive");
     anyhow::ensure!((0.0..=1.0).contains(&a.disconnect_fraction), "--disconnect-fraction must lie in [0, 1]");
     anyhow::ensure!(!(a.no_stream && a.disconnect_fraction > 0.0), "disconnects need streaming");
-    let prompts = load_prompts(a.prompts.as_ref())?;
-    let url = a.url.trim_end_matches('/').to_string();
-    let cap = a.concurrency.unwrap_or(if a.rate.is_some() { 0 } else { 8 });
-    let client = reqwest::Client::builder()
+    Ok(())
+}
+
+/// The run's HTTP client: `cap` is the concurrency (0: open loop without a cap), which sizes
+/// the pool of kept-alive connections unless `--fresh-connections` turns it off.
+fn http_client(a: &LoadArgs, cap: usize) -> anyhow::Result<reqwest::Client> {
+    Ok(reqwest::Client::builder()
         .default_headers(default_headers(a.api_key.as_ref())?)
         .tcp_nodelay(true)
         .pool_max_idle_per_host(if a.fresh_connections { 0 } else { cap.max(64) })
         .timeout(Duration::from_secs_f64(a.request_timeout_s))
-        .build()?;
+        .build()?)
+}
+
+/// Warmup: its own phase, so no warmup request overlaps the measured window. Returns how many
+/// warmup requests failed.
+async fn warm_up(w: Arc<Shared>, requests: usize, cap: usize) -> usize {
+    let c = if cap == 0 { 8 } else { cap };
+    // Indices past any measured request's, so warmup does not replay the measured prompts.
+    closed_loop(w.clone(), c, Limits { requests, deadline: None }, u64::MAX / 2).await;
+    w.failed.load(Ordering::Relaxed)
+}
+
+/// Start scraping `--scrape` pages (when any) from `t0` until `stop`.
+fn start_scraper(
+    a: &LoadArgs,
+    t0: Instant,
+    stop: &Arc<AtomicBool>,
+) -> Option<tokio::task::JoinHandle<Vec<ScrapeSeries>>> {
+    let mut prefixes: Vec<String> = DEFAULT_SCRAPE_PREFIXES.iter().map(|p| p.to_string()).collect();
+    prefixes.extend(a.scrape_metric.iter().cloned());
+    (!a.scrape.is_empty()).then(|| {
+        tokio::spawn(scraper(
+            a.scrape.clone(),
+            prefixes,
+            Duration::from_millis(a.scrape_interval_ms.max(50)),
+            t0,
+            stop.clone(),
+        ))
+    })
+}
+
+/// The measured phase, open loop with `--rate`, else closed loop; returns the report's mode.
+async fn measure(s: Arc<Shared>, cap: usize, limits: Limits) -> &'static str {
+    match s.args.rate {
+        Some(rate) => {
+            open_loop(s, rate, (cap > 0).then_some(cap), limits, 0).await;
+            "open_loop_poisson"
+        }
+        None => {
+            closed_loop(s, cap, limits, 0).await;
+            "closed_loop"
+        }
+    }
+}
+
+/// The report's label: `--name`, else the last component of `--out-dir`, else `run`.
+fn report_name(a: &LoadArgs) -> String {
+    a.name
+        .clone()
+        .or_else(|| a.out_dir.as_ref().and_then(|d| d.file_name()).map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "run".into())
+}
+
+/// The summary on stderr; the report's files into `--out-dir`, else its JSON on stdout.
+fn write_report(a: &LoadArgs, report: &Report) -> anyhow::Result<()> {
+    let md = report::markdown(report);
+    eprintln!("{md}");
+    if let Some(dir) = &a.out_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::write(dir.join("report.json"), serde_json::to_string_pretty(report)?)?;
+        std::fs::write(dir.join("summary.md"), md)?;
+        std::fs::write(dir.join("latency_cdf.svg"), report::cdf_svg(report))?;
+        std::fs::write(dir.join("timeline.svg"), report::timeline_svg(report))?;
+        eprintln!("wrote {}/{{report.json,summary.md,latency_cdf.svg,timeline.svg}}", dir.display());
+    } else {
+        println!("{}", serde_json::to_string_pretty(report)?);
+    }
+    Ok(())
+}
+
+pub async fn run(a: LoadArgs) -> anyhow::Result<()> {
+    check_args(&a)?;
+    let prompts = load_prompts(a.prompts.as_ref())?;
+    let url = a.url.trim_end_matches('/').to_string();
+    let cap = a.concurrency.unwrap_or(if a.rate.is_some() { 0 } else { 8 });
+    let client = http_client(&a, cap)?;
     let model = match &a.model {
         Some(m) => Some(m.clone()),
         None => first_model(&client, &url).await,
@@ -958,43 +1160,15 @@ pub async fn run(a: LoadArgs) -> anyhow::Result<()> {
             tokens: AtomicU64::new(0),
         })
     };
-
-    // Warmup: its own phase, so no warmup request overlaps the measured window.
-    let mut warmup_failed = 0;
-    if a.warmup > 0 {
-        let w = new_shared(Instant::now());
-        let c = if cap == 0 { 8 } else { cap };
-        // Indices past any measured request's, so warmup does not replay the measured prompts.
-        closed_loop(w.clone(), c, Limits { requests: a.warmup, deadline: None }, u64::MAX / 2).await;
-        warmup_failed = w.failed.load(Ordering::Relaxed);
-    }
+    let warmup_failed = if a.warmup > 0 { warm_up(new_shared(Instant::now()), a.warmup, cap).await } else { 0 };
 
     let t0 = Instant::now();
     let s = new_shared(t0);
     let stop = Arc::new(AtomicBool::new(false));
-    let mut prefixes: Vec<String> = DEFAULT_SCRAPE_PREFIXES.iter().map(|p| p.to_string()).collect();
-    prefixes.extend(a.scrape_metric.iter().cloned());
-    let scrape = (!a.scrape.is_empty()).then(|| {
-        tokio::spawn(scraper(
-            a.scrape.clone(),
-            prefixes,
-            Duration::from_millis(a.scrape_interval_ms.max(50)),
-            t0,
-            stop.clone(),
-        ))
-    });
+    let scrape = start_scraper(&a, t0, &stop);
     let prog = a.progress.then(|| progress(s.clone(), stop.clone()));
     let limits = Limits { requests, deadline: a.duration.map(|d| t0 + Duration::from_secs_f64(d)) };
-    let mode = match a.rate {
-        Some(rate) => {
-            open_loop(s.clone(), rate, (cap > 0).then_some(cap), limits, 0).await;
-            "open_loop_poisson"
-        }
-        None => {
-            closed_loop(s.clone(), cap, limits, 0).await;
-            "closed_loop"
-        }
-    };
+    let mode = measure(s.clone(), cap, limits).await;
     let duration_s = t0.elapsed().as_secs_f64();
     stop.store(true, Ordering::SeqCst);
     if let Some(p) = prog {
@@ -1009,14 +1183,9 @@ pub async fn run(a: LoadArgs) -> anyhow::Result<()> {
     let (mut summary, timeline, cdf) = summarize_records(&a, &records, duration_s, sent);
     summary.warmup_requests = a.warmup;
     summary.warmup_failed = warmup_failed;
-    let name = a
-        .name
-        .clone()
-        .or_else(|| a.out_dir.as_ref().and_then(|d| d.file_name()).map(|n| n.to_string_lossy().into_owned()))
-        .unwrap_or_else(|| "run".into());
     let report = Report {
         schema: "pdmesh-load/run/v1",
-        name,
+        name: report_name(&a),
         started_at_unix_s,
         config: a.clone(),
         model,
@@ -1026,19 +1195,7 @@ pub async fn run(a: LoadArgs) -> anyhow::Result<()> {
         cdf,
         scrape,
     };
-    let md = report::markdown(&report);
-    eprintln!("{md}");
-    if let Some(dir) = &a.out_dir {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        std::fs::write(dir.join("report.json"), serde_json::to_string_pretty(&report)?)?;
-        std::fs::write(dir.join("summary.md"), md)?;
-        std::fs::write(dir.join("latency_cdf.svg"), report::cdf_svg(&report))?;
-        std::fs::write(dir.join("timeline.svg"), report::timeline_svg(&report))?;
-        eprintln!("wrote {}/{{report.json,summary.md,latency_cdf.svg,timeline.svg}}", dir.display());
-    } else {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    }
-    Ok(())
+    write_report(&a, &report)
 }
 
 #[cfg(test)]

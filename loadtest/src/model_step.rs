@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::client;
+use crate::stats::RunResult;
 use crate::OverheadArgs;
 
 /// Block size of the node under test.
@@ -153,6 +154,127 @@ fn per_token_us(seconds: f64, tokens: f64) -> f64 {
     }
 }
 
+/// The node under test: its topology, with a pool and batch sized for the largest load the
+/// run puts on it.
+fn node_topology(a: &OverheadArgs, model: &Path, port: u16, base: u16) -> topology::Topology {
+    let streams = a.concurrency.iter().copied().chain([a.frontend_streams]).max().unwrap_or(1);
+    let max_model_len = ((a.prompt_tokens as u32 + a.max_tokens + 64).div_ceil(BLOCK_SIZE) * BLOCK_SIZE).max(128);
+    let num_blocks = (max_model_len / BLOCK_SIZE) * streams as u32 + 64;
+    topology::topology([topology::colocated("main", port, base).gguf(model).engine(|e| {
+        e.block_size = BLOCK_SIZE;
+        e.num_blocks = num_blocks;
+        e.max_num_seqs = streams.max(8) as u32;
+        e.max_num_batched_tokens = 2048;
+        e.max_model_len = max_model_len;
+    })])
+}
+
+/// Where the node under test is read: its API, its engine's and worker's metrics pages and
+/// the run directory its processes were started with.
+struct Probe<'a> {
+    url: String,
+    engine: String,
+    worker: String,
+    run_dir: &'a Path,
+    ticks: f64,
+}
+
+/// One closed-loop load and the counters read around it.
+struct Measured {
+    r: RunResult,
+    before: StepCounters,
+    after: StepCounters,
+    cpu_before: std::collections::BTreeMap<String, f64>,
+    cpu_after: std::collections::BTreeMap<String, f64>,
+}
+
+impl Measured {
+    fn steps(&self) -> f64 {
+        self.after.steps - self.before.steps
+    }
+
+    /// Output tokens the load streamed.
+    fn tokens(&self) -> f64 {
+        self.r.output_tokens_per_s * self.r.wall_s
+    }
+}
+
+/// `n` requests at concurrency `c`, with the service CPU times and step counters read
+/// before and after.
+async fn measure(p: &Probe<'_>, a: &OverheadArgs, c: usize, n: usize) -> anyhow::Result<Measured> {
+    let cpu_before = service_cpu(p.run_dir, p.ticks);
+    let before = step_counters(&p.engine, &p.worker).await;
+    let r = client::run_tokens(&p.url, c, n, a.prompt_tokens, a.max_tokens).await?;
+    let after = step_counters(&p.engine, &p.worker).await;
+    let cpu_after = service_cpu(p.run_dir, p.ticks);
+    Ok(Measured { r, before, after, cpu_before, cpu_after })
+}
+
+/// The row of one `--concurrency`: the step split into forward pass and mesh cost.
+async fn step_row(p: &Probe<'_>, a: &OverheadArgs, c: usize) -> anyhow::Result<serde_json::Value> {
+    let n = a.requests.max(2 * c);
+    let m = measure(p, a, c, n).await?;
+    let (before, after, r) = (&m.before, &m.after, &m.r);
+    let cpu_per_token_us = cpu_per_token(&m.cpu_before, &m.cpu_after, m.tokens());
+    let steps = m.steps();
+    let step_ms = 1000.0 * (after.step_sum - before.step_sum) / steps;
+    let forward_ms = 1000.0 * (after.forward_sum - before.forward_sum) / steps;
+    let mesh_ms = step_ms - forward_ms;
+    // With steps overlapped (D67) a step's forward pass runs partly before the engine asks
+    // for it, so step − forward no longer measures the mesh; the worker's idle time between
+    // passes does, in either mode: it is what the mesh adds to every inter-token latency.
+    let gap_ms = 1000.0 * (after.gap_sum - before.gap_sum) / steps;
+    Ok(serde_json::json!({
+        "concurrency": c,
+        "requests": n,
+        "errors": r.errors,
+        "output_tokens_per_s": r.output_tokens_per_s,
+        "itl_p50_ms": r.itl.p50_ms,
+        "steps": steps,
+        "steps_without_meta_round": after.skipped_meta - before.skipped_meta,
+        "step_ms": step_ms,
+        "forward_ms": forward_ms,
+        "mesh_ms": mesh_ms,
+        "mesh_share_of_step_pct": 100.0 * mesh_ms / step_ms,
+        "gap_ms": gap_ms,
+        "gap_share_of_step_pct": 100.0 * gap_ms / (forward_ms + gap_ms),
+        "speculative_rows_used": after.spec_used - before.spec_used,
+        "speculative_rows_discarded": after.spec_discarded - before.spec_discarded,
+        // Every service's CPU time per output token: at low load what the mesh's processes
+        // take from the cores the forward pass runs on (the worker's includes the pass).
+        "cpu_per_token_us": cpu_per_token_us,
+    }))
+}
+
+/// The frontend's per-token work at `--frontend-streams`, against the step time per token.
+async fn frontend_row(p: &Probe<'_>, a: &OverheadArgs) -> anyhow::Result<serde_json::Value> {
+    let c = a.frontend_streams;
+    let n = a.requests.max(2 * c);
+    anyhow::ensure!(
+        service_cpu(p.run_dir, p.ticks).contains_key("frontend"),
+        "no frontend process found in {}",
+        p.run_dir.display()
+    );
+    let m = measure(p, a, c, n).await?;
+    let (before, after, r) = (&m.before, &m.after, &m.r);
+    let tokens = m.tokens();
+    let step_per_token_us = per_token_us(after.step_sum - before.step_sum, tokens);
+    let cpu_per_token_us = cpu_per_token(&m.cpu_before, &m.cpu_after, tokens);
+    let frontend_us = cpu_per_token_us.get("frontend").and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN);
+    Ok(serde_json::json!({
+        "concurrency": c,
+        "requests": n,
+        "errors": r.errors,
+        "tokens_streamed": tokens,
+        "output_tokens_per_s": r.output_tokens_per_s,
+        "steps": m.steps(),
+        "step_ms": 1000.0 * (after.step_sum - before.step_sum) / m.steps(),
+        "step_time_per_token_us": step_per_token_us,
+        "cpu_per_token_us": cpu_per_token_us,
+        "frontend_cpu_share_of_step_time_per_token_pct": 100.0 * frontend_us / step_per_token_us,
+    }))
+}
+
 pub async fn run(a: OverheadArgs) -> anyhow::Result<()> {
     let pdmesh = client::pdmesh_binary(a.pdmesh.as_deref())?;
     let model = model_path(a.model.as_deref())?;
@@ -162,16 +284,7 @@ pub async fn run(a: OverheadArgs) -> anyhow::Result<()> {
     let slot = (std::process::id() % 50) as u16;
     let port = 19700 + slot;
     let base = 31000 + slot * 10;
-    let streams = a.concurrency.iter().copied().chain([a.frontend_streams]).max().unwrap_or(1);
-    let max_model_len = ((a.prompt_tokens as u32 + a.max_tokens + 64).div_ceil(BLOCK_SIZE) * BLOCK_SIZE).max(128);
-    let num_blocks = (max_model_len / BLOCK_SIZE) * streams as u32 + 64;
-    let topo = topology::topology([topology::colocated("main", port, base).gguf(&model).engine(|e| {
-        e.block_size = BLOCK_SIZE;
-        e.num_blocks = num_blocks;
-        e.max_num_seqs = streams.max(8) as u32;
-        e.max_num_batched_tokens = 2048;
-        e.max_model_len = max_model_len;
-    })]);
+    let topo = node_topology(&a, &model, port, base);
     let mesh = client::start_mesh(
         &pdmesh,
         topo,
@@ -182,79 +295,23 @@ pub async fn run(a: OverheadArgs) -> anyhow::Result<()> {
         Duration::from_secs(180),
     )
     .await?;
-    let url = format!("http://127.0.0.1:{port}");
-    let engine = format!("http://127.0.0.1:{}/metrics", base + 110);
-    let worker = format!("http://127.0.0.1:{}/metrics", base + 112);
+    let probe = Probe {
+        url: format!("http://127.0.0.1:{port}"),
+        engine: format!("http://127.0.0.1:{}/metrics", base + 110),
+        worker: format!("http://127.0.0.1:{}/metrics", base + 112),
+        run_dir: &run_dir,
+        ticks: clock_ticks(),
+    };
     // Warm-up: the model's first passes and the connections.
-    client::run_tokens(&url, 2, 4, a.prompt_tokens, a.max_tokens).await?;
+    client::run_tokens(&probe.url, 2, 4, a.prompt_tokens, a.max_tokens).await?;
 
-    let ticks = clock_ticks();
     let mut rows = Vec::new();
     for &c in &a.concurrency {
-        let n = a.requests.max(2 * c);
-        let cpu_before = service_cpu(&run_dir, ticks);
-        let before = step_counters(&engine, &worker).await;
-        let r = client::run_tokens(&url, c, n, a.prompt_tokens, a.max_tokens).await?;
-        let after = step_counters(&engine, &worker).await;
-        let cpu_after = service_cpu(&run_dir, ticks);
-        let cpu_per_token_us = cpu_per_token(&cpu_before, &cpu_after, r.output_tokens_per_s * r.wall_s);
-        let steps = after.steps - before.steps;
-        let step_ms = 1000.0 * (after.step_sum - before.step_sum) / steps;
-        let forward_ms = 1000.0 * (after.forward_sum - before.forward_sum) / steps;
-        let mesh_ms = step_ms - forward_ms;
-        // With steps overlapped (D67) a step's forward pass runs partly before the engine asks
-        // for it, so step − forward no longer measures the mesh; the worker's idle time between
-        // passes does, in either mode: it is what the mesh adds to every inter-token latency.
-        let gap_ms = 1000.0 * (after.gap_sum - before.gap_sum) / steps;
-        let row = serde_json::json!({
-            "concurrency": c,
-            "requests": n,
-            "errors": r.errors,
-            "output_tokens_per_s": r.output_tokens_per_s,
-            "itl_p50_ms": r.itl.p50_ms,
-            "steps": steps,
-            "steps_without_meta_round": after.skipped_meta - before.skipped_meta,
-            "step_ms": step_ms,
-            "forward_ms": forward_ms,
-            "mesh_ms": mesh_ms,
-            "mesh_share_of_step_pct": 100.0 * mesh_ms / step_ms,
-            "gap_ms": gap_ms,
-            "gap_share_of_step_pct": 100.0 * gap_ms / (forward_ms + gap_ms),
-            "speculative_rows_used": after.spec_used - before.spec_used,
-            "speculative_rows_discarded": after.spec_discarded - before.spec_discarded,
-            // Every service's CPU time per output token: at low load what the mesh's processes
-            // take from the cores the forward pass runs on (the worker's includes the pass).
-            "cpu_per_token_us": cpu_per_token_us,
-        });
+        let row = step_row(&probe, &a, c).await?;
         eprintln!("{}", serde_json::to_string(&row)?);
         rows.push(row);
     }
-
-    // The frontend's per-token work at `frontend_streams`, against the step time per token.
-    let c = a.frontend_streams;
-    let n = a.requests.max(2 * c);
-    let cpu_before = service_cpu(&run_dir, ticks);
-    anyhow::ensure!(cpu_before.contains_key("frontend"), "no frontend process found in {}", run_dir.display());
-    let before = step_counters(&engine, &worker).await;
-    let r = client::run_tokens(&url, c, n, a.prompt_tokens, a.max_tokens).await?;
-    let after = step_counters(&engine, &worker).await;
-    let cpu_after = service_cpu(&run_dir, ticks);
-    let tokens = r.output_tokens_per_s * r.wall_s;
-    let step_per_token_us = per_token_us(after.step_sum - before.step_sum, tokens);
-    let cpu_per_token_us = cpu_per_token(&cpu_before, &cpu_after, tokens);
-    let frontend_us = cpu_per_token_us.get("frontend").and_then(serde_json::Value::as_f64).unwrap_or(f64::NAN);
-    let frontend = serde_json::json!({
-        "concurrency": c,
-        "requests": n,
-        "errors": r.errors,
-        "tokens_streamed": tokens,
-        "output_tokens_per_s": r.output_tokens_per_s,
-        "steps": after.steps - before.steps,
-        "step_ms": 1000.0 * (after.step_sum - before.step_sum) / (after.steps - before.steps),
-        "step_time_per_token_us": step_per_token_us,
-        "cpu_per_token_us": cpu_per_token_us,
-        "frontend_cpu_share_of_step_time_per_token_pct": 100.0 * frontend_us / step_per_token_us,
-    });
+    let frontend = frontend_row(&probe, &a).await?;
     eprintln!("{}", serde_json::to_string(&frontend)?);
     let report = serde_json::json!({
         "pdmesh": pdmesh.display().to_string(),

@@ -249,86 +249,93 @@ struct Tally {
     differs_from_first: usize,
 }
 
-pub async fn run(a: MultiturnArgs) -> anyhow::Result<()> {
-    anyhow::ensure!(!a.variants.is_empty(), "--variants names no mesh");
-    if let Some(v) = a.variants.iter().find(|v| !["off", "rr", "aware", "ll"].contains(&v.as_str())) {
-        anyhow::bail!("unknown variant {v:?}: the variants are off, rr, aware, ll");
-    }
-    let pdmesh = crate::client::pdmesh_binary(a.pdmesh.as_deref())?;
-    let run_dir = std::env::temp_dir().join(format!("pdmesh-multiturn-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    std::fs::create_dir_all(&run_dir)?;
-    let slot = (std::process::id() % 8) as u16;
-    let (http, base, side) = (19600 + slot * 40, 30000 + slot * 3000 % 24000, 5800 + slot * 40);
-    let (topo, meshes) = topology(&a, http, base, side);
-    let routers = (0..meshes.len() as u16).map(|v| Ready::Router(http + v * 10)).collect();
-    let _up =
-        crate::client::start_mesh(&pdmesh, topo, &run_dir, "multiturn.toml", "warn", routers, Duration::from_secs(300))
-            .await?;
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(600)).build()?;
-    let system = system_prompt(a.system_words);
-    // histories[mesh][conversation]: the messages so far, with this mesh's own answers.
-    let mut histories: Vec<Vec<Vec<Value>>> = meshes
-        .iter()
-        .map(|_| (0..a.conversations).map(|_| vec![json!({"role": "system", "content": system})]).collect())
-        .collect();
-    let mut tallies: Vec<Tally> = meshes.iter().map(|_| Tally::default()).collect();
-    let computed = "pdmesh_worker_tokens_computed_total";
-    let moved = "pdmesh_worker_kv_transfer_bytes_total";
-    let sem = Arc::new(tokio::sync::Semaphore::new(a.concurrency.max(1)));
-    for turn in 0..a.turns {
-        let mut answers: Vec<Vec<String>> = vec![Vec::new(); meshes.len()];
-        for k in 0..meshes.len() {
-            let m = (k + turn) % meshes.len();
-            let mesh = &meshes[m];
-            for (c, h) in histories[m].iter_mut().enumerate() {
-                h.push(json!({"role": "user", "content": user_message(c, turn, a.user_words)}));
+impl Tally {
+    /// One mesh's answers to turn `turn` (0-based), with its workers' `(tokens computed, KV
+    /// bytes moved)` read before and after them.
+    fn add_turn(&mut self, turn: usize, answers: &[Turn], before: (f64, f64), after: (f64, f64)) {
+        for t in answers {
+            if turn == 0 {
+                self.ttft_first_turn.push(t.ttft_ms);
+            } else {
+                self.ttft_later_turns.push(t.ttft_ms);
             }
-            let before = (scrape_all(&mesh.workers, computed).await, scrape_all(&mesh.decode_workers, moved).await);
-            let mut tasks = Vec::new();
-            for h in &histories[m] {
-                let (client, url, messages, sem) = (client.clone(), mesh.url.clone(), h.clone(), sem.clone());
-                let max_tokens = a.max_tokens;
-                tasks.push(tokio::spawn(async move {
-                    let _permit = sem.acquire_owned().await?;
-                    chat_turn(&client, &url, &messages, max_tokens).await
-                }));
-            }
-            let mut texts = Vec::new();
-            for t in tasks {
-                let t = t.await??;
-                let tally = &mut tallies[m];
-                if turn == 0 {
-                    tally.ttft_first_turn.push(t.ttft_ms);
-                } else {
-                    tally.ttft_later_turns.push(t.ttft_ms);
-                }
-                tally.prompt_tokens += t.prompt_tokens;
-                tally.cached_tokens += t.cached_tokens;
-                texts.push(t.text);
-            }
-            let after = (scrape_all(&mesh.workers, computed).await, scrape_all(&mesh.decode_workers, moved).await);
-            let tally = &mut tallies[m];
-            tally.tokens_computed += after.0 - before.0;
-            tally.kv_bytes += after.1 - before.1;
-            if turn > 0 {
-                tally.tokens_computed_later_turns += after.0 - before.0;
-                tally.kv_bytes_later_turns += after.1 - before.1;
-            }
-            for (h, text) in histories[m].iter_mut().zip(&texts) {
-                h.push(json!({"role": "assistant", "content": text}));
-            }
-            answers[m] = texts;
+            self.prompt_tokens += t.prompt_tokens;
+            self.cached_tokens += t.cached_tokens;
         }
-        for (m, given) in answers.iter().enumerate().skip(1) {
-            tallies[m].differs_from_first += given.iter().zip(&answers[0]).filter(|(x, y)| x != y).count();
+        self.tokens_computed += after.0 - before.0;
+        self.kv_bytes += after.1 - before.1;
+        if turn > 0 {
+            self.tokens_computed_later_turns += after.0 - before.0;
+            self.kv_bytes_later_turns += after.1 - before.1;
         }
-        eprintln!("turn {} done", turn + 1);
     }
-    let base = &tallies[0];
-    let rows: Vec<Value> = meshes
+}
+
+/// What every turn is sent with: the client, the bound on conversations served at once, the
+/// answers' length.
+struct Chat {
+    client: reqwest::Client,
+    sem: Arc<tokio::sync::Semaphore>,
+    max_tokens: u32,
+}
+
+/// A mesh's workers' prompt tokens computed and its decode workers' KV bytes read from P.
+async fn worker_counters(mesh: &Mesh) -> (f64, f64) {
+    (
+        scrape_all(&mesh.workers, "pdmesh_worker_tokens_computed_total").await,
+        scrape_all(&mesh.decode_workers, "pdmesh_worker_kv_transfer_bytes_total").await,
+    )
+}
+
+/// Send every conversation's history to `mesh` at once (at most `--concurrency` in flight);
+/// the answers in conversation order.
+async fn serve_histories(chat: &Chat, mesh: &Mesh, histories: &[Vec<Value>]) -> anyhow::Result<Vec<Turn>> {
+    let mut tasks = Vec::new();
+    for h in histories {
+        let (client, url, messages, sem) = (chat.client.clone(), mesh.url.clone(), h.clone(), chat.sem.clone());
+        let max_tokens = chat.max_tokens;
+        tasks.push(tokio::spawn(async move {
+            let _permit = sem.acquire_owned().await?;
+            chat_turn(&client, &url, &messages, max_tokens).await
+        }));
+    }
+    let mut answers = Vec::new();
+    for t in tasks {
+        answers.push(t.await??);
+    }
+    Ok(answers)
+}
+
+/// Turn `turn` of every conversation on one mesh: the new user messages and this mesh's
+/// answers appended to its `histories`, the figures to its `tally`; the answers' texts.
+async fn mesh_turn(
+    chat: &Chat,
+    mesh: &Mesh,
+    histories: &mut [Vec<Value>],
+    tally: &mut Tally,
+    turn: usize,
+    user_words: usize,
+) -> anyhow::Result<Vec<String>> {
+    for (c, h) in histories.iter_mut().enumerate() {
+        h.push(json!({"role": "user", "content": user_message(c, turn, user_words)}));
+    }
+    let before = worker_counters(mesh).await;
+    let answers = serve_histories(chat, mesh, histories).await?;
+    let after = worker_counters(mesh).await;
+    tally.add_turn(turn, &answers, before, after);
+    let texts: Vec<String> = answers.into_iter().map(|t| t.text).collect();
+    for (h, text) in histories.iter_mut().zip(&texts) {
+        h.push(json!({"role": "assistant", "content": text}));
+    }
+    Ok(texts)
+}
+
+/// One report row per mesh; ratios are to the first mesh's figures.
+fn mesh_rows(meshes: &[Mesh], tallies: &[Tally]) -> Vec<Value> {
+    let Some(base) = tallies.first() else { return Vec::new() };
+    meshes
         .iter()
-        .zip(&tallies)
+        .zip(tallies)
         .map(|(m, t)| {
             json!({
                 "mesh": m.name,
@@ -347,7 +354,48 @@ pub async fn run(a: MultiturnArgs) -> anyhow::Result<()> {
                 "answers_differing_from_first_mesh": t.differs_from_first,
             })
         })
+        .collect()
+}
+
+pub async fn run(a: MultiturnArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!a.variants.is_empty(), "--variants names no mesh");
+    if let Some(v) = a.variants.iter().find(|v| !["off", "rr", "aware", "ll"].contains(&v.as_str())) {
+        anyhow::bail!("unknown variant {v:?}: the variants are off, rr, aware, ll");
+    }
+    let pdmesh = crate::client::pdmesh_binary(a.pdmesh.as_deref())?;
+    let run_dir = std::env::temp_dir().join(format!("pdmesh-multiturn-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    std::fs::create_dir_all(&run_dir)?;
+    let slot = (std::process::id() % 8) as u16;
+    let (http, base, side) = (19600 + slot * 40, 30000 + slot * 3000 % 24000, 5800 + slot * 40);
+    let (topo, meshes) = topology(&a, http, base, side);
+    let routers = (0..meshes.len() as u16).map(|v| Ready::Router(http + v * 10)).collect();
+    let _up =
+        crate::client::start_mesh(&pdmesh, topo, &run_dir, "multiturn.toml", "warn", routers, Duration::from_secs(300))
+            .await?;
+    let chat = Chat {
+        client: reqwest::Client::builder().timeout(Duration::from_secs(600)).build()?,
+        sem: Arc::new(tokio::sync::Semaphore::new(a.concurrency.max(1))),
+        max_tokens: a.max_tokens,
+    };
+    let system = system_prompt(a.system_words);
+    // histories[mesh][conversation]: the messages so far, with this mesh's own answers.
+    let mut histories: Vec<Vec<Vec<Value>>> = meshes
+        .iter()
+        .map(|_| (0..a.conversations).map(|_| vec![json!({"role": "system", "content": system})]).collect())
         .collect();
+    let mut tallies: Vec<Tally> = meshes.iter().map(|_| Tally::default()).collect();
+    for turn in 0..a.turns {
+        let mut answers: Vec<Vec<String>> = vec![Vec::new(); meshes.len()];
+        for k in 0..meshes.len() {
+            let m = (k + turn) % meshes.len();
+            answers[m] = mesh_turn(&chat, &meshes[m], &mut histories[m], &mut tallies[m], turn, a.user_words).await?;
+        }
+        for (m, given) in answers.iter().enumerate().skip(1) {
+            tallies[m].differs_from_first += given.iter().zip(&answers[0]).filter(|(x, y)| x != y).count();
+        }
+        eprintln!("turn {} done", turn + 1);
+    }
     let report = json!({
         "model": a.model.as_ref().map_or("synthetic".to_string(), |p| p.display().to_string()),
         "conversations": a.conversations,
@@ -357,7 +405,7 @@ pub async fn run(a: MultiturnArgs) -> anyhow::Result<()> {
         "max_tokens": a.max_tokens,
         "concurrency": a.concurrency,
         "num_blocks": a.num_blocks,
-        "meshes": rows,
+        "meshes": mesh_rows(&meshes, &tallies),
     });
     let text = serde_json::to_string_pretty(&report)?;
     println!("{text}");

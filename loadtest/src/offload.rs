@@ -100,22 +100,18 @@ struct Phase {
     prefilled: [f64; 2],
 }
 
-pub async fn run(a: OffloadArgs) -> anyhow::Result<()> {
-    let pdmesh = crate::client::pdmesh_binary(a.pdmesh.as_deref())?;
-    let run_dir = std::env::temp_dir().join(format!("pdmesh-offload-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&run_dir);
-    std::fs::create_dir_all(&run_dir)?;
-    let slot = (std::process::id() % 8) as u16;
-    let http = 19400 + slot * 4;
-    let base = 27000 + slot * 100;
-    let prompts: Vec<String> = (0..a.prompts).map(|i| prompt(i, a.prompt_words)).collect();
-    // The pool holds one request of the longest prompt's bytes (an upper bound on its tokens;
-    // a few of the real model's prompts, one synthetic prompt): well short of all prompts, so
-    // a revisited prompt's blocks were reused in between.
-    let longest = prompts.iter().map(String::len).max().unwrap_or(0) as u32 + a.max_tokens;
+/// `(max_model_len, num_blocks)`: a pool that holds one request of the longest prompt's bytes
+/// (an upper bound on its tokens; a few of the real model's prompts, one synthetic prompt):
+/// well short of all prompts, so a revisited prompt's blocks were reused in between.
+fn pool_size(prompts: &[String], max_tokens: u32) -> (u32, u32) {
+    let longest = prompts.iter().map(String::len).max().unwrap_or(0) as u32 + max_tokens;
     let max_model_len = longest.div_ceil(BLOCK_SIZE) * BLOCK_SIZE;
-    let num_blocks = max_model_len / BLOCK_SIZE;
-    // Both nodes: the model and the pool; `on` adds the offload connector's CPU store.
+    (max_model_len, max_model_len / BLOCK_SIZE)
+}
+
+/// Two colocated nodes with the model and the pool: `off` at `http`, and `on` at `http + 1`,
+/// which adds the offload connector's CPU store (room for every prompt).
+fn offload_topology(a: &OffloadArgs, http: u16, base: u16, max_model_len: u32, num_blocks: u32) -> topology::Topology {
     let node = |name: &str, http: u16, base: u16| {
         let n = topology::colocated(name, http, base);
         match &a.model {
@@ -132,7 +128,70 @@ pub async fn run(a: OffloadArgs) -> anyhow::Result<()> {
     let mut offload = topology::kv_defaults(topology::KvRole::KvBoth);
     offload.kv_connector = "OffloadConnector".into();
     offload.offload.cpu_blocks = num_blocks * a.prompts as u32;
-    let topo = topology::topology([node("off", http, base), node("on", http + 1, base + 40).kv(offload)]);
+    topology::topology([node("off", http, base), node("on", http + 1, base + 40).kv(offload)])
+}
+
+/// The two nodes as a phase reads them (index 0: offload off, 1: on).
+struct Nodes {
+    client: reqwest::Client,
+    urls: [String; 2],
+    workers: [String; 2],
+}
+
+/// Phase `phase_no` (0: first visit, 1: revisit): every prompt to both nodes, the order
+/// alternating; the phase's figures and how many prompts got different answers.
+async fn run_phase(
+    nodes: &Nodes,
+    prompts: &[String],
+    phase_no: usize,
+    max_tokens: u32,
+) -> anyhow::Result<(Phase, usize)> {
+    let computed = "pdmesh_worker_tokens_computed_total";
+    let mut phase = Phase::default();
+    let mut mismatches = 0usize;
+    let before = [
+        crate::client::scrape(&nodes.workers[0], computed).await,
+        crate::client::scrape(&nodes.workers[1], computed).await,
+    ];
+    for (i, p) in prompts.iter().enumerate() {
+        let order = if (i + phase_no).is_multiple_of(2) { [0, 1] } else { [1, 0] };
+        let mut texts = [String::new(), String::new()];
+        for node in order {
+            let (ttft, text) = stream(&nodes.client, &nodes.urls[node], p, max_tokens).await?;
+            phase.ttft[node].push(ttft);
+            texts[node] = text;
+        }
+        mismatches += usize::from(texts[0] != texts[1]);
+    }
+    for ((prefilled, worker), before) in phase.prefilled.iter_mut().zip(&nodes.workers).zip(before) {
+        *prefilled = crate::client::scrape(worker, computed).await - before;
+    }
+    Ok((phase, mismatches))
+}
+
+/// A phase's report: TTFT and prefilled tokens, off versus on.
+fn phase_row(name: &str, ph: &Phase) -> serde_json::Value {
+    serde_json::json!({
+        "phase": name,
+        "ttft_mean_ms": {"off": mean(&ph.ttft[0]), "on": mean(&ph.ttft[1])},
+        "ttft_median_ms": {"off": median(&ph.ttft[0]), "on": median(&ph.ttft[1])},
+        "ttft_mean_ratio_on_over_off": mean(&ph.ttft[1]) / mean(&ph.ttft[0]),
+        "tokens_computed": {"off": ph.prefilled[0], "on": ph.prefilled[1]},
+        "tokens_computed_ratio_on_over_off": ph.prefilled[1] / ph.prefilled[0],
+    })
+}
+
+pub async fn run(a: OffloadArgs) -> anyhow::Result<()> {
+    let pdmesh = crate::client::pdmesh_binary(a.pdmesh.as_deref())?;
+    let run_dir = std::env::temp_dir().join(format!("pdmesh-offload-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&run_dir);
+    std::fs::create_dir_all(&run_dir)?;
+    let slot = (std::process::id() % 8) as u16;
+    let http = 19400 + slot * 4;
+    let base = 27000 + slot * 100;
+    let prompts: Vec<String> = (0..a.prompts).map(|i| prompt(i, a.prompt_words)).collect();
+    let (max_model_len, num_blocks) = pool_size(&prompts, a.max_tokens);
+    let topo = offload_topology(&a, http, base, max_model_len, num_blocks);
     let _up = crate::client::start_mesh(
         &pdmesh,
         topo,
@@ -143,48 +202,21 @@ pub async fn run(a: OffloadArgs) -> anyhow::Result<()> {
         Duration::from_secs(180),
     )
     .await?;
-    let urls = [format!("http://127.0.0.1:{http}"), format!("http://127.0.0.1:{}", http + 1)];
-    let workers =
-        [format!("http://127.0.0.1:{}/metrics", base + 112), format!("http://127.0.0.1:{}/metrics", base + 152)];
+    let nodes = Nodes {
+        client: reqwest::Client::builder().timeout(Duration::from_secs(600)).build()?,
+        urls: [format!("http://127.0.0.1:{http}"), format!("http://127.0.0.1:{}", http + 1)],
+        workers: [
+            format!("http://127.0.0.1:{}/metrics", base + 112),
+            format!("http://127.0.0.1:{}/metrics", base + 152),
+        ],
+    };
     let on_scheduler = format!("http://127.0.0.1:{}/metrics", base + 151);
-    let client = reqwest::Client::builder().timeout(Duration::from_secs(600)).build()?;
-    let computed = "pdmesh_worker_tokens_computed_total";
-    let mut phases = [Phase::default(), Phase::default()];
-    let mut outputs: [Vec<String>; 2] = [Vec::new(), Vec::new()];
-    let mut mismatches = 0usize;
-    for (phase_no, phase) in phases.iter_mut().enumerate() {
-        let before =
-            [crate::client::scrape(&workers[0], computed).await, crate::client::scrape(&workers[1], computed).await];
-        for (i, p) in prompts.iter().enumerate() {
-            let order = if (i + phase_no) % 2 == 0 { [0, 1] } else { [1, 0] };
-            let mut texts = [String::new(), String::new()];
-            for node in order {
-                let (ttft, text) = stream(&client, &urls[node], p, a.max_tokens).await?;
-                phase.ttft[node].push(ttft);
-                texts[node] = text;
-            }
-            mismatches += usize::from(texts[0] != texts[1]);
-            for (node, t) in texts.into_iter().enumerate() {
-                outputs[node].push(t);
-            }
-        }
-        for node in 0..2 {
-            phase.prefilled[node] = crate::client::scrape(&workers[node], computed).await - before[node];
-        }
-    }
+    let (first_visit, first_mismatches) = run_phase(&nodes, &prompts, 0, a.max_tokens).await?;
+    let (revisit, revisit_mismatches) = run_phase(&nodes, &prompts, 1, a.max_tokens).await?;
+    let mismatches = first_mismatches + revisit_mismatches;
     let hits = crate::client::scrape(&on_scheduler, "pdmesh_offload_hits_total").await;
     let hit_tokens = crate::client::scrape(&on_scheduler, "pdmesh_offload_hit_tokens_total").await;
-    let loaded_blocks = crate::client::scrape(&workers[1], "pdmesh_offload_loaded_blocks_total").await;
-    let row = |name: &str, ph: &Phase| {
-        serde_json::json!({
-            "phase": name,
-            "ttft_mean_ms": {"off": mean(&ph.ttft[0]), "on": mean(&ph.ttft[1])},
-            "ttft_median_ms": {"off": median(&ph.ttft[0]), "on": median(&ph.ttft[1])},
-            "ttft_mean_ratio_on_over_off": mean(&ph.ttft[1]) / mean(&ph.ttft[0]),
-            "tokens_computed": {"off": ph.prefilled[0], "on": ph.prefilled[1]},
-            "tokens_computed_ratio_on_over_off": ph.prefilled[1] / ph.prefilled[0],
-        })
-    };
+    let loaded_blocks = crate::client::scrape(&nodes.workers[1], "pdmesh_offload_loaded_blocks_total").await;
     let report = serde_json::json!({
         "model": a.model.as_ref().map_or("synthetic".to_string(), |p| p.display().to_string()),
         "prompts": a.prompts,
@@ -192,8 +224,8 @@ pub async fn run(a: OffloadArgs) -> anyhow::Result<()> {
         "num_blocks": num_blocks,
         "block_size": BLOCK_SIZE,
         "max_tokens": a.max_tokens,
-        "first_visit": row("first visit", &phases[0]),
-        "revisit": row("revisit", &phases[1]),
+        "first_visit": phase_row("first visit", &first_visit),
+        "revisit": phase_row("revisit", &revisit),
         "offload_hits": hits,
         "offload_hit_tokens": hit_tokens,
         "offload_loaded_blocks": loaded_blocks,

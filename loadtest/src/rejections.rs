@@ -339,6 +339,102 @@ fn latency_report(buckets: &[(f64, f64)]) -> serde_json::Value {
     serde_json::Value::Object(out)
 }
 
+/// One variant's figures summed over the rounds.
+#[derive(Default, Clone)]
+struct Acc {
+    answered: usize,
+    ok: usize,
+    rejected: usize,
+    other: usize,
+    tokens: u64,
+    wall: f64,
+    stranded: f64,
+    /// Cumulative rejection → release buckets summed over the rounds.
+    latency: Vec<(f64, f64)>,
+    /// Each round's p99 estimate (60 rejections a round: its slowest one).
+    round_p99: Vec<f64>,
+}
+
+/// What one round measured on one mesh.
+struct Round {
+    counts: Counts,
+    wall: f64,
+    /// Block-seconds P held for nobody during the round.
+    stranded: f64,
+    /// The round's rejection → release buckets.
+    latency: Vec<(f64, f64)>,
+}
+
+impl Acc {
+    /// Add a round; its rejection → release p99 estimate, if it had rejections.
+    fn add(&mut self, r: &Round) -> Option<f64> {
+        let c = &r.counts;
+        self.answered += c.ok + c.rejected;
+        self.ok += c.ok;
+        self.rejected += c.rejected;
+        self.other += c.other;
+        self.tokens += c.tokens;
+        self.wall += r.wall;
+        self.stranded += r.stranded;
+        add_buckets(&mut self.latency, &r.latency);
+        let p99 = quantile(&r.latency, 0.99).map(|(_, est)| est);
+        self.round_p99.extend(p99);
+        p99
+    }
+
+    /// The variant's report row; `base_rps`: the baseline's answers per second.
+    fn row(&self, base_rps: f64) -> serde_json::Value {
+        let rps = self.answered as f64 / self.wall;
+        serde_json::json!({
+            "requests_answered": self.answered,
+            "succeeded": self.ok,
+            "rejected_by_d": self.rejected,
+            "other_errors": self.other,
+            "answered_per_s": rps,
+            "output_tokens_per_s": self.tokens as f64 / self.wall,
+            "ratio_to_baseline": rps / base_rps,
+            "stranded_block_seconds": self.stranded,
+            "stranded_block_seconds_per_rejection": if self.rejected > 0 { self.stranded / self.rejected as f64 } else { 0.0 },
+            "rejection_to_release": latency_report(&self.latency),
+            // the bucket bounds of the same quantiles, flat (read by scenario scripts)
+            "rejection_to_release_p50_le_s": quantile(&self.latency, 0.5).map(|(le, _)| le).filter(|le| le.is_finite()),
+            "rejection_to_release_p99_le_s": quantile(&self.latency, 0.99).map(|(le, _)| le).filter(|le| le.is_finite()),
+            "rejection_to_release_p99_by_round_s": self.round_p99,
+        })
+    }
+}
+
+/// One round on one mesh: from an idle P, the load, then P drained again (so what the
+/// deadline strands is counted too) before its counters are read.
+async fn measure_round(m: &MeshProc, a: &RejectionArgs) -> anyhow::Result<Round> {
+    let drain = Duration::from_secs(a.lease_s * 3 + 10);
+    wait_p_idle(&m.p_url, drain).await;
+    let (s0, h0) = scrape_p(&m.p_worker_metrics).await?;
+    let (counts, wall) = drive(&m.router_url, a).await?;
+    wait_p_idle(&m.p_url, drain).await;
+    let (s1, h1) = scrape_p(&m.p_worker_metrics).await?;
+    Ok(Round { counts, wall, stranded: s1 - s0, latency: bucket_delta(&h0, &h1) })
+}
+
+/// With `--hops`: the notices-on mesh's notice ages per hop, quantiles in µs.
+fn hop_report(a: &RejectionArgs, meshes: &[MeshProc]) -> serde_json::Map<String, serde_json::Value> {
+    let mut hops = serde_json::Map::new();
+    if !a.hops {
+        return hops;
+    }
+    let Some(m) = meshes.iter().find(|m| m.variant == Variant::NoticesOn) else { return hops };
+    for (hop, mut ages) in notice_hops(&m.run_dir) {
+        ages.sort_unstable();
+        let at = |q: f64| ages.get(((ages.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied();
+        hops.insert(
+            hop,
+            serde_json::json!({"n": ages.len(), "p50_us": at(0.5), "p90_us": at(0.9), "p99_us": at(0.99),
+                "max_us": ages.last()}),
+        );
+    }
+    hops
+}
+
 pub async fn run(a: RejectionArgs) -> anyhow::Result<()> {
     let pdmesh = crate::client::pdmesh_binary(a.pdmesh.as_deref())?;
     let variants: &[Variant] = if a.latency_only {
@@ -350,49 +446,20 @@ pub async fn run(a: RejectionArgs) -> anyhow::Result<()> {
     for (i, v) in variants.iter().enumerate() {
         meshes.push(start_mesh(i as u16, &a, *v, &pdmesh).await?);
     }
-    #[derive(Default, Clone)]
-    struct Acc {
-        answered: usize,
-        ok: usize,
-        rejected: usize,
-        other: usize,
-        tokens: u64,
-        wall: f64,
-        stranded: f64,
-        /// Cumulative rejection → release buckets summed over the rounds.
-        latency: Vec<(f64, f64)>,
-        /// Each round's p99 estimate (60 rejections a round: its slowest one).
-        round_p99: Vec<f64>,
-    }
     let mut acc = vec![Acc::default(); variants.len()];
     for round in 0..a.rounds {
         for (k, m) in meshes.iter().enumerate() {
-            wait_p_idle(&m.p_url, Duration::from_secs(a.lease_s * 3 + 10)).await;
-            let (s0, h0) = scrape_p(&m.p_worker_metrics).await?;
-            let (c, wall) = drive(&m.router_url, &a).await?;
-            // Count what the deadline strands too: wait for P to drain before scraping.
-            wait_p_idle(&m.p_url, Duration::from_secs(a.lease_s * 3 + 10)).await;
-            let (s1, h1) = scrape_p(&m.p_worker_metrics).await?;
-            let e = &mut acc[k];
-            e.answered += c.ok + c.rejected;
-            e.ok += c.ok;
-            e.rejected += c.rejected;
-            e.other += c.other;
-            e.tokens += c.tokens;
-            e.wall += wall;
-            e.stranded += s1 - s0;
-            let delta = bucket_delta(&h0, &h1);
-            add_buckets(&mut e.latency, &delta);
-            let p99 = quantile(&delta, 0.99).map(|(_, est)| est);
-            e.round_p99.extend(p99);
+            let r = measure_round(m, &a).await?;
+            let p99 = acc[k].add(&r);
             let p99 = p99.map(|est| format!("; rejection → release p99 ≈ {:.2} ms", est * 1e3));
+            let (c, wall) = (&r.counts, r.wall);
             eprintln!(
                 "round {round} {}: {} ok, {} rejected, {} other in {wall:.2} s; stranded {:.1} block-s{}",
                 m.variant.name(),
                 c.ok,
                 c.rejected,
                 c.other,
-                s1 - s0,
+                r.stranded,
                 p99.unwrap_or_default()
             );
         }
@@ -400,41 +467,7 @@ pub async fn run(a: RejectionArgs) -> anyhow::Result<()> {
     let base_rps = acc[0].answered as f64 / acc[0].wall;
     let mut rows = serde_json::Map::new();
     for (k, v) in variants.iter().enumerate() {
-        let e = &acc[k];
-        let rps = e.answered as f64 / e.wall;
-        rows.insert(
-            v.name().into(),
-            serde_json::json!({
-                "requests_answered": e.answered,
-                "succeeded": e.ok,
-                "rejected_by_d": e.rejected,
-                "other_errors": e.other,
-                "answered_per_s": rps,
-                "output_tokens_per_s": e.tokens as f64 / e.wall,
-                "ratio_to_baseline": rps / base_rps,
-                "stranded_block_seconds": e.stranded,
-                "stranded_block_seconds_per_rejection": if e.rejected > 0 { e.stranded / e.rejected as f64 } else { 0.0 },
-                "rejection_to_release": latency_report(&e.latency),
-                // the bucket bounds of the same quantiles, flat (read by scenario scripts)
-                "rejection_to_release_p50_le_s": quantile(&e.latency, 0.5).map(|(le, _)| le).filter(|le| le.is_finite()),
-                "rejection_to_release_p99_le_s": quantile(&e.latency, 0.99).map(|(le, _)| le).filter(|le| le.is_finite()),
-                "rejection_to_release_p99_by_round_s": e.round_p99,
-            }),
-        );
-    }
-    let mut hops = serde_json::Map::new();
-    if a.hops {
-        if let Some(m) = meshes.iter().find(|m| m.variant == Variant::NoticesOn) {
-            for (hop, mut ages) in notice_hops(&m.run_dir) {
-                ages.sort_unstable();
-                let at = |q: f64| ages.get(((ages.len() as f64 * q).ceil() as usize).saturating_sub(1)).copied();
-                hops.insert(
-                    hop,
-                    serde_json::json!({"n": ages.len(), "p50_us": at(0.5), "p90_us": at(0.9), "p99_us": at(0.99),
-                        "max_us": ages.last()}),
-                );
-            }
-        }
+        rows.insert(v.name().into(), acc[k].row(base_rps));
     }
     let report = serde_json::json!({
         "setup": {
@@ -444,7 +477,7 @@ pub async fn run(a: RejectionArgs) -> anyhow::Result<()> {
             "short_prompt_tokens": SHORT_PROMPT_TOKENS, "long_prompt_tokens": LONG_PROMPT_TOKENS,
         },
         "variants": rows,
-        "notice_age_by_hop_us": hops,
+        "notice_age_by_hop_us": hop_report(&a, &meshes),
     });
     println!("{}", serde_json::to_string_pretty(&report)?);
     if let Some(out) = &a.out {
