@@ -94,8 +94,15 @@ fn run(policy: RoutingPolicy) -> Outcome {
     outcome
 }
 
+/// The two tests of this binary run one after the other: each starts a five-node mesh, and
+/// cache-aware routing weighs each node's measured latency, which the other mesh's load on two
+/// cores would skew (a follow-up sent to the node not holding its prefix because the holder
+/// looked slow: a flake seen once beside the other test, never alone).
+static ONE_MESH_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn cache_aware_sends_each_follow_up_to_the_nodes_holding_its_prefix() {
+    let _alone = ONE_MESH_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let aware = run(RoutingPolicy::CacheAware);
     let rr = run(RoutingPolicy::RoundRobin);
     assert_eq!(aware.answers, rr.answers, "greedy answers do not depend on the route");
@@ -116,6 +123,7 @@ fn engines(bases: [u16; 2], name: &str) -> f64 {
 /// ends holding nothing.
 #[test]
 fn a_prompt_the_decode_node_holds_skips_the_prefill_node() {
+    let _alone = ONE_MESH_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let (r1, r2) = (reserve_ports(), reserve_ports());
     let run_dir = common::failover::fresh_run_dir("pdmesh-localprefill", r1.0);
     let (t, ports) = topo::scaleout(r1, r2);
