@@ -234,3 +234,35 @@ fn a_preempted_request_resumes_from_its_own_cached_blocks() {
         assert_eq!(final_of(&outs, id).finish_reason, Some(pdmesh_protocol::FinishReason::Length));
     }
 }
+
+/// A request whose prefix is cached but whose rest does not fit waits at the head of the queue
+/// with the cached blocks let go (referenced before the allocation, so that it cannot evict
+/// them, and released when it fails): nothing leaks, and once room is back it runs on the same
+/// cached blocks.
+#[test]
+fn a_hit_whose_rest_does_not_fit_waits_and_lets_the_cached_blocks_go() {
+    let mut s = Scheduler::new(cfg(8));
+    s.add_request(req("a", prompt(10, 0), 2)).unwrap();
+    let (a_chunks, _) = run_to_end(&mut s, false);
+    let a_blocks = a_chunks[0].block_ids.clone();
+    assert_eq!(s.kv_usage().cached_blocks, 2);
+
+    // `big` takes most of the pool; `b` holds a's two cached blocks and needs four more.
+    s.add_request(req("big", prompt(16, 1), 8)).unwrap();
+    let mut p = prompt(9, 0);
+    p.extend(500..512);
+    s.add_request(req("b", p, 1)).unwrap();
+    let first = step(&mut s, false);
+    assert!(first.iter().all(|c| c.request_id != "b"), "b must wait for room: {first:?}");
+    let kv = s.kv_usage();
+    let big_blocks = first.iter().find(|c| c.request_id == "big").unwrap().block_ids.len() as u32;
+    assert_eq!(kv.used_blocks, big_blocks, "b's cached prefix is not kept referenced while it waits: {kv:?}");
+    assert_eq!(kv.cached_blocks, 2 + 16 / BS, "a's two and big's full blocks: none evicted: {kv:?}");
+
+    let (chunks, outs) = run_to_end(&mut s, false);
+    let b_first = chunks.iter().find(|c| c.request_id == "b").unwrap();
+    assert_eq!(b_first.start_pos, 8, "b runs on the two cached blocks");
+    assert_eq!(b_first.block_ids[..2], a_blocks[..2]);
+    assert_eq!(final_of(&outs, "b").num_cached_tokens, 8);
+    assert_eq!(s.kv_usage().used_blocks, 0);
+}

@@ -286,7 +286,12 @@ impl Mesh {
 
     /// One look: whether `ready` holds now.
     pub fn is_ready(&self, ready: Ready) -> bool {
-        let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(5)).build().unwrap();
+        self.ready_by(&probe_client(), ready)
+    }
+
+    /// [`Mesh::is_ready`] through `client` (one for a whole wait: a blocking client starts a
+    /// runtime thread of its own, too much to make every 100 ms while a mesh comes up).
+    fn ready_by(&self, client: &reqwest::blocking::Client, ready: Ready) -> bool {
         match ready {
             Ready::Router(port) => client
                 .get(self.url_on(port, "/health"))
@@ -295,14 +300,16 @@ impl Mesh {
                 .is_ok_and(|v| v["status"] == "ready"),
             Ready::Node(port) => {
                 let healthy = client.get(self.url_on(port, "/health")).send().is_ok_and(|r| r.status().is_success());
+                let engines = client.get(self.url_on(port, "/debug/engines"));
+                let engines = match &self.api_key {
+                    Some(k) => engines.bearer_auth(k),
+                    None => engines,
+                };
                 healthy
-                    && self
-                        .get(&self.url_on(port, "/debug/engines"))
-                        .and_then(|r| r.json::<serde_json::Value>())
-                        .is_ok_and(|v| {
-                            v["unreachable_ranks"].as_array().is_some_and(|a| a.is_empty())
-                                && v["engines"].as_array().is_some_and(|a| !a.is_empty())
-                        })
+                    && engines.send().and_then(|r| r.json::<serde_json::Value>()).is_ok_and(|v| {
+                        v["unreachable_ranks"].as_array().is_some_and(|a| a.is_empty())
+                            && v["engines"].as_array().is_some_and(|a| !a.is_empty())
+                    })
             }
         }
     }
@@ -310,8 +317,9 @@ impl Mesh {
     /// Wait until `ready` holds; false after `limit` or on a port clash.
     pub fn wait_until_ready(&self, ready: Ready, limit: Duration) -> bool {
         let deadline = Instant::now() + limit;
+        let client = probe_client();
         while Instant::now() < deadline {
-            if self.is_ready(ready) {
+            if self.ready_by(&client, ready) {
                 return true;
             }
             if self.port_clash() {
@@ -458,6 +466,11 @@ impl Drop for Mesh {
     fn drop(&mut self) {
         self.terminate(Duration::from_secs(15));
     }
+}
+
+/// The client of the readiness probes (5 s a request: a node still starting may not answer).
+fn probe_client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder().timeout(Duration::from_secs(5)).build().unwrap()
 }
 
 fn sigkill(pid: i32) {
