@@ -60,4 +60,8 @@ pub enum ModelError {
     /// The chat template does not compile.
     #[error("chat template: {0}")]
     ChatTemplate(String),
+    /// The model cannot be split over the node's `tensor_parallel_size` (a count of heads or
+    /// units that is not a multiple of it), or its TP group could not be joined.
+    #[error("tensor parallelism: {0}")]
+    TensorParallel(String),
 }

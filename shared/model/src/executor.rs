@@ -36,6 +36,7 @@ use crate::embedding::Embedding;
 use crate::error::ModelError;
 use crate::gguf::{sha256_file, GgufFile};
 use crate::linear::{Linear, LinearSet, MatmulCtx};
+use crate::tp::{Gather, TpRank};
 use crate::ModelOptions;
 
 struct Layer {
@@ -77,6 +78,26 @@ struct Scratch {
     logits: Vec<f32>,
 }
 
+/// This process's part in a tensor-parallel group (`crate::tp`, D111): without one, every
+/// gather is the identity.
+struct TpCtx {
+    tp: TpRank,
+    group: Option<Box<dyn Gather>>,
+    tmp: Vec<f32>,
+}
+
+impl TpCtx {
+    /// Replace `x` (`[rows, w]`, this rank's columns) by every rank's columns (`[rows, w·size]`).
+    #[inline]
+    fn whole(&mut self, x: &mut Vec<f32>, rows: usize) -> Result<(), ExecutorError> {
+        let Some(g) = self.group.as_mut() else { return Ok(()) };
+        g.all_gather(x, rows, &mut self.tmp)
+            .map_err(|e| ExecutorError::DeviceLost(format!("tensor parallelism: {e}")))?;
+        std::mem::swap(x, &mut self.tmp);
+        Ok(())
+    }
+}
+
 /// Where each token of a step comes from.
 pub(crate) struct TokenPlan {
     /// Position of the token in its sequence.
@@ -95,7 +116,12 @@ struct RopeTable {
 /// A GGUF model of any supported architecture (`crate::arch`) implementing [`Executor`].
 pub struct GgufExecutor {
     facts: ModelFacts,
+    /// The whole model's hyper-parameters.
     cfg: ModelConfig,
+    /// What this process's forward pass computes: `cfg` itself, or a TP rank's heads and MLP
+    /// units ([`TpRank::local_config`]).
+    run_cfg: ModelConfig,
+    tp: TpCtx,
     embedding: Embedding,
     layers: Vec<Layer>,
     out_norm: Vec<f32>,
@@ -123,9 +149,29 @@ pub(crate) fn norm_weights(g: &mut GgufFile, name: &str, len: usize) -> Result<V
         .map_err(|e| ModelError::InvalidTensor { name: name.to_string(), reason: e.to_string() })
 }
 
-fn linear(g: &mut GgufFile, name: &str, rows: usize, cols: usize) -> Result<Linear, ModelError> {
+/// Rows `keep` of a `[rows, cols]` matrix (a TP rank's output rows).
+fn linear_rows(
+    g: &mut GgufFile,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    keep: std::ops::Range<usize>,
+) -> Result<Linear, ModelError> {
     let t = g.tensor_with_dims(name, &[rows, cols])?;
-    Linear::new(name, t)
+    Linear::new_rows(name, t, keep)
+}
+
+/// Values `keep` of a vector of weights (a TP rank's share of a bias).
+fn norm_weights_part(
+    g: &mut GgufFile,
+    name: &str,
+    len: usize,
+    keep: std::ops::Range<usize>,
+) -> Result<Vec<f32>, ModelError> {
+    let all = norm_weights(g, name, len)?;
+    all.get(keep.clone())
+        .map(<[f32]>::to_vec)
+        .ok_or_else(|| ModelError::InvalidTensor { name: name.into(), reason: format!("no values {keep:?}") })
 }
 
 /// Name of the model as served: the file name without `.gguf`.
@@ -177,29 +223,53 @@ fn rope_table_for(ropes: &mut Vec<RopeTable>, head_dim: usize, base: f32, max_le
 }
 
 /// The weights of layer `i` (`blk.{i}.*`), with the pieces its recipe asks for.
+/// The rows of layer `i`'s matrices a TP rank computes (all of them without TP).
+struct LayerRows {
+    q: std::ops::Range<usize>,
+    kv: std::ops::Range<usize>,
+    hidden: std::ops::Range<usize>,
+    ffn: std::ops::Range<usize>,
+}
+
+impl LayerRows {
+    fn of(cfg: &ModelConfig, tp: TpRank) -> Self {
+        let hd = cfg.head_dim;
+        let heads = tp.share(cfg.n_heads);
+        let kv_heads = tp.kv_heads(cfg.n_kv_heads);
+        Self {
+            q: heads.start * hd..heads.end * hd,
+            kv: kv_heads.start * hd..kv_heads.end * hd,
+            hidden: tp.share(cfg.hidden),
+            ffn: tp.share(cfg.ffn_dim),
+        }
+    }
+}
+
 fn load_layer(
     g: &mut GgufFile,
     cfg: &ModelConfig,
+    tp: TpRank,
     i: usize,
     rope: usize,
     window: Option<usize>,
 ) -> Result<Layer, ModelError> {
     let (hd, h, f) = (cfg.head_dim, cfg.hidden, cfg.ffn_dim);
     let (q_dim, kv_dim) = (cfg.q_dim(), cfg.kv_dim());
+    let rows = LayerRows::of(cfg, tp);
     let recipe = &cfg.recipe;
     let p = format!("blk.{i}");
     Ok(Layer {
         attn_norm: norm_weights(g, &format!("{p}.attn_norm.weight"), h)?,
         qkv: LinearSet::new(vec![
-            linear(g, &format!("{p}.attn_q.weight"), q_dim, h)?,
-            linear(g, &format!("{p}.attn_k.weight"), kv_dim, h)?,
-            linear(g, &format!("{p}.attn_v.weight"), kv_dim, h)?,
+            linear_rows(g, &format!("{p}.attn_q.weight"), q_dim, h, rows.q.clone())?,
+            linear_rows(g, &format!("{p}.attn_k.weight"), kv_dim, h, rows.kv.clone())?,
+            linear_rows(g, &format!("{p}.attn_v.weight"), kv_dim, h, rows.kv.clone())?,
         ]),
         qkv_bias: if recipe.qkv_bias {
             Some([
-                norm_weights(g, &format!("{p}.attn_q.bias"), q_dim)?,
-                norm_weights(g, &format!("{p}.attn_k.bias"), kv_dim)?,
-                norm_weights(g, &format!("{p}.attn_v.bias"), kv_dim)?,
+                norm_weights_part(g, &format!("{p}.attn_q.bias"), q_dim, rows.q.clone())?,
+                norm_weights_part(g, &format!("{p}.attn_k.bias"), kv_dim, rows.kv.clone())?,
+                norm_weights_part(g, &format!("{p}.attn_v.bias"), kv_dim, rows.kv.clone())?,
             ])
         } else {
             None
@@ -212,7 +282,7 @@ fn load_layer(
         } else {
             None
         },
-        wo: LinearSet::single(linear(g, &format!("{p}.attn_output.weight"), h, q_dim)?),
+        wo: LinearSet::single(linear_rows(g, &format!("{p}.attn_output.weight"), h, q_dim, rows.hidden.clone())?),
         post_attn_norm: if recipe.post_norms {
             Some(norm_weights(g, &format!("{p}.post_attention_norm.weight"), h)?)
         } else {
@@ -227,10 +297,10 @@ fn load_layer(
         rope,
         window,
         gate_up: LinearSet::new(vec![
-            linear(g, &format!("{p}.ffn_gate.weight"), f, h)?,
-            linear(g, &format!("{p}.ffn_up.weight"), f, h)?,
+            linear_rows(g, &format!("{p}.ffn_gate.weight"), f, h, rows.ffn.clone())?,
+            linear_rows(g, &format!("{p}.ffn_up.weight"), f, h, rows.ffn)?,
         ]),
-        down: LinearSet::single(linear(g, &format!("{p}.ffn_down.weight"), h, f)?),
+        down: LinearSet::single(linear_rows(g, &format!("{p}.ffn_down.weight"), h, f, rows.hidden)?),
     })
 }
 
@@ -256,13 +326,31 @@ impl GgufExecutor {
     /// Load the weights of the GGUF file at `path` (and hash the file for
     /// [`ModelFacts::weights_id`]).
     pub fn load(path: impl AsRef<Path>, options: &ModelOptions) -> Result<Self, ModelError> {
+        Self::load_tp(path, options, TpRank::SINGLE, None)
+    }
+
+    /// Load TP rank `tp`'s slice of the model (module `crate::tp`), gathering with `group`
+    /// (`None` only when `tp.size == 1`). Its [`ModelFacts`] and KV cache hold this rank's KV
+    /// heads.
+    pub fn load_tp(
+        path: impl AsRef<Path>,
+        options: &ModelOptions,
+        tp: TpRank,
+        group: Option<Box<dyn Gather>>,
+    ) -> Result<Self, ModelError> {
         let path = path.as_ref();
         let mut g = GgufFile::open(path)?;
         // refuse a model we cannot run before hashing a file of gigabytes
-        crate::arch::model_config(&g)?;
+        let cfg = crate::arch::model_config(&g)?;
+        tp.check(&cfg)?;
+        if tp.size > 1 && group.as_ref().is_none_or(|g| g.tp() != tp) {
+            return Err(ModelError::TensorParallel(format!("TP rank {} of {} without its group", tp.rank, tp.size)));
+        }
         let weights_id = sha256_file(path)?;
         let eos_token_ids = crate::text::eos_token_ids(g.metadata())?;
-        Self::from_gguf(&mut g, options, weights_id, eos_token_ids)
+        let mut ex = Self::from_gguf_tp(&mut g, options, weights_id, eos_token_ids, tp)?;
+        ex.tp.group = group.filter(|_| tp.size > 1);
+        Ok(ex)
     }
 
     pub(crate) fn from_gguf(
@@ -271,17 +359,29 @@ impl GgufExecutor {
         weights_id: String,
         eos_token_ids: Vec<u32>,
     ) -> Result<Self, ModelError> {
+        Self::from_gguf_tp(g, options, weights_id, eos_token_ids, TpRank::SINGLE)
+    }
+
+    fn from_gguf_tp(
+        g: &mut GgufFile,
+        options: &ModelOptions,
+        weights_id: String,
+        eos_token_ids: Vec<u32>,
+        tp: TpRank,
+    ) -> Result<Self, ModelError> {
         let cfg = crate::arch::model_config(g)?;
+        tp.check(&cfg)?;
         let (hd, h) = (cfg.head_dim, cfg.hidden);
         let recipe = &cfg.recipe;
+        let vocab_rows = tp.share(cfg.vocab_size);
 
         let embd_q = g.tensor_with_dims("token_embd.weight", &[cfg.vocab_size, h])?;
         let embedding = Embedding::new("token_embd.weight", &embd_q)?;
         // Tied output projection when the file has no separate `output.weight`.
         let mut output = LinearSet::single(if g.has_tensor("output.weight") {
-            linear(g, "output.weight", cfg.vocab_size, h)?
+            linear_rows(g, "output.weight", cfg.vocab_size, h, vocab_rows)?
         } else {
-            Linear::new("token_embd.weight", embd_q)?
+            Linear::new_rows("token_embd.weight", embd_q, vocab_rows)?
         });
         let out_norm = norm_weights(g, "output_norm.weight", h)?;
 
@@ -290,20 +390,38 @@ impl GgufExecutor {
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for (i, attn) in recipe.layers.iter().enumerate() {
             let rope = rope_table_for(&mut ropes, hd, attn.rope_base, max_model_len as usize);
-            layers.push(load_layer(g, &cfg, i, rope, attn.sliding_window)?);
+            layers.push(load_layer(g, &cfg, tp, i, rope, attn.sliding_window)?);
         }
         gather_on_huge_pages(&mut output, &mut layers);
 
-        let facts = model_facts(&cfg, &g.path, max_model_len, eos_token_ids, weights_id);
+        let run_cfg = tp.local_config(&cfg);
+        // the KV cache of this process holds its own KV heads
+        let facts = model_facts(&run_cfg, &g.path, max_model_len, eos_token_ids, weights_id);
         tracing::info!(name = %facts.name, arch = %cfg.arch, layers = cfg.n_layers, hidden = h, heads = cfg.n_heads,
-            kv_heads = cfg.n_kv_heads, head_dim = hd, vocab = cfg.vocab_size, max_model_len, "loaded GGUF model");
+            kv_heads = cfg.n_kv_heads, head_dim = hd, vocab = cfg.vocab_size, max_model_len,
+            tp_rank = tp.rank, tp_size = tp.size, "loaded GGUF model");
         let guide = crate::guided::guide_from_gguf(g, cfg.vocab_size, &facts.eos_token_ids);
+        // the TP ranks of a node share its cores
         let mm = MatmulCtx::new(
-            options.threads.filter(|&n| n > 0).unwrap_or_else(crate::pool::default_threads),
+            options.threads.filter(|&n| n > 0).unwrap_or_else(|| (crate::pool::default_threads() / tp.size).max(1)),
             options.nice,
         );
         tracing::info!(threads = mm.pool.n_threads(), nice = options.nice, worker_nice = ?mm.pool.worker_nice(), kernels = ?mm.imp, "model compute");
-        Ok(Self { facts, cfg, embedding, layers, out_norm, output, mm, ropes, scratch: Scratch::default(), guide })
+        let tp = TpCtx { tp, group: None, tmp: Vec::new() };
+        Ok(Self {
+            facts,
+            cfg,
+            run_cfg,
+            tp,
+            embedding,
+            layers,
+            out_norm,
+            output,
+            mm,
+            ropes,
+            scratch: Scratch::default(),
+            guide,
+        })
     }
 
     /// Override the served model name (defaults to the file name without `.gguf`).
@@ -328,7 +446,8 @@ impl GgufExecutor {
         chunks: &[ScheduledChunk],
         plan: &[TokenPlan],
     ) -> Result<Vec<SampledToken>, ExecutorError> {
-        let Self { cfg, embedding, layers, out_norm, output, mm, ropes, scratch: s, guide, facts } = self;
+        let Self { run_cfg: cfg, embedding, layers, out_norm, output, mm, ropes, scratch: s, guide, facts, tp, .. } =
+            self;
         let bs = kv.spec().block_size as usize;
         let slots = chunk_slots(chunks, bs);
         let step = Step {
@@ -344,8 +463,8 @@ impl GgufExecutor {
         };
         step.embed(embedding, &mut s.x);
         for (li, layer) in layers.iter().enumerate() {
-            step.attention_block(layer, ropes, kv, li, mm, s)?;
-            step.mlp_block(layer, mm, s)?;
+            step.attention_block(layer, ropes, kv, li, mm, s, tp)?;
+            step.mlp_block(layer, mm, s, tp)?;
         }
 
         // ---- logits for the last token of every sampling chunk
@@ -356,6 +475,11 @@ impl GgufExecutor {
         }
         rms_norm(&s.last, out_norm, cfg.rms_eps, &mut s.h);
         output.forward(&s.h, sampling_chunks.len(), mm, &mut [&mut s.logits])?;
+        tp.whole(&mut s.logits, sampling_chunks.len())?;
+        if tp.tp.rank != 0 {
+            // sampling happens once, on TP rank 0
+            return Ok(Vec::new());
+        }
         let eos = facts.eos_token_ids.first().copied().unwrap_or(0);
         sample_chunks(mm, guide, &s.logits, cfg.vocab_size, &sampling_chunks, eos)
     }
@@ -414,12 +538,16 @@ impl Step<'_> {
         li: usize,
         mm: &mut MatmulCtx,
         s: &mut Scratch,
+        tp: &mut TpCtx,
     ) -> Result<(), ExecutorError> {
         self.project_qkv(layer, ropes, mm, s)?;
         let (kc, vc) = kv.layer_kv_mut(li);
         self.write_kv(kc, vc, s);
         self.attend(layer.window, kc, vc, mm, s)?;
-        layer.wo.forward(&s.attn, self.plan.len(), mm, &mut [&mut s.proj])?;
+        let n = self.plan.len();
+        tp.whole(&mut s.attn, n)?;
+        layer.wo.forward(&s.attn, n, mm, &mut [&mut s.proj])?;
+        tp.whole(&mut s.proj, n)?;
         if let Some(w) = &layer.post_attn_norm {
             rms_norm_in_place(&mut s.proj, w, self.cfg.rms_eps, &mut s.h);
         }
@@ -520,7 +648,13 @@ impl Step<'_> {
     /// One layer's MLP: RMSNorm → SiLU- or GELU-gated gate/up → down [→ RMSNorm], added to the
     /// residual `s.x`.
     #[inline]
-    fn mlp_block(&self, layer: &Layer, mm: &mut MatmulCtx, s: &mut Scratch) -> Result<(), ExecutorError> {
+    fn mlp_block(
+        &self,
+        layer: &Layer,
+        mm: &mut MatmulCtx,
+        s: &mut Scratch,
+        tp: &mut TpCtx,
+    ) -> Result<(), ExecutorError> {
         let (cfg, n) = (self.cfg, self.plan.len());
         rms_norm(&s.x, &layer.ffn_norm, cfg.rms_eps, &mut s.h);
         layer.gate_up.forward(&s.h, n, mm, &mut [&mut s.gate, &mut s.up])?;
@@ -534,7 +668,9 @@ impl Step<'_> {
         if !ok {
             return Err(ExecutorError::Model("activation worker panicked".into()));
         }
+        tp.whole(&mut s.gate, n)?;
         layer.down.forward(&s.gate, n, mm, &mut [&mut s.proj])?;
+        tp.whole(&mut s.proj, n)?;
         if let Some(w) = &layer.post_ffn_norm {
             rms_norm_in_place(&mut s.proj, w, cfg.rms_eps, &mut s.h);
         }
@@ -617,13 +753,27 @@ impl Executor for GgufExecutor {
     }
 
     fn execute(&mut self, kv: &mut KvCache, chunks: &[ScheduledChunk]) -> Result<Vec<SampledToken>, ExecutorError> {
-        let plan = plan_step(&self.cfg, self.facts.max_model_len as usize, kv, chunks)?;
+        // every TP rank checks the same step the same way, so a refused step is refused by
+        // all of them before any gather
+        let plan = plan_step(&self.run_cfg, self.facts.max_model_len as usize, kv, chunks)?;
         if plan.is_empty() {
             return Ok(Vec::new());
         }
         let out = self.forward(kv, chunks, &plan);
         self.mm.pool.rest();
-        out
+        match (out, &self.tp.group) {
+            // failed part-way: the other ranks may wait in a gather this rank never reaches,
+            // and the group's rounds no longer line up: the group stops and restarts whole
+            (Err(e), Some(group)) => {
+                group.poison();
+                Err(if e.is_device_lost() {
+                    e
+                } else {
+                    ExecutorError::DeviceLost(format!("TP rank's step failed: {e}"))
+                })
+            }
+            (out, _) => out,
+        }
     }
 
     fn release(&mut self, request_ids: &[String]) {

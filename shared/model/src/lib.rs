@@ -24,6 +24,8 @@
 //! - `pool`: the persistent worker threads the forward pass runs on.
 //! - `attention`: causal attention over the paged KV cache, in a fixed arithmetic order.
 //! - [`text`]: [`GgufTextCodec`] and its incremental detokenizer.
+//! - [`tp`]: tensor parallelism: which slice a TP rank computes, and the shared-memory
+//!   all-gather between a node's TP processes (D111).
 //! - [`error`]: [`ModelError`], the load-time error type.
 //!
 //! Sampling lives in `pdmesh_model_api::sampling` (model-agnostic). `docs/MODEL.md` has the
@@ -38,6 +40,7 @@ pub mod gguf;
 #[doc(hidden)]
 pub mod kernel_bench;
 pub mod text;
+pub mod tp;
 
 mod attention;
 mod embedding;

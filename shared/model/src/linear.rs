@@ -107,6 +107,32 @@ impl Linear {
         }
     }
 
+    /// Rows `keep` of the matrix only (a TP rank's slice of its output rows): each row of a
+    /// GGUF matrix is stored whole, so the slice is a byte range and every kept row computes
+    /// exactly what it computes in the whole matrix.
+    pub fn new_rows(name: &str, qt: QTensor, keep: std::ops::Range<usize>) -> Result<Self, ModelError> {
+        let bad = |reason: String| ModelError::InvalidTensor { name: name.to_string(), reason };
+        let (rows, cols) = match qt.shape().dims() {
+            [r, c] => (*r, *c),
+            other => return Err(bad(format!("expected a matrix, got {other:?}"))),
+        };
+        if keep == (0..rows) {
+            return Self::new(name, qt);
+        }
+        let dtype = qt.dtype();
+        check_supported(name, dtype)?;
+        if keep.start > keep.end || keep.end > rows || !cols.is_multiple_of(dtype.block_size()) {
+            return Err(bad(format!("rows {keep:?} of a {rows}x{cols} {dtype:?} matrix")));
+        }
+        let row_bytes = cols / dtype.block_size() * dtype.type_size();
+        let raw = qt.data().map_err(|e| bad(e.to_string()))?;
+        let part = raw.get(keep.start * row_bytes..keep.end * row_bytes).ok_or_else(|| bad("short data".into()))?;
+        let sliced =
+            candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, part, vec![keep.len(), cols], &Device::Cpu)
+                .map_err(|e| bad(e.to_string()))?;
+        Self::new(name, sliced)
+    }
+
     pub fn rows(&self) -> usize {
         match self {
             Linear::Packed(p) => p.rows(),

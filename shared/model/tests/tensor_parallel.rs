@@ -1,0 +1,251 @@
+//! Tensor parallelism (D111): a model split over TP ranks computes exactly what one process
+//! computes. Each rank's executor runs on its own thread with its own slice of the weights and
+//! its own KV heads, gathering through the same shared-memory group the worker processes use;
+//! rank 0's logits must equal the single process's bit for bit at every step, so the greedy
+//! tokens are the same by construction (16 prompts, batched, prefill chunked, 32 new tokens).
+//! Qwen2.5-0.5B over 2 ranks (one KV head each), SmolLM2 over 3 (its KV-head count), Gemma 3
+//! over 2 (its one KV head replicated on both).
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc;
+
+use pdmesh_model::tp::{Gather, ShmGroup, TpRank};
+use pdmesh_model::{GgufExecutor, GgufTextCodec, ModelOptions};
+use pdmesh_model_api::{Executor, KvCache, TextCodec};
+use pdmesh_protocol::{SampledToken, ScheduledChunk};
+
+const N_NEW: usize = 32;
+const MAX_LEN: u32 = 512;
+const CHUNK: usize = 24;
+
+fn model_file(name: &str, file: &str) -> Option<PathBuf> {
+    if std::env::var("PDMESH_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        eprintln!("PDMESH_SKIP_MODEL_TESTS=1: skipping a test that needs {file}");
+        return None;
+    }
+    let dir = std::env::var_os("PDMESH_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/pdmesh/models"));
+    let p = dir.join(file);
+    assert!(
+        p.is_file(),
+        "{} not found: run scripts/fetch-model.sh {name} (or set PDMESH_SKIP_MODEL_TESTS=1)",
+        p.display()
+    );
+    Some(p)
+}
+
+fn options() -> ModelOptions {
+    ModelOptions { max_model_len: Some(MAX_LEN), threads: Some(1), ..Default::default() }
+}
+
+/// Sixteen prompts of different lengths and kinds.
+fn prompts(codec: &GgufTextCodec) -> Vec<Vec<u32>> {
+    let texts = [
+        "The capital of France is",
+        "Once upon a time, in a small village by the sea,",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+        "1, 2, 3, 5, 8, 13, 21,",
+        "The three primary colours are",
+        "SELECT name FROM users WHERE",
+        "In 1969, the first humans",
+        "A recipe for pancakes: first,",
+        "The quick brown fox",
+        "Photosynthesis is the process by which",
+        "fn main() {\n    let v = vec![1, 2, 3];\n",
+        "Dear hiring manager, I am writing to apply for",
+        "The largest planet in the solar system is",
+        "To be, or not to be, that is",
+        "Water boils at",
+        "Translate to French: good morning ->",
+    ];
+    texts.iter().map(|t| codec.encode_prompt(t).unwrap()).collect()
+}
+
+struct Req {
+    id: String,
+    prompt: Vec<u32>,
+    blocks: Vec<u32>,
+    generated: Vec<u32>,
+    computed: usize,
+}
+
+/// The next step's chunks: each unfinished request's next prefill chunk or its decode token.
+fn next_chunks(reqs: &[Req]) -> Vec<ScheduledChunk> {
+    reqs.iter()
+        .filter(|r| r.generated.len() < N_NEW)
+        .map(|r| {
+            let (tokens, sample) = if r.computed < r.prompt.len() {
+                let end = (r.computed + CHUNK).min(r.prompt.len());
+                (r.prompt[r.computed..end].to_vec(), end == r.prompt.len())
+            } else {
+                (vec![*r.generated.last().unwrap()], true)
+            };
+            ScheduledChunk {
+                request_id: r.id.clone(),
+                token_ids: tokens,
+                start_pos: r.computed as u32,
+                block_ids: r.blocks.clone(),
+                sample,
+                sampling: common::greedy(),
+                output_index: r.generated.len() as u32,
+                guided_output: Vec::new(),
+                history: None,
+            }
+        })
+        .collect()
+}
+
+fn apply(reqs: &mut [Req], chunks: &[ScheduledChunk], out: &[SampledToken]) {
+    let by_id: HashMap<_, _> = out.iter().map(|s| (s.request_id.clone(), s.token_id)).collect();
+    for c in chunks {
+        let r = reqs.iter_mut().find(|r| r.id == c.request_id).unwrap();
+        r.computed += c.token_ids.len();
+        if c.sample {
+            r.generated.push(by_id[&r.id]);
+        }
+    }
+}
+
+fn requests(prompts: &[Vec<u32>]) -> Vec<Req> {
+    let per = (MAX_LEN / 16) as usize;
+    prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Req {
+            id: format!("r{i}"),
+            prompt: p.clone(),
+            blocks: ((i * per) as u32..((i + 1) * per) as u32).collect(),
+            generated: Vec::new(),
+            computed: 0,
+        })
+        .collect()
+}
+
+fn kv_for(exec: &GgufExecutor, n_prompts: usize) -> KvCache {
+    common::kv_cache(exec, (n_prompts as u32) * (MAX_LEN / 16), 16)
+}
+
+/// Every step's chunks and the logits rank 0 (or the single process) computed for it, and the
+/// tokens generated.
+type Trace = (Vec<Vec<f32>>, Vec<Vec<u32>>);
+
+fn single(path: &Path, prompts: &[Vec<u32>]) -> Trace {
+    let mut exec = GgufExecutor::load(path, &options()).unwrap();
+    let mut kv = kv_for(&exec, prompts.len());
+    let mut reqs = requests(prompts);
+    let mut logits = Vec::new();
+    loop {
+        let chunks = next_chunks(&reqs);
+        if chunks.is_empty() {
+            break;
+        }
+        let out = exec.execute(&mut kv, &chunks).unwrap();
+        if !out.is_empty() {
+            logits.push(exec.last_logits().to_vec());
+        }
+        apply(&mut reqs, &chunks, &out);
+    }
+    (logits, reqs.into_iter().map(|r| r.generated).collect())
+}
+
+/// The same requests over `size` TP ranks on threads: rank 0 plans the steps and hands each to
+/// the other ranks, as the node's rank-0 worker hands its peers the engine's step.
+fn tensor_parallel(path: &Path, size: usize, prompts: &[Vec<u32>]) -> Trace {
+    let stem = path.file_stem().unwrap().to_string_lossy();
+    let file = std::env::temp_dir().join(format!("pdmesh-tp-model-test-{stem}-{size}-{}", std::process::id()));
+    let leader_group = ShmGroup::create(&file, size, ShmGroup::section_bytes_for(1 << 18)).unwrap();
+    let mut followers = Vec::new();
+    for rank in 1..size {
+        let (tx, rx) = mpsc::channel::<Option<Vec<ScheduledChunk>>>();
+        let (done_tx, done_rx) = mpsc::channel::<usize>();
+        let (path, file) = (path.to_path_buf(), file.clone());
+        let n_prompts = prompts.len();
+        let handle = std::thread::spawn(move || {
+            let group: Box<dyn Gather> = Box::new(ShmGroup::open(&file, rank).unwrap());
+            let mut exec = GgufExecutor::load_tp(&path, &options(), TpRank { rank, size }, Some(group)).unwrap();
+            let mut kv = kv_for(&exec, n_prompts);
+            while let Ok(Some(chunks)) = rx.recv() {
+                let out = exec.execute(&mut kv, &chunks).unwrap();
+                // sampling happens once, on rank 0
+                done_tx.send(out.len()).unwrap();
+            }
+        });
+        followers.push((tx, done_rx, handle));
+    }
+    let tp = TpRank { rank: 0, size };
+    let mut exec = GgufExecutor::load_tp(path, &options(), tp, Some(Box::new(leader_group))).unwrap();
+    assert_eq!(exec.facts().num_kv_heads as usize, tp.kv_heads(exec.config().n_kv_heads).len());
+    let mut kv = kv_for(&exec, prompts.len());
+    let mut reqs = requests(prompts);
+    let mut logits = Vec::new();
+    loop {
+        let chunks = next_chunks(&reqs);
+        if chunks.is_empty() {
+            break;
+        }
+        for (tx, _, _) in &followers {
+            tx.send(Some(chunks.clone())).unwrap();
+        }
+        let out = exec.execute(&mut kv, &chunks).unwrap();
+        for (_, done, _) in &followers {
+            assert_eq!(done.recv().unwrap(), 0, "a rank other than 0 sampled");
+        }
+        if !out.is_empty() {
+            logits.push(exec.last_logits().to_vec());
+        }
+        apply(&mut reqs, &chunks, &out);
+    }
+    for (tx, _, handle) in followers {
+        tx.send(None).unwrap();
+        handle.join().unwrap();
+    }
+    let _ = std::fs::remove_file(&file);
+    (logits, reqs.into_iter().map(|r| r.generated).collect())
+}
+
+fn check(path: &Path, size: usize) {
+    let (_, codec) = pdmesh_model::load_gguf(path, &options()).unwrap();
+    let prompts = prompts(&codec);
+    let (want_logits, want) = single(path, &prompts);
+    let (got_logits, got) = tensor_parallel(path, size, &prompts);
+    assert_eq!(got, want, "greedy tokens over {size} TP ranks differ from one process's");
+    assert_eq!(got_logits.len(), want_logits.len());
+    for (step, (g, w)) in got_logits.iter().zip(&want_logits).enumerate() {
+        let same = g.len() == w.len() && g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "step {step}: logits over {size} TP ranks are not bit-equal to one process's");
+    }
+    eprintln!("{}: {} prompts x {N_NEW} tokens over TP {size}: identical", path.display(), prompts.len());
+}
+
+#[test]
+fn qwen2_over_two_ranks_equals_one_process_bit_for_bit() {
+    let Some(path) = model_file("qwen2.5-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf") else { return };
+    check(&path, 2);
+}
+
+#[test]
+fn smollm2_over_three_ranks_equals_one_process_bit_for_bit() {
+    let Some(path) = common::model_path() else { return };
+    check(&path, 3);
+}
+
+#[test]
+fn gemma3_over_two_ranks_with_its_kv_head_replicated_equals_one_process() {
+    let Some(path) = model_file("gemma3-270m", "gemma-3-270m-q4_k_m.gguf") else { return };
+    check(&path, 2);
+}
+
+/// A split the model's shape does not allow is refused at load, naming the count.
+#[test]
+fn a_split_the_heads_do_not_allow_is_refused_by_name() {
+    let Some(path) = common::model_path() else { return };
+    // SmolLM2: 9 heads
+    let err = GgufExecutor::load_tp(&path, &options(), TpRank { rank: 0, size: 2 }, None).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("9 attention heads") && msg.contains("tensor_parallel_size 2"), "{msg}");
+}
