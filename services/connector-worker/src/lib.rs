@@ -7,6 +7,9 @@
 //!   forwards `ExecuteStep` to the executor thread. A step the executor fails still answers
 //!   with the step's connector output; one that finds the accelerator lost also ends the
 //!   process ([`RunningWorker::device_lost`]), since nothing on that context can run again.
+//! - With `tensor_parallel_size > 1` the worker is TP rank 0 of its rank: it hands every step
+//!   to its TP peers and answers once all have computed it ([`tp`], D111); a peer runs
+//!   [`run_tp_peer`].
 
 pub mod consumer;
 pub mod executor_actor;
@@ -14,6 +17,7 @@ pub mod metrics;
 pub mod multi;
 pub mod offload;
 pub mod pd;
+pub mod tp;
 
 pub use executor_actor::{once, ExecutorActor, ExecutorFactory, ExecutorFaults, RunStep};
 
@@ -27,7 +31,7 @@ use pdmesh_protocol::{
     TraceContext, WireError, WorkerInfo,
 };
 use pdmesh_service::{ServiceContext, Shutdown};
-use pdmesh_transport::{bind_router, PeerId, RouterEvent, RouterHandle};
+use pdmesh_transport::{bind_router, connect_dealer, LinkConfig, LinkEvent, PeerId, RouterEvent, RouterHandle};
 use thiserror::Error;
 
 #[derive(Debug, Error)]
@@ -63,6 +67,8 @@ pub struct WorkerActor {
     device_lost: Option<tokio::sync::oneshot::Sender<String>>,
     /// One connector output from the P/D and offload children's (`MultiConnector`).
     merge: multi::OutputMerge,
+    /// TP rank 0's peers (D111); `None` without tensor parallelism and on a peer.
+    tp: Option<tp::TpLinks>,
 }
 
 impl WorkerActor {
@@ -106,7 +112,13 @@ impl Handler<RouterEvent> for WorkerActor {
         let Some(router) = self.router.clone() else { return };
         match &envelope.body {
             Message::WorkerInfoQuery => {
-                let _ = router.send(&peer, envelope.reply(Message::WorkerInfo(self.info.clone())));
+                // ready for the engine once every TP peer is (each binds once it has loaded)
+                let answer = if self.tp.as_ref().is_none_or(tp::TpLinks::all_up) {
+                    Message::WorkerInfo(self.info.clone())
+                } else {
+                    Message::Error(WireError::new(ErrorClass::Unavailable, "tensor-parallel peers are still loading"))
+                };
+                let _ = router.send(&peer, envelope.reply(answer));
             }
             Message::Ping => {
                 let _ = router.send(&peer, envelope.reply(Message::Pong));
@@ -142,10 +154,25 @@ impl WorkerActor {
             None => Default::default(),
         };
         self.merge.expect(&step.kv_connector_metadata.extra_async_saves);
+        // TP peers get the step as it arrives; their forward passes meet rank 0's in gathers
+        let peers = self.tp.as_ref().map(|t| tp::send_to_peers(&t.links, &envelope, t.peers.step_timeout));
         let executed = self.send_to_executor(step);
         let step_id = step.step_id;
-        ctx.spawn(executed.into_actor(self).map(move |(offload_out, res), act, _| {
+        let both = async move {
+            let (executed, peers) = match peers {
+                Some(p) => {
+                    let (e, p) = futures::future::join(executed, p).await;
+                    (e, Some(p))
+                }
+                None => (executed.await, None),
+            };
+            (executed, peers)
+        };
+        ctx.spawn(both.into_actor(self).map(move |((offload_out, res), peers), act, _| {
             let mut out = act.step_output(step_id, res);
+            if let Some(peers) = peers {
+                out = act.judge_tp_step(out, peers);
+            }
             // Failed or not, the step carries its connector output (ModelRunnerOutput::failure).
             out.kv_connector_output = act.merge.merge([pd_out, offload_out]);
             let _ = router.send(&peer, envelope.reply(Message::StepResult(out)));
@@ -205,6 +232,32 @@ impl WorkerActor {
         result.unwrap_or_else(|error| ModelRunnerOutput { step_id, failure: Some(error), ..Default::default() })
     }
 
+    /// The step as the TP group computed it: rank 0's output when every rank agrees, else a
+    /// failure that takes the group down (module [`tp`]).
+    fn judge_tp_step(
+        &mut self,
+        own: ModelRunnerOutput,
+        peers: Vec<Result<Envelope, pdmesh_transport::TransportError>>,
+    ) -> ModelRunnerOutput {
+        match tp::judge(own, peers) {
+            Ok(out) => out,
+            Err((failed, why)) => {
+                self.tp_group_lost(&why);
+                failed
+            }
+        }
+    }
+
+    /// The TP group is out of step: poison its gathers and restart it through the
+    /// lost-accelerator path.
+    fn tp_group_lost(&mut self, why: &str) {
+        if let Some(t) = &self.tp {
+            (t.peers.poison)();
+        }
+        metrics::TP_GROUP_FAILURES.inc();
+        self.device_lost(&format!("tensor-parallel group: {why}"));
+    }
+
     /// A peer said hello: another engine-core process than before means the old one's KV
     /// state is gone.
     fn peer_connected(&mut self, h: &Hello) {
@@ -218,6 +271,24 @@ impl WorkerActor {
             if restarted {
                 self.merge.clear();
             }
+        }
+    }
+}
+
+impl Handler<LinkEvent> for WorkerActor {
+    type Result = ();
+    fn handle(&mut self, ev: LinkEvent, _: &mut Context<Self>) {
+        let (endpoint, up) = match &ev {
+            LinkEvent::Up { endpoint } => (endpoint, true),
+            LinkEvent::Down { endpoint } => (endpoint, false),
+            LinkEvent::Message { .. } => return,
+        };
+        let Some(t) = self.tp.as_mut() else { return };
+        if up {
+            tracing::info!(%endpoint, "tensor-parallel peer connected");
+        }
+        if let Some(rank) = t.on_link(endpoint, up) {
+            self.tp_group_lost(&format!("TP rank {rank}'s worker is gone"));
         }
     }
 }
@@ -394,9 +465,10 @@ pub async fn run(
     factory: ExecutorFactory,
     facts: ModelFacts,
     placement: KvPlacement,
+    tp_peers: Option<tp::TpPeers>,
     shutdown: Shutdown,
 ) -> Result<(), WorkerError> {
-    let worker = start(&ctx, factory, facts, placement).await?;
+    let worker = start(&ctx, factory, facts, placement, tp_peers).await?;
     let device_lost = async {
         match worker.device_lost.await {
             Ok(why) => why,
@@ -430,6 +502,7 @@ pub async fn start(
     factory: ExecutorFactory,
     facts: ModelFacts,
     placement: KvPlacement,
+    tp_peers: Option<tp::TpPeers>,
 ) -> Result<RunningWorker, WorkerError> {
     let (node, rank, ep) = (&ctx.node, ctx.rank, &ctx.connector_worker);
     let spec = kv_spec(node, &facts);
@@ -466,6 +539,14 @@ pub async fn start(
     // handed to it whole; what arrives meanwhile waits in the mailbox.
     let mailbox = Context::<WorkerActor>::new();
     let router = bind_router(&ep.bind, mailbox.address().recipient()).await?;
+    let tp = tp_peers.map(|peers| {
+        let links = peers
+            .endpoints
+            .iter()
+            .map(|e| connect_dealer(LinkConfig::new(e).identity(format!("tp0-{rank}")), mailbox.address().recipient()))
+            .collect();
+        tp::TpLinks::new(peers, links)
+    });
     let actor = mailbox.run(WorkerActor {
         executor,
         pd,
@@ -474,10 +555,55 @@ pub async fn start(
         engine_pid: None,
         device_lost: Some(lost_tx),
         merge: Default::default(),
+        tp,
     });
     ctx.health.set_ready(true);
     tracing::info!(endpoint = %ep.bind, rank, kv_bytes = spec.bytes_per_block() * u64::from(spec.num_blocks), "connector-worker ready");
     Ok(RunningWorker { actor, device_lost: lost_rx })
+}
+
+/// Run TP peer `tp_rank` of `node`'s rank (D111): its slice of the model over its own KV
+/// heads, serving the steps TP rank 0 hands it on `endpoint`, until `shutdown` or until its
+/// group is lost (then [`WorkerError::DeviceLost`], and the process exits with an error; its
+/// rank 0 restarts the group).
+pub async fn run_tp_peer(
+    node: &pdmesh_config::NodeConfig,
+    tp_rank: u32,
+    endpoint: &str,
+    factory: ExecutorFactory,
+    facts: ModelFacts,
+    shutdown: Shutdown,
+) -> Result<(), WorkerError> {
+    let spec = kv_spec(node, &facts);
+    let info = worker_info(node, &facts, spec);
+    let executor = executor_actor::start(factory, KvCache::new_heap(spec), ExecutorFaults::default(), None, false, None);
+    let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
+    let mailbox = Context::<WorkerActor>::new();
+    let router = bind_router(endpoint, mailbox.address().recipient()).await?;
+    let _actor = mailbox.run(WorkerActor {
+        executor,
+        pd: None,
+        info,
+        router: Some(router),
+        engine_pid: None,
+        device_lost: Some(lost_tx),
+        merge: Default::default(),
+        tp: None,
+    });
+    tracing::info!(%endpoint, tp_rank, kv_heads = spec.num_kv_heads, "tensor-parallel peer ready");
+    let lost = async {
+        match lost_rx.await {
+            Ok(why) => why,
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        () = shutdown.started() => {
+            tracing::info!(tp_rank, "tensor-parallel peer stopped");
+            Ok(())
+        }
+        why = lost => Err(WorkerError::DeviceLost(why)),
+    }
 }
 
 /// What the worker tells engine-core of itself: the cache's geometry and the model's limits

@@ -39,6 +39,12 @@ pub static DEVICE_LOST: LazyLock<IntCounter> = LazyLock::new(|| {
         "Steps that found the accelerator lost; the worker exits to be restarted",
     )
 });
+pub static TP_GROUP_FAILURES: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_worker_tp_group_failures_total",
+        "Times a tensor-parallel group fell out of step (a peer gone or failing a step); the group restarts",
+    )
+});
 pub static EXECUTE_ERRORS: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_worker_execute_errors_total", "Steps the executor refused or failed"));
 pub static KV_CACHE_BYTES: LazyLock<IntGauge> =

@@ -3,6 +3,7 @@
 mod links;
 mod model;
 mod serve;
+mod tp;
 mod up;
 
 use std::path::PathBuf;
@@ -91,6 +92,9 @@ enum Command {
     ConnectorScheduler(ServiceArgs),
     /// The KV cache and model executor of one rank.
     ConnectorWorker(ServiceArgs),
+    /// One tensor-parallel peer of a rank's worker (started by the worker itself, D111).
+    #[command(hide = true)]
+    TpPeer(tp::TpPeerArgs),
     /// Exit 0 if `URL` answers 2xx within 3 s (container health checks: the runtime image
     /// has no curl).
     Healthcheck {
@@ -99,7 +103,7 @@ enum Command {
     },
 }
 
-fn load_topology(path: &Option<PathBuf>) -> anyhow::Result<Topology> {
+pub(crate) fn load_topology(path: &Option<PathBuf>) -> anyhow::Result<Topology> {
     let mut topo = match path {
         Some(p) => Topology::load(p)?,
         None => Topology::default_mesh()?,
@@ -266,11 +270,27 @@ fn run() -> anyhow::Result<()> {
         Command::ConnectorScheduler(a) => serve(Service::ConnectorScheduler, a, |ctx, shutdown| async move {
             Ok(pdmesh_connector_scheduler::run(ctx, shutdown).await?)
         }),
-        Command::ConnectorWorker(a) => serve(Service::ConnectorWorker, a, |ctx, shutdown| async move {
-            let (facts, factory, placement) =
-                model::executor_factory(&ctx.node).context(Misconfigured("preparing the model".into()))?;
-            Ok(pdmesh_connector_worker::run(ctx, factory, facts, placement, shutdown).await?)
-        }),
+        Command::ConnectorWorker(a) => {
+            let topology = a.topology.clone();
+            serve(Service::ConnectorWorker, a, |ctx, shutdown| async move {
+                // TP rank 0 starts its peers first: they load their slices while it loads its own
+                let mut group = tp::TpGroup::start(&ctx, topology.as_deref())?;
+                let (facts, factory, placement) =
+                    model::executor_factory(&ctx.node, group.as_mut().and_then(tp::TpGroup::rank0))
+                        .context(Misconfigured("preparing the model".into()))?;
+                let step_timeout = std::time::Duration::from_millis(ctx.node.engine.step_timeout_ms);
+                let peers = group.as_ref().map(|g| g.peers(step_timeout));
+                let worker = pdmesh_connector_worker::run(ctx, factory, facts, placement, peers, shutdown);
+                match &group {
+                    None => Ok(worker.await?),
+                    Some(g) => tokio::select! {
+                        res = worker => Ok(res?),
+                        why = g.peer_exited() => Err(anyhow::anyhow!("tensor-parallel group lost: {why}")),
+                    },
+                }
+            })
+        }
+        Command::TpPeer(a) => tp::run_peer(a),
     }
 }
 
@@ -360,7 +380,7 @@ fn service_identity(name: &str, args: &ServiceArgs, topo: Option<&Topology>) -> 
 }
 
 /// Resolve on SIGINT or SIGTERM.
-async fn wait_for_signal() {
+pub(crate) async fn wait_for_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let Ok(mut term) = signal(SignalKind::terminate()) else {
         let _ = tokio::signal::ctrl_c().await;
@@ -375,7 +395,7 @@ async fn wait_for_signal() {
 /// Resolve when the parent `pdmesh up` is gone (even after a kill -9 of `up`): its children
 /// then stop, so a crashed supervisor never leaves a half mesh holding ports. Never resolves
 /// for a process not started by `pdmesh up`.
-async fn watch_parent() {
+pub(crate) async fn watch_parent() {
     let Some(expected) = std::env::var("PDMESH_PARENT_PID").ok().and_then(|p| p.parse::<u32>().ok()) else {
         return std::future::pending().await;
     };

@@ -90,7 +90,10 @@ pub fn resolve_kv_budgets(topo: &mut pdmesh_config::Topology) -> anyhow::Result<
             ModelKind::Gguf => {
                 let path = gguf_path(node)?;
                 let cfg = pdmesh_model::read_config(&path).with_context(|| format!("reading {}", path.display()))?;
-                (cfg.kv_bytes_per_token(), cfg.context_length)
+                // the budget is per worker process: a TP rank holds its own KV heads (D111)
+                let tp = pdmesh_model::tp::TpRank { rank: 0, size: node.tensor_parallel_size.max(1) as usize };
+                let held = tp.kv_heads(cfg.n_kv_heads).len() as u64;
+                (cfg.kv_bytes_per_token() * held / cfg.n_kv_heads.max(1) as u64, cfg.context_length)
             }
         };
         node.engine
@@ -117,7 +120,7 @@ fn rejection_notices(node: &NodeConfig) -> bool {
 }
 
 /// The GGUF file of a node: `model.path`, else `PDMESH_MODEL_PATH`, else the fetch cache.
-fn gguf_path(node: &NodeConfig) -> anyhow::Result<std::path::PathBuf> {
+pub(crate) fn gguf_path(node: &NodeConfig) -> anyhow::Result<std::path::PathBuf> {
     let path = if node.model.path.is_empty() {
         pdmesh_model::default_model_path()
     } else {
@@ -173,7 +176,12 @@ fn is_quant_suffix(s: &str) -> bool {
 
 /// The executor a connector-worker of `node` runs, its model's facts, and where its KV cache
 /// lives (on the GPU for the `cuda` transfer backend, else in host memory).
-pub fn executor_factory(node: &NodeConfig) -> anyhow::Result<(ModelFacts, ExecutorFactory, KvPlacement)> {
+/// `tp`: the tensor-parallel slice this process computes and its gathers (D111); `None`: the
+/// whole model.
+pub fn executor_factory(
+    node: &NodeConfig,
+    tp: Option<(pdmesh_model::tp::TpRank, Box<dyn pdmesh_model::tp::Gather>)>,
+) -> anyhow::Result<(ModelFacts, ExecutorFactory, KvPlacement)> {
     match node.model.kind {
         ModelKind::Synthetic => {
             let cfg = synthetic_config(node);
@@ -184,7 +192,16 @@ pub fn executor_factory(node: &NodeConfig) -> anyhow::Result<(ModelFacts, Execut
         ModelKind::Gguf => {
             let path = gguf_path(node)?;
             let started = std::time::Instant::now();
-            let (ex, placement) = load_gguf_executor(node, &path)?;
+            let (ex, placement) = match tp {
+                Some((rank, group)) => (
+                    Box::new(
+                        pdmesh_model::GgufExecutor::load_tp(&path, &gguf_options(node), rank, Some(group))
+                            .with_context(|| format!("loading TP rank {} of {} of {}", rank.rank, rank.size, path.display()))?,
+                    ) as Box<dyn pdmesh_model_api::Executor>,
+                    KvPlacement::Host,
+                ),
+                None => load_gguf_executor(node, &path)?,
+            };
             let mut facts = ex.facts().clone();
             facts.name = served_name(node, &path);
             tracing::info!(model = %facts.name, device = %node.model.device, layers = facts.num_layers,

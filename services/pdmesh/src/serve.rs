@@ -76,6 +76,10 @@ pub struct ServeArgs {
     /// Engine ranks behind the node's load balancer (`dp_size`).
     #[arg(long)]
     data_parallel_size: Option<u32>,
+    /// Worker processes per engine rank, each computing a slice of every layer
+    /// (`tensor_parallel_size`, D111).
+    #[arg(long)]
+    tensor_parallel_size: Option<u32>,
     /// vLLM's KV transfer configuration, as JSON: `kv_connector` (`NixlConnector` or
     /// `PdmeshConnector`), `kv_role`, `engine_id`, `kv_load_failure_policy`,
     /// `kv_connector_extra_config` (`backend`, `side_channel_host`, `side_channel_port`,
@@ -288,6 +292,9 @@ fn serve_topology(args: &ServeArgs, env_of: &dyn Fn(&str) -> Option<String>) -> 
     if let Some(dp) = args.data_parallel_size {
         node.dp_size = dp;
     }
+    if let Some(tp) = args.tensor_parallel_size {
+        node.tensor_parallel_size = tp;
+    }
     let e = &mut node.engine;
     e.max_model_len = args.max_model_len.unwrap_or(e.max_model_len);
     e.max_num_seqs = args.max_num_seqs.unwrap_or(e.max_num_seqs);
@@ -449,6 +456,10 @@ pub fn normalise_vllm_flags(args: Vec<String>) -> Vec<String> {
     args.into_iter()
         .enumerate()
         .map(|(i, a)| {
+            // vLLM's one short flag pdmesh honours
+            if i >= 2 && a == "-tp" {
+                return "--tensor-parallel-size".to_string();
+            }
             if i < 2 || !a.starts_with("--") {
                 return a;
             }
@@ -538,6 +549,8 @@ mod tests {
             "64",
             "--data-parallel-size",
             "2",
+            "--tensor-parallel-size",
+            "1",
             "--kv-transfer-config",
             r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_load_failure_policy":"recompute","kv_connector_extra_config":{"backend":"tcp","side_channel_port":5900,"data_port":"5950"}}"#,
         ])
@@ -556,7 +569,7 @@ mod tests {
             (e.max_model_len, e.max_num_seqs, e.max_num_batched_tokens, e.block_size, e.num_blocks),
             (1024, 7, 512, 32, 64)
         );
-        assert_eq!(n.dp_size, 2);
+        assert_eq!((n.dp_size, n.tensor_parallel_size), (2, 1));
         assert_eq!(n.role, NodeRole::Decode);
         let kv = n.kv_transfer.as_ref().unwrap();
         assert_eq!(kv.kv_role, KvRole::KvConsumer);

@@ -97,6 +97,13 @@ pub struct NodeConfig {
     /// Number of engine-core ranks behind the dp-lb.
     #[serde(default = "one")]
     pub dp_size: u32,
+    /// Worker processes per engine rank, each computing a slice of every layer (vLLM's
+    /// `tensor_parallel_size`, D111): the rank's worker starts its TP peers, hands each the
+    /// engine's step and gathers their slices over shared memory. A GGUF model on the CPU whose
+    /// heads, hidden width, MLP width and vocabulary divide by it; its KV heads a multiple or a
+    /// divisor of it.
+    #[serde(default = "one")]
+    pub tensor_parallel_size: u32,
     #[serde(default = "default_transport")]
     pub transport: SocketTransport,
     /// tcp: address services bind (0.0.0.0 in containers).
@@ -1068,8 +1075,34 @@ impl NodeConfig {
     /// then also gives a request going on the block of its next position a step early (D78).
     pub fn steps_run_ahead(&self) -> bool {
         self.engine.async_scheduling
+            && self.tensor_parallel_size <= 1
             && !self.kv_transfer.as_ref().is_some_and(|k| k.uses_offload())
             && self.model.fault_injection.split(',').all(|f| f.trim().is_empty())
+    }
+
+    /// What a tensor-parallel node needs (D111): the split is of a GGUF model's forward pass on
+    /// the CPU, and the rank's worker hands its peers each step as the engine sends it.
+    fn check_tensor_parallel(&self) -> Result<(), String> {
+        let tp = self.tensor_parallel_size;
+        if tp == 0 || tp > 16 {
+            return Err("must be 1..=16".into());
+        }
+        if tp == 1 || self.role == NodeRole::Router {
+            return Ok(());
+        }
+        if self.model.kind != ModelKind::Gguf {
+            return Err("tensor parallelism splits a GGUF model (model.kind = \"gguf\")".into());
+        }
+        if !matches!(self.model.device.as_str(), "" | "cpu") {
+            return Err(format!("splits a model on the CPU; model.device is {:?}", self.model.device));
+        }
+        if self.kv_transfer.is_some() {
+            return Err("P/D and KV offload run with tensor_parallel_size = 1 (a node with kv_transfer)".into());
+        }
+        if !self.model.fault_injection.trim().is_empty() {
+            return Err("model.fault_injection counts one process's forward passes; it runs with tensor_parallel_size = 1".into());
+        }
+        Ok(())
     }
 
     fn host_of(&self, configured: &Option<String>, rank: u32) -> String {
@@ -1378,6 +1411,9 @@ impl Topology {
             }
             if n.dp_size == 0 || n.dp_size > 64 {
                 return invalid(format!("node {:?}: dp_size must be 1..=64", n.name));
+            }
+            if let Err(why) = n.check_tensor_parallel() {
+                return invalid(format!("node {:?}: tensor_parallel_size {}: {why}", n.name, n.tensor_parallel_size));
             }
             let e = &n.engine;
             if e.block_size == 0 || e.block_size > 1024 {

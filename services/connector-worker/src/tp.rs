@@ -1,0 +1,150 @@
+//! Tensor parallelism across worker processes (D111).
+//!
+//! A node with `tensor_parallel_size = N` runs N worker processes per engine rank. TP rank 0
+//! is the rank's connector-worker, the one engine-core talks to; ranks 1..N are its peers,
+//! which it starts (the `pdmesh` binary spawns them) and reaches over their own sockets. Each
+//! step the engine sends is handed to every peer as it arrives and runs on all N executors at
+//! once; their forward passes meet in the shared-memory gathers of `pdmesh-model`'s `tp`
+//! module, and only rank 0 samples. The step is answered once every rank has answered.
+//!
+//! The group fails as one: a peer whose process or socket is gone, or which fails a step that
+//! rank 0 computed, leaves the group's gathers out of step, so rank 0 poisons the group (any
+//! rank waiting in a gather fails at once instead of hanging), fails the step through the
+//! lost-accelerator path (the engine fails that step's requests), and exits so that its
+//! supervisor starts the whole group afresh (vLLM likewise takes its engine down when one TP
+//! worker dies). A step every rank refuses alike (bad input, checked before the first gather)
+//! fails that step only.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pdmesh_protocol::{Envelope, ErrorClass, Message, ModelRunnerOutput, WireError};
+use pdmesh_transport::{LinkHandle, TransportError};
+
+/// What TP rank 0 is given of its peers.
+#[derive(Clone)]
+pub struct TpPeers {
+    /// The socket of each peer, TP rank 1 first.
+    pub endpoints: Vec<String>,
+    /// Poison the group's gathers (pdmesh-model's `GroupPoison`).
+    pub poison: Arc<dyn Fn() + Send + Sync>,
+    /// How long a peer may take over one step (the engine's step timeout).
+    pub step_timeout: Duration,
+}
+
+impl std::fmt::Debug for TpPeers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TpPeers").field("endpoints", &self.endpoints).finish_non_exhaustive()
+    }
+}
+
+/// Rank 0's links to its peers, and which of them are up.
+pub(crate) struct TpLinks {
+    pub(crate) peers: TpPeers,
+    pub(crate) links: Vec<LinkHandle>,
+    up: Vec<bool>,
+}
+
+impl TpLinks {
+    pub(crate) fn new(peers: TpPeers, links: Vec<LinkHandle>) -> Self {
+        let up = vec![false; links.len()];
+        Self { peers, links, up }
+    }
+
+    /// Every peer connected (a peer binds its socket once its slice of the model is loaded).
+    pub(crate) fn all_up(&self) -> bool {
+        self.up.iter().all(|&u| u)
+    }
+
+    /// A link came up or went down. Answers the TP rank of a peer that was up and is gone.
+    pub(crate) fn on_link(&mut self, endpoint: &str, is_up: bool) -> Option<usize> {
+        let i = self.links.iter().position(|l| l.endpoint() == endpoint)?;
+        let was_up = std::mem::replace(&mut self.up[i], is_up);
+        (was_up && !is_up).then_some(i + 1)
+    }
+}
+
+/// The step `envelope` carries, sent to every peer; resolves with each peer's answer.
+pub(crate) fn send_to_peers(
+    links: &[LinkHandle],
+    envelope: &Envelope,
+    timeout: Duration,
+) -> impl std::future::Future<Output = Vec<Result<Envelope, TransportError>>> + 'static {
+    let calls: Vec<_> = links
+        .iter()
+        .map(|l| {
+            let (l, env) = (l.clone(), Envelope { corr: 0, ..envelope.clone() });
+            async move { l.call(env, timeout).await }
+        })
+        .collect();
+    futures::future::join_all(calls)
+}
+
+/// How a step ends given rank 0's own output and its peers' answers: rank 0's output when
+/// every peer computed the step too; the step's failure when every rank refused it alike;
+/// otherwise the group is out of step (`Err`: the reason, for the lost-accelerator path).
+pub(crate) fn judge(
+    own: ModelRunnerOutput,
+    peers: Vec<Result<Envelope, TransportError>>,
+) -> Result<ModelRunnerOutput, (ModelRunnerOutput, String)> {
+    let mut broken = None;
+    for (i, answer) in peers.into_iter().enumerate() {
+        let rank = i + 1;
+        let why = match answer {
+            Ok(Envelope { body: Message::StepResult(out), .. }) => match (&out.failure, &own.failure) {
+                (None, None) => continue,
+                // refused alike by every rank, before any gather
+                (Some(_), Some(mine)) if mine.class != ErrorClass::Unavailable => continue,
+                (Some(theirs), _) => format!("TP rank {rank} failed the step: {}", theirs.message),
+                (None, Some(_)) => format!("TP rank {rank} computed a step rank 0 failed"),
+            },
+            Ok(other) => format!("TP rank {rank} answered {}", other.body.kind()),
+            Err(e) => format!("TP rank {rank}: {e}"),
+        };
+        broken.get_or_insert(why);
+    }
+    match broken {
+        None => Ok(own),
+        Some(why) => {
+            let failed = ModelRunnerOutput {
+                step_id: own.step_id,
+                failure: Some(WireError::new(ErrorClass::Unavailable, format!("tensor-parallel group: {why}"))),
+                kv_connector_output: own.kv_connector_output,
+                ..Default::default()
+            };
+            Err((failed, why))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn out(failure: Option<WireError>) -> ModelRunnerOutput {
+        ModelRunnerOutput { step_id: 7, failure, ..Default::default() }
+    }
+
+    fn answer(o: ModelRunnerOutput) -> Result<Envelope, TransportError> {
+        Ok(Envelope::new(Message::StepResult(o)))
+    }
+
+    #[test]
+    fn a_step_stands_only_when_every_rank_agrees() {
+        // all computed: rank 0's output
+        assert!(judge(out(None), vec![answer(out(None)), answer(out(None))]).is_ok());
+        // refused alike (bad input, before any gather): the step's own failure, no restart
+        let refused = || Some(WireError::new(ErrorClass::Internal, "token out of range".to_string()));
+        let same = judge(out(refused()), vec![answer(out(refused()))]).unwrap();
+        assert!(same.failure.is_some());
+        // a peer that failed, or one that is gone: the group is out of step
+        for peer in [answer(out(refused())), Err(TransportError::PeerGone("tp1".into()))] {
+            let (failed, why) = judge(out(None), vec![answer(out(None)), peer]).unwrap_err();
+            assert!(why.starts_with("TP rank 2"), "{why}");
+            assert_eq!(failed.failure.unwrap().class, ErrorClass::Unavailable);
+        }
+        // rank 0 failed part-way (its gather poisoned): out of step even if the peer answered
+        let lost = Some(WireError::new(ErrorClass::Unavailable, "gather poisoned".to_string()));
+        assert!(judge(out(lost), vec![answer(out(None))]).is_err());
+    }
+}

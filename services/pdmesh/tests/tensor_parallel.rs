@@ -1,0 +1,179 @@
+//! Tensor parallelism through the whole node (D111): Qwen2.5-Coder-0.5B (14 heads, 2 KV heads)
+//! served by a node with `tensor_parallel_size = 2` — its worker and a TP peer process, each
+//! with half of every layer and one KV head, gathering over shared memory — beside a node with
+//! one worker, on the same file.
+//!
+//! - 16 prompts, completions and chat, streamed and not: the TP node's answers equal the
+//!   one-worker node's, token for token (`shared/model/tests/tensor_parallel.rs` shows the
+//!   logits are bit-equal), and its pool ends empty;
+//! - a TP peer killed mid-stream: the stream ends with an error event (no hang), the group
+//!   restarts as a whole (a fresh worker and a fresh peer), and the node answers as before.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{sse_events, topo, Mesh, TopologyExt};
+use serde_json::{json, Value};
+
+fn client() -> reqwest::blocking::Client {
+    reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap()
+}
+
+/// An answer's text and completion tokens, streamed (SSE deltas joined) or not.
+fn answer(port: u16, path: &str, body: &Value, stream: bool) -> (String, u64) {
+    let url = format!("http://127.0.0.1:{port}{path}");
+    let mut b = body.clone();
+    if stream {
+        b["stream"] = json!(true);
+        b["stream_options"] = json!({"include_usage": true});
+    }
+    let r = client().post(&url).json(&b).send().unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{path} on :{port}");
+    if !stream {
+        let v: Value = r.json().unwrap();
+        let c = &v["choices"][0];
+        let text = c["text"].as_str().or(c["message"]["content"].as_str()).unwrap_or("").to_string();
+        return (text, v["usage"]["completion_tokens"].as_u64().unwrap());
+    }
+    let (mut text, mut tokens) = (String::new(), 0);
+    for e in sse_events(&r.text().unwrap()) {
+        if e == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(c) = v["choices"].get(0) {
+            text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or(""));
+        }
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            tokens = n;
+        }
+    }
+    (text, tokens)
+}
+
+/// A one-worker node `one` (on `http`) and a TP-2 node `two` (on `http + 1`) on the file.
+fn mesh(path: &std::path::Path) -> Mesh {
+    Mesh::start_nodes(
+        |http, base| {
+            topo::topology([topo::colocated("one", http, base), topo::colocated("two", http + 1, base + 40)])
+                .engine_nodes(common::gguf(path, 128, 1024))
+                .with_node("two", |n| n.tensor_parallel_size = 2)
+        },
+        |http| vec![http, http + 1],
+    )
+}
+
+/// pids of this node's TP peer processes (`pdmesh tp-peer --node NAME`).
+fn tp_peers(node: &str) -> Vec<i32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+        let args: Vec<String> = cmd.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        if args.iter().any(|a| a == "tp-peer") && args.windows(2).any(|w| w[0] == "--node" && w[1] == node) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+fn bodies() -> Vec<(&'static str, Value)> {
+    let completions = [
+        "The capital of France is",
+        "def quicksort(arr):\n",
+        "// A function in Rust that reverses a string\nfn reverse(",
+        "Once upon a time, in a small village by the sea,",
+        "1, 2, 3, 5, 8, 13, 21,",
+        "SELECT name FROM users WHERE",
+        "The three primary colours are",
+        "import numpy as np\n\n# compute the mean of a list\n",
+    ];
+    let chats = [
+        "What is the capital of France?",
+        "Write a Python function that returns the square of a number.",
+        "Explain what a hash map is in one sentence.",
+        "Name three programming languages.",
+        "What does HTTP stand for?",
+        "Write a haiku about the ocean.",
+        "How do I reverse a list in Python?",
+        "Translate 'good morning' into French.",
+    ];
+    let mut bodies = Vec::new();
+    for (i, p) in completions.iter().enumerate() {
+        bodies.push(("/v1/completions", json!({"prompt": p, "max_tokens": 12 + i, "temperature": 0})));
+    }
+    for (i, c) in chats.iter().enumerate() {
+        bodies.push((
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": c}], "max_tokens": 12 + i, "temperature": 0}),
+        ));
+    }
+    bodies
+}
+
+#[test]
+fn qwen2_over_two_tp_ranks_answers_as_one_worker_and_survives_a_lost_peer() {
+    let Some(path) = common::qwen_model_path() else { return };
+    let mesh = mesh(&path);
+    let (one, two) = (mesh.http_port, mesh.http_port + 1);
+    assert_eq!(tp_peers("two").len(), 1, "the TP-2 node runs one peer beside its worker");
+    assert!(tp_peers("one").is_empty());
+
+    let bodies = bodies();
+    assert_eq!(bodies.len(), 16);
+    for (i, (path, body)) in bodies.iter().enumerate() {
+        let stream = i % 2 == 1;
+        let want = answer(one, path, body, stream);
+        let got = answer(two, path, body, stream);
+        assert!(want.1 > 0 && !want.0.is_empty(), "the one-worker node answered {path} {body}: {want:?}");
+        assert_eq!(got, want, "{path} (stream {stream}) {body}");
+    }
+    mesh.wait_kv_on(two, "the TP node's pool is empty", |kv| kv["used_blocks"] == 0);
+
+    // A peer killed while a stream is decoding: the stream ends with an error, never hangs.
+    let long = json!({"prompt": "Write a long story about a dragon.", "max_tokens": 400, "temperature": 0,
+        "ignore_eos": true, "stream": true});
+    let url = format!("http://127.0.0.1:{two}/v1/completions");
+    let r = client().post(&url).json(&long).send().unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let mut reader = std::io::BufReader::new(r);
+    let mut line = String::new();
+    while !line.starts_with("data:") {
+        line.clear();
+        assert!(std::io::BufRead::read_line(&mut reader, &mut line).unwrap() > 0, "the stream started");
+    }
+    let old_worker = mesh.pid_on("two", "connector-worker", 0);
+    let peer = tp_peers("two")[0];
+    rustix::process::kill_process(rustix::process::Pid::from_raw(peer).unwrap(), rustix::process::Signal::KILL)
+        .unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut reader, &mut rest).unwrap();
+    let events = sse_events(&rest);
+    assert!(
+        events.iter().any(|e| e.contains("\"error\"")),
+        "the broken stream ends with an error event: {}",
+        &rest[rest.len().saturating_sub(400)..]
+    );
+
+    // The group restarts whole and answers as before.
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let (path0, body0) = &bodies[0];
+    let want = answer(one, path0, body0, false);
+    loop {
+        let r = client().post(format!("http://127.0.0.1:{two}{path0}")).json(body0).send().unwrap();
+        if r.status().as_u16() == 200 {
+            let v: Value = r.json().unwrap();
+            assert_eq!(v["choices"][0]["text"].as_str().unwrap(), want.0, "after the restart");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the TP node did not come back: {}", r.status());
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_ne!(mesh.pid_on("two", "connector-worker", 0), old_worker, "rank 0 restarted with its peer");
+    let peers = tp_peers("two");
+    assert!(peers.len() == 1 && peers[0] != peer, "a fresh peer: {peers:?}");
+    mesh.wait_kv_on(two, "the pool is empty after the lost step", |kv| kv["used_blocks"] == 0);
+}
