@@ -362,7 +362,7 @@ pub fn cleanup_shm() {
 
 /// Remove `pdmesh-*-<pid>` KV files left by processes that no longer exist (a worker killed
 /// with SIGKILL cannot clean up after itself).
-fn sweep_stale_shm() {
+pub(crate) fn sweep_stale_shm() {
     let Ok(dir) = std::fs::read_dir(pdmesh_kv_transfer::region::default_shm_dir()) else { return };
     for e in dir.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
@@ -408,6 +408,18 @@ fn place_host_only(placement: &KvPlacement, spec: KvCacheSpec) -> Result<KvCache
             "a GPU-resident KV cache is for kv_transfer.backend = \"cuda\"; this node has no kv_transfer".into(),
         )),
     }
+}
+
+/// The host cache and the P/D memory of a tensor-parallel rank: the region its TP rank 0
+/// created, which its peers share (D111).
+fn shared_pd_memory(
+    region: pdmesh_kv_transfer::ShmRegion,
+    spec: KvCacheSpec,
+) -> Result<(KvCache, pd::PdMemory), WorkerError> {
+    let path = region.path().to_path_buf();
+    SHM_FILES.lock().unwrap_or_else(|p| p.into_inner()).push(path.clone());
+    let kv = region.into_kv_cache(spec).map_err(|e| WorkerError::Model(e.to_string()))?;
+    Ok((kv, pd::PdMemory::Host(path)))
 }
 
 /// The host cache and the P/D memory of a worker with `kv_transfer.backend = backend`.
@@ -508,10 +520,21 @@ pub async fn start(
     let spec = kv_spec(node, &facts);
     let info = worker_info(node, &facts, spec);
     metrics::KV_CACHE_BYTES.set((spec.bytes_per_block() * u64::from(spec.num_blocks)) as i64);
+    let mut tp_peers = tp_peers;
+    let tp_region = tp_peers.as_mut().and_then(|t| t.region.take());
     let (kv, pd) = match node.kv_transfer.as_ref().filter(|k| k.uses_pd()) {
-        None => (place_host_only(&placement, spec)?, None),
+        None => match tp_region {
+            Some(region) => {
+                SHM_FILES.lock().unwrap_or_else(|p| p.into_inner()).push(region.path().to_path_buf());
+                (region.into_kv_cache(spec).map_err(|e| WorkerError::Model(e.to_string()))?, None)
+            }
+            None => (place_host_only(&placement, spec)?, None),
+        },
         Some(cfg) => {
-            let (kv, memory) = pd_memory(&placement, cfg.backend, node, rank, spec)?;
+            let (kv, memory) = match tp_region {
+                Some(region) => shared_pd_memory(region, spec)?,
+                None => pd_memory(&placement, cfg.backend, node, rank, spec)?,
+            };
             let setup = pd_setup(cfg, node, rank, &ctx.topology, &facts)?;
             let rt = pd::PdRuntime::start(setup, spec, memory).await.map_err(WorkerError::Model)?;
             (kv, Some(std::rc::Rc::new(rt)))
@@ -563,20 +586,24 @@ pub async fn start(
 }
 
 /// Run TP peer `tp_rank` of `node`'s rank (D111): its slice of the model over its own KV
-/// heads, serving the steps TP rank 0 hands it on `endpoint`, until `shutdown` or until its
+/// heads of the rank's shared cache (`kv_region`, created by TP rank 0), serving the steps TP rank 0 hands it on `endpoint`, until `shutdown` or until its
 /// group is lost (then [`WorkerError::DeviceLost`], and the process exits with an error; its
 /// rank 0 restarts the group).
 pub async fn run_tp_peer(
     node: &pdmesh_config::NodeConfig,
     tp_rank: u32,
     endpoint: &str,
+    kv_region: &std::path::Path,
     factory: ExecutorFactory,
     facts: ModelFacts,
     shutdown: Shutdown,
 ) -> Result<(), WorkerError> {
     let spec = kv_spec(node, &facts);
     let info = worker_info(node, &facts, spec);
-    let executor = executor_actor::start(factory, KvCache::new_heap(spec), ExecutorFaults::default(), None, false, None);
+    // the rank's cache, which TP rank 0 created: this peer writes and reads its own heads
+    let kv = pdmesh_kv_transfer::ShmPeerMapping::open_kv_cache(kv_region, spec)
+        .map_err(|e| WorkerError::Model(format!("the rank's KV region: {e}")))?;
+    let executor = executor_actor::start(factory, kv, ExecutorFaults::default(), None, false, None);
     let (lost_tx, lost_rx) = tokio::sync::oneshot::channel();
     let mailbox = Context::<WorkerActor>::new();
     let router = bind_router(endpoint, mailbox.address().recipient()).await?;

@@ -7,6 +7,11 @@
 //! once; their forward passes meet in the shared-memory gathers of `pdmesh-model`'s `tp`
 //! module, and only rank 0 samples. The step is answered once every rank has answered.
 //!
+//! The ranks share one KV cache: TP rank 0 creates the rank's region in shared memory with
+//! every KV head and each peer maps it, so the transfer agent (P) and the receives (D) of
+//! rank 0 serve and fill whole blocks exactly as without TP, and a P and a D of different TP
+//! sizes exchange the same blocks.
+//!
 //! The group fails as one: a peer whose process or socket is gone, or which fails a step that
 //! rank 0 computed, leaves the group's gathers out of step, so rank 0 poisons the group (any
 //! rank waiting in a gather fails at once instead of hanging), fails the step through the
@@ -21,8 +26,23 @@ use std::time::Duration;
 use pdmesh_protocol::{Envelope, ErrorClass, Message, ModelRunnerOutput, WireError};
 use pdmesh_transport::{LinkHandle, TransportError};
 
+/// The KV region of a tensor-parallel rank (a shared-memory file with every head).
+pub use pdmesh_kv_transfer::ShmRegion as KvRegion;
+
+/// Create the KV region of `node`'s engine rank `rank` for its TP group, in shared memory
+/// (regions left by dead processes are removed first). Named as a P/D worker names its region,
+/// with this process's pid, so a restarted group never reuses an old file.
+pub fn create_rank_region(
+    node: &str,
+    rank: u32,
+    spec: &pdmesh_model_api::KvCacheSpec,
+) -> Result<KvRegion, crate::WorkerError> {
+    crate::sweep_stale_shm();
+    let name = format!("pdmesh-{node}-{rank}-{}", std::process::id());
+    KvRegion::create_for_spec(&name, spec).map_err(|e| crate::WorkerError::Model(format!("the rank's KV region: {e}")))
+}
+
 /// What TP rank 0 is given of its peers.
-#[derive(Clone)]
 pub struct TpPeers {
     /// The socket of each peer, TP rank 1 first.
     pub endpoints: Vec<String>,
@@ -30,6 +50,10 @@ pub struct TpPeers {
     pub poison: Arc<dyn Fn() + Send + Sync>,
     /// How long a peer may take over one step (the engine's step timeout).
     pub step_timeout: Duration,
+    /// The rank's KV cache, every head of it, in shared memory: each TP rank's executor
+    /// writes and reads its own heads, and the transfer agent and D's reads see it whole, so
+    /// P/D works between any TP sizes with no per-rank transfer (D111). Taken by the worker.
+    pub region: Option<KvRegion>,
 }
 
 impl std::fmt::Debug for TpPeers {

@@ -279,7 +279,7 @@ fn run() -> anyhow::Result<()> {
                     model::executor_factory(&ctx.node, group.as_mut().and_then(tp::TpGroup::rank0))
                         .context(Misconfigured("preparing the model".into()))?;
                 let step_timeout = std::time::Duration::from_millis(ctx.node.engine.step_timeout_ms);
-                let peers = group.as_ref().map(|g| g.peers(step_timeout));
+                let peers = group.as_mut().map(|g| g.peers(step_timeout));
                 let worker = pdmesh_connector_worker::run(ctx, factory, facts, placement, peers, shutdown);
                 match &group {
                     None => Ok(worker.await?),

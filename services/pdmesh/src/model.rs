@@ -90,10 +90,8 @@ pub fn resolve_kv_budgets(topo: &mut pdmesh_config::Topology) -> anyhow::Result<
             ModelKind::Gguf => {
                 let path = gguf_path(node)?;
                 let cfg = pdmesh_model::read_config(&path).with_context(|| format!("reading {}", path.display()))?;
-                // the budget is per worker process: a TP rank holds its own KV heads (D111)
-                let tp = pdmesh_model::tp::TpRank { rank: 0, size: node.tensor_parallel_size.max(1) as usize };
-                let held = tp.kv_heads(cfg.n_kv_heads).len() as u64;
-                (cfg.kv_bytes_per_token() * held / cfg.n_kv_heads.max(1) as u64, cfg.context_length)
+                // per engine rank: its TP ranks share one cache of every head (D111)
+                (cfg.kv_bytes_per_token(), cfg.context_length)
             }
         };
         node.engine
@@ -196,7 +194,9 @@ pub fn executor_factory(
                 Some((rank, group)) => (
                     Box::new(
                         pdmesh_model::GgufExecutor::load_tp(&path, &gguf_options(node), rank, Some(group))
-                            .with_context(|| format!("loading TP rank {} of {} of {}", rank.rank, rank.size, path.display()))?,
+                            .with_context(|| {
+                                format!("loading TP rank {} of {} of {}", rank.rank, rank.size, path.display())
+                            })?,
                     ) as Box<dyn pdmesh_model_api::Executor>,
                     KvPlacement::Host,
                 ),

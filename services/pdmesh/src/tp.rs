@@ -36,6 +36,9 @@ pub struct TpPeerArgs {
     /// The socket this peer serves TP rank 0 on.
     #[arg(long)]
     pub endpoint: String,
+    /// The rank's KV cache region (every head), created by TP rank 0.
+    #[arg(long)]
+    pub kv_region: PathBuf,
 }
 
 /// TP rank 0's view of its group: the file, the peers it started, and their sockets.
@@ -45,6 +48,8 @@ pub struct TpGroup {
     children: Arc<Mutex<Vec<(u32, Child)>>>,
     endpoints: Vec<String>,
     rank0: Option<ShmGroup>,
+    /// The rank's KV cache region, until the worker takes it.
+    region: Option<pdmesh_connector_worker::tp::KvRegion>,
 }
 
 /// Where the group's file goes: shared memory where the host has it.
@@ -89,11 +94,21 @@ impl TpGroup {
         let file = dir.join(format!("pdmesh-tp-{}-{}-{pid}", node.name, ctx.rank));
         let rank0 = ShmGroup::create(&file, size, ShmGroup::section_bytes_for(widest))
             .with_context(|| format!("creating the tensor-parallel group {}", file.display()))?;
+        // the rank's KV cache, every head of it, shared by the TP ranks (D111)
+        let spec = pdmesh_model_api::KvCacheSpec {
+            num_layers: cfg.n_layers as u32,
+            num_blocks: node.engine.num_blocks,
+            block_size: node.engine.block_size,
+            num_kv_heads: cfg.n_kv_heads as u32,
+            head_dim: cfg.head_dim as u32,
+        };
+        let region = pdmesh_connector_worker::tp::create_rank_region(&node.name, ctx.rank, &spec)?;
         let exe = std::env::current_exe().context("the path of this program, to start the TP peers")?;
         let mut children = Vec::new();
         let mut endpoints = Vec::new();
         for t in 1..size as u32 {
-            let endpoint = format!("ipc://{}", std::env::temp_dir().join(format!("pdmesh-tp-{pid}-{t}.sock")).display());
+            let endpoint =
+                format!("ipc://{}", std::env::temp_dir().join(format!("pdmesh-tp-{pid}-{t}.sock")).display());
             let mut cmd = Command::new(&exe);
             cmd.arg("tp-peer")
                 .args(["--node", &node.name])
@@ -101,6 +116,8 @@ impl TpGroup {
                 .arg("--group")
                 .arg(&file)
                 .args(["--endpoint", &endpoint])
+                .arg("--kv-region")
+                .arg(region.path())
                 .env("PDMESH_PARENT_PID", pid.to_string())
                 .stdin(Stdio::null());
             if let Some(t) = topology {
@@ -111,7 +128,14 @@ impl TpGroup {
             children.push((t, child));
             endpoints.push(endpoint);
         }
-        Ok(Some(Self { path: file, size, children: Arc::new(Mutex::new(children)), endpoints, rank0: Some(rank0) }))
+        Ok(Some(Self {
+            path: file,
+            size,
+            children: Arc::new(Mutex::new(children)),
+            endpoints,
+            rank0: Some(rank0),
+            region: Some(region),
+        }))
     }
 
     /// Rank 0's slice and its side of the gathers (taken once, by the executor).
@@ -121,12 +145,13 @@ impl TpGroup {
     }
 
     /// What the connector-worker needs of its peers.
-    pub fn peers(&self, step_timeout: Duration) -> pdmesh_connector_worker::tp::TpPeers {
+    pub fn peers(&mut self, step_timeout: Duration) -> pdmesh_connector_worker::tp::TpPeers {
         let poison = GroupPoison::new(&self.path);
         pdmesh_connector_worker::tp::TpPeers {
             endpoints: self.endpoints.clone(),
             poison: Arc::new(move || poison.poison()),
             step_timeout,
+            region: self.region.take(),
         }
     }
 
@@ -193,7 +218,8 @@ pub fn run_peer(a: TpPeerArgs) -> anyhow::Result<()> {
         let group = ShmGroup::open(&a.group, tp.rank).context("joining the tensor-parallel group")?;
         let (facts, factory, _) = crate::model::executor_factory(&node, Some((tp, Box::new(group))))
             .context(Misconfigured("preparing the model".into()))?;
-        pdmesh_connector_worker::run_tp_peer(&node, a.tp_rank, &a.endpoint, factory, facts, shutdown).await?;
+        pdmesh_connector_worker::run_tp_peer(&node, a.tp_rank, &a.endpoint, &a.kv_region, factory, facts, shutdown)
+            .await?;
         anyhow::Ok(())
     });
     if let Err(e) = &res {

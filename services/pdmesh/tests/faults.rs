@@ -37,7 +37,8 @@ fn settings_for(path: &Path) -> impl Fn(&mut NodeConfig) + Copy + '_ {
 
 /// P on `http+1`, D-recompute on `http+2`, D-fail on `http+3`. P holds under a 3 s lease so
 /// that faults which keep D from notifying P end in an expiry the test can wait for.
-fn topology(http: u16, base: u16, model: &Path, p_faults: &str, d_faults: &str) -> Topology {
+/// `tp`: the tensor-parallel size of P and of both D nodes.
+fn topology(http: u16, base: u16, model: &Path, p_faults: &str, d_faults: &str, tp: (u32, u32)) -> Topology {
     let side = common::side_ports(http);
     let kv = |role, port: u16, policy, faults: &str| {
         let mut kv = topo::kv(role, Shm, port).data_port(port + 1).failure_policy(policy).fault(faults);
@@ -46,15 +47,29 @@ fn topology(http: u16, base: u16, model: &Path, p_faults: &str, d_faults: &str) 
         kv
     };
     let settings = settings_for(model);
+    let (p_tp, d_tp) = tp;
+    let p_settings = move |n: &mut NodeConfig| {
+        settings(n);
+        n.tensor_parallel_size = p_tp;
+    };
+    let d_settings = move |n: &mut NodeConfig| {
+        settings(n);
+        n.tensor_parallel_size = d_tp;
+    };
     topo::topology([
-        topo::prefill("p", http + 1, base + 20).with(settings).kv(kv(KvRole::KvProducer, side, Fail, p_faults)),
-        topo::decode("drec", http + 2, base + 40).with(settings).kv(kv(
+        topo::prefill("p", http + 1, base + 20).with(p_settings).kv(kv(KvRole::KvProducer, side, Fail, p_faults)),
+        topo::decode("drec", http + 2, base + 40).with(d_settings).kv(kv(
             KvRole::KvConsumer,
             side + 2,
             Recompute,
             d_faults,
         )),
-        topo::decode("dfail", http + 3, base + 60).with(settings).kv(kv(KvRole::KvConsumer, side + 4, Fail, d_faults)),
+        topo::decode("dfail", http + 3, base + 60).with(d_settings).kv(kv(
+            KvRole::KvConsumer,
+            side + 4,
+            Fail,
+            d_faults,
+        )),
     ])
 }
 
@@ -90,8 +105,13 @@ fn scenario(fault: &str, side: Side, fails: bool, kind: &str) {
 }
 
 fn scenario_on(model: &Path, fault: &str, side: Side, fails: bool, kind: &str) {
+    scenario_tp(model, fault, side, fails, kind, (1, 1));
+}
+
+/// [`scenario_on`] with P and the D nodes at tensor-parallel sizes `tp` (D111).
+fn scenario_tp(model: &Path, fault: &str, side: Side, fails: bool, kind: &str, tp: (u32, u32)) {
     let (p_faults, d_faults) = if side == Side::P { (fault, "") } else { ("", fault) };
-    let mesh = Mesh::start_nodes(|h, b| topology(h, b, model, p_faults, d_faults), pd_engines);
+    let mesh = Mesh::start_nodes(|h, b| topology(h, b, model, p_faults, d_faults, tp), pd_engines);
     let p = mesh.http_port + 1;
     let url = |port: u16| mesh.url_on(port, "/v1/completions");
     let plain = json!({"prompt": PROMPT, "max_tokens": 12, "temperature": 0});
@@ -197,6 +217,15 @@ fn transfer_fails_midway() {
 fn qwen2_transfer_fails_midway() {
     let Some(model) = common::qwen_model_path() else { return };
     scenario_on(&model, "transfer_midway", Side::D, true, "read");
+}
+
+/// Rule R3 between tensor-parallel nodes (D111): P over 2 TP ranks, each D over 2 as well;
+/// the ranks of a node share one KV cache, so the load is one read whatever the TP sizes, and a
+/// failure midway recomputes to the same text, or fails that request alone.
+#[test]
+fn qwen2_transfer_fails_midway_between_tp_nodes() {
+    let Some(model) = common::qwen_model_path() else { return };
+    scenario_tp(&model, "transfer_midway", Side::D, true, "read", (2, 2));
 }
 
 #[test]

@@ -177,3 +177,37 @@ fn qwen2_over_two_tp_ranks_answers_as_one_worker_and_survives_a_lost_peer() {
     assert!(peers.len() == 1 && peers[0] != peer, "a fresh peer: {peers:?}");
     mesh.wait_kv_on(two, "the pool is empty after the lost step", |kv| kv["used_blocks"] == 0);
 }
+
+/// P/D between nodes of different tensor-parallel sizes: (P 2, D 1) over shared memory,
+/// (P 1, D 2) over tcp, (P 2, D 2) over shared memory. A node's TP ranks share one KV cache
+/// of every head, so P serves and D fills whole blocks whatever either's TP size; the router's
+/// answers equal a colocated one-worker node's, and P and D end holding nothing.
+#[test]
+fn qwen2_pd_between_tp_sizes_equals_colocated() {
+    use common::topo::TransferBackendKind::{Shm, Tcp};
+    let Some(path) = common::qwen_model_path() else { return };
+    let bodies = bodies();
+    for (p_tp, d_tp, backend, take) in [(2, 1, Shm, 16), (1, 2, Tcp, 8), (2, 2, Shm, 8)] {
+        let mesh = Mesh::start_nodes(
+            |h, b| {
+                common::pd_topology(h, b, backend, 1, common::gguf(&path, 128, 1024))
+                    .with_node("p", |n| n.tensor_parallel_size = p_tp)
+                    .with_node("d", |n| n.tensor_parallel_size = d_tp)
+            },
+            common::pd_engines,
+        );
+        let (router, colocated) = (mesh.http_port, mesh.http_port + 3);
+        for (i, (path, body)) in bodies.iter().enumerate().take(take) {
+            let stream = i % 2 == 1;
+            let want = answer(colocated, path, body, stream);
+            let got = answer(router, path, body, stream);
+            assert!(want.1 > 0, "the colocated node answered {path} {body}: {want:?}");
+            assert_eq!(got, want, "P tp {p_tp}, D tp {d_tp} ({backend:?}): {path} (stream {stream}) {body}");
+        }
+        mesh.wait_kv_on(router + 1, "P holds nothing once D has read", |kv| {
+            kv["held_blocks"] == 0 && kv["used_blocks"] == 0
+        });
+        mesh.wait_kv_on(router + 2, "D's blocks are free", |kv| kv["used_blocks"] == 0);
+        assert!(!mesh.logs().contains("panicked"), "P tp {p_tp}, D tp {d_tp}: a panic in the logs");
+    }
+}

@@ -1096,11 +1096,14 @@ impl NodeConfig {
         if !matches!(self.model.device.as_str(), "" | "cpu") {
             return Err(format!("splits a model on the CPU; model.device is {:?}", self.model.device));
         }
-        if self.kv_transfer.is_some() {
-            return Err("P/D and KV offload run with tensor_parallel_size = 1 (a node with kv_transfer)".into());
+        if self.kv_transfer.as_ref().is_some_and(KvTransferConfig::uses_offload) {
+            return Err("the OffloadConnector runs with tensor_parallel_size = 1".into());
         }
         if !self.model.fault_injection.trim().is_empty() {
-            return Err("model.fault_injection counts one process's forward passes; it runs with tensor_parallel_size = 1".into());
+            return Err(
+                "model.fault_injection counts one process's forward passes; it runs with tensor_parallel_size = 1"
+                    .into(),
+            );
         }
         Ok(())
     }

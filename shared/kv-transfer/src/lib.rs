@@ -66,4 +66,4 @@ pub use local::{CheckoutError, LocalBlocks, LocalKv, StepWrites};
 #[cfg(feature = "cuda")]
 pub use local::{DeviceBlockWriter, DeviceCheckout};
 pub use pdmesh_mesh_auth::MeshSecret;
-pub use region::{BlockCheckout, KvBlockWriter, ShmError, ShmReadOnly, ShmRegion};
+pub use region::{BlockCheckout, KvBlockWriter, ShmError, ShmPeerMapping, ShmReadOnly, ShmRegion};

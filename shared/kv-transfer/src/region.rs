@@ -178,6 +178,60 @@ impl Drop for ShmRegion {
     }
 }
 
+/// A tensor-parallel peer's read-write mapping of its rank's KV region (D111): TP rank 0
+/// creates the region (with every KV head) and owns its file; each TP rank's executor writes
+/// and reads only its own heads of it, so the ranks of a node share one cache, which the
+/// transfer agent and D's reads see whole, whatever the TP size. The file is not removed when
+/// this mapping is dropped (rank 0 owns it).
+#[derive(Debug)]
+pub struct ShmPeerMapping {
+    /// For `Debug`: which region this maps.
+    #[allow(dead_code)]
+    path: PathBuf,
+    map: MmapMut,
+}
+
+impl ShmPeerMapping {
+    /// Map the region at `path`, which must hold a KV cache of `spec`, and put the cache on it.
+    pub fn open_kv_cache(path: impl AsRef<Path>, spec: KvCacheSpec) -> Result<KvCache, ShmError> {
+        let path = path.as_ref();
+        let file = OpenOptions::new().read(true).write(true).open(path).map_err(io_err("open", path))?;
+        let len = file.metadata().map_err(io_err("stat", path))?.len() as usize;
+        let need = spec.total_floats() * std::mem::size_of::<f32>();
+        if len < need {
+            return Err(ShmError::TooSmall { path: path.to_path_buf(), have: len, need });
+        }
+        // SAFETY: rank 0 created the file at this size and keeps it so while its group lives
+        // (a peer stops with its rank 0); every rank writes only the heads it computes, and
+        // reads what it wrote or what D's reads wrote into blocks no step touches meanwhile.
+        let map = unsafe { MmapOptions::new().len(len).populate().map_mut(&file) }.map_err(io_err("map", path))?;
+        let mapping = Self { path: path.to_path_buf(), map };
+        KvCache::with_backing(spec, Box::new(mapping)).ok_or(ShmError::Misaligned { path: path.to_path_buf() })
+    }
+}
+
+impl KvBacking for ShmPeerMapping {
+    fn as_slice(&self) -> &[f32] {
+        // SAFETY: as in `ShmRegion::floats`.
+        let (head, mid, tail) = unsafe { self.map.align_to::<f32>() };
+        if head.is_empty() && tail.is_empty() {
+            mid
+        } else {
+            &[]
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [f32] {
+        // SAFETY: as in `ShmRegion::as_mut_slice`.
+        let (head, mid, tail) = unsafe { self.map.align_to_mut::<f32>() };
+        if head.is_empty() && tail.is_empty() {
+            mid
+        } else {
+            &mut []
+        }
+    }
+}
+
 /// A read-only mapping of another agent's (or our own) region.
 ///
 /// Readers only ever look at blocks that P has leased to them, which P does not write while

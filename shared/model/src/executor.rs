@@ -395,8 +395,9 @@ impl GgufExecutor {
         gather_on_huge_pages(&mut output, &mut layers);
 
         let run_cfg = tp.local_config(&cfg);
-        // the KV cache of this process holds its own KV heads
-        let facts = model_facts(&run_cfg, &g.path, max_model_len, eos_token_ids, weights_id);
+        // the KV cache holds every KV head, whatever the TP size: a node's TP ranks share one
+        // (each writing and reading its own heads), which P/D transfers see whole (D111)
+        let facts = model_facts(&cfg, &g.path, max_model_len, eos_token_ids, weights_id);
         tracing::info!(name = %facts.name, arch = %cfg.arch, layers = cfg.n_layers, hidden = h, heads = cfg.n_heads,
             kv_heads = cfg.n_kv_heads, head_dim = hd, vocab = cfg.vocab_size, max_model_len,
             tp_rank = tp.rank, tp_size = tp.size, "loaded GGUF model");
@@ -450,8 +451,11 @@ impl GgufExecutor {
             self;
         let bs = kv.spec().block_size as usize;
         let slots = chunk_slots(chunks, bs);
+        let kv_heads = tp.tp.kv_heads(facts.num_kv_heads as usize);
         let step = Step {
             cfg,
+            kv_stride: facts.num_kv_heads as usize,
+            kv_first: kv_heads.start,
             chunks,
             plan,
             slots: &slots,
@@ -488,7 +492,12 @@ impl GgufExecutor {
 /// What every layer of one step's forward pass shares: the step's chunks and token plan and
 /// the model's constants, borrowed (built once per step, so a layer allocates nothing).
 struct Step<'a> {
+    /// What this process computes (a TP rank's heads and MLP units, or the whole model).
     cfg: &'a ModelConfig,
+    /// KV heads per cache slot (the whole model's: the cache holds every head).
+    kv_stride: usize,
+    /// The first cache head this process writes and reads (its TP rank's first KV head).
+    kv_first: usize,
     chunks: &'a [ScheduledChunk],
     plan: &'a [TokenPlan],
     /// Each chunk's cache slot per position ([`chunk_slots`]).
@@ -599,10 +608,11 @@ impl Step<'_> {
     #[inline]
     fn write_kv(&self, kc: &mut [f32], vc: &mut [f32], s: &Scratch) {
         let (bs, kv_dim) = (self.block_size, self.cfg.kv_dim());
+        let (slot_width, first) = (self.kv_stride * self.cfg.head_dim, self.kv_first * self.cfg.head_dim);
         for (t, tp) in self.plan.iter().enumerate() {
             let c = &self.chunks[tp.chunk];
             let block = c.block_ids[tp.pos / bs] as usize;
-            let off = (block * bs + tp.pos % bs) * kv_dim;
+            let off = (block * bs + tp.pos % bs) * slot_width + first;
             kc[off..off + kv_dim].copy_from_slice(&s.k[t * kv_dim..(t + 1) * kv_dim]);
             vc[off..off + kv_dim].copy_from_slice(&s.v[t * kv_dim..(t + 1) * kv_dim]);
         }
@@ -625,6 +635,7 @@ impl Step<'_> {
         let group = nh / nkv;
         let scale = cfg.recipe.attention_scale;
         let (plan, slots) = (self.plan, self.slots);
+        let (stride, first_head) = (self.kv_stride, self.kv_first);
         s.attn.clear();
         s.attn.resize(plan.len() * cfg.q_dim(), 0.0);
         let q = &s.q;
@@ -634,7 +645,7 @@ impl Step<'_> {
             let slot = &slots[tp.chunk][..];
             let g = head / group;
             let first = window.map_or(0, |w| (tp.pos + 1).saturating_sub(w));
-            let key_off = |j: usize| (slot[j + first] * nkv + g) * hd;
+            let key_off = |j: usize| (slot[j + first] * stride + first_head + g) * hd;
             attention::with_scores(tp.pos + 1 - first, |scores| {
                 attention::attend_head(&q[item * hd..(item + 1) * hd], kc, vc, key_off, scale, scores, out);
             });
@@ -755,7 +766,7 @@ impl Executor for GgufExecutor {
     fn execute(&mut self, kv: &mut KvCache, chunks: &[ScheduledChunk]) -> Result<Vec<SampledToken>, ExecutorError> {
         // every TP rank checks the same step the same way, so a refused step is refused by
         // all of them before any gather
-        let plan = plan_step(&self.run_cfg, self.facts.max_model_len as usize, kv, chunks)?;
+        let plan = plan_step(&self.cfg, self.facts.max_model_len as usize, kv, chunks)?;
         if plan.is_empty() {
             return Ok(Vec::new());
         }

@@ -1,11 +1,13 @@
 //! Tensor parallelism (D111): a model split over TP ranks computes exactly what one process
-//! computes. Each rank's executor runs on its own thread with its own slice of the weights and
-//! its own KV heads, gathering through the same shared-memory group the worker processes use;
+//! computes. Each rank's executor runs on its own thread with its own slice of the weights,
+//! writing and reading its own KV heads of one cache the ranks share, gathering through the same shared-memory group the worker processes use;
 //! rank 0's logits must equal the single process's bit for bit at every step, so the greedy
 //! tokens are the same by construction (16 prompts, batched, prefill chunked, 32 new tokens).
 //! Qwen2.5-0.5B over 2 ranks (one KV head each), SmolLM2 over 3 (its KV-head count), Gemma 3
 //! over 2 (its one KV head replicated on both).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+// the ranks' shared cache is a file each maps, as the worker processes do
+#![allow(unsafe_code)]
 
 mod common;
 
@@ -130,6 +132,39 @@ fn kv_for(exec: &GgufExecutor, n_prompts: usize) -> KvCache {
     common::kv_cache(exec, (n_prompts as u32) * (MAX_LEN / 16), 16)
 }
 
+/// One rank's mapping of the cache file the ranks share.
+#[derive(Debug)]
+struct SharedCache(memmap2::MmapMut);
+
+impl pdmesh_model_api::kv_cache::KvBacking for SharedCache {
+    fn as_slice(&self) -> &[f32] {
+        // SAFETY: any bit pattern is an f32; the mapping is page-aligned (checked below).
+        let (head, mid, _) = unsafe { self.0.align_to::<f32>() };
+        assert!(head.is_empty());
+        mid
+    }
+    fn as_mut_slice(&mut self) -> &mut [f32] {
+        // SAFETY: as above.
+        let (head, mid, _) = unsafe { self.0.align_to_mut::<f32>() };
+        assert!(head.is_empty());
+        mid
+    }
+}
+
+/// A cache over `file` (created at the right size by rank 0), mapped by this rank.
+fn shared_kv(exec: &GgufExecutor, n_prompts: usize, file: &Path) -> KvCache {
+    let spec = *kv_for(exec, 1).spec();
+    let spec = pdmesh_model_api::KvCacheSpec { num_blocks: (n_prompts as u32) * (MAX_LEN / 16), ..spec };
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(file).unwrap();
+    let bytes = (spec.total_floats() * 4) as u64;
+    if f.metadata().unwrap().len() < bytes {
+        f.set_len(bytes).unwrap();
+    }
+    // SAFETY: the file stays at its size while the test runs; ranks write disjoint heads.
+    let map = unsafe { memmap2::MmapMut::map_mut(&f) }.unwrap();
+    KvCache::with_backing(spec, Box::new(SharedCache(map))).unwrap()
+}
+
 /// Every step's chunks and the logits rank 0 (or the single process) computed for it, and the
 /// tokens generated.
 type Trace = (Vec<Vec<f32>>, Vec<Vec<u32>>);
@@ -158,17 +193,19 @@ fn single(path: &Path, prompts: &[Vec<u32>]) -> Trace {
 fn tensor_parallel(path: &Path, size: usize, prompts: &[Vec<u32>]) -> Trace {
     let stem = path.file_stem().unwrap().to_string_lossy();
     let file = std::env::temp_dir().join(format!("pdmesh-tp-model-test-{stem}-{size}-{}", std::process::id()));
+    let cache_file = file.with_extension("kv");
+    let _ = std::fs::remove_file(&cache_file);
     let leader_group = ShmGroup::create(&file, size, ShmGroup::section_bytes_for(1 << 18)).unwrap();
     let mut followers = Vec::new();
     for rank in 1..size {
         let (tx, rx) = mpsc::channel::<Option<Vec<ScheduledChunk>>>();
         let (done_tx, done_rx) = mpsc::channel::<usize>();
-        let (path, file) = (path.to_path_buf(), file.clone());
+        let (path, file, cache_file) = (path.to_path_buf(), file.clone(), cache_file.clone());
         let n_prompts = prompts.len();
         let handle = std::thread::spawn(move || {
             let group: Box<dyn Gather> = Box::new(ShmGroup::open(&file, rank).unwrap());
             let mut exec = GgufExecutor::load_tp(&path, &options(), TpRank { rank, size }, Some(group)).unwrap();
-            let mut kv = kv_for(&exec, n_prompts);
+            let mut kv = shared_kv(&exec, n_prompts, &cache_file);
             while let Ok(Some(chunks)) = rx.recv() {
                 let out = exec.execute(&mut kv, &chunks).unwrap();
                 // sampling happens once, on rank 0
@@ -179,8 +216,9 @@ fn tensor_parallel(path: &Path, size: usize, prompts: &[Vec<u32>]) -> Trace {
     }
     let tp = TpRank { rank: 0, size };
     let mut exec = GgufExecutor::load_tp(path, &options(), tp, Some(Box::new(leader_group))).unwrap();
-    assert_eq!(exec.facts().num_kv_heads as usize, tp.kv_heads(exec.config().n_kv_heads).len());
-    let mut kv = kv_for(&exec, prompts.len());
+    // the cache holds every KV head (the node's ranks share one); this rank writes its own
+    assert_eq!(exec.facts().num_kv_heads as usize, exec.config().n_kv_heads);
+    let mut kv = shared_kv(&exec, prompts.len(), &cache_file);
     let mut reqs = requests(prompts);
     let mut logits = Vec::new();
     loop {
@@ -205,6 +243,7 @@ fn tensor_parallel(path: &Path, size: usize, prompts: &[Vec<u32>]) -> Trace {
         handle.join().unwrap();
     }
     let _ = std::fs::remove_file(&file);
+    let _ = std::fs::remove_file(&cache_file);
     (logits, reqs.into_iter().map(|r| r.generated).collect())
 }
 
