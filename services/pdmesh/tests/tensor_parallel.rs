@@ -211,3 +211,132 @@ fn qwen2_pd_between_tp_sizes_equals_colocated() {
         assert!(!mesh.logs().contains("panicked"), "P tp {p_tp}, D tp {d_tp}: a panic in the logs");
     }
 }
+
+/// Rule R3 when a tensor-parallel rank fails mid-transfer (D111): P runs over 2 TP ranks; while
+/// D's reads of four requests are in flight (slowed by `delay_transfer_ms`), P's TP peer is
+/// killed, so P's whole group restarts and every lease D holds is gone. Each request is judged
+/// exactly once, by D's policy: `recompute` answers P's own text, `fail` a clear error for that
+/// request alone; both D nodes serve the next request, and nothing stays held or used on P or D.
+#[test]
+fn a_prefill_tp_peer_lost_while_d_reads_follows_the_load_failure_policy() {
+    use common::topo::{HoldMode, KvLoadFailurePolicy, KvRole, TransferBackendKind::Shm};
+    use common::{KvExt, NodeExt};
+    let Some(path) = common::qwen_model_path() else { return };
+    let mesh = Mesh::start_nodes(
+        |http, base| {
+            let side = common::side_ports(http);
+            let kv = |role, port: u16, policy, faults: &str| {
+                let mut kv = topo::kv(role, Shm, port).data_port(port + 1).failure_policy(policy).fault(faults);
+                kv.hold_mode = HoldMode::Lease;
+                kv.kv_lease_duration_s = 3;
+                kv
+            };
+            let settings = common::gguf(&path, 128, 1024);
+            topo::topology([
+                topo::prefill("p", http + 1, base + 20).with(settings).with(|n| n.tensor_parallel_size = 2).kv(kv(
+                    KvRole::KvProducer,
+                    side,
+                    KvLoadFailurePolicy::Fail,
+                    "",
+                )),
+                topo::decode("drec", http + 2, base + 40).with(settings).kv(kv(
+                    KvRole::KvConsumer,
+                    side + 2,
+                    KvLoadFailurePolicy::Recompute,
+                    "delay_transfer_ms=2000",
+                )),
+                topo::decode("dfail", http + 3, base + 60).with(settings).kv(kv(
+                    KvRole::KvConsumer,
+                    side + 4,
+                    KvLoadFailurePolicy::Fail,
+                    "delay_transfer_ms=2000",
+                )),
+            ])
+        },
+        common::pd_engines,
+    );
+    let (p, drec, dfail) = (mesh.http_port + 1, mesh.http_port + 2, mesh.http_port + 3);
+    let url = |port: u16| format!("http://127.0.0.1:{port}/v1/completions");
+    let prompts = ["The capital of France is", "def quicksort(arr):\n", "1, 2, 3, 5, 8,", "SELECT name FROM"];
+    let plain = |p: &str| json!({"prompt": p, "max_tokens": 10, "temperature": 0});
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|pr| {
+            let v: Value = client().post(url(p)).json(&plain(pr)).send().unwrap().json().unwrap();
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        })
+        .collect();
+    // P prefills each (the router's first leg), then two go to each D, in flight together
+    let legs: Vec<(u16, usize, Value)> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, pr)| {
+            let first = json!({"prompt": pr, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}});
+            let v: Value = client().post(url(p)).json(&first).send().unwrap().json().unwrap();
+            let params = v["kv_transfer_params"].clone();
+            assert!(params["remote_block_ids"].is_array(), "{v}");
+            let d = if i % 2 == 0 { drec } else { dfail };
+            let mut body = plain(pr);
+            body["kv_transfer_params"] = params;
+            (d, i, body)
+        })
+        .collect();
+    let answers: Vec<_> = legs
+        .into_iter()
+        .map(|(d, i, body)| {
+            let u = url(d);
+            std::thread::spawn(move || {
+                let r = client().post(&u).json(&body).send().unwrap();
+                let status = r.status().as_u16();
+                (d, i, status, r.json::<Value>().unwrap_or(Value::Null))
+            })
+        })
+        .collect();
+    // the reads are in flight once both D nodes hold blocks for them
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while [drec, dfail].iter().any(|&d| mesh.kv_on(d)["used_blocks"] == 0) {
+        assert!(Instant::now() < deadline, "D's receives did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let peer = tp_peers("p");
+    assert_eq!(peer.len(), 1, "P runs one TP peer");
+    rustix::process::kill_process(rustix::process::Pid::from_raw(peer[0]).unwrap(), rustix::process::Signal::KILL)
+        .unwrap();
+    for a in answers {
+        let (d, i, status, v) = a.join().unwrap();
+        if d == drec {
+            assert_eq!(status, 200, "recompute: {v}");
+            assert_eq!(v["choices"][0]["text"], want[i], "recompute gives P's own text");
+        } else {
+            assert!(status >= 500, "fail: an error for that request: {status} {v}");
+            assert!(v["error"]["message"].as_str().unwrap_or("").contains("kv load failed"), "{v}");
+        }
+    }
+    // judged once each: two loads failed on each D, counted once
+    for (d, base) in [(drec, mesh.base_port + 40), (dfail, mesh.base_port + 60)] {
+        let text = client().get(format!("http://127.0.0.1:{}/metrics", base + 112)).send().unwrap().text().unwrap();
+        let failed: f64 = text
+            .lines()
+            .filter(|l| l.starts_with("pdmesh_worker_kv_transfer_failures_total"))
+            .filter_map(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+            .sum();
+        assert_eq!(failed, 2.0, "D on :{d}: each of its two loads failed once");
+        let v: Value = client().post(url(d)).json(&plain(prompts[0])).send().unwrap().json().unwrap();
+        assert_eq!(v["choices"][0]["text"], want[0], "D on :{d} serves the next request");
+        mesh.wait_kv_on(d, "D's blocks are free", |kv| kv["used_blocks"] == 0);
+    }
+    // P's group came back whole and holds nothing
+    let deadline = Instant::now() + Duration::from_secs(240);
+    loop {
+        let r = client().post(url(p)).json(&plain(prompts[1])).send().unwrap();
+        if r.status().as_u16() == 200 {
+            let v: Value = r.json().unwrap();
+            assert_eq!(v["choices"][0]["text"], want[1]);
+            break;
+        }
+        assert!(Instant::now() < deadline, "P did not come back");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    mesh.wait_kv_on(p, "P holds nothing", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
+    assert!(!mesh.logs().contains("panicked"), "a panic in the logs");
+}

@@ -436,6 +436,11 @@ impl GgufExecutor {
         &self.scratch.logits
     }
 
+    /// Where this TP rank's gathers spent their time (zero without tensor parallelism).
+    pub fn tp_gather_time(&self) -> crate::tp::GatherTime {
+        self.tp.group.as_ref().map(|g| g.time()).unwrap_or_default()
+    }
+
     /// The hyper-parameters and layer recipe read from the file.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg

@@ -140,6 +140,21 @@ pub trait Gather: Send {
     fn all_gather(&mut self, mine: &[f32], rows: usize, out: &mut Vec<f32>) -> Result<(), TpError>;
     /// Tell every rank the group can no longer be trusted (this rank's step failed part-way).
     fn poison(&self);
+    /// Time spent in gathers so far (for the cost benchmark and diagnostics).
+    fn time(&self) -> GatherTime {
+        GatherTime::default()
+    }
+}
+
+/// Where a rank's gathers spent their time.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct GatherTime {
+    pub calls: u64,
+    /// Inside `all_gather`, waiting included.
+    pub total: Duration,
+    /// Waiting for the other ranks to publish a round (their compute running longer than this
+    /// rank's, or the scheduler running them later).
+    pub waiting: Duration,
 }
 
 const MAGIC: u64 = u64::from_le_bytes(*b"PDMESHTP");
@@ -159,6 +174,7 @@ pub struct ShmGroup {
     section_bytes: usize,
     round: u64,
     timeout: Duration,
+    time: GatherTime,
 }
 
 impl std::fmt::Debug for ShmGroup {
@@ -224,7 +240,7 @@ impl ShmGroup {
             .ok()
             .and_then(|s| s.parse().ok())
             .map_or(DEFAULT_TIMEOUT, Duration::from_secs);
-        Self { map, path: path.to_path_buf(), tp, section_bytes, round: 0, timeout }
+        Self { map, path: path.to_path_buf(), tp, section_bytes, round: 0, timeout, time: GatherTime::default() }
     }
 
     fn word64(&self, at: usize) -> &AtomicU64 {
@@ -310,6 +326,24 @@ impl Gather for ShmGroup {
     }
 
     fn all_gather(&mut self, mine: &[f32], rows: usize, out: &mut Vec<f32>) -> Result<(), TpError> {
+        let started = Instant::now();
+        let r = self.gather_rounds(mine, rows, out);
+        self.time.calls += 1;
+        self.time.total += started.elapsed();
+        r
+    }
+
+    fn poison(&self) {
+        self.word32(POISON_OFF).store(1, Ordering::Release);
+    }
+
+    fn time(&self) -> GatherTime {
+        self.time
+    }
+}
+
+impl ShmGroup {
+    fn gather_rounds(&mut self, mine: &[f32], rows: usize, out: &mut Vec<f32>) -> Result<(), TpError> {
         let n = self.tp.size;
         if rows == 0 || !mine.len().is_multiple_of(rows) {
             return Err(TpError::Shape { got: mine.len(), rows });
@@ -343,7 +377,9 @@ impl Gather for ShmGroup {
                 std::ptr::copy_nonoverlapping(src.as_ptr().cast::<u8>(), self.map.as_mut_ptr().add(at), src.len() * 4);
             }
             self.seq(me).store(self.round, Ordering::Release);
+            let waiting = Instant::now();
             self.wait_round(self.round)?;
+            self.time.waiting += waiting.elapsed();
             for r in 0..n {
                 let base = self.section(slot, r);
                 for t in 0..count {
@@ -369,10 +405,6 @@ impl Gather for ShmGroup {
             first += count;
         }
         Ok(())
-    }
-
-    fn poison(&self) {
-        self.word32(POISON_OFF).store(1, Ordering::Release);
     }
 }
 
