@@ -493,6 +493,14 @@ mod tests {
         }
     }
 
+    #[test]
+    fn vllm_s_short_tensor_parallel_flag_is_taken() {
+        let (_dir, model) = model_file();
+        let args = parse(&[&model, "-tp", "2"]).unwrap();
+        let env = |_: &str| None;
+        assert_eq!(serve_topology(&args, &env).unwrap().nodes[0].tensor_parallel_size, 2);
+    }
+
     fn model_file() -> (tempdir::Dir, String) {
         let dir = tempdir::Dir::new();
         let path = dir.0.join("m.gguf");

@@ -115,6 +115,26 @@ fn a_missing_model_file_stops_the_mesh_with_the_childs_error() {
     assert_stopped_on_config_error(&o, service, "not found");
 }
 
+/// A tensor-parallel size the model cannot be split by (SmolLM2: 9 attention heads) stops
+/// the mesh at start, naming the count, with the configuration status (D111).
+#[test]
+fn a_tensor_parallel_size_the_heads_do_not_divide_stops_the_mesh_naming_them() {
+    let Some(model) = common::model_path() else { return };
+    let o = up_until_exit(
+        |n| {
+            n.model.kind = topo::ModelKind::Gguf;
+            n.model.path = model.display().to_string();
+            n.tensor_parallel_size = 2;
+        },
+        &[],
+    );
+    assert_stopped_on_config_error(
+        &o,
+        "connector-worker.0",
+        "9 attention heads, not a multiple of tensor_parallel_size 2",
+    );
+}
+
 #[test]
 fn a_bad_key_file_stops_up_before_any_child_starts() {
     let o = up_until_exit(|_| {}, &[("PDMESH_API_KEY_FILE", "/nonexistent/pdmesh-keys")]);

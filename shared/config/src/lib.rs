@@ -1720,6 +1720,28 @@ mod tests {
         assert!(refused.is_err(), "a typo is an error, never a silent default");
     }
 
+    /// What a tensor-parallel node needs is checked at load, naming the setting (D111); P/D
+    /// with TP is allowed (a rank's TP processes share one KV cache).
+    #[test]
+    fn tensor_parallel_nodes_refuse_what_they_cannot_split() {
+        let node = |extra: &str| format!("[[nodes]]\nname = \"c\"\ntensor_parallel_size = 2\n{extra}");
+        let err = |extra: &str| Topology::from_toml(&node(extra)).unwrap_err().to_string();
+        let gguf = "model = { kind = \"gguf\" }\n";
+        assert!(Topology::from_toml(&node(gguf)).is_ok());
+        assert!(Topology::from_toml(&node(&format!("{gguf}kv_transfer = {{ kv_role = \"kv_producer\" }}"))).is_ok());
+        assert!(err("").contains("GGUF"), "{}", err(""));
+        let cuda = err("model = { kind = \"gguf\", device = \"cuda\" }");
+        assert!(cuda.contains("tensor_parallel_size 2") && cuda.contains("cuda"), "{cuda}");
+        let offload = err(&format!("{gguf}kv_transfer = {{ kv_role = \"kv_both\", kv_connector = \"OffloadConnector\", offload = {{ cpu_blocks = 8 }} }}"));
+        assert!(offload.contains("OffloadConnector"), "{offload}");
+        let faults = err("model = { kind = \"gguf\", fault_injection = \"step_error_every=3\" }");
+        assert!(faults.contains("model.fault_injection"), "{faults}");
+        let zero = Topology::from_toml("[[nodes]]\nname = \"c\"\ntensor_parallel_size = 0").unwrap_err().to_string();
+        assert!(zero.contains("1..=16"), "{zero}");
+        let t = Topology::from_toml(&node(gguf)).unwrap();
+        assert!(!t.nodes[0].steps_run_ahead(), "a TP node does not run steps ahead");
+    }
+
     #[test]
     fn model_threads_nice_below_the_serving_processes_by_default() {
         let node = |extra: &str| format!("[[nodes]]\nname = \"c\"\nmodel = {{ kind = \"gguf\"{extra} }}");

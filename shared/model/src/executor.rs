@@ -96,6 +96,15 @@ impl TpCtx {
         std::mem::swap(x, &mut self.tmp);
         Ok(())
     }
+
+    /// The logits' slices gathered on TP rank 0 only (the one rank that samples).
+    fn logits_to_rank0(&mut self, x: &mut Vec<f32>, rows: usize) -> Result<(), ExecutorError> {
+        let Some(g) = self.group.as_mut() else { return Ok(()) };
+        g.gather_to_rank0(x, rows, &mut self.tmp)
+            .map_err(|e| ExecutorError::DeviceLost(format!("tensor parallelism: {e}")))?;
+        std::mem::swap(x, &mut self.tmp);
+        Ok(())
+    }
 }
 
 /// Where each token of a step comes from.
@@ -484,7 +493,7 @@ impl GgufExecutor {
         }
         rms_norm(&s.last, out_norm, cfg.rms_eps, &mut s.h);
         output.forward(&s.h, sampling_chunks.len(), mm, &mut [&mut s.logits])?;
-        tp.whole(&mut s.logits, sampling_chunks.len())?;
+        tp.logits_to_rank0(&mut s.logits, sampling_chunks.len())?;
         if tp.tp.rank != 0 {
             // sampling happens once, on TP rank 0
             return Ok(Vec::new());

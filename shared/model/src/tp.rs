@@ -138,6 +138,11 @@ pub enum TpError {
 pub trait Gather: Send {
     fn tp(&self) -> TpRank;
     fn all_gather(&mut self, mine: &[f32], rows: usize, out: &mut Vec<f32>) -> Result<(), TpError>;
+    /// [`Gather::all_gather`] whose result only TP rank 0 needs (the logits: only rank 0
+    /// samples); the other ranks publish their slices and go on, and `out` is left empty there.
+    fn gather_to_rank0(&mut self, mine: &[f32], rows: usize, out: &mut Vec<f32>) -> Result<(), TpError> {
+        self.all_gather(mine, rows, out)
+    }
     /// Tell every rank the group can no longer be trusted (this rank's step failed part-way).
     fn poison(&self);
     /// Time spent in gathers so far (for the cost benchmark and diagnostics).
@@ -327,7 +332,15 @@ impl Gather for ShmGroup {
 
     fn all_gather(&mut self, mine: &[f32], rows: usize, out: &mut Vec<f32>) -> Result<(), TpError> {
         let started = Instant::now();
-        let r = self.gather_rounds(mine, rows, out);
+        let r = self.gather_rounds(mine, rows, out, true);
+        self.time.calls += 1;
+        self.time.total += started.elapsed();
+        r
+    }
+
+    fn gather_to_rank0(&mut self, mine: &[f32], rows: usize, out: &mut Vec<f32>) -> Result<(), TpError> {
+        let started = Instant::now();
+        let r = self.gather_rounds(mine, rows, out, self.tp.rank == 0);
         self.time.calls += 1;
         self.time.total += started.elapsed();
         r
@@ -343,17 +356,23 @@ impl Gather for ShmGroup {
 }
 
 impl ShmGroup {
-    fn gather_rounds(&mut self, mine: &[f32], rows: usize, out: &mut Vec<f32>) -> Result<(), TpError> {
+    /// The rounds of one gather; `read`: this rank reads the others' slices (else it only
+    /// publishes its own, and `out` is left empty).
+    fn gather_rounds(&mut self, mine: &[f32], rows: usize, out: &mut Vec<f32>, read: bool) -> Result<(), TpError> {
         let n = self.tp.size;
         if rows == 0 || !mine.len().is_multiple_of(rows) {
             return Err(TpError::Shape { got: mine.len(), rows });
         }
         let w = mine.len() / rows;
         out.clear();
-        out.resize(rows * w * n, 0.0);
         if n == 1 {
-            out.copy_from_slice(mine);
+            if read {
+                out.extend_from_slice(mine);
+            }
             return Ok(());
+        }
+        if read {
+            out.resize(rows * w * n, 0.0);
         }
         if w * 4 > self.section_bytes {
             return Err(TpError::Setup {
@@ -368,6 +387,14 @@ impl ShmGroup {
             let count = per_round.min(rows - first);
             self.round += 1;
             let slot = (self.round % 2) as usize;
+            // The slot written now was read two rounds ago: every rank that reads has done so
+            // once it published the round after. A rank that reads waited for that round
+            // already; one that only publishes waits for it here.
+            if !read && self.round > 1 {
+                let waiting = Instant::now();
+                self.wait_round(self.round - 1)?;
+                self.time.waiting += waiting.elapsed();
+            }
             let src = &mine[first * w..(first + count) * w];
             let at = self.section(slot, me);
             // SAFETY: `at .. at + count·w·4` lies inside this rank's section (count·w·4 ≤
@@ -377,6 +404,10 @@ impl ShmGroup {
                 std::ptr::copy_nonoverlapping(src.as_ptr().cast::<u8>(), self.map.as_mut_ptr().add(at), src.len() * 4);
             }
             self.seq(me).store(self.round, Ordering::Release);
+            if !read {
+                first += count;
+                continue;
+            }
             let waiting = Instant::now();
             self.wait_round(self.round)?;
             self.time.waiting += waiting.elapsed();
@@ -488,6 +519,53 @@ mod tests {
             for per_rank in &results {
                 assert_eq!(per_rank[pass], expected, "pass {pass}");
             }
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+
+    /// Gathers whose result only rank 0 reads, many rounds each, between ordinary gathers:
+    /// rank 0 still gets every slice right (the publishing rank never overwrites a slot rank 0
+    /// has not read), and the other rank's `out` stays empty.
+    #[test]
+    fn gathers_to_rank0_interleave_with_all_gathers() {
+        let path = tmp("to-rank0");
+        let g0 = ShmGroup::create(&path, 2, 4096).unwrap();
+        let mut groups = vec![g0, ShmGroup::open(&path, 1).unwrap()];
+        let (rows, w) = (1000, 2); // 8 000 bytes a rank: two rounds a gather
+        let results: Vec<Vec<(usize, Vec<f32>)>> = std::thread::scope(|s| {
+            let handles: Vec<_> = groups
+                .iter_mut()
+                .map(|g| {
+                    s.spawn(move || {
+                        let r = g.tp().rank;
+                        (0..6)
+                            .map(|pass| {
+                                let mine: Vec<f32> =
+                                    (0..rows * w).map(|i| (pass * 100_000 + r * 10_000 + i) as f32).collect();
+                                let mut out = Vec::new();
+                                if pass % 2 == 0 {
+                                    g.gather_to_rank0(&mine, rows, &mut out).unwrap();
+                                } else {
+                                    g.all_gather(&mine, rows, &mut out).unwrap();
+                                }
+                                (pass, out)
+                            })
+                            .collect()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (pass, out) in &results[0] {
+            let want: Vec<f32> = (0..rows)
+                .flat_map(|t| {
+                    (0..2).flat_map(move |r| (0..w).map(move |j| (pass * 100_000 + r * 10_000 + t * w + j) as f32))
+                })
+                .collect();
+            assert_eq!(out, &want, "rank 0, pass {pass}");
+        }
+        for (pass, out) in &results[1] {
+            assert_eq!(out.is_empty(), pass % 2 == 0, "rank 1, pass {pass}");
         }
         let _ = std::fs::remove_file(&path);
     }
