@@ -239,13 +239,11 @@ impl WorkerActor {
         own: ModelRunnerOutput,
         peers: Vec<Result<Envelope, pdmesh_transport::TransportError>>,
     ) -> ModelRunnerOutput {
-        match tp::judge(own, peers) {
-            Ok(out) => out,
-            Err((failed, why)) => {
-                self.tp_group_lost(&why);
-                failed
-            }
+        let (out, broken) = tp::judge(own, peers);
+        if let Some(why) = broken {
+            self.tp_group_lost(&why);
         }
+        out
     }
 
     /// The TP group is out of step: poison its gathers and restart it through the

@@ -106,11 +106,12 @@ pub(crate) fn send_to_peers(
 
 /// How a step ends given rank 0's own output and its peers' answers: rank 0's output when
 /// every peer computed the step too; the step's failure when every rank refused it alike;
-/// otherwise the group is out of step (`Err`: the reason, for the lost-accelerator path).
+/// otherwise a failed step and the reason the group is out of step (for the lost-accelerator
+/// path).
 pub(crate) fn judge(
     own: ModelRunnerOutput,
     peers: Vec<Result<Envelope, TransportError>>,
-) -> Result<ModelRunnerOutput, (ModelRunnerOutput, String)> {
+) -> (ModelRunnerOutput, Option<String>) {
     let mut broken = None;
     for (i, answer) in peers.into_iter().enumerate() {
         let rank = i + 1;
@@ -128,7 +129,7 @@ pub(crate) fn judge(
         broken.get_or_insert(why);
     }
     match broken {
-        None => Ok(own),
+        None => (own, None),
         Some(why) => {
             let failed = ModelRunnerOutput {
                 step_id: own.step_id,
@@ -136,7 +137,7 @@ pub(crate) fn judge(
                 kv_connector_output: own.kv_connector_output,
                 ..Default::default()
             };
-            Err((failed, why))
+            (failed, Some(why))
         }
     }
 }
@@ -156,19 +157,21 @@ mod tests {
     #[test]
     fn a_step_stands_only_when_every_rank_agrees() {
         // all computed: rank 0's output
-        assert!(judge(out(None), vec![answer(out(None)), answer(out(None))]).is_ok());
+        let (all, broken) = judge(out(None), vec![answer(out(None)), answer(out(None))]);
+        assert!(all.failure.is_none() && broken.is_none());
         // refused alike (bad input, before any gather): the step's own failure, no restart
         let refused = || Some(WireError::new(ErrorClass::Internal, "token out of range".to_string()));
-        let same = judge(out(refused()), vec![answer(out(refused()))]).unwrap();
-        assert!(same.failure.is_some());
+        let (same, broken) = judge(out(refused()), vec![answer(out(refused()))]);
+        assert!(same.failure.is_some() && broken.is_none());
         // a peer that failed, or one that is gone: the group is out of step
         for peer in [answer(out(refused())), Err(TransportError::PeerGone("tp1".into()))] {
-            let (failed, why) = judge(out(None), vec![answer(out(None)), peer]).unwrap_err();
+            let (failed, why) = judge(out(None), vec![answer(out(None)), peer]);
+            let why = why.unwrap();
             assert!(why.starts_with("TP rank 2"), "{why}");
             assert_eq!(failed.failure.unwrap().class, ErrorClass::Unavailable);
         }
         // rank 0 failed part-way (its gather poisoned): out of step even if the peer answered
         let lost = Some(WireError::new(ErrorClass::Unavailable, "gather poisoned".to_string()));
-        assert!(judge(out(lost), vec![answer(out(None))]).is_err());
+        assert!(judge(out(lost), vec![answer(out(None))]).1.is_some());
     }
 }

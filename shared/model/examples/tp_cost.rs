@@ -100,11 +100,14 @@ fn one_process(exec: &mut GgufExecutor, kv: &mut KvCache, shape: Shape) -> f64 {
     t.elapsed().as_secs_f64() / timed.len() as f64
 }
 
+/// A rank on its own thread: its steps in, a signal out once each is computed.
+type Peer = (mpsc::Sender<Option<Vec<ScheduledChunk>>>, mpsc::Receiver<()>, std::thread::JoinHandle<()>);
+
 /// The TP group: rank 0 here, the other ranks on threads fed through channels.
 struct Group {
     rank0: GgufExecutor,
     kv0: KvCache,
-    peers: Vec<(mpsc::Sender<Option<Vec<ScheduledChunk>>>, mpsc::Receiver<()>, std::thread::JoinHandle<()>)>,
+    peers: Vec<Peer>,
     file: PathBuf,
 }
 

@@ -470,6 +470,7 @@ impl GgufExecutor {
             cfg,
             kv_stride: facts.num_kv_heads as usize,
             kv_first: kv_heads.start,
+            ropes,
             chunks,
             plan,
             slots: &slots,
@@ -481,7 +482,7 @@ impl GgufExecutor {
         };
         step.embed(embedding, &mut s.x);
         for (li, layer) in layers.iter().enumerate() {
-            step.attention_block(layer, ropes, kv, li, mm, s, tp)?;
+            step.attention_block(layer, kv, li, mm, s, tp)?;
             step.mlp_block(layer, mm, s, tp)?;
         }
 
@@ -512,6 +513,8 @@ struct Step<'a> {
     kv_stride: usize,
     /// The first cache head this process writes and reads (its TP rank's first KV head).
     kv_first: usize,
+    /// The model's RoPE tables (one per distinct base).
+    ropes: &'a [RopeTable],
     chunks: &'a [ScheduledChunk],
     plan: &'a [TokenPlan],
     /// Each chunk's cache slot per position ([`chunk_slots`]).
@@ -556,14 +559,13 @@ impl Step<'_> {
     fn attention_block(
         &self,
         layer: &Layer,
-        ropes: &[RopeTable],
         kv: &mut KvCache,
         li: usize,
         mm: &mut MatmulCtx,
         s: &mut Scratch,
         tp: &mut TpCtx,
     ) -> Result<(), ExecutorError> {
-        self.project_qkv(layer, ropes, mm, s)?;
+        self.project_qkv(layer, mm, s)?;
         let (kc, vc) = kv.layer_kv_mut(li);
         self.write_kv(kc, vc, s);
         self.attend(layer.window, kc, vc, mm, s)?;
@@ -580,13 +582,7 @@ impl Step<'_> {
 
     /// RMSNorm → Q/K/V [+ biases] [→ per-head Q/K RMSNorm] → RoPE, into `s.q`, `s.k`, `s.v`.
     #[inline]
-    fn project_qkv(
-        &self,
-        layer: &Layer,
-        ropes: &[RopeTable],
-        mm: &mut MatmulCtx,
-        s: &mut Scratch,
-    ) -> Result<(), ExecutorError> {
+    fn project_qkv(&self, layer: &Layer, mm: &mut MatmulCtx, s: &mut Scratch) -> Result<(), ExecutorError> {
         let cfg = self.cfg;
         let (hd, q_dim, kv_dim) = (cfg.head_dim, cfg.q_dim(), cfg.kv_dim());
         rms_norm(&s.x, &layer.attn_norm, cfg.rms_eps, &mut s.h);
@@ -602,7 +598,8 @@ impl Step<'_> {
             rms_norm_in_place(&mut s.q, wq, cfg.rms_eps, &mut s.h);
             rms_norm_in_place(&mut s.k, wk, cfg.rms_eps, &mut s.h);
         }
-        let rope = ropes.get(layer.rope).ok_or_else(|| ExecutorError::Model("layer without a RoPE table".into()))?;
+        let rope =
+            self.ropes.get(layer.rope).ok_or_else(|| ExecutorError::Model("layer without a RoPE table".into()))?;
         let rope_fn = self.rope_fn;
         for (t, tp) in self.plan.iter().enumerate() {
             let cos = rope.cos.get(tp.pos * hd / 2..(tp.pos + 1) * hd / 2).unwrap_or(&[]);

@@ -488,7 +488,7 @@ mod tests {
         let path = tmp("gather");
         let section = 4096;
         let g0 = ShmGroup::create(&path, 3, section).unwrap();
-        let mut groups = vec![g0, ShmGroup::open(&path, 1).unwrap(), ShmGroup::open(&path, 2).unwrap()];
+        let mut groups = [g0, ShmGroup::open(&path, 1).unwrap(), ShmGroup::open(&path, 2).unwrap()];
         let (rows, w) = (700, 3); // 700 rows of 12 bytes: three rounds of 341 rows
         let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
             let handles: Vec<_> = groups
@@ -530,7 +530,7 @@ mod tests {
     fn gathers_to_rank0_interleave_with_all_gathers() {
         let path = tmp("to-rank0");
         let g0 = ShmGroup::create(&path, 2, 4096).unwrap();
-        let mut groups = vec![g0, ShmGroup::open(&path, 1).unwrap()];
+        let mut groups = [g0, ShmGroup::open(&path, 1).unwrap()];
         let (rows, w) = (1000, 2); // 8 000 bytes a rank: two rounds a gather
         let results: Vec<Vec<(usize, Vec<f32>)>> = std::thread::scope(|s| {
             let handles: Vec<_> = groups
