@@ -591,7 +591,12 @@ pub fn matmul(w: &Packed, acts: &QActs, out: &mut [f32], imp: Impl, pool: &Pool)
     if m == 0 || rows == 0 {
         return Ok(());
     }
-    let group = w.group_rows();
+    // 16-row tiles (two groups on 512-bit vectors) where the core runs them at full width
+    #[cfg(target_arch = "x86_64")]
+    let pairs = matches!((imp, w), (Impl::Avx512, Packed::Lanes(_))) && kquants::avx512::row_pairs();
+    #[cfg(not(target_arch = "x86_64"))]
+    let pairs = false;
+    let group = w.group_rows() * if pairs { 2 } else { 1 };
     let tile_t = imp.tile_tokens(w);
     let dst = SendPtr(out.as_mut_ptr());
     let ok = pool.for_each(rows.div_ceil(group), &|g| {
@@ -628,6 +633,8 @@ pub fn matmul(w: &Packed, acts: &QActs, out: &mut [f32], imp: Impl, pool: &Pool)
                     match w {
                         Packed::Q4_1(q) => avx512::q4_1(q, acts, &tile),
                         Packed::Q8_0(q) => avx512::q8_0(q, acts, &tile),
+                        // SAFETY (pairs): `g` counts pairs of groups, `nr` the pair's rows
+                        Packed::Lanes(q) if pairs => kquants::avx512::lanes_pair(q, acts, &tile),
                         Packed::Lanes(q) => kquants::avx512::lanes(q, acts, &tile),
                         Packed::Float(q) => kquants::avx2::float(q, acts, &tile),
                     }

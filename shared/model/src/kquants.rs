@@ -1101,6 +1101,351 @@ pub(crate) mod avx512 {
         }
     }
 
+    /// Whether [`lanes_pair`] computes this matrix's tiles, on a core that runs 512-bit VNNI at full width
+    /// (Intel; AMD's Zen 4 splits each 512-bit operation in two, so pairs gain nothing there).
+    /// `PDMESH_MODEL_ROW_PAIRS=0|1` overrides the vendor check.
+    pub(crate) fn row_pairs() -> bool {
+        static FULL_WIDTH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *FULL_WIDTH.get_or_init(|| match std::env::var("PDMESH_MODEL_ROW_PAIRS").as_deref() {
+            Ok("0") => false,
+            Ok("1") => true,
+            _ => {
+                let v = __cpuid(0);
+                let vendor: Vec<u8> = [v.ebx, v.edx, v.ecx].iter().flat_map(|r| r.to_le_bytes()).collect();
+                vendor == b"GenuineIntel"
+            }
+        })
+    }
+
+    /// One tile of two row groups (16 rows, `tile.g` counting pairs) with AVX-512 VNNI on
+    /// 512-bit vectors: group `2g` in the low 8 lanes, `2g + 1` in the high 8, each lane's
+    /// arithmetic exactly [`lanes_tile`]'s (the same integer sums and float operations in the
+    /// same order), so the bits are the same. A pair with one group only runs [`lanes`].
+    ///
+    /// # Safety
+    /// As [`lanes`], with `tile.g` a pair index (`2g` < groups) and `tile.nr` the rows of the
+    /// pair (≤ 16); `w.kind` is not Q6_K.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub(crate) unsafe fn lanes_pair(w: &PackedLanes, a: &QActs, tile: &Tile) {
+        if tile.nr <= LANES {
+            let single = Tile { g: 2 * tile.g, ..*tile };
+            // SAFETY: forwarded preconditions; group 2g holds the pair's rows.
+            return unsafe { lanes(w, a, &single) };
+        }
+        macro_rules! by_tokens {
+            ($k:expr) => {
+                // SAFETY: forwarded preconditions.
+                unsafe {
+                    match tile.nt {
+                        12 => lanes_tile2::<{ $k as u8 }, 12>(w, a, tile),
+                        11 => lanes_tile2::<{ $k as u8 }, 11>(w, a, tile),
+                        10 => lanes_tile2::<{ $k as u8 }, 10>(w, a, tile),
+                        9 => lanes_tile2::<{ $k as u8 }, 9>(w, a, tile),
+                        8 => lanes_tile2::<{ $k as u8 }, 8>(w, a, tile),
+                        7 => lanes_tile2::<{ $k as u8 }, 7>(w, a, tile),
+                        6 => lanes_tile2::<{ $k as u8 }, 6>(w, a, tile),
+                        5 => lanes_tile2::<{ $k as u8 }, 5>(w, a, tile),
+                        4 => lanes_tile2::<{ $k as u8 }, 4>(w, a, tile),
+                        3 => lanes_tile2::<{ $k as u8 }, 3>(w, a, tile),
+                        2 => lanes_tile2::<{ $k as u8 }, 2>(w, a, tile),
+                        1 => lanes_tile2::<{ $k as u8 }, 1>(w, a, tile),
+                        _ => {}
+                    }
+                }
+            };
+        }
+        macro_rules! q6k_by_tokens {
+            () => {
+                // SAFETY: forwarded preconditions.
+                unsafe {
+                    match tile.nt {
+                        12 => q6k_tile2::<12>(w, a, tile),
+                        11 => q6k_tile2::<11>(w, a, tile),
+                        10 => q6k_tile2::<10>(w, a, tile),
+                        9 => q6k_tile2::<9>(w, a, tile),
+                        8 => q6k_tile2::<8>(w, a, tile),
+                        7 => q6k_tile2::<7>(w, a, tile),
+                        6 => q6k_tile2::<6>(w, a, tile),
+                        5 => q6k_tile2::<5>(w, a, tile),
+                        4 => q6k_tile2::<4>(w, a, tile),
+                        3 => q6k_tile2::<3>(w, a, tile),
+                        _ => {}
+                    }
+                }
+            };
+        }
+        match w.kind {
+            Kind::Q4_0 => by_tokens!(Kind::Q4_0),
+            Kind::Q5_0 => by_tokens!(Kind::Q5_0),
+            Kind::Q4K => by_tokens!(Kind::Q4K),
+            Kind::Q5K => by_tokens!(Kind::Q5K),
+            // one or two tokens (decode): each group alone, as `lanes` runs them
+            Kind::Q6K if tile.nt <= 2 => {
+                let (lo, hi) = (
+                    Tile { g: 2 * tile.g, nr: LANES, ..*tile },
+                    Tile { g: 2 * tile.g + 1, nr: tile.nr - LANES, ..*tile },
+                );
+                // SAFETY: forwarded preconditions; the pair's two groups, each complete.
+                unsafe {
+                    lanes(w, a, &lo);
+                    lanes(w, a, &hi);
+                }
+            }
+            Kind::Q6K => q6k_by_tokens!(),
+        }
+    }
+
+    /// Two 256-bit halves as one 512-bit vector (`lo` in lanes 0–7).
+    #[inline(always)]
+    unsafe fn join(lo: __m256i, hi: __m256i) -> __m512i {
+        // SAFETY: AVX-512 F (the callers enable it).
+        unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi) }
+    }
+
+    /// # Safety
+    /// As [`lanes_pair`] with two full groups, `nt = T` and `w.kind as u8 == K`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn lanes_tile2<const K: u8, const T: usize>(w: &PackedLanes, a: &QActs, tile: &Tile) {
+        let kind = kind_of(K);
+        let l = Layout::of(kind);
+        let k = a.k;
+        let nb = k / l.block;
+        let Tile { g, nr, t0, rows, out, .. } = *tile;
+        let chunk = l.chunk();
+        let (nq, half) = (l.quads(), l.quads() / 2);
+        let q8k = l.block == QK_K;
+        // SAFETY: as in `lanes_tile`, for groups 2g and 2g + 1 (both complete: the caller).
+        unsafe {
+            let base0 = w.data.as_ptr().add(2 * g * nb * chunk);
+            let base1 = w.data.as_ptr().add((2 * g + 1) * nb * chunk);
+            let m4 = _mm512_set1_epi8(0x0F);
+            let hmask = _mm512_set1_epi8(if l.hbits == 1 { 0x10 } else { 0x30 });
+            let mut acc = [_mm512_setzero_ps(); T];
+            for b in 0..nb {
+                let (p0, p1) = (base0.add(b * chunk), base1.add(b * chunk));
+                let halves = |off: usize| {
+                    _mm256_set_m128i(
+                        _mm_loadu_si128(p1.add(off) as *const __m128i),
+                        _mm_loadu_si128(p0.add(off) as *const __m128i),
+                    )
+                };
+                let dv = _mm512_cvtph_ps(halves(l.d_off()));
+                let dminv = if l.mins { _mm512_cvtph_ps(halves(l.d_off() + 2 * LANES)) } else { _mm512_setzero_ps() };
+                for s in 0..l.subs() {
+                    let (sp0, sp1) = (p0.add(s * l.sub_bytes()), p1.add(s * l.sub_bytes()));
+                    let mut wq = [_mm512_setzero_si512(); 8];
+                    for q in 0..half {
+                        let raw = join(
+                            _mm256_loadu_si256(sp0.add(32 * q) as *const __m256i),
+                            _mm256_loadu_si256(sp1.add(32 * q) as *const __m256i),
+                        );
+                        wq[q] = _mm512_and_si512(raw, m4);
+                        wq[q + half] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
+                    }
+                    if l.hbits > 0 {
+                        let h = join(
+                            _mm256_loadu_si256(sp0.add(l.sub * 4) as *const __m256i),
+                            _mm256_loadu_si256(sp1.add(l.sub * 4) as *const __m256i),
+                        );
+                        for (q, wv) in wq.iter_mut().enumerate().take(nq) {
+                            let hb = match 4 - (q * l.hbits) as i32 {
+                                4 => _mm512_slli_epi16::<4>(h),
+                                3 => _mm512_slli_epi16::<3>(h),
+                                2 => _mm512_slli_epi16::<2>(h),
+                                1 => _mm512_slli_epi16::<1>(h),
+                                0 => h,
+                                -1 => _mm512_srli_epi16::<1>(h),
+                                -2 => _mm512_srli_epi16::<2>(h),
+                                _ => _mm512_srli_epi16::<3>(h),
+                            };
+                            *wv = _mm512_or_si512(*wv, _mm512_and_si512(hb, hmask));
+                        }
+                    }
+                    let (scv, mnv) = if l.scales {
+                        let bytes = |off: usize| {
+                            _mm_unpacklo_epi64(
+                                _mm_loadl_epi64(p0.add(off) as *const __m128i),
+                                _mm_loadl_epi64(p1.add(off) as *const __m128i),
+                            )
+                        };
+                        let scv =
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(l.sc_off() + s * LANES))), dv);
+                        let mnv = if l.mins {
+                            _mm512_mul_ps(
+                                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(l.mn_off() + s * LANES))),
+                                dminv,
+                            )
+                        } else {
+                            _mm512_setzero_ps()
+                        };
+                        (scv, mnv)
+                    } else {
+                        (_mm512_setzero_ps(), _mm512_setzero_ps())
+                    };
+                    for (t, acc_t) in acc.iter_mut().enumerate() {
+                        let tok = t0 + t;
+                        let at = tok * k + b * l.block + s * l.sub;
+                        let ap = if q8k { a.qk.as_ptr().add(at) } else { a.qs.as_ptr().add(at) } as *const i32;
+                        let mut s0 = _mm512_setzero_si512();
+                        let mut s1 = _mm512_setzero_si512();
+                        for q in (0..nq).step_by(2) {
+                            s0 = _mm512_dpbusd_epi32(s0, wq[q], _mm512_set1_epi32(ap.add(q).read_unaligned()));
+                            s1 = _mm512_dpbusd_epi32(s1, wq[q + 1], _mm512_set1_epi32(ap.add(q + 1).read_unaligned()));
+                        }
+                        let isum = _mm512_add_epi32(s0, s1);
+                        // `avx2::accumulate`'s operations, on 16 lanes
+                        if l.block != QK_K {
+                            let i = tok * (k / 32) + b;
+                            let sumi = _mm512_sub_epi32(isum, _mm512_set1_epi32(l.offset() * *a.isum.as_ptr().add(i)));
+                            let term = _mm512_mul_ps(
+                                _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), dv),
+                                _mm512_set1_ps(*a.d.as_ptr().add(i)),
+                            );
+                            *acc_t = _mm512_add_ps(*acc_t, term);
+                        } else {
+                            let da = _mm512_set1_ps(*a.dk.as_ptr().add(tok * (k / QK_K) + b));
+                            let mins = _mm512_set1_ps(*a.mins32.as_ptr().add(tok * (k / 32) + b * 8 + s));
+                            *acc_t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scv, da), *acc_t);
+                            *acc_t = _mm512_fnmadd_ps(mnv, mins, *acc_t);
+                        }
+                    }
+                }
+            }
+            let lanes: __mmask16 = if nr >= 2 * LANES { 0xFFFF } else { (1u16 << nr) - 1 };
+            for (t, acc_t) in acc.iter().enumerate() {
+                _mm512_mask_storeu_ps(out.add((t0 + t) * rows + 2 * g * LANES), lanes, *acc_t);
+            }
+        }
+    }
+
+    /// [`Q6kBlock`] of two row groups on 512-bit vectors (group `2g` in the low 8 lanes).
+    struct Q6kBlock2 {
+        w: [__m512i; 64],
+        neg_corr: [__m512i; 64],
+        sc: [__m512i; 16],
+    }
+
+    /// [`q6k_sums`] of two row groups: the same exact integers, 16 lanes.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VNNI; each `x[n]` points to 256 bytes.
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn q6k_sums2<const N: usize>(blk: &Q6kBlock2, x: [*const u8; N]) -> [[__m512i; 8]; N] {
+        let mut sumi = [[_mm512_setzero_si512(); 8]; N];
+        // SAFETY: forwarded.
+        unsafe {
+            for s2 in 0..8 {
+                for h in 0..2 {
+                    let s = 2 * s2 + h;
+                    for q in 0..4 {
+                        let i = 4 * s + q;
+                        for (n, sums) in sumi.iter_mut().enumerate() {
+                            let xv = _mm512_set1_epi32((x[n].add(4 * i) as *const i32).read_unaligned());
+                            let d = _mm512_dpbusd_epi32(blk.neg_corr[i], xv, blk.w[i]);
+                            sums[4 * h + q] = _mm512_dpwssd_epi32(sums[4 * h + q], d, blk.sc[s]);
+                        }
+                    }
+                }
+            }
+        }
+        sumi
+    }
+
+    /// [`q6k_tile`] over two row groups (16 rows) on 512-bit vectors: per lane the same
+    /// integers and the same float operations in the same order, so the same bits.
+    ///
+    /// # Safety
+    /// As [`lanes_pair`] with two full groups, `nt = T ≥ 3` and `w.kind == Kind::Q6K`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q6k_tile2<const T: usize>(w: &PackedLanes, a: &QActs, tile: &Tile) {
+        let l = Layout::of(Kind::Q6K);
+        let k = a.k;
+        let nb = k / QK_K;
+        let Tile { g, nr, t0, rows, out, .. } = *tile;
+        let chunk = l.chunk();
+        let m4 = _mm512_set1_epi8(0x0F);
+        let hmask = _mm512_set1_epi8(0x30);
+        let m32 = _mm512_set1_epi8(32);
+        let bias = _mm512_set1_epi8(-128);
+        let bias256 = _mm256_set1_epi8(-128);
+        let lo16 = _mm512_set1_epi32(0xFFFF);
+        // SAFETY: as in `q6k_tile`, for groups 2g and 2g + 1 (both complete: the caller).
+        unsafe {
+            let base0 = w.data.as_ptr().add(2 * g * nb * chunk);
+            let base1 = w.data.as_ptr().add((2 * g + 1) * nb * chunk);
+            let mut acc = [[_mm512_setzero_ps(); 8]; T];
+            let zero = _mm512_setzero_si512();
+            let mut blk = Q6kBlock2 { w: [zero; 64], neg_corr: [zero; 64], sc: [zero; 16] };
+            let mut xb = [[0u8; QK_K]; T];
+            for b in 0..nb {
+                let (p0, p1) = (base0.add(b * chunk), base1.add(b * chunk));
+                let dv = _mm512_cvtph_ps(_mm256_set_m128i(
+                    _mm_loadu_si128(p1.add(l.d_off()) as *const __m128i),
+                    _mm_loadu_si128(p0.add(l.d_off()) as *const __m128i),
+                ));
+                for s in 0..16 {
+                    let (sp0, sp1) = (p0.add(s * l.sub_bytes()), p1.add(s * l.sub_bytes()));
+                    let load = |off: usize| {
+                        join(
+                            _mm256_loadu_si256(sp0.add(off) as *const __m256i),
+                            _mm256_loadu_si256(sp1.add(off) as *const __m256i),
+                        )
+                    };
+                    let (raw0, raw1, h) = (load(0), load(32), load(64));
+                    let hq = [_mm512_slli_epi16::<4>(h), _mm512_slli_epi16::<2>(h), h, _mm512_srli_epi16::<2>(h)];
+                    let lo = [
+                        _mm512_and_si512(raw0, m4),
+                        _mm512_and_si512(raw1, m4),
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(raw0), m4),
+                        _mm512_and_si512(_mm512_srli_epi16::<4>(raw1), m4),
+                    ];
+                    for q in 0..4 {
+                        let v = _mm512_sub_epi8(_mm512_or_si512(lo[q], _mm512_and_si512(hq[q], hmask)), m32);
+                        blk.w[4 * s + q] = v;
+                        blk.neg_corr[4 * s + q] = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, v));
+                    }
+                    let sc8 = _mm_unpacklo_epi64(
+                        _mm_loadl_epi64(p0.add(l.sc_off() + s * LANES) as *const __m128i),
+                        _mm_loadl_epi64(p1.add(l.sc_off() + s * LANES) as *const __m128i),
+                    );
+                    blk.sc[s] = _mm512_and_si512(_mm512_cvtepi8_epi32(sc8), lo16);
+                }
+                for (t, row) in xb.iter_mut().enumerate() {
+                    let src = a.qk.as_ptr().add((t0 + t) * k + b * QK_K);
+                    for c in 0..QK_K / 32 {
+                        let v = _mm256_xor_si256(_mm256_loadu_si256(src.add(32 * c) as *const __m256i), bias256);
+                        _mm256_storeu_si256(row.as_mut_ptr().add(32 * c) as *mut __m256i, v);
+                    }
+                }
+                let mut t = 0;
+                while t < T {
+                    let sums: ([[__m512i; 8]; 2], usize) = if t + 1 < T {
+                        (q6k_sums2::<2>(&blk, [xb[t].as_ptr(), xb[t + 1].as_ptr()]), 2)
+                    } else {
+                        let [one] = q6k_sums2::<1>(&blk, [xb[t].as_ptr()]);
+                        ([one, [zero; 8]], 1)
+                    };
+                    for n in 0..sums.1 {
+                        let dd = _mm512_mul_ps(_mm512_set1_ps(*a.dk.as_ptr().add((t0 + t + n) * nb + b)), dv);
+                        for (acc_l, s) in acc[t + n].iter_mut().zip(&sums.0[n]) {
+                            *acc_l = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(*s), *acc_l);
+                        }
+                    }
+                    t += sums.1;
+                }
+            }
+            let lanes: __mmask16 = if nr >= 2 * LANES { 0xFFFF } else { (1u16 << nr) - 1 };
+            for (t, acc_t) in acc.iter().enumerate() {
+                let v = _mm512_add_ps(
+                    _mm512_add_ps(_mm512_add_ps(acc_t[0], acc_t[4]), _mm512_add_ps(acc_t[2], acc_t[6])),
+                    _mm512_add_ps(_mm512_add_ps(acc_t[1], acc_t[5]), _mm512_add_ps(acc_t[3], acc_t[7])),
+                );
+                _mm512_mask_storeu_ps(out.add((t0 + t) * rows + 2 * g * LANES), lanes, v);
+            }
+        }
+    }
+
     /// A decoded Q6_K super-block of 8 rows, per quad `i = 4s + q`: the values `v − 32` as i8
     /// (`w`), `−128·Σ(v − 32)` per row (`neg_corr`), and per sub-block the row's scale in the
     /// low i16 of its lane (`sc`).
@@ -1414,10 +1759,11 @@ mod tests {
 
     #[test]
     fn a_row_has_the_same_bits_alone_and_anywhere_in_a_batch_on_every_impl() {
-        let (rows, k, m) = (20, 768, 13);
+        let (k, m) = (768, 13);
         let one = Pool::new(1, 0);
         let three = Pool::new(3, 0);
-        for dtype in TYPES {
+        // 20 rows: a full 16-row pair and a 4-row rest; 28: a pair whose second group is partial
+        for (dtype, rows) in TYPES.into_iter().flat_map(|d| [(d, 20), (d, 28)]) {
             let (_, raw, _) = weights(dtype, rows, k, 9);
             let w = Packed::from_gguf(dtype, &raw, rows, k).unwrap();
             let x = values(m * k, 123);
