@@ -1202,6 +1202,119 @@ pub(crate) mod avx512 {
         unsafe { _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi) }
     }
 
+    /// [`super::avx2::decode_sub`] of sub-block `s` of two groups' chunks (`p0`: group 2g, in
+    /// the low 8 lanes; `p1`: group 2g + 1).
+    ///
+    /// # Safety
+    /// AVX-512 F/BW; `p0` and `p1` point to complete chunks of layout `l`.
+    // inlined into its caller, which enables the features (as `avx2::decode_sub`)
+    #[inline(always)]
+    unsafe fn decode_sub2(l: Layout, p0: *const u8, p1: *const u8, s: usize) -> [__m512i; 8] {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let hmask = _mm512_set1_epi8(if l.hbits == 1 { 0x10 } else { 0x30 });
+        let (nq, half) = (l.quads(), l.quads() / 2);
+        let mut wq = [_mm512_setzero_si512(); 8];
+        // SAFETY: the sub-block's bytes lie inside both chunks (caller).
+        unsafe {
+            let (sp0, sp1) = (p0.add(s * l.sub_bytes()), p1.add(s * l.sub_bytes()));
+            let both = |off: usize| {
+                join(
+                    _mm256_loadu_si256(sp0.add(off) as *const __m256i),
+                    _mm256_loadu_si256(sp1.add(off) as *const __m256i),
+                )
+            };
+            for q in 0..half {
+                let raw = both(32 * q);
+                wq[q] = _mm512_and_si512(raw, m4);
+                wq[q + half] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
+            }
+            if l.hbits > 0 {
+                let h = both(l.sub * 4);
+                for (q, wv) in wq.iter_mut().enumerate().take(nq) {
+                    let hb = match 4 - (q * l.hbits) as i32 {
+                        4 => _mm512_slli_epi16::<4>(h),
+                        3 => _mm512_slli_epi16::<3>(h),
+                        2 => _mm512_slli_epi16::<2>(h),
+                        1 => _mm512_slli_epi16::<1>(h),
+                        0 => h,
+                        -1 => _mm512_srli_epi16::<1>(h),
+                        -2 => _mm512_srli_epi16::<2>(h),
+                        _ => _mm512_srli_epi16::<3>(h),
+                    };
+                    *wv = _mm512_or_si512(*wv, _mm512_and_si512(hb, hmask));
+                }
+            }
+        }
+        wq
+    }
+
+    /// [`super::avx2::sub_scales`] of two groups' chunks, 16 lanes.
+    ///
+    /// # Safety
+    /// AVX-512 F; `p0` and `p1` point to complete chunks of layout `l` (not Q6_K).
+    #[inline(always)]
+    unsafe fn sub_scales2(
+        l: Layout,
+        (p0, p1): (*const u8, *const u8),
+        s: usize,
+        dv: __m512,
+        dminv: __m512,
+    ) -> (__m512, __m512) {
+        if !l.scales {
+            return (_mm512_setzero_ps(), _mm512_setzero_ps());
+        }
+        // SAFETY: scales and mins lie inside both chunks (caller).
+        unsafe {
+            let bytes = |off: usize| {
+                _mm_unpacklo_epi64(
+                    _mm_loadl_epi64(p0.add(off) as *const __m128i),
+                    _mm_loadl_epi64(p1.add(off) as *const __m128i),
+                )
+            };
+            let scv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(l.sc_off() + s * LANES))), dv);
+            let mnv = if l.mins {
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(l.mn_off() + s * LANES))), dminv)
+            } else {
+                _mm512_setzero_ps()
+            };
+            (scv, mnv)
+        }
+    }
+
+    /// [`super::avx2::accumulate`]'s operations, in its order, on 16 lanes.
+    ///
+    /// # Safety
+    /// AVX-512 F; the activations hold the form layout `l` needs for token `tok` (not Q6_K).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn accumulate2(
+        l: Layout,
+        a: &QActs,
+        tok: usize,
+        b: usize,
+        s: usize,
+        isum: __m512i,
+        (dv, scv, mnv): (__m512, __m512, __m512),
+        acc: &mut __m512,
+    ) {
+        let k = a.k;
+        // SAFETY: the activation offsets lie inside the token's forms (caller).
+        unsafe {
+            if l.block != QK_K {
+                let i = tok * (k / 32) + b;
+                let sumi = _mm512_sub_epi32(isum, _mm512_set1_epi32(l.offset() * *a.isum.as_ptr().add(i)));
+                let term =
+                    _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sumi), dv), _mm512_set1_ps(*a.d.as_ptr().add(i)));
+                *acc = _mm512_add_ps(*acc, term);
+            } else {
+                let da = _mm512_set1_ps(*a.dk.as_ptr().add(tok * (k / QK_K) + b));
+                let mins = _mm512_set1_ps(*a.mins32.as_ptr().add(tok * (k / 32) + b * 8 + s));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scv, da), *acc);
+                *acc = _mm512_fnmadd_ps(mnv, mins, *acc);
+            }
+        }
+    }
+
     /// # Safety
     /// As [`lanes_pair`] with two full groups, `nt = T` and `w.kind as u8 == K`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -1212,14 +1325,12 @@ pub(crate) mod avx512 {
         let nb = k / l.block;
         let Tile { g, nr, t0, rows, out, .. } = *tile;
         let chunk = l.chunk();
-        let (nq, half) = (l.quads(), l.quads() / 2);
+        let nq = l.quads();
         let q8k = l.block == QK_K;
         // SAFETY: as in `lanes_tile`, for groups 2g and 2g + 1 (both complete: the caller).
         unsafe {
             let base0 = w.data.as_ptr().add(2 * g * nb * chunk);
             let base1 = w.data.as_ptr().add((2 * g + 1) * nb * chunk);
-            let m4 = _mm512_set1_epi8(0x0F);
-            let hmask = _mm512_set1_epi8(if l.hbits == 1 { 0x10 } else { 0x30 });
             let mut acc = [_mm512_setzero_ps(); T];
             for b in 0..nb {
                 let (p0, p1) = (base0.add(b * chunk), base1.add(b * chunk));
@@ -1232,56 +1343,8 @@ pub(crate) mod avx512 {
                 let dv = _mm512_cvtph_ps(halves(l.d_off()));
                 let dminv = if l.mins { _mm512_cvtph_ps(halves(l.d_off() + 2 * LANES)) } else { _mm512_setzero_ps() };
                 for s in 0..l.subs() {
-                    let (sp0, sp1) = (p0.add(s * l.sub_bytes()), p1.add(s * l.sub_bytes()));
-                    let mut wq = [_mm512_setzero_si512(); 8];
-                    for q in 0..half {
-                        let raw = join(
-                            _mm256_loadu_si256(sp0.add(32 * q) as *const __m256i),
-                            _mm256_loadu_si256(sp1.add(32 * q) as *const __m256i),
-                        );
-                        wq[q] = _mm512_and_si512(raw, m4);
-                        wq[q + half] = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), m4);
-                    }
-                    if l.hbits > 0 {
-                        let h = join(
-                            _mm256_loadu_si256(sp0.add(l.sub * 4) as *const __m256i),
-                            _mm256_loadu_si256(sp1.add(l.sub * 4) as *const __m256i),
-                        );
-                        for (q, wv) in wq.iter_mut().enumerate().take(nq) {
-                            let hb = match 4 - (q * l.hbits) as i32 {
-                                4 => _mm512_slli_epi16::<4>(h),
-                                3 => _mm512_slli_epi16::<3>(h),
-                                2 => _mm512_slli_epi16::<2>(h),
-                                1 => _mm512_slli_epi16::<1>(h),
-                                0 => h,
-                                -1 => _mm512_srli_epi16::<1>(h),
-                                -2 => _mm512_srli_epi16::<2>(h),
-                                _ => _mm512_srli_epi16::<3>(h),
-                            };
-                            *wv = _mm512_or_si512(*wv, _mm512_and_si512(hb, hmask));
-                        }
-                    }
-                    let (scv, mnv) = if l.scales {
-                        let bytes = |off: usize| {
-                            _mm_unpacklo_epi64(
-                                _mm_loadl_epi64(p0.add(off) as *const __m128i),
-                                _mm_loadl_epi64(p1.add(off) as *const __m128i),
-                            )
-                        };
-                        let scv =
-                            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(l.sc_off() + s * LANES))), dv);
-                        let mnv = if l.mins {
-                            _mm512_mul_ps(
-                                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(l.mn_off() + s * LANES))),
-                                dminv,
-                            )
-                        } else {
-                            _mm512_setzero_ps()
-                        };
-                        (scv, mnv)
-                    } else {
-                        (_mm512_setzero_ps(), _mm512_setzero_ps())
-                    };
+                    let wq = decode_sub2(l, p0, p1, s);
+                    let (scv, mnv) = sub_scales2(l, (p0, p1), s, dv, dminv);
                     for (t, acc_t) in acc.iter_mut().enumerate() {
                         let tok = t0 + t;
                         let at = tok * k + b * l.block + s * l.sub;
@@ -1293,21 +1356,7 @@ pub(crate) mod avx512 {
                             s1 = _mm512_dpbusd_epi32(s1, wq[q + 1], _mm512_set1_epi32(ap.add(q + 1).read_unaligned()));
                         }
                         let isum = _mm512_add_epi32(s0, s1);
-                        // `avx2::accumulate`'s operations, on 16 lanes
-                        if l.block != QK_K {
-                            let i = tok * (k / 32) + b;
-                            let sumi = _mm512_sub_epi32(isum, _mm512_set1_epi32(l.offset() * *a.isum.as_ptr().add(i)));
-                            let term = _mm512_mul_ps(
-                                _mm512_mul_ps(_mm512_cvtepi32_ps(sumi), dv),
-                                _mm512_set1_ps(*a.d.as_ptr().add(i)),
-                            );
-                            *acc_t = _mm512_add_ps(*acc_t, term);
-                        } else {
-                            let da = _mm512_set1_ps(*a.dk.as_ptr().add(tok * (k / QK_K) + b));
-                            let mins = _mm512_set1_ps(*a.mins32.as_ptr().add(tok * (k / 32) + b * 8 + s));
-                            *acc_t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(scv, da), *acc_t);
-                            *acc_t = _mm512_fnmadd_ps(mnv, mins, *acc_t);
-                        }
+                        accumulate2(l, a, tok, b, s, isum, (dv, scv, mnv), acc_t);
                     }
                 }
             }
