@@ -16,44 +16,11 @@ mod common;
 use std::time::Duration;
 
 use common::topo::TransferBackendKind::Shm;
-use common::{sse_events, Mesh, TopologyExt};
+use common::{answer, Mesh, TopologyExt};
 use serde_json::{json, Value};
 
 fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap()
-}
-
-/// An answer's text and completion tokens, streamed (SSE deltas joined) or not.
-fn answer(port: u16, path: &str, body: &Value, stream: bool) -> (String, u64) {
-    let url = format!("http://127.0.0.1:{port}{path}");
-    let mut b = body.clone();
-    if stream {
-        b["stream"] = json!(true);
-        b["stream_options"] = json!({"include_usage": true});
-    }
-    let r = client().post(&url).json(&b).send().unwrap();
-    assert_eq!(r.status().as_u16(), 200, "{path} on :{port}");
-    if !stream {
-        let v: Value = r.json().unwrap();
-        let c = &v["choices"][0];
-        let text = c["text"].as_str().or(c["message"]["content"].as_str()).unwrap_or("").to_string();
-        return (text, v["usage"]["completion_tokens"].as_u64().unwrap());
-    }
-    let (mut text, mut tokens) = (String::new(), 0);
-    for e in sse_events(&r.text().unwrap()) {
-        if e == "[DONE]" {
-            continue;
-        }
-        let v: Value = serde_json::from_str(&e).unwrap();
-        assert!(v.get("error").is_none(), "{v}");
-        if let Some(c) = v["choices"].get(0) {
-            text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or(""));
-        }
-        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
-            tokens = n;
-        }
-    }
-    (text, tokens)
 }
 
 #[test]
@@ -67,36 +34,7 @@ fn qwen2_disaggregated_equals_colocated() {
     let models: Value = client().get(mesh.url("/v1/models")).send().unwrap().json().unwrap();
     assert_eq!(models["data"][0]["id"], "qwen2.5-coder-0.5b-instruct-q4_k_m", "{models}");
 
-    let completions = [
-        "The capital of France is",
-        "def quicksort(arr):\n",
-        "// A function in Rust that reverses a string\nfn reverse(",
-        "Once upon a time, in a small village by the sea,",
-        "1, 2, 3, 5, 8, 13, 21,",
-        "SELECT name FROM users WHERE",
-        "The three primary colours are",
-        "import numpy as np\n\n# compute the mean of a list\n",
-    ];
-    let chats = [
-        "What is the capital of France?",
-        "Write a Python function that returns the square of a number.",
-        "Explain what a hash map is in one sentence.",
-        "Name three programming languages.",
-        "What does HTTP stand for?",
-        "Write a haiku about the ocean.",
-        "How do I reverse a list in Python?",
-        "Translate 'good morning' into French.",
-    ];
-    let mut bodies: Vec<(&str, Value)> = Vec::new();
-    for (i, p) in completions.iter().enumerate() {
-        bodies.push(("/v1/completions", json!({"prompt": p, "max_tokens": 12 + i, "temperature": 0})));
-    }
-    for (i, c) in chats.iter().enumerate() {
-        bodies.push((
-            "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": c}], "max_tokens": 12 + i, "temperature": 0}),
-        ));
-    }
+    let bodies = common::mixed_requests();
     assert_eq!(bodies.len(), 16);
     for (i, (path, body)) in bodies.iter().enumerate() {
         let stream = i % 2 == 1;

@@ -14,44 +14,11 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{sse_events, topo, Mesh, TopologyExt};
+use common::{answer, sse_events, topo, Mesh, TopologyExt};
 use serde_json::{json, Value};
 
 fn client() -> reqwest::blocking::Client {
     reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap()
-}
-
-/// An answer's text and completion tokens, streamed (SSE deltas joined) or not.
-fn answer(port: u16, path: &str, body: &Value, stream: bool) -> (String, u64) {
-    let url = format!("http://127.0.0.1:{port}{path}");
-    let mut b = body.clone();
-    if stream {
-        b["stream"] = json!(true);
-        b["stream_options"] = json!({"include_usage": true});
-    }
-    let r = client().post(&url).json(&b).send().unwrap();
-    assert_eq!(r.status().as_u16(), 200, "{path} on :{port}");
-    if !stream {
-        let v: Value = r.json().unwrap();
-        let c = &v["choices"][0];
-        let text = c["text"].as_str().or(c["message"]["content"].as_str()).unwrap_or("").to_string();
-        return (text, v["usage"]["completion_tokens"].as_u64().unwrap());
-    }
-    let (mut text, mut tokens) = (String::new(), 0);
-    for e in sse_events(&r.text().unwrap()) {
-        if e == "[DONE]" {
-            continue;
-        }
-        let v: Value = serde_json::from_str(&e).unwrap();
-        assert!(v.get("error").is_none(), "{v}");
-        if let Some(c) = v["choices"].get(0) {
-            text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or(""));
-        }
-        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
-            tokens = n;
-        }
-    }
-    (text, tokens)
 }
 
 /// A one-worker node `one` (on `http`) and a TP-2 node `two` (on `http + 1`) on the file.
@@ -80,40 +47,6 @@ fn tp_peers(node: &str) -> Vec<i32> {
     pids
 }
 
-fn bodies() -> Vec<(&'static str, Value)> {
-    let completions = [
-        "The capital of France is",
-        "def quicksort(arr):\n",
-        "// A function in Rust that reverses a string\nfn reverse(",
-        "Once upon a time, in a small village by the sea,",
-        "1, 2, 3, 5, 8, 13, 21,",
-        "SELECT name FROM users WHERE",
-        "The three primary colours are",
-        "import numpy as np\n\n# compute the mean of a list\n",
-    ];
-    let chats = [
-        "What is the capital of France?",
-        "Write a Python function that returns the square of a number.",
-        "Explain what a hash map is in one sentence.",
-        "Name three programming languages.",
-        "What does HTTP stand for?",
-        "Write a haiku about the ocean.",
-        "How do I reverse a list in Python?",
-        "Translate 'good morning' into French.",
-    ];
-    let mut bodies = Vec::new();
-    for (i, p) in completions.iter().enumerate() {
-        bodies.push(("/v1/completions", json!({"prompt": p, "max_tokens": 12 + i, "temperature": 0})));
-    }
-    for (i, c) in chats.iter().enumerate() {
-        bodies.push((
-            "/v1/chat/completions",
-            json!({"messages": [{"role": "user", "content": c}], "max_tokens": 12 + i, "temperature": 0}),
-        ));
-    }
-    bodies
-}
-
 #[test]
 fn qwen2_over_two_tp_ranks_answers_as_one_worker_and_survives_a_lost_peer() {
     let Some(path) = common::qwen_model_path() else { return };
@@ -122,7 +55,7 @@ fn qwen2_over_two_tp_ranks_answers_as_one_worker_and_survives_a_lost_peer() {
     assert_eq!(tp_peers("two").len(), 1, "the TP-2 node runs one peer beside its worker");
     assert!(tp_peers("one").is_empty());
 
-    let bodies = bodies();
+    let bodies = common::mixed_requests();
     assert_eq!(bodies.len(), 16);
     for (i, (path, body)) in bodies.iter().enumerate() {
         let stream = i % 2 == 1;
@@ -186,7 +119,7 @@ fn qwen2_over_two_tp_ranks_answers_as_one_worker_and_survives_a_lost_peer() {
 fn qwen2_pd_between_tp_sizes_equals_colocated() {
     use common::topo::TransferBackendKind::{Shm, Tcp};
     let Some(path) = common::qwen_model_path() else { return };
-    let bodies = bodies();
+    let bodies = common::mixed_requests();
     for (p_tp, d_tp, backend, take) in [(2, 1, Shm, 16), (1, 2, Tcp, 8), (2, 2, Shm, 8)] {
         let mesh = Mesh::start_nodes(
             |h, b| {

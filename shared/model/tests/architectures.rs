@@ -33,29 +33,12 @@ const MAX_LOGIT_DEVIATION: f32 = 0.25;
 /// Context the tests need (prompt + 32 new tokens, with room): caps the RoPE tables.
 const MAX_LEN: u32 = 512;
 
-fn model_file(name: &str, file: &str) -> Option<PathBuf> {
-    if std::env::var("PDMESH_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("PDMESH_SKIP_MODEL_TESTS=1: skipping a test that needs {file}");
-        return None;
-    }
-    let dir = std::env::var_os("PDMESH_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/pdmesh/models"));
-    let p = dir.join(file);
-    assert!(
-        p.is_file(),
-        "{} not found: run scripts/fetch-model.sh {name} (or set PDMESH_SKIP_MODEL_TESTS=1)",
-        p.display()
-    );
-    Some(p)
-}
-
 fn qwen_path() -> Option<PathBuf> {
-    model_file("qwen2.5-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    common::model_file("qwen2.5-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
 }
 
 fn gemma_path() -> Option<PathBuf> {
-    model_file("gemma3-270m", "gemma-3-270m-q4_k_m.gguf")
+    common::model_file("gemma3-270m", "gemma-3-270m-q4_k_m.gguf")
 }
 
 fn load(path: &Path) -> (GgufExecutor, GgufTextCodec) {
@@ -178,7 +161,7 @@ fn qwen2_greedy_tokens_match_candle_reference() {
 #[test]
 #[ignore = "a benchmark: needs scripts/fetch-model.sh qwen2.5-1.5b and a few minutes"]
 fn qwen2_1_5b_greedy_tokens_match_candle_reference() {
-    let Some(path) = model_file("qwen2.5-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf") else { return };
+    let Some(path) = common::model_file("qwen2.5-1.5b", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf") else { return };
     qwen2_parity(&path);
 }
 

@@ -12,7 +12,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::mpsc;
 
 use pdmesh_model::tp::{Gather, ShmGroup, TpRank};
@@ -23,23 +23,6 @@ use pdmesh_protocol::{SampledToken, ScheduledChunk};
 const N_NEW: usize = 32;
 const MAX_LEN: u32 = 512;
 const CHUNK: usize = 24;
-
-fn model_file(name: &str, file: &str) -> Option<PathBuf> {
-    if std::env::var("PDMESH_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
-        eprintln!("PDMESH_SKIP_MODEL_TESTS=1: skipping a test that needs {file}");
-        return None;
-    }
-    let dir = std::env::var_os("PDMESH_MODEL_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/pdmesh/models"));
-    let p = dir.join(file);
-    assert!(
-        p.is_file(),
-        "{} not found: run scripts/fetch-model.sh {name} (or set PDMESH_SKIP_MODEL_TESTS=1)",
-        p.display()
-    );
-    Some(p)
-}
 
 fn options() -> ModelOptions {
     ModelOptions { max_model_len: Some(MAX_LEN), threads: Some(1), ..Default::default() }
@@ -263,7 +246,7 @@ fn check(path: &Path, size: usize) {
 
 #[test]
 fn qwen2_over_two_ranks_equals_one_process_bit_for_bit() {
-    let Some(path) = model_file("qwen2.5-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf") else { return };
+    let Some(path) = common::model_file("qwen2.5-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf") else { return };
     check(&path, 2);
 }
 
@@ -275,7 +258,7 @@ fn smollm2_over_three_ranks_equals_one_process_bit_for_bit() {
 
 #[test]
 fn gemma3_over_two_ranks_with_its_kv_head_replicated_equals_one_process() {
-    let Some(path) = model_file("gemma3-270m", "gemma-3-270m-q4_k_m.gguf") else { return };
+    let Some(path) = common::model_file("gemma3-270m", "gemma-3-270m-q4_k_m.gguf") else { return };
     check(&path, 2);
 }
 

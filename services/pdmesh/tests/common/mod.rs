@@ -207,3 +207,76 @@ pub fn run_sdk_script(script: &str, base_url: &str) -> String {
     assert!(out.status.success() && stdout.contains("OK"), "{script} failed:\n{stdout}\n{stderr}");
     stdout.into_owned()
 }
+
+/// An answer's text and completion tokens from the node or router on `port`, streamed (the SSE
+/// deltas joined, usage included) or not; a non-200 answer or an error event fails the test.
+pub fn answer(port: u16, path: &str, body: &serde_json::Value, stream: bool) -> (String, u64) {
+    use serde_json::{json, Value};
+    let client = reqwest::blocking::Client::builder().timeout(Duration::from_secs(300)).build().unwrap();
+    let url = format!("http://127.0.0.1:{port}{path}");
+    let mut b = body.clone();
+    if stream {
+        b["stream"] = json!(true);
+        b["stream_options"] = json!({"include_usage": true});
+    }
+    let r = client.post(&url).json(&b).send().unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{path} on :{port}");
+    if !stream {
+        let v: Value = r.json().unwrap();
+        let c = &v["choices"][0];
+        let text = c["text"].as_str().or(c["message"]["content"].as_str()).unwrap_or("").to_string();
+        return (text, v["usage"]["completion_tokens"].as_u64().unwrap());
+    }
+    let (mut text, mut tokens) = (String::new(), 0);
+    for e in sse_events(&r.text().unwrap()) {
+        if e == "[DONE]" {
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(c) = v["choices"].get(0) {
+            text.push_str(c["text"].as_str().or(c["delta"]["content"].as_str()).unwrap_or(""));
+        }
+        if let Some(n) = v["usage"]["completion_tokens"].as_u64() {
+            tokens = n;
+        }
+    }
+    (text, tokens)
+}
+
+/// Sixteen greedy requests for a code model: eight completions and eight chats, of 12 to 19
+/// tokens each (`(path, body)`).
+pub fn mixed_requests() -> Vec<(&'static str, serde_json::Value)> {
+    use serde_json::json;
+    let completions = [
+        "The capital of France is",
+        "def quicksort(arr):\n",
+        "// A function in Rust that reverses a string\nfn reverse(",
+        "Once upon a time, in a small village by the sea,",
+        "1, 2, 3, 5, 8, 13, 21,",
+        "SELECT name FROM users WHERE",
+        "The three primary colours are",
+        "import numpy as np\n\n# compute the mean of a list\n",
+    ];
+    let chats = [
+        "What is the capital of France?",
+        "Write a Python function that returns the square of a number.",
+        "Explain what a hash map is in one sentence.",
+        "Name three programming languages.",
+        "What does HTTP stand for?",
+        "Write a haiku about the ocean.",
+        "How do I reverse a list in Python?",
+        "Translate 'good morning' into French.",
+    ];
+    let mut bodies = Vec::new();
+    for (i, p) in completions.iter().enumerate() {
+        bodies.push(("/v1/completions", json!({"prompt": p, "max_tokens": 12 + i, "temperature": 0})));
+    }
+    for (i, c) in chats.iter().enumerate() {
+        bodies.push((
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": c}], "max_tokens": 12 + i, "temperature": 0}),
+        ));
+    }
+    bodies
+}

@@ -27,6 +27,25 @@ pub fn model_path() -> Option<PathBuf> {
     Some(p)
 }
 
+/// `file` in `$PDMESH_MODEL_DIR` (else the fetch cache), or `None` when
+/// `PDMESH_SKIP_MODEL_TESTS=1`; a missing file fails the test, naming the fetch command.
+pub fn model_file(name: &str, file: &str) -> Option<PathBuf> {
+    if std::env::var("PDMESH_SKIP_MODEL_TESTS").as_deref() == Ok("1") {
+        eprintln!("PDMESH_SKIP_MODEL_TESTS=1: skipping a test that needs {file}");
+        return None;
+    }
+    let dir = std::env::var_os("PDMESH_MODEL_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/pdmesh/models"));
+    let p = dir.join(file);
+    assert!(
+        p.is_file(),
+        "{} not found: run scripts/fetch-model.sh {name} (or set PDMESH_SKIP_MODEL_TESTS=1)",
+        p.display()
+    );
+    Some(p)
+}
+
 pub fn load() -> Option<(GgufExecutor, GgufTextCodec)> {
     let p = model_path()?;
     Some(pdmesh_model::load_gguf(&p, &ModelOptions::default()).expect("load model"))
