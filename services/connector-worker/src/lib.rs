@@ -475,9 +475,10 @@ pub async fn run(
     factory: ExecutorFactory,
     facts: ModelFacts,
     placement: KvPlacement,
-    tp_peers: Option<tp::TpPeers>,
+    mut tp_peers: Option<tp::TpPeers>,
     shutdown: Shutdown,
 ) -> Result<(), WorkerError> {
+    let peer_exit = tp_peers.as_mut().and_then(|t| t.exited.take().map(|f| (f, t.poison.clone())));
     let worker = start(&ctx, factory, facts, placement, tp_peers).await?;
     let device_lost = async {
         match worker.device_lost.await {
@@ -486,9 +487,21 @@ pub async fn run(
             Err(_) => std::future::pending().await,
         }
     };
+    let peer_exited = async {
+        match peer_exit {
+            Some((exited, poison)) => {
+                let why = exited.await;
+                // the executor may wait in a gather for the peer that is gone
+                poison();
+                format!("tensor-parallel group lost: {why}")
+            }
+            None => std::future::pending().await,
+        }
+    };
     let lost = tokio::select! {
         () = shutdown.started() => None,
         why = device_lost => Some(why),
+        why = peer_exited => Some(why),
     };
     ctx.begin_drain();
     // D gives P's blocks back before it goes, while its sockets still work.

@@ -54,6 +54,9 @@ pub struct TpPeers {
     /// writes and reads its own heads, and the transfer agent and D's reads see it whole, so
     /// P/D works between any TP sizes with no per-rank transfer (D111). Taken by the worker.
     pub region: Option<KvRegion>,
+    /// Resolves (with the reason) when a peer process exits; the worker then stops as when its
+    /// accelerator is lost (its give-ups to P included, R4). Taken by [`crate::run`].
+    pub exited: Option<std::pin::Pin<Box<dyn std::future::Future<Output = String>>>>,
 }
 
 impl std::fmt::Debug for TpPeers {

@@ -280,14 +280,10 @@ fn run() -> anyhow::Result<()> {
                         .context(Misconfigured("preparing the model".into()))?;
                 let step_timeout = std::time::Duration::from_millis(ctx.node.engine.step_timeout_ms);
                 let peers = group.as_mut().map(|g| g.peers(step_timeout));
-                let worker = pdmesh_connector_worker::run(ctx, factory, facts, placement, peers, shutdown);
-                match &group {
-                    None => Ok(worker.await?),
-                    Some(g) => tokio::select! {
-                        res = worker => Ok(res?),
-                        why = g.peer_exited() => Err(anyhow::anyhow!("tensor-parallel group lost: {why}")),
-                    },
-                }
+                let res = pdmesh_connector_worker::run(ctx, factory, facts, placement, peers, shutdown).await;
+                // the group (its peers stopped, its file removed) ends with the worker
+                drop(group);
+                Ok(res?)
             })
         }
         Command::TpPeer(a) => tp::run_peer(a),

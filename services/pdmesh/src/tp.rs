@@ -152,14 +152,17 @@ impl TpGroup {
             poison: Arc::new(move || poison.poison()),
             step_timeout,
             region: self.region.take(),
+            exited: Some(Box::pin(Self::peer_exited(self.children.clone()))),
         }
     }
 
-    /// Resolves when a peer process exits (its rank 0 must then restart the group).
-    pub async fn peer_exited(&self) -> String {
+    /// Resolves when a peer process exits (its rank 0 must then restart the group): a peer
+    /// that dies before it connects (while loading) is noticed here, one that was connected
+    /// also by its socket.
+    async fn peer_exited(children: Arc<Mutex<Vec<(u32, Child)>>>) -> String {
         loop {
             tokio::time::sleep(Duration::from_millis(250)).await;
-            let mut children = self.children.lock().unwrap_or_else(|p| p.into_inner());
+            let mut children = children.lock().unwrap_or_else(|p| p.into_inner());
             for (t, child) in children.iter_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
                     return format!("TP peer {t} (pid {}) exited: {status}", child.id());
