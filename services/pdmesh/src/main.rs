@@ -324,14 +324,7 @@ where
     let deadline = pdmesh_service::deadline_from_env()?;
     let system = actix_rt::System::new();
     let res = system.block_on(async move {
-        let (trigger, shutdown) = pdmesh_service::shutdown_channel(deadline);
-        tokio::spawn(async move {
-            tokio::select! {
-                () = wait_for_signal() => {}
-                () = watch_parent() => {}
-            }
-            trigger.trigger();
-        });
+        let shutdown = shutdown_on_signal(deadline);
         let ctx = ServiceContext::start(topo, &args.node, service, args.rank)?;
         // D90: one set of structured-output bounds per node, for the frontend and the worker
         pdmesh_frontend::server::apply_guided_limits(&ctx.node.limits);
@@ -375,8 +368,22 @@ fn service_identity(name: &str, args: &ServiceArgs, topo: Option<&Topology>) -> 
     pdmesh_telemetry::ServiceIdentity::new(service, args.node.clone(), per_rank.then_some(args.rank))
 }
 
+/// The [`Shutdown`] a process waits on: started by SIGINT, SIGTERM or its parent `pdmesh up`
+/// going away (must be called inside the runtime).
+pub(crate) fn shutdown_on_signal(deadline: std::time::Duration) -> Shutdown {
+    let (trigger, shutdown) = pdmesh_service::shutdown_channel(deadline);
+    tokio::spawn(async move {
+        tokio::select! {
+            () = wait_for_signal() => {}
+            () = watch_parent() => {}
+        }
+        trigger.trigger();
+    });
+    shutdown
+}
+
 /// Resolve on SIGINT or SIGTERM.
-pub(crate) async fn wait_for_signal() {
+async fn wait_for_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let Ok(mut term) = signal(SignalKind::terminate()) else {
         let _ = tokio::signal::ctrl_c().await;
@@ -391,7 +398,7 @@ pub(crate) async fn wait_for_signal() {
 /// Resolve when the parent `pdmesh up` is gone (even after a kill -9 of `up`): its children
 /// then stop, so a crashed supervisor never leaves a half mesh holding ports. Never resolves
 /// for a process not started by `pdmesh up`.
-pub(crate) async fn watch_parent() {
+async fn watch_parent() {
     let Some(expected) = std::env::var("PDMESH_PARENT_PID").ok().and_then(|p| p.parse::<u32>().ok()) else {
         return std::future::pending().await;
     };

@@ -209,14 +209,7 @@ pub fn run_peer(a: TpPeerArgs) -> anyhow::Result<()> {
     let deadline = pdmesh_service::deadline_from_env()?;
     let system = actix_rt::System::new();
     let res = system.block_on(async move {
-        let (trigger, shutdown) = pdmesh_service::shutdown_channel(deadline);
-        tokio::spawn(async move {
-            tokio::select! {
-                () = crate::wait_for_signal() => {}
-                () = crate::watch_parent() => {}
-            }
-            trigger.trigger();
-        });
+        let shutdown = crate::shutdown_on_signal(deadline);
         let tp = TpRank { rank: a.tp_rank as usize, size: node.tensor_parallel_size as usize };
         let group = ShmGroup::open(&a.group, tp.rank).context("joining the tensor-parallel group")?;
         let (facts, factory, _) = crate::model::executor_factory(&node, Some((tp, Box::new(group))))
