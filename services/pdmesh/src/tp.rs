@@ -75,6 +75,20 @@ fn sweep_stale_groups(dir: &Path) {
     }
 }
 
+/// Remove peers' sockets (`pdmesh-tp-<pid>-<t>.sock`) whose rank 0 process no longer exists
+/// (one killed with SIGKILL cannot remove its own).
+fn sweep_stale_sockets(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix("pdmesh-tp-").filter(|r| r.ends_with(".sock")) else { continue };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 impl TpGroup {
     /// For a node with `tensor_parallel_size > 1`: create the group of `ctx`'s rank and start
     /// its peers. `None` for a node without tensor parallelism.
@@ -103,6 +117,7 @@ impl TpGroup {
             head_dim: cfg.head_dim as u32,
         };
         let region = pdmesh_connector_worker::tp::create_rank_region(&node.name, ctx.rank, &spec)?;
+        sweep_stale_sockets(&std::env::temp_dir());
         let exe = std::env::current_exe().context("the path of this program, to start the TP peers")?;
         let mut children = Vec::new();
         let mut endpoints = Vec::new();
@@ -173,7 +188,8 @@ impl TpGroup {
 }
 
 impl Drop for TpGroup {
-    /// Stop the peers (SIGTERM, then SIGKILL after 3 s) and remove the group's file.
+    /// Stop the peers (SIGTERM, then SIGKILL after 3 s) and remove the group's file and their
+    /// sockets.
     fn drop(&mut self) {
         GroupPoison::new(&self.path).poison();
         let mut children = std::mem::take(&mut *self.children.lock().unwrap_or_else(|p| p.into_inner()));
@@ -194,6 +210,11 @@ impl Drop for TpGroup {
             }
         }
         let _ = std::fs::remove_file(&self.path);
+        for e in &self.endpoints {
+            if let Some(socket) = e.strip_prefix("ipc://") {
+                let _ = std::fs::remove_file(socket);
+            }
+        }
     }
 }
 
