@@ -387,12 +387,22 @@ pub enum KvPlacement {
 
 /// The KV cache geometry of a worker of `node` running a model with `facts`.
 pub fn kv_spec(node: &pdmesh_config::NodeConfig, facts: &ModelFacts) -> pdmesh_model_api::KvCacheSpec {
+    kv_spec_of(node, facts.num_layers, facts.num_kv_heads, facts.head_dim)
+}
+
+/// [`kv_spec`] from the model's geometry alone (before the model is loaded).
+pub fn kv_spec_of(
+    node: &pdmesh_config::NodeConfig,
+    num_layers: u32,
+    num_kv_heads: u32,
+    head_dim: u32,
+) -> pdmesh_model_api::KvCacheSpec {
     pdmesh_model_api::KvCacheSpec {
-        num_layers: facts.num_layers,
+        num_layers,
         num_blocks: node.engine.num_blocks,
         block_size: node.engine.block_size,
-        num_kv_heads: facts.num_kv_heads,
-        head_dim: facts.head_dim,
+        num_kv_heads,
+        head_dim,
     }
 }
 

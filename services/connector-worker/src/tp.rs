@@ -30,16 +30,24 @@ use pdmesh_transport::{LinkHandle, TransportError};
 pub use pdmesh_kv_transfer::ShmRegion as KvRegion;
 
 /// Create the KV region of `node`'s engine rank `rank` for its TP group, in shared memory
-/// (regions left by dead processes are removed first). Named as a P/D worker names its region,
-/// with this process's pid, so a restarted group never reuses an old file.
+/// (regions and group files left by dead processes are removed first), for a model of
+/// `layers` layers of `kv_heads` KV heads of `head_dim`. Named as a P/D worker names its
+/// region, with this process's pid, so a restarted group never reuses an old file.
 pub fn create_rank_region(
-    node: &str,
+    node: &pdmesh_config::NodeConfig,
     rank: u32,
-    spec: &pdmesh_model_api::KvCacheSpec,
+    (layers, kv_heads, head_dim): (u32, u32, u32),
 ) -> Result<KvRegion, crate::WorkerError> {
     crate::sweep_stale_shm();
-    let name = format!("pdmesh-{node}-{rank}-{}", std::process::id());
-    KvRegion::create_for_spec(&name, spec).map_err(|e| crate::WorkerError::Model(format!("the rank's KV region: {e}")))
+    let name = format!("pdmesh-{}-{rank}-{}", node.name, std::process::id());
+    KvRegion::create_for_spec(&name, &crate::kv_spec_of(node, layers, kv_heads, head_dim))
+        .map_err(|e| crate::WorkerError::Model(format!("the rank's KV region: {e}")))
+}
+
+/// Where the TP group file of `node`'s engine rank `rank` goes: beside the KV regions, named
+/// with this process's pid like them, so the same sweep removes one left by a dead process.
+pub fn group_file(node: &str, rank: u32) -> std::path::PathBuf {
+    pdmesh_kv_transfer::region::default_shm_dir().join(format!("pdmesh-tp-{node}-{rank}-{}", std::process::id()))
 }
 
 /// What TP rank 0 is given of its peers.

@@ -52,29 +52,6 @@ pub struct TpGroup {
     region: Option<pdmesh_connector_worker::tp::KvRegion>,
 }
 
-/// Where the group's file goes: shared memory where the host has it.
-fn group_dir() -> PathBuf {
-    let shm = Path::new("/dev/shm");
-    if shm.is_dir() {
-        shm.to_path_buf()
-    } else {
-        std::env::temp_dir()
-    }
-}
-
-/// Remove group files (`pdmesh-tp-*-<pid>`) whose rank 0 process no longer exists.
-fn sweep_stale_groups(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(rest) = name.strip_prefix("pdmesh-tp-") else { continue };
-        let Some(pid) = rest.rsplit('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
-}
-
 /// Remove peers' sockets (`pdmesh-tp-<pid>-<t>.sock`) whose rank 0 process no longer exists
 /// (one killed with SIGKILL cannot remove its own).
 fn sweep_stale_sockets(dir: &Path) {
@@ -102,21 +79,13 @@ impl TpGroup {
         let cfg = pdmesh_model::read_config(&path).context(Misconfigured("reading the model's header".into()))?;
         TpRank { rank: 0, size }.check(&cfg).context(Misconfigured("tensor_parallel_size".into()))?;
         let widest = [cfg.vocab_size, cfg.ffn_dim, cfg.hidden, cfg.q_dim()].into_iter().max().unwrap_or(0) / size;
-        let dir = group_dir();
-        sweep_stale_groups(&dir);
+        // the rank's KV cache, every head of it, shared by the TP ranks (D111)
+        let geometry = (cfg.n_layers as u32, cfg.n_kv_heads as u32, cfg.head_dim as u32);
+        let region = pdmesh_connector_worker::tp::create_rank_region(node, ctx.rank, geometry)?;
         let pid = std::process::id();
-        let file = dir.join(format!("pdmesh-tp-{}-{}-{pid}", node.name, ctx.rank));
+        let file = pdmesh_connector_worker::tp::group_file(&node.name, ctx.rank);
         let rank0 = ShmGroup::create(&file, size, ShmGroup::section_bytes_for(widest))
             .with_context(|| format!("creating the tensor-parallel group {}", file.display()))?;
-        // the rank's KV cache, every head of it, shared by the TP ranks (D111)
-        let spec = pdmesh_model_api::KvCacheSpec {
-            num_layers: cfg.n_layers as u32,
-            num_blocks: node.engine.num_blocks,
-            block_size: node.engine.block_size,
-            num_kv_heads: cfg.n_kv_heads as u32,
-            head_dim: cfg.head_dim as u32,
-        };
-        let region = pdmesh_connector_worker::tp::create_rank_region(&node.name, ctx.rank, &spec)?;
         sweep_stale_sockets(&std::env::temp_dir());
         let exe = std::env::current_exe().context("the path of this program, to start the TP peers")?;
         let mut children = Vec::new();

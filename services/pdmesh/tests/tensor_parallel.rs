@@ -273,3 +273,80 @@ fn a_prefill_tp_peer_lost_while_d_reads_follows_the_load_failure_policy() {
     mesh.wait_kv_on(p, "P holds nothing", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
     assert!(!mesh.logs().contains("panicked"), "a panic in the logs");
 }
+
+/// Rule R4 when a decode node's tensor-parallel group is lost mid-transfer (D111): D runs over
+/// 2 TP ranks and reads slowly (`delay_transfer_ms`); with two requests' reads in flight, D's TP
+/// peer is killed. D's rank 0 stops through the lost-accelerator path (its give-ups to P), and
+/// D's engine fails the requests whose KV was there, telling P: either way P, which would hold
+/// for 480 s, frees their blocks at once. The clients get a clear error, and D's group comes
+/// back and serves. (Each of the two notices alone frees P: with the worker's give-ups left
+/// out of that path locally, this still passed.)
+#[test]
+fn a_decode_tp_peer_lost_mid_transfer_gives_p_its_blocks_back() {
+    use common::topo::TransferBackendKind::Shm;
+    let Some(path) = common::qwen_model_path() else { return };
+    let mesh = Mesh::start_nodes(
+        |h, b| {
+            common::pd_topology(h, b, Shm, 1, common::gguf(&path, 128, 1024)).with_node("d", |n| {
+                n.tensor_parallel_size = 2;
+                if let Some(kv) = n.kv_transfer.as_mut() {
+                    kv.fault_injection = "delay_transfer_ms=5000".into();
+                }
+            })
+        },
+        common::pd_engines,
+    );
+    let (router, p, d) = (mesh.http_port, mesh.http_port + 1, mesh.http_port + 2);
+    assert!(mesh.kv_on(p)["held_blocks"] == 0);
+    // the router's two legs played here, so that nothing but D can free P (a router would
+    // release P's hold itself when the decode leg fails)
+    let legs: Vec<_> = ["The capital of France is", "def quicksort(arr):\n"]
+        .into_iter()
+        .map(|prompt| {
+            let first = json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}});
+            let v: Value = client()
+                .post(format!("http://127.0.0.1:{p}/v1/completions"))
+                .json(&first)
+                .send()
+                .unwrap()
+                .json()
+                .unwrap();
+            assert!(v["kv_transfer_params"]["remote_block_ids"].is_array(), "{v}");
+            let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "kv_transfer_params": v["kv_transfer_params"].clone()});
+            let url = format!("http://127.0.0.1:{d}/v1/completions");
+            std::thread::spawn(move || {
+                let r = client().post(&url).json(&body).send().unwrap();
+                (r.status().as_u16(), r.json::<Value>().unwrap_or(Value::Null))
+            })
+        })
+        .collect();
+    // both reads are in flight once D holds blocks for them and P holds theirs
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while mesh.kv_on(d)["used_blocks"] == 0 || mesh.kv_on(p)["held_blocks"] == 0 {
+        assert!(Instant::now() < deadline, "D's reads did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let peer = tp_peers("d");
+    assert_eq!(peer.len(), 1, "D runs one TP peer");
+    rustix::process::kill_process(rustix::process::Pid::from_raw(peer[0]).unwrap(), rustix::process::Signal::KILL)
+        .unwrap();
+    // only D's notices can free P within the wait: its hold is 480 s
+    mesh.wait_kv_on(p, "P freed at once by D's give-ups", |kv| kv["held_blocks"] == 0 && kv["used_blocks"] == 0);
+    for leg in legs {
+        let (status, v) = leg.join().unwrap();
+        assert!(status >= 500 && v["error"]["message"].is_string(), "a clear error: {status} {v}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let body = json!({"prompt": "1, 2, 3, 5, 8,", "max_tokens": 8, "temperature": 0});
+    loop {
+        let r = client().post(format!("http://127.0.0.1:{router}/v1/completions")).json(&body).send().unwrap();
+        if r.status().as_u16() == 200 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "D did not come back: {}", r.status());
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    mesh.wait_kv_on(d, "D's blocks are free", |kv| kv["used_blocks"] == 0);
+    assert!(!mesh.logs().contains("panicked"), "a panic in the logs");
+}

@@ -90,18 +90,22 @@ impl TpCtx {
     /// Replace `x` (`[rows, w]`, this rank's columns) by every rank's columns (`[rows, w·size]`).
     #[inline]
     fn whole(&mut self, x: &mut Vec<f32>, rows: usize) -> Result<(), ExecutorError> {
-        let Some(g) = self.group.as_mut() else { return Ok(()) };
-        g.all_gather(x, rows, &mut self.tmp)
-            .map_err(|e| ExecutorError::DeviceLost(format!("tensor parallelism: {e}")))?;
-        std::mem::swap(x, &mut self.tmp);
-        Ok(())
+        self.gather(x, |g, x, tmp| g.all_gather(x, rows, tmp))
     }
 
-    /// The logits' slices gathered on TP rank 0 only (the one rank that samples).
+    /// [`TpCtx::whole`] on TP rank 0 only (the one rank that samples: the logits); the other
+    /// ranks' `x` is left empty.
     fn logits_to_rank0(&mut self, x: &mut Vec<f32>, rows: usize) -> Result<(), ExecutorError> {
+        self.gather(x, |g, x, tmp| g.gather_to_rank0(x, rows, tmp))
+    }
+
+    fn gather(
+        &mut self,
+        x: &mut Vec<f32>,
+        op: impl FnOnce(&mut dyn Gather, &[f32], &mut Vec<f32>) -> Result<(), crate::tp::TpError>,
+    ) -> Result<(), ExecutorError> {
         let Some(g) = self.group.as_mut() else { return Ok(()) };
-        g.gather_to_rank0(x, rows, &mut self.tmp)
-            .map_err(|e| ExecutorError::DeviceLost(format!("tensor parallelism: {e}")))?;
+        op(g.as_mut(), x, &mut self.tmp).map_err(|e| ExecutorError::DeviceLost(format!("tensor parallelism: {e}")))?;
         std::mem::swap(x, &mut self.tmp);
         Ok(())
     }
@@ -231,7 +235,6 @@ fn rope_table_for(ropes: &mut Vec<RopeTable>, head_dim: usize, base: f32, max_le
     }
 }
 
-/// The weights of layer `i` (`blk.{i}.*`), with the pieces its recipe asks for.
 /// The rows of layer `i`'s matrices a TP rank computes (all of them without TP).
 struct LayerRows {
     q: std::ops::Range<usize>,
@@ -254,6 +257,8 @@ impl LayerRows {
     }
 }
 
+/// The weights of layer `i` (`blk.{i}.*`), with the pieces its recipe asks for: TP rank
+/// `tp`'s rows of each matrix and bias.
 fn load_layer(
     g: &mut GgufFile,
     cfg: &ModelConfig,
@@ -339,8 +344,8 @@ impl GgufExecutor {
     }
 
     /// Load TP rank `tp`'s slice of the model (module `crate::tp`), gathering with `group`
-    /// (`None` only when `tp.size == 1`). Its [`ModelFacts`] and KV cache hold this rank's KV
-    /// heads.
+    /// (`None` only when `tp.size == 1`). Its [`ModelFacts`] and KV cache hold every KV head
+    /// (a node's TP ranks share one cache); the rank writes and reads its own.
     pub fn load_tp(
         path: impl AsRef<Path>,
         options: &ModelOptions,

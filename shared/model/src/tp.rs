@@ -154,7 +154,6 @@ pub trait Gather: Send {
 /// Where a rank's gathers spent their time.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct GatherTime {
-    pub calls: u64,
     /// Inside `all_gather`, waiting included.
     pub total: Duration,
     /// Waiting for the other ranks to publish a round (their compute running longer than this
@@ -342,19 +341,11 @@ impl Gather for ShmGroup {
     }
 
     fn all_gather(&mut self, mine: &[f32], rows: usize, out: &mut Vec<f32>) -> Result<(), TpError> {
-        let started = Instant::now();
-        let r = self.gather_rounds(mine, rows, out, true);
-        self.time.calls += 1;
-        self.time.total += started.elapsed();
-        r
+        self.gather_rounds(mine, rows, out, true)
     }
 
     fn gather_to_rank0(&mut self, mine: &[f32], rows: usize, out: &mut Vec<f32>) -> Result<(), TpError> {
-        let started = Instant::now();
-        let r = self.gather_rounds(mine, rows, out, self.tp.rank == 0);
-        self.time.calls += 1;
-        self.time.total += started.elapsed();
-        r
+        self.gather_rounds(mine, rows, out, self.tp.rank == 0)
     }
 
     fn poison(&self) {
@@ -367,9 +358,17 @@ impl Gather for ShmGroup {
 }
 
 impl ShmGroup {
-    /// The rounds of one gather; `read`: this rank reads the others' slices (else it only
-    /// publishes its own, and `out` is left empty).
+    /// One gather, timed; `read`: this rank reads the others' slices (else it only publishes
+    /// its own, and `out` is left empty).
     fn gather_rounds(&mut self, mine: &[f32], rows: usize, out: &mut Vec<f32>, read: bool) -> Result<(), TpError> {
+        let started = Instant::now();
+        let r = self.rounds(mine, rows, out, read);
+        self.time.total += started.elapsed();
+        r
+    }
+
+    /// The rounds of one gather ([`ShmGroup::gather_rounds`]).
+    fn rounds(&mut self, mine: &[f32], rows: usize, out: &mut Vec<f32>, read: bool) -> Result<(), TpError> {
         let n = self.tp.size;
         if rows == 0 || !mine.len().is_multiple_of(rows) {
             return Err(TpError::Shape { got: mine.len(), rows });
