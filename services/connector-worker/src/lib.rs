@@ -129,11 +129,36 @@ impl Handler<RouterEvent> for WorkerActor {
                 }
                 let _ = router.send(&peer, envelope.reply(Message::Ack));
             }
-            Message::ExecuteStep(_) => self.execute_step(peer, envelope, router, ctx),
+            Message::ExecuteStep(step) => match refuse_stale_step(step, &self.info.incarnation) {
+                Some(refusal) => {
+                    tracing::warn!(step_id = step.step_id, error = %refusal.message, "refused a step built for another worker");
+                    metrics::STALE_STEPS.inc();
+                    let _ = router.send(&peer, envelope.reply(Message::Error(refusal)));
+                }
+                None => self.execute_step(peer, envelope, router, ctx),
+            },
             Message::Hello(h) => self.peer_connected(h),
             other => tracing::warn!(kind = other.kind(), "unexpected message"),
         }
     }
+}
+
+/// Why this worker must not run `step`: it was built for another incarnation of the worker
+/// (the one before a restart), whose KV is gone; run here, its block tables would point at
+/// blocks this process never wrote, and its holds and receives at state it never had. Nothing
+/// of the step is applied; the engine fails its requests, and frees everything the old
+/// process held once its `WorkerInfo` shows the new incarnation. `None`: run it.
+pub fn refuse_stale_step(step: &SchedulerOutput, incarnation: &str) -> Option<WireError> {
+    let named = step.worker_incarnation.as_deref()?;
+    (named != incarnation).then(|| {
+        WireError::new(
+            ErrorClass::Unavailable,
+            format!(
+                "connector-worker restarted: step {} was built for incarnation {named}, this is {incarnation}",
+                step.step_id
+            ),
+        )
+    })
 }
 
 /// What the executor thread answered for one step: the offload child's connector output, and
@@ -758,6 +783,26 @@ fn offload_store(
 mod tests {
     use super::*;
     use pdmesh_config::Topology;
+
+    /// D113: a step built for this process runs; one built for the worker before a restart
+    /// is refused as `unavailable`, naming both incarnations; one naming none (a tool driving
+    /// the worker without an engine) is not checked.
+    #[test]
+    fn a_step_built_for_the_previous_worker_process_is_refused() {
+        let step = |named: Option<&str>| SchedulerOutput {
+            step_id: 4,
+            chunks: Vec::new(),
+            finished_request_ids: Vec::new(),
+            kv_connector_metadata: Default::default(),
+            worker_incarnation: named.map(str::to_string),
+        };
+        assert_eq!(refuse_stale_step(&step(Some("12-b")), "12-b"), None);
+        assert_eq!(refuse_stale_step(&step(None), "12-b"), None);
+        let refusal = refuse_stale_step(&step(Some("11-a")), "12-b").map(|e| (e.class, e.message));
+        let Some((class, message)) = refusal else { panic!("a stale step must be refused") };
+        assert_eq!(class, ErrorClass::Unavailable);
+        assert!(message.contains("11-a") && message.contains("12-b"), "{message}");
+    }
 
     /// A node set up for the `cuda` backend whose model did not place its cache on the GPU (a
     /// build without the feature, say) refuses to start, saying what is missing; it never

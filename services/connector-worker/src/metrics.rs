@@ -45,6 +45,12 @@ pub static TP_GROUP_FAILURES: LazyLock<IntCounter> = LazyLock::new(|| {
         "Times a tensor-parallel group fell out of step (a peer gone or failing a step); the group restarts",
     )
 });
+pub static STALE_STEPS: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_worker_stale_steps_total",
+        "Steps refused because they were built for an earlier incarnation of this worker (before a restart)",
+    )
+});
 pub static EXECUTE_ERRORS: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_worker_execute_errors_total", "Steps the executor refused or failed"));
 pub static KV_CACHE_BYTES: LazyLock<IntGauge> =

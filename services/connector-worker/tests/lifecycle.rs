@@ -18,7 +18,8 @@
 //! admission (the notice's fast path, or with the next step), releases by the router, lost
 //! hand-offs, aborts on either side (before, at and after finish, unknown ids), lease requests,
 //! READ progress (one-sided shm or checked tcp), `read done`, duplicate `read done`, transfer
-//! failures, failed forward passes, heartbeats, delayed or lost give-ups, and time. Steps skip
+//! failures, failed forward passes, heartbeats, delayed or lost give-ups, worker restarts on
+//! either side (below), and time. Steps skip
 //! the connector round when it has nothing to say, as the engine does (D64); time passing
 //! forces the next one, as the engine's clock does.
 //!
@@ -27,6 +28,23 @@
 //! request: the lease waits (parked) and is answered at a later lease event — granted or
 //! refused through the normal checks once the hold registered, refused once its wait ended —
 //! and the give-up is remembered and frees the hold as it registers.
+//!
+//! A worker restart (a crashed connector-worker, or a tensor-parallel group that failed as one,
+//! D111) replaces P's or D's worker process by a new one with nothing of the old state: its KV
+//! bytes, offload store, and P's hold table (leases, parked requests) or D's receive machine
+//! (READs in flight) are gone, while the engine and its connector-scheduler live on. D's READs
+//! under a dead P worker's lease go on copying whatever P's memory now holds; only a `read done`
+//! the new table confirms could count them, and it confirms none. The engine learns of the
+//! restart from its `WorkerInfo` query (`Ev::WorkerSeen`) and starts no step before (D113); a
+//! step it built for the old process that reaches the new one is refused by the worker's own
+//! check (`refuse_stale_step`). Holds and offload saves the connector-scheduler queued before
+//! the restart, for blocks the engine then freed, are dropped by the engine
+//! (`Scheduler::retain_held_metadata`). Mutations kept as checks (D113): let the engine step
+//! before it knew (the gate and the worker's check both off), and the default run fails at once
+//! with "P's hold table is not empty" (a hold the new process registered, on blocks the engine
+//! then freed as the old process's); pass the queued metadata on unfiltered, and a later request
+//! loads from the offload store the zeros the new worker saved under the old request's stamp
+//! ("the KV of position 0 (block 0) is not its token's").
 //!
 //! Every prompt is a prefix of one of three token sequences, so later requests find earlier
 //! ones' blocks in the offload store (a store smaller than the prompts sent, so it also evicts). The test's
@@ -78,9 +96,10 @@ use pdmesh_connector_worker::consumer::{Action, Consumer, Ended, FailureKind, Ne
 use pdmesh_connector_worker::multi::OutputMerge;
 use pdmesh_connector_worker::offload::OffloadStore;
 use pdmesh_connector_worker::pd::{producer_finish_step, producer_start_step};
+use pdmesh_connector_worker::refuse_stale_step;
 use pdmesh_engine_core::scheduler::{EngineFaults, Scheduler, SchedulerConfig};
 use pdmesh_engine_core::step::{
-    notice_calls, notice_receives, EngineState, EngineStep, StepDone, StepIo, WorkerAnswer,
+    notice_calls, notice_receives, EngineState, EngineStep, StepDone, StepIo, WorkerAnswer, WorkerChange,
 };
 use pdmesh_kv_transfer::{
     CapabilityCheck, HoldTable, HoldTableConfig, LeaseDecision, LeasePolicy, LeaseRefusal, NoticeOutcome, TransferError,
@@ -202,32 +221,59 @@ enum Ev {
     Advance {
         ms: u64,
     },
+    /// P's (`p`) or D's worker process dies and its supervisor starts a new one (a crash, or
+    /// a tensor-parallel group failing as one, D111): its KV cache, offload store, hold table
+    /// or receives are gone. With `stale_step`, a step the engine built before it knew is
+    /// on its way and reaches the new process, which must refuse it.
+    WorkerLost {
+        p: bool,
+        stale_step: bool,
+    },
+    /// The engine's `WorkerInfo` query answers (its link to the worker came back): a new
+    /// incarnation fails what lived in the old one and frees its blocks; until then the
+    /// engine starts no step.
+    WorkerSeen {
+        p: bool,
+    },
+}
+
+/// How the worker answers a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// The forward pass runs.
+    Runs,
+    /// The forward pass fails (the connector output still goes back).
+    Fails,
+    /// The step was built for the worker's previous incarnation: the new process refuses it.
+    Stale,
 }
 
 fn ev() -> impl Strategy<Value = Ev> {
     prop_oneof![
         // `prompt` names one of three token sequences and a length (see `Ev::New`'s apply).
-        4 => (1u32..120, 1u32..5).prop_map(|(prompt, max_tokens)| Ev::New { prompt, max_tokens, reuse: None }),
-        1 => any::<usize>().prop_map(|i| Ev::New { prompt: 1, max_tokens: 1, reuse: Some(i) }),
-        6 => Just(Ev::PStep { fails: false }),
-        6 => Just(Ev::DStep { fails: false }),
-        1 => Just(Ev::PStep { fails: true }),
-        1 => Just(Ev::DStep { fails: true }),
-        4 => any::<usize>().prop_map(|i| Ev::Forward { i, dup: None }),
-        1 => (any::<usize>(), any::<usize>()).prop_map(|(i, d)| Ev::Forward { i, dup: Some(d) }),
-        1 => (any::<usize>(), any::<bool>()).prop_map(|(i, fast)| Ev::Reject { i, fast }),
-        1 => any::<usize>().prop_map(|i| Ev::Release { i }),
-        1 => any::<usize>().prop_map(|i| Ev::Lose { i }),
-        2 => any::<usize>().prop_map(|i| Ev::AbortP { i }),
-        2 => any::<usize>().prop_map(|i| Ev::AbortD { i }),
-        3 => any::<usize>().prop_map(|k| Ev::Lease { k }),
-        3 => (any::<usize>(), any::<bool>()).prop_map(|(k, tcp)| Ev::Read { k, tcp }),
-        3 => any::<usize>().prop_map(|k| Ev::ReadDone { k }),
-        1 => any::<usize>().prop_map(|k| Ev::TransferFail { k }),
-        1 => any::<usize>().prop_map(|i| Ev::DupReadDone { i }),
-        1 => Just(Ev::Heartbeat),
-        2 => any::<usize>().prop_map(|i| Ev::Deliver { i }),
-        2 => (0u64..250).prop_map(|ms| Ev::Advance { ms }),
+        12 => (1u32..120, 1u32..5).prop_map(|(prompt, max_tokens)| Ev::New { prompt, max_tokens, reuse: None }),
+        3 => any::<usize>().prop_map(|i| Ev::New { prompt: 1, max_tokens: 1, reuse: Some(i) }),
+        18 => Just(Ev::PStep { fails: false }),
+        18 => Just(Ev::DStep { fails: false }),
+        3 => Just(Ev::PStep { fails: true }),
+        3 => Just(Ev::DStep { fails: true }),
+        12 => any::<usize>().prop_map(|i| Ev::Forward { i, dup: None }),
+        3 => (any::<usize>(), any::<usize>()).prop_map(|(i, d)| Ev::Forward { i, dup: Some(d) }),
+        3 => (any::<usize>(), any::<bool>()).prop_map(|(i, fast)| Ev::Reject { i, fast }),
+        3 => any::<usize>().prop_map(|i| Ev::Release { i }),
+        3 => any::<usize>().prop_map(|i| Ev::Lose { i }),
+        6 => any::<usize>().prop_map(|i| Ev::AbortP { i }),
+        6 => any::<usize>().prop_map(|i| Ev::AbortD { i }),
+        9 => any::<usize>().prop_map(|k| Ev::Lease { k }),
+        9 => (any::<usize>(), any::<bool>()).prop_map(|(k, tcp)| Ev::Read { k, tcp }),
+        9 => any::<usize>().prop_map(|k| Ev::ReadDone { k }),
+        3 => any::<usize>().prop_map(|k| Ev::TransferFail { k }),
+        3 => any::<usize>().prop_map(|i| Ev::DupReadDone { i }),
+        3 => Just(Ev::Heartbeat),
+        6 => any::<usize>().prop_map(|i| Ev::Deliver { i }),
+        6 => (0u64..250).prop_map(|ms| Ev::Advance { ms }),
+        1 => (any::<bool>(), any::<bool>()).prop_map(|(p, stale_step)| Ev::WorkerLost { p, stale_step }),
+        3 => any::<bool>().prop_map(|p| Ev::WorkerSeen { p }),
     ]
 }
 
@@ -257,6 +303,9 @@ struct Node {
     finished_calls: HashMap<String, u32>,
     /// Requests the engine refused at admission.
     refused: u64,
+    /// The worker process's incarnation (the `WorkerInfo` name a restart changes).
+    incarnation: String,
+    restarts: u32,
 }
 
 impl Node {
@@ -286,7 +335,22 @@ impl Node {
             admitted: HashMap::new(),
             finished_calls: HashMap::new(),
             refused: 0,
+            incarnation: String::new(),
+            restarts: 0,
         }
+    }
+
+    /// The worker process died and a new one runs in its place, with nothing of the old
+    /// one's state: a fresh KV cache (its bytes are not the old ones'), an empty offload
+    /// store and merge. The engine is not told here; it learns at [`Ev::WorkerSeen`].
+    fn new_worker_process(&mut self, side: Side) {
+        self.restarts += 1;
+        self.incarnation = format!("{side:?}-{}", self.restarts);
+        let spec = *self.kv.spec();
+        self.kv = KvCache::new_heap(spec);
+        self.store = OffloadStore::new(spec, OFFLOAD_SLOTS);
+        self.merge = OutputMerge::default();
+        self.loaded_unread.clear();
     }
 
     fn sched(&self) -> &Scheduler {
@@ -503,6 +567,17 @@ struct World {
     /// Parked lease requests granted once their hold registered, and refused.
     early_granted: u64,
     early_refused: u64,
+    /// Steps a restarted worker refused (built for its predecessor), requests the engines
+    /// failed on seeing a restart, and reads D had in flight from a P worker that restarted.
+    stale_steps_refused: u64,
+    requests_lost_to_restarts: u64,
+    reads_across_p_restart: u64,
+    /// The counters of hold tables that died with their P worker process.
+    retired_tables: Vec<pdmesh_kv_transfer::HoldCounters>,
+}
+
+fn hold_config() -> HoldTableConfig {
+    HoldTableConfig { lease_ttl: LEASE_TTL, heartbeat_extension: HEARTBEAT_EXTENSION, early_wait: EARLY_WAIT }
 }
 
 impl World {
@@ -517,11 +592,7 @@ impl World {
             side_channel_port: 5600,
             dp_rank: 0,
         };
-        let table = HoldTable::new(HoldTableConfig {
-            lease_ttl: LEASE_TTL,
-            heartbeat_extension: HEARTBEAT_EXTENSION,
-            early_wait: EARLY_WAIT,
-        });
+        let table = HoldTable::new(hold_config());
         let mut p = Node::new(PdConnector::new(Some(producer), false, HOLD), P_BLOCKS, false, EngineFaults::default());
         p.state.sched.set_prefix_caching(p_caching);
         p.state.sched.set_reserve_next_block(reserve);
@@ -529,6 +600,11 @@ impl World {
         // D's engine refuses some hand-offs itself (rule R1 inside the engine).
         let mut d = Node::new(PdConnector::new(None, true, Duration::ZERO), D_BLOCKS, recompute, d_engine_faults());
         d.state.sched.set_reserve_next_block(reserve);
+        // Both workers are up and known before the first step.
+        for (n, side) in [(&mut p, Side::P), (&mut d, Side::D)] {
+            n.new_worker_process(side);
+            n.state.worker_seen(&n.incarnation);
+        }
         Self {
             p,
             d,
@@ -551,6 +627,10 @@ impl World {
             parked: HashMap::new(),
             early_granted: 0,
             early_refused: 0,
+            stale_steps_refused: 0,
+            requests_lost_to_restarts: 0,
+            reads_across_p_restart: 0,
+            retired_tables: Vec::new(),
         }
     }
 
@@ -563,7 +643,11 @@ impl World {
 
     /// One engine step of `side`, through the engine's own step machine; the worker's part is
     /// P's hold table or D's receives, and the model's sampling (or a failed pass).
-    fn step(&mut self, side: Side, fails: bool) -> Result<(), TestCaseError> {
+    fn step(&mut self, side: Side, pass: Pass) -> Result<(), TestCaseError> {
+        // The engine's driver starts no step while it does not know which worker answers.
+        if !self.node(side).state.can_step() {
+            return Ok(());
+        }
         self.node(side).count_adds();
         let (mut step, mut io) = EngineStep::start(&mut self.node(side).state, |_| TraceContext::default());
         let done = loop {
@@ -573,24 +657,8 @@ impl World {
                     step.on_connector(&mut self.node(side).state, Some(replies))
                 }
                 StepIo::Worker(output) => {
-                    let pd_out = match side {
-                        Side::P => {
-                            let mut kv = KvConnectorOutput::default();
-                            let (now, wall) = (self.now, wall_ms());
-                            producer_start_step(&mut self.table, &output.kv_connector_metadata, |s| {
-                                now + Duration::from_millis(s.deadline_unix_ms.saturating_sub(wall))
-                            });
-                            producer_finish_step(&mut self.table, now, &mut kv);
-                            kv
-                        }
-                        Side::D => {
-                            self.d_worker_start(&output.kv_connector_metadata)?;
-                            self.d_worker_finish()?
-                        }
-                    };
-                    let kv = self.node(side).offload_and_merge(&output.kv_connector_metadata, pd_out);
-                    self.node(side).model_pass(&output, fails)?;
-                    step.on_worker(&mut self.node(side).state, model_answer(&output, kv, fails))
+                    let answer = self.worker_pass(side, pass, &output)?;
+                    step.on_worker(&mut self.node(side).state, answer)
                 }
                 StepIo::Done(done) => break done,
             };
@@ -611,6 +679,88 @@ impl World {
             }
         }
         Ok(())
+    }
+
+    /// The worker's part of a step: its first check (is the step built for this process?),
+    /// then P's hold table or D's receives, the offload copies, and the model's pass.
+    fn worker_pass(&mut self, side: Side, pass: Pass, output: &SchedulerOutput) -> Result<WorkerAnswer, TestCaseError> {
+        let refusal = refuse_stale_step(output, &self.node(side).incarnation);
+        if pass == Pass::Stale {
+            let Some(refusal) = refusal else {
+                return Err(TestCaseError::fail("a restarted worker ran a step built for the old one"));
+            };
+            self.stale_steps_refused += 1;
+            return Ok(WorkerAnswer::Failed(refusal.message));
+        }
+        prop_assert!(refusal.is_none(), "a worker refused a step built for it: {:?}", refusal);
+        let pd_out = match side {
+            Side::P => {
+                let mut kv = KvConnectorOutput::default();
+                let (now, wall) = (self.now, wall_ms());
+                producer_start_step(&mut self.table, &output.kv_connector_metadata, |s| {
+                    now + Duration::from_millis(s.deadline_unix_ms.saturating_sub(wall))
+                });
+                producer_finish_step(&mut self.table, now, &mut kv);
+                kv
+            }
+            Side::D => {
+                self.d_worker_start(&output.kv_connector_metadata)?;
+                self.d_worker_finish()?
+            }
+        };
+        let fails = pass == Pass::Fails;
+        let kv = self.node(side).offload_and_merge(&output.kv_connector_metadata, pd_out);
+        self.node(side).model_pass(output, fails)?;
+        Ok(model_answer(output, kv, fails))
+    }
+
+    /// The worker process of `side` died and a new one runs (`Ev::WorkerLost`). What lived
+    /// in the old process is gone: on P the hold table with its leases and parked requests
+    /// (D's READs under those leases go on, but no `read done` can be confirmed by the new
+    /// table), on D the receive machine with its READs. Messages already on the wire (D's
+    /// give-ups) stay there. With `stale_step`, a step the engine built for the old process
+    /// reaches the new one first. The engine learns of it at `Ev::WorkerSeen`.
+    fn worker_lost(&mut self, side: Side, stale_step: bool) -> Result<(), TestCaseError> {
+        let engine_knew_old = self.node(side).state.can_step();
+        self.node(side).new_worker_process(side);
+        match side {
+            Side::P => {
+                let old = std::mem::replace(&mut self.table, HoldTable::new(hold_config()));
+                self.retired_tables.push(old.counters().clone());
+                self.leases.clear();
+                self.parked.clear();
+                self.reads_across_p_restart += self.inflight.iter().filter(|r| r.lease.is_some()).count() as u64;
+                // Lease requests the old process had parked die with its side channel: D's
+                // request fails (as a silent P does), and its machine decides what next.
+                let parked: Vec<RecvId> =
+                    self.inflight.iter_mut().filter_map(|r| r.parked.take().map(|_| r.id)).collect();
+                for recv in parked {
+                    let next = self.consumer.on_lease(recv, Err(TransferError::Timeout(LEASE_TTL)));
+                    self.drive(recv, next)?;
+                }
+            }
+            Side::D => {
+                self.consumer = Consumer::new(true, HOLD * 2);
+                self.inflight.clear();
+                self.settled.clear();
+                self.heartbeat.clear();
+            }
+        }
+        if stale_step && engine_knew_old {
+            self.step(side, Pass::Stale)?;
+        }
+        self.node(side).state.worker_unconfirmed();
+        Ok(())
+    }
+
+    /// The engine's `WorkerInfo` answer: a new incarnation fails the requests whose KV lived
+    /// in the old one and frees its blocks, held ones included, before the next step.
+    fn worker_seen(&mut self, side: Side) {
+        let node = self.node(side);
+        let incarnation = node.incarnation.clone();
+        if let WorkerChange::Restarted { lost } = node.state.worker_seen(&incarnation) {
+            self.requests_lost_to_restarts += lost as u64;
+        }
     }
 
     /// D's worker takes the step's metadata (`PdRuntime::start_step`): its consumer machine
@@ -941,8 +1091,8 @@ impl World {
                     self.ids.push(id);
                 }
             }
-            Ev::PStep { fails } => self.step(Side::P, *fails)?,
-            Ev::DStep { fails } => self.step(Side::D, *fails)?,
+            Ev::PStep { fails } => self.step(Side::P, if *fails { Pass::Fails } else { Pass::Runs })?,
+            Ev::DStep { fails } => self.step(Side::D, if *fails { Pass::Fails } else { Pass::Runs })?,
             Ev::Forward { i, dup } => {
                 if let Some(i) = pick(*i, self.ready.len()) {
                     let h = self.ready.remove(i);
@@ -1064,6 +1214,8 @@ impl World {
                 self.p.state.force_meta = true;
                 self.d.state.force_meta = true;
             }
+            Ev::WorkerLost { p, stale_step } => self.worker_lost(if *p { Side::P } else { Side::D }, *stale_step)?,
+            Ev::WorkerSeen { p } => self.worker_seen(if *p { Side::P } else { Side::D }),
         }
         self.check()
     }
@@ -1117,7 +1269,10 @@ impl World {
                 self.outbox.clear();
             }
             self.now += HOLD + LEASE_TTL + HEARTBEAT_EXTENSION;
+            let mut rounds = 0;
             while !self.inflight.is_empty() {
+                rounds += 1;
+                prop_assert!(rounds < 1000, "D's receive makes no progress: {:?}", self.inflight.first());
                 self.lease(0)?;
                 if self.inflight.first().is_some_and(|r| r.parked.is_some()) {
                     // Parked just now, and P's worker steps no more in this loop: its wait ends.
@@ -1128,8 +1283,11 @@ impl World {
                     self.read_done(0)?;
                 }
             }
-            self.step(Side::P, false)?;
-            self.step(Side::D, false)?;
+            // The engines' `WorkerInfo` queries answer in the end.
+            self.worker_seen(Side::P);
+            self.worker_seen(Side::D);
+            self.step(Side::P, Pass::Runs)?;
+            self.step(Side::D, Pass::Runs)?;
             self.check()?;
             let quiet = self.p.quiet()
                 && self.d.quiet()
@@ -1217,27 +1375,35 @@ fn the_generator_reaches_the_race_windows() {
     let (mut saved, mut loaded, mut checked, mut extra_saves) = (0, 0, 0, 0);
     let (mut p_hits, mut d_hits, mut evictions, mut partial_reads) = (0, 0, 0, 0);
     let (mut early_granted, mut early_refused) = (0, 0);
-    for case in 0..200 {
+    let (mut p_restarts, mut d_restarts, mut stale_steps, mut lost, mut reads_across) = (0, 0, 0, 0, 0);
+    for case in 0..400 {
         let events = proptest::collection::vec(ev(), 1..160).new_tree(&mut runner).unwrap().current();
         let mut w = World::new(false, case % 2 == 0, case % 3 == 0);
         for e in &events {
             w.apply(e).unwrap();
         }
         w.quiesce(false).unwrap();
-        let c = w.table.counters();
-        totals.leases_granted += c.leases_granted;
-        totals.read_done += c.read_done;
-        totals.aborts_deferred += c.aborts_deferred;
-        totals.give_ups += c.give_ups;
-        totals.expired_holds += c.expired_holds;
-        totals.expired_leases += c.expired_leases;
-        totals.stale_read_done += c.stale_read_done + c.unknown_read_done + c.duplicate_read_done;
-        totals.aborts += c.aborts;
-        totals.leases_parked += c.leases_parked;
-        totals.parked_timed_out += c.parked_timed_out;
-        totals.tombstones += c.tombstones;
-        totals.tombstone_releases += c.tombstone_releases;
+        for c in w.retired_tables.iter().chain([w.table.counters()]) {
+            totals.leases_granted += c.leases_granted;
+            totals.read_done += c.read_done;
+            totals.aborts_deferred += c.aborts_deferred;
+            totals.give_ups += c.give_ups;
+            totals.expired_holds += c.expired_holds;
+            totals.expired_leases += c.expired_leases;
+            totals.stale_read_done += c.stale_read_done + c.unknown_read_done + c.duplicate_read_done;
+            totals.aborts += c.aborts;
+            totals.leases_parked += c.leases_parked;
+            totals.parked_timed_out += c.parked_timed_out;
+            totals.tombstones += c.tombstones;
+            totals.tombstone_releases += c.tombstone_releases;
+        }
         early_granted += w.early_granted;
+        // Every node starts its first worker process as a "restart" of none.
+        p_restarts += w.p.restarts - 1;
+        d_restarts += w.d.restarts - 1;
+        stale_steps += w.stale_steps_refused;
+        lost += w.requests_lost_to_restarts;
+        reads_across += w.reads_across_p_restart;
         early_refused += w.early_refused;
         p_finished += w.p.sched().counters().request_finished_calls;
         d_finished += w.d.sched().counters().request_finished_calls;
@@ -1262,7 +1428,9 @@ fn the_generator_reaches_the_race_windows() {
          {saved}, loaded {loaded}, loaded and read right by the model {checked}, requests two children delayed \
          {extra_saves}; prefix cache: tokens hit on P {p_hits}, on D {d_hits}, blocks evicted {evictions}, \
          partial reads {partial_reads}; leases parked before their hold registered: granted {early_granted}, \
-         refused {early_refused}"
+         refused {early_refused}; worker restarts P {p_restarts} D {d_restarts}, stale steps refused \
+         {stale_steps}, requests failed by a restart {lost}, READs under a lease of a P worker that restarted \
+         {reads_across}"
     );
     for (what, n) in [
         ("reused request ids", reused),
@@ -1291,7 +1459,12 @@ fn the_generator_reaches_the_race_windows() {
         ("parked leases refused (their wait ended, or the checks refused)", early_refused),
         ("give-ups before their hold registered, remembered", totals.tombstones),
         ("holds released as they registered, by a give-up that came first", totals.tombstone_releases),
+        ("P worker restarts", u64::from(p_restarts)),
+        ("D worker restarts", u64::from(d_restarts)),
+        ("steps a restarted worker refused (built for the old process)", stale_steps),
+        ("requests failed because their worker restarted", lost),
+        ("READs in flight under a lease of a P worker that restarted", reads_across),
     ] {
-        assert!(n > 0, "no {what} in 200 cases: {totals:?}");
+        assert!(n > 0, "no {what} in 400 cases: {totals:?}");
     }
 }

@@ -16,7 +16,7 @@ use thiserror::Error;
 
 use crate::metrics as m;
 use crate::scheduler::{Scheduler, SchedulerConfig};
-use crate::step::{self, EngineState, EngineStep, StepIo, StepNext, WorkerAnswer};
+use crate::step::{self, EngineState, EngineStep, StepIo, StepNext, WorkerAnswer, WorkerChange};
 
 #[derive(Debug, Error)]
 pub enum EngineError {
@@ -127,12 +127,12 @@ impl EngineCore {
                     System::current().stop_with_code(2);
                     return;
                 }
-                let restarted = act.worker_info.as_ref().is_some_and(|old| old.incarnation != info.incarnation);
-                if restarted {
-                    let lost = act.state.borrow_mut().sched.worker_restarted("unavailable: connector-worker restarted");
+                // Steps wait for this answer (`EngineState::can_step`): a restart is applied
+                // before any step reaches the new process.
+                let change = act.state.borrow_mut().worker_seen(&info.incarnation);
+                if let WorkerChange::Restarted { lost } = change {
                     m::WORKER_RESTARTS.inc();
                     tracing::warn!(lost_requests = lost, "connector-worker restarted: its KV is gone; failed its requests and freed held blocks");
-                    act.kick(ctx);
                 }
                 // Cached blocks are only valid for the model that computed them.
                 act.state.borrow_mut().sched.set_cache_salt(&info.model_name);
@@ -140,6 +140,7 @@ impl EngineCore {
                 act.worker_info = Some(info);
                 act.connect_dplb(ctx);
                 act.update_health();
+                act.kick(ctx);
             }
             other => {
                 tracing::warn!(?other, "worker info not available yet; retrying");
@@ -167,7 +168,7 @@ impl EngineCore {
     }
 
     fn update_health(&self) {
-        let ready = self.worker_info.is_some()
+        let ready = self.state.borrow().can_step()
             && self.peers.as_ref().is_some_and(|p| {
                 p.dplb.as_ref().is_some_and(LinkHandle::is_up) && p.connector.is_up() && p.worker.is_up()
             });
@@ -206,7 +207,8 @@ impl EngineCore {
     }
 
     fn kick(&mut self, ctx: &mut Context<Self>) {
-        if self.stepping {
+        // The worker's `WorkerInfo` re-kicks once it confirms which process answers.
+        if self.stepping || !self.state.borrow().can_step() {
             return;
         }
         let Some(peers) = self.peers.clone() else { return };
@@ -252,7 +254,9 @@ impl Handler<LinkEvent> for EngineCore {
                 let is_worker = self.peers.as_ref().is_some_and(|p| p.worker.endpoint() == endpoint);
                 if is_worker {
                     // First connect, or a reconnect: the worker may have restarted (new
-                    // incarnation), in which case its KV state is gone.
+                    // incarnation), in which case its KV state is gone. No step until its
+                    // `WorkerInfo` says which.
+                    self.state.borrow_mut().worker_unconfirmed();
                     self.query_worker_info(ctx);
                 }
                 let is_connector = self.peers.as_ref().is_some_and(|p| p.connector.endpoint() == endpoint);
@@ -265,6 +269,9 @@ impl Handler<LinkEvent> for EngineCore {
             }
             LinkEvent::Down { endpoint } => {
                 tracing::warn!(%endpoint, "peer down");
+                if self.peers.as_ref().is_some_and(|p| p.worker.endpoint() == endpoint) {
+                    self.state.borrow_mut().worker_unconfirmed();
+                }
                 self.update_health();
             }
             LinkEvent::Message { envelope, .. } => self.on_message(envelope, ctx),
@@ -376,7 +383,10 @@ async fn run_step(
     if started.duration_since(clock.last.get()) >= clock.every {
         state.borrow_mut().force_meta = true;
     }
-    let unknown_before = state.borrow().sched.counters().unknown_ids;
+    let (unknown_before, stale_before) = {
+        let st = state.borrow();
+        (st.sched.counters().unknown_ids, st.sched.counters().stale_sends_dropped)
+    };
     let trace_of = |id: &str| REQUEST_SPANS.contexts(std::iter::once(id)).remove(id).unwrap_or_default();
     let (mut step, mut io) = EngineStep::start(&mut state.borrow_mut(), trace_of);
     let done = loop {
@@ -410,6 +420,7 @@ async fn run_step(
         let mut st = state.borrow_mut();
         publish_gauges(&st.sched);
         m::UNKNOWN_IDS.inc_by(st.sched.counters().unknown_ids.saturating_sub(unknown_before));
+        m::STALE_SENDS_DROPPED.inc_by(st.sched.counters().stale_sends_dropped.saturating_sub(stale_before));
         (st.rank, st.load_report(&done.outputs, overdue))
     };
     // Hand-offs of the step before: this step's worker call registered their holds with

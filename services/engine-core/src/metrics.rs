@@ -35,6 +35,12 @@ pub static REQUEST_FINISHED_CALLS: LazyLock<IntCounter> =
 pub static UNKNOWN_IDS: LazyLock<IntCounter> = LazyLock::new(|| {
     counter("pdmesh_engine_unknown_ids_total", "Aborts, outputs or notices naming untracked requests")
 });
+pub static STALE_SENDS_DROPPED: LazyLock<IntCounter> = LazyLock::new(|| {
+    counter(
+        "pdmesh_engine_stale_holds_dropped_total",
+        "Holds and offload saves the connector queued for blocks this engine no longer holds (freed by a worker restart): not passed to the worker",
+    )
+});
 pub static PREEMPTIONS: LazyLock<IntCounter> =
     LazyLock::new(|| counter("pdmesh_engine_preemptions_total", "Preemptions"));
 pub static KV_LOADS_RECOMPUTED: LazyLock<IntCounter> = LazyLock::new(|| {

@@ -21,8 +21,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use pdmesh_protocol::{
-    ConnectorCall, EngineOutput, EngineRequest, EngineStats, HeldRequest, KvConnectorOutput, KvTransferParams, KvUsage,
-    ModelRunnerOutput, ScheduledChunk,
+    ConnectorCall, EngineOutput, EngineRequest, EngineStats, HeldRequest, KvConnectorMetadata, KvConnectorOutput,
+    KvTransferParams, KvUsage, ModelRunnerOutput, ScheduledChunk,
 };
 
 use crate::block_pool::{block_hash, extend_hashes, root_hash, BlockHash, BlockPool};
@@ -164,6 +164,9 @@ pub struct SchedulerCounters {
     pub kv_loads_failed_by_policy: u64,
     /// Connector-worker restarts seen (its KV state was lost).
     pub worker_restarts: u64,
+    /// Holds and offload saves the connector queued for blocks this engine no longer holds
+    /// for that request (a worker restart freed them): dropped, never passed on.
+    pub stale_sends_dropped: u64,
     /// Prompt tokens looked up in the prefix cache (vLLM's `prefix_cache_queries`).
     pub prefix_cache_queries: u64,
     /// Of those, tokens found cached (vLLM's `prefix_cache_hits`).
@@ -1108,6 +1111,29 @@ impl Scheduler {
 
     /// Held requests aborted after finish since the last call: the connector-worker's hold
     /// table decides when their blocks can go (at once, or when the active lease ends).
+    /// Keep only what the worker may do with blocks held for a request: register a hold
+    /// (`reqs_to_send`) or save them to the offload store (`offload.saves`, with their
+    /// `extra_async_saves`) for a request this engine holds, on blocks it holds for it. The
+    /// connector-scheduler queues both when `request_finished` answers, and the next step's
+    /// metadata carries them; a worker restart in between frees the request's blocks here
+    /// ([`Scheduler::worker_restarted`]) while the connector, another process, still has them
+    /// queued. Passed on, the new worker would lend D blocks that the next request overwrites,
+    /// or stamp its empty KV into the store as the old request's content, for a later prefix
+    /// hit to load. Returns how many were dropped (counted).
+    pub fn retain_held_metadata(&mut self, meta: &mut KvConnectorMetadata) -> usize {
+        let before = meta.reqs_to_send.len() + meta.offload.saves.len() + meta.extra_async_saves.len();
+        let held = &self.held;
+        meta.reqs_to_send.retain(|s| held.get(&s.request_id).is_some_and(|h| h.blocks == s.block_ids));
+        meta.offload
+            .saves
+            .retain(|t| held.get(&t.request_id).is_some_and(|h| t.block_ids.iter().all(|b| h.blocks.contains(b))));
+        meta.extra_async_saves.retain(|id, _| held.contains_key(id));
+        let after = meta.reqs_to_send.len() + meta.offload.saves.len() + meta.extra_async_saves.len();
+        let dropped = before - after;
+        self.counters.stale_sends_dropped += dropped as u64;
+        dropped
+    }
+
     pub fn take_aborted_held(&mut self) -> Vec<String> {
         std::mem::take(&mut self.aborted_held)
     }

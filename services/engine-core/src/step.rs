@@ -68,6 +68,23 @@ pub struct EngineState {
     load_touched: bool,
     /// The (waiting, running) counts of the last load report sent.
     last_reported: Option<(u32, u32)>,
+    /// The worker incarnation the scheduler's KV state describes (the last `WorkerInfo`'s).
+    /// Every step names it, so a restarted worker refuses a step built for its predecessor.
+    worker_incarnation: Option<String>,
+    /// Whether that incarnation is confirmed since the worker's link last went down or came
+    /// back; no step starts until it is ([`EngineState::can_step`]).
+    worker_confirmed: bool,
+}
+
+/// What the driver learnt from the worker's `WorkerInfo` ([`EngineState::worker_seen`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerChange {
+    /// The first worker this engine has seen.
+    First,
+    /// The same process as before (its link only reconnected).
+    Same,
+    /// A new process: the KV the old one held is gone; `lost` requests were failed.
+    Restarted { lost: usize },
 }
 
 impl EngineState {
@@ -82,7 +99,39 @@ impl EngineState {
             quiet_at: None,
             load_touched: false,
             last_reported: None,
+            worker_incarnation: None,
+            worker_confirmed: false,
         }
+    }
+
+    /// Whether a step may go to the worker: only once the driver knows which worker
+    /// incarnation it talks to. A step sent while a restarted worker is not yet recognised
+    /// would run over block tables whose KV died with the old process.
+    pub fn can_step(&self) -> bool {
+        self.worker_confirmed
+    }
+
+    /// The worker's link went down or came back: until its `WorkerInfo` says which process
+    /// answers, no step starts.
+    pub fn worker_unconfirmed(&mut self) {
+        self.worker_confirmed = false;
+    }
+
+    /// The worker's `WorkerInfo` named `incarnation`. Another one than the scheduler's state
+    /// was built with means the worker restarted: everything whose KV lived there fails and
+    /// its blocks are freed ([`Scheduler::worker_restarted`]) before any step reaches the new
+    /// process.
+    pub fn worker_seen(&mut self, incarnation: &str) -> WorkerChange {
+        let change = match self.worker_incarnation.as_deref() {
+            None => WorkerChange::First,
+            Some(old) if old == incarnation => WorkerChange::Same,
+            Some(_) => {
+                WorkerChange::Restarted { lost: self.sched.worker_restarted("unavailable: connector-worker restarted") }
+            }
+        };
+        self.worker_incarnation = Some(incarnation.to_string());
+        self.worker_confirmed = true;
+        change
     }
 
     /// Whether a metadata round could carry anything: a call since the last empty answer,
@@ -308,7 +357,7 @@ impl EngineStep {
                     &finishing,
                     replies.as_deref().map(|r| r.get(allocs..).unwrap_or(&[])),
                 );
-                let (answered, meta) = match replies.as_ref().and_then(|r| r.last()) {
+                let (answered, mut meta) = match replies.as_ref().and_then(|r| r.last()) {
                     Some(ConnectorReply::Meta(meta)) => (true, meta.clone()),
                     _ => (false, KvConnectorMetadata::default()),
                 };
@@ -317,6 +366,13 @@ impl EngineStep {
                 // malformed answer (connector unreachable) never does.
                 let quiet = answered && meta == KvConnectorMetadata::default();
                 st.quiet_at = quiet.then_some(meta_at);
+                let stale = st.sched.retain_held_metadata(&mut meta);
+                if stale > 0 {
+                    tracing::warn!(
+                        stale,
+                        "dropped holds and saves of blocks this engine no longer holds (freed by a worker restart)"
+                    );
+                }
                 self.execute(st, chunks, finished_request_ids, meta, scheduled_tokens)
             }
             Phase::Finishing { finishing, kv_output } => {
@@ -417,6 +473,7 @@ impl EngineStep {
             chunks: chunks.clone(),
             finished_request_ids,
             kv_connector_metadata: meta,
+            worker_incarnation: st.worker_incarnation.clone(),
         };
         self.phase = Phase::Executing { chunks };
         StepIo::Worker(output)

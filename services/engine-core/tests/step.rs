@@ -9,11 +9,12 @@
 //! aborted request, a rejection notice, a non-empty or lost answer, or the driver's clock
 //! (`force_meta`, for D's heartbeats) brings the metadata round back.
 //!
-//! And when a step reports the load to the dp-lb (D75): only after a change.
+//! And when a step reports the load to the dp-lb (D75): only after a change. And which worker
+//! process a step is for (D113).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use pdmesh_engine_core::scheduler::{Scheduler, SchedulerConfig};
-use pdmesh_engine_core::step::{notice_calls, EngineState, EngineStep, StepDone, StepIo, WorkerAnswer};
+use pdmesh_engine_core::step::{notice_calls, EngineState, EngineStep, StepDone, StepIo, WorkerAnswer, WorkerChange};
 use pdmesh_protocol::{
     ConnectorCall, ConnectorReply, EngineRequest, KvConnectorMetadata, KvTransferParams, ModelRunnerOutput,
     RejectionNotice, SampledToken, SamplingParams,
@@ -366,4 +367,49 @@ fn a_load_report_goes_out_only_when_the_load_or_the_requests_changed() {
     assert!(st.load_report(&s.done.outputs, false).is_some(), "an abort's step reports");
     let s = run(&mut st, noop);
     assert_eq!(st.load_report(&s.done.outputs, false), None, "and the steady steps after it do not");
+}
+
+/// D113: the step state knows which worker process its KV state describes. Every step names
+/// it; a new one seen fails the requests whose KV lived in the old process and frees their
+/// blocks before the next step, and a link that went down or came back holds steps until the
+/// worker's `WorkerInfo` says which process answers.
+#[test]
+fn a_restarted_worker_is_recognised_before_any_step_reaches_it() {
+    let mut st = state();
+    assert!(!st.can_step(), "no step before the worker is known");
+    assert_eq!(st.worker_seen("w-1"), WorkerChange::First);
+    assert!(st.can_step());
+    // The request's prefill: the step names the incarnation it was built for.
+    st.inbox.adds.push(decoding("long", 100, 50));
+    let (mut step, mut io) = EngineStep::start(&mut st, |_| Default::default());
+    let mut named = None;
+    loop {
+        io = match io {
+            StepIo::Connector(calls) => step.on_connector(&mut st, noop(&calls)),
+            StepIo::Worker(out) => {
+                named = out.worker_incarnation.clone();
+                let sampled = vec![SampledToken { request_id: "long".into(), token_id: 7, logprobs: None }];
+                let ran = ModelRunnerOutput { step_id: out.step_id, sampled, ..Default::default() };
+                step.on_worker(&mut st, WorkerAnswer::Ran(ran))
+            }
+            StepIo::Done(_) => break,
+        };
+    }
+    assert_eq!(named.as_deref(), Some("w-1"), "a step names the worker incarnation it was built for");
+    assert!(st.sched.kv_usage().used_blocks > 0);
+    // The link drops and comes back: no step until the worker says who it is.
+    st.worker_unconfirmed();
+    assert!(!st.can_step());
+    assert_eq!(st.worker_seen("w-1"), WorkerChange::Same, "a reconnect of the same process loses nothing");
+    assert!(st.sched.has_requests());
+    // A new process: the running request's KV is gone with the old one.
+    st.worker_unconfirmed();
+    assert_eq!(st.worker_seen("w-2"), WorkerChange::Restarted { lost: 1 });
+    assert!(st.can_step());
+    let out = run(&mut st, noop).done.outputs;
+    assert!(
+        out.iter().any(|o| o.request_id == "long" && o.error.is_some()),
+        "the lost request ends with an error: {out:?}"
+    );
+    assert_eq!(st.sched.kv_usage().used_blocks, 0, "its blocks are free");
 }

@@ -194,9 +194,9 @@ pub struct OffloadTransfer {
     pub stamps: Vec<u64>,
 }
 
-/// The offload connector's part of a step's metadata. The worker applies the loads first,
-/// then the saves, before the forward pass: a slot the scheduler evicted and reuses for a save
-/// in the same step is read by its load first.
+/// The offload connector's part of a step's metadata. The worker applies the saves first,
+/// then the loads, before the forward pass: a request may hit blocks another request saves in
+/// the same step; a load from a slot a save of this step re-used is refused by its stamp.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OffloadMetadata {
     /// Store → device: the request then waits for its `finished_recving`.

@@ -50,6 +50,13 @@ pub struct SchedulerOutput {
     /// Connector metadata built by connector-scheduler for this step.
     #[serde(default)]
     pub kv_connector_metadata: KvConnectorMetadata,
+    /// The worker incarnation ([`WorkerInfo::incarnation`]) whose KV this step's block tables
+    /// describe. A restarted worker lost that KV: it refuses a step naming its predecessor
+    /// instead of running it over blocks it never wrote (the engine learns of the restart from
+    /// its `WorkerInfo` only after its link came back, and a step can be on its way by then).
+    /// `None`: not checked (tools and tests that drive a worker without an engine).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_incarnation: Option<String>,
 }
 
 impl SchedulerOutput {

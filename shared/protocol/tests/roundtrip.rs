@@ -177,6 +177,7 @@ pub fn every_message() -> Vec<Message> {
             }],
             finished_request_ids: vec!["f".into()],
             kv_connector_metadata: meta.clone(),
+            worker_incarnation: Some("1-abc".into()),
         }),
         Message::StepResult(ModelRunnerOutput {
             step_id: 9,
