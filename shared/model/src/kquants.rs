@@ -383,28 +383,39 @@ pub fn quantize_q8k(x: &[f32], q: &mut [i8], d: &mut [f32], bsums: &mut [i16]) {
     for (((xb, qb), db), sb) in
         x.chunks_exact(QK_K).zip(q.chunks_exact_mut(QK_K)).zip(d.iter_mut()).zip(bsums.chunks_exact_mut(QK_K / 16))
     {
-        let (mut max, mut amax) = (0f32, 0f32);
-        for &v in xb {
-            if amax < v.abs() {
-                amax = v.abs();
-                max = v;
-            }
-        }
-        if amax == 0.0 {
-            *db = 0.0;
-            qb.fill(0);
-            sb.fill(0);
+        // the vectorised form where it applies (same bits; it declines NaN, infinite and
+        // vanishing blocks, which the loop below decides)
+        if let Some(dv) = crate::simd::quantize_q8k_block(xb, qb, sb) {
+            *db = dv;
             continue;
         }
-        let iscale = -127f32 / max;
-        for (qv, &v) in qb.iter_mut().zip(xb) {
-            *qv = crate::simd::round_half_away(iscale * v).clamp(-128.0, 127.0) as i8;
-        }
-        for (s, qs) in sb.iter_mut().zip(qb.chunks_exact(16)) {
-            *s = qs.iter().map(|&v| i16::from(v)).sum();
-        }
-        *db = 1.0 / iscale;
+        quantize_q8k_block_scalar(xb, qb, db, sb);
     }
+}
+
+/// One block of [`quantize_q8k`], the portable way (the definition of its bits).
+pub(crate) fn quantize_q8k_block_scalar(xb: &[f32], qb: &mut [i8], db: &mut f32, sb: &mut [i16]) {
+    let (mut max, mut amax) = (0f32, 0f32);
+    for &v in xb {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax == 0.0 {
+        *db = 0.0;
+        qb.fill(0);
+        sb.fill(0);
+        return;
+    }
+    let iscale = -127f32 / max;
+    for (qv, &v) in qb.iter_mut().zip(xb) {
+        *qv = crate::simd::round_half_away(iscale * v).clamp(-128.0, 127.0) as i8;
+    }
+    for (s, qs) in sb.iter_mut().zip(qb.chunks_exact(16)) {
+        *s = qs.iter().map(|&v| i16::from(v)).sum();
+    }
+    *db = 1.0 / iscale;
 }
 
 /// The activation factor of the Q4_K/Q5_K mins term, per row (candle computes it per weight
