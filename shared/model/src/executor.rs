@@ -635,8 +635,10 @@ impl Step<'_> {
     }
 
     /// Causal attention of each token over its own request's positions `first..=pos` (`first`
-    /// is 0 unless the layer slides a `window`), one (token, head) per work item (claimed
-    /// dynamically: later tokens attend further), into `s.attn`.
+    /// is 0 unless the layer slides a `window`), one (token, KV group) per work item (claimed
+    /// dynamically: later tokens attend further), into `s.attn`. A work item computes the
+    /// group's query heads together, so each key and value vector is read once for them
+    /// ([`attention::attend_group`]; every head keeps its arithmetic).
     #[inline]
     fn attend(
         &self,
@@ -655,15 +657,18 @@ impl Step<'_> {
         s.attn.clear();
         s.attn.resize(plan.len() * cfg.q_dim(), 0.0);
         let q = &s.q;
-        let ok = mm.pool.par_chunks_mut(&mut s.attn, hd, |item, out| {
-            let (t, head) = (item / nh, item % nh);
+        let gw = group * hd;
+        let ok = mm.pool.par_chunks_mut(&mut s.attn, gw, |item, out| {
+            let (t, g) = (item / nkv, item % nkv);
             let tp = &plan[t];
             let slot = &slots[tp.chunk][..];
-            let g = head / group;
             let first = window.map_or(0, |w| (tp.pos + 1).saturating_sub(w));
-            let key_off = |j: usize| (slot[j + first] * stride + first_head + g) * hd;
-            attention::with_scores(tp.pos + 1 - first, |scores| {
-                attention::attend_head(&q[item * hd..(item + 1) * hd], kc, vc, key_off, scale, scores, out);
+            let n = tp.pos + 1 - first;
+            attention::with_group_scratch(group * n, n, |scores, offs| {
+                for (j, o) in offs.iter_mut().enumerate() {
+                    *o = (slot[j + first] * stride + first_head + g) * hd;
+                }
+                attention::attend_group(&q[item * gw..(item + 1) * gw], kc, vc, offs, scale, scores, out);
             });
         });
         if !ok {

@@ -133,6 +133,41 @@ pub(crate) fn attend_head<F: Fn(usize) -> usize>(
     false
 }
 
+/// Attention of the query heads of one KV group for one token (`q`, `out`: the heads' vectors
+/// one after another; `scores`: one row of `n` positions per head), over positions `0..n` at
+/// `offs` (the K/V offset of each position), when the vectorised path applies (`hd` 64 or 128
+/// and AVX2); returns `false` (and does nothing) otherwise.
+///
+/// Every (head, position) score and every output element is computed by exactly the operations
+/// of [`attend_head`] in the same order; what changes is that each key and value vector, loaded
+/// once, serves up to three heads (a register tile of 3 heads × 4 keys for `q·k`, 3 heads × 32
+/// output elements for `Σ p·v`), where `attend_head` read every vector once per head.
+pub(crate) fn attend_group(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    offs: &[usize],
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if avx2() && q.len() == out.len() && !offs.is_empty() {
+        let heads = scores.len() / offs.len();
+        let ok = |hd: usize| q.len() == heads * hd && scores.len() == heads * offs.len();
+        // SAFETY (both arms): AVX2 and FMA were detected; q, out and scores hold `heads` rows
+        // (checked); cache reads go through bounds-checked slices.
+        match q.len() / heads.max(1) {
+            64 if ok(64) => unsafe { x86::attend_group::<8>(q, k_cache, v_cache, offs, scale, scores, out) },
+            128 if ok(128) => unsafe { x86::attend_group::<16>(q, k_cache, v_cache, offs, scale, scores, out) },
+            _ => return false,
+        }
+        return true;
+    }
+    let _ = (q, k_cache, v_cache, offs, scale, scores, out);
+    false
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -415,6 +450,182 @@ mod x86 {
                 _mm256_storeu_si256(q.as_mut_ptr().add(32 * j) as *mut __m256i, ordered);
             }
             Some(1.0 / iscale)
+        }
+    }
+
+    /// See [`super::attend_group`].
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available; `q` and `out` hold `heads · 8·NC` values and `scores`
+    /// `heads · offs.len()`, with `heads ≥ 1`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn attend_group<const NC: usize>(
+        q: &[f32],
+        k_cache: &[f32],
+        v_cache: &[f32],
+        offs: &[usize],
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let hd = 8 * NC;
+        let n = offs.len();
+        let heads = q.len() / hd;
+        let mut h0 = 0;
+        while h0 < heads {
+            let r = (heads - h0).min(3);
+            let (qr, sr) = (&q[h0 * hd..(h0 + r) * hd], &mut scores[h0 * n..(h0 + r) * n]);
+            // SAFETY (every arm): AVX2 and FMA (caller); qr holds r·hd values, sr r·n.
+            unsafe {
+                match r {
+                    3 => group_scores::<NC, 3>(qr, k_cache, offs, scale, sr),
+                    2 => group_scores::<NC, 2>(qr, k_cache, offs, scale, sr),
+                    _ => group_scores::<NC, 1>(qr, k_cache, offs, scale, sr),
+                }
+            }
+            for row in sr.chunks_exact_mut(n) {
+                super::super::attention::softmax(row);
+            }
+            let or = &mut out[h0 * hd..(h0 + r) * hd];
+            // SAFETY: as above; or holds r·hd values.
+            unsafe {
+                match r {
+                    3 => group_values::<NC, 3>(sr, v_cache, offs, or),
+                    2 => group_values::<NC, 2>(sr, v_cache, offs, or),
+                    _ => group_values::<NC, 1>(sr, v_cache, offs, or),
+                }
+            }
+            h0 += r;
+        }
+    }
+
+    /// `scores[r·n + j] = (q_r·k_j) · scale` for `R` heads: per (head, key) one 8-lane FMA chain
+    /// over the head dimension reduced by [`hsum`], as in [`attend_head`], for 4 keys × `R`
+    /// heads at a time (each key chunk loaded once for the `R` heads).
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `q` holds `R · 8·NC` values and `scores` `R · offs.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn group_scores<const NC: usize, const R: usize>(
+        q: &[f32],
+        k_cache: &[f32],
+        offs: &[usize],
+        scale: f32,
+        scores: &mut [f32],
+    ) {
+        let hd = 8 * NC;
+        let n = offs.len();
+        let qp = q.as_ptr();
+        let mut j = 0;
+        while j + 4 <= n {
+            let ks = [
+                k_cache[offs[j]..][..hd].as_ptr(),
+                k_cache[offs[j + 1]..][..hd].as_ptr(),
+                k_cache[offs[j + 2]..][..hd].as_ptr(),
+                k_cache[offs[j + 3]..][..hd].as_ptr(),
+            ];
+            let mut l = [[_mm256_setzero_ps(); 4]; R];
+            for c in 0..NC {
+                // SAFETY: every key holds hd = 8·NC values, q R·hd.
+                unsafe {
+                    let kv = [
+                        _mm256_loadu_ps(ks[0].add(8 * c)),
+                        _mm256_loadu_ps(ks[1].add(8 * c)),
+                        _mm256_loadu_ps(ks[2].add(8 * c)),
+                        _mm256_loadu_ps(ks[3].add(8 * c)),
+                    ];
+                    for (r, lr) in l.iter_mut().enumerate() {
+                        let qc = _mm256_loadu_ps(qp.add(r * hd + 8 * c));
+                        for (lp, kc) in lr.iter_mut().zip(&kv) {
+                            *lp = _mm256_fmadd_ps(qc, *kc, *lp);
+                        }
+                    }
+                }
+            }
+            for (r, lr) in l.iter().enumerate() {
+                for (p, lp) in lr.iter().enumerate() {
+                    scores[r * n + j + p] = hsum(*lp) * scale;
+                }
+            }
+            j += 4;
+        }
+        for jj in j..n {
+            let kp = k_cache[offs[jj]..][..hd].as_ptr();
+            let mut l = [_mm256_setzero_ps(); R];
+            for c in 0..NC {
+                // SAFETY: as above.
+                unsafe {
+                    let kc = _mm256_loadu_ps(kp.add(8 * c));
+                    for (r, lr) in l.iter_mut().enumerate() {
+                        *lr = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(r * hd + 8 * c)), kc, *lr);
+                    }
+                }
+            }
+            for (r, lr) in l.iter().enumerate() {
+                scores[r * n + jj] = hsum(*lr) * scale;
+            }
+        }
+    }
+
+    /// `out_r = Σ_j p_rj · v_j` for `R` heads as in [`attend_head`] (one FMA chain per output
+    /// element in position order; over exactly two positions the unfused `p1·v1 + p0·v0`), 32
+    /// output elements × `R` heads at a time (each value chunk loaded once for the `R` heads).
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `p` holds `R · offs.len()` probabilities and `out` `R · 8·NC` values,
+    /// `NC` a multiple of 4.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn group_values<const NC: usize, const R: usize>(
+        p: &[f32],
+        v_cache: &[f32],
+        offs: &[usize],
+        out: &mut [f32],
+    ) {
+        let hd = 8 * NC;
+        let n = offs.len();
+        let op = out.as_mut_ptr();
+        if n == 2 {
+            // two positions: gemm's `gevv` (see `attention`)
+            let (v0, v1) = (v_cache[offs[0]..][..hd].as_ptr(), v_cache[offs[1]..][..hd].as_ptr());
+            for r in 0..R {
+                let (p0, p1) = (_mm256_set1_ps(p[r * n]), _mm256_set1_ps(p[r * n + 1]));
+                for c in 0..NC {
+                    // SAFETY: v0 and v1 hold hd values, out R·hd.
+                    unsafe {
+                        let (x0, x1) = (_mm256_loadu_ps(v0.add(8 * c)), _mm256_loadu_ps(v1.add(8 * c)));
+                        let y = _mm256_add_ps(_mm256_mul_ps(p1, x1), _mm256_mul_ps(p0, x0));
+                        _mm256_storeu_ps(op.add(r * hd + 8 * c), y);
+                    }
+                }
+            }
+            return;
+        }
+        for c0 in (0..NC).step_by(4) {
+            let mut acc = [[_mm256_setzero_ps(); 4]; R];
+            for (j, &off) in offs.iter().enumerate() {
+                let vp = v_cache[off..][..hd].as_ptr();
+                // SAFETY: vp holds hd values and c0 + 3 < NC.
+                let vv = unsafe {
+                    [
+                        _mm256_loadu_ps(vp.add(8 * c0)),
+                        _mm256_loadu_ps(vp.add(8 * c0 + 8)),
+                        _mm256_loadu_ps(vp.add(8 * c0 + 16)),
+                        _mm256_loadu_ps(vp.add(8 * c0 + 24)),
+                    ]
+                };
+                for (r, ar) in acc.iter_mut().enumerate() {
+                    let pv = _mm256_set1_ps(p[r * n + j]);
+                    for (a, x) in ar.iter_mut().zip(&vv) {
+                        *a = _mm256_fmadd_ps(pv, *x, *a);
+                    }
+                }
+            }
+            for (r, ar) in acc.iter().enumerate() {
+                for (i, a) in ar.iter().enumerate() {
+                    // SAFETY: out holds R·hd values.
+                    unsafe { _mm256_storeu_ps(op.add(r * hd + 8 * (c0 + i)), *a) };
+                }
+            }
         }
     }
 
