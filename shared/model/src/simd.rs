@@ -26,6 +26,15 @@ pub(crate) fn avx2() -> bool {
     *ON.get_or_init(|| Impl::detect() != Impl::Scalar)
 }
 
+/// Whether the matmuls run their AVX-512 kernels (so AVX-512 F/VL are there): the attention
+/// tiles then compile with 32 vector registers instead of 16 (the same instructions' results).
+#[cfg(target_arch = "x86_64")]
+fn avx512() -> bool {
+    use std::sync::OnceLock;
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| Impl::detect() == Impl::Avx512)
+}
+
 /// `x[i] = x[i].exp()` for every element, bit for bit.
 pub(crate) fn exp_in_place(x: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
@@ -157,9 +166,18 @@ pub(crate) fn attend_group(
         let ok = |hd: usize| q.len() == heads * hd && scores.len() == heads * offs.len();
         // SAFETY (both arms): AVX2 and FMA were detected; q, out and scores hold `heads` rows
         // (checked); cache reads go through bounds-checked slices.
-        match q.len() / heads.max(1) {
-            64 if ok(64) => unsafe { x86::attend_group::<8>(q, k_cache, v_cache, offs, scale, scores, out) },
-            128 if ok(128) => unsafe { x86::attend_group::<16>(q, k_cache, v_cache, offs, scale, scores, out) },
+        // (AVX-512 F/VL as well in the `_512` arms)
+        match (q.len() / heads.max(1), avx512()) {
+            (64, false) if ok(64) => unsafe { x86::attend_group::<8>(q, k_cache, v_cache, offs, scale, scores, out) },
+            (128, false) if ok(128) => unsafe {
+                x86::attend_group::<16>(q, k_cache, v_cache, offs, scale, scores, out)
+            },
+            (64, true) if ok(64) => unsafe {
+                x86::attend_group_512::<8>(q, k_cache, v_cache, offs, scale, scores, out)
+            },
+            (128, true) if ok(128) => unsafe {
+                x86::attend_group_512::<16>(q, k_cache, v_cache, offs, scale, scores, out)
+            },
             _ => return false,
         }
         return true;
@@ -468,6 +486,44 @@ mod x86 {
         scores: &mut [f32],
         out: &mut [f32],
     ) {
+        // SAFETY: forwarded.
+        unsafe { attend_group_body::<NC>(q, k_cache, v_cache, offs, scale, scores, out) }
+    }
+
+    /// [`attend_group`] compiled with AVX-512 F/VL as well: the same AVX2/FMA operations, but
+    /// 32 vector registers hold the 3 × 4 tiles' accumulators, which spilled with 16.
+    ///
+    /// # Safety
+    /// As [`attend_group`], and AVX-512 F/VL must be available.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    pub(super) unsafe fn attend_group_512<const NC: usize>(
+        q: &[f32],
+        k_cache: &[f32],
+        v_cache: &[f32],
+        offs: &[usize],
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        // SAFETY: forwarded.
+        unsafe { attend_group_body::<NC>(q, k_cache, v_cache, offs, scale, scores, out) }
+    }
+
+    /// The body of [`attend_group`] and [`attend_group_512`], inlined into each (so it compiles
+    /// with its caller's features).
+    ///
+    /// # Safety
+    /// As [`attend_group`].
+    #[inline(always)]
+    unsafe fn attend_group_body<const NC: usize>(
+        q: &[f32],
+        k_cache: &[f32],
+        v_cache: &[f32],
+        offs: &[usize],
+        scale: f32,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
         let hd = 8 * NC;
         let n = offs.len();
         let heads = q.len() / hd;
@@ -505,7 +561,7 @@ mod x86 {
     ///
     /// # Safety
     /// AVX2 and FMA; `q` holds `R · 8·NC` values and `scores` `R · offs.len()`.
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn group_scores<const NC: usize, const R: usize>(
         q: &[f32],
         k_cache: &[f32],
@@ -574,7 +630,7 @@ mod x86 {
     /// # Safety
     /// AVX2 and FMA; `p` holds `R · offs.len()` probabilities and `out` `R · 8·NC` values,
     /// `NC` a multiple of 4.
-    #[target_feature(enable = "avx2,fma")]
+    #[inline(always)]
     unsafe fn group_values<const NC: usize, const R: usize>(
         p: &[f32],
         v_cache: &[f32],
