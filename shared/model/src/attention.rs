@@ -99,6 +99,47 @@ pub(crate) fn with_scores<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
     })
 }
 
+/// Run `f` with thread-local scratch: `scores` of `len` values and `offs` of `positions`
+/// offsets (as [`with_scores`]).
+pub(crate) fn with_group_scratch<R>(len: usize, positions: usize, f: impl FnOnce(&mut [f32], &mut [usize]) -> R) -> R {
+    use std::cell::RefCell;
+    thread_local! {
+        static OFFS: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+    }
+    OFFS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut v) => {
+            if v.len() < positions {
+                v.resize(positions, 0);
+            }
+            with_scores(len, |scores| f(scores, &mut v[..positions]))
+        }
+        Err(_) => with_scores(len, |scores| f(scores, &mut vec![0; positions])),
+    })
+}
+
+/// Attention output of the query heads of one KV group for one token: `q` and `out` hold the
+/// heads' vectors one after another, `offs[j]` is the offset of position `j`'s K (and V)
+/// vector, `scores` is scratch (`heads · offs.len()`). Each head's result is exactly
+/// [`attend_head`]'s; the vectorised form only loads each key and value once for several heads.
+pub(crate) fn attend_group(
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    offs: &[usize],
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    if crate::simd::attend_group(q, k_cache, v_cache, offs, scale, scores, out) {
+        return;
+    }
+    let n = offs.len();
+    let hd = q.len() / (scores.len() / n.max(1)).max(1);
+    for ((qh, oh), sh) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).zip(scores.chunks_exact_mut(n.max(1))) {
+        attend_head(qh, k_cache, v_cache, |j| offs[j], scale, sh, oh);
+    }
+}
+
 /// Attention output of one query head.
 ///
 /// `key_off(j)` gives the offset of position `j`'s K (and V) vector for this head's KV head
@@ -175,6 +216,34 @@ mod tests {
                 attend_head(&q, &k, &v, |j| j * hd, scale, &mut scores, &mut out);
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&out), bits(&want), "head_dim {hd}, {n} positions");
+            }
+        }
+    }
+
+    /// A KV group's heads computed together have exactly the bits of each head alone, for
+    /// group sizes that fill the 3-head tiles or not, position counts around the 4-key tiles
+    /// and the two-position special case, and scattered cache slots.
+    #[test]
+    fn a_group_of_heads_has_the_bits_of_each_head_alone() {
+        for hd in [64, 128, 256] {
+            for heads in [1, 2, 3, 4, 6, 7] {
+                for n in [1, 2, 3, 4, 5, 9, 31] {
+                    let val = |i: usize| ((i * 7919 % 1013) as f32 - 506.0) * 1.37e-3;
+                    let slots = 40;
+                    let k: Vec<f32> = (0..slots * hd).map(|i| val(i + 17)).collect();
+                    let v: Vec<f32> = (0..slots * hd).map(|i| val(i + 101) * 3.1).collect();
+                    let q: Vec<f32> = (0..heads * hd).map(|i| val(i * 3 + n)).collect();
+                    let offs: Vec<usize> = (0..n).map(|j| ((j * 7 + 3) % slots) * hd).collect();
+                    let scale = (1.0 / (hd as f64).sqrt()) as f32;
+                    let (mut scores, mut got) = (vec![0f32; heads * n], vec![0f32; heads * hd]);
+                    attend_group(&q, &k, &v, &offs, scale, &mut scores, &mut got);
+                    let mut want = vec![0f32; heads * hd];
+                    for (qh, oh) in q.chunks_exact(hd).zip(want.chunks_exact_mut(hd)) {
+                        attend_head(qh, &k, &v, |j| offs[j], scale, &mut vec![0f32; n], oh);
+                    }
+                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "head_dim {hd}, {heads} heads, {n} positions");
+                }
             }
         }
     }

@@ -635,8 +635,13 @@ impl Step<'_> {
     }
 
     /// Causal attention of each token over its own request's positions `first..=pos` (`first`
-    /// is 0 unless the layer slides a `window`), one (token, head) per work item (claimed
-    /// dynamically: later tokens attend further), into `s.attn`.
+    /// is 0 unless the layer slides a `window`), one (token, KV group) per work item (claimed
+    /// dynamically: later tokens attend further), into `s.attn`. A work item computes the
+    /// group's query heads together, so each key and value vector is read once for them
+    /// ([`attention::attend_group`]; every head keeps its arithmetic). Steps with fewer than
+    /// four such items per thread take one (token, head) per item, so a long-context decode of
+    /// one request still spreads over the threads (a model with one KV head would otherwise
+    /// run its attention on one).
     #[inline]
     fn attend(
         &self,
@@ -652,18 +657,25 @@ impl Step<'_> {
         let scale = cfg.recipe.attention_scale;
         let (plan, slots) = (self.plan, self.slots);
         let (stride, first_head) = (self.kv_stride, self.kv_first);
-        s.attn.clear();
+        // sized, not cleared: every head's output is written below
         s.attn.resize(plan.len() * cfg.q_dim(), 0.0);
         let q = &s.q;
-        let ok = mm.pool.par_chunks_mut(&mut s.attn, hd, |item, out| {
-            let (t, head) = (item / nh, item % nh);
+        // heads per work item: the whole KV group, unless that leaves too few items to share
+        // among the threads (a decode step of one or two requests), then one head as before
+        let per_item = if plan.len() * nkv >= 4 * mm.pool.n_threads() { group } else { 1 };
+        let (iw, per_token) = (per_item * hd, nh / per_item);
+        let ok = mm.pool.par_chunks_mut(&mut s.attn, iw, |item, out| {
+            let (t, i) = (item / per_token, item % per_token);
+            let g = i * per_item / group;
             let tp = &plan[t];
             let slot = &slots[tp.chunk][..];
-            let g = head / group;
             let first = window.map_or(0, |w| (tp.pos + 1).saturating_sub(w));
-            let key_off = |j: usize| (slot[j + first] * stride + first_head + g) * hd;
-            attention::with_scores(tp.pos + 1 - first, |scores| {
-                attention::attend_head(&q[item * hd..(item + 1) * hd], kc, vc, key_off, scale, scores, out);
+            let n = tp.pos + 1 - first;
+            attention::with_group_scratch(per_item * n, n, |scores, offs| {
+                for (j, o) in offs.iter_mut().enumerate() {
+                    *o = (slot[j + first] * stride + first_head + g) * hd;
+                }
+                attention::attend_group(&q[item * iw..(item + 1) * iw], kc, vc, offs, scale, scores, out);
             });
         });
         if !ok {

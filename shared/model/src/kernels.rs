@@ -198,8 +198,9 @@ impl QActs {
         self.has = Needs { q8, q8k, f32: f };
         let nb = k / QK;
         let nbk = k / crate::kquants::QK_K;
+        // sized, not cleared: the loop below writes every value of every form it computes (a
+        // zero-fill first was serial time, 6 MB per matmul at m = 512 and k = 8960)
         fn reset<T: Clone>(v: &mut Vec<T>, n: usize, zero: T) {
-            v.clear();
             v.resize(n, zero);
         }
         reset(&mut self.qs, if q8 { rows * k } else { 0 }, 0);
@@ -576,35 +577,94 @@ pub struct ShapeError(pub String);
 
 /// `out[m, rows] = acts · Wᵀ`, computed on `pool`, one row group per work item.
 pub fn matmul(w: &Packed, acts: &QActs, out: &mut [f32], imp: Impl, pool: &Pool) -> Result<(), ShapeError> {
+    matmul_parts(w, acts, &mut [out], imp, pool)
+}
+
+/// One destination of [`matmul_parts`]: where its values start, its rows per token, and the
+/// first row of `W` it receives.
+struct Part {
+    dst: SendPtr<f32>,
+    rows: usize,
+    first: usize,
+}
+
+impl Part {
+    /// The parts of `outs` (`m` tokens each), checking that all but the last hold whole
+    /// `group`-row groups.
+    fn of(outs: &mut [&mut [f32]], m: usize, group: usize) -> Result<Vec<Part>, ShapeError> {
+        let mut parts = Vec::with_capacity(outs.len());
+        let mut first = 0;
+        let last = outs.len().saturating_sub(1);
+        for (i, o) in outs.iter_mut().enumerate() {
+            let rows = o.len() / m;
+            if i < last && !rows.is_multiple_of(group) {
+                return Err(ShapeError(format!("matmul part {i} of {rows} rows is not whole {group}-row groups")));
+            }
+            parts.push(Part { dst: SendPtr(o.as_mut_ptr()), rows, first });
+            first += rows;
+        }
+        Ok(parts)
+    }
+}
+
+/// `acts · Wᵀ` written straight into consecutive row ranges of `W`: part `i` receives the next
+/// `outs[i].len() / m` rows as its own `[m, rows_i]` matrix. Every part but the last must hold
+/// whole row groups.
+///
+/// Why: a fused [`LinearSet`](crate::linear::LinearSet) (gate/up) used to compute one
+/// `[m, rows]` matrix and copy it apart afterwards, a zero-fill and a copy of 37 MB per layer at
+/// m = 512 on Qwen2.5-1.5B, on one thread while the other waited. Each value is computed by the
+/// same tile as before, so the bits do not change.
+pub fn matmul_parts(
+    w: &Packed,
+    acts: &QActs,
+    outs: &mut [&mut [f32]],
+    imp: Impl,
+    pool: &Pool,
+) -> Result<(), ShapeError> {
     let (rows, k, m) = (w.rows(), w.k(), acts.rows);
     let needs = w.needs();
     let has = needs.union(acts.has) == acts.has;
-    if acts.k != k || out.len() != rows * m || !has {
+    let total: usize = outs.iter().map(|o| o.len()).sum();
+    let whole = outs.iter().all(|o| if m == 0 { o.is_empty() } else { o.len().is_multiple_of(m) });
+    if acts.k != k || total != rows * m || !has || !whole {
         return Err(ShapeError(format!(
             "matmul [{rows}x{k}] {} x acts [{m}x{}] {:?} into {} values",
             w.type_name(),
             acts.k,
             acts.has,
-            out.len()
+            total
         )));
     }
     if m == 0 || rows == 0 {
         return Ok(());
     }
-    // 16-row tiles (two groups on 512-bit vectors) where the core runs them at full width
+    let base = w.group_rows();
+    let parts = Part::of(outs, m, base)?;
+    let inner = &parts[..parts.len().saturating_sub(1)];
+    // 16-row tiles (two groups on 512-bit vectors) where the core runs them at full width, and
+    // no pair straddles two parts
     #[cfg(target_arch = "x86_64")]
-    let pairs = matches!((imp, w), (Impl::Avx512, Packed::Lanes(_))) && kquants::avx512::row_pairs();
+    let pairs = matches!((imp, w), (Impl::Avx512, Packed::Lanes(_)))
+        && kquants::avx512::row_pairs()
+        && inner.iter().all(|p| p.rows.is_multiple_of(2 * base));
     #[cfg(not(target_arch = "x86_64"))]
     let pairs = false;
-    let group = w.group_rows() * if pairs { 2 } else { 1 };
+    let group = base * if pairs { 2 } else { 1 };
     let tile_t = imp.tile_tokens(w);
-    let dst = SendPtr(out.as_mut_ptr());
     let ok = pool.for_each(rows.div_ceil(group), &|g| {
         let nr = (rows - g * group).min(group);
+        let row = g * group;
+        // the last part starting at or before `row` (empty parts share the next one's start)
+        let Some(part) = parts.iter().rev().find(|p| p.first <= row) else { return };
+        // SAFETY: row − part.first < part.rows (the parts cover 0..rows in order), so the
+        // pointer stays inside the part's m·part.rows values.
+        let out = unsafe { part.dst.get().add(row - part.first) };
+        let rows = part.rows;
         let mut t0 = 0;
         while t0 < m {
             let nt = (m - t0).min(tile_t);
-            let tile = Tile { g, nr, t0, nt, rows, out: dst.get() };
+            let tile = Tile { g, nr, t0, nt, rows, out };
             match imp {
                 // SAFETY: see `Tile`: group g < groups, t0 + nt ≤ m, out holds m·rows values;
                 // each group writes only its own columns, so work items never overlap.
@@ -651,11 +711,12 @@ pub fn matmul(w: &Packed, acts: &QActs, out: &mut [f32], imp: Impl, pool: &Pool)
 }
 
 /// One unit of kernel work: weight rows `g·G .. g·G+nr` (G = the matrix's group rows) ×
-/// tokens `t0 .. t0+nt`, written to `out[t·rows + row]`.
+/// tokens `t0 .. t0+nt`, row `g·G + r` of token `t` written to `out[t·rows + r]`.
 ///
-/// Invariants the kernels rely on: `g < rows.div_ceil(G)`, `nr = min(G, rows − g·G)`,
-/// `nt ≤` the implementation's tile tokens, `t0 + nt ≤ acts.rows`, and `out` points to
-/// `acts.rows · rows` writable values that no other thread writes in these columns.
+/// Invariants the kernels rely on: `g < W.rows.div_ceil(G)`, `nr = min(G, W.rows − g·G)`,
+/// `nt ≤` the implementation's tile tokens, `t0 + nt ≤ acts.rows`, and `out` points to the
+/// output of (token 0, the tile's first row) in a destination of `rows` values per token:
+/// `out + t·rows + r` (t < acts.rows, r < nr) are writable values that no other thread writes.
 pub(crate) struct Tile {
     pub(crate) g: usize,
     pub(crate) nr: usize,
@@ -673,7 +734,6 @@ unsafe fn scalar_group(w: &Packed, a: &QActs, tile: &Tile) {
     let k = a.k;
     let nb = k / QK;
     let Tile { g, nr, t0, nt, rows, out } = *tile;
-    let group = w.group_rows();
     for r in 0..nr {
         for tok in t0..t0 + nt {
             let aq = &a.qs[tok * k..(tok + 1) * k];
@@ -706,8 +766,8 @@ unsafe fn scalar_group(w: &Packed, a: &QActs, tile: &Tile) {
                     Packed::Lanes(_) | Packed::Float(_) => {}
                 }
             }
-            // SAFETY: tok < m and g·G + r < rows (Tile invariants).
-            unsafe { *out.add(tok * rows + g * group + r) = sumf };
+            // SAFETY: tok < m and r < nr (Tile invariants).
+            unsafe { *out.add(tok * rows + r) = sumf };
         }
     }
 }
@@ -716,9 +776,7 @@ unsafe fn scalar_group(w: &Packed, a: &QActs, tile: &Tile) {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{
-        Packed, PackedQ4_1, PackedQ8_0, QActs, Tile, Q4_BLOCK_BYTES, Q4_D_OFF, Q4_GROUP, Q4_M_OFF, Q8_GROUP, QK,
-    };
+    use super::{Packed, PackedQ4_1, PackedQ8_0, QActs, Tile, Q4_BLOCK_BYTES, Q4_D_OFF, Q4_M_OFF, Q8_GROUP, QK};
 
     /// One [`Tile`] with the AVX2 kernels.
     ///
@@ -768,8 +826,8 @@ mod avx2 {
         let ones = _mm256_set1_epi16(1);
         // SAFETY: group g has nb blocks of Q4_BLOCK_BYTES, so every weight offset below is
         // < (g+1)·nb·Q4_BLOCK_BYTES ≤ the data length; token rows t0..t0+T < m, so activation
-        // offsets are < m·k (qs) and < m·nb (d, s); output offsets are (t0+t)·rows + g·16 + r
-        // with r < nr (Tile invariants). Loads/stores are unaligned.
+        // offsets are < m·k (qs) and < m·nb (d, s); output offsets from the tile's `out` are
+        // (t0+t)·rows + r with r < nr (Tile invariants). Loads/stores are unaligned.
         unsafe {
             let base = w.bytes().as_ptr().add(g * nb * Q4_BLOCK_BYTES);
             for h in 0..2 {
@@ -805,7 +863,7 @@ mod avx2 {
                 }
                 let n = (nr - 8 * h).min(8);
                 for (t, acc_t) in acc.iter().enumerate() {
-                    let dst = out.add((t0 + t) * rows + g * Q4_GROUP + 8 * h);
+                    let dst = out.add((t0 + t) * rows + 8 * h);
                     if n == 8 {
                         _mm256_storeu_ps(dst, *acc_t);
                     } else {
@@ -859,7 +917,7 @@ mod avx2 {
                 for (r, acc_r) in acc.iter().enumerate() {
                     if r0 + r < nr {
                         for (t, v) in acc_r.iter().enumerate() {
-                            *out.add((t0 + t) * rows + g * Q8_GROUP + r0 + r) = hsum_f32(*v);
+                            *out.add((t0 + t) * rows + r0 + r) = hsum_f32(*v);
                         }
                     }
                 }
@@ -950,7 +1008,7 @@ mod avx512 {
                     let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(*v)));
                     for (r, half) in [(2 * p, lo), (2 * p + 1, hi)] {
                         if r < nr {
-                            *out.add((t0 + t) * rows + g * Q8_GROUP + r) = hsum8(half);
+                            *out.add((t0 + t) * rows + r) = hsum8(half);
                         }
                     }
                 }
@@ -1024,7 +1082,7 @@ mod avx512 {
             }
             let lanes: __mmask16 = if nr >= Q4_GROUP { 0xFFFF } else { (1u16 << nr) - 1 };
             for (t, acc_t) in acc.iter().enumerate() {
-                _mm512_mask_storeu_ps(out.add((t0 + t) * rows + g * Q4_GROUP), lanes, *acc_t);
+                _mm512_mask_storeu_ps(out.add((t0 + t) * rows), lanes, *acc_t);
             }
         }
     }

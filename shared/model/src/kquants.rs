@@ -383,28 +383,39 @@ pub fn quantize_q8k(x: &[f32], q: &mut [i8], d: &mut [f32], bsums: &mut [i16]) {
     for (((xb, qb), db), sb) in
         x.chunks_exact(QK_K).zip(q.chunks_exact_mut(QK_K)).zip(d.iter_mut()).zip(bsums.chunks_exact_mut(QK_K / 16))
     {
-        let (mut max, mut amax) = (0f32, 0f32);
-        for &v in xb {
-            if amax < v.abs() {
-                amax = v.abs();
-                max = v;
-            }
-        }
-        if amax == 0.0 {
-            *db = 0.0;
-            qb.fill(0);
-            sb.fill(0);
+        // the vectorised form where it applies (same bits; it declines NaN, infinite and
+        // vanishing blocks, which the loop below decides)
+        if let Some(dv) = crate::simd::quantize_q8k_block(xb, qb, sb) {
+            *db = dv;
             continue;
         }
-        let iscale = -127f32 / max;
-        for (qv, &v) in qb.iter_mut().zip(xb) {
-            *qv = crate::simd::round_half_away(iscale * v).clamp(-128.0, 127.0) as i8;
-        }
-        for (s, qs) in sb.iter_mut().zip(qb.chunks_exact(16)) {
-            *s = qs.iter().map(|&v| i16::from(v)).sum();
-        }
-        *db = 1.0 / iscale;
+        quantize_q8k_block_scalar(xb, qb, db, sb);
     }
+}
+
+/// One block of [`quantize_q8k`], the portable way (the definition of its bits).
+pub(crate) fn quantize_q8k_block_scalar(xb: &[f32], qb: &mut [i8], db: &mut f32, sb: &mut [i16]) {
+    let (mut max, mut amax) = (0f32, 0f32);
+    for &v in xb {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax == 0.0 {
+        *db = 0.0;
+        qb.fill(0);
+        sb.fill(0);
+        return;
+    }
+    let iscale = -127f32 / max;
+    for (qv, &v) in qb.iter_mut().zip(xb) {
+        *qv = crate::simd::round_half_away(iscale * v).clamp(-128.0, 127.0) as i8;
+    }
+    for (s, qs) in sb.iter_mut().zip(qb.chunks_exact(16)) {
+        *s = qs.iter().map(|&v| i16::from(v)).sum();
+    }
+    *db = 1.0 / iscale;
 }
 
 /// The activation factor of the Q4_K/Q5_K mins term, per row (candle computes it per weight
@@ -476,8 +487,8 @@ pub(crate) unsafe fn lanes_scalar(w: &PackedLanes, a: &QActs, tile: &Tile) {
                     }
                 }
             }
-            // SAFETY: tok < m and g·8 + r < rows (Tile invariants).
-            unsafe { *out.add(tok * rows + g * LANES + r) = acc };
+            // SAFETY: tok < m and r < nr (Tile invariants).
+            unsafe { *out.add(tok * rows + r) = acc };
         }
     }
 }
@@ -526,8 +537,8 @@ unsafe fn q6k_scalar(w: &PackedLanes, a: &QActs, tile: &Tile) {
                     *acc_l = dd.mul_add(s as f32, *acc_l);
                 }
             }
-            // SAFETY: tok < m and g·8 + r < rows (Tile invariants).
-            unsafe { *out.add(tok * rows + g * LANES + r) = hsum8(&acc) };
+            // SAFETY: tok < m and r < nr (Tile invariants).
+            unsafe { *out.add(tok * rows + r) = hsum8(&acc) };
         }
     }
 }
@@ -554,8 +565,8 @@ pub(crate) unsafe fn float_scalar(w: &PackedFloat, a: &QActs, tile: &Tile) {
                     *lane = w.at(row * k + 8 * c + j).mul_add(x[8 * c + j], *lane);
                 }
             }
-            // SAFETY: tok < m and row < rows (Tile invariants).
-            unsafe { *out.add(tok * rows + row) = hsum8(&lanes) };
+            // SAFETY: tok < m and r < nr (Tile invariants).
+            unsafe { *out.add(tok * rows + r) = hsum8(&lanes) };
         }
     }
 }
@@ -641,8 +652,8 @@ pub(crate) mod avx2 {
         let q8k = l.block == QK_K;
         // SAFETY: group g has nb chunks of `chunk` bytes (packed groups are complete); the
         // activation rows t0..t0+T < m hold k values (qs or qk), k/32 scales and sums (d, isum)
-        // or k/256 scales and k/32 terms (dk, mins32); output offsets are (t0+t)·rows + g·8 + r
-        // with r < nr (Tile invariants). Loads and stores are unaligned.
+        // or k/256 scales and k/32 terms (dk, mins32); output offsets from the tile's `out` are
+        // (t0+t)·rows + r with r < nr (Tile invariants). Loads and stores are unaligned.
         unsafe {
             let base = w.data.as_ptr().add(g * nb * chunk);
             let mut acc = [_mm256_setzero_ps(); T];
@@ -676,7 +687,7 @@ pub(crate) mod avx2 {
                 }
             }
             for (t, acc_t) in acc.iter().enumerate() {
-                let dst = out.add((t0 + t) * rows + g * LANES);
+                let dst = out.add((t0 + t) * rows);
                 if nr == LANES {
                     _mm256_storeu_ps(dst, *acc_t);
                 } else {
@@ -877,7 +888,7 @@ pub(crate) mod avx2 {
                     _mm256_add_ps(_mm256_add_ps(acc_t[0], acc_t[4]), _mm256_add_ps(acc_t[2], acc_t[6])),
                     _mm256_add_ps(_mm256_add_ps(acc_t[1], acc_t[5]), _mm256_add_ps(acc_t[3], acc_t[7])),
                 );
-                let dst = out.add((t0 + t) * rows + g * LANES);
+                let dst = out.add((t0 + t) * rows);
                 if nr == LANES {
                     _mm256_storeu_ps(dst, v);
                 } else {
@@ -967,9 +978,9 @@ pub(crate) mod avx2 {
                     }
                 }
                 for (t, (a0, a1)) in acc0.iter().zip(&acc1).enumerate() {
-                    *out.add((t0 + t) * rows + row0) = hsum_f32(*a0);
+                    *out.add((t0 + t) * rows + r0) = hsum_f32(*a0);
                     if two {
-                        *out.add((t0 + t) * rows + row0 + 1) = hsum_f32(*a1);
+                        *out.add((t0 + t) * rows + r0 + 1) = hsum_f32(*a1);
                     }
                 }
             }
@@ -1096,7 +1107,7 @@ pub(crate) mod avx512 {
             }
             let lanes: __mmask8 = if nr >= LANES { 0xFF } else { (1u8 << nr) - 1 };
             for (t, acc_t) in acc.iter().enumerate() {
-                _mm256_mask_storeu_ps(out.add((t0 + t) * rows + g * LANES), lanes, *acc_t);
+                _mm256_mask_storeu_ps(out.add((t0 + t) * rows), lanes, *acc_t);
             }
         }
     }
@@ -1183,7 +1194,7 @@ pub(crate) mod avx512 {
             Kind::Q6K if tile.nt <= 2 => {
                 let (lo, hi) = (
                     Tile { g: 2 * tile.g, nr: LANES, ..*tile },
-                    Tile { g: 2 * tile.g + 1, nr: tile.nr - LANES, ..*tile },
+                    Tile { g: 2 * tile.g + 1, nr: tile.nr - LANES, out: tile.out.wrapping_add(LANES), ..*tile },
                 );
                 // SAFETY: forwarded preconditions; the pair's two groups, each complete.
                 unsafe {
@@ -1362,7 +1373,7 @@ pub(crate) mod avx512 {
             }
             let lanes: __mmask16 = if nr >= 2 * LANES { 0xFFFF } else { (1u16 << nr) - 1 };
             for (t, acc_t) in acc.iter().enumerate() {
-                _mm512_mask_storeu_ps(out.add((t0 + t) * rows + 2 * g * LANES), lanes, *acc_t);
+                _mm512_mask_storeu_ps(out.add((t0 + t) * rows), lanes, *acc_t);
             }
         }
     }
@@ -1490,7 +1501,7 @@ pub(crate) mod avx512 {
                     _mm512_add_ps(_mm512_add_ps(acc_t[0], acc_t[4]), _mm512_add_ps(acc_t[2], acc_t[6])),
                     _mm512_add_ps(_mm512_add_ps(acc_t[1], acc_t[5]), _mm512_add_ps(acc_t[3], acc_t[7])),
                 );
-                _mm512_mask_storeu_ps(out.add((t0 + t) * rows + 2 * g * LANES), lanes, v);
+                _mm512_mask_storeu_ps(out.add((t0 + t) * rows), lanes, v);
             }
         }
     }
@@ -1616,7 +1627,7 @@ pub(crate) mod avx512 {
                     _mm256_add_ps(_mm256_add_ps(acc_t[0], acc_t[4]), _mm256_add_ps(acc_t[2], acc_t[6])),
                     _mm256_add_ps(_mm256_add_ps(acc_t[1], acc_t[5]), _mm256_add_ps(acc_t[3], acc_t[7])),
                 );
-                _mm256_mask_storeu_ps(out.add((t0 + t) * rows + g * LANES), lanes, v);
+                _mm256_mask_storeu_ps(out.add((t0 + t) * rows), lanes, v);
             }
         }
     }
@@ -1829,6 +1840,43 @@ mod tests {
                     None => first = Some(batched),
                 }
             }
+        }
+    }
+
+    /// A matmul written straight into parts (a fused gate/up) gives each part exactly its rows
+    /// of the whole product, with parts of one group, of an odd number of groups (no 16-row
+    /// pair may straddle two parts) and a last part ending in a partial group; every value of
+    /// every part is written (the buffers start as NaN).
+    #[test]
+    fn parts_receive_exactly_their_rows_of_the_whole_product() {
+        use crate::kernels::matmul_parts;
+        let (k, m, sizes) = (512, 14, [8usize, 24, 16, 13]);
+        let rows: usize = sizes.iter().sum();
+        let pool = Pool::new(2, 0);
+        for dtype in TYPES {
+            let (_, raw, _) = weights(dtype, rows, k, 5);
+            let w = Packed::from_gguf(dtype, &raw, rows, k).unwrap();
+            let x = values(m * k, 77);
+            let mut a = QActs::default();
+            a.prepare(&x, m, k, w.needs(), &pool);
+            for imp in Impl::available() {
+                let whole = bits(&ours(&w, &x, m, imp, &pool));
+                let mut parts: Vec<Vec<f32>> = sizes.iter().map(|&r| vec![f32::NAN; m * r]).collect();
+                let mut dsts: Vec<&mut [f32]> = parts.iter_mut().map(|p| p.as_mut_slice()).collect();
+                matmul_parts(&w, &a, &mut dsts, imp, &pool).unwrap();
+                let mut first = 0;
+                for (p, &r) in parts.iter().zip(&sizes) {
+                    for t in 0..m {
+                        let want = &whole[t * rows + first..t * rows + first + r];
+                        assert_eq!(bits(&p[t * r..(t + 1) * r]), want, "{dtype:?} {imp:?} token {t}");
+                    }
+                    first += r;
+                }
+            }
+            // a part that ends inside a row group (not the last) is refused
+            let mut odd: Vec<Vec<f32>> = [2usize, rows - 2].iter().map(|&r| vec![0f32; m * r]).collect();
+            let mut dsts: Vec<&mut [f32]> = odd.iter_mut().map(|p| p.as_mut_slice()).collect();
+            assert!(matmul_parts(&w, &a, &mut dsts, Impl::Scalar, &pool).is_err());
         }
     }
 
