@@ -69,6 +69,10 @@ pub struct WorkerActor {
     merge: multi::OutputMerge,
     /// TP rank 0's peers (D111); `None` without tensor parallelism and on a peer.
     tp: Option<tp::TpLinks>,
+    /// Whether steps must name this process's incarnation (D113). Not on a TP peer: its steps
+    /// come from its rank 0, which checked them against the incarnation the engine knows (the
+    /// group's), and a peer lives and dies with that rank 0.
+    checks_incarnation: bool,
 }
 
 impl WorkerActor {
@@ -129,14 +133,16 @@ impl Handler<RouterEvent> for WorkerActor {
                 }
                 let _ = router.send(&peer, envelope.reply(Message::Ack));
             }
-            Message::ExecuteStep(step) => match refuse_stale_step(step, &self.info.incarnation) {
-                Some(refusal) => {
-                    tracing::warn!(step_id = step.step_id, error = %refusal.message, "refused a step built for another worker");
-                    metrics::STALE_STEPS.inc();
-                    let _ = router.send(&peer, envelope.reply(Message::Error(refusal)));
+            Message::ExecuteStep(step) => {
+                match self.checks_incarnation.then(|| refuse_stale_step(step, &self.info.incarnation)).flatten() {
+                    Some(refusal) => {
+                        tracing::warn!(step_id = step.step_id, error = %refusal.message, "refused a step built for another worker");
+                        metrics::STALE_STEPS.inc();
+                        let _ = router.send(&peer, envelope.reply(Message::Error(refusal)));
+                    }
+                    None => self.execute_step(peer, envelope, router, ctx),
                 }
-                None => self.execute_step(peer, envelope, router, ctx),
-            },
+            }
             Message::Hello(h) => self.peer_connected(h),
             other => tracing::warn!(kind = other.kind(), "unexpected message"),
         }
@@ -625,6 +631,7 @@ pub async fn start(
         device_lost: Some(lost_tx),
         merge: Default::default(),
         tp,
+        checks_incarnation: true,
     });
     ctx.health.set_ready(true);
     tracing::info!(endpoint = %ep.bind, rank, kv_bytes = spec.bytes_per_block() * u64::from(spec.num_blocks), "connector-worker ready");
@@ -662,6 +669,7 @@ pub async fn run_tp_peer(
         device_lost: Some(lost_tx),
         merge: Default::default(),
         tp: None,
+        checks_incarnation: false,
     });
     tracing::info!(%endpoint, tp_rank, kv_heads = spec.num_kv_heads, "tensor-parallel peer ready");
     let lost = async {
