@@ -1109,8 +1109,6 @@ impl Scheduler {
         self.held.get(id).is_some_and(|h| pdmesh_mesh_auth::capability_matches(&h.capability, capability))
     }
 
-    /// Held requests aborted after finish since the last call: the connector-worker's hold
-    /// table decides when their blocks can go (at once, or when the active lease ends).
     /// Keep only what the worker may do with blocks held for a request: register a hold
     /// (`reqs_to_send`) or save them to the offload store (`offload.saves`, with their
     /// `extra_async_saves`) for a request this engine holds, on blocks it holds for it. The
@@ -1134,6 +1132,8 @@ impl Scheduler {
         dropped
     }
 
+    /// Held requests aborted after finish since the last call: the connector-worker's hold
+    /// table decides when their blocks can go (at once, or when the active lease ends).
     pub fn take_aborted_held(&mut self) -> Vec<String> {
         std::mem::take(&mut self.aborted_held)
     }
