@@ -578,11 +578,51 @@ pub(crate) mod avx2 {
     use super::{FloatKind, Kind, Layout, PackedFloat, PackedLanes, Tile, FLOAT_GROUP, LANES, QK_K};
     use crate::kernels::QActs;
 
+    /// How far ahead, in bytes, a tile that streams its weights once asks for them
+    /// (`PDMESH_MODEL_PREFETCH` overrides; 0 turns prefetching off).
+    ///
+    /// Why: a decode step (one tile covers every token of the step) reads each matrix front to
+    /// back exactly once, from DRAM: about 1 GB a token on Qwen2.5-1.5B. One core's hardware
+    /// prefetchers keep too few lines in flight for that stream; asking for the lines a few KiB
+    /// ahead of the block being computed raised one-stream decode of the 1.5B on a 2-vCPU AMD
+    /// EPYC (Zen 3) from 15–19 to 22–29 tok/s (D115, docs/benchmarks.md). A prefill, whose
+    /// tiles read the same row group again for every 8 tokens from L1, does not prefetch: the
+    /// next group's lines there only evicted the current one's (measured slower).
+    pub(crate) fn prefetch_distance() -> usize {
+        static DIST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        *DIST.get_or_init(|| {
+            std::env::var("PDMESH_MODEL_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(PREFETCH_BYTES)
+        })
+    }
+
+    /// [`prefetch_distance`]'s default: 2–4 KiB measured alike (1.5–3.5 Q4_K chunks of 8 rows),
+    /// 8 KiB worse on the same host.
+    const PREFETCH_BYTES: usize = 4096;
+
+    /// Ask for the cache lines of `len` bytes `dist` bytes past `p`. A prefetch never faults,
+    /// so lines past the matrix's end are harmless (the address is formed with wrapping
+    /// arithmetic and never dereferenced).
+    #[inline(always)]
+    pub(crate) fn prefetch_ahead(p: *const u8, len: usize, dist: usize) {
+        let mut o = 0;
+        while o < len {
+            // SAFETY: a prefetch is a hint; it reads nothing architecturally and cannot fault.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(dist + o) as *const i8) };
+            o += 64;
+        }
+    }
+
+    /// Tokens one AVX2 Q6_K tile serves: its decode (64 quad vectors and the correction per
+    /// super-block) costs about a fifth of the tile's multiplies at 8 tokens, and its
+    /// accumulators are in memory whatever the count, so more tokens cost only L1 space
+    /// (`16·(256 + 256)` bytes of accumulators and biased activations).
+    pub(crate) const Q6K_TILE_TOKENS: usize = 16;
+
     /// One rows-in-lanes tile with AVX2.
     ///
     /// # Safety
     /// AVX2, FMA and F16C must be available; the preconditions of [`super::lanes_scalar`],
-    /// with `nt ≤ 8`.
+    /// with `nt ≤ 8` (`nt ≤ Q6K_TILE_TOKENS` for Q6_K).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn lanes(w: &PackedLanes, a: &QActs, tile: &Tile) {
         macro_rules! go {
@@ -609,19 +649,9 @@ pub(crate) mod avx2 {
             Kind::Q4K => go!(Kind::Q4K),
             Kind::Q5K => go!(Kind::Q5K),
             // SAFETY: forwarded preconditions.
-            Kind::Q6K => unsafe {
-                match tile.nt {
-                    8 => q6k_tile::<8>(w, a, tile),
-                    7 => q6k_tile::<7>(w, a, tile),
-                    6 => q6k_tile::<6>(w, a, tile),
-                    5 => q6k_tile::<5>(w, a, tile),
-                    4 => q6k_tile::<4>(w, a, tile),
-                    3 => q6k_tile::<3>(w, a, tile),
-                    2 => q6k_tile::<2>(w, a, tile),
-                    1 => q6k_tile::<1>(w, a, tile),
-                    _ => {}
-                }
-            },
+            Kind::Q6K if tile.nt == 1 => unsafe { q6k_tile_few::<1>(w, a, tile) },
+            // SAFETY: forwarded preconditions.
+            Kind::Q6K => unsafe { q6k_tile(w, a, tile) },
         }
     }
 
@@ -657,8 +687,12 @@ pub(crate) mod avx2 {
         unsafe {
             let base = w.data.as_ptr().add(g * nb * chunk);
             let mut acc = [_mm256_setzero_ps(); T];
+            let dist = if T == a.rows { prefetch_distance() } else { 0 };
             for b in 0..nb {
                 let p = base.add(b * chunk);
+                if dist > 0 {
+                    prefetch_ahead(p, chunk, dist);
+                }
                 let dv = _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off()) as *const __m128i));
                 let dminv = if l.mins {
                     _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off() + 2 * LANES) as *const __m128i))
@@ -810,14 +844,157 @@ pub(crate) mod avx2 {
     }
 
     /// One Q6_K tile with AVX2 in candle's one-token arithmetic (as [`super::q6k_scalar`]): a
-    /// super-block of 8 rows is decoded to bytes once (64 quad vectors, 16 scale vectors) and
-    /// reused for every token; per token, each quad's `(v − 32)·x` pairs (exact in i16) times
-    /// its sub-block's scale go into the i32 partial sum of its candle lane.
+    /// super-block of 8 rows is decoded once (64 quad vectors of `v − 32` as i8, 16 scale
+    /// vectors) and reused for every token.
+    ///
+    /// Per token and quad one `vpmaddubsw` of the activations biased to unsigned (`x + 128`,
+    /// biased once per tile) with the signed `v − 32`, then one `vpmaddwd` by the row's scale,
+    /// go into the i32 partial sum of the quad's candle lane; the bias adds `128·sc·Σ(v − 32)`,
+    /// a per-row constant of the super-block that is subtracted once (each lane starts from
+    /// it). So the exact integers are the same as `(v·x − 32·x)` per quad, and the bits too,
+    /// with two multiplies per quad and token instead of three (the second `vpmaddubsw` of
+    /// `32·x` is gone). No saturation: `|2·255·32| < 2^15`.
+    ///
+    /// The accumulators live in memory (64 of them at 8 tokens), so the token count is a
+    /// run-time bound; a super-block decoded once serves up to [`Q6K_TILE_TOKENS`].
+    ///
+    /// # Safety
+    /// As [`lanes`] with `nt ≤ Q6K_TILE_TOKENS` and `w.kind == Kind::Q6K`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q6k_tile(w: &PackedLanes, a: &QActs, tile: &Tile) {
+        const T: usize = Q6K_TILE_TOKENS;
+        let l = Layout::of(Kind::Q6K);
+        let k = a.k;
+        let nb = k / QK_K;
+        let Tile { g, nr, t0, rows, out, .. } = *tile;
+        let nt = tile.nt.min(T);
+        let chunk = l.chunk();
+        // 0x80: −128 as i8, the activations' bias by xor
+        let bias = _mm256_set1_epi8(-128);
+        // SAFETY: as in `lanes_tile` (Q8_K activations: qk and dk); the scratch is local.
+        unsafe {
+            let base = w.data.as_ptr().add(g * nb * chunk);
+            let zero = _mm256_setzero_si256();
+            let mut acc = [[_mm256_setzero_ps(); 8]; T];
+            let mut wq = [zero; 64];
+            let mut scv = [zero; 16];
+            let mut xb = [[0u8; QK_K]; T];
+            let dist = if nt == a.rows { prefetch_distance() } else { 0 };
+            for b in 0..nb {
+                let p = base.add(b * chunk);
+                if dist > 0 {
+                    prefetch_ahead(p, chunk, dist);
+                }
+                let dv = _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off()) as *const __m128i));
+                let corr = q6k_decode_biased(l, p, &mut wq, &mut scv);
+                for (t, row) in xb.iter_mut().enumerate().take(nt) {
+                    let src = a.qk.as_ptr().add((t0 + t) * k + b * QK_K);
+                    for c in 0..QK_K / 32 {
+                        let v = _mm256_xor_si256(_mm256_loadu_si256(src.add(32 * c) as *const __m256i), bias);
+                        _mm256_storeu_si256(row.as_mut_ptr().add(32 * c) as *mut __m256i, v);
+                    }
+                }
+                for (t, acc_t) in acc.iter_mut().enumerate().take(nt) {
+                    let ap = xb[t].as_ptr();
+                    // candle lane 4·(s mod 2) + q takes quad q of sub-block s (`q6k_lane`); the
+                    // pair loop keeps every lane index a constant, so the sums stay in registers
+                    let mut sumi = corr;
+                    for s2 in 0..8 {
+                        for h in 0..2 {
+                            let s = 2 * s2 + h;
+                            for q in 0..4 {
+                                let av = _mm256_set1_epi32((ap.add(16 * s + 4 * q) as *const i32).read_unaligned());
+                                let p16 = _mm256_maddubs_epi16(av, wq[4 * s + q]);
+                                sumi[4 * h + q] = _mm256_add_epi32(sumi[4 * h + q], _mm256_madd_epi16(p16, scv[s]));
+                            }
+                        }
+                    }
+                    let dd = _mm256_mul_ps(_mm256_broadcast_ss(&*a.dk.as_ptr().add((t0 + t) * nb + b)), dv);
+                    for (acc_l, s) in acc_t.iter_mut().zip(&sumi) {
+                        *acc_l = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(*s), *acc_l);
+                    }
+                }
+            }
+            for (t, acc_t) in acc.iter().enumerate().take(nt) {
+                // candle's hsum_float_8 across the 8 accumulators, per row lane
+                let v = _mm256_add_ps(
+                    _mm256_add_ps(_mm256_add_ps(acc_t[0], acc_t[4]), _mm256_add_ps(acc_t[2], acc_t[6])),
+                    _mm256_add_ps(_mm256_add_ps(acc_t[1], acc_t[5]), _mm256_add_ps(acc_t[3], acc_t[7])),
+                );
+                let dst = out.add((t0 + t) * rows);
+                if nr == LANES {
+                    _mm256_storeu_ps(dst, v);
+                } else {
+                    let mut lanes = [0f32; 8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), v);
+                    for (r, &x) in lanes.iter().enumerate().take(nr) {
+                        *dst.add(r) = x;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Decode the Q6_K super-block of 8 rows at `p` for [`q6k_tile`]: `wq[4s + q]` receives quad
+    /// `q` of sub-block `s` as `v − 32` (i8), `scv[s]` the rows' scales in both i16 halves of
+    /// each lane; returns per candle lane `−128·Σ sc·Σ(v − 32)` over the lane's quads (exact),
+    /// what the activations' bias adds.
+    ///
+    /// # Safety
+    /// AVX2; `p` points to a complete Q6_K chunk of layout `l`.
+    // inlined into its caller, which enables the features (as `decode_sub`)
+    #[inline(always)]
+    unsafe fn q6k_decode_biased(
+        l: Layout,
+        p: *const u8,
+        wq: &mut [__m256i; 64],
+        scv: &mut [__m256i; 16],
+    ) -> [__m256i; 8] {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let hmask = _mm256_set1_epi8(0x30);
+        let m32 = _mm256_set1_epi8(32);
+        // 128 as the u8 of the correction's `vpmaddubsw`
+        let bias = _mm256_set1_epi8(-128);
+        let lo16 = _mm256_set1_epi32(0xFFFF);
+        let mut corr = [_mm256_setzero_si256(); 8];
+        // SAFETY: the sub-blocks, their high bits and the scales lie inside the chunk (caller).
+        unsafe {
+            for s in 0..16 {
+                let sp = p.add(s * l.sub_bytes());
+                let raw0 = _mm256_loadu_si256(sp as *const __m256i);
+                let raw1 = _mm256_loadu_si256(sp.add(32) as *const __m256i);
+                let h = _mm256_loadu_si256(sp.add(64) as *const __m256i);
+                // bits 2q..2q+1 of each high byte to bits 4..5 (16-bit shifts: bits that cross a
+                // byte land outside the mask)
+                let hq = [_mm256_slli_epi16::<4>(h), _mm256_slli_epi16::<2>(h), h, _mm256_srli_epi16::<2>(h)];
+                let lo = [
+                    _mm256_and_si256(raw0, m4),
+                    _mm256_and_si256(raw1, m4),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(raw0), m4),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(raw1), m4),
+                ];
+                // the row's i8 scale in both i16 halves of its lane
+                let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(l.sc_off() + s * LANES) as *const __m128i));
+                scv[s] = _mm256_or_si256(_mm256_and_si256(sc, lo16), _mm256_slli_epi32::<16>(sc));
+                for q in 0..4 {
+                    let v = _mm256_sub_epi8(_mm256_or_si256(lo[q], _mm256_and_si256(hq[q], hmask)), m32);
+                    wq[4 * s + q] = v;
+                    let c = _mm256_madd_epi16(_mm256_maddubs_epi16(bias, v), scv[s]);
+                    corr[4 * (s % 2) + q] = _mm256_sub_epi32(corr[4 * (s % 2) + q], c);
+                }
+            }
+        }
+        corr
+    }
+
+    /// [`q6k_tile`] for one token (a decode step), the same exact integers without the bias:
+    /// per quad `v·x − 32·x` (two `vpmaddubsw`) times the scale. [`q6k_tile`]'s correction
+    /// costs two multiplies per quad and super-block, which one token does not win back.
     ///
     /// # Safety
     /// As [`lanes`] with `nt = T` and `w.kind == Kind::Q6K`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn q6k_tile<const T: usize>(w: &PackedLanes, a: &QActs, tile: &Tile) {
+    unsafe fn q6k_tile_few<const T: usize>(w: &PackedLanes, a: &QActs, tile: &Tile) {
         let l = Layout::of(Kind::Q6K);
         let k = a.k;
         let nb = k / QK_K;
@@ -833,8 +1010,12 @@ pub(crate) mod avx2 {
             let mut acc = [[_mm256_setzero_ps(); 8]; T];
             let mut wq = [_mm256_setzero_si256(); 64];
             let mut scv = [_mm256_setzero_si256(); 16];
+            let dist = if T == a.rows { prefetch_distance() } else { 0 };
             for b in 0..nb {
                 let p = base.add(b * chunk);
+                if dist > 0 {
+                    prefetch_ahead(p, chunk, dist);
+                }
                 let dv = _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off()) as *const __m128i));
                 for s in 0..16 {
                     let sp = p.add(s * l.sub_bytes());
@@ -1003,7 +1184,7 @@ pub(crate) mod avx2 {
 pub(crate) mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::avx2::{accumulate, decode_sub, sub_scales};
+    use super::avx2::{accumulate, decode_sub, prefetch_ahead, prefetch_distance, sub_scales};
     use super::{Kind, Layout, PackedLanes, Tile, LANES, QK_K};
     use crate::kernels::QActs;
 
@@ -1078,8 +1259,12 @@ pub(crate) mod avx512 {
         unsafe {
             let base = w.data.as_ptr().add(g * nb * chunk);
             let mut acc = [_mm256_setzero_ps(); T];
+            let dist = if T == a.rows { prefetch_distance() } else { 0 };
             for b in 0..nb {
                 let p = base.add(b * chunk);
+                if dist > 0 {
+                    prefetch_ahead(p, chunk, dist);
+                }
                 let dv = _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off()) as *const __m128i));
                 let dminv = if l.mins {
                     _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off() + 2 * LANES) as *const __m128i))
@@ -1343,8 +1528,13 @@ pub(crate) mod avx512 {
             let base0 = w.data.as_ptr().add(2 * g * nb * chunk);
             let base1 = w.data.as_ptr().add((2 * g + 1) * nb * chunk);
             let mut acc = [_mm512_setzero_ps(); T];
+            let dist = if T == a.rows { prefetch_distance() } else { 0 };
             for b in 0..nb {
                 let (p0, p1) = (base0.add(b * chunk), base1.add(b * chunk));
+                if dist > 0 {
+                    prefetch_ahead(p0, chunk, dist);
+                    prefetch_ahead(p1, chunk, dist);
+                }
                 let halves = |off: usize| {
                     _mm256_set_m128i(
                         _mm_loadu_si128(p1.add(off) as *const __m128i),
@@ -1438,8 +1628,13 @@ pub(crate) mod avx512 {
             let zero = _mm512_setzero_si512();
             let mut blk = Q6kBlock2 { w: [zero; 64], neg_corr: [zero; 64], sc: [zero; 16] };
             let mut xb = [[0u8; QK_K]; T];
+            let dist = if T == a.rows { prefetch_distance() } else { 0 };
             for b in 0..nb {
                 let (p0, p1) = (base0.add(b * chunk), base1.add(b * chunk));
+                if dist > 0 {
+                    prefetch_ahead(p0, chunk, dist);
+                    prefetch_ahead(p1, chunk, dist);
+                }
                 let dv = _mm512_cvtph_ps(_mm256_set_m128i(
                     _mm_loadu_si128(p1.add(l.d_off()) as *const __m128i),
                     _mm_loadu_si128(p0.add(l.d_off()) as *const __m128i),
@@ -1573,8 +1768,12 @@ pub(crate) mod avx512 {
             let zero = _mm256_setzero_si256();
             let mut blk = Q6kBlock { w: [zero; 64], neg_corr: [zero; 64], sc: [zero; 16] };
             let mut xb = [[0u8; QK_K]; T];
+            let dist = if T == a.rows { prefetch_distance() } else { 0 };
             for b in 0..nb {
                 let p = base.add(b * chunk);
+                if dist > 0 {
+                    prefetch_ahead(p, chunk, dist);
+                }
                 let dv = _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off()) as *const __m128i));
                 for s in 0..16 {
                     let sp = p.add(s * l.sub_bytes());
@@ -1819,7 +2018,9 @@ mod tests {
 
     #[test]
     fn a_row_has_the_same_bits_alone_and_anywhere_in_a_batch_on_every_impl() {
-        let (k, m) = (768, 13);
+        // 37 tokens: two full 16-token Q6_K tiles (AVX2) and a partial one, four 8-token tiles and
+        // a partial one for the other types
+        let (k, m) = (768, 37);
         let one = Pool::new(1, 0);
         let three = Pool::new(3, 0);
         // 20 rows: a full 16-row pair and a 4-row rest; 28: a pair whose second group is partial

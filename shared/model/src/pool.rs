@@ -59,6 +59,27 @@ unsafe impl Sync for Shared {}
 // SAFETY: as above; the raw pointer is only dereferenced under that protocol.
 unsafe impl Send for Shared {}
 
+/// Claim the next run of consecutive items of `0..n_items`, or `None` when all are claimed.
+///
+/// Claims shrink as the job drains (guided scheduling): each takes a `1 / (2·threads)` share of
+/// what is left, so the first claims are large (few atomics) and the last ones a single item.
+/// Why: with equal claims (an eighth of a thread's share each) the thread that took the last
+/// one ran alone for up to a whole claim while the others waited at the job's end — measured
+/// ~3.7 ms at the end of each gate/up matmul of a 512-token Qwen2.5-1.5B prefill.
+fn claim(next: &AtomicUsize, n_items: usize, threads: usize) -> Option<std::ops::Range<usize>> {
+    let mut start = next.load(Ordering::Relaxed);
+    loop {
+        if start >= n_items {
+            return None;
+        }
+        let unit = ((n_items - start) / (2 * threads)).max(1);
+        match next.compare_exchange_weak(start, start + unit, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return Some(start..start + unit),
+            Err(now) => start = now,
+        }
+    }
+}
+
 /// A fixed set of threads that run one job at a time.
 pub struct Pool {
     shared: Arc<Shared>,
@@ -169,18 +190,15 @@ impl Pool {
             NICED.set(true);
             let _ = lower_priority(self.nice);
         }
-        // ~8 claims per thread: few enough atomics, small enough to balance uneven items
-        let unit = (n_items / (8 * self.n_threads)).max(1);
         let next = AtomicUsize::new(0);
         let panicked = AtomicBool::new(false);
+        let threads = self.n_threads.max(1);
         let body = || {
-            let r = catch_unwind(AssertUnwindSafe(|| loop {
-                let start = next.fetch_add(unit, Ordering::Relaxed);
-                if start >= n_items {
-                    break;
-                }
-                for item in start..(start + unit).min(n_items) {
-                    f(item);
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                while let Some(items) = claim(&next, n_items, threads) {
+                    for item in items {
+                        f(item);
+                    }
                 }
             }));
             if r.is_err() {
@@ -334,6 +352,29 @@ fn worker(s: &Shared) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn claims_cover_every_item_once_and_shrink_to_single_items() {
+        for (n, threads) in [(1usize, 2usize), (7, 2), (2240, 2), (1000, 3), (5, 16)] {
+            let next = AtomicUsize::new(0);
+            let mut runs = Vec::new();
+            while let Some(r) = claim(&next, n, threads) {
+                runs.push(r);
+            }
+            // consecutive, disjoint, covering 0..n
+            let mut at = 0;
+            for r in &runs {
+                assert_eq!(r.start, at, "n={n} threads={threads}: {runs:?}");
+                assert!(r.end > r.start && r.end <= n);
+                at = r.end;
+            }
+            assert_eq!(at, n);
+            let lens: Vec<usize> = runs.iter().map(|r| r.len()).collect();
+            assert!(lens.windows(2).all(|w| w[1] <= w[0]), "claims shrink: {lens:?}");
+            assert_eq!(lens.last(), Some(&1), "the last claim is one item: {lens:?}");
+            assert!(lens[0] <= n.div_ceil(2 * threads).max(1));
+        }
+    }
 
     #[test]
     fn every_chunk_once() {
