@@ -112,10 +112,10 @@ impl Impl {
             #[cfg(target_arch = "x86_64")]
             (Impl::Avx512, Packed::Q4_1(_)) => 8,
             #[cfg(target_arch = "x86_64")]
-            // measured: 5-10 % less CPU per prefill matmul than 4 tokens (the decoded sub-block
-            // is reused twice as often)
             (Impl::Avx2, Packed::Lanes(q)) if q.kind == kquants::Kind::Q6K => kquants::avx2::Q6K_TILE_TOKENS,
             #[cfg(target_arch = "x86_64")]
+            // measured: 5-10 % less CPU per prefill matmul than 4 tokens (the decoded sub-block
+            // is reused twice as often)
             (Impl::Avx2, Packed::Lanes(_)) => 8,
             #[cfg(target_arch = "x86_64")]
             (Impl::Avx512, Packed::Lanes(_)) => kquants::avx512::TILE_TOKENS,

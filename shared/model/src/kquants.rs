@@ -935,6 +935,34 @@ pub(crate) mod avx2 {
         }
     }
 
+    /// The 4 quad vectors of Q6_K sub-block at `sp` for 8 rows: vector `q` holds quad `q` of
+    /// every row as bytes `v` in `0..64` (low nibble, then bits `2q..2q+1` of the high byte).
+    ///
+    /// # Safety
+    /// AVX2; `sp` points to a complete sub-block of the Q6_K lanes layout (96 bytes).
+    // inlined into its callers, which enable the features (as `decode_sub`)
+    #[inline(always)]
+    pub(super) unsafe fn q6k_quads(sp: *const u8) -> [__m256i; 4] {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let hmask = _mm256_set1_epi8(0x30);
+        // SAFETY: the sub-block's 96 bytes lie inside the chunk (caller).
+        unsafe {
+            let raw0 = _mm256_loadu_si256(sp as *const __m256i);
+            let raw1 = _mm256_loadu_si256(sp.add(32) as *const __m256i);
+            let h = _mm256_loadu_si256(sp.add(64) as *const __m256i);
+            // bits 2q..2q+1 of each high byte to bits 4..5 (16-bit shifts: bits that cross a byte
+            // land outside the mask)
+            let hq = [_mm256_slli_epi16::<4>(h), _mm256_slli_epi16::<2>(h), h, _mm256_srli_epi16::<2>(h)];
+            let lo = [
+                _mm256_and_si256(raw0, m4),
+                _mm256_and_si256(raw1, m4),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(raw0), m4),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(raw1), m4),
+            ];
+            [0, 1, 2, 3].map(|q| _mm256_or_si256(lo[q], _mm256_and_si256(hq[q], hmask)))
+        }
+    }
+
     /// Decode the Q6_K super-block of 8 rows at `p` for [`q6k_tile`]: `wq[4s + q]` receives quad
     /// `q` of sub-block `s` as `v − 32` (i8), `scv[s]` the rows' scales in both i16 halves of
     /// each lane; returns per candle lane `−128·Σ sc·Σ(v − 32)` over the lane's quads (exact),
@@ -950,8 +978,6 @@ pub(crate) mod avx2 {
         wq: &mut [__m256i; 64],
         scv: &mut [__m256i; 16],
     ) -> [__m256i; 8] {
-        let m4 = _mm256_set1_epi8(0x0F);
-        let hmask = _mm256_set1_epi8(0x30);
         let m32 = _mm256_set1_epi8(32);
         // 128 as the u8 of the correction's `vpmaddubsw`
         let bias = _mm256_set1_epi8(-128);
@@ -960,24 +986,12 @@ pub(crate) mod avx2 {
         // SAFETY: the sub-blocks, their high bits and the scales lie inside the chunk (caller).
         unsafe {
             for s in 0..16 {
-                let sp = p.add(s * l.sub_bytes());
-                let raw0 = _mm256_loadu_si256(sp as *const __m256i);
-                let raw1 = _mm256_loadu_si256(sp.add(32) as *const __m256i);
-                let h = _mm256_loadu_si256(sp.add(64) as *const __m256i);
-                // bits 2q..2q+1 of each high byte to bits 4..5 (16-bit shifts: bits that cross a
-                // byte land outside the mask)
-                let hq = [_mm256_slli_epi16::<4>(h), _mm256_slli_epi16::<2>(h), h, _mm256_srli_epi16::<2>(h)];
-                let lo = [
-                    _mm256_and_si256(raw0, m4),
-                    _mm256_and_si256(raw1, m4),
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(raw0), m4),
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(raw1), m4),
-                ];
+                let quads = q6k_quads(p.add(s * l.sub_bytes()));
                 // the row's i8 scale in both i16 halves of its lane
                 let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(l.sc_off() + s * LANES) as *const __m128i));
                 scv[s] = _mm256_or_si256(_mm256_and_si256(sc, lo16), _mm256_slli_epi32::<16>(sc));
-                for q in 0..4 {
-                    let v = _mm256_sub_epi8(_mm256_or_si256(lo[q], _mm256_and_si256(hq[q], hmask)), m32);
+                for (q, &vq) in quads.iter().enumerate() {
+                    let v = _mm256_sub_epi8(vq, m32);
                     wq[4 * s + q] = v;
                     let c = _mm256_madd_epi16(_mm256_maddubs_epi16(bias, v), scv[s]);
                     corr[4 * (s % 2) + q] = _mm256_sub_epi32(corr[4 * (s % 2) + q], c);
@@ -1000,8 +1014,6 @@ pub(crate) mod avx2 {
         let nb = k / QK_K;
         let Tile { g, nr, t0, rows, out, .. } = *tile;
         let chunk = l.chunk();
-        let m4 = _mm256_set1_epi8(0x0F);
-        let hmask = _mm256_set1_epi8(0x30);
         let m32 = _mm256_set1_epi8(32);
         let lo16 = _mm256_set1_epi32(0xFFFF);
         // SAFETY: as in `lanes_tile` (Q8_K activations: qk and dk).
@@ -1018,22 +1030,8 @@ pub(crate) mod avx2 {
                 }
                 let dv = _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off()) as *const __m128i));
                 for s in 0..16 {
-                    let sp = p.add(s * l.sub_bytes());
-                    let raw0 = _mm256_loadu_si256(sp as *const __m256i);
-                    let raw1 = _mm256_loadu_si256(sp.add(32) as *const __m256i);
-                    let h = _mm256_loadu_si256(sp.add(64) as *const __m256i);
-                    // bits 2q..2q+1 of each high byte to bits 4..5 (16-bit shifts: bits that
-                    // cross a byte land outside the mask)
-                    let hq = [_mm256_slli_epi16::<4>(h), _mm256_slli_epi16::<2>(h), h, _mm256_srli_epi16::<2>(h)];
-                    let lo = [
-                        _mm256_and_si256(raw0, m4),
-                        _mm256_and_si256(raw1, m4),
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(raw0), m4),
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(raw1), m4),
-                    ];
-                    for q in 0..4 {
-                        wq[4 * s + q] = _mm256_or_si256(lo[q], _mm256_and_si256(hq[q], hmask));
-                    }
+                    let quads = q6k_quads(p.add(s * l.sub_bytes()));
+                    wq[4 * s..4 * s + 4].copy_from_slice(&quads);
                     // the row's i8 scale in both i16 halves of its lane
                     let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(l.sc_off() + s * LANES) as *const __m128i));
                     scv[s] = _mm256_or_si256(_mm256_and_si256(sc, lo16), _mm256_slli_epi32::<16>(sc));
@@ -1184,7 +1182,7 @@ pub(crate) mod avx2 {
 pub(crate) mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::avx2::{accumulate, decode_sub, prefetch_ahead, prefetch_distance, sub_scales};
+    use super::avx2::{accumulate, decode_sub, prefetch_ahead, prefetch_distance, q6k_quads, sub_scales};
     use super::{Kind, Layout, PackedLanes, Tile, LANES, QK_K};
     use crate::kernels::QActs;
 
@@ -1756,8 +1754,6 @@ pub(crate) mod avx512 {
         let nb = k / QK_K;
         let Tile { g, nr, t0, rows, out, .. } = *tile;
         let chunk = l.chunk();
-        let m4 = _mm256_set1_epi8(0x0F);
-        let hmask = _mm256_set1_epi8(0x30);
         let m32 = _mm256_set1_epi8(32);
         let bias = _mm256_set1_epi8(-128);
         let lo16 = _mm256_set1_epi32(0xFFFF);
@@ -1776,19 +1772,9 @@ pub(crate) mod avx512 {
                 }
                 let dv = _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off()) as *const __m128i));
                 for s in 0..16 {
-                    let sp = p.add(s * l.sub_bytes());
-                    let raw0 = _mm256_loadu_si256(sp as *const __m256i);
-                    let raw1 = _mm256_loadu_si256(sp.add(32) as *const __m256i);
-                    let h = _mm256_loadu_si256(sp.add(64) as *const __m256i);
-                    let hq = [_mm256_slli_epi16::<4>(h), _mm256_slli_epi16::<2>(h), h, _mm256_srli_epi16::<2>(h)];
-                    let lo = [
-                        _mm256_and_si256(raw0, m4),
-                        _mm256_and_si256(raw1, m4),
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(raw0), m4),
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(raw1), m4),
-                    ];
-                    for q in 0..4 {
-                        let v = _mm256_sub_epi8(_mm256_or_si256(lo[q], _mm256_and_si256(hq[q], hmask)), m32);
+                    let quads = q6k_quads(p.add(s * l.sub_bytes()));
+                    for (q, &vq) in quads.iter().enumerate() {
+                        let v = _mm256_sub_epi8(vq, m32);
                         blk.w[4 * s + q] = v;
                         blk.neg_corr[4 * s + q] = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, bias, v));
                     }
