@@ -84,8 +84,12 @@ suite() {
     mesh | faults)
       local bin=$1
       [[ $bin == mesh ]] && bin=model_mesh
+      # The qwen2 drills (Qwen2.5 over TP ranks) are not GPU tests: the CUDA executor runs the
+      # llama recipe only and refuses qwen2 and tensor parallelism at start (docs/MODEL.md), and
+      # their 491 MB model does not fit a transfer. scripts/test.sh runs them on the CPU.
+      [[ $bin == faults ]] && echo "gpu-check: skipping the qwen2_* drills (CPU-only: the CUDA executor runs llama only)"
       model && PDMESH_MODEL_DEVICE=cuda PDMESH_KV_BACKEND=cuda PDMESH_TEST_BIN="$GPU_CHECK_DIR/bin/pdmesh" \
-        run_test "$bin" --test-threads=1
+        run_test "$bin" --test-threads=1 --skip qwen2_
       ;;
     *) echo "gpu-check: unknown suite '$1'" >&2; return 2 ;;
   esac

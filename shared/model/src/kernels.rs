@@ -114,6 +114,12 @@ impl Impl {
             #[cfg(target_arch = "x86_64")]
             (Impl::Avx2, Packed::Lanes(q)) if q.kind == kquants::Kind::Q6K => kquants::avx2::Q6K_TILE_TOKENS,
             #[cfg(target_arch = "x86_64")]
+            (Impl::Avx512, Packed::Lanes(q))
+                if q.kind == kquants::Kind::Q6K && !kquants::avx512::row_pairs(q.kind, 0) =>
+            {
+                kquants::avx512::Q6K_TILE_TOKENS
+            }
+            #[cfg(target_arch = "x86_64")]
             // measured: 5-10 % less CPU per prefill matmul than 4 tokens (the decoded sub-block
             // is reused twice as often)
             (Impl::Avx2, Packed::Lanes(_)) => 8,
@@ -644,11 +650,10 @@ pub fn matmul_parts(
     let base = w.group_rows();
     let parts = Part::of(outs, m, base)?;
     let inner = &parts[..parts.len().saturating_sub(1)];
-    // 16-row tiles (two groups on 512-bit vectors) where the core runs them at full width, and
-    // no pair straddles two parts
+    // 16-row tiles (two groups on 512-bit vectors) where they are faster for this kind
+    // (`row_pairs`), and no pair straddles two parts
     #[cfg(target_arch = "x86_64")]
-    let pairs = matches!((imp, w), (Impl::Avx512, Packed::Lanes(_)))
-        && kquants::avx512::row_pairs()
+    let pairs = matches!((imp, w), (Impl::Avx512, Packed::Lanes(q)) if kquants::avx512::row_pairs(q.kind, m))
         && inner.iter().all(|p| p.rows.is_multiple_of(2 * base));
     #[cfg(not(target_arch = "x86_64"))]
     let pairs = false;

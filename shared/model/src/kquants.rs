@@ -1189,11 +1189,15 @@ pub(crate) mod avx512 {
     /// Tokens per tile (measured against 8: fewer passes over the decoded weights).
     pub(crate) const TILE_TOKENS: usize = 12;
 
+    /// Tokens per 8-row Q6_K tile ([`q6k_tile`]): its accumulators and activations live in
+    /// memory whatever the count, so more tokens share each decoded super-block.
+    pub(crate) const Q6K_TILE_TOKENS: usize = 16;
+
     /// One rows-in-lanes tile with AVX-512 VNNI.
     ///
     /// # Safety
     /// AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI must be available; the preconditions of
-    /// [`super::lanes_scalar`], with `nt ≤ TILE_TOKENS`.
+    /// [`super::lanes_scalar`], with `nt ≤ TILE_TOKENS` (`nt ≤ Q6K_TILE_TOKENS` for Q6_K).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(crate) unsafe fn lanes(w: &PackedLanes, a: &QActs, tile: &Tile) {
         macro_rules! by_tokens {
@@ -1227,7 +1231,8 @@ pub(crate) mod avx512 {
             // (measured: 15 % faster at one token; this tile is 8 % faster from eight on)
             // SAFETY: forwarded preconditions (AVX2, FMA and F16C are implied).
             Kind::Q6K if tile.nt <= 2 => unsafe { super::avx2::lanes(w, a, tile) },
-            Kind::Q6K => by_tokens!(q6k_tile),
+            // SAFETY: forwarded preconditions (`nt ≤ Q6K_TILE_TOKENS` where this tile is used).
+            Kind::Q6K => unsafe { q6k_tile(w, a, tile) },
         }
     }
 
@@ -1295,20 +1300,44 @@ pub(crate) mod avx512 {
         }
     }
 
-    /// Whether [`lanes_pair`] computes this matrix's tiles, on a core that runs 512-bit VNNI at full width
-    /// (Intel; AMD's Zen 4 splits each 512-bit operation in two, so pairs gain nothing there).
-    /// `PDMESH_MODEL_ROW_PAIRS=0|1` overrides the vendor check.
-    pub(crate) fn row_pairs() -> bool {
-        static FULL_WIDTH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *FULL_WIDTH.get_or_init(|| match std::env::var("PDMESH_MODEL_ROW_PAIRS").as_deref() {
-            Ok("0") => false,
-            Ok("1") => true,
+    /// Whether [`lanes_pair`] computes the tiles of a matrix of `kind` multiplied by `m`
+    /// tokens (16 rows per 512-bit vector). `PDMESH_MODEL_ROW_PAIRS=0|1` overrides the choice
+    /// for every kind and batch.
+    ///
+    /// Why it depends on the core, the kind and the batch: on a core that runs 512-bit VNNI at
+    /// full width (Intel) pairs serve every matmul (D112). AMD's Zen 4 splits each 512-bit
+    /// operation in two, yet pairs still issue half the instructions per product: measured
+    /// there (D116) Q4_K and Q5_0 prefill tiles 1.12–1.18× faster with pairs; but a matmul
+    /// whose tiles stream the weights once from memory (`m` within one tile: decode) lost a
+    /// third of its speed with them (one-stream decode of Qwen2.5-1.5B 24.5 → 17.5 tok/s, 8
+    /// streams 96 → 78), and the 8-row Q6_K tile ([`q6k_tile`], sub-block pairs on 256-bit
+    /// vectors) beats the 16-row one by 1.12–1.20×. So on AMD: pairs for prefill, not Q6_K.
+    pub(crate) fn row_pairs(kind: Kind, m: usize) -> bool {
+        #[derive(Clone, Copy)]
+        enum Choice {
+            Always,
+            Never,
+            PrefillNotQ6k,
+        }
+        static CHOICE: std::sync::OnceLock<Choice> = std::sync::OnceLock::new();
+        let choice = *CHOICE.get_or_init(|| match std::env::var("PDMESH_MODEL_ROW_PAIRS").as_deref() {
+            Ok("0") => Choice::Never,
+            Ok("1") => Choice::Always,
             _ => {
                 let v = __cpuid(0);
                 let vendor: Vec<u8> = [v.ebx, v.edx, v.ecx].iter().flat_map(|r| r.to_le_bytes()).collect();
-                vendor == b"GenuineIntel"
+                if vendor == b"GenuineIntel" {
+                    Choice::Always
+                } else {
+                    Choice::PrefillNotQ6k
+                }
             }
-        })
+        });
+        match choice {
+            Choice::Always => true,
+            Choice::Never => false,
+            Choice::PrefillNotQ6k => kind != Kind::Q6K && m > TILE_TOKENS,
+        }
     }
 
     /// One tile of two row groups (16 rows, `tile.g` counting pairs) with AVX-512 VNNI on
@@ -1566,14 +1595,19 @@ pub(crate) mod avx512 {
         }
     }
 
-    /// [`Q6kBlock`] of two row groups on 512-bit vectors (group `2g` in the low 8 lanes).
+    /// A decoded Q6_K super-block of two row groups on 512-bit vectors (group `2g` in the low 8
+    /// lanes), per quad `i = 4s + q`: the values `v − 32` as i8 (`w`), `−128·Σ(v − 32)` per row
+    /// (`neg_corr`), and per sub-block the row's scale in the low i16 of its lane (`sc`).
     struct Q6kBlock2 {
         w: [__m512i; 64],
         neg_corr: [__m512i; 64],
         sc: [__m512i; 16],
     }
 
-    /// [`q6k_sums`] of two row groups: the same exact integers, 16 lanes.
+    /// The 8 candle lanes' exact sums of one super-block of two row groups (16 lanes) for `N`
+    /// tokens, whose activations (biased by 128, so unsigned) start at `x[n]`: per quad a
+    /// `vpdpbusd` from `−128·Σ(v − 32)` gives `Σ (v − 32)·x` (an i16), which `vpdpwssd` multiplies
+    /// by the scale into the candle lane.
     ///
     /// # Safety
     /// AVX-512 F/BW/VNNI; each `x[n]` points to 256 bytes.
@@ -1600,8 +1634,9 @@ pub(crate) mod avx512 {
         sumi
     }
 
-    /// [`q6k_tile`] over two row groups (16 rows) on 512-bit vectors: per lane the same
-    /// integers and the same float operations in the same order, so the same bits.
+    /// [`q6k_tile`] over two row groups (16 rows) on 512-bit vectors, a quad at a time (Intel
+    /// cores, D112/D116): per lane the same integers and the same float operations in the same
+    /// order, so the same bits.
     ///
     /// # Safety
     /// As [`lanes_pair`] with two full groups, `nt = T ≥ 3` and `w.kind == Kind::Q6K`.
@@ -1699,36 +1734,89 @@ pub(crate) mod avx512 {
         }
     }
 
-    /// A decoded Q6_K super-block of 8 rows, per quad `i = 4s + q`: the values `v − 32` as i8
-    /// (`w`), `−128·Σ(v − 32)` per row (`neg_corr`), and per sub-block the row's scale in the
-    /// low i16 of its lane (`sc`).
-    struct Q6kBlock {
-        w: [__m256i; 64],
-        neg_corr: [__m256i; 64],
-        sc: [__m256i; 16],
+    /// Sub-blocks `s` and `s + 2` go in pairs (they feed the same candle lanes, `L = 4·(s % 2) +
+    /// q`): pair `j` starts at sub-block `4·(j / 2) + j % 2`.
+    const fn pair_first(j: usize) -> usize {
+        4 * (j / 2) + j % 2
     }
 
-    /// The 8 candle lanes' exact sums of one super-block for `N` tokens, whose activations
-    /// (biased by 128, so unsigned) start at `x[n]`.
+    /// Where the 8 activation bytes of pair `j`, quad `q` sit in a token's row of [`pair_acts`]:
+    /// values 0 and 1 of quad `q` of sub-blocks `s` and `s + 2`, then values 2 and 3.
+    const fn pair_act_offset(j: usize, q: usize) -> usize {
+        64 * (j / 2) + 32 * (q / 2) + 16 * (j % 2) + 8 * (q % 2)
+    }
+
+    /// One token's 256 Q8_K activations of a super-block, biased to unsigned (`x + 128`) and
+    /// interleaved by 16-bit words into the pair order [`pair_act_offset`] reads: per 64 values
+    /// (sub-blocks `4g..4g + 4`) one unpack of the low and one of the high words of the halves.
     ///
     /// # Safety
-    /// AVX-512 VL/VNNI; each `x[n]` points to 256 bytes.
+    /// AVX2; `src` holds 256 bytes.
+    #[inline(always)]
+    unsafe fn pair_acts(src: *const i8, dst: &mut [u8; QK_K]) {
+        let bias = _mm256_set1_epi8(-128);
+        // SAFETY: 256 bytes read from `src` (caller), 256 written to `dst`.
+        unsafe {
+            for g in 0..4 {
+                let a = _mm256_xor_si256(_mm256_loadu_si256(src.add(64 * g) as *const __m256i), bias);
+                let b = _mm256_xor_si256(_mm256_loadu_si256(src.add(64 * g + 32) as *const __m256i), bias);
+                let out = dst.as_mut_ptr().add(64 * g) as *mut __m256i;
+                _mm256_storeu_si256(out, _mm256_unpacklo_epi16(a, b));
+                _mm256_storeu_si256(out.add(1), _mm256_unpackhi_epi16(a, b));
+            }
+        }
+    }
+
+    /// A decoded Q6_K super-block of 8 rows in sub-block pairs (pair `j`: sub-blocks
+    /// `s = pair_first(j)` and `s + 2`), per `i = 4j + q`: `lo[i]` holds in each row's lane
+    /// values 0 and 1 of quad `q` of `s`, then of `s + 2` (`v − 32` as i8), `hi[i]` values 2 and 3;
+    /// `sc[j]` the row's two scales as i16 (`s` low, `s + 2` high); `start[L]` per candle lane
+    /// `−128·Σ sc·Σ(v − 32)`, what the activations' bias adds.
+    struct Q6kPairs {
+        lo: [__m256i; 32],
+        hi: [__m256i; 32],
+        sc: [__m256i; 8],
+        start: [__m256i; 8],
+    }
+
+    /// The 8 candle lanes' exact sums of one super-block for `N` tokens whose paired, biased
+    /// activations ([`pair_acts`]) start at `x[n]`, each lane starting from `blk.start`, or
+    /// from zero when `x` is a zero token's (for `start` itself).
+    ///
+    /// Per pair, quad and token: two `vpmaddubsw` (activation bytes × `v − 32`, each i16 a
+    /// sum of two products of one sub-block: `|·| ≤ 2·255·32`), their i16 sum (one quad's
+    /// dot product per sub-block, `|·| ≤ 32640`: no saturation), and one `vpdpwssd` against
+    /// the two scales adds `sc_s·Σ_s + sc_{s+2}·Σ_{s+2}` to the lane: three multiplies for two
+    /// quads, where a quad at a time took two.
+    ///
+    /// # Safety
+    /// AVX-512 VL/VNNI, AVX-512 BW; each `x[n]` points to 256 bytes.
     #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
-    unsafe fn q6k_sums<const N: usize>(blk: &Q6kBlock, x: [*const u8; N]) -> [[__m256i; 8]; N] {
-        let mut sumi = [[_mm256_setzero_si256(); 8]; N];
+    unsafe fn q6k_pair_sums<const N: usize>(
+        blk: &Q6kPairs,
+        x: [*const u8; N],
+        start: &[__m256i; 8],
+    ) -> [[__m256i; 8]; N] {
+        let mut sumi = [*start; N];
         // SAFETY: forwarded.
         unsafe {
-            for s2 in 0..8 {
+            // h innermost but one, so that every lane index is a constant (the sums stay in
+            // registers; indexed by a loop variable they went through the stack)
+            for j2 in 0..4 {
                 for h in 0..2 {
-                    let s = 2 * s2 + h;
+                    let j = 2 * j2 + h;
                     for q in 0..4 {
-                        let i = 4 * s + q;
+                        let i = 4 * j + q;
+                        let off = pair_act_offset(j, q);
                         for (n, sums) in sumi.iter_mut().enumerate() {
-                            let xv = _mm256_set1_epi32((x[n].add(4 * i) as *const i32).read_unaligned());
-                            // Σ (v−32)·(x+128) − 128·Σ(v−32) = Σ (v−32)·x, |·| ≤ 2^14: an i16
-                            let d = _mm256_dpbusd_epi32(blk.neg_corr[i], xv, blk.w[i]);
-                            sums[4 * h + q] = _mm256_dpwssd_epi32(sums[4 * h + q], d, blk.sc[s]);
+                            let x1 = _mm256_set1_epi32((x[n].add(off) as *const i32).read_unaligned());
+                            let x2 = _mm256_set1_epi32((x[n].add(off + 4) as *const i32).read_unaligned());
+                            let d = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(x1, blk.lo[i]),
+                                _mm256_maddubs_epi16(x2, blk.hi[i]),
+                            );
+                            sums[4 * h + q] = _mm256_dpwssd_epi32(sums[4 * h + q], d, blk.sc[j]);
                         }
                     }
                 }
@@ -1737,63 +1825,88 @@ pub(crate) mod avx512 {
         sumi
     }
 
-    /// One Q6_K tile in candle's one-token arithmetic (as [`super::q6k_scalar`]), the same
-    /// exact per-lane integers as the AVX2 tile computed with two VNNI instructions per quad
-    /// instead of five: `vpdpbusd` of the activations biased to unsigned (`x + 128`) with the
-    /// signed `v − 32`, starting from `−128·Σ(v − 32)` (a per-row constant of the tile), gives
-    /// `Σ (v − 32)·x` exactly; that fits an i16, so `vpdpwssd` against the scale in the low
-    /// half of the lane multiplies and adds it into the candle lane. Tokens go in pairs, so
-    /// each decoded vector loaded serves two.
+    /// Decode the Q6_K super-block of 8 rows at `p` into `blk` (pairs and their bias start).
+    ///
+    /// # Safety
+    /// AVX-512 VL/VNNI, AVX-512 BW; `p` points to a complete Q6_K chunk.
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn q6k_decode_pairs(p: *const u8, blk: &mut Q6kPairs) {
+        let l = Layout::of(Kind::Q6K);
+        let m32 = _mm256_set1_epi8(32);
+        // SAFETY: the chunk's sub-blocks and scales lie at `p` (caller).
+        unsafe {
+            let quads = |s: usize| q6k_quads(p.add(s * l.sub_bytes())).map(|v| _mm256_sub_epi8(v, m32));
+            let scale =
+                |s: usize| _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(l.sc_off() + s * LANES) as *const __m128i));
+            for j in 0..8 {
+                let s = pair_first(j);
+                let (wa, wb) = (quads(s), quads(s + 2));
+                for q in 0..4 {
+                    blk.lo[4 * j + q] = _mm256_blend_epi16::<0xAA>(wa[q], _mm256_slli_epi32::<16>(wb[q]));
+                    blk.hi[4 * j + q] = _mm256_blend_epi16::<0xAA>(_mm256_srli_epi32::<16>(wa[q]), wb[q]);
+                }
+                blk.sc[j] = _mm256_blend_epi16::<0xAA>(scale(s), _mm256_slli_epi32::<16>(scale(s + 2)));
+            }
+            // the bias's share, `128·Σ sc·Σ(v − 32)` per lane: each pair's four values summed
+            // as bytes (|·| ≤ 64), then as i16 per sub-block, then by the two scales
+            let ones = _mm256_set1_epi8(1);
+            let mut bias = [_mm256_setzero_si256(); 8];
+            for j2 in 0..4 {
+                for h in 0..2 {
+                    let j = 2 * j2 + h;
+                    for q in 0..4 {
+                        let i = 4 * j + q;
+                        let w4 = _mm256_maddubs_epi16(ones, _mm256_add_epi8(blk.lo[i], blk.hi[i]));
+                        bias[4 * h + q] = _mm256_dpwssd_epi32(bias[4 * h + q], w4, blk.sc[j]);
+                    }
+                }
+            }
+            blk.start = bias.map(|v| _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<7>(v)));
+        }
+    }
+
+    /// One Q6_K tile in candle's one-token arithmetic (as [`super::q6k_scalar`]): the same
+    /// exact per-lane integers as the AVX2 tile, with sub-blocks `s` and `s + 2` taken together
+    /// ([`q6k_pair_sums`]: three multiplies per two quads and token, against four with a
+    /// `vpdpbusd` and a `vpdpwssd` per quad). Tokens go in pairs, so each decoded vector loaded
+    /// serves two.
     ///
     /// # Safety
     /// As [`lanes`] with `nt = T` and `w.kind == Kind::Q6K`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn q6k_tile<const T: usize>(w: &PackedLanes, a: &QActs, tile: &Tile) {
+    unsafe fn q6k_tile(w: &PackedLanes, a: &QActs, tile: &Tile) {
+        const MAX: usize = Q6K_TILE_TOKENS;
         let l = Layout::of(Kind::Q6K);
         let k = a.k;
         let nb = k / QK_K;
         let Tile { g, nr, t0, rows, out, .. } = *tile;
+        let nt = tile.nt.min(MAX);
         let chunk = l.chunk();
-        let m32 = _mm256_set1_epi8(32);
-        let bias = _mm256_set1_epi8(-128);
-        let lo16 = _mm256_set1_epi32(0xFFFF);
         // SAFETY: as in `avx2::q6k_tile` (Q8_K activations: qk and dk); the scratch is local.
         unsafe {
             let base = w.data.as_ptr().add(g * nb * chunk);
-            let mut acc = [[_mm256_setzero_ps(); 8]; T];
+            let mut acc = [[_mm256_setzero_ps(); 8]; MAX];
             let zero = _mm256_setzero_si256();
-            let mut blk = Q6kBlock { w: [zero; 64], neg_corr: [zero; 64], sc: [zero; 16] };
-            let mut xb = [[0u8; QK_K]; T];
-            let dist = if T == a.rows { prefetch_distance() } else { 0 };
+            let mut blk = Q6kPairs { lo: [zero; 32], hi: [zero; 32], sc: [zero; 8], start: [zero; 8] };
+            let mut xb = [[0u8; QK_K]; MAX];
+            let dist = if nt == a.rows { prefetch_distance() } else { 0 };
             for b in 0..nb {
                 let p = base.add(b * chunk);
                 if dist > 0 {
                     prefetch_ahead(p, chunk, dist);
                 }
                 let dv = _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off()) as *const __m128i));
-                for s in 0..16 {
-                    let quads = q6k_quads(p.add(s * l.sub_bytes()));
-                    for (q, &vq) in quads.iter().enumerate() {
-                        let v = _mm256_sub_epi8(vq, m32);
-                        blk.w[4 * s + q] = v;
-                        blk.neg_corr[4 * s + q] = _mm256_sub_epi32(zero, _mm256_dpbusd_epi32(zero, bias, v));
-                    }
-                    let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(l.sc_off() + s * LANES) as *const __m128i));
-                    blk.sc[s] = _mm256_and_si256(sc, lo16);
-                }
-                for (t, row) in xb.iter_mut().enumerate() {
-                    let src = a.qk.as_ptr().add((t0 + t) * k + b * QK_K);
-                    for c in 0..QK_K / 32 {
-                        let v = _mm256_xor_si256(_mm256_loadu_si256(src.add(32 * c) as *const __m256i), bias);
-                        _mm256_storeu_si256(row.as_mut_ptr().add(32 * c) as *mut __m256i, v);
-                    }
+                q6k_decode_pairs(p, &mut blk);
+                for (t, row) in xb.iter_mut().enumerate().take(nt) {
+                    pair_acts(a.qk.as_ptr().add((t0 + t) * k + b * QK_K), row);
                 }
                 let mut t = 0;
-                while t < T {
-                    let sums: ([[__m256i; 8]; 2], usize) = if t + 1 < T {
-                        (q6k_sums::<2>(&blk, [xb[t].as_ptr(), xb[t + 1].as_ptr()]), 2)
+                while t < nt {
+                    let sums: ([[__m256i; 8]; 2], usize) = if t + 1 < nt {
+                        (q6k_pair_sums::<2>(&blk, [xb[t].as_ptr(), xb[t + 1].as_ptr()], &blk.start), 2)
                     } else {
-                        let [one] = q6k_sums::<1>(&blk, [xb[t].as_ptr()]);
+                        let [one] = q6k_pair_sums::<1>(&blk, [xb[t].as_ptr()], &blk.start);
                         ([one, [zero; 8]], 1)
                     };
                     for n in 0..sums.1 {
@@ -1806,7 +1919,7 @@ pub(crate) mod avx512 {
                 }
             }
             let lanes: __mmask8 = if nr >= LANES { 0xFF } else { (1u8 << nr) - 1 };
-            for (t, acc_t) in acc.iter().enumerate() {
+            for (t, acc_t) in acc.iter().enumerate().take(nt) {
                 // candle's hsum_float_8 across the 8 accumulators, per row lane
                 let v = _mm256_add_ps(
                     _mm256_add_ps(_mm256_add_ps(acc_t[0], acc_t[4]), _mm256_add_ps(acc_t[2], acc_t[6])),
