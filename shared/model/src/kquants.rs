@@ -578,8 +578,8 @@ pub(crate) mod avx2 {
     use super::{FloatKind, Kind, Layout, PackedFloat, PackedLanes, Tile, FLOAT_GROUP, LANES, QK_K};
     use crate::kernels::QActs;
 
-    /// How far ahead, in bytes, a tile that streams its weights once asks for them
-    /// (`PDMESH_MODEL_PREFETCH` overrides; 0 turns prefetching off).
+    /// How far ahead, in bytes, a tile of `tokens` tokens that streams its weights once asks
+    /// for them (`PDMESH_MODEL_PREFETCH` overrides for every tile; 0 turns prefetching off).
     ///
     /// Why: a decode step (one tile covers every token of the step) reads each matrix front to
     /// back exactly once, from DRAM: about 1 GB a token on Qwen2.5-1.5B. One core's hardware
@@ -587,12 +587,25 @@ pub(crate) mod avx2 {
     /// ahead of the block being computed raised one-stream decode of the 1.5B on a 2-vCPU AMD
     /// EPYC (Zen 3) from 15–19 to 22–29 tok/s (D115, docs/benchmarks.md). A prefill, whose
     /// tiles read the same row group again for every 8 tokens from L1, does not prefetch: the
-    /// next group's lines there only evicted the current one's (measured slower).
-    pub(crate) fn prefetch_distance() -> usize {
-        static DIST: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        *DIST.get_or_init(|| {
-            std::env::var("PDMESH_MODEL_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(PREFETCH_BYTES)
-        })
+    /// next group's lines there only evicted the current one (measured slower).
+    ///
+    /// On a host with AVX-512 VNNI (Zen 4 measured, D116) one-token tiles do not prefetch:
+    /// there one-stream decode ran at 29.8 tok/s without against 25.7 with (medians of 5
+    /// alternating runs), while eight requests per step still gained (63 → 96–106 tok/s).
+    pub(crate) fn prefetch_distance(tokens: usize) -> usize {
+        static DIST: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+        // (one token, more)
+        let (one, more) =
+            *DIST.get_or_init(|| match std::env::var("PDMESH_MODEL_PREFETCH").ok().and_then(|v| v.parse().ok()) {
+                Some(d) => (d, d),
+                None if std::arch::is_x86_feature_detected!("avx512vnni") => (0, PREFETCH_BYTES),
+                None => (PREFETCH_BYTES, PREFETCH_BYTES),
+            });
+        if tokens == 1 {
+            one
+        } else {
+            more
+        }
     }
 
     /// [`prefetch_distance`]'s default: 2–4 KiB measured alike (1.5–3.5 Q4_K chunks of 8 rows),
@@ -687,7 +700,7 @@ pub(crate) mod avx2 {
         unsafe {
             let base = w.data.as_ptr().add(g * nb * chunk);
             let mut acc = [_mm256_setzero_ps(); T];
-            let dist = if T == a.rows { prefetch_distance() } else { 0 };
+            let dist = if T == a.rows { prefetch_distance(T) } else { 0 };
             for b in 0..nb {
                 let p = base.add(b * chunk);
                 if dist > 0 {
@@ -879,7 +892,7 @@ pub(crate) mod avx2 {
             let mut wq = [zero; 64];
             let mut scv = [zero; 16];
             let mut xb = [[0u8; QK_K]; T];
-            let dist = if nt == a.rows { prefetch_distance() } else { 0 };
+            let dist = if nt == a.rows { prefetch_distance(nt) } else { 0 };
             for b in 0..nb {
                 let p = base.add(b * chunk);
                 if dist > 0 {
@@ -1022,7 +1035,7 @@ pub(crate) mod avx2 {
             let mut acc = [[_mm256_setzero_ps(); 8]; T];
             let mut wq = [_mm256_setzero_si256(); 64];
             let mut scv = [_mm256_setzero_si256(); 16];
-            let dist = if T == a.rows { prefetch_distance() } else { 0 };
+            let dist = if T == a.rows { prefetch_distance(T) } else { 0 };
             for b in 0..nb {
                 let p = base.add(b * chunk);
                 if dist > 0 {
@@ -1227,10 +1240,13 @@ pub(crate) mod avx512 {
             Kind::Q5_0 => by_tokens!(lanes_tile, Kind::Q5_0),
             Kind::Q4K => by_tokens!(lanes_tile, Kind::Q4K),
             Kind::Q5K => by_tokens!(lanes_tile, Kind::Q5K),
-            // one or two tokens (decode): the AVX2 tile, which skips this one's per-tile set-up
-            // (measured: 15 % faster at one token; this tile is 8 % faster from eight on)
+            // one token: the AVX2 tile (at one token the pairs' decode costs what they save:
+            // measured 0.44 against 0.46 ms for `ffn_down`); two: the pairs without the bias's
+            // per-tile start (0.80 → 0.62 ms)
             // SAFETY: forwarded preconditions (AVX2, FMA and F16C are implied).
-            Kind::Q6K if tile.nt <= 2 => unsafe { super::avx2::lanes(w, a, tile) },
+            Kind::Q6K if tile.nt == 1 => unsafe { super::avx2::lanes(w, a, tile) },
+            // SAFETY: forwarded preconditions.
+            Kind::Q6K if tile.nt == 2 => unsafe { q6k_tile_few::<2>(w, a, tile) },
             // SAFETY: forwarded preconditions (`nt ≤ Q6K_TILE_TOKENS` where this tile is used).
             Kind::Q6K => unsafe { q6k_tile(w, a, tile) },
         }
@@ -1262,7 +1278,7 @@ pub(crate) mod avx512 {
         unsafe {
             let base = w.data.as_ptr().add(g * nb * chunk);
             let mut acc = [_mm256_setzero_ps(); T];
-            let dist = if T == a.rows { prefetch_distance() } else { 0 };
+            let dist = if T == a.rows { prefetch_distance(T) } else { 0 };
             for b in 0..nb {
                 let p = base.add(b * chunk);
                 if dist > 0 {
@@ -1555,7 +1571,7 @@ pub(crate) mod avx512 {
             let base0 = w.data.as_ptr().add(2 * g * nb * chunk);
             let base1 = w.data.as_ptr().add((2 * g + 1) * nb * chunk);
             let mut acc = [_mm512_setzero_ps(); T];
-            let dist = if T == a.rows { prefetch_distance() } else { 0 };
+            let dist = if T == a.rows { prefetch_distance(T) } else { 0 };
             for b in 0..nb {
                 let (p0, p1) = (base0.add(b * chunk), base1.add(b * chunk));
                 if dist > 0 {
@@ -1661,7 +1677,7 @@ pub(crate) mod avx512 {
             let zero = _mm512_setzero_si512();
             let mut blk = Q6kBlock2 { w: [zero; 64], neg_corr: [zero; 64], sc: [zero; 16] };
             let mut xb = [[0u8; QK_K]; T];
-            let dist = if T == a.rows { prefetch_distance() } else { 0 };
+            let dist = if T == a.rows { prefetch_distance(T) } else { 0 };
             for b in 0..nb {
                 let (p0, p1) = (base0.add(b * chunk), base1.add(b * chunk));
                 if dist > 0 {
@@ -1754,7 +1770,16 @@ pub(crate) mod avx512 {
     /// AVX2; `src` holds 256 bytes.
     #[inline(always)]
     unsafe fn pair_acts(src: *const i8, dst: &mut [u8; QK_K]) {
-        let bias = _mm256_set1_epi8(-128);
+        // SAFETY: forwarded.
+        unsafe { pair_acts_xor(src, dst, _mm256_set1_epi8(-128)) }
+    }
+
+    /// [`pair_acts`] with the bytes xor-ed by `bias` (0: the signed activations as they are).
+    ///
+    /// # Safety
+    /// AVX2; `src` holds 256 bytes.
+    #[inline(always)]
+    unsafe fn pair_acts_xor(src: *const i8, dst: &mut [u8; QK_K], bias: __m256i) {
         // SAFETY: 256 bytes read from `src` (caller), 256 written to `dst`.
         unsafe {
             for g in 0..4 {
@@ -1832,22 +1857,9 @@ pub(crate) mod avx512 {
     #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
     unsafe fn q6k_decode_pairs(p: *const u8, blk: &mut Q6kPairs) {
-        let l = Layout::of(Kind::Q6K);
-        let m32 = _mm256_set1_epi8(32);
         // SAFETY: the chunk's sub-blocks and scales lie at `p` (caller).
         unsafe {
-            let quads = |s: usize| q6k_quads(p.add(s * l.sub_bytes())).map(|v| _mm256_sub_epi8(v, m32));
-            let scale =
-                |s: usize| _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(l.sc_off() + s * LANES) as *const __m128i));
-            for j in 0..8 {
-                let s = pair_first(j);
-                let (wa, wb) = (quads(s), quads(s + 2));
-                for q in 0..4 {
-                    blk.lo[4 * j + q] = _mm256_blend_epi16::<0xAA>(wa[q], _mm256_slli_epi32::<16>(wb[q]));
-                    blk.hi[4 * j + q] = _mm256_blend_epi16::<0xAA>(_mm256_srli_epi32::<16>(wa[q]), wb[q]);
-                }
-                blk.sc[j] = _mm256_blend_epi16::<0xAA>(scale(s), _mm256_slli_epi32::<16>(scale(s + 2)));
-            }
+            q6k_pair_vectors(p, _mm256_set1_epi8(32), blk);
             // the bias's share, `128·Σ sc·Σ(v − 32)` per lane: each pair's four values summed
             // as bytes (|·| ≤ 64), then as i16 per sub-block, then by the two scales
             let ones = _mm256_set1_epi8(1);
@@ -1863,6 +1875,117 @@ pub(crate) mod avx512 {
                 }
             }
             blk.start = bias.map(|v| _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<7>(v)));
+        }
+    }
+
+    /// The pair vectors of [`Q6kPairs`] (`lo`, `hi`, `sc`) of the Q6_K super-block of 8 rows at
+    /// `p`, the values stored as `v − offset` (32: signed; 0: `v` itself, unsigned).
+    ///
+    /// # Safety
+    /// AVX2; `p` points to a complete Q6_K chunk.
+    #[inline(always)]
+    unsafe fn q6k_pair_vectors(p: *const u8, offset: __m256i, blk: &mut Q6kPairs) {
+        let l = Layout::of(Kind::Q6K);
+        // SAFETY: the chunk's sub-blocks and scales lie at `p` (caller).
+        unsafe {
+            let quads = |s: usize| q6k_quads(p.add(s * l.sub_bytes())).map(|v| _mm256_sub_epi8(v, offset));
+            let scale =
+                |s: usize| _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(l.sc_off() + s * LANES) as *const __m128i));
+            for j in 0..8 {
+                let s = pair_first(j);
+                let (wa, wb) = (quads(s), quads(s + 2));
+                for q in 0..4 {
+                    blk.lo[4 * j + q] = _mm256_blend_epi16::<0xAA>(wa[q], _mm256_slli_epi32::<16>(wb[q]));
+                    blk.hi[4 * j + q] = _mm256_blend_epi16::<0xAA>(_mm256_srli_epi32::<16>(wa[q]), wb[q]);
+                }
+                blk.sc[j] = _mm256_blend_epi16::<0xAA>(scale(s), _mm256_slli_epi32::<16>(scale(s + 2)));
+            }
+        }
+    }
+
+    /// A Q6_K tile of two tokens (a decode step) in sub-block pairs without the bias, whose
+    /// per-lane start costs about a token's multiplies, which two tokens do not win back: the
+    /// weights stay unsigned (`v`), each pair's two `vpmaddubsw` give `Σ v·x` per
+    /// sub-block (`|·| ≤ 4·63·128`), and subtracting `32·Σ x` (per token and quad, computed once
+    /// per super-block) leaves the exact `Σ (v − 32)·x` before the `vpdpwssd` by the scales:
+    /// three multiplies per two quads and token, where the AVX2 tile takes four.
+    ///
+    /// # Safety
+    /// As [`lanes`] with `nt = T` and `w.kind == Kind::Q6K`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn q6k_tile_few<const T: usize>(w: &PackedLanes, a: &QActs, tile: &Tile) {
+        let l = Layout::of(Kind::Q6K);
+        let k = a.k;
+        let nb = k / QK_K;
+        let Tile { g, nr, t0, rows, out, .. } = *tile;
+        let chunk = l.chunk();
+        let ones = _mm256_set1_epi8(1);
+        // SAFETY: as in `q6k_tile`; the scratch is local.
+        unsafe {
+            let base = w.data.as_ptr().add(g * nb * chunk);
+            let mut acc = [[_mm256_setzero_ps(); 8]; T];
+            let zero = _mm256_setzero_si256();
+            let mut blk = Q6kPairs { lo: [zero; 32], hi: [zero; 32], sc: [zero; 8], start: [zero; 8] };
+            // per token: the paired activations, and in the same places `32·Σ x` of each
+            // sub-block's quad as the i16 pair the `vpdpwssd` expects
+            let mut xp = [[0u8; QK_K]; T];
+            let mut x32 = [[0u8; QK_K]; T];
+            let dist = if T == a.rows { prefetch_distance(T) } else { 0 };
+            for b in 0..nb {
+                let p = base.add(b * chunk);
+                if dist > 0 {
+                    prefetch_ahead(p, chunk, dist);
+                }
+                let dv = _mm256_cvtph_ps(_mm_loadu_si128(p.add(l.d_off()) as *const __m128i));
+                q6k_pair_vectors(p, zero, &mut blk);
+                for t in 0..T {
+                    pair_acts_xor(a.qk.as_ptr().add((t0 + t) * k + b * QK_K), &mut xp[t], zero);
+                    for c in 0..QK_K / 32 {
+                        // [a01, b01, a23, b23] per 8 bytes → (a01 + a23, b01 + b23) in the low half
+                        let v = _mm256_loadu_si256(xp[t].as_ptr().add(32 * c) as *const __m256i);
+                        let m = _mm256_maddubs_epi16(ones, v);
+                        let sum = _mm256_add_epi16(m, _mm256_srli_epi64::<32>(m));
+                        let dst = x32[t].as_mut_ptr().add(32 * c) as *mut __m256i;
+                        _mm256_storeu_si256(dst, _mm256_slli_epi16::<5>(sum));
+                    }
+                }
+                let mut sumi = [[zero; 8]; T];
+                for j2 in 0..4 {
+                    for h in 0..2 {
+                        let j = 2 * j2 + h;
+                        for q in 0..4 {
+                            let (i, off) = (4 * j + q, pair_act_offset(j, q));
+                            for (n, sums) in sumi.iter_mut().enumerate() {
+                                let at = |o: usize| {
+                                    _mm256_set1_epi32((xp[n].as_ptr().add(o) as *const i32).read_unaligned())
+                                };
+                                let c = _mm256_set1_epi32((x32[n].as_ptr().add(off) as *const i32).read_unaligned());
+                                let d = _mm256_add_epi16(
+                                    _mm256_maddubs_epi16(blk.lo[i], at(off)),
+                                    _mm256_maddubs_epi16(blk.hi[i], at(off + 4)),
+                                );
+                                let d = _mm256_sub_epi16(d, c);
+                                sums[4 * h + q] = _mm256_dpwssd_epi32(sums[4 * h + q], d, blk.sc[j]);
+                            }
+                        }
+                    }
+                }
+                for (n, sums) in sumi.iter().enumerate() {
+                    let dd = _mm256_mul_ps(_mm256_broadcast_ss(&*a.dk.as_ptr().add((t0 + n) * nb + b)), dv);
+                    for (acc_l, s) in acc[n].iter_mut().zip(sums) {
+                        *acc_l = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(*s), *acc_l);
+                    }
+                }
+            }
+            let lanes: __mmask8 = if nr >= LANES { 0xFF } else { (1u8 << nr) - 1 };
+            for (t, acc_t) in acc.iter().enumerate() {
+                // candle's hsum_float_8 across the 8 accumulators, per row lane
+                let v = _mm256_add_ps(
+                    _mm256_add_ps(_mm256_add_ps(acc_t[0], acc_t[4]), _mm256_add_ps(acc_t[2], acc_t[6])),
+                    _mm256_add_ps(_mm256_add_ps(acc_t[1], acc_t[5]), _mm256_add_ps(acc_t[3], acc_t[7])),
+                );
+                _mm256_mask_storeu_ps(out.add((t0 + t) * rows), lanes, v);
+            }
         }
     }
 
@@ -1890,7 +2013,7 @@ pub(crate) mod avx512 {
             let zero = _mm256_setzero_si256();
             let mut blk = Q6kPairs { lo: [zero; 32], hi: [zero; 32], sc: [zero; 8], start: [zero; 8] };
             let mut xb = [[0u8; QK_K]; MAX];
-            let dist = if nt == a.rows { prefetch_distance() } else { 0 };
+            let dist = if nt == a.rows { prefetch_distance(nt) } else { 0 };
             for b in 0..nb {
                 let p = base.add(b * chunk);
                 if dist > 0 {
@@ -2117,8 +2240,8 @@ mod tests {
 
     #[test]
     fn a_row_has_the_same_bits_alone_and_anywhere_in_a_batch_on_every_impl() {
-        // 37 tokens: two full 16-token Q6_K tiles (AVX2) and a partial one, four 8-token tiles and
-        // a partial one for the other types
+        // 37 tokens: two full 16-token Q6_K tiles (AVX2, AVX-512 on AMD) and a partial one, four
+        // 8-token tiles and a partial one for the other types (16-row pairs on AVX-512 on AMD)
         let (k, m) = (768, 37);
         let one = Pool::new(1, 0);
         let three = Pool::new(3, 0);
@@ -2134,6 +2257,9 @@ mod tests {
                     let alone = ours(&w, &x[t * k..(t + 1) * k], 1, imp, &one);
                     assert_eq!(bits(&alone), batched[t * rows..(t + 1) * rows], "{dtype:?} {imp:?} token {t}");
                 }
+                // two tokens: a decode step of two requests (its own Q6_K tile on AVX-512)
+                let two = bits(&ours(&w, &x[..2 * k], 2, imp, &three));
+                assert_eq!(two, batched[..2 * rows], "{dtype:?} {imp:?} two tokens");
                 // scalar and AVX2 (and AVX-512) give the same bits
                 match &first {
                     Some(f) => assert_eq!(f, &batched, "{dtype:?} {imp:?} vs {:?}", Impl::Scalar),
