@@ -1750,6 +1750,24 @@ pub(crate) mod avx512 {
         }
     }
 
+    /// candle's `hsum_float_8` across a token's 8 candle-lane accumulators, per row lane, into
+    /// the first `nr` (at most 8) of the row outputs at `dst`.
+    ///
+    /// # Safety
+    /// AVX-512 F/VL (the callers enable it); `dst` holds `nr` values.
+    #[inline(always)]
+    unsafe fn store_lane_sums(acc: &[__m256; 8], dst: *mut f32, nr: usize) {
+        let lanes: __mmask8 = if nr >= LANES { 0xFF } else { (1u8 << nr) - 1 };
+        // SAFETY: the lanes written are the first `nr` of `dst` (caller).
+        unsafe {
+            let v = _mm256_add_ps(
+                _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
+                _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])),
+            );
+            _mm256_mask_storeu_ps(dst, lanes, v);
+        }
+    }
+
     /// Sub-blocks `s` and `s + 2` go in pairs (they feed the same candle lanes, `L = 4·(s % 2) +
     /// q`): pair `j` starts at sub-block `4·(j / 2) + j % 2`.
     const fn pair_first(j: usize) -> usize {
@@ -1805,8 +1823,7 @@ pub(crate) mod avx512 {
     }
 
     /// The 8 candle lanes' exact sums of one super-block for `N` tokens whose paired, biased
-    /// activations ([`pair_acts`]) start at `x[n]`, each lane starting from `blk.start`, or
-    /// from zero when `x` is a zero token's (for `start` itself).
+    /// activations ([`pair_acts`]) start at `x[n]`, each lane starting from `blk.start`.
     ///
     /// Per pair, quad and token: two `vpmaddubsw` (activation bytes × `v − 32`, each i16 a
     /// sum of two products of one sub-block: `|·| ≤ 2·255·32`), their i16 sum (one quad's
@@ -1818,12 +1835,8 @@ pub(crate) mod avx512 {
     /// AVX-512 VL/VNNI, AVX-512 BW; each `x[n]` points to 256 bytes.
     #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
-    unsafe fn q6k_pair_sums<const N: usize>(
-        blk: &Q6kPairs,
-        x: [*const u8; N],
-        start: &[__m256i; 8],
-    ) -> [[__m256i; 8]; N] {
-        let mut sumi = [*start; N];
+    unsafe fn q6k_pair_sums<const N: usize>(blk: &Q6kPairs, x: [*const u8; N]) -> [[__m256i; 8]; N] {
+        let mut sumi = [blk.start; N];
         // SAFETY: forwarded.
         unsafe {
             // h innermost but one, so that every lane index is a constant (the sums stay in
@@ -1963,13 +1976,7 @@ pub(crate) mod avx512 {
                     *acc_l = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(*s), *acc_l);
                 }
             }
-            let lanes: __mmask8 = if nr >= LANES { 0xFF } else { (1u8 << nr) - 1 };
-            // candle's hsum_float_8 across the 8 accumulators, per row lane
-            let v = _mm256_add_ps(
-                _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
-                _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])),
-            );
-            _mm256_mask_storeu_ps(out.add(t0 * rows), lanes, v);
+            store_lane_sums(&acc, out.add(t0 * rows), nr);
         }
     }
 
@@ -2047,14 +2054,8 @@ pub(crate) mod avx512 {
                     }
                 }
             }
-            let lanes: __mmask8 = if nr >= LANES { 0xFF } else { (1u8 << nr) - 1 };
             for (t, acc_t) in acc.iter().enumerate() {
-                // candle's hsum_float_8 across the 8 accumulators, per row lane
-                let v = _mm256_add_ps(
-                    _mm256_add_ps(_mm256_add_ps(acc_t[0], acc_t[4]), _mm256_add_ps(acc_t[2], acc_t[6])),
-                    _mm256_add_ps(_mm256_add_ps(acc_t[1], acc_t[5]), _mm256_add_ps(acc_t[3], acc_t[7])),
-                );
-                _mm256_mask_storeu_ps(out.add((t0 + t) * rows), lanes, v);
+                store_lane_sums(acc_t, out.add((t0 + t) * rows), nr);
             }
         }
     }
@@ -2097,9 +2098,9 @@ pub(crate) mod avx512 {
                 let mut t = 0;
                 while t < nt {
                     let sums: ([[__m256i; 8]; 2], usize) = if t + 1 < nt {
-                        (q6k_pair_sums::<2>(&blk, [xb[t].as_ptr(), xb[t + 1].as_ptr()], &blk.start), 2)
+                        (q6k_pair_sums::<2>(&blk, [xb[t].as_ptr(), xb[t + 1].as_ptr()]), 2)
                     } else {
-                        let [one] = q6k_pair_sums::<1>(&blk, [xb[t].as_ptr()], &blk.start);
+                        let [one] = q6k_pair_sums::<1>(&blk, [xb[t].as_ptr()]);
                         ([one, [zero; 8]], 1)
                     };
                     for n in 0..sums.1 {
@@ -2111,14 +2112,8 @@ pub(crate) mod avx512 {
                     t += sums.1;
                 }
             }
-            let lanes: __mmask8 = if nr >= LANES { 0xFF } else { (1u8 << nr) - 1 };
             for (t, acc_t) in acc.iter().enumerate().take(nt) {
-                // candle's hsum_float_8 across the 8 accumulators, per row lane
-                let v = _mm256_add_ps(
-                    _mm256_add_ps(_mm256_add_ps(acc_t[0], acc_t[4]), _mm256_add_ps(acc_t[2], acc_t[6])),
-                    _mm256_add_ps(_mm256_add_ps(acc_t[1], acc_t[5]), _mm256_add_ps(acc_t[3], acc_t[7])),
-                );
-                _mm256_mask_storeu_ps(out.add((t0 + t) * rows), lanes, v);
+                store_lane_sums(acc_t, out.add((t0 + t) * rows), nr);
             }
         }
     }
